@@ -1,0 +1,45 @@
+"""Shared test setup: interpreter mode, a private kernel cache, tolerances, references."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before triton or rtxdsl are imported: CPU tensors run under Triton's interpreter.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("RTXDSL_CACHE_DIR", tempfile.mkdtemp(prefix="rtxdsl-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import rtxdsl as rx  # noqa: E402
+
+# (dtype, atol, rtol): kernels compute in fp32, so half-type error is the output rounding.
+FLOAT_TOLERANCES = [
+    (torch.float32, 1e-5, 1e-5),
+    (torch.float16, 1e-3, 1e-3),
+    (torch.bfloat16, 8e-3, 1.6e-2),
+]
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float, what: str = "") -> None:
+    """``out`` against a float64 (or exact) reference, NaNs in the same places."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    if not ref.dtype.is_floating_point:
+        assert torch.equal(out, ref), f"{what}: {out} != {ref}"
+        return
+    # the float64 reference rounded to the output dtype (so overflow to inf agrees), compared in float64
+    want = ref.to(out.dtype).double() if out.dtype.is_floating_point else ref.double()
+    torch.testing.assert_close(out.double(), want, atol=atol, rtol=rtol, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    rx.reset_fusion_stats()
+    yield
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
