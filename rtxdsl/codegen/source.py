@@ -243,10 +243,15 @@ class _Writer:
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
         full = o.role == "full"
-        off = self._offset(f"out{k}", o.rows, o.cols, use_cols=full) if self.row else "offs"
         mask = "mask" if full or not self.row else "row_mask"
-        if not off:  # a single element: the pointer still needs the tile's shape
-            off = "0 * " + ("offs" if not self.row else "cols" if full else "rows")
+        if not self.row:
+            off = "offs"
+        else:  # the pointer needs the value's tile shape even where a dim has extent 1
+            off = self._offset(f"out{k}", o.rows, o.cols, use_cols=full)
+            pad = [] if any(c != "0" for c in o.rows) else ["rows * 0"]
+            if full and all(c == "0" for c in o.cols):
+                pad.append("cols * 0")
+            off = " + ".join([t for t in [off] if t] + pad)
         scope.add(f"tl.store(out{k}_ptr + {off}, {val}, mask={mask})")
 
     # ---- kernels ----------------------------------------------------------------------

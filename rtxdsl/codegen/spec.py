@@ -105,7 +105,7 @@ def expand_strides(layout: Layout, target: tuple[int, ...]) -> tuple[int, ...]:
     out = []
     for d, size in enumerate(target):
         sd = d - pad
-        if sd < 0 or layout.shape[sd] == 1 or size == 1:
+        if sd < 0 or (layout.shape[sd] == 1 and size != 1):
             out.append(0)
         else:
             out.append(layout.strides[sd])
@@ -115,6 +115,8 @@ def expand_strides(layout: Layout, target: tuple[int, ...]) -> tuple[int, ...]:
 def coalesce(sizes: list[int], strides: list[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
     """Drop size-1 dims and merge neighbours that every operand walks contiguously."""
     keep = [d for d, s in enumerate(sizes) if s != 1]
+    if not keep and sizes:  # one element along these dims: keep the last so its classes match longer extents
+        keep = [len(sizes) - 1]
     sz = [sizes[d] for d in keep]
     st = [[s[d] for d in keep] for s in strides]
     d = len(sz) - 2

@@ -1,0 +1,89 @@
+"""The structural signature: constants and sizes are arguments, so they never recompile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import rtxdsl as rx
+from rtxdsl.cache import GLOBAL_CACHE
+
+x, y = rx.var("x"), rx.var("y")
+
+
+def _compiles() -> int:
+    return rx.cache_stats().compiles + rx.cache_stats().disk_hits
+
+
+def test_other_constants_and_sizes_reuse_the_kernel():
+    rx.compile(rx.relu(x * 3.0 + y) * 0.25)(x=torch.randn(5), y=torch.randn(5))
+    before = _compiles()
+    for scale, n in [(1.5, 7), (-2.0, 1023), (9.0, 20), (0.1, 3001)]:
+        k = rx.compile(rx.relu(x * scale + y) * 0.5)
+        a, b = torch.randn(n), torch.randn(n)
+        assert torch.allclose(k(x=a, y=b), torch.relu(a * scale + b) * 0.5)
+    assert _compiles() == before
+
+
+def test_twenty_sizes_one_compile_per_layout():
+    k = rx.compile(rx.softmax(x, axis=-1))
+    k(x=torch.randn(3, 100))
+    before = _compiles()
+    for rows in range(1, 21):  # any row count, and row lengths within one power-of-two bucket
+        k(x=torch.randn(rows, 65 + rows))
+    assert _compiles() == before
+
+
+def test_structure_dtype_and_layout_do_recompile():
+    k = rx.compile(x * 2.0)
+    k(x=torch.randn(8))
+    before = rx.cache_stats().misses
+    k(x=torch.randn(8).half())  # dtype
+    k(x=torch.randn(8, 8).t())  # layout
+    rx.compile(x * 2.0 + 1.0)(x=torch.randn(8))  # structure
+    assert rx.cache_stats().misses == before + 3
+
+
+def test_lru_eviction_bounded_by_cache_size():
+    cfg = rx.FusionConfig(cache_size=2)
+    GLOBAL_CACHE.clear()
+    for i in range(4):
+        e = x
+        for _ in range(i + 1):
+            e = rx.exp(e)
+        rx.compile(e, config=cfg)(x=torch.randn(4))
+    st = rx.cache_stats()
+    assert st.entries == 2 and st.evictions == 2
+
+
+def test_sources_written_to_cache_dir_and_importable(tmp_path):
+    cfg = rx.FusionConfig(cache_dir=str(tmp_path))
+    k = rx.compile(rx.sigmoid(x) * y, config=cfg)
+    k(x=torch.randn(4), y=torch.randn(4))
+    files = sorted(p.name for p in (tmp_path / "v1").iterdir())
+    assert len(files) == 2 and files[0].endswith(".json") and files[1].endswith(".py")
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+    meta = json.loads(next((tmp_path / "v1").glob("*.json")).read_text())
+    src = (tmp_path / "v1" / f"{meta['signature']}.py").read_text()
+    assert src == k.sources(x=torch.randn(4), y=torch.randn(4))[0] and "@triton.jit" in src
+
+
+def test_a_new_process_starts_from_disk(tmp_path):
+    script = textwrap.dedent("""
+        import torch, rtxdsl as rx
+        cfg = rx.FusionConfig(cache_dir=%r)
+        k = rx.compile(rx.gelu(rx.var("x") + rx.var("b")), config=cfg)
+        out = k(x=torch.ones(10), b=torch.ones(10))
+        s = rx.cache_stats()
+        print(s.compiles, s.disk_hits, round(out[0].item(), 4))
+    """ % str(tmp_path))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert first.stdout.split() == ["1", "0", "1.9545"]
+    assert second.stdout.split() == ["0", "1", "1.9545"]
