@@ -174,8 +174,7 @@ class FusionAnalyzer:
                 role = self._role_in(g, n) if target is None else self._role_in(target, n, also=g)
                 if role is not None and (target is None or self._can_merge(target, g)):
                     target = g if target is None else self._merge(target, g)
-                elif (not g.is_row and g.shape != shape and _broadcasts(g.shape, shape)
-                      and self._private_to(g, n)):
+                elif not g.is_row and g.shape != shape and _broadcasts(g.shape, shape) and self._private_to(g, n):
                     absorbed.append(g)
         if target is not None and self._would_cycle(target, n):
             target = None
@@ -204,13 +203,25 @@ class FusionAnalyzer:
         axes = axes_of(n.attr("axis"), len(in_shape))
         role = Role.KEEP if n.attr("keepdim") else Role.DROP
         g = self.group_of.get(id(u))
-        if (g is not None and g.is_row and g.role(u) is Role.KEEP and axes == g.axes
-                and in_shape == g.keep_shape() and not alone):
+        if (
+            g is not None
+            and g.is_row
+            and g.role(u) is Role.KEEP
+            and axes == g.axes
+            and in_shape == g.keep_shape()
+            and not alone
+        ):
             # reducing a per-row value over its size-1 dims only reshapes it
             self._put(g, n, role)
             return
-        if (not alone and g is not None and not self._full(g) and g.shape == in_shape
-                and g.role(u) is Role.FULL and not any(id(m) in self.solo for m in g.nodes)):
+        if (
+            not alone
+            and g is not None
+            and not self._full(g)
+            and g.shape == in_shape
+            and g.role(u) is Role.FULL
+            and not any(id(m) in self.solo for m in g.nodes)
+        ):
             if not g.is_row:
                 g.axes = axes
             if g.axes == axes:
@@ -220,8 +231,12 @@ class FusionAnalyzer:
 
     # ---- merging ----------------------------------------------------------------------
     def _deps(self, g: FusionGroup) -> set[int]:
-        return {id(self.group_of[id(s)]) for m in g.nodes for s in m.srcs
-                if id(s) in self.group_of and self.group_of[id(s)] is not g}
+        return {
+            id(self.group_of[id(s)])
+            for m in g.nodes
+            for s in m.srcs
+            if id(s) in self.group_of and self.group_of[id(s)] is not g
+        }
 
     def _reaches(self, a: FusionGroup, b: FusionGroup) -> bool:
         """Does ``a`` read, through any chain of groups, something ``b`` writes?"""
@@ -258,8 +273,11 @@ class FusionAnalyzer:
         for g in groups:
             g.nodes.sort(key=lambda m: order[id(m)])
             members = {id(m) for m in g.nodes}
-            g.outputs = [m for m in g.nodes if id(m) in requested
-                         or any(id(c) not in members for c in self.consumers.get(id(m), ()))]
+            g.outputs = [
+                m
+                for m in g.nodes
+                if id(m) in requested or any(id(c) not in members for c in self.consumers.get(id(m), ()))
+            ]
             seen: set[int] = set()
             g.inputs = []
             for m in g.nodes:

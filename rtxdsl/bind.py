@@ -15,7 +15,7 @@ import torch
 from .dtypes import SHORT_NAME, check_supported
 from .errors import ShapeError, UnsupportedDtypeError
 from .expr import Expr, node, walk
-from .ops import REGISTRY, OpKind, category
+from .ops import REGISTRY, OpKind, apply_ref, category
 
 
 @dataclass
@@ -79,18 +79,16 @@ def _infer(n: Expr, info: dict[int, Info]) -> Info:
                     f"op {n.op!r} does not accept {SHORT_NAME.get(v.dtype, v.dtype)} operands "
                     f"(operand {i}: {s!r}); it takes {', '.join(sorted(opdef.accepts))}"
                 )
-    scalar_only = all(not isinstance(v, torch.Tensor) for v in vals)
-    if scalar_only and opdef.kind is not OpKind.SCALAR:
-        vals = [torch.tensor(v) for v in vals]
     try:
-        out = opdef.ref(*vals, **n.attr_dict)
+        out = apply_ref(opdef, vals, n.attr_dict)
     except (RuntimeError, TypeError, IndexError, ValueError) as exc:
         msg = str(exc).splitlines()[0]
-        kind = ShapeError if any(w in msg for w in ("size", "shape", "dimension", "broadcast", "range")) \
+        kind = (
+            ShapeError
+            if any(w in msg for w in ("size", "shape", "dimension", "broadcast", "range"))
             else UnsupportedDtypeError
+        )
         raise kind(f"op {n.op!r} in {n!r}: {msg}") from None
-    if scalar_only and isinstance(out, torch.Tensor):
-        out = out.item()
     if isinstance(out, torch.Tensor):
         check_supported(out.dtype, f"the result of op {n.op!r}")
         if category(out.dtype) not in opdef.results:
@@ -144,7 +142,7 @@ def bind(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], tensors: tup
         if id(p) not in info:
             infer_all([p], info)
         prim[id(n)] = p
-    prim_outputs = [(k, prim[id(e)]) for k, e in outputs]
+    prim_outputs = [(k, _fold_scalars(prim[id(e)], info, origin)) for k, e in outputs]
     # outputs that are leaves still need a kernel to produce a fresh tensor
     for i, (k, p) in enumerate(prim_outputs):
         if p.op == "var":
@@ -162,6 +160,26 @@ def bind(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], tensors: tup
         eager_bytes=eager_bytes,
         contiguous=tuple(t.is_contiguous() for t in tensors),
     )
+
+
+def _fold_scalars(root: Expr, info: dict[int, Info], origin: dict[int, str]) -> Expr:
+    """Replace scalar-only subexpressions (constants, element counts) by constants of their value.
+
+    Their values become kernel arguments like any constant, so sizes still never enter source.
+    """
+    memo: dict[int, Expr] = {}
+    for n in walk([root]):
+        i = info[id(n)]
+        if i.is_scalar and n.op != "const":
+            new = Expr("const", (), {"value": i.value})
+        else:
+            srcs = tuple(memo[id(s)] for s in n.srcs)
+            new = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
+        info.setdefault(id(new), Info(i.value) if i.is_scalar else i)
+        if id(n) in origin:
+            origin.setdefault(id(new), origin[id(n)])
+        memo[id(n)] = new
+    return memo[id(root)]
 
 
 def _bytes(i: Info) -> int:

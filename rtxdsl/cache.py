@@ -135,8 +135,19 @@ class KernelCache:
             self._counts["compiles"] += 1
             directory.mkdir(parents=True, exist_ok=True)
             _atomic_write(src_path, source)
-            _atomic_write(meta_path, json.dumps({"signature": sig, "name": name, "spec": repr(spec),
-                                                 "summary": summary, "triton": triton.__version__}, indent=1))
+            _atomic_write(
+                meta_path,
+                json.dumps(
+                    {
+                        "signature": sig,
+                        "name": name,
+                        "spec": repr(spec),
+                        "summary": summary,
+                        "triton": triton.__version__,
+                    },
+                    indent=1,
+                ),
+            )
         module = _import(f"rtxdsl_kernels.{name}", src_path)
         return CompiledKernel(sig, name, source, src_path, spec, getattr(module, name))
 

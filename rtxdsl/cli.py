@@ -49,15 +49,26 @@ def workloads(device: torch.device, rows: int = 37, hidden: int = 781) -> list[t
     ins.update(b=t(hidden), w=t(hidden))
     adam_in = {"p": t(rows, hidden), "g": t(rows, hidden), "m": t(rows, hidden), "v": t(rows, hidden).abs()}
     return [
-        ("bias_gelu", rx.gelu(x + b), {"x": ins["x"], "b": ins["b"]},
-         lambda x, b: F.gelu(x + b)),
-        ("residual_chain", rx.relu(x * w + b) + r, {k: ins[k] for k in ("x", "w", "b", "r")},
-         lambda x, w, b, r: torch.relu(x * w + b) + r),
+        ("bias_gelu", rx.gelu(x + b), {"x": ins["x"], "b": ins["b"]}, lambda x, b: F.gelu(x + b)),
+        (
+            "residual_chain",
+            rx.relu(x * w + b) + r,
+            {k: ins[k] for k in ("x", "w", "b", "r")},
+            lambda x, w, b, r: torch.relu(x * w + b) + r,
+        ),
         ("softmax", rx.softmax(x * 0.125), {"x": ins["x"]}, lambda x: torch.softmax(x * 0.125, -1)),
-        ("layer_norm", rx.layer_norm(x, w, b), {k: ins[k] for k in ("x", "w", "b")},
-         lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b)),
-        ("rms_norm_swiglu", rx.swiglu(rx.rms_norm(g, w), u), {k: ins[k] for k in ("g", "w", "u")},
-         lambda g, w, u: F.silu(F.rms_norm(g, g.shape[-1:], w, 1e-6)) * u),
+        (
+            "layer_norm",
+            rx.layer_norm(x, w, b),
+            {k: ins[k] for k in ("x", "w", "b")},
+            lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
+        ),
+        (
+            "rms_norm_swiglu",
+            rx.swiglu(rx.rms_norm(g, w), u),
+            {k: ins[k] for k in ("g", "w", "u")},
+            lambda g, w, u: F.silu(F.rms_norm(g, g.shape[-1:], w, 1e-6)) * u,
+        ),
         ("adamw_step", _adamw(**hp), adam_in, lambda p, g, m, v: _adamw_ref(p, g, m, v, **hp)),
     ]
 
@@ -83,17 +94,23 @@ def demo(show_source: str = "layer_norm") -> int:
         err = max(_close(outs[k], wants[k]) for k in outs)
         ok = err <= 1e-4
         failures += not ok
-        print(f"== {name}: {kernel.launches(**inputs)} kernel(s), max |error| vs torch {err:.2e} "
-              f"{'OK' if ok else 'MISMATCH'} (first call {first * 1e3:.0f} ms)")
+        print(
+            f"== {name}: {kernel.launches(**inputs)} kernel(s), max |error| vs torch {err:.2e} "
+            f"{'OK' if ok else 'MISMATCH'} (first call {first * 1e3:.0f} ms)"
+        )
         print("   " + kernel.explain(**inputs).replace("\n", "\n   "))
         if name == show_source:
             print(f"\n-- generated Triton source for {name} --\n{kernel.sources(**inputs)[0]}")
     s, c = rx.fusion_stats(), rx.cache_stats()
-    print(f"fusion stats: {s.kernels_launched} kernels launched, {s.fused_executions} fused, "
-          f"{s.kernel_launches_saved} launches saved, {s.bytes_moved} bytes moved vs {s.bytes_eager} eager "
-          f"({100 * (1 - s.bytes_moved / max(s.bytes_eager, 1)):.0f}% less)")
-    print(f"kernel cache: {c.entries} entries, {c.compiles} generated, {c.disk_hits} from disk, "
-          f"{c.hits} hits, {c.misses} misses; sources in {rx.get_config().resolved_cache_dir}")
+    print(
+        f"fusion stats: {s.kernels_launched} kernels launched, {s.fused_executions} fused, "
+        f"{s.kernel_launches_saved} launches saved, {s.bytes_moved} bytes moved vs {s.bytes_eager} eager "
+        f"({100 * (1 - s.bytes_moved / max(s.bytes_eager, 1)):.0f}% less)"
+    )
+    print(
+        f"kernel cache: {c.entries} entries, {c.compiles} generated, {c.disk_hits} from disk, "
+        f"{c.hits} hits, {c.misses} misses; sources in {rx.get_config().resolved_cache_dir}"
+    )
     print("all results match torch" if not failures else f"{failures} workload(s) did not match torch")
     return 1 if failures else 0
 

@@ -61,12 +61,30 @@ def _unary(op: str, doc: str) -> Callable[[ExprLike], Expr]:
 
 
 _UNARY = {
-    "exp": "e**x", "exp2": "2**x", "log": "natural log", "log2": "base-2 log", "log1p": "log(1 + x), accurate near 0",
-    "expm1": "exp(x) - 1, accurate near 0", "sqrt": "square root", "rsqrt": "1 / sqrt(x)", "abs": "absolute value",
-    "neg": "-x", "sign": "-1, 0 or 1 (0 for NaN, as torch)", "floor": "round down", "ceil": "round up",
-    "round": "round half to even", "trunc": "round toward zero", "sin": "sine", "cos": "cosine", "tan": "tangent",
-    "tanh": "hyperbolic tangent", "sigmoid": "1 / (1 + exp(-x))", "relu": "max(x, 0), NaN kept",
-    "silu": "x * sigmoid(x)", "erf": "error function", "reciprocal": "1 / x",
+    "exp": "e**x",
+    "exp2": "2**x",
+    "log": "natural log",
+    "log2": "base-2 log",
+    "log1p": "log(1 + x), accurate near 0",
+    "expm1": "exp(x) - 1, accurate near 0",
+    "sqrt": "square root",
+    "rsqrt": "1 / sqrt(x)",
+    "abs": "absolute value",
+    "neg": "-x",
+    "sign": "-1, 0 or 1 (0 for NaN, as torch)",
+    "floor": "round down",
+    "ceil": "round up",
+    "round": "round half to even",
+    "trunc": "round toward zero",
+    "sin": "sine",
+    "cos": "cosine",
+    "tan": "tangent",
+    "tanh": "hyperbolic tangent",
+    "sigmoid": "1 / (1 + exp(-x))",
+    "relu": "max(x, 0), NaN kept",
+    "silu": "x * sigmoid(x)",
+    "erf": "error function",
+    "reciprocal": "1 / x",
 }
 for _op, _doc in _UNARY.items():
     globals()[_op] = _unary(_op, _doc)
@@ -77,7 +95,9 @@ def _binary(op: str, doc: str) -> Callable[[ExprLike, ExprLike], Expr]:
         return node(op, a, b)
 
     fn.__name__ = fn.__qualname__ = op
-    fn.__doc__ = f"{doc}\n\nExample:\n    >>> import rtxdsl as rx\n    >>> rx.{op}(rx.var('a'), 0.0)\n    {op}(a, 0.0)\n"
+    fn.__doc__ = (
+        f"{doc}\n\nExample:\n    >>> import rtxdsl as rx\n    >>> rx.{op}(rx.var('a'), 0.0)\n    {op}(a, 0.0)\n"
+    )
     return fn
 
 
@@ -212,9 +232,11 @@ def _reduction(op: str, doc: str) -> Callable[..., Expr]:
         return node(op, x, axis=_axis(axis, dim, op), keepdim=bool(keepdim))
 
     fn.__name__ = fn.__qualname__ = op
-    fn.__doc__ = (f"{doc} over ``axis`` (None: all), keeping reduced dims as size 1 if ``keepdim``.\n\n"
-                  f"Example:\n    >>> import rtxdsl as rx\n    >>> rx.{op}(rx.var('x'), axis=-1)\n"
-                  f"    {op}(x, axis=-1, keepdim=False)\n")
+    fn.__doc__ = (
+        f"{doc} over ``axis`` (None: all), keeping reduced dims as size 1 if ``keepdim``.\n\n"
+        f"Example:\n    >>> import rtxdsl as rx\n    >>> rx.{op}(rx.var('x'), axis=-1)\n"
+        f"    {op}(x, axis=-1, keepdim=False)\n"
+    )
     return fn
 
 
@@ -234,9 +256,11 @@ def _spread(op: str, doc: str) -> Callable[..., Expr]:
         return node(op, x, correction, axis=_axis(axis, dim, op), keepdim=bool(keepdim))
 
     fn.__name__ = fn.__qualname__ = op
-    fn.__doc__ = (f"{doc} over ``axis`` with ``correction`` (1: Bessel's), computed in two passes.\n\n"
-                  f"Example:\n    >>> import rtxdsl as rx\n    >>> rx.{op}(rx.var('x'), axis=-1)\n"
-                  f"    {op}(x, 1, axis=-1, keepdim=False)\n")
+    fn.__doc__ = (
+        f"{doc} over ``axis`` with ``correction`` (1: Bessel's), computed in two passes.\n\n"
+        f"Example:\n    >>> import rtxdsl as rx\n    >>> rx.{op}(rx.var('x'), axis=-1)\n"
+        f"    {op}(x, 1, axis=-1, keepdim=False)\n"
+    )
     return fn
 
 
@@ -282,8 +306,13 @@ def layer_norm(x: ExprLike, weight: ExprLike | None = None, bias: ExprLike | Non
         >>> rx.layer_norm(rx.var("x"), rx.var("w"), rx.var("b"))
         layer_norm(x, w, b, 1e-05)
     """
-    return node("layer_norm", x, 1.0 if weight is None else weight, 0.0 if bias is None else bias,
-                _scalar(eps, "layer_norm", "eps"))
+    return node(
+        "layer_norm",
+        x,
+        1.0 if weight is None else weight,
+        0.0 if bias is None else bias,
+        _scalar(eps, "layer_norm", "eps"),
+    )
 
 
 def rms_norm(x: ExprLike, weight: ExprLike | None = None, eps: float = 1e-6) -> Expr:
@@ -342,8 +371,18 @@ def fuse(fn: Callable[..., Any] | None = None, *, config: Any = None) -> Any:
 
 # ---- operators and methods on Expr ---------------------------------------------------
 def _install() -> None:
-    binops = {"add": "add", "sub": "sub", "mul": "mul", "truediv": "div", "floordiv": "floordiv",
-              "mod": "remainder", "pow": "pow", "and": "and", "or": "or", "xor": "xor"}
+    binops = {
+        "add": "add",
+        "sub": "sub",
+        "mul": "mul",
+        "truediv": "div",
+        "floordiv": "floordiv",
+        "mod": "remainder",
+        "pow": "pow",
+        "and": "and",
+        "or": "or",
+        "xor": "xor",
+    }
     for dunder, op in binops.items():
         setattr(Expr, f"__{dunder}__", (lambda o: lambda a, b: node(o, a, b))(op))
         setattr(Expr, f"__r{dunder}__", (lambda o: lambda a, b: node(o, b, a))(op))
@@ -354,8 +393,23 @@ def _install() -> None:
     Expr.__abs__ = lambda a: node("abs", a)  # type: ignore[method-assign]
     Expr.__invert__ = lambda a: node("invert", a)  # type: ignore[method-assign]
     g = globals()
-    for name in [*_UNARY, "maximum", "minimum", "pow", "clamp", "sum", "mean", "amax", "amin", "max", "min",
-                 "logsumexp", "std", "softmax", "log_softmax"]:
+    for name in [
+        *_UNARY,
+        "maximum",
+        "minimum",
+        "pow",
+        "clamp",
+        "sum",
+        "mean",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "logsumexp",
+        "std",
+        "softmax",
+        "log_softmax",
+    ]:
         setattr(Expr, name, g[name])
     Expr.var = variance  # type: ignore[attr-defined]  # torch's Tensor.var
     Expr.to = cast  # type: ignore[attr-defined]

@@ -20,9 +20,7 @@ TRITON_TYPE: dict[torch.dtype, str] = {
     torch.float64: "tl.float64",
 }
 
-SHORT_NAME: dict[torch.dtype, str] = {
-    dt: str(dt).removeprefix("torch.") for dt in TRITON_TYPE
-}
+SHORT_NAME: dict[torch.dtype, str] = {dt: str(dt).removeprefix("torch.") for dt in TRITON_TYPE}
 
 
 def check_supported(dtype: torch.dtype, what: str) -> None:

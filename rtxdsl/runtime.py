@@ -34,7 +34,7 @@ from .errors import (
     UnknownInputError,
 )
 from .expr import Expr, as_expr, variables, walk
-from .ops import REGISTRY
+from .ops import REGISTRY, apply_ref
 from .stats import GLOBAL_STATS, FusionStats
 
 
@@ -219,14 +219,17 @@ class Kernel:
             if device is None:
                 device, first = t.device, name
             elif t.device != device:
-                raise DeviceMismatchError(f"inputs {first!r} ({device}) and {name!r} ({t.device}) are on different devices")
+                raise DeviceMismatchError(
+                    f"inputs {first!r} ({device}) and {name!r} ({t.device}) are on different devices"
+                )
         device = device or torch.device("cpu")
         if cfg.backend != "torch" and cfg.enabled:
             if device.type not in ("cpu", "cuda"):
                 raise BackendError(f"backend {cfg.backend!r} cannot run on {device} tensors; use backend='torch'")
             if cfg.backend == "triton" and device.type != "cuda":
-                raise BackendError("backend 'triton' compiles for CUDA tensors; these are on "
-                                   f"{device} (use 'auto' or 'interpreter')")
+                raise BackendError(
+                    f"backend 'triton' compiles for CUDA tensors; these are on {device} (use 'auto' or 'interpreter')"
+                )
         return device
 
     # ---- preparing ----------------------------------------------------------------------
@@ -275,12 +278,20 @@ class Kernel:
             if spec.kind == "row":
                 meta["ROWS"] = spec.rows_per_program
             nbytes = sum(_nbytes(layouts[id(i)]) for i in g.inputs) + sum(_nbytes(layouts[id(o)]) for o in g.outputs)
-            launch.steps.append(Step(
-                fn=_quiet(compiled.function(interpret)) if interpret else compiled.function(interpret), grid=args.grid,
-                bufs=tuple(slots[id(i)] for i in g.inputs) + tuple(slots[id(o)] for o in g.outputs),
-                rest=(*args.ints, *args.scalars), meta=meta, compiled=compiled, spec=spec,
-                ops=len(g.nodes), bytes=0 if args.empty else nbytes, empty=args.empty,
-            ))
+            launch.steps.append(
+                Step(
+                    fn=_quiet(compiled.function(interpret)) if interpret else compiled.function(interpret),
+                    grid=args.grid,
+                    bufs=tuple(slots[id(i)] for i in g.inputs) + tuple(slots[id(o)] for o in g.outputs),
+                    rest=(*args.ints, *args.scalars),
+                    meta=meta,
+                    compiled=compiled,
+                    spec=spec,
+                    ops=len(g.nodes),
+                    bytes=0 if args.empty else nbytes,
+                    empty=args.empty,
+                )
+            )
         for key, root in bound.outputs:
             if id(root) in slots:
                 launch.out_slots.append((key, slots[id(root)]))
@@ -303,8 +314,7 @@ class Kernel:
             if n.op == "const":
                 vals[id(n)] = n.attr("value")
                 continue
-            out = REGISTRY[n.op].ref(*[vals[id(s)] for s in n.srcs], **n.attr_dict)
-            vals[id(n)] = out
+            vals[id(n)] = apply_ref(REGISTRY[n.op], [vals[id(s)] for s in n.srcs], n.attr_dict)
         device = tensors[0].device if tensors else torch.device("cpu")
         res = {}
         for k, e in self._outputs:
@@ -390,24 +400,37 @@ def _explain(kernel: Kernel, launch: Launch) -> str:
     lines.append("inputs: " + ", ".join(f"{n}: {_fmt_meta(bound.of(v))}" for n, v in zip(kernel.inputs, kernel._vars)))
     lines.append(f"backend: {launch.backend} ({launch.device.type})" + ("  [dry_run]" if launch.config.dry_run else ""))
     minimum = sum(_nbytes(Layout(bound.of(v).shape, (), bound.of(v).dtype)) for v in kernel._vars)
-    minimum += sum(bound.of(e).numel * bound.of(e).dtype.itemsize for _, e in bound.outputs
-                   if not bound.of(e).is_scalar)
+    minimum += sum(
+        bound.of(e).numel * bound.of(e).dtype.itemsize for _, e in bound.outputs if not bound.of(e).is_scalar
+    )
     if launch.plan is not None:
         names = {id(v): n for n, v in zip(kernel.inputs, kernel._vars)}
         outs = {id(e): k for k, e in bound.outputs}
         for i, (g, st) in enumerate(zip(launch.plan.groups, launch.steps)):
             domain = f"rows over axes {list(g.axes)} of" if g.is_row else "pointwise over"
-            lines.append(f"group {i}: {g.pattern} — {domain} [{', '.join(map(str, g.shape))}], "
-                         f"{len(g.nodes)} ops: {', '.join(g.ops)}")
+            lines.append(
+                f"group {i}: {g.pattern} — {domain} [{', '.join(map(str, g.shape))}], "
+                f"{len(g.nodes)} ops: {', '.join(g.ops)}"
+            )
             reads = ", ".join(f"{names.get(id(n), f'tmp{id(n) % 997}')} {_fmt_meta(bound.of(n))}" for n in g.inputs)
             writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {_fmt_meta(bound.of(n))}" for n in g.outputs)
             lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
-            mode = (f"row block {st.spec.block} x {st.spec.rows_per_program} rows"
-                    + (", looped" if st.spec.looped else "")) if g.is_row else f"block {st.spec.block}"
-            lines.append(f"  kernel {st.compiled.name}: grid {st.grid}, {mode}, {st.bytes} bytes"
-                         + (" (empty: not launched)" if st.empty else ""))
-    lines.append(f"total: {launch.kernels} kernel launch(es) (eager torch: {launch.eager_launches}), "
-                 f"{launch.bytes_moved} bytes moved (eager: {launch.bytes_eager}, minimum: {minimum})")
+            mode = (
+                (
+                    f"row block {st.spec.block} x {st.spec.rows_per_program} rows"
+                    + (", looped" if st.spec.looped else "")
+                )
+                if g.is_row
+                else f"block {st.spec.block}"
+            )
+            lines.append(
+                f"  kernel {st.compiled.name}: grid {st.grid}, {mode}, {st.bytes} bytes"
+                + (" (empty: not launched)" if st.empty else "")
+            )
+    lines.append(
+        f"total: {launch.kernels} kernel launch(es) (eager torch: {launch.eager_launches}), "
+        f"{launch.bytes_moved} bytes moved (eager: {launch.bytes_eager}, minimum: {minimum})"
+    )
     return "\n".join(lines)
 
 

@@ -24,8 +24,7 @@ class FusionStatsSnapshot:
 class FusionStats:
     """Mutable counters; :meth:`snapshot` freezes them."""
 
-    __slots__ = ("kernels_launched", "fused_executions", "kernel_launches_saved", "bytes_moved", "bytes_eager",
-                 "calls")
+    __slots__ = ("kernels_launched", "fused_executions", "kernel_launches_saved", "bytes_moved", "bytes_eager", "calls")
 
     def __init__(self) -> None:
         self.reset()
@@ -43,8 +42,14 @@ class FusionStats:
         self.calls += 1
 
     def snapshot(self) -> FusionStatsSnapshot:
-        return FusionStatsSnapshot(self.kernels_launched, self.fused_executions, self.kernel_launches_saved,
-                                   self.bytes_moved, self.bytes_eager, self.calls)
+        return FusionStatsSnapshot(
+            self.kernels_launched,
+            self.fused_executions,
+            self.kernel_launches_saved,
+            self.bytes_moved,
+            self.bytes_eager,
+            self.calls,
+        )
 
 
 GLOBAL_STATS = FusionStats()

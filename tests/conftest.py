@@ -30,8 +30,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
         return
     # the float64 reference rounded to the output dtype (so overflow to inf agrees), compared in float64
     want = ref.to(out.dtype).double() if out.dtype.is_floating_point else ref.double()
-    torch.testing.assert_close(out.double(), want, atol=atol, rtol=rtol, equal_nan=True,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(out.double(), want, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.fixture(autouse=True)

@@ -74,14 +74,14 @@ def test_sources_written_to_cache_dir_and_importable(tmp_path):
 
 
 def test_a_new_process_starts_from_disk(tmp_path):
-    script = textwrap.dedent("""
+    script = textwrap.dedent(f"""
         import torch, rtxdsl as rx
-        cfg = rx.FusionConfig(cache_dir=%r)
+        cfg = rx.FusionConfig(cache_dir={str(tmp_path)!r})
         k = rx.compile(rx.gelu(rx.var("x") + rx.var("b")), config=cfg)
         out = k(x=torch.ones(10), b=torch.ones(10))
         s = rx.cache_stats()
         print(s.compiles, s.disk_hits, round(out[0].item(), 4))
-    """ % str(tmp_path))
+    """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)

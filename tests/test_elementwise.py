@@ -145,14 +145,37 @@ def test_integer_arithmetic_is_exact(dtype, gen):
         b = b * torch.where(torch.rand(1023, generator=gen) < 0.5, -1, 1).to(dtype)
     x, y = rx.var("a"), rx.var("b")
     exprs = {
-        "add": x + y, "sub": x - y, "mul": x * y * 3, "floordiv": x // y, "rem": x % y, "max": rx.maximum(x, y),
-        "min": rx.minimum(x, y), "abs": abs(x), "and": x & y, "or": x | y, "xor": x ^ y, "inv": ~x,
-        "sign": rx.sign(x), "where": rx.where(x > y, x, y), "wrap": x * 100 + 7,
+        "add": x + y,
+        "sub": x - y,
+        "mul": x * y * 3,
+        "floordiv": x // y,
+        "rem": x % y,
+        "max": rx.maximum(x, y),
+        "min": rx.minimum(x, y),
+        "abs": abs(x),
+        "and": x & y,
+        "or": x | y,
+        "xor": x ^ y,
+        "inv": ~x,
+        "sign": rx.sign(x),
+        "where": rx.where(x > y, x, y),
+        "wrap": x * 100 + 7,
     }
     refs = {
-        "add": a + b, "sub": a - b, "mul": a * b * 3, "floordiv": torch.floor_divide(a, b),
-        "rem": torch.remainder(a, b), "max": torch.maximum(a, b), "min": torch.minimum(a, b), "abs": a.abs(),
-        "and": a & b, "or": a | b, "xor": a ^ b, "inv": ~a, "sign": a.sign(), "where": torch.where(a > b, a, b),
+        "add": a + b,
+        "sub": a - b,
+        "mul": a * b * 3,
+        "floordiv": torch.floor_divide(a, b),
+        "rem": torch.remainder(a, b),
+        "max": torch.maximum(a, b),
+        "min": torch.minimum(a, b),
+        "abs": a.abs(),
+        "and": a & b,
+        "or": a | b,
+        "xor": a ^ b,
+        "inv": ~a,
+        "sign": a.sign(),
+        "where": torch.where(a > b, a, b),
         "wrap": a * 100 + 7,  # wraps around in narrow types, as torch does
     }
     if dtype is torch.uint8:  # torch has no abs/neg/sign semantics worth testing for uint8 beyond identity
@@ -166,8 +189,9 @@ def test_integer_arithmetic_is_exact(dtype, gen):
 def test_integer_division_with_negative_operands():
     a = torch.tensor([-7, -7, 7, 7, -6, 6, 0, -1], dtype=torch.int32)
     b = torch.tensor([2, -2, 2, -2, 3, -3, 5, 7], dtype=torch.int32)
-    out = rx.compile({"q": rx.var("a") // rx.var("b"), "r": rx.var("a") % rx.var("b"),
-                      "t": rx.var("a") / rx.var("b")})(a=a, b=b)
+    out = rx.compile({"q": rx.var("a") // rx.var("b"), "r": rx.var("a") % rx.var("b"), "t": rx.var("a") / rx.var("b")})(
+        a=a, b=b
+    )
     assert out["q"].tolist() == torch.floor_divide(a, b).tolist() == [-4, 3, 3, -4, -2, -2, 0, -1]
     assert out["r"].tolist() == torch.remainder(a, b).tolist()
     assert out["t"].dtype == torch.float32 and torch.allclose(out["t"], a / b)
@@ -181,11 +205,19 @@ def test_float_floordiv_and_remainder_with_negative_operands():
     assert_close(out["r"], torch.remainder(a, b), 0, 0, "remainder")
 
 
-@pytest.mark.parametrize("src, dst", [
-    (torch.float32, torch.int32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
-    (torch.int64, torch.float32), (torch.float32, torch.bool), (torch.bool, torch.float32),
-    (torch.int32, torch.int8), (torch.float16, torch.float64),
-])
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        (torch.float32, torch.int32),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.int64, torch.float32),
+        (torch.float32, torch.bool),
+        (torch.bool, torch.float32),
+        (torch.int32, torch.int8),
+        (torch.float16, torch.float64),
+    ],
+)
 def test_casts_match_torch(src, dst, gen):
     x = (torch.randn(1023, generator=gen) * 300).to(src)
     out = rx.compile(rx.var("x").to(dst))(x=x)

@@ -17,8 +17,9 @@ def _raises(cls, match, fn, *args, **kwargs):
 
 
 def test_unknown_input():
-    _raises(rx.UnknownInputError, "unknown input 'c'", rx.compile(x + b), x=torch.ones(2), b=torch.ones(2),
-            c=torch.ones(2))
+    _raises(
+        rx.UnknownInputError, "unknown input 'c'", rx.compile(x + b), x=torch.ones(2), b=torch.ones(2), c=torch.ones(2)
+    )
 
 
 def test_missing_input():
@@ -37,8 +38,9 @@ def test_non_tensor_input():
 
 def test_declared_dtype_mismatch():
     h = rx.var("h", dtype=torch.float16)
-    _raises(rx.DtypeMismatchError, "input 'h' was declared float16 but got a float32", rx.compile(h * 2),
-            h=torch.ones(3))
+    _raises(
+        rx.DtypeMismatchError, "input 'h' was declared float16 but got a float32", rx.compile(h * 2), h=torch.ones(3)
+    )
 
 
 def test_shapes_that_do_not_broadcast():
@@ -51,14 +53,32 @@ def test_inputs_on_different_devices():
 
 
 def test_unsupported_dtype():
-    _raises(rx.UnsupportedDtypeError, "input 'x' has dtype torch.complex64", rx.compile(x + 1),
-            x=torch.ones(3, dtype=torch.complex64))
-    _raises(rx.UnsupportedDtypeError, "op 'and' does not accept float32", rx.compile(x & b), x=torch.ones(3),
-            b=torch.ones(3))
-    _raises(rx.UnsupportedDtypeError, "op 'softmax' does not accept int64", rx.compile(rx.softmax(x)),
-            x=torch.ones(3, dtype=torch.int64))
-    _raises(rx.UnsupportedDtypeError, "op 'pow'", rx.compile(x**b), x=torch.ones(3, dtype=torch.int32),
-            b=torch.ones(3, dtype=torch.int32))
+    _raises(
+        rx.UnsupportedDtypeError,
+        "input 'x' has dtype torch.complex64",
+        rx.compile(x + 1),
+        x=torch.ones(3, dtype=torch.complex64),
+    )
+    _raises(
+        rx.UnsupportedDtypeError,
+        "op 'and' does not accept float32",
+        rx.compile(x & b),
+        x=torch.ones(3),
+        b=torch.ones(3),
+    )
+    _raises(
+        rx.UnsupportedDtypeError,
+        "op 'softmax' does not accept int64",
+        rx.compile(rx.softmax(x)),
+        x=torch.ones(3, dtype=torch.int64),
+    )
+    _raises(
+        rx.UnsupportedDtypeError,
+        "op 'pow'",
+        rx.compile(x**b),
+        x=torch.ones(3, dtype=torch.int32),
+        b=torch.ones(3, dtype=torch.int32),
+    )
 
 
 def test_axis_out_of_range():

@@ -42,8 +42,11 @@ def _strided_cases(gen):
         "transposed": (base.t(), torch.randn(30, 40, generator=gen), torch.randn(40, generator=gen)),
         "sliced_step2": (base[::2, 1::2], torch.randn(20, 15, generator=gen)[:, :], base[1::2, ::2]),
         "expanded_stride0": (torch.randn(1, 30, generator=gen).expand(40, 30), base, torch.randn(40, 1).expand(40, 30)),
-        "permuted_3d": (torch.randn(4, 5, 6, generator=gen).permute(2, 0, 1), torch.randn(6, 4, 5, generator=gen),
-                        torch.randn(5, generator=gen)),
+        "permuted_3d": (
+            torch.randn(4, 5, 6, generator=gen).permute(2, 0, 1),
+            torch.randn(6, 4, 5, generator=gen),
+            torch.randn(5, generator=gen),
+        ),
     }
 
 
@@ -84,12 +87,30 @@ def test_nan_and_inf_propagate_like_torch():
     vals = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, -1.0, math.nan])
     other = torch.tensor([1.0, math.nan, 2.0, math.inf, -math.inf, math.nan, -2.0, math.nan])
     a, b = rx.var("a"), rx.var("b")
-    exprs = {"max": rx.maximum(a, b), "min": rx.minimum(a, b), "relu": rx.relu(a), "add": a + b, "mul": a * b,
-             "exp": rx.exp(a), "sigmoid": rx.sigmoid(a), "clamp": rx.clamp(a, -0.5, 0.5), "abs": abs(a),
-             "where": rx.where(a > b, a, b)}
-    refs = {"max": torch.maximum(vals, other), "min": torch.minimum(vals, other), "relu": torch.relu(vals),
-            "add": vals + other, "mul": vals * other, "exp": vals.exp(), "sigmoid": vals.sigmoid(),
-            "clamp": vals.clamp(-0.5, 0.5), "abs": vals.abs(), "where": torch.where(vals > other, vals, other)}
+    exprs = {
+        "max": rx.maximum(a, b),
+        "min": rx.minimum(a, b),
+        "relu": rx.relu(a),
+        "add": a + b,
+        "mul": a * b,
+        "exp": rx.exp(a),
+        "sigmoid": rx.sigmoid(a),
+        "clamp": rx.clamp(a, -0.5, 0.5),
+        "abs": abs(a),
+        "where": rx.where(a > b, a, b),
+    }
+    refs = {
+        "max": torch.maximum(vals, other),
+        "min": torch.minimum(vals, other),
+        "relu": torch.relu(vals),
+        "add": vals + other,
+        "mul": vals * other,
+        "exp": vals.exp(),
+        "sigmoid": vals.sigmoid(),
+        "clamp": vals.clamp(-0.5, 0.5),
+        "abs": vals.abs(),
+        "where": torch.where(vals > other, vals, other),
+    }
     out = rx.compile(exprs)(a=vals, b=other)
     for k, want in refs.items():
         assert_close(out[k], want, 1e-6, 1e-6, k)

@@ -46,13 +46,18 @@ PATTERNS = {
     # name: (expression, torch reference, inputs from (rows, cols, dtype, gen), expected pattern)
     "softmax": (rx.softmax(x), lambda x: torch.softmax(x, -1), "Softmax"),
     "log_softmax": (rx.log_softmax(x), lambda x: torch.log_softmax(x, -1), "Softmax"),
-    "handwritten_softmax": (rx.exp(x - rx.amax(x, -1, keepdim=True)) / rx.sum(rx.exp(x - rx.amax(x, -1, keepdim=True)),
-                                                                             -1, keepdim=True),
-                            lambda x: torch.softmax(x, -1), "Reduction"),
+    "handwritten_softmax": (
+        rx.exp(x - rx.amax(x, -1, keepdim=True)) / rx.sum(rx.exp(x - rx.amax(x, -1, keepdim=True)), -1, keepdim=True),
+        lambda x: torch.softmax(x, -1),
+        "Reduction",
+    ),
     "layer_norm": (rx.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), "LayerNorm"),
     "rms_norm": (rx.rms_norm(x, w), lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6), "RMSNorm"),
-    "rms_norm_swiglu": (rx.swiglu(rx.rms_norm(g, w), u),
-                        lambda g, w, u: F.silu(F.rms_norm(g, g.shape[-1:], w, 1e-6)) * u, "RMSNorm"),
+    "rms_norm_swiglu": (
+        rx.swiglu(rx.rms_norm(g, w), u),
+        lambda g, w, u: F.silu(F.rms_norm(g, g.shape[-1:], w, 1e-6)) * u,
+        "RMSNorm",
+    ),
     "center": (x - rx.mean(x, -1, keepdim=True), lambda x: x - x.mean(-1, keepdim=True), "Reduction"),
     "scaled_masked_softmax": (rx.softmax(x * 0.125 + m), lambda x, m: torch.softmax(x * 0.125 + m, -1), "Softmax"),
 }
@@ -96,8 +101,12 @@ def test_residual_layer_norm_with_both_outputs_is_one_kernel(gen):
     h = x + r
     k = rx.compile({"h": h, "y": rx.layer_norm(h, w, b)})
     for rows, cols in [(7, 781), (1, 70001)]:
-        ins = {"x": torch.randn(rows, cols, generator=gen), "r": torch.randn(rows, cols, generator=gen),
-               "w": torch.randn(cols, generator=gen), "b": torch.randn(cols, generator=gen)}
+        ins = {
+            "x": torch.randn(rows, cols, generator=gen),
+            "r": torch.randn(rows, cols, generator=gen),
+            "w": torch.randn(cols, generator=gen),
+            "b": torch.randn(cols, generator=gen),
+        }
         out = k(**ins)
         hh = ins["x"].double() + ins["r"].double()
         assert_close(out["h"], hh, 1e-5, 1e-5, "h")
@@ -130,9 +139,15 @@ def test_variance_is_accurate_far_from_zero(gen):
 
 
 REDUCTIONS = {
-    "sum": (rx.sum, torch.sum), "mean": (rx.mean, torch.mean), "amax": (rx.amax, torch.amax),
-    "amin": (rx.amin, torch.amin), "max": (rx.max, torch.amax), "min": (rx.min, torch.amin),
-    "variance": (rx.variance, torch.var), "std": (rx.std, torch.std), "logsumexp": (rx.logsumexp, torch.logsumexp),
+    "sum": (rx.sum, torch.sum),
+    "mean": (rx.mean, torch.mean),
+    "amax": (rx.amax, torch.amax),
+    "amin": (rx.amin, torch.amin),
+    "max": (rx.max, torch.amax),
+    "min": (rx.min, torch.amin),
+    "variance": (rx.variance, torch.var),
+    "std": (rx.std, torch.std),
+    "logsumexp": (rx.logsumexp, torch.logsumexp),
 }
 # axes: last, first (strided rows), middle tuple, all
 AXES = [-1, 0, (0, 2), None]
@@ -169,8 +184,15 @@ def test_integer_and_bool_reductions_exact(gen):
 
 def test_nan_semantics_of_reductions():
     t = torch.tensor([[1.0, math.nan, 3.0], [1.0, 2.0, 3.0], [-math.inf, -math.inf, -math.inf]])
-    out = rx.compile({"mx": rx.amax(x, -1), "mn": rx.amin(x, -1), "s": rx.sum(x, -1), "lse": rx.logsumexp(x, -1),
-                      "sm": rx.softmax(x)})(x=t)
+    out = rx.compile(
+        {
+            "mx": rx.amax(x, -1),
+            "mn": rx.amin(x, -1),
+            "s": rx.sum(x, -1),
+            "lse": rx.logsumexp(x, -1),
+            "sm": rx.softmax(x),
+        }
+    )(x=t)
     assert_close(out["mx"], t.amax(-1), 0, 0, "amax")
     assert_close(out["mn"], t.amin(-1), 0, 0, "amin")
     assert_close(out["s"], t.sum(-1), 0, 0, "sum")

@@ -31,8 +31,29 @@ def test_op_has_derivative(op):
 def test_public_functions_cover_every_op():
     import rtxdsl as rx
 
-    internal = {"var", "const", "rcount", "add", "sub", "mul", "div", "floordiv", "remainder", "lt", "le", "gt", "ge",
-                "eq", "ne", "and", "or", "xor", "invert", "clamp_min", "clamp_max"}  # operators / helpers
+    internal = {
+        "var",
+        "const",
+        "rcount",
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "floordiv",
+        "remainder",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "eq",
+        "ne",
+        "and",
+        "or",
+        "xor",
+        "invert",
+        "clamp_min",
+        "clamp_max",
+    }  # operators / helpers
     for name in REGISTRY:
         if name in internal:
             continue

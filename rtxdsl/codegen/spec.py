@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..analyzer import FusionGroup, Role, is_leaf
+from ..analyzer import FusionGroup, Role
 from ..bind import Bound
 from ..dtypes import compute_dtype
 from ..expr import Expr
@@ -45,7 +45,7 @@ class NodeSpec:
     srcs: tuple[tuple, ...]  # ("n", i) node, ("l", k) load, ("s", k) scalar slot
     dtype: torch.dtype  # result dtype
     cdt: torch.dtype  # operand compute dtype
-    role: str  # "full" | "keep" | "drop" | "scalar"
+    role: str  # "full" | "keep" | "drop"
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,6 @@ class KernelSpec:
     kind: str  # "pointwise" | "row"
     in_dtypes: tuple[torch.dtype, ...]
     loads: tuple[LoadSpec, ...]
-    scalar_nodes: tuple[NodeSpec, ...]  # scalar-only math, referenced as ("c", k)
     nodes: tuple[NodeSpec, ...]
     outputs: tuple[OutSpec, ...]
     scalars: tuple[str, ...]  # "f32" | "f64" | "i" | "b"
@@ -148,29 +147,25 @@ def _pow2(n: int) -> int:
 def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple[KernelSpec, LaunchArgs]:
     """Spec and launch arguments for ``group``; ``layouts`` maps id(input node) -> its tensor layout."""
     index = {id(n): i for i, n in enumerate(group.nodes)}
-    scalar_nodes: list[Expr] = []  # scalar-only op nodes, emitted inline
-    slots: list[Expr] = []  # const / rcount leaves, passed as arguments
+    slots: list[Expr] = []  # constants (scalar subexpressions are folded into them at bind)
     loads: list[tuple[int, Role]] = []
     inputs = {id(n): i for i, n in enumerate(group.inputs)}
-    kernel_float = torch.float64 if any(
-        bound.of(n).dtype is torch.float64 for n in [*group.nodes, *group.inputs]) else torch.float32
+    kernel_float = (
+        torch.float64
+        if any(bound.of(n).dtype is torch.float64 for n in [*group.nodes, *group.inputs])
+        else torch.float32
+    )
 
-    def scalar_ref(s: Expr) -> tuple:
-        if s.op == "const" or REGISTRY[s.op].kind is OpKind.SCALAR:
-            if all(s is not o for o in slots):
-                slots.append(s)
-            return ("s", next(i for i, o in enumerate(slots) if o is s))
-        for src in s.srcs:
-            scalar_ref(src)
-        if all(s is not o for o in scalar_nodes):
-            scalar_nodes.append(s)
-        return ("c", next(i for i, o in enumerate(scalar_nodes) if o is s))
+    def slot(s: Expr) -> tuple:
+        if all(s is not o for o in slots):
+            slots.append(s)
+        return ("s", next(i for i, o in enumerate(slots) if o is s))
 
     def ref(s: Expr, consumer_role: Role) -> tuple:
         if id(s) in index:
             return ("n", index[id(s)])
-        if is_leaf(s, bound) and s.op != "var":
-            return scalar_ref(s)
+        if s.op == "const":
+            return slot(s)
         key = (inputs[id(s)], consumer_role)
         if key not in loads:
             loads.append(key)
@@ -182,10 +177,7 @@ def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple
         opdef = REGISTRY[n.op]
         load_role = Role.FULL if opdef.kind is OpKind.REDUCTION else role
         srcs = tuple(ref(s, load_role) for s in n.srcs)
-        node_specs.append(NodeSpec(n.op, n.attrs, srcs, bound.of(n).dtype, _cdt(n, bound, kernel_float),
-                                   role.value))
-    scalar_specs = [NodeSpec(s.op, s.attrs, tuple(scalar_ref(x) for x in s.srcs), bound.of(s).dtype,
-                             _cdt(s, bound, kernel_float), "scalar") for s in scalar_nodes]
+        node_specs.append(NodeSpec(n.op, n.attrs, srcs, bound.of(n).dtype, _cdt(n, bound), role.value))
 
     # ---- layouts: every operand as strides over the domain --------------------------
     domain = group.shape
@@ -207,36 +199,47 @@ def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple
     out_roles = [group.role(o) for o in group.outputs]
     for o, role in zip(group.outputs, out_roles):
         shape = bound.of(o).shape
-        operand_strides.append(over_domain(contiguous_strides(shape), role) if role is not Role.KEEP
-                               else over_domain(contiguous_strides(drop_shape), Role.DROP))
+        operand_strides.append(
+            over_domain(contiguous_strides(shape), role)
+            if role is not Role.KEEP
+            else over_domain(contiguous_strides(drop_shape), Role.DROP)
+        )
 
-    row_sizes, row_strides = coalesce([domain[d] for d in row_dims], [tuple(s[d] for d in row_dims)
-                                                                      for s in operand_strides])
+    row_sizes, row_strides = coalesce(
+        [domain[d] for d in row_dims], [tuple(s[d] for d in row_dims) for s in operand_strides]
+    )
     if group.is_row:
-        col_sizes, col_strides = coalesce([domain[d] for d in col_dims], [tuple(s[d] for d in col_dims)
-                                                                          for s in operand_strides])
+        col_sizes, col_strides = coalesce(
+            [domain[d] for d in col_dims], [tuple(s[d] for d in col_dims) for s in operand_strides]
+        )
         n_rows, n_cols = math.prod(drop_shape), math.prod(domain[d] for d in col_dims)
     else:
         col_sizes, col_strides = [], [[] for _ in operand_strides]
         n_rows, n_cols = math.prod(domain), 1
     numel = n_rows * n_cols
-    reach = max([numel] + [sum(abs(st) * (sz - 1) for st, sz in zip(s, row_sizes)) +
-                           sum(abs(st) * (sz - 1) for st, sz in zip(c, col_sizes))
-                           for s, c in zip(row_strides, col_strides)])
+    reach = max(
+        [numel]
+        + [
+            sum(abs(st) * (sz - 1) for st, sz in zip(s, row_sizes))
+            + sum(abs(st) * (sz - 1) for st, sz in zip(c, col_sizes))
+            for s, c in zip(row_strides, col_strides)
+        ]
+    )
     big = reach >= INT32_LIMIT
 
     classes = [(tuple(_cls(s) for s in r), tuple(_cls(s) for s in c)) for r, c in zip(row_strides, col_strides)]
     load_specs = tuple(LoadSpec(j, role.value, *classes[k]) for k, (j, role) in enumerate(loads))
     if not group.is_row:  # pointwise outputs are contiguous over the domain: written at offs
-        classes[len(loads):] = [((), ())] * len(group.outputs)
-        row_strides, col_strides = row_strides[:len(loads)], col_strides[:len(loads)]
-    out_specs = tuple(OutSpec(index[id(o)], bound.of(o).dtype, role.value, *classes[len(loads) + k])
-                      for k, (o, role) in enumerate(zip(group.outputs, out_roles)))
+        classes[len(loads) :] = [((), ())] * len(group.outputs)
+        row_strides, col_strides = row_strides[: len(loads)], col_strides[: len(loads)]
+    out_specs = tuple(
+        OutSpec(index[id(o)], bound.of(o).dtype, role.value, *classes[len(loads) + k])
+        for k, (o, role) in enumerate(zip(group.outputs, out_roles))
+    )
 
     ints: list[int] = []
     if group.is_row:
-        ints += [n_rows, n_cols] + (row_sizes if len(row_sizes) > 1 else []) + \
-                (col_sizes if len(col_sizes) > 1 else [])
+        ints += [n_rows, n_cols] + (row_sizes if len(row_sizes) > 1 else []) + (col_sizes if len(col_sizes) > 1 else [])
     else:
         ints += [numel] + (row_sizes if len(row_sizes) > 1 else [])
     for r, c in zip(row_strides, col_strides):
@@ -271,7 +274,6 @@ def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple
         kind="row" if group.is_row else "pointwise",
         in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
         loads=load_specs,
-        scalar_nodes=tuple(scalar_specs),
         nodes=tuple(node_specs),
         outputs=out_specs,
         scalars=tuple(scalar_kinds),
@@ -285,19 +287,19 @@ def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple
     return spec, LaunchArgs(ints=ints, scalars=scalar_vals, grid=grid, empty=numel == 0)
 
 
-def _cdt(n: Expr, bound: Bound, kernel_float: torch.dtype) -> torch.dtype:
+def _cdt(n: Expr, bound: Bound) -> torch.dtype:
     """The dtype ``n``'s operands are computed in."""
     info = bound.of(n)
-    if info.is_scalar:
-        d = info.dtype
-        return kernel_float if d.is_floating_point else d
     rule = REGISTRY[n.op].rule
     if rule is DtypeRule.CAST:
         return compute_dtype(bound.of(n.srcs[0]).dtype)
     if rule is DtypeRule.COMPARE:
         a, b = (bound.of(s).value for s in n.srcs)
-        return compute_dtype(torch.result_type(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
-                             else torch.result_type(torch.tensor(a), b))
+        return compute_dtype(
+            torch.result_type(a, b)
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
+            else torch.result_type(torch.tensor(a), b)
+        )
     return compute_dtype(info.dtype)
 
 

@@ -126,13 +126,28 @@ def as_tensors(*vals: Any) -> list[Any]:
     return [v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device) for v in vals]
 
 
+def apply_ref(op: OpDef, vals: list[Any], attrs: dict[str, Any]) -> Any:
+    """Run ``op``'s torch reference; all-scalar operands give a python scalar, as python would."""
+    if op.kind is not OpKind.SCALAR and not any(isinstance(v, torch.Tensor) for v in vals):
+        out = op.ref(*[torch.tensor(v) for v in vals], **attrs)
+        return out.item() if isinstance(out, torch.Tensor) else out
+    return op.ref(*vals, **attrs)
+
+
 def _leaf_ref(*_: Any, **__: Any) -> Any:
     raise AssertionError("leaves are bound, not evaluated")
 
 
-register(OpDef(name="var", kind=OpKind.LEAF, arity=0, ref=_leaf_ref, eager_launches=0,
-               doc="a named input tensor"))
-register(OpDef(name="const", kind=OpKind.LEAF, arity=0, ref=_leaf_ref, eager_launches=0,
-               doc="a python scalar, passed as a kernel argument"))
+register(OpDef(name="var", kind=OpKind.LEAF, arity=0, ref=_leaf_ref, eager_launches=0, doc="a named input tensor"))
+register(
+    OpDef(
+        name="const",
+        kind=OpKind.LEAF,
+        arity=0,
+        ref=_leaf_ref,
+        eager_launches=0,
+        doc="a python scalar, passed as a kernel argument",
+    )
+)
 
 from . import composite, elementwise, reduction  # noqa: E402,F401  (fills REGISTRY)

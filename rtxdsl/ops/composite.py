@@ -14,10 +14,21 @@ from ..expr import Expr, node
 from . import FLOAT, NUMERIC, OpDef, OpKind, register
 
 
-def _composite(name: str, arity: int, ref, decompose, *, eager_launches: int = 1, pattern: str | None = None,
-               accepts=NUMERIC) -> OpDef:
-    return register(OpDef(name=name, kind=OpKind.COMPOSITE, arity=arity, ref=ref, decompose=decompose,
-                          eager_launches=eager_launches, pattern=pattern, accepts=accepts))
+def _composite(
+    name: str, arity: int, ref, decompose, *, eager_launches: int = 1, pattern: str | None = None, accepts=NUMERIC
+) -> OpDef:
+    return register(
+        OpDef(
+            name=name,
+            kind=OpKind.COMPOSITE,
+            arity=arity,
+            ref=ref,
+            decompose=decompose,
+            eager_launches=eager_launches,
+            pattern=pattern,
+            accepts=accepts,
+        )
+    )
 
 
 def _keep(x: Expr, op: str, axis) -> Expr:
@@ -97,25 +108,56 @@ def _dims(axis):
     return () if axis is None else axis
 
 
-_composite("mean", 1, lambda x, axis, keepdim: torch.mean(x, dim=_dims(axis), keepdim=keepdim), mean,
-           pattern="Reduction")
-_composite("variance", 2, lambda x, c, axis, keepdim: torch.var(x, dim=axis, correction=c, keepdim=keepdim),
-           variance, pattern="Reduction")
-_composite("std", 2, lambda x, c, axis, keepdim: torch.std(x, dim=axis, correction=c, keepdim=keepdim),
-           lambda x, c, axis, keepdim: node("sqrt", variance(x, c, axis, keepdim)), pattern="Reduction")
+_composite(
+    "mean", 1, lambda x, axis, keepdim: torch.mean(x, dim=_dims(axis), keepdim=keepdim), mean, pattern="Reduction"
+)
+_composite(
+    "variance",
+    2,
+    lambda x, c, axis, keepdim: torch.var(x, dim=axis, correction=c, keepdim=keepdim),
+    variance,
+    pattern="Reduction",
+)
+_composite(
+    "std",
+    2,
+    lambda x, c, axis, keepdim: torch.std(x, dim=axis, correction=c, keepdim=keepdim),
+    lambda x, c, axis, keepdim: node("sqrt", variance(x, c, axis, keepdim)),
+    pattern="Reduction",
+)
 # eager logsumexp: amax, masked fill, sub, exp, sum, log, add
-_composite("logsumexp", 1, lambda x, axis, keepdim: torch.logsumexp(x, dim=_dims(axis) or tuple(range(x.ndim)),
-                                                                      keepdim=keepdim),
-           logsumexp, eager_launches=7, pattern="Reduction")
-_composite("softmax", 1, lambda x, axis: torch.softmax(x, dim=axis), softmax, pattern="Softmax",
-           accepts=frozenset({FLOAT}))
-_composite("log_softmax", 1, lambda x, axis: torch.log_softmax(x, dim=axis), log_softmax, pattern="Softmax",
-           accepts=frozenset({FLOAT}))
+_composite(
+    "logsumexp",
+    1,
+    lambda x, axis, keepdim: torch.logsumexp(x, dim=_dims(axis) or tuple(range(x.ndim)), keepdim=keepdim),
+    logsumexp,
+    eager_launches=7,
+    pattern="Reduction",
+)
+_composite(
+    "softmax", 1, lambda x, axis: torch.softmax(x, dim=axis), softmax, pattern="Softmax", accepts=frozenset({FLOAT})
+)
+_composite(
+    "log_softmax",
+    1,
+    lambda x, axis: torch.log_softmax(x, dim=axis),
+    log_softmax,
+    pattern="Softmax",
+    accepts=frozenset({FLOAT}),
+)
 _composite("layer_norm", 4, _layer_norm_ref, layer_norm, pattern="LayerNorm", accepts=frozenset({FLOAT}))
 _composite("rms_norm", 3, _rms_norm_ref, rms_norm, pattern="RMSNorm", accepts=frozenset({FLOAT}))
-_composite("swiglu", 2, lambda g, u: F.silu(g) * u, lambda g, u: node("mul", node("silu", g), u),
-           eager_launches=2, pattern="Activation", accepts=frozenset({FLOAT}))
-_composite("clamp", 3, lambda x, lo, hi: torch.clamp(x, lo, hi),
-           lambda x, lo, hi: node("minimum", node("maximum", x, lo), hi))
+_composite(
+    "swiglu",
+    2,
+    lambda g, u: F.silu(g) * u,
+    lambda g, u: node("mul", node("silu", g), u),
+    eager_launches=2,
+    pattern="Activation",
+    accepts=frozenset({FLOAT}),
+)
+_composite(
+    "clamp", 3, lambda x, lo, hi: torch.clamp(x, lo, hi), lambda x, lo, hi: node("minimum", node("maximum", x, lo), hi)
+)
 _composite("clamp_min", 2, lambda x, lo: torch.clamp(x, min=lo), lambda x, lo: node("maximum", x, lo))
 _composite("clamp_max", 2, lambda x, hi: torch.clamp(x, max=hi), lambda x, hi: node("minimum", x, hi))

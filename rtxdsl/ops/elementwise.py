@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import TRITON_TYPE
 from . import (
     ANY,
     FLOAT,
@@ -22,14 +23,37 @@ from . import (
     as_tensors,
     register,
 )
-from ..dtypes import TRITON_TYPE
 
 
-def _ew(name: str, arity: int, ref, emit, *, accepts=NUMERIC, rule=DtypeRule.PROMOTE,
-        cheap=False, symbol=None, pattern=None, doc="") -> OpDef:
-    return register(OpDef(name=name, kind=OpKind.ELEMENTWISE, arity=arity, ref=ref, emit=emit,
-                          eager_launches=1, rule=rule, accepts=accepts, cheap=cheap,
-                          symbol=symbol, pattern=pattern, doc=doc))
+def _ew(
+    name: str,
+    arity: int,
+    ref,
+    emit,
+    *,
+    accepts=NUMERIC,
+    rule=DtypeRule.PROMOTE,
+    cheap=False,
+    symbol=None,
+    pattern=None,
+    doc="",
+) -> OpDef:
+    return register(
+        OpDef(
+            name=name,
+            kind=OpKind.ELEMENTWISE,
+            arity=arity,
+            ref=ref,
+            emit=emit,
+            eager_launches=1,
+            rule=rule,
+            accepts=accepts,
+            cheap=cheap,
+            symbol=symbol,
+            pattern=pattern,
+            doc=doc,
+        )
+    )
 
 
 def _float_only(ctx: EmitCtx, a: str, expr: str) -> str:
@@ -38,6 +62,7 @@ def _float_only(ctx: EmitCtx, a: str, expr: str) -> str:
 
 
 # ---- helpers shared by several emitters (source text builders, not ops) -------------
+
 
 def nan_max(a: str, b: str) -> str:
     """torch.maximum: NaN in either operand wins."""
@@ -57,8 +82,7 @@ def _expm1(ctx: EmitCtx, a: str) -> str:
 def _log1p(ctx: EmitCtx, a: str) -> str:
     # Goldberg's trick: log(u) * x / (u - 1) with u = 1 + x is accurate for small x.
     u = ctx.tmp(f"1.0 + {a}")
-    return (f"tl.where({u} == 1.0, {a}, tl.where({a} == float('inf'), {a}, "
-            f"tl.log({u}) * ({a} / ({u} - 1.0))))")
+    return f"tl.where({u} == 1.0, {a}, tl.where({a} == float('inf'), {a}, tl.log({u}) * ({a} / ({u} - 1.0))))"
 
 
 def _tanh(ctx: EmitCtx, a: str) -> str:
@@ -149,24 +173,55 @@ _ew("mul", 2, lambda a, b: torch.mul(*as_tensors(a, b)), _bool_or("&", "*"), acc
 _ew("div", 2, lambda a, b: torch.true_divide(*as_tensors(a, b)), lambda c, a, b: f"{a} / {b}", symbol="/")
 _ew("floordiv", 2, _binary_ref(torch.floor_divide), _floordiv, symbol="//")
 _ew("remainder", 2, _binary_ref(torch.remainder), _remainder, symbol="%")
-register(OpDef(name="pow", kind=OpKind.ELEMENTWISE, arity=2, ref=_binary_ref(torch.pow), emit=_pow,
-               eager_launches=1, accepts=NUMERIC, results=frozenset({FLOAT}), symbol="**"))
-_ew("maximum", 2, _binary_ref(torch.maximum),
-    lambda c, a, b: nan_max(a, b) if c.is_float else f"tl.maximum({a}, {b})", cheap=True)
-_ew("minimum", 2, _binary_ref(torch.minimum),
-    lambda c, a, b: nan_min(a, b) if c.is_float else f"tl.minimum({a}, {b})", cheap=True)
+register(
+    OpDef(
+        name="pow",
+        kind=OpKind.ELEMENTWISE,
+        arity=2,
+        ref=_binary_ref(torch.pow),
+        emit=_pow,
+        eager_launches=1,
+        accepts=NUMERIC,
+        results=frozenset({FLOAT}),
+        symbol="**",
+    )
+)
+_ew(
+    "maximum",
+    2,
+    _binary_ref(torch.maximum),
+    lambda c, a, b: nan_max(a, b) if c.is_float else f"tl.maximum({a}, {b})",
+    cheap=True,
+)
+_ew(
+    "minimum",
+    2,
+    _binary_ref(torch.minimum),
+    lambda c, a, b: nan_min(a, b) if c.is_float else f"tl.minimum({a}, {b})",
+    cheap=True,
+)
 _ew("neg", 1, torch.neg, lambda c, a: f"-{a}", cheap=True, symbol="-")
 _ew("abs", 1, torch.abs, lambda c, a: f"tl.abs({a})", cheap=True)
-_ew("sign", 1, torch.sign,
+_ew(
+    "sign",
+    1,
+    torch.sign,
     lambda c, a: a if c.is_bool else f"(({a} > 0).to({TRITON_TYPE[c.dtype]}) - ({a} < 0).to({TRITON_TYPE[c.dtype]}))",
-    accepts=ANY, cheap=True)
+    accepts=ANY,
+    cheap=True,
+)
 _ew("reciprocal", 1, torch.reciprocal, lambda c, a: f"1.0 / {a}")
 
 # ---- rounding --------------------------------------------------------------------------
 _ew("floor", 1, torch.floor, lambda c, a: _float_only(c, a, f"tl.floor({a})"), cheap=True)
 _ew("ceil", 1, torch.ceil, lambda c, a: _float_only(c, a, f"tl.ceil({a})"), cheap=True)
-_ew("trunc", 1, torch.trunc,
-    lambda c, a: _float_only(c, a, f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))"), cheap=True)
+_ew(
+    "trunc",
+    1,
+    torch.trunc,
+    lambda c, a: _float_only(c, a, f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))"),
+    cheap=True,
+)
 _ew("round", 1, torch.round, lambda c, a: _float_only(c, a, _round(c, a)))
 
 # ---- transcendental (integer inputs compute in float, as torch) -------------------------
@@ -187,8 +242,7 @@ _ew("erf", 1, torch.erf, lambda c, a: f"tl.erf({a})")
 # ---- activations -----------------------------------------------------------------------
 _ew("relu", 1, torch.relu, lambda c, a: f"tl.where({a} < 0, 0, {a})", cheap=True, pattern="Activation")
 _ew("sigmoid", 1, torch.sigmoid, lambda c, a: _sigmoid(a), pattern="Activation")
-_ew("silu", 1, F.silu, lambda c, a: f"{a} / (1.0 + tl.exp(-{a}))", accepts=frozenset({FLOAT}),
-    pattern="Activation")
+_ew("silu", 1, F.silu, lambda c, a: f"{a} / (1.0 + tl.exp(-{a}))", accepts=frozenset({FLOAT}), pattern="Activation")
 
 
 def _gelu(ctx: EmitCtx, a: str) -> str:
@@ -198,28 +252,90 @@ def _gelu(ctx: EmitCtx, a: str) -> str:
     return f"0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476))"
 
 
-_ew("gelu", 1, lambda a, approximate: F.gelu(a, approximate=approximate), _gelu,
-    accepts=frozenset({FLOAT}), pattern="Activation")
+_ew(
+    "gelu",
+    1,
+    lambda a, approximate: F.gelu(a, approximate=approximate),
+    _gelu,
+    accepts=frozenset({FLOAT}),
+    pattern="Activation",
+)
 # scalar parameters are operands (constants), so their values never enter a signature
-_ew("leaky_relu", 2, lambda a, s: F.leaky_relu(a, s), lambda c, a, s: f"tl.where({a} > 0, {a}, {a} * {s})",
-    accepts=frozenset({FLOAT}), cheap=True, pattern="Activation")
-_ew("elu", 2, lambda a, alpha: F.elu(a, alpha), lambda c, a, al: f"tl.where({a} > 0, {a}, {al} * {_expm1(c, a)})",
-    accepts=frozenset({FLOAT}), pattern="Activation")
-_ew("softplus", 3, lambda a, beta, th: F.softplus(a, beta, th),
+_ew(
+    "leaky_relu",
+    2,
+    lambda a, s: F.leaky_relu(a, s),
+    lambda c, a, s: f"tl.where({a} > 0, {a}, {a} * {s})",
+    accepts=frozenset({FLOAT}),
+    cheap=True,
+    pattern="Activation",
+)
+_ew(
+    "elu",
+    2,
+    lambda a, alpha: F.elu(a, alpha),
+    lambda c, a, al: f"tl.where({a} > 0, {a}, {al} * {_expm1(c, a)})",
+    accepts=frozenset({FLOAT}),
+    pattern="Activation",
+)
+_ew(
+    "softplus",
+    3,
+    lambda a, beta, th: F.softplus(a, beta, th),
     lambda c, a, beta, th: f"tl.where({a} * {beta} > {th}, {a}, {_log1p(c, c.tmp(f'tl.exp({a} * {beta})'))} / {beta})",
-    accepts=frozenset({FLOAT}), pattern="Activation")
+    accepts=frozenset({FLOAT}),
+    pattern="Activation",
+)
 
 # ---- comparison and logic ----------------------------------------------------------------
-for _name, _sym, _fn in (("lt", "<", torch.lt), ("le", "<=", torch.le), ("gt", ">", torch.gt),
-                         ("ge", ">=", torch.ge), ("eq", "==", torch.eq), ("ne", "!=", torch.ne)):
-    _ew(_name, 2, _binary_ref(_fn), (lambda s: lambda c, a, b: f"{a} {s} {b}")(_sym),
-        accepts=ANY, rule=DtypeRule.COMPARE, cheap=True, symbol=_sym)
-for _name, _sym, _fn in (("and", "&", torch.bitwise_and), ("or", "|", torch.bitwise_or),
-                         ("xor", "^", torch.bitwise_xor)):
-    _ew(_name, 2, _binary_ref(_fn), (lambda s: lambda c, a, b: f"{a} {s} {b}")(_sym),
-        accepts=INTEGRAL, cheap=True, symbol=_sym)
-_ew("invert", 1, torch.bitwise_not, lambda c, a: f"{a} == 0" if c.is_bool else f"~{a}",
-    accepts=INTEGRAL, cheap=True, symbol="~")
-_ew("where", 3, lambda c, a, b: torch.where(c, *as_tensors(a, b)), lambda ctx, c, a, b: f"tl.where({c}, {a}, {b})",
-    accepts=ANY, rule=DtypeRule.WHERE, cheap=True)
+for _name, _sym, _fn in (
+    ("lt", "<", torch.lt),
+    ("le", "<=", torch.le),
+    ("gt", ">", torch.gt),
+    ("ge", ">=", torch.ge),
+    ("eq", "==", torch.eq),
+    ("ne", "!=", torch.ne),
+):
+    _ew(
+        _name,
+        2,
+        _binary_ref(_fn),
+        (lambda s: lambda c, a, b: f"{a} {s} {b}")(_sym),
+        accepts=ANY,
+        rule=DtypeRule.COMPARE,
+        cheap=True,
+        symbol=_sym,
+    )
+for _name, _sym, _fn in (
+    ("and", "&", torch.bitwise_and),
+    ("or", "|", torch.bitwise_or),
+    ("xor", "^", torch.bitwise_xor),
+):
+    _ew(
+        _name,
+        2,
+        _binary_ref(_fn),
+        (lambda s: lambda c, a, b: f"{a} {s} {b}")(_sym),
+        accepts=INTEGRAL,
+        cheap=True,
+        symbol=_sym,
+    )
+_ew(
+    "invert",
+    1,
+    torch.bitwise_not,
+    lambda c, a: f"{a} == 0" if c.is_bool else f"~{a}",
+    accepts=INTEGRAL,
+    cheap=True,
+    symbol="~",
+)
+_ew(
+    "where",
+    3,
+    lambda c, a, b: torch.where(c, *as_tensors(a, b)),
+    lambda ctx, c, a, b: f"tl.where({c}, {a}, {b})",
+    accepts=ANY,
+    rule=DtypeRule.WHERE,
+    cheap=True,
+)
 _ew("cast", 1, lambda a, dtype: a.to(dtype), _cast, accepts=ANY, rule=DtypeRule.CAST, cheap=True)

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from . import ANY, FLOAT, NUMERIC, EmitCtx, OpDef, OpKind, ReduceSpec, register
 from ..dtypes import highest, lowest
+from . import ANY, FLOAT, NUMERIC, EmitCtx, OpDef, OpKind, ReduceSpec, register
 from .elementwise import nan_max, nan_min
 
 
@@ -44,8 +44,18 @@ def _extreme_final(which: str):
 
 
 def _reduction(name: str, ref, spec: ReduceSpec, accepts=ANY) -> OpDef:
-    return register(OpDef(name=name, kind=OpKind.REDUCTION, arity=1, ref=ref, reduce=spec,
-                          eager_launches=1, accepts=accepts, pattern="Reduction"))
+    return register(
+        OpDef(
+            name=name,
+            kind=OpKind.REDUCTION,
+            arity=1,
+            ref=ref,
+            reduce=spec,
+            eager_launches=1,
+            accepts=accepts,
+            pattern="Reduction",
+        )
+    )
 
 
 _reduction(
@@ -56,25 +66,42 @@ _reduction(
 _reduction(
     "amax",
     lambda x, axis, keepdim: torch.amax(x, dim=_torch_dims(axis), keepdim=keepdim),
-    ReduceSpec(identity=lowest, combine=lambda c, acc, v: nan_max(v, acc) if c.is_float else f"tl.maximum({acc}, {v})",
-               final=_extreme_final("max")),
+    ReduceSpec(
+        identity=lowest,
+        combine=lambda c, acc, v: nan_max(v, acc) if c.is_float else f"tl.maximum({acc}, {v})",
+        final=_extreme_final("max"),
+    ),
     accepts=NUMERIC | {"bool"},
 )
 _reduction(
     "amin",
     lambda x, axis, keepdim: torch.amin(x, dim=_torch_dims(axis), keepdim=keepdim),
-    ReduceSpec(identity=highest, combine=lambda c, acc, v: nan_min(v, acc) if c.is_float else f"tl.minimum({acc}, {v})",
-               final=_extreme_final("min")),
+    ReduceSpec(
+        identity=highest,
+        combine=lambda c, acc, v: nan_min(v, acc) if c.is_float else f"tl.minimum({acc}, {v})",
+        final=_extreme_final("min"),
+    ),
     accepts=NUMERIC | {"bool"},
 )
 
 
 def rcount_value(x: torch.Tensor, axis) -> float:
     """How many elements a reduction over ``axis`` combines (a per-call kernel argument)."""
+    if not isinstance(x, torch.Tensor):
+        return 1.0
     return float(math.prod(x.shape[a] for a in _axes(axis, x.ndim)))
 
 
-register(OpDef(name="rcount", kind=OpKind.SCALAR, arity=1, eager_launches=0, accepts=frozenset({FLOAT, "int", "bool"}),
-               ref=rcount_value, doc="number of elements reduced over axis (a scalar argument)"))
+register(
+    OpDef(
+        name="rcount",
+        kind=OpKind.SCALAR,
+        arity=1,
+        eager_launches=0,
+        accepts=frozenset({FLOAT, "int", "bool"}),
+        ref=rcount_value,
+        doc="number of elements reduced over axis (a scalar argument)",
+    )
+)
 
 axes_of = _axes
