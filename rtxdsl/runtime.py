@@ -42,7 +42,7 @@ from .stats import GLOBAL_STATS, FusionStats
 class Step:
     """One kernel launch with everything but the tensors precomputed."""
 
-    fn: Any
+    fn: Any  # the launchable kernel, chosen by backend once planned
     grid: tuple[int, ...]
     bufs: tuple[int, ...]  # buffer slots: inputs then outputs, in parameter order
     rest: tuple[Any, ...]  # sizes, strides, scalars
@@ -52,6 +52,20 @@ class Step:
     ops: int
     bytes: int
     empty: bool
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What a call launches and moves, next to eager torch and the minimum (inputs once, outputs once)."""
+
+    kernels: int
+    fused: int
+    eager_launches: int
+    bytes_moved: int
+    bytes_eager: int
+    bytes_minimum: int
+    patterns: tuple[str, ...]
+    backend: str
 
 
 class Launch:
@@ -71,6 +85,7 @@ class Launch:
         self.finish: Any = None
         self.bound: Bound | None = None
         self.backend = ""
+        self.note = ""  # why this backend, when it is not the obvious one
         self.stats: FusionStats = GLOBAL_STATS
         self.kernels = self.fused = self.eager_launches = self.bytes_moved = self.bytes_eager = 0
 
@@ -233,19 +248,23 @@ class Kernel:
         return device
 
     # ---- preparing ----------------------------------------------------------------------
-    def _prepare(self, tensors: tuple, cfg: FusionConfig, key: tuple | None) -> Launch:
+    def _prepare(self, tensors: tuple, cfg: FusionConfig, key: tuple | None, lower: bool = False) -> Launch:
+        """Bind, plan and fetch kernels for these inputs; ``lower`` plans kernels whatever the backend."""
         device = self._validate(tensors, cfg)
         bound = bind(self._outputs, self._vars, tensors)
         launch = Launch(self, cfg, device, len(tensors))
         launch.bound = bound
         launch.eager_launches, launch.bytes_eager = bound.eager_launches, bound.eager_bytes
-        if cfg.backend == "torch" or not cfg.enabled:
-            launch.backend = "torch"
+        launch.backend, launch.note = _backend_for(cfg, device)
+        if launch.backend == "torch" and not lower:
             launch.kernels, launch.bytes_moved = bound.eager_launches, bound.eager_bytes
         else:
-            interpret = cfg.backend == "interpreter" or device.type != "cuda"
-            launch.backend = "interpreter" if interpret else "triton"
-            self._lower(launch, bound, tensors, cfg, interpret)
+            self._lower(launch, bound, tensors, cfg)
+            if launch.backend != "torch":
+                interpret = launch.backend == "interpreter"
+                for st in launch.steps:
+                    fn = st.compiled.function(interpret)
+                    st.fn = _quiet(fn) if interpret else fn
             launch.seal()
         if key is not None:
             self._launches[key] = launch
@@ -253,7 +272,7 @@ class Kernel:
                 self._launches.popitem(last=False)
         return launch
 
-    def _lower(self, launch: Launch, bound: Bound, tensors: tuple, cfg: FusionConfig, interpret: bool) -> None:
+    def _lower(self, launch: Launch, bound: Bound, tensors: tuple, cfg: FusionConfig) -> None:
         plan = FusionAnalyzer(cfg).plan(bound)
         launch.plan = plan
         slots: dict[int, int] = {}
@@ -280,7 +299,7 @@ class Kernel:
             nbytes = sum(_nbytes(layouts[id(i)]) for i in g.inputs) + sum(_nbytes(layouts[id(o)]) for o in g.outputs)
             launch.steps.append(
                 Step(
-                    fn=_quiet(compiled.function(interpret)) if interpret else compiled.function(interpret),
+                    fn=None,
                     grid=args.grid,
                     bufs=tuple(slots[id(i)] for i in g.inputs) + tuple(slots[id(o)] for o in g.outputs),
                     rest=(*args.ints, *args.scalars),
@@ -345,8 +364,46 @@ class Kernel:
 
     def launches(self, *args: Any, **kwargs: Any) -> int:
         """How many kernels a call with these inputs launches."""
+        return self.summary(*args, **kwargs).kernels
+
+    def summary(self, *args: Any, **kwargs: Any) -> PlanSummary:
+        """Counts of the plan for these inputs (nothing is launched), against eager torch.
+
+        Example:
+            >>> import torch, rtxdsl as rx
+            >>> s = rx.compile(rx.softmax(rx.var("x"))).summary(x=torch.empty(8, 100))
+            >>> (s.kernels, s.eager_launches, s.bytes_moved == s.bytes_minimum)
+            (1, 1, True)
+        """
         launch = self._launch_for(args, kwargs)
-        return launch.kernels
+        bound = launch.bound
+        assert bound is not None
+        minimum = _minimum_bytes(self, bound)
+        patterns = tuple(g.pattern for g in launch.plan.groups) if launch.plan else ()
+        return PlanSummary(launch.kernels, launch.fused, launch.eager_launches, launch.bytes_moved,
+                           launch.bytes_eager, minimum, patterns, launch.backend)
+
+
+def interpreter_active() -> bool:
+    """Triton's interpreter works only when TRITON_INTERPRET was set before triton was imported."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
+
+
+def _backend_for(cfg: FusionConfig, device: torch.device) -> tuple[str, str]:
+    """(backend, note): torch, triton (compiled, CUDA) or interpreter (Triton's, any device)."""
+    if cfg.backend == "torch" or not cfg.enabled:
+        return "torch", "" if cfg.enabled else "fusion disabled: op by op"
+    if cfg.backend == "triton" or (cfg.backend == "auto" and device.type == "cuda" and not interpreter_active()):
+        return "triton", ""
+    if interpreter_active():
+        return "interpreter", ""
+    if cfg.backend == "interpreter":
+        raise BackendError("backend 'interpreter' needs TRITON_INTERPRET=1 in the environment before triton is "
+                           "imported (import rtxdsl first on a machine without CUDA, or set it yourself)")
+    return "torch", "Triton's interpreter is off (TRITON_INTERPRET unset at import), so CPU tensors run through torch"
 
 
 class _quiet:
@@ -393,16 +450,20 @@ def _fmt_meta(info) -> str:
     return f"{SHORT_NAME[info.dtype]}[{', '.join(map(str, info.shape))}]"
 
 
+def _minimum_bytes(kernel: Kernel, bound: Bound) -> int:
+    """Each input read once, each output written once."""
+    tensors = [bound.of(v) for v in kernel._vars] + [bound.of(e) for _, e in bound.outputs]
+    return sum(i.numel * i.dtype.itemsize for i in tensors if not i.is_scalar)
+
+
 def _explain(kernel: Kernel, launch: Launch) -> str:
     bound = launch.bound
     assert bound is not None
     lines = [f"{kernel!r}"]
     lines.append("inputs: " + ", ".join(f"{n}: {_fmt_meta(bound.of(v))}" for n, v in zip(kernel.inputs, kernel._vars)))
-    lines.append(f"backend: {launch.backend} ({launch.device.type})" + ("  [dry_run]" if launch.config.dry_run else ""))
-    minimum = sum(_nbytes(Layout(bound.of(v).shape, (), bound.of(v).dtype)) for v in kernel._vars)
-    minimum += sum(
-        bound.of(e).numel * bound.of(e).dtype.itemsize for _, e in bound.outputs if not bound.of(e).is_scalar
-    )
+    lines.append(f"backend: {launch.backend} ({launch.device.type})" + ("  [dry_run]" if launch.config.dry_run else "")
+                 + (f"  [{launch.note}]" if launch.note else ""))
+    minimum = _minimum_bytes(kernel, bound)
     if launch.plan is not None:
         names = {id(v): n for n, v in zip(kernel.inputs, kernel._vars)}
         outs = {id(e): k for k, e in bound.outputs}

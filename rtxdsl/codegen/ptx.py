@@ -1,0 +1,117 @@
+"""Compile generated kernels for an NVIDIA target without a GPU, and read facts off the result.
+
+Triton compiles to PTX and a cubin for any target (``GPUTarget("cuda", 90, 32)`` is an
+H100/H200) on a machine with no GPU. The facts that matter for memory-bound kernels —
+128-bit vector loads and stores, registers per thread, spills — are deterministic, so
+tests assert them and the compile report prints them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64",
+        torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
+        torch.bool: "*i1"}
+
+
+@dataclass(frozen=True)
+class CompileFacts:
+    name: str
+    seconds: float  # Triton's own compile, cold (empty Triton cache)
+    v4_loads: int  # ld.global.v4 (128-bit for 32-bit elements) in the PTX
+    v4_stores: int
+    registers: int | None  # per thread, from ptxas -v
+    spill_bytes: int | None
+    ptx: str
+
+
+def _int_type(v: int) -> str:
+    return "i32" if -(2**31) <= v < 2**31 else "i64"
+
+
+def compile_step(step: Any, tensors: list[torch.Tensor], arch: int = 90) -> CompileFacts:
+    """Compile one prepared launch step for ``sm_{arch}`` the way Triton specializes it on a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    jit = step.compiled.jit
+    fn = jit if isinstance(jit, JITFunction) else JITFunction(jit.fn)
+    names = fn.arg_names
+    values = list(tensors) + list(step.rest)
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, (name, v) in enumerate(zip(names, values)):
+        if isinstance(v, torch.Tensor):
+            signature[name] = _PTR[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = _int_type(int(v))
+            if int(v) % 16 == 0 and int(v) != 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = {k: v for k, v in step.meta.items() if k in names}
+    for k in constexprs:
+        signature[k] = "constexpr"
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    with tempfile.TemporaryDirectory() as cache:
+        old = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            start = time.perf_counter()
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                      options={"num_warps": step.meta.get("num_warps", 4)})
+            seconds = time.perf_counter() - start
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = old
+    ptx = compiled.asm["ptx"]
+    regs, spills = _ptxas_usage(ptx, arch)
+    return CompileFacts(fn.__name__, seconds, len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
+                        len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx)), regs, spills, ptx)
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """Registers per thread and spill bytes, from ``ptxas -v`` (bundled with Triton)."""
+    try:  # the ptxas Triton itself uses for this arch
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        tool = get_ptxas(arch) if "arch" in str(inspect.signature(get_ptxas)) else get_ptxas()
+        ptxas = Path(tool.path)
+    except (ImportError, AttributeError, TypeError):
+        return None, None
+    if not ptxas.exists():
+        return None, None
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{arch}a", str(src), "-o", str(Path(d) / "k.o")],
+                             capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None)
+
+
+def compile_kernel(kernel: Any, inputs: dict[str, torch.Tensor], arch: int = 90) -> list[CompileFacts]:
+    """Facts for every kernel a call of ``kernel`` with ``inputs`` launches (inputs may be CPU tensors)."""
+    tensors = tuple(inputs[n] for n in kernel.inputs)
+    launch = kernel._prepare(tensors, kernel.config, None, lower=True)
+    tensors = [inputs[n] for n in kernel.inputs]
+    bufs: list[torch.Tensor] = list(tensors) + [torch.empty(shape, dtype=dtype) for _, shape, dtype in launch.allocs]
+    return [compile_step(st, [bufs[i] for i in st.bufs], arch) for st in launch.steps]
