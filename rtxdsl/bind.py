@@ -1,12 +1,16 @@
 """Binding: expressions + concrete input tensors -> a typed, shaped graph of primitives.
 
-Dtypes, shapes and errors come from running each op's torch reference on meta tensors,
-so broadcasting, type promotion and argument checks are torch's own. Composites are then
-expanded into primitives, and each primitive node is typed the same way.
+Dtypes and argument errors come from torch itself: each op's reference runs on a *probe*,
+a one-element CPU tensor with the node's dtype and rank (promotion depends only on dtype,
+category and rank, never on sizes). Shapes follow broadcasting and the reduction rule.
+Meta tensors would give both at once, but their first use costs a second of lazy imports
+inside torch; probes keep a new process's first call fast. Composites are then expanded
+into primitives, and each primitive node is typed the same way.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,30 +24,48 @@ from .ops import REGISTRY, OpKind, apply_ref, category
 
 @dataclass
 class Info:
-    """What binding learnt about one node: a meta tensor, or a python scalar value."""
+    """What binding learnt about one node: shape and dtype (with a probe), or a python scalar."""
 
-    value: Any  # meta torch.Tensor, or python scalar for scalar-only nodes
+    value: Any = None  # python scalar, for scalar-only nodes
+    shape: tuple[int, ...] = ()
+    probe: torch.Tensor | None = None  # ones((1,) * rank) in the node's dtype
+
+    @staticmethod
+    def tensor(shape: tuple[int, ...], dtype: torch.dtype) -> Info:
+        return Info(None, tuple(shape), torch.ones((1,) * len(shape), dtype=dtype))
 
     @property
     def is_scalar(self) -> bool:
-        return not isinstance(self.value, torch.Tensor)
+        return self.probe is None
 
     @property
     def dtype(self) -> torch.dtype:
+        if self.probe is not None:
+            return self.probe.dtype
         v = self.value
-        if isinstance(v, torch.Tensor):
-            return v.dtype
         if isinstance(v, bool):
             return torch.bool
         return torch.int64 if isinstance(v, int) else torch.float32
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.value.shape) if isinstance(self.value, torch.Tensor) else ()
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
     @property
-    def numel(self) -> int:
-        return self.value.numel() if isinstance(self.value, torch.Tensor) else 1
+    def like(self) -> Any:
+        """What the torch reference sees for this node: its probe or its scalar."""
+        return self.value if self.probe is None else self.probe
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """Shape without data, for ops that read only sizes (``rcount``)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
 
 @dataclass
@@ -71,32 +93,61 @@ def _infer(n: Expr, info: dict[int, Info]) -> Info:
     if n.op == "const":
         return Info(n.attr("value"))
     opdef = REGISTRY[n.op]
-    vals = [info[id(s)].value for s in n.srcs]
-    if opdef.kind is not OpKind.SCALAR:
-        for i, (s, v) in enumerate(zip(n.srcs, vals)):
-            if isinstance(v, torch.Tensor) and category(v.dtype) not in opdef.accepts:
-                raise UnsupportedDtypeError(
-                    f"op {n.op!r} does not accept {SHORT_NAME.get(v.dtype, v.dtype)} operands "
-                    f"(operand {i}: {s!r}); it takes {', '.join(sorted(opdef.accepts))}"
-                )
+    srcs = [info[id(s)] for s in n.srcs]
+    if opdef.kind is OpKind.SCALAR:
+        return Info(opdef.ref(*[Shaped(i.shape) for i in srcs], **n.attr_dict))
+    for k, (s, i) in enumerate(zip(n.srcs, srcs)):
+        if not i.is_scalar and category(i.dtype) not in opdef.accepts:
+            raise UnsupportedDtypeError(
+                f"op {n.op!r} does not accept {SHORT_NAME.get(i.dtype, i.dtype)} operands "
+                f"(operand {k}: {s!r}); it takes {', '.join(sorted(opdef.accepts))}"
+            )
     try:
-        out = apply_ref(opdef, vals, n.attr_dict)
+        out = apply_ref(opdef, [i.like for i in srcs], n.attr_dict)
+        if not isinstance(out, torch.Tensor):
+            return Info(out)
+        shape = _shape(n, srcs)
     except (RuntimeError, TypeError, IndexError, ValueError) as exc:
         msg = str(exc).splitlines()[0]
-        kind = (
-            ShapeError
-            if any(w in msg for w in ("size", "shape", "dimension", "broadcast", "range"))
-            else UnsupportedDtypeError
-        )
+        words = ("size", "shape", "dimension", "broadcast", "range")
+        kind = ShapeError if any(w in msg for w in words) else UnsupportedDtypeError
         raise kind(f"op {n.op!r} in {n!r}: {msg}") from None
-    if isinstance(out, torch.Tensor):
-        check_supported(out.dtype, f"the result of op {n.op!r}")
-        if category(out.dtype) not in opdef.results:
-            raise UnsupportedDtypeError(
-                f"op {n.op!r} in {n!r} would give a {SHORT_NAME[out.dtype]} result; "
-                f"rtxdsl computes it only for {', '.join(sorted(opdef.results))} results"
-            )
-    return Info(out)
+    check_supported(out.dtype, f"the result of op {n.op!r}")
+    if category(out.dtype) not in opdef.results:
+        raise UnsupportedDtypeError(
+            f"op {n.op!r} in {n!r} would give a {SHORT_NAME[out.dtype]} result; "
+            f"rtxdsl computes it only for {', '.join(sorted(opdef.results))} results"
+        )
+    return Info.tensor(shape, out.dtype)
+
+
+def _shape(n: Expr, srcs: list[Info]) -> tuple[int, ...]:
+    """Broadcasting for elementwise ops, the reduction rule for ops with ``axis``/``keepdim``."""
+    if "keepdim" in dict(n.attrs):
+        from .ops.reduction import axes_of
+
+        x = srcs[0].shape
+        axes = set(axes_of(n.attr("axis"), len(x))) if x else set()
+        if n.attr("keepdim"):
+            return tuple(1 if d in axes else s for d, s in enumerate(x))
+        return tuple(s for d, s in enumerate(x) if d not in axes)
+    return broadcast_shapes([i.shape for i in srcs if not i.is_scalar])
+
+
+def broadcast_shapes(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """torch's broadcasting rule (torch.broadcast_shapes imports sympy on first use: a second)."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for d, size in enumerate(s, ndim - len(s)):
+            if size != out[d] and size != 1:
+                if out[d] != 1:
+                    raise ValueError(
+                        f"shapes {' and '.join(str(tuple(x)) for x in shapes)} do not broadcast "
+                        f"(size {out[d]} against {size} at dimension {d - ndim})"
+                    )
+                out[d] = size
+    return tuple(out)
 
 
 def infer_all(roots: list[Expr], info: dict[int, Info]) -> None:
@@ -106,15 +157,11 @@ def infer_all(roots: list[Expr], info: dict[int, Info]) -> None:
             info[id(n)] = _infer(n, info)
 
 
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
 def bind(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], tensors: tuple[torch.Tensor, ...]) -> Bound:
     """Type ``outputs`` for ``tensors`` (already validated, in ``inputs`` order) and expand composites."""
     info: dict[int, Info] = {}
     for v, t in zip(inputs, tensors):
-        info[id(v)] = Info(_meta(t))
+        info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
     infer_all([e for _, e in outputs], info)
 
     eager_launches = eager_bytes = 0
@@ -127,7 +174,9 @@ def bind(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], tensors: tup
             eager_launches += opdef.eager_launches
             eager_bytes += _bytes(me) + sum(_bytes(info[id(s)]) for s in n.srcs)
         srcs = [prim[id(s)] for s in n.srcs]
-        if opdef.kind is not OpKind.COMPOSITE:
+        if opdef.kind is OpKind.REDUCTION and info[id(srcs[0])].shape == ():
+            p = node("cast", srcs[0], dtype=me.dtype)  # reducing a 0-dim tensor only converts it
+        elif opdef.kind is not OpKind.COMPOSITE:
             p = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, tuple(srcs), n.attr_dict)
         else:
             known = set(info)
@@ -175,7 +224,7 @@ def _fold_scalars(root: Expr, info: dict[int, Info], origin: dict[int, str]) -> 
         else:
             srcs = tuple(memo[id(s)] for s in n.srcs)
             new = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
-        info.setdefault(id(new), Info(i.value) if i.is_scalar else i)
+        info.setdefault(id(new), i)
         if id(n) in origin:
             origin.setdefault(id(new), origin[id(n)])
         memo[id(n)] = new

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
 import torch
 
 import rtxdsl as rx
@@ -35,8 +36,10 @@ def demo(show_source: str = "layer_norm") -> int:
         err = max_error(out, w.eager(**inputs))
         ok = err <= tolerance(w.dtype)
         failures += not ok
-        print(f"== {w.name} ({str(w.dtype).removeprefix('torch.')}): {kernel.launches(**inputs)} kernel(s), "
-              f"max |error| vs torch {err:.2e} {'OK' if ok else 'MISMATCH'} (first call {first * 1e3:.0f} ms)")
+        print(
+            f"== {w.name} ({str(w.dtype).removeprefix('torch.')}): {kernel.launches(**inputs)} kernel(s), "
+            f"max |error| vs torch {err:.2e} {'OK' if ok else 'MISMATCH'} (first call {first * 1e3:.0f} ms)"
+        )
         print("   " + kernel.explain(**inputs).replace("\n", "\n   "))
         if w.name == show_source:
             print(f"\n-- generated Triton source for {w.name} --\n{kernel.sources(**inputs)[0]}")

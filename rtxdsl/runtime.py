@@ -108,17 +108,21 @@ class Launch:
         """Precompute the allocation and result-packing closures the hot path calls."""
         self.makers = [_maker(shape, dtype, self.device, self.bound, self.kernel) for _, shape, dtype in self.allocs]
         kernel, scalars, device = self.kernel, self.scalar_outputs, self.device
+        order = {k: s for k, s in self.out_slots}
+        slots = [(k, order.get(k)) for k in kernel.outputs]
         if kernel._single and not scalars:
-            slot = self.out_slots[0][1]
+            slot = slots[0][1]
             self.finish = lambda bufs: bufs[slot]
+        elif not scalars:
+            self.finish = lambda bufs: {k: bufs[s] for k, s in slots}
         else:
-            slots = self.out_slots
 
             def finish(bufs: list[Any]) -> Any:
-                res = {k: bufs[s] for k, s in slots}
-                for key, (value, dtype) in scalars.items():
-                    res[key] = torch.tensor(value, dtype=dtype, device=device)
-                return res["out"] if kernel._single else {k: res[k] for k in kernel.outputs}
+                res = {
+                    k: bufs[s] if s is not None else torch.tensor(scalars[k][0], dtype=scalars[k][1], device=device)
+                    for k, s in slots
+                }
+                return res["out"] if kernel._single else res
 
             self.finish = finish
 
@@ -380,8 +384,16 @@ class Kernel:
         assert bound is not None
         minimum = _minimum_bytes(self, bound)
         patterns = tuple(g.pattern for g in launch.plan.groups) if launch.plan else ()
-        return PlanSummary(launch.kernels, launch.fused, launch.eager_launches, launch.bytes_moved,
-                           launch.bytes_eager, minimum, patterns, launch.backend)
+        return PlanSummary(
+            launch.kernels,
+            launch.fused,
+            launch.eager_launches,
+            launch.bytes_moved,
+            launch.bytes_eager,
+            minimum,
+            patterns,
+            launch.backend,
+        )
 
 
 def interpreter_active() -> bool:
@@ -401,8 +413,10 @@ def _backend_for(cfg: FusionConfig, device: torch.device) -> tuple[str, str]:
     if interpreter_active():
         return "interpreter", ""
     if cfg.backend == "interpreter":
-        raise BackendError("backend 'interpreter' needs TRITON_INTERPRET=1 in the environment before triton is "
-                           "imported (import rtxdsl first on a machine without CUDA, or set it yourself)")
+        raise BackendError(
+            "backend 'interpreter' needs TRITON_INTERPRET=1 in the environment before triton is "
+            "imported (import rtxdsl first on a machine without CUDA, or set it yourself)"
+        )
     return "torch", "Triton's interpreter is off (TRITON_INTERPRET unset at import), so CPU tensors run through torch"
 
 
@@ -461,8 +475,11 @@ def _explain(kernel: Kernel, launch: Launch) -> str:
     assert bound is not None
     lines = [f"{kernel!r}"]
     lines.append("inputs: " + ", ".join(f"{n}: {_fmt_meta(bound.of(v))}" for n, v in zip(kernel.inputs, kernel._vars)))
-    lines.append(f"backend: {launch.backend} ({launch.device.type})" + ("  [dry_run]" if launch.config.dry_run else "")
-                 + (f"  [{launch.note}]" if launch.note else ""))
+    lines.append(
+        f"backend: {launch.backend} ({launch.device.type})"
+        + ("  [dry_run]" if launch.config.dry_run else "")
+        + (f"  [{launch.note}]" if launch.note else "")
+    )
     minimum = _minimum_bytes(kernel, bound)
     if launch.plan is not None:
         names = {id(v): n for n, v in zip(kernel.inputs, kernel._vars)}

@@ -75,25 +75,53 @@ def _v(*names: str) -> tuple[Expr, ...]:
 
 
 WORKLOADS: list[Workload] = [
-    Workload("mul_add_relu", lambda: rx.relu(rx.var("x") * rx.var("y") + 1.0), _named(("x", "rh"), ("y", "rh")),
-             lambda x, y: torch.relu(x * y + 1.0)),
-    Workload("bias_gelu", lambda: rx.gelu(rx.var("x") + rx.var("b")), _named(("x", "rh"), ("b", "h")),
-             lambda x, b: F.gelu(x + b)),
-    Workload("bias_gelu_tanh_bf16", lambda: rx.gelu(rx.var("x") + rx.var("b"), approximate="tanh"),
-             _named(("x", "rh"), ("b", "h")), lambda x, b: F.gelu(x + b, approximate="tanh"), torch.bfloat16),
+    Workload(
+        "mul_add_relu",
+        lambda: rx.relu(rx.var("x") * rx.var("y") + 1.0),
+        _named(("x", "rh"), ("y", "rh")),
+        lambda x, y: torch.relu(x * y + 1.0),
+    ),
+    Workload(
+        "bias_gelu",
+        lambda: rx.gelu(rx.var("x") + rx.var("b")),
+        _named(("x", "rh"), ("b", "h")),
+        lambda x, b: F.gelu(x + b),
+    ),
+    Workload(
+        "bias_gelu_tanh_bf16",
+        lambda: rx.gelu(rx.var("x") + rx.var("b"), approximate="tanh"),
+        _named(("x", "rh"), ("b", "h")),
+        lambda x, b: F.gelu(x + b, approximate="tanh"),
+        torch.bfloat16,
+    ),
     Workload("softmax", lambda: rx.softmax(rx.var("x")), _named(("x", "rh")), lambda x: torch.softmax(x, -1)),
-    Workload("scaled_masked_softmax", lambda: rx.softmax(rx.var("x") * 0.125 + rx.var("m")), _masked,
-             lambda x, m: torch.softmax(x * 0.125 + m, -1)),
-    Workload("layer_norm", lambda: rx.layer_norm(*_v("x", "w", "b")), _named(("x", "rh"), ("w", "h"), ("b", "h")),
-             lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b)),
-    Workload("residual_layer_norm",
-             lambda: {"h": rx.var("x") + rx.var("r"),
-                      "y": rx.layer_norm(rx.var("x") + rx.var("r"), rx.var("w"), rx.var("b"))},
-             _named(("x", "rh"), ("r", "rh"), ("w", "h"), ("b", "h")),
-             lambda x, r, w, b: {"h": x + r, "y": F.layer_norm(x + r, x.shape[-1:], w, b)}),
-    Workload("rms_norm_swiglu", lambda: rx.swiglu(rx.rms_norm(rx.var("g"), rx.var("w")), rx.var("u")),
-             _named(("g", "rh"), ("w", "h"), ("u", "rh")),
-             lambda g, w, u: F.silu(F.rms_norm(g, g.shape[-1:], w, 1e-6)) * u),
+    Workload(
+        "scaled_masked_softmax",
+        lambda: rx.softmax(rx.var("x") * 0.125 + rx.var("m")),
+        _masked,
+        lambda x, m: torch.softmax(x * 0.125 + m, -1),
+    ),
+    Workload(
+        "layer_norm",
+        lambda: rx.layer_norm(*_v("x", "w", "b")),
+        _named(("x", "rh"), ("w", "h"), ("b", "h")),
+        lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
+    ),
+    Workload(
+        "residual_layer_norm",
+        lambda: {
+            "h": rx.var("x") + rx.var("r"),
+            "y": rx.layer_norm(rx.var("x") + rx.var("r"), rx.var("w"), rx.var("b")),
+        },
+        _named(("x", "rh"), ("r", "rh"), ("w", "h"), ("b", "h")),
+        lambda x, r, w, b: {"h": x + r, "y": F.layer_norm(x + r, x.shape[-1:], w, b)},
+    ),
+    Workload(
+        "rms_norm_swiglu",
+        lambda: rx.swiglu(rx.rms_norm(rx.var("g"), rx.var("w")), rx.var("u")),
+        _named(("g", "rh"), ("w", "h"), ("u", "rh")),
+        lambda g, w, u: F.silu(F.rms_norm(g, g.shape[-1:], w, 1e-6)) * u,
+    ),
     Workload("adamw_step", lambda: adamw(**ADAMW), _adam_inputs, lambda p, g, m, v: adamw_eager(p, g, m, v, **ADAMW)),
 ]
 
@@ -104,8 +132,7 @@ def max_error(out: Any, want: Any) -> float:
     """Largest absolute difference over one output or a dict of them, in float64."""
     outs = out if isinstance(out, dict) else {"out": out}
     wants = want if isinstance(want, dict) else {"out": want}
-    return max(((outs[k].double() - wants[k].double()).abs().max().item() if outs[k].numel() else 0.0)
-               for k in outs)
+    return max(((outs[k].double() - wants[k].double()).abs().max().item() if outs[k].numel() else 0.0) for k in outs)
 
 
 def tolerance(dtype: torch.dtype) -> float:

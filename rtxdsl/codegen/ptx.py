@@ -20,9 +20,18 @@ from typing import Any
 
 import torch
 
-_PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64",
-        torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
-        torch.bool: "*i1"}
+_PTR = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float64: "*fp64",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.int16: "*i16",
+    torch.int8: "*i8",
+    torch.uint8: "*u8",
+    torch.bool: "*i1",
+}
 
 
 @dataclass(frozen=True)
@@ -72,8 +81,9 @@ def compile_step(step: Any, tensors: list[torch.Tensor], arch: int = 90) -> Comp
         os.environ["TRITON_CACHE_DIR"] = cache
         try:
             start = time.perf_counter()
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                      options={"num_warps": step.meta.get("num_warps", 4)})
+            compiled = triton.compile(
+                src, target=GPUTarget("cuda", arch, 32), options={"num_warps": step.meta.get("num_warps", 4)}
+            )
             seconds = time.perf_counter() - start
         finally:
             if old is None:
@@ -82,8 +92,15 @@ def compile_step(step: Any, tensors: list[torch.Tensor], arch: int = 90) -> Comp
                 os.environ["TRITON_CACHE_DIR"] = old
     ptx = compiled.asm["ptx"]
     regs, spills = _ptxas_usage(ptx, arch)
-    return CompileFacts(fn.__name__, seconds, len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
-                        len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx)), regs, spills, ptx)
+    return CompileFacts(
+        fn.__name__,
+        seconds,
+        len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
+        len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx)),
+        regs,
+        spills,
+        ptx,
+    )
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
@@ -100,8 +117,11 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
-        res = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{arch}a", str(src), "-o", str(Path(d) / "k.o")],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            [str(ptxas), "-v", f"--gpu-name=sm_{arch}a", str(src), "-o", str(Path(d) / "k.o")],
+            capture_output=True,
+            text=True,
+        )
     text = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores", text)

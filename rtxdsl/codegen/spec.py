@@ -294,12 +294,8 @@ def _cdt(n: Expr, bound: Bound) -> torch.dtype:
     if rule is DtypeRule.CAST:
         return compute_dtype(bound.of(n.srcs[0]).dtype)
     if rule is DtypeRule.COMPARE:
-        a, b = (bound.of(s).value for s in n.srcs)
-        return compute_dtype(
-            torch.result_type(a, b)
-            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
-            else torch.result_type(torch.tensor(a), b)
-        )
+        a, b = (bound.of(s).like for s in n.srcs)
+        return compute_dtype(torch.result_type(a, b))
     return compute_dtype(info.dtype)
 
 

@@ -85,9 +85,9 @@ _reduction(
 )
 
 
-def rcount_value(x: torch.Tensor, axis) -> float:
+def rcount_value(x, axis) -> float:
     """How many elements a reduction over ``axis`` combines (a per-call kernel argument)."""
-    if not isinstance(x, torch.Tensor):
+    if not hasattr(x, "shape") or not x.shape:
         return 1.0
     return float(math.prod(x.shape[a] for a in _axes(axis, x.ndim)))
 

@@ -1,0 +1,1 @@
+"""rtxdsl's benchmarks (pytest-benchmark) and reports (``python -m benches.<report>``)."""

@@ -1,0 +1,72 @@
+"""Helpers shared by the benchmarks and reports: devices, sizes, host timing, tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+# (rows, hidden): decode-time rows first, then a prefill-sized batch
+CPU_SIZES = [(1, 768), (16, 768), (64, 4096)]
+GPU_SIZES = [(1, 4096), (64, 4096), (4096, 4096), (32768, 4096)]
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def host_us(fn: Callable[[], Any], calls: int = 2000, repeats: int = 7, sync: bool = False) -> float:
+    """Median over ``repeats`` of the mean host time per call, in microseconds."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if sync:
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(out)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}-{date.today().isoformat()}.json"
+    path.write_text(
+        json.dumps(
+            {"date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__, **payload},
+            indent=1,
+            default=str,
+        )
+    )
+    return path
