@@ -52,6 +52,10 @@ def markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if v is None:
+        return ""
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
     if isinstance(v, int):

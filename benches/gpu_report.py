@@ -1,0 +1,198 @@
+"""GPU report: correctness first, then speed against eager torch, torch.compile and Liger-Kernel.
+
+One command for a CUDA machine (see ../shared/gpu/README.md for the wheels to bring):
+
+    python -m benches.gpu_report            # < 6 minutes on an H200; writes benches/results/gpu-*.json
+    python -m benches.gpu_report --quick    # two sizes, no torch.compile
+
+Method: every workload is first checked against eager torch; then each implementation is
+timed with ``triton.testing.do_bench`` (CUDA events, medians) over input sets rotated so
+they do not sit in L2, never on zeros. Achieved GB/s counts the minimum bytes (inputs read
+once, outputs written once) and is shown as a fraction of a measured device-to-device copy.
+The whole-call overhead of a cached call is timed on a tiny tensor with the host clock.
+Without CUDA only the correctness checks run (kernels under Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import time
+from typing import Any
+
+import torch
+
+import rtxdsl as rx
+from benches.common import GPU_SIZES, host_us, machine, markdown, save
+from rtxdsl.workloads import WORKLOADS, Workload, max_error, tolerance
+
+L2_BYTES = 50 * 2**20
+BUDGET_S = 330  # leave room under the 6-minute target
+
+
+def check(dev: torch.device, sizes: list[tuple[int, int]]) -> list[dict]:
+    rows = []
+    for w in WORKLOADS:
+        for r, h in sizes:
+            ins = w.inputs(r, h, w.dtype, dev, torch.Generator().manual_seed(1))
+            k = rx.compile(w.expr())
+            try:
+                err = max_error(k(**ins), w.eager(**ins))
+                ok = err <= tolerance(w.dtype)
+            except Exception as exc:  # a failure is a result to report, not a crash
+                err, ok = float("nan"), False
+                print(f"  {w.name} {r}x{h}: {type(exc).__name__}: {exc}")
+            rows.append(
+                {
+                    "workload": w.name,
+                    "shape": f"{r}x{h}",
+                    "max error": err,
+                    "ok": ok,
+                    "kernels": k.launches(**ins),
+                    "eager kernels": k.summary(**ins).eager_launches,
+                }
+            )
+    return rows
+
+
+def copy_bandwidth() -> float:
+    from triton.testing import do_bench
+
+    n = 2**28  # 1 GiB of fp32
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
+def _liger(name: str) -> Any:
+    """Liger-Kernel's function for a workload, where importable."""
+    try:
+        if name == "layer_norm":
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+            return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5)
+        if name == "rms_norm_swiglu":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            return lambda g, w, u: LigerSiLUMulFunction.apply(LigerRMSNormFunction.apply(g, w, 1e-6), u)
+        if name == "softmax":
+            from liger_kernel.ops.softmax import LigerSoftmaxFunction
+
+            return lambda x: LigerSoftmaxFunction.apply(x)
+    except ImportError:
+        return None
+    return None
+
+
+def time_workload(w: Workload, rows: int, hidden: int, impls: dict[str, Any], copy_gbs: float) -> list[dict]:
+    from triton.testing import do_bench
+
+    gen = torch.Generator().manual_seed(2)
+    first = w.inputs(rows, hidden, w.dtype, torch.device("cuda"), gen)
+    k = rx.compile(w.expr())
+    s = k.summary(**first)
+    sets = [first] + [
+        w.inputs(rows, hidden, w.dtype, torch.device("cuda"), gen)
+        for _ in range(min(15, max(0, math.ceil(2 * L2_BYTES / s.bytes_minimum) - 1)))
+    ]
+    out = []
+    for impl, fn in impls.items():
+        if fn is None:
+            continue
+        cycle = itertools.cycle(sets)
+        try:
+            fn(**first)
+            ms = do_bench(lambda: fn(**next(cycle)), warmup=25, rep=100, return_mode="median")
+        except Exception as exc:
+            print(f"  {w.name} {rows}x{hidden} {impl}: {type(exc).__name__}: {exc}")
+            continue
+        gbs = s.bytes_minimum / (ms * 1e-3) / 1e9
+        out.append(
+            {
+                "workload": w.name,
+                "shape": f"{rows}x{hidden}",
+                "dtype": str(w.dtype).removeprefix("torch."),
+                "impl": impl,
+                "us": ms * 1e3,
+                "GB/s": gbs,
+                "of copy": round(gbs / copy_gbs, 3),
+                "kernels": s.kernels if impl == "rtxdsl" else None,
+            }
+        )
+    return out
+
+
+def overhead(w: Workload, impls: dict[str, Any]) -> list[dict]:
+    ins = w.inputs(1, 64, w.dtype, torch.device("cuda"), torch.Generator().manual_seed(3))
+    rows = []
+    for impl, fn in impls.items():
+        if fn is None:
+            continue
+        try:
+            rows.append(
+                {
+                    "workload": w.name,
+                    "impl": impl,
+                    "whole call us": host_us(lambda: fn(**ins), calls=2000, repeats=5, sync=True),
+                }
+            )
+        except Exception as exc:
+            print(f"  overhead {w.name} {impl}: {type(exc).__name__}: {exc}")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two sizes, no torch.compile")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    if not torch.cuda.is_available():
+        print("no CUDA device: running the correctness checks only (Triton interpreter, small sizes)")
+        rows = check(torch.device("cpu"), [(3, 100), (1, 257)])
+        print(markdown(rows, ["workload", "shape", "max error", "ok", "kernels", "eager kernels"]))
+        bad = [r for r in rows if not r["ok"]]
+        raise SystemExit(1 if bad else 0)
+
+    print(f"GPU report on {machine()}, torch {torch.__version__}")
+    checks = check(torch.device("cuda"), [(37, 781), (64, 4096)])
+    failed = {r["workload"] for r in checks if not r["ok"]}
+    print(markdown(checks, ["workload", "shape", "max error", "ok", "kernels", "eager kernels"]))
+    copy_gbs = copy_bandwidth()
+    print(f"\ndevice-to-device copy: {copy_gbs:.0f} GB/s")
+    sizes = [GPU_SIZES[0], GPU_SIZES[-1]] if args.quick else GPU_SIZES
+    timings, overheads = [], []
+    for w in WORKLOADS:
+        if w.name in failed:
+            print(f"  {w.name}: skipped (failed its correctness check)")
+            continue
+        k = rx.compile(w.expr())
+        impls: dict[str, Any] = {"rtxdsl": lambda kk=k, **ins: kk(**ins), "eager": w.eager}
+        if not args.quick and time.perf_counter() - start < BUDGET_S:
+            impls["torch.compile"] = torch.compile(w.eager, dynamic=True)
+        impls["liger"] = _liger(w.name)
+        for rows, hidden in sizes:
+            timings += time_workload(w, rows, hidden, impls, copy_gbs)
+        overheads += overhead(w, impls)
+        print(f"  {w.name}: done at {time.perf_counter() - start:.0f} s")
+    print("\n## Kernel time (do_bench median), achieved GB/s and fraction of copy bandwidth\n")
+    print(markdown(timings, ["workload", "shape", "dtype", "impl", "us", "GB/s", "of copy", "kernels"]))
+    print("\n## Whole-call time of a cached call on a 1x64 tensor (host clock, synchronized)\n")
+    print(markdown(overheads, ["workload", "impl", "whole call us"]))
+    path = save(
+        f"gpu-{torch.cuda.get_device_name().replace(' ', '_')}",
+        {
+            "copy_GBps": copy_gbs,
+            "checks": checks,
+            "timings": timings,
+            "overhead": overheads,
+            "seconds": time.perf_counter() - start,
+        },
+    )
+    print(f"\nwrote {path} in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""pytest-benchmark: each workload, rtxdsl against what a user would run instead.
+
+    pytest benches/ --benchmark-only --benchmark-group-by=group
+
+On a GPU: rtxdsl's fused kernels against eager torch and torch.compile (each call followed
+by a synchronize, so the times are whole calls). On a CPU the generated kernels would run
+under Triton's interpreter, whose speed means nothing, so rtxdsl is measured with
+``dry_run`` (every host step of a call, outputs allocated, no launch) against eager torch:
+that is the per-call overhead rtxdsl adds on top of its kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rtxdsl as rx
+from benches.common import CPU_SIZES, GPU_SIZES, device
+from rtxdsl.workloads import WORKLOADS
+
+DEV = device()
+CUDA = DEV.type == "cuda"
+SIZES = GPU_SIZES if CUDA else CPU_SIZES
+IMPLS = ["rtxdsl", "eager", "torch.compile"] if CUDA else ["rtxdsl-host(dry_run)", "eager"]
+
+
+def _runner(impl: str, w, ins: dict):
+    if impl == "eager":
+        return lambda: w.eager(**ins)
+    if impl == "torch.compile":
+        fn = torch.compile(w.eager)
+        return lambda: fn(**ins)
+    cfg = None if CUDA else rx.FusionConfig(dry_run=True)
+    k = rx.compile(w.expr(), config=cfg)
+    args = tuple(ins[n] for n in k.inputs)
+    return lambda: k(*args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("rows, hidden", SIZES, ids=lambda v: str(v))
+@pytest.mark.parametrize("w", WORKLOADS, ids=lambda w: w.name)
+def test_workload(benchmark, w, rows, hidden, impl):
+    ins = w.inputs(rows, hidden, w.dtype, DEV, torch.Generator().manual_seed(0))
+    fn = _runner(impl, w, ins)
+    fn()  # compile and cache out of the numbers
+    benchmark.group = f"{w.name} {rows}x{hidden} {str(w.dtype).removeprefix('torch.')}"
+    if CUDA:
+        benchmark(lambda: (fn(), torch.cuda.synchronize()))
+    else:
+        benchmark(fn)
