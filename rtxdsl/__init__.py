@@ -88,6 +88,7 @@ from .errors import (  # noqa: E402
     UnsupportedDtypeError,
 )
 from .expr import Expr  # noqa: E402
+from .lazy import Fusion, LazyTensor, OperationStream, lazy, sync  # noqa: E402
 from .runtime import Kernel, compile  # noqa: E402
 from .stats import FusionStatsSnapshot, fusion_stats, reset_fusion_stats  # noqa: E402
 
@@ -100,7 +101,12 @@ __all__ = [
     "DeviceMismatchError",
     "DtypeMismatchError",
     "Expr",
+    "Fusion",
     "FusionConfig",
+    "LazyTensor",
+    "OperationStream",
+    "lazy",
+    "sync",
     "FusionStatsSnapshot",
     "Kernel",
     "MissingInputError",

@@ -143,7 +143,10 @@ class Kernel:
         [0.0, 0.0, 0.0]
     """
 
-    def __init__(self, outputs: Expr | Mapping[str, Any], config: FusionConfig | None = None) -> None:
+    def __init__(
+        self, outputs: Expr | Mapping[str, Any], config: FusionConfig | None = None, stats: FusionStats | None = None
+    ) -> None:
+        self._stats = stats or GLOBAL_STATS
         if config is not None and not isinstance(config, FusionConfig):
             raise RtxError(f"config must be a FusionConfig, got {type(config).__name__}")
         if isinstance(outputs, Mapping):
@@ -257,6 +260,7 @@ class Kernel:
         device = self._validate(tensors, cfg)
         bound = bind(self._outputs, self._vars, tensors)
         launch = Launch(self, cfg, device, len(tensors))
+        launch.stats = self._stats
         launch.bound = bound
         launch.eager_launches, launch.bytes_eager = bound.eager_launches, bound.eager_bytes
         launch.backend, launch.note = _backend_for(cfg, device)

@@ -1,0 +1,211 @@
+"""The lazy stream: torch code on LazyTensors equals eager torch, with fewer launches."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rtxdsl as rx
+
+
+@pytest.fixture
+def f():
+    return rx.Fusion()
+
+
+def test_contract_example(f, gen):
+    ta, tb = torch.randn(5, 7, generator=gen), torch.randn(5, 7, generator=gen)
+    a, b = f.lazy(ta), f.lazy(tb)
+    c = torch.relu((a + b) * a)
+    assert f.pending == 3
+    assert c.shape == (5, 7) and c.dtype == torch.float32 and c.device.type == "cpu" and c.ndim == 2
+    assert f.pending == 3  # metadata does not flush
+    assert torch.equal(c.torch(), torch.relu((ta + tb) * ta))
+    s = f.stats()
+    assert (s.kernels_launched, s.fused_executions, s.kernel_launches_saved) == (1, 1, 2)
+    assert f.pending == 0
+
+
+def test_default_stream_and_global_stats(gen):
+    rx.sync()
+    rx.reset_fusion_stats()
+    t = torch.randn(9, generator=gen)
+    y = torch.sigmoid(rx.lazy(t) * 2 + 1)
+    rx.sync()
+    assert torch.allclose(y.torch(), torch.sigmoid(t * 2 + 1))
+    assert rx.fusion_stats().kernel_launches_saved == 2
+
+
+def test_methods_operators_functional_and_reductions(f, gen):
+    t = torch.randn(6, 33, generator=gen)
+    w, b = torch.randn(33, generator=gen), torch.randn(33, generator=gen)
+
+    def prog(x):
+        h = F.layer_norm(x, (33,), w, b)
+        h = F.gelu(h, approximate="tanh") * 0.5 - x.abs().sqrt()
+        s = torch.softmax(h * 0.125, dim=-1)
+        return {
+            "s": s,
+            "lse": h.logsumexp(-1),
+            "v": h.var(-1, keepdim=True),
+            "m": h.mean(),
+            "c": (h > 0).float(),
+            "r": 2.0 - h / 3,
+            "mx": torch.maximum(h, x),
+            "cl": h.clamp(min=-0.1),
+        }
+
+    want = prog(t)
+    got = prog(f.lazy(t))
+    f.sync()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k].torch(), v, atol=1e-5, rtol=1e-5, msg=k)
+
+
+def test_matmul_is_a_sync_point_and_results_wrap_again(f, gen):
+    x, w = torch.randn(4, 8, generator=gen), torch.randn(8, 3, generator=gen)
+    a = f.lazy(x)
+    y = torch.relu(a * 2) @ w + 1
+    assert isinstance(y, rx.LazyTensor) and y.is_pending
+    assert torch.allclose(y.torch(), torch.relu(x * 2) @ w + 1)
+    assert "segment closed by: data access" in f.explain()
+
+
+def test_unsupported_and_random_ops_run_eagerly(f, gen):
+    x = torch.randn(4, 8, generator=gen)
+    a = f.lazy(x)
+    cs = torch.cumsum(a + 1, dim=1)  # unsupported: sync point
+    assert torch.allclose(cs.torch(), torch.cumsum(x + 1, dim=1))
+    r = torch.rand_like(a)  # random: eager
+    assert r.shape == (4, 8)
+    vals, idx = torch.max(a, dim=1)  # tuple results wrap again
+    assert torch.equal(vals.torch(), x.max(1).values) and torch.equal(idx.torch(), x.max(1).indices)
+
+
+def test_kept_intermediates_are_written_dropped_ones_are_not(f, gen):
+    x = torch.randn(1000, generator=gen)
+    a = f.lazy(x)
+    h = a * 2 + 1  # kept
+    y = torch.exp(h) - 1
+    f.sync()
+    s = f.stats()
+    assert s.kernels_launched == 1 and s.bytes_moved == 3 * 4000  # read x, write h and y
+    assert torch.allclose(h.torch(), x * 2 + 1) and torch.allclose(y.torch(), torch.exp(x * 2 + 1) - 1, atol=1e-6)
+    f.reset_stats()
+    z = torch.exp(f.lazy(x) * 2 + 1) - 1  # the intermediate is not held
+    f.sync()
+    assert f.stats().bytes_moved == 2 * 4000 and torch.allclose(z.torch(), torch.exp(x * 2 + 1) - 1, atol=1e-6)
+
+
+def test_inplace_ops_and_aliasing_match_eager(f, gen):
+    base = torch.randn(6, generator=gen)
+    t_eager, t_lazy = base.clone(), base.clone()
+    view_eager, view_lazy = t_eager[:3], t_lazy[:3]
+
+    def prog(t, lazy):
+        a = f.lazy(t) if lazy else t
+        b = a * 2  # a pending reader of t
+        a.add_(1)
+        a.mul_(3)
+        a += b
+        c = a.sigmoid()
+        return b, c
+
+    b_e, c_e = prog(t_eager, False)
+    b_l, c_l = prog(t_lazy, True)
+    f.sync()
+    assert torch.allclose(b_l.torch(), b_e) and torch.allclose(c_l.torch(), c_e)
+    assert torch.allclose(t_lazy, t_eager) and torch.allclose(view_lazy, view_eager)
+
+
+def test_views_of_materialized_values_are_free(f, gen):
+    x = torch.randn(4, 6, generator=gen)
+    a = f.lazy(x)
+    y = a.view(2, 12).t().unsqueeze(0) * 2
+    assert f.pending == 1
+    assert torch.equal(y.torch(), x.view(2, 12).t().unsqueeze(0) * 2)
+    z = (a + 1).reshape(24)  # a view of a pending value flushes it first
+    assert torch.equal(z.torch(), (x + 1).reshape(24))
+
+
+def test_queue_cap_flushes(gen):
+    f = rx.Fusion(rx.FusionConfig(max_queued_ops=4))
+    a = f.lazy(torch.ones(3))
+    for _ in range(9):
+        a = a + 1
+        assert f.pending < 4
+    assert a.torch().tolist() == [10.0, 10.0, 10.0]
+
+
+def test_nn_module_on_lazy_inputs_transformer_block(f, gen):
+    torch.manual_seed(0)
+    ln, l1, l2 = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+    x = torch.randn(8, 32, generator=gen)
+
+    def block(x):
+        h = l2(F.gelu(l1(ln(x))))
+        return torch.softmax(h + x, dim=-1)
+
+    with torch.no_grad():
+        want = block(x)
+        got = block(f.lazy(x)).torch()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    s = f.stats()
+    eager = s.kernels_launched + s.kernel_launches_saved
+    assert eager == 6  # layer_norm, linear, gelu, linear, add, softmax
+    assert s.kernels_launched == 5  # the residual add fuses into softmax
+
+
+def test_steady_loop_plans_once_and_stays_bounded(gen):
+    f = rx.Fusion()
+    p = torch.randn(64, generator=gen)
+    m = torch.zeros(64)
+    for step in range(100):
+        g = torch.randn(64, generator=gen)
+        lp, lm = f.lazy(p), f.lazy(m)
+        lm.mul_(0.9).add_(f.lazy(g) * 0.1)
+        lp.sub_(lm * 0.01)
+        f.sync()
+        if step == 1:
+            plans, entries = f.plans, rx.cache_stats().entries
+    assert f.plans == plans and rx.cache_stats().entries == entries
+    assert f.pending == 0 and all(not s.leaves and not s.holders for s in f._streams.values())
+
+
+def test_logging(f, caplog, gen):
+    with caplog.at_level(logging.INFO, logger="rtxdsl"):
+        (f.lazy(torch.ones(3)) * 2).torch()
+    assert any("flush" in r.message for r in caplog.records)
+
+
+def test_errors_surface_at_record_time(f):
+    a = f.lazy(torch.ones(3))
+    with pytest.raises(rx.ShapeError):
+        a + f.lazy(torch.ones(4))
+    with pytest.raises(rx.RtxError):
+        rx.LazyTensor()
+
+
+def test_inplace_update_fuses_and_lands_in_the_tensor(f, gen):
+    p, m, g = (torch.randn(257, generator=gen) for _ in range(3))
+    p0, m0 = p.clone(), m.clone()
+    lm = f.lazy(m)
+    lm.mul_(0.9).add_(f.lazy(g) * 0.1)
+    f.lazy(p).sub_(lm * 0.01)  # nobody holds this lazy tensor: the write still lands
+    f.sync()
+    want_m = m0 * 0.9 + g * 0.1
+    assert torch.allclose(m, want_m) and torch.allclose(p, p0 - want_m * 0.01)
+    s = f.stats()
+    assert s.kernels_launched == 3 and s.fused_executions == 1  # one fused update + the two write-backs
+
+
+def test_reading_another_view_of_a_pending_write_flushes_first(f):
+    t = torch.zeros(4)
+    f.lazy(t).add_(1)
+    y = f.lazy(t[:2]) * 3  # aliases t: must see the write
+    assert y.torch().tolist() == [3.0, 3.0]
+    z = f.lazy(t) + 1  # t itself after the write
+    assert z.torch().tolist() == [2.0, 2.0, 2.0, 2.0]
