@@ -48,3 +48,26 @@ def test_workload(benchmark, w, rows, hidden, impl):
         benchmark(lambda: (fn(), torch.cuda.synchronize()))
     else:
         benchmark(fn)
+
+
+@pytest.mark.parametrize("impl", ["rtxdsl-lazy", "eager"])
+@pytest.mark.parametrize("rows, d", [(1, 256), (64, 768)], ids=str)
+def test_lazy_transformer_block(benchmark, rows, d, impl):
+    """The transformer-block epilogue sequence (issue 5) as ordinary torch code on lazy tensors."""
+    from benches.lazy_report import Block
+
+    torch.manual_seed(0)
+    block = Block(d).to(DEV)
+    x = torch.randn(rows, d, device=DEV)
+    benchmark.group = f"lazy transformer block {rows}x{d}"
+    if impl == "eager":
+        fn = lambda: block(x)  # noqa: E731
+    else:
+        f = rx.Fusion(None if CUDA else rx.FusionConfig(dry_run=True))
+        fn = lambda: block(f.lazy(x)).torch()  # noqa: E731
+    with torch.no_grad():
+        fn()
+        if CUDA:
+            benchmark(lambda: (fn(), torch.cuda.synchronize()))
+        else:
+            benchmark(fn)

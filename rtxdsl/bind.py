@@ -150,11 +150,42 @@ def broadcast_shapes(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def infer_all(roots: list[Expr], info: dict[int, Info]) -> None:
-    """Type every node reachable from ``roots`` that ``info`` does not know yet."""
-    for n in walk(roots):
-        if id(n) not in info:
-            info[id(n)] = _infer(n, info)
+def infer_all(roots: list[Expr], info: dict[int, Info]) -> list[Expr]:
+    """Type every node reachable from ``roots`` that ``info`` does not know yet; return those nodes.
+
+    Known nodes are not descended into, so typing a new op over a large typed DAG costs
+    only the new nodes (the lazy stream records one op at a time).
+    """
+    new: list[Expr] = []
+    stack: list[tuple[Expr, bool]] = [(r, False) for r in roots]
+    while stack:
+        n, ready = stack.pop()
+        if id(n) in info:
+            continue
+        if ready:
+            info[id(n)] = _typed(n, info)
+            new.append(n)
+            continue
+        stack.append((n, True))
+        stack.extend((s, False) for s in n.srcs if id(s) not in info)
+    return new
+
+
+_MEMO: dict[tuple, Info] = {}
+
+
+def _typed(n: Expr, info: dict[int, Info]) -> Info:
+    """``_infer`` memoized on (op, attributes, operand dtypes and shapes): a loop types each op once."""
+    srcs = [info[id(s)] for s in n.srcs]
+    if n.op == "const" or all(i.is_scalar for i in srcs):
+        return _infer(n, info)
+    key = (n.op, n.attrs, tuple((i.dtype, i.shape) if not i.is_scalar else type(i.value) for i in srcs))
+    hit = _MEMO.get(key)
+    if hit is None:
+        if len(_MEMO) > 4096:
+            _MEMO.clear()
+        hit = _MEMO[key] = _infer(n, info)
+    return hit
 
 
 def bind(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], tensors: tuple[torch.Tensor, ...]) -> Bound:

@@ -84,14 +84,19 @@ class Expr:
 
 def node(op: str, *srcs: Expr | Scalar, **attrs: Any) -> Expr:
     """Build ``op`` over ``srcs`` (python scalars become constants) after checking arity."""
-    from .ops import REGISTRY
-
-    opdef = REGISTRY.get(op)
+    opdef = _registry().get(op)
     if opdef is None:
         raise RtxError(f"unknown op {op!r}")
     if len(srcs) != opdef.arity:
         raise RtxError(f"op {op!r} takes {opdef.arity} operands, got {len(srcs)}")
     return Expr(op, tuple(as_expr(s, op) for s in srcs), attrs)
+
+
+def _registry() -> dict:
+    from .ops import REGISTRY  # imported on first use: ops/ builds expressions too
+
+    globals()["_registry"] = lambda: REGISTRY
+    return REGISTRY
 
 
 def as_expr(value: Any, where: str = "expression") -> Expr:

@@ -281,7 +281,8 @@ class OperationStream:
     def __init__(self, fusion: Fusion, device: torch.device) -> None:
         self.fusion = fusion
         self.device = device
-        self.info: dict[int, tuple[Expr, Info]] = {}
+        self.info: dict[int, Info] = {}  # types of the nodes recorded since the last flush
+        self.keep: list[Expr] = []  # ... kept alive while their ids are keys above
         self.leaves: dict[int, tuple[torch.Tensor, Expr]] = {}  # id(tensor) -> (tensor, var)
         self.holders: list[weakref.ref[LazyTensor]] = []
         # tensors written in place by pending values: id -> (tensor, writers in program order)
@@ -302,18 +303,15 @@ class OperationStream:
         self._counter += 1
         v = rx.var(f"t{self._counter}")
         self.leaves[id(t)] = (t, v)
-        self.info[id(v)] = (v, Info.tensor(tuple(t.shape), t.dtype))
+        self.info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
+        self.keep.append(v)
         return v
 
     def record(self, expr: Expr) -> LazyTensor:
-        known = {k: i for k, (_, i) in self.info.items()}
-        infer_all([expr], known)
-        for n in walk([expr]):
-            if id(n) not in self.info:
-                self.info[id(n)] = (n, known[id(n)])
+        self.keep.extend(infer_all([expr], self.info))
         self.queued += 1
         log.debug("rtxdsl: queued %s (%d pending)", expr, self.queued)
-        lt = LazyTensor._pending(self, expr, self.info[id(expr)][1])
+        lt = LazyTensor._pending(self, expr, self.info[id(expr)])
         self.holders.append(weakref.ref(lt))
         if self.queued >= self.fusion.config.max_queued_ops:
             self.flush(f"queue cap ({self.fusion.config.max_queued_ops} ops)")
@@ -348,17 +346,12 @@ class OperationStream:
             for w in ws:
                 w._value, w._home = home, None
         self.fusion._last = (reason, kernel, tuple(tensors))
-        log.info(
-            "rtxdsl: flush (%s): %d ops -> %d kernel(s), %d output(s)",
-            reason,
-            self.queued,
-            kernel.launches(*tensors),
-            len(live),
-        )
+        log.info("rtxdsl: flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(live))
         self._reset()
 
     def _reset(self) -> None:
         self.info.clear()
+        self.keep.clear()
         self.leaves.clear()
         self.holders.clear()
         self.homes.clear()
@@ -616,7 +609,9 @@ class LazyTensor:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
+        lazies = [a for a in args if isinstance(a, LazyTensor)]
+        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):  # nested or keyword tensors
+            lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
         fusion = lazies[0]._stream.fusion
         if func in INPLACE:
             return _inplace(func, args, kwargs)
