@@ -97,7 +97,7 @@ class FusionAnalyzer:
         small = {id(n) for g in groups if len(g.nodes) < self.config.min_fusion_ops for n in g.nodes}
         if small:
             groups = self._partition(bound, solo=small)
-        return FusionPlan(self._finish(groups, bound), bound)
+        return FusionPlan(self._finish(self._absorb_per_row(groups), bound), bound)
 
     # ---- partitioning ---------------------------------------------------------------
     def _partition(self, bound: Bound, solo: set[int]) -> list[FusionGroup]:
@@ -152,9 +152,14 @@ class FusionAnalyzer:
         """The role ``n`` would have in ``g`` (merged with ``also``), or None if it cannot join."""
         shape = self.bound.of(n).shape
         if not g.is_row:
+            if REGISTRY[n.op].view and any(self.group_of.get(id(s)) in (g, also) for s in n.srcs):
+                return None  # reindexing a value computed in this kernel: it must be written first
             return Role.FULL if shape == g.shape else None
         homes = [h for h in (g, also) if h is not None]
         inner = [h.role(s) for s in n.srcs for h in homes if self.group_of.get(id(s)) is h]
+        if REGISTRY[n.op].view and inner:  # a per-row value regains its reduced dims
+            ok = inner == [Role.DROP] and tuple(sorted(n.attr("axes"))) == g.axes and shape == g.keep_shape()
+            return Role.KEEP if ok else None
         if Role.DROP in inner:
             return Role.DROP if shape == g.drop_shape() and all(r is Role.DROP for r in inner) else None
         if shape == g.shape:
@@ -265,6 +270,28 @@ class FusionAnalyzer:
         a.nodes = sorted(a.nodes + b.nodes, key=lambda m: order[id(m)])
         self.groups.remove(b)
         return a
+
+    def _absorb_per_row(self, groups: list[FusionGroup]) -> list[FusionGroup]:
+        """Per-row math on leaves (e.g. rstd from a saved variance) joins the one row kernel reading it."""
+        for p in list(groups):
+            if p.is_row or any(id(m) in self.requested or id(m) in self.solo for m in p.nodes):
+                continue
+            readers = {
+                id(h): h for m in p.nodes for c in self.consumers.get(id(m), ()) if (h := self.group_of[id(c)]) is not p
+            }
+            if len(readers) != 1:
+                continue
+            (r,) = readers.values()
+            if not r.is_row or p.shape != r.keep_shape() or len(r.nodes) + len(p.nodes) > self.config.max_fusion_ops:
+                continue
+            if any(id(s) in self.group_of and self.group_of[id(s)] is not p for m in p.nodes for s in m.srcs):
+                continue  # reads another kernel's output: keep the order simple
+            for m in p.nodes:
+                r.roles[id(m)] = Role.KEEP
+                self.group_of[id(m)] = r
+            r.nodes[:0] = p.nodes
+            groups.remove(p)
+        return groups
 
     # ---- outputs, inputs, order -------------------------------------------------------
     def _finish(self, groups: list[FusionGroup], bound: Bound) -> list[FusionGroup]:

@@ -123,6 +123,11 @@ def _infer(n: Expr, info: dict[int, Info]) -> Info:
 
 def _shape(n: Expr, srcs: list[Info]) -> tuple[int, ...]:
     """Broadcasting for elementwise ops, the reduction rule for ops with ``axis``/``keepdim``."""
+    if n.op == "unsqueeze":
+        out = list(srcs[0].shape)
+        for ax in sorted(n.attr("axes")):
+            out.insert(ax, 1)
+        return tuple(out)
     if "keepdim" in dict(n.attrs):
         from .ops.reduction import axes_of
 

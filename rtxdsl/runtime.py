@@ -165,6 +165,7 @@ class Kernel:
         self._index = {n: i for i, n in enumerate(self.inputs)}
         self._config = config
         self._seen_config: FusionConfig | None = None
+        self._grad_plans: dict[tuple, Any] = {}
         self._launches: OrderedDict[tuple, Launch] = OrderedDict()
         self._key = _key_function(len(self.inputs))
 
@@ -185,6 +186,7 @@ class Kernel:
         cfg = self._config or get_config()
         if cfg is not self._seen_config:  # launches are prepared for one config
             self._launches.clear()
+            self._grad_plans.clear()
             self._seen_config = cfg
         tensors = self._collect(args, kwargs)
         try:
@@ -195,7 +197,21 @@ class Kernel:
         launch = self._launches.get(key)
         if launch is None:
             launch = self._prepare(tensors, cfg, key)
+        if torch.is_grad_enabled() and any([t.requires_grad for t in tensors]):
+            return self._grad_call(tensors, launch, key)
         return launch.run(tensors)
+
+    def _grad_call(self, tensors: tuple, launch: Launch, key: tuple) -> Any:
+        """Through torch.autograd: fused forward (saving row statistics) and fused backward."""
+        from . import autograd
+
+        needs = [t.requires_grad for t in tensors]
+        gkey = (key, tuple(needs))
+        plan = self._grad_plans.get(gkey)
+        if plan is None:
+            assert launch.bound is not None
+            plan = self._grad_plans[gkey] = autograd.build(self, launch.bound, needs)
+        return autograd.call(self, plan, tensors)
 
     def _collect(self, args: tuple, kwargs: dict) -> tuple:
         n = len(self.inputs)

@@ -69,9 +69,9 @@ class _Writer:
     # ---- parameters -------------------------------------------------------------------
     def _load_names(self) -> list[str]:
         names, seen = [], set()
-        for ld in self.spec.loads:
+        for k, ld in enumerate(self.spec.loads):
             base = f"in{ld.input}"
-            names.append(base if ld.input not in seen else f"{base}_{ld.role}")
+            names.append(base if ld.input not in seen else f"{base}_{k}")  # loaded again, re-laid-out
             seen.add(ld.input)
         return names
 

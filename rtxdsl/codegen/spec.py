@@ -148,7 +148,7 @@ def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple
     """Spec and launch arguments for ``group``; ``layouts`` maps id(input node) -> its tensor layout."""
     index = {id(n): i for i, n in enumerate(group.nodes)}
     slots: list[Expr] = []  # constants (scalar subexpressions are folded into them at bind)
-    loads: list[tuple[int, Role]] = []
+    loads: list[tuple[int, Role, tuple[int, ...] | None]] = []
     inputs = {id(n): i for i, n in enumerate(group.inputs)}
     kernel_float = (
         torch.float64
@@ -161,12 +161,12 @@ def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple
             slots.append(s)
         return ("s", next(i for i, o in enumerate(slots) if o is s))
 
-    def ref(s: Expr, consumer_role: Role) -> tuple:
+    def ref(s: Expr, consumer_role: Role, view: tuple[int, ...] | None = None) -> tuple:
         if id(s) in index:
             return ("n", index[id(s)])
         if s.op == "const":
             return slot(s)
-        key = (inputs[id(s)], consumer_role)
+        key = (inputs[id(s)], consumer_role, view)
         if key not in loads:
             loads.append(key)
         return ("l", loads.index(key))
@@ -176,7 +176,8 @@ def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple
         role = group.role(n)
         opdef = REGISTRY[n.op]
         load_role = Role.FULL if opdef.kind is OpKind.REDUCTION else role
-        srcs = tuple(ref(s, load_role) for s in n.srcs)
+        view = tuple(sorted(n.attr("axes"))) if opdef.view else None
+        srcs = tuple(ref(s, load_role, view) for s in n.srcs)
         node_specs.append(NodeSpec(n.op, n.attrs, srcs, bound.of(n).dtype, _cdt(n, bound), role.value))
 
     # ---- layouts: every operand as strides over the domain --------------------------
@@ -192,8 +193,14 @@ def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple
         return strides_of_role
 
     operand_strides: list[tuple[int, ...]] = []
-    for j, role in loads:
+    for j, role, view in loads:
         lay = layouts[id(group.inputs[j])]
+        if view is not None:  # an unsqueezed operand: the same memory with size-1 dims inserted
+            shape, strides = list(lay.shape), list(lay.strides)
+            for ax in view:
+                shape.insert(ax, 1)
+                strides.insert(ax, 0)
+            lay = Layout(tuple(shape), tuple(strides), lay.dtype)
         target = {Role.FULL: domain, Role.KEEP: keep_shape, Role.DROP: drop_shape}[role]
         operand_strides.append(over_domain(expand_strides(lay, target), role))
     out_roles = [group.role(o) for o in group.outputs]
@@ -228,7 +235,7 @@ def build(group: FusionGroup, bound: Bound, layouts: dict[int, Layout]) -> tuple
     big = reach >= INT32_LIMIT
 
     classes = [(tuple(_cls(s) for s in r), tuple(_cls(s) for s in c)) for r, c in zip(row_strides, col_strides)]
-    load_specs = tuple(LoadSpec(j, role.value, *classes[k]) for k, (j, role) in enumerate(loads))
+    load_specs = tuple(LoadSpec(j, role.value, *classes[k]) for k, (j, role, _) in enumerate(loads))
     if not group.is_row:  # pointwise outputs are contiguous over the domain: written at offs
         classes[len(loads) :] = [((), ())] * len(group.outputs)
         row_strides, col_strides = row_strides[: len(loads)], col_strides[: len(loads)]

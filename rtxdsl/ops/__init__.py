@@ -93,6 +93,8 @@ class OpDef:
     pattern: str | None = None
     #: cheap to recompute (no transcendental, no division)
     cheap: bool = False
+    #: a view (size-1 dims inserted): no data moves; loads read the operand re-laid-out
+    view: bool = False
     #: infix operator for printing, e.g. "+"
     symbol: str | None = None
     doc: str = ""
@@ -150,4 +152,9 @@ register(
     )
 )
 
-from . import composite, elementwise, reduction  # noqa: E402,F401  (fills REGISTRY)
+from . import (  # noqa: E402,F401  (fills REGISTRY)
+    composite,
+    derivatives,  # noqa: E402,F401  (fills the derivative slots)
+    elementwise,
+    reduction,
+)

@@ -339,3 +339,26 @@ _ew(
     cheap=True,
 )
 _ew("cast", 1, lambda a, dtype: a.to(dtype), _cast, accepts=ANY, rule=DtypeRule.CAST, cheap=True)
+
+
+def _unsqueeze_ref(a: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    for ax in sorted(axes):
+        a = a.unsqueeze(ax)
+    return a
+
+
+# size-1 dims inserted at ``axes`` (of the result): what a keepdim=False reduction's gradient
+# needs to broadcast back; inside a row kernel it only turns a per-row value's role around
+register(
+    OpDef(
+        name="unsqueeze",
+        kind=OpKind.ELEMENTWISE,
+        arity=1,
+        ref=_unsqueeze_ref,
+        emit=lambda c, a: a,
+        eager_launches=0,
+        accepts=ANY,
+        cheap=True,
+        view=True,
+    )
+)
