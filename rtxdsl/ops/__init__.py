@@ -152,9 +152,7 @@ register(
     )
 )
 
-from . import (  # noqa: E402,F401  (fills REGISTRY)
-    composite,
-    derivatives,  # noqa: E402,F401  (fills the derivative slots)
-    elementwise,
-    reduction,
-)
+from . import composite, elementwise, reduction  # noqa: E402,F401,I001  (fill REGISTRY)
+
+# derivative rules are written with the ops above, so they come last
+from . import derivatives  # noqa: E402,F401,I001
