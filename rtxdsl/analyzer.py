@@ -97,7 +97,7 @@ class FusionAnalyzer:
         small = {id(n) for g in groups if len(g.nodes) < self.config.min_fusion_ops for n in g.nodes}
         if small:
             groups = self._partition(bound, solo=small)
-        return FusionPlan(self._finish(self._absorb_per_row(groups), bound), bound)
+        return FusionPlan(self._finish(self._absorb_per_row(self._siblings(groups)), bound), bound)
 
     # ---- partitioning ---------------------------------------------------------------
     def _partition(self, bound: Bound, solo: set[int]) -> list[FusionGroup]:
@@ -258,7 +258,9 @@ class FusionAnalyzer:
         return False
 
     def _can_merge(self, a: FusionGroup, b: FusionGroup) -> bool:
-        if (a.shape, a.axes) != (b.shape, b.axes) or len(a.nodes) + len(b.nodes) > self.config.max_fusion_ops:
+        """Same domain, or a pointwise group over a row group's full shape; no cycle; within the cap."""
+        same = a.shape == b.shape and (a.axes == b.axes or not a.is_row or not b.is_row)
+        if not same or len(a.nodes) + len(b.nodes) > self.config.max_fusion_ops:
             return False
         return not self._reaches(a, b) and not self._reaches(b, a)
 
@@ -267,9 +269,29 @@ class FusionAnalyzer:
         for m in b.nodes:
             self.group_of[id(m)] = a
         a.roles.update(b.roles)
+        a.axes = a.axes or b.axes  # a pointwise group merged with a row group becomes its prologue
         a.nodes = sorted(a.nodes + b.nodes, key=lambda m: order[id(m)])
         self.groups.remove(b)
         return a
+
+    def _siblings(self, groups: list[FusionGroup]) -> list[FusionGroup]:
+        """Independent groups over the same domain become one kernel (shared inputs read once)."""
+        merged = True
+        while merged:
+            merged = False
+            for i, a in enumerate(groups):
+                for b in groups[i + 1 :]:
+                    if (
+                        (a.shape, a.axes) == (b.shape, b.axes)
+                        and not any(id(m) in self.solo for m in [*a.nodes, *b.nodes])
+                        and self._can_merge(a, b)
+                    ):
+                        self._merge(a, b)  # removes b from self.groups, which is ``groups``
+                        merged = True
+                        break
+                if merged:
+                    break
+        return groups
 
     def _absorb_per_row(self, groups: list[FusionGroup]) -> list[FusionGroup]:
         """Per-row math on leaves (e.g. rstd from a saved variance) joins the one row kernel reading it."""

@@ -35,6 +35,11 @@ def _keep(x: Expr, op: str, axis) -> Expr:
     return node(op, x, axis=axis, keepdim=True)
 
 
+def _shift(x: Expr, axis) -> Expr:
+    """The max subtracted for stability: its gradient cancels exactly, so it is detached."""
+    return node("detach", _keep(x, "amax", axis))
+
+
 def mean(x: Expr, axis, keepdim: bool) -> Expr:
     return node("div", node("sum", x, axis=axis, keepdim=keepdim), node("rcount", x, axis=axis))
 
@@ -46,7 +51,7 @@ def variance(x: Expr, correction: Expr, axis, keepdim: bool) -> Expr:
 
 
 def logsumexp(x: Expr, axis, keepdim: bool) -> Expr:
-    m = _keep(x, "amax", axis)
+    m = _shift(x, axis)
     # torch shifts by 0 where the max is infinite, so all -inf rows give -inf, not nan
     m = node("where", node("eq", node("abs", m), float("inf")), 0.0, m)
     s = node("sum", node("exp", node("sub", x, m)), axis=axis, keepdim=keepdim)
@@ -55,12 +60,12 @@ def logsumexp(x: Expr, axis, keepdim: bool) -> Expr:
 
 
 def softmax(x: Expr, axis) -> Expr:
-    e = node("exp", node("sub", x, _keep(x, "amax", axis)))
+    e = node("exp", node("sub", x, _shift(x, axis)))
     return node("div", e, _keep(e, "sum", axis))
 
 
 def log_softmax(x: Expr, axis) -> Expr:
-    z = node("sub", x, _keep(x, "amax", axis))
+    z = node("sub", x, _shift(x, axis))
     return node("sub", z, node("log", _keep(node("exp", z), "sum", axis)))
 
 

@@ -141,7 +141,7 @@ RULES = {
     "amin": _extreme,
     "unsqueeze": lambda d: (node("sum", d.g, axis=tuple(d.n.attr("axes")), keepdim=False),),
 }
-NONDIFFERENTIABLE = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor", "invert"}
+NONDIFFERENTIABLE = {"detach", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor", "invert"}
 
 for _name, _rule in RULES.items():
     REGISTRY[_name] = replace(REGISTRY[_name], derivative=_rule)
