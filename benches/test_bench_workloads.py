@@ -71,3 +71,25 @@ def test_lazy_transformer_block(benchmark, rows, d, impl):
             benchmark(lambda: (fn(), torch.cuda.synchronize()))
         else:
             benchmark(fn)
+
+
+@pytest.mark.parametrize("impl", ["rtxdsl", "eager"] + (["torch.compile"] if CUDA else []))
+@pytest.mark.parametrize("op", ["bias_gelu", "layer_norm", "rms_norm", "softmax", "swiglu"])
+def test_forward_backward(benchmark, op, impl):
+    """Forward + backward (issue 6); on a CPU rtxdsl runs dry (host work of both passes only)."""
+    from benches.autograd_report import CASES
+
+    expr, eager, names = CASES[op]
+    rows, hidden = (4096, 4096) if CUDA else (16, 768)
+    shapes = {"x": (rows, hidden), "y": (rows, hidden), "w": (hidden,), "b": (hidden,)}
+    ins = {n: torch.randn(shapes[n], device=DEV, requires_grad=True) for n in names}
+    go = torch.randn(rows, hidden, device=DEV)
+    if impl == "rtxdsl":
+        k = rx.compile(expr, config=None if CUDA else rx.FusionConfig(dry_run=True))
+        fn = lambda: k(**ins).backward(go)  # noqa: E731
+    else:
+        f = torch.compile(eager) if impl == "torch.compile" else eager
+        fn = lambda: f(**ins).backward(go)  # noqa: E731
+    fn()
+    benchmark.group = f"fwd+bwd {op} {rows}x{hidden}"
+    benchmark(lambda: (fn(), torch.cuda.synchronize()) if CUDA else fn())

@@ -26,7 +26,7 @@ from . import dsl as rx
 from .bind import Info, infer_all
 from .config import FusionConfig, get_config
 from .errors import RtxError
-from .expr import Expr, variables, walk
+from .expr import Expr
 from .runtime import Kernel
 from .stats import GLOBAL_STATS, FusionStats, FusionStatsSnapshot
 
@@ -356,6 +356,7 @@ class OperationStream:
         self.holders.clear()
         self.homes.clear()
         self.queued = 0
+        self._counter = 0  # leaves are named by first use within a segment
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -432,28 +433,23 @@ class Fusion:
         return len(self._plans)
 
     def _plan(self, roots: list[Expr], stream: OperationStream) -> tuple[Kernel, list[torch.Tensor]]:
-        """The kernel for these roots, keyed by their structure with leaves renamed by first use.
+        """The kernel for these roots, found by identity.
 
-        Expressions are interned, so the renamed roots are the same objects whenever a loop
-        records the same sequence: the key costs one walk, and the kernel (with its prepared
-        launches) is reused without analysis.
+        Leaves are named by their order of first use in the segment and expressions are
+        interned, so a loop that records the same sequence builds the very same root
+        objects: the plan lookup is one dict probe, and the kernel (with its prepared
+        launches) is reused without analysis. Sizes and scalar values are not in the key's
+        structure beyond what the expressions hold (constants are part of an expression).
         """
-        leaves = variables(roots)
-        memo: dict[int, Expr] = {id(v): rx.var(f"a{k}") for k, v in enumerate(leaves)}
-        for n in walk(roots):
-            if id(n) not in memo:
-                memo[id(n)] = Expr(n.op, tuple(memo[id(s)] for s in n.srcs), n.attr_dict) if n.srcs else n
-        canon = tuple(memo[id(r)] for r in roots)
+        canon = tuple(roots)
         kernel = self._plans.get(canon)
         if kernel is None:
             kernel = Kernel({f"o{k}": r for k, r in enumerate(canon)}, self._config, stats=self._stats)
             self._plans[canon] = kernel
             while len(self._plans) > self.config.cache_size:
                 self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(canon)
         tensor_of = {id(v): t for t, v in stream.leaves.values()}
-        return kernel, [tensor_of[id(v)] for v in leaves]
+        return kernel, [tensor_of[id(v)] for v in kernel._vars]
 
     def _eager(self, func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
         """A sync point: materialize lazy arguments, run ``func`` eagerly, wrap tensor results."""

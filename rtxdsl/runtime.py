@@ -86,6 +86,7 @@ class Launch:
         self.bound: Bound | None = None
         self.backend = ""
         self.note = ""  # why this backend, when it is not the obvious one
+        self.any_grad = False  # some input requires grad: calls go through torch.autograd
         self.stats: FusionStats = GLOBAL_STATS
         self.kernels = self.fused = self.eager_launches = self.bytes_moved = self.bytes_eager = 0
 
@@ -188,7 +189,7 @@ class Kernel:
             self._launches.clear()
             self._grad_plans.clear()
             self._seen_config = cfg
-        tensors = self._collect(args, kwargs)
+        tensors = args if not kwargs and len(args) == len(self.inputs) else self._collect(args, kwargs)
         try:
             key = self._key(*tensors)
         except AttributeError:
@@ -197,7 +198,7 @@ class Kernel:
         launch = self._launches.get(key)
         if launch is None:
             launch = self._prepare(tensors, cfg, key)
-        if torch.is_grad_enabled() and any([t.requires_grad for t in tensors]):
+        if launch.any_grad and torch.is_grad_enabled():
             return self._grad_call(tensors, launch, key)
         return launch.run(tensors)
 
@@ -277,6 +278,7 @@ class Kernel:
         bound = bind(self._outputs, self._vars, tensors)
         launch = Launch(self, cfg, device, len(tensors))
         launch.stats = self._stats
+        launch.any_grad = any(t.requires_grad for t in tensors)
         launch.bound = bound
         launch.eager_launches, launch.bytes_eager = bound.eager_launches, bound.eager_bytes
         launch.backend, launch.note = _backend_for(cfg, device)
@@ -459,9 +461,9 @@ class _quiet:
 
 
 def _key_function(n: int) -> Any:
-    """``key(t0, t1, ...)``: dtype, shape, strides and device of each input, as one flat tuple."""
+    """``key(t0, t1, ...)``: dtype, shape, strides, device and requires_grad of each input, as one flat tuple."""
     names = ", ".join(f"t{i}" for i in range(n))
-    fields = "".join(f"t{i}.dtype, t{i}.shape, t{i}.stride(), t{i}.device, " for i in range(n))
+    fields = "".join(f"t{i}.dtype, t{i}.shape, t{i}.stride(), t{i}.device, t{i}.requires_grad, " for i in range(n))
     scope: dict[str, Any] = {}
     exec(f"def key({names}):\n    return ({fields})\n", scope)  # noqa: S102 - fixed template, no user text
     return scope["key"]
