@@ -89,6 +89,7 @@ from .errors import (  # noqa: E402
 )
 from .expr import Expr  # noqa: E402
 from .lazy import Fusion, LazyTensor, OperationStream, lazy, sync  # noqa: E402
+from .parse import parse  # noqa: E402
 from .runtime import Kernel, compile  # noqa: E402
 from .stats import FusionStatsSnapshot, fusion_stats, reset_fusion_stats  # noqa: E402
 
@@ -148,6 +149,7 @@ __all__ = [
     "min",
     "minimum",
     "neg",
+    "parse",
     "pow",
     "reciprocal",
     "relu",

@@ -11,6 +11,7 @@ into primitives, and each primitive node is typed the same way.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +104,9 @@ def _infer(n: Expr, info: dict[int, Info]) -> Info:
                 f"(operand {k}: {s!r}); it takes {', '.join(sorted(opdef.accepts))}"
             )
     try:
-        out = apply_ref(opdef, [i.like for i in srcs], n.attr_dict)
+        with warnings.catch_warnings():  # one-element probes make torch warn about e.g. var()'s dof
+            warnings.simplefilter("ignore")
+            out = apply_ref(opdef, [i.like for i in srcs], n.attr_dict)
         if not isinstance(out, torch.Tensor):
             return Info(out)
         shape = _shape(n, srcs)

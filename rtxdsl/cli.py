@@ -57,13 +57,48 @@ def demo(show_source: str = "layer_norm") -> int:
     return 1 if failures else 0
 
 
+def _input(spec: str) -> tuple[str, torch.Tensor]:
+    """``name=dtype:4x8`` (dtype optional, float32 by default) -> a random tensor."""
+    name, _, rest = spec.partition("=")
+    dtype_name, _, dims = rest.rpartition(":")
+    dtype = getattr(torch, dtype_name or "float32", None)
+    if not name or not isinstance(dtype, torch.dtype) or not dims:
+        raise rx.RtxError(f"--input {spec!r}: expected name=dtype:4x8, e.g. x=float16:32x1024")
+    shape = tuple(int(d) for d in dims.split("x")) if dims != "scalar" else ()
+    return name, torch.randn(shape).to(dtype)
+
+
+def explain(text: str, inputs: list[str]) -> int:
+    """Parse ``text``, print its plan and generated source for ``inputs``, check it against torch."""
+    expr = rx.parse(text)
+    tensors = dict(_input(i) for i in inputs)
+    kernel = rx.compile(expr)
+    print(kernel.explain(**tensors))
+    for src in kernel.sources(**tensors):
+        print(f"\n{src}")
+    out = kernel(**tensors)
+    want = rx.compile(expr, config=rx.FusionConfig(backend="torch"))(**tensors)
+    err = max_error(out, want)
+    print(f"max |error| against torch: {err:.3g}")
+    return 0 if err <= tolerance(out.dtype) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rtxdsl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd")
     d = sub.add_parser("demo", help="compile, run and check the demo workloads (default)")
     d.add_argument("--source", default="layer_norm", help="workload whose generated source to print")
+    e = sub.add_parser("explain", help="plan, source and a check of an expression given as text")
+    e.add_argument("expr", help='e.g. "softmax(x * 0.125, axis=-1)"')
+    e.add_argument("--input", action="append", default=[], help="name=dtype:4x8 (repeat per input)")
     args = parser.parse_args(argv)
-    return demo(getattr(args, "source", "layer_norm"))
+    try:
+        if args.cmd == "explain":
+            return explain(args.expr, args.input)
+        return demo(getattr(args, "source", "layer_norm"))
+    except rx.RtxError as exc:
+        print(f"rtxdsl: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
