@@ -82,6 +82,8 @@ class Launch:
         self.scalar_outputs: dict[str, tuple[Any, torch.dtype]] = {}
         self.plan: FusionPlan | None = None
         self.makers: list[Any] = []
+        self.launchers: list[tuple] = []  # (fn[grid], buffer slots, sizes/strides/scalars, constexprs)
+        self.dry_run = config.dry_run
         self.finish: Any = None
         self.bound: Bound | None = None
         self.backend = ""
@@ -98,15 +100,17 @@ class Launch:
         bufs: list[Any] = [*tensors]
         for make in self.makers:
             bufs.append(make(tensors))
-        if not self.config.dry_run:
-            for st in self.steps:
-                if not st.empty:
-                    st.fn[st.grid](*[bufs[i] for i in st.bufs], *st.rest, **st.meta)
+        if not self.dry_run:
+            for launcher, slots, rest, meta in self.launchers:
+                launcher(*[bufs[i] for i in slots], *rest, **meta)
             self._count()
         return self.finish(bufs)
 
     def seal(self) -> None:
         """Precompute the allocation and result-packing closures the hot path calls."""
+        self.dry_run = self.config.dry_run
+        self.launchers = [(st.fn[st.grid], st.bufs, st.rest, st.meta) for st in self.steps
+                          if not st.empty and st.fn is not None]
         self.makers = [_maker(shape, dtype, self.device, self.bound, self.kernel) for _, shape, dtype in self.allocs]
         kernel, scalars, device = self.kernel, self.scalar_outputs, self.device
         order = {k: s for k, s in self.out_slots}
