@@ -97,7 +97,8 @@ class FusionAnalyzer:
         small = {id(n) for g in groups if len(g.nodes) < self.config.min_fusion_ops for n in g.nodes}
         if small:
             groups = self._partition(bound, solo=small)
-        return FusionPlan(self._finish(self._absorb_per_row(self._siblings(groups)), bound), bound)
+        groups = self._recompute_elementwise(self._absorb_per_row(self._siblings(groups)))
+        return FusionPlan(self._finish(groups, bound), bound)
 
     # ---- partitioning ---------------------------------------------------------------
     def _partition(self, bound: Bound, solo: set[int]) -> list[FusionGroup]:
@@ -294,38 +295,96 @@ class FusionAnalyzer:
         return groups
 
     def _absorb_per_row(self, groups: list[FusionGroup]) -> list[FusionGroup]:
-        """Per-row math on leaves (e.g. rstd from a saved variance) joins the one row kernel reading it."""
+        """Math on leaves only (e.g. rstd from a saved variance) is recomputed in every kernel reading it.
+
+        Such a group would otherwise be a launch of its own whose results are written and read
+        back; its values broadcast to each reader's domain, per row (KEEP) where they fit.
+        """
         for p in list(groups):
             if p.is_row or any(id(m) in self.requested or id(m) in self.solo for m in p.nodes):
                 continue
+            if any(id(s) in self.group_of and self.group_of[id(s)] is not p for m in p.nodes for s in m.srcs):
+                continue  # reads another kernel's output
             readers = {
                 id(h): h for m in p.nodes for c in self.consumers.get(id(m), ()) if (h := self.group_of[id(c)]) is not p
             }
-            if len(readers) != 1:
+            cap = self.config.max_fusion_ops
+            if not readers or any(
+                not _broadcasts(p.shape, r.shape) or len(r.nodes) + len(p.nodes) > cap for r in readers.values()
+            ):
                 continue
-            (r,) = readers.values()
-            if not r.is_row or p.shape != r.keep_shape() or len(r.nodes) + len(p.nodes) > self.config.max_fusion_ops:
-                continue
-            if any(id(s) in self.group_of and self.group_of[id(s)] is not p for m in p.nodes for s in m.srcs):
-                continue  # reads another kernel's output: keep the order simple
+            for r in readers.values():
+                role = Role.KEEP if r.is_row and p.shape == r.keep_shape() else Role.FULL
+                for m in p.nodes:
+                    r.roles[id(m)] = role
+                r.nodes[:0] = p.nodes
             for m in p.nodes:
-                r.roles[id(m)] = Role.KEEP
-                self.group_of[id(m)] = r
-            r.nodes[:0] = p.nodes
+                self.group_of[id(m)] = next(iter(readers.values()))
             groups.remove(p)
         return groups
+
+    def _recompute_elementwise(self, groups: list[FusionGroup]) -> list[FusionGroup]:
+        """A kernel reading another's elementwise value recomputes it from leaves instead.
+
+        E.g. layer_norm's backward: the weight-gradient column reduction recomputes
+        ``g * xhat`` rather than have the row kernel write it and read it back.
+        """
+        for r2 in groups:
+            for m in list(r2.nodes):
+                for s in m.srcs:
+                    r1 = self.group_of.get(id(s))
+                    if r1 is None or r1 is r2 or any(x is s for x in r2.nodes):
+                        continue
+                    chain = self._elementwise_ancestry(s, r1, r2)
+                    if chain is None or len(r2.nodes) + len(chain) > self.config.max_fusion_ops:
+                        continue
+                    for n in chain:
+                        shape = self.bound.of(n).shape
+                        r2.roles[id(n)] = (
+                            Role.KEEP if r2.is_row and shape == r2.keep_shape() and (shape != r2.shape) else Role.FULL
+                        )
+                    r2.nodes[:0] = chain
+        return groups
+
+    def _elementwise_ancestry(self, s: Expr, r1: FusionGroup, r2: FusionGroup) -> list[Expr] | None:
+        """``s`` and what it needs inside ``r1``, if all of it is elementwise over leaves and fits ``r2``."""
+        out: list[Expr] = []
+        stack, seen = [s], set()
+        while stack:
+            n = stack.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            info = self.bound.of(n)
+            if (
+                REGISTRY[n.op].kind is not OpKind.ELEMENTWISE
+                or REGISTRY[n.op].view
+                or r1.role(n) is Role.DROP
+                or not _broadcasts(info.shape, r2.shape)
+            ):
+                return None
+            out.append(n)
+            for src in n.srcs:
+                if id(src) in self.group_of and self.group_of[id(src)] is r1:
+                    stack.append(src)
+                elif not is_leaf(src, self.bound):
+                    return None  # another kernel's output: reading it here could order kernels in a cycle
+        return out
 
     # ---- outputs, inputs, order -------------------------------------------------------
     def _finish(self, groups: list[FusionGroup], bound: Bound) -> list[FusionGroup]:
         requested = {id(e) for _, e in bound.outputs}
         order = {id(m): i for i, m in enumerate(bound.nodes)}
+        sets = {id(g): {id(m) for m in g.nodes} for g in groups}
         for g in groups:
             g.nodes.sort(key=lambda m: order[id(m)])
-            members = {id(m) for m in g.nodes}
+            members = sets[id(g)]
+            # written when requested, or read by a kernel that does not compute it itself
             g.outputs = [
                 m
                 for m in g.nodes
-                if id(m) in requested or any(id(c) not in members for c in self.consumers.get(id(m), ()))
+                if id(m) in requested
+                or any(id(m) not in sets[id(self.group_of[id(c)])] for c in self.consumers.get(id(m), ()))
             ]
             seen: set[int] = set()
             g.inputs = []

@@ -109,8 +109,9 @@ class Launch:
     def seal(self) -> None:
         """Precompute the allocation and result-packing closures the hot path calls."""
         self.dry_run = self.config.dry_run
-        self.launchers = [(st.fn[st.grid], st.bufs, st.rest, st.meta) for st in self.steps
-                          if not st.empty and st.fn is not None]
+        self.launchers = [
+            (st.fn[st.grid], st.bufs, st.rest, st.meta) for st in self.steps if not st.empty and st.fn is not None
+        ]
         self.makers = [_maker(shape, dtype, self.device, self.bound, self.kernel) for _, shape, dtype in self.allocs]
         kernel, scalars, device = self.kernel, self.scalar_outputs, self.device
         order = {k: s for k, s in self.out_slots}
