@@ -35,7 +35,8 @@ def host_us(fn: Callable[[], Any], calls: int = 2000, repeats: int = 7, sync: bo
     The minimum, not the median: on a shared 2-core machine other work only ever adds time,
     and the question is what the call itself costs.
     """
-    fn()
+    for _ in range(min(calls, 500)):  # warm caches and the allocator out of the numbers
+        fn()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
