@@ -67,14 +67,17 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def save(name: str, payload: dict[str, Any]) -> Path:
+def save(name: str, payload: dict[str, Any], also: str | None = None) -> Path:
+    """Write ``payload`` as JSON under benches/results (and into ``also`` when given)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}-{date.today().isoformat()}.json"
-    path.write_text(
-        json.dumps(
-            {"date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__, **payload},
-            indent=1,
-            default=str,
-        )
+    text = json.dumps(
+        {"date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__, **payload},
+        indent=1,
+        default=str,
     )
+    path.write_text(text)
+    if also:
+        Path(also).mkdir(parents=True, exist_ok=True)
+        (Path(also) / path.name).write_text(text)
     return path
