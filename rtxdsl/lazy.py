@@ -26,7 +26,7 @@ from . import dsl as rx
 from .bind import Info, infer_all
 from .config import FusionConfig, get_config
 from .errors import RtxError
-from .expr import Expr
+from .expr import Expr, node
 from .runtime import Kernel
 from .stats import GLOBAL_STATS, FusionStats, FusionStatsSnapshot
 
@@ -133,6 +133,13 @@ _ops(F.leaky_relu)(lambda a, negative_slope=0.01, inplace=False: rx.leaky_relu(a
 _ops(F.elu)(lambda a, alpha=1.0, inplace=False: rx.elu(a, alpha))
 _ops(F.softplus)(lambda a, beta=1.0, threshold=20.0: rx.softplus(a, beta, threshold))
 _ops(*_names("clamp", "clip"))(lambda a, min=None, max=None: rx.clamp(a, min, max))
+
+
+@_ops(F.dropout, torch.dropout)
+def _dropout(a: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Expr:
+    if training and p > 0:
+        raise _Unsupported  # random: runs eagerly
+    return a  # evaluation mode: the identity, so it does not cut a fused segment
 
 
 def _raise() -> Expr:
@@ -658,10 +665,19 @@ def _exprs(args: tuple, stream: OperationStream) -> list[Any]:
 
 
 def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
-    """Views of materialized values are free; a view of a pending value needs it first."""
+    """Views of materialized values are free. Of a pending value, ``contiguous`` is the value
+    itself (kernels write contiguous outputs) and ``unsqueeze`` is recorded; other views
+    need the value first."""
     base = args[0]
     if isinstance(base, LazyTensor) and base.is_pending:
-        base._real(f"view {func.__name__} of a pending value")
+        name = func.__name__
+        if name == "contiguous":
+            return base
+        if name == "unsqueeze":
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if isinstance(dim, int) and -base.ndim - 1 <= dim <= base.ndim:
+                return base._stream.record(node("unsqueeze", base._expr, axes=(dim % (base.ndim + 1),)))
+        base._real(f"view {name} of a pending value")
     real_args, real_kwargs, _ = _materialize_all(args, kwargs, "view")
     return _wrap(func(*real_args, **real_kwargs), fusion, None)
 

@@ -209,3 +209,14 @@ def test_reading_another_view_of_a_pending_write_flushes_first(f):
     assert y.torch().tolist() == [3.0, 3.0]
     z = f.lazy(t) + 1  # t itself after the write
     assert z.torch().tolist() == [2.0, 2.0, 2.0, 2.0]
+
+
+def test_eval_dropout_contiguous_and_unsqueeze_of_pending_values_do_not_flush(f, gen):
+    t = torch.randn(4, 6, generator=gen)
+    a = f.lazy(t)
+    s = F.dropout(torch.softmax(a, -1), 0.1, training=False).contiguous().sum(-1).unsqueeze(1) + a
+    assert f.pending == 5 and s.shape == (4, 6)
+    assert torch.allclose(s.torch(), torch.softmax(t, -1).sum(-1).unsqueeze(1) + t)
+    assert f.stats().kernels_launched == 1  # unsqueeze of a per-row value stays in the row kernel
+    d = F.dropout(f.lazy(t), 0.5, training=True)  # random: eager
+    assert d.shape == (4, 6) and not d.is_pending
