@@ -32,7 +32,13 @@ if TYPE_CHECKING:
 
 
 def _sum_to(c: Expr, have: tuple[int, ...], want: tuple[int, ...]) -> Expr:
-    """Sum a cotangent over the dims its operand was broadcast along."""
+    """Sum a cotangent over the dims its operand was broadcast along.
+
+    A cotangent smaller than its operand (it broadcasts to it) is left as it is: it is
+    expanded on the host, for free, when handed back to autograd.
+    """
+    if len(have) < len(want):
+        have = (1,) * (len(want) - len(have)) + tuple(have)
     lead = len(have) - len(want)
     keep = tuple(lead + i for i, s in enumerate(want) if s == 1 and have[lead + i] != 1)
     if keep:
@@ -88,7 +94,8 @@ def build(kernel: Kernel, bound: Bound, needs: list[bool]) -> GradPlan:
         if opdef.kind is OpKind.REDUCTION and not n.attr("keepdim"):
             axes = axes_of(n.attr("axis"), len(bound.of(n.srcs[0]).shape))
             g, y = node("unsqueeze", g, axes=axes), node("unsqueeze", n, axes=axes)
-        for s, c in zip(n.srcs, opdef.derivative(D(n, g, y))):
+        rule_in = D(n, g, y, g_ndim=len(typed(g).shape), n_ndim=len(info[id(n)].shape))
+        for s, c in zip(n.srcs, opdef.derivative(rule_in)):
             si = info[id(s)]
             if c is None or si.is_scalar or not si.dtype.is_floating_point:
                 continue
@@ -160,7 +167,11 @@ class _Apply(torch.autograd.Function):
         feed.update({f"_g{k}": g for k, g in enumerate(grads) if plan.float_outputs[k]})
         needed = {name: feed[name] for name in plan.backward.inputs}
         outs = plan.backward(**needed)
-        return (None, *[outs[plan.grad_of[name]] if name in plan.grad_of else None for name in plan.input_names])
+        grads_in = []
+        for name, t in zip(plan.input_names, saved[:n]):
+            g = outs[plan.grad_of[name]] if name in plan.grad_of else None
+            grads_in.append(g if g is None or g.shape == t.shape else g.expand(t.shape))
+        return (None, *grads_in)
 
 
 def call(kernel: Kernel, plan: GradPlan, tensors: tuple[torch.Tensor, ...]) -> Any:

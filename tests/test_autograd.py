@@ -47,6 +47,7 @@ CASES = {
     "where_clamp": (rx.where(x > 0, x * y, y) + rx.clamp(x, -0.5, 0.5), lambda: (_any(6), _any(6))),
     "cast": ((rx.cast(x > 0, torch.float64) + 1) * rx.cast(x, torch.float64), lambda: (_any(4),)),
     "sum_mean": (rx.sum(x * x, -1) + rx.mean(x, 0).sum(), lambda: (_any(3, 4),)),
+    "gradient_smaller_than_input": (rx.sum(x, -1) + rx.sum(x), lambda: (_any(3, 4),)),
     "amax_amin": (rx.amax(x, -1) + rx.amin(x, 0, keepdim=True).sum(), lambda: (_any(3, 4),)),
     "variance_std": (rx.variance(x, -1) + rx.std(x, (0, 1)), lambda: (_any(3, 4),)),
     "logsumexp": (rx.logsumexp(x, -1, keepdim=True), lambda: (_any(3, 4),)),

@@ -23,6 +23,8 @@ class D:
     n: Expr
     g: Expr
     y: Expr
+    g_ndim: int = -1  # rank of g, which may be lower than n's when g broadcasts to it
+    n_ndim: int = -1
 
     @property
     def a(self) -> Expr:
@@ -82,6 +84,13 @@ def _pow(d: D) -> tuple:
     return (ga, gb)
 
 
+def _squeeze(d: D) -> Expr:
+    """Drop the inserted size-1 dims from g (those g has: it may broadcast with fewer dims)."""
+    pad = d.n_ndim - d.g_ndim
+    present = tuple(a - pad for a in d.n.attr("axes") if a - pad >= 0)
+    return node("sum", d.g, axis=present, keepdim=False) if present else d.g
+
+
 RULES = {
     "add": lambda d: (d.g, d.g),
     "sub": lambda d: (d.g, node("neg", d.g)),
@@ -139,7 +148,7 @@ RULES = {
     "sum": lambda d: (d.g,),
     "amax": _extreme,
     "amin": _extreme,
-    "unsqueeze": lambda d: (node("sum", d.g, axis=tuple(d.n.attr("axes")), keepdim=False),),
+    "unsqueeze": lambda d: (_squeeze(d),),
 }
 NONDIFFERENTIABLE = {"detach", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor", "invert"}
 
