@@ -81,6 +81,7 @@ class Bound:
     eager_launches: int = 0
     eager_bytes: int = 0
     contiguous: tuple[bool, ...] = ()  # per input tensor
+    keep: list[Expr] = field(default_factory=list)  # nodes keyed by id in ``info``: kept alive
 
     def of(self, n: Expr) -> Info:
         return self.info[id(n)]
@@ -199,9 +200,10 @@ def _typed(n: Expr, info: dict[int, Info]) -> Info:
 def bind(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], tensors: tuple[torch.Tensor, ...]) -> Bound:
     """Type ``outputs`` for ``tensors`` (already validated, in ``inputs`` order) and expand composites."""
     info: dict[int, Info] = {}
+    keep: list[Expr] = list(inputs)  # every node whose id keys ``info`` stays alive with the Bound
     for v, t in zip(inputs, tensors):
         info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
-    infer_all([e for _, e in outputs], info)
+    keep += infer_all([e for _, e in outputs], info)
 
     eager_launches = eager_bytes = 0
     prim: dict[int, Expr] = {}
@@ -220,22 +222,22 @@ def bind(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], tensors: tup
         else:
             known = set(info)
             p = opdef.decompose(*srcs, **n.attr_dict)
-            infer_all([p], info)
+            keep += infer_all([p], info)
             if info[id(p)].dtype != me.dtype:
                 p = node("cast", p, dtype=me.dtype)
-                infer_all([p], info)
+                keep += infer_all([p], info)
             for m in walk([p]):
                 if id(m) not in known and opdef.pattern:
                     origin.setdefault(id(m), n.op)
         if id(p) not in info:
-            infer_all([p], info)
+            keep += infer_all([p], info)
         prim[id(n)] = p
-    prim_outputs = [(k, _fold_scalars(prim[id(e)], info, origin)) for k, e in outputs]
+    prim_outputs = [(k, _fold_scalars(prim[id(e)], info, origin, keep)) for k, e in outputs]
     # outputs that are leaves still need a kernel to produce a fresh tensor
     for i, (k, p) in enumerate(prim_outputs):
         if p.op == "var":
             c = node("cast", p, dtype=info[id(p)].dtype)
-            infer_all([c], info)
+            keep += infer_all([c], info)
             prim_outputs[i] = (k, c)
     nodes = walk([p for _, p in prim_outputs])
     return Bound(
@@ -247,10 +249,11 @@ def bind(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], tensors: tup
         eager_launches=eager_launches,
         eager_bytes=eager_bytes,
         contiguous=tuple(t.is_contiguous() for t in tensors),
+        keep=keep,
     )
 
 
-def _fold_scalars(root: Expr, info: dict[int, Info], origin: dict[int, str]) -> Expr:
+def _fold_scalars(root: Expr, info: dict[int, Info], origin: dict[int, str], keep: list[Expr]) -> Expr:
     """Replace scalar-only subexpressions (constants, element counts) by constants of their value.
 
     Their values become kernel arguments like any constant, so sizes still never enter source.
@@ -264,6 +267,7 @@ def _fold_scalars(root: Expr, info: dict[int, Info], origin: dict[int, str]) -> 
             srcs = tuple(memo[id(s)] for s in n.srcs)
             new = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
         info.setdefault(id(new), i)
+        keep.append(new)
         if id(n) in origin:
             origin.setdefault(id(new), origin[id(n)])
         memo[id(n)] = new
