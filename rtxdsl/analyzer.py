@@ -19,8 +19,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from .bind import Bound
 from .config import FusionConfig
 from .expr import Expr
@@ -430,7 +428,3 @@ def _topo(groups: list[FusionGroup], group_of: dict[int, FusionGroup]) -> list[F
         else:  # pragma: no cover - the analyzer never builds a cycle
             raise RuntimeError("fusion groups form a cycle")
     return done
-
-
-def dtype_of(bound: Bound, n: Expr) -> torch.dtype:
-    return bound.of(n).dtype

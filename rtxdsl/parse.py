@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-import torch
-
 from . import dsl
 from .dtypes import TRITON_TYPE
 from .errors import ParseError, RtxError
@@ -184,4 +182,4 @@ class _Reader(ast.NodeVisitor):
         raise self.fail(node, f"unsupported syntax {type(node).__name__}")
 
 
-__all__ = ["parse", "FUNCTIONS", "DTYPES", "torch"]
+__all__ = ["DTYPES", "FUNCTIONS", "parse"]

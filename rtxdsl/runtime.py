@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .analyzer import FusionAnalyzer, FusionPlan, is_leaf
+from .analyzer import FusionAnalyzer, FusionPlan
 from .bind import Bound, bind
 from .cache import GLOBAL_CACHE, CompiledKernel
 from .codegen.spec import KernelSpec, Layout, build, contiguous_strides
@@ -552,4 +552,4 @@ def compile(outputs: Expr | Mapping[str, Any], config: FusionConfig | None = Non
     return Kernel(outputs, config)
 
 
-__all__ = ["Kernel", "compile", "is_leaf"]
+__all__ = ["Kernel", "PlanSummary", "compile"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,14 +91,11 @@ class OpDef:
     derivative: Callable[..., Any] | None = None
     #: FusionPattern name a group containing this op is labelled with
     pattern: str | None = None
-    #: cheap to recompute (no transcendental, no division)
-    cheap: bool = False
     #: a view (size-1 dims inserted): no data moves; loads read the operand re-laid-out
     view: bool = False
     #: infix operator for printing, e.g. "+"
     symbol: str | None = None
     doc: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 REGISTRY: dict[str, OpDef] = {}

@@ -33,7 +33,6 @@ def _ew(
     *,
     accepts=NUMERIC,
     rule=DtypeRule.PROMOTE,
-    cheap=False,
     symbol=None,
     pattern=None,
     doc="",
@@ -48,7 +47,6 @@ def _ew(
             eager_launches=1,
             rule=rule,
             accepts=accepts,
-            cheap=cheap,
             symbol=symbol,
             pattern=pattern,
             doc=doc,
@@ -167,9 +165,9 @@ def _binary_ref(fn):
 
 
 # ---- arithmetic ------------------------------------------------------------------------
-_ew("add", 2, lambda a, b: torch.add(*as_tensors(a, b)), _bool_or("|", "+"), accepts=ANY, cheap=True, symbol="+")
-_ew("sub", 2, lambda a, b: torch.sub(*as_tensors(a, b)), lambda c, a, b: f"{a} - {b}", cheap=True, symbol="-")
-_ew("mul", 2, lambda a, b: torch.mul(*as_tensors(a, b)), _bool_or("&", "*"), accepts=ANY, cheap=True, symbol="*")
+_ew("add", 2, lambda a, b: torch.add(*as_tensors(a, b)), _bool_or("|", "+"), accepts=ANY, symbol="+")
+_ew("sub", 2, lambda a, b: torch.sub(*as_tensors(a, b)), lambda c, a, b: f"{a} - {b}", symbol="-")
+_ew("mul", 2, lambda a, b: torch.mul(*as_tensors(a, b)), _bool_or("&", "*"), accepts=ANY, symbol="*")
 _ew("div", 2, lambda a, b: torch.true_divide(*as_tensors(a, b)), lambda c, a, b: f"{a} / {b}", symbol="/")
 _ew("floordiv", 2, _binary_ref(torch.floor_divide), _floordiv, symbol="//")
 _ew("remainder", 2, _binary_ref(torch.remainder), _remainder, symbol="%")
@@ -191,36 +189,32 @@ _ew(
     2,
     _binary_ref(torch.maximum),
     lambda c, a, b: nan_max(a, b) if c.is_float else f"tl.maximum({a}, {b})",
-    cheap=True,
 )
 _ew(
     "minimum",
     2,
     _binary_ref(torch.minimum),
     lambda c, a, b: nan_min(a, b) if c.is_float else f"tl.minimum({a}, {b})",
-    cheap=True,
 )
-_ew("neg", 1, torch.neg, lambda c, a: f"-{a}", cheap=True, symbol="-")
-_ew("abs", 1, torch.abs, lambda c, a: f"tl.abs({a})", cheap=True)
+_ew("neg", 1, torch.neg, lambda c, a: f"-{a}", symbol="-")
+_ew("abs", 1, torch.abs, lambda c, a: f"tl.abs({a})")
 _ew(
     "sign",
     1,
     torch.sign,
     lambda c, a: a if c.is_bool else f"(({a} > 0).to({TRITON_TYPE[c.dtype]}) - ({a} < 0).to({TRITON_TYPE[c.dtype]}))",
     accepts=ANY,
-    cheap=True,
 )
 _ew("reciprocal", 1, torch.reciprocal, lambda c, a: f"1.0 / {a}")
 
 # ---- rounding --------------------------------------------------------------------------
-_ew("floor", 1, torch.floor, lambda c, a: _float_only(c, a, f"tl.floor({a})"), cheap=True)
-_ew("ceil", 1, torch.ceil, lambda c, a: _float_only(c, a, f"tl.ceil({a})"), cheap=True)
+_ew("floor", 1, torch.floor, lambda c, a: _float_only(c, a, f"tl.floor({a})"))
+_ew("ceil", 1, torch.ceil, lambda c, a: _float_only(c, a, f"tl.ceil({a})"))
 _ew(
     "trunc",
     1,
     torch.trunc,
     lambda c, a: _float_only(c, a, f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))"),
-    cheap=True,
 )
 _ew("round", 1, torch.round, lambda c, a: _float_only(c, a, _round(c, a)))
 
@@ -240,7 +234,7 @@ _ew("tanh", 1, torch.tanh, _tanh, pattern="Activation")
 _ew("erf", 1, torch.erf, lambda c, a: f"tl.erf({a})")
 
 # ---- activations -----------------------------------------------------------------------
-_ew("relu", 1, torch.relu, lambda c, a: f"tl.where({a} < 0, 0, {a})", cheap=True, pattern="Activation")
+_ew("relu", 1, torch.relu, lambda c, a: f"tl.where({a} < 0, 0, {a})", pattern="Activation")
 _ew("sigmoid", 1, torch.sigmoid, lambda c, a: _sigmoid(a), pattern="Activation")
 _ew("silu", 1, F.silu, lambda c, a: f"{a} / (1.0 + tl.exp(-{a}))", accepts=frozenset({FLOAT}), pattern="Activation")
 
@@ -267,7 +261,6 @@ _ew(
     lambda a, s: F.leaky_relu(a, s),
     lambda c, a, s: f"tl.where({a} > 0, {a}, {a} * {s})",
     accepts=frozenset({FLOAT}),
-    cheap=True,
     pattern="Activation",
 )
 _ew(
@@ -303,7 +296,6 @@ for _name, _sym, _fn in (
         (lambda s: lambda c, a, b: f"{a} {s} {b}")(_sym),
         accepts=ANY,
         rule=DtypeRule.COMPARE,
-        cheap=True,
         symbol=_sym,
     )
 for _name, _sym, _fn in (
@@ -317,7 +309,6 @@ for _name, _sym, _fn in (
         _binary_ref(_fn),
         (lambda s: lambda c, a, b: f"{a} {s} {b}")(_sym),
         accepts=INTEGRAL,
-        cheap=True,
         symbol=_sym,
     )
 _ew(
@@ -326,7 +317,6 @@ _ew(
     torch.bitwise_not,
     lambda c, a: f"{a} == 0" if c.is_bool else f"~{a}",
     accepts=INTEGRAL,
-    cheap=True,
     symbol="~",
 )
 _ew(
@@ -336,9 +326,8 @@ _ew(
     lambda ctx, c, a, b: f"tl.where({c}, {a}, {b})",
     accepts=ANY,
     rule=DtypeRule.WHERE,
-    cheap=True,
 )
-_ew("cast", 1, lambda a, dtype: a.to(dtype), _cast, accepts=ANY, rule=DtypeRule.CAST, cheap=True)
+_ew("cast", 1, lambda a, dtype: a.to(dtype), _cast, accepts=ANY, rule=DtypeRule.CAST)
 
 
 def _unsqueeze_ref(a: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
@@ -358,7 +347,6 @@ register(
         emit=lambda c, a: a,
         eager_launches=0,
         accepts=ANY,
-        cheap=True,
         view=True,
     )
 )
@@ -373,7 +361,6 @@ register(
         emit=lambda c, a: a,
         eager_launches=0,
         accepts=ANY,
-        cheap=True,
         view=False,
     )
 )
