@@ -355,7 +355,8 @@ class FusionAnalyzer:
             seen.add(id(n))
             info = self.bound.of(n)
             if (
-                REGISTRY[n.op].kind is not OpKind.ELEMENTWISE
+                id(n) in self.solo
+                or REGISTRY[n.op].kind is not OpKind.ELEMENTWISE
                 or REGISTRY[n.op].view
                 or r1.role(n) is Role.DROP
                 or not _broadcasts(info.shape, r2.shape)
