@@ -324,6 +324,11 @@ class OperationStream:
             self.flush(f"queue cap ({self.fusion.config.max_queued_ops} ops)")
         return lt
 
+    def reads(self, t: torch.Tensor) -> bool:
+        """Has an op recorded since the last flush read ``t``?"""
+        hit = self.leaves.get(id(t))
+        return hit is not None and hit[0] is t
+
     def write_home(self, home: torch.Tensor, writer: LazyTensor) -> None:
         """``writer``'s pending value is ``home``'s new content (an in-place op)."""
         entry = self.homes.setdefault(id(home), (home, []))
@@ -685,13 +690,15 @@ def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
 def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
     """``a.add_(b)``: ``a + b`` becomes a's pending value and, at the next flush, its tensor's content.
 
-    Pending readers of the tensor run in the same flush, before the write lands, so they see
-    the old content as in eager; new reads of the tensor see the pending value; a read of
+    A write to a tensor that pending ops read is a sync point (they run first, on the old
+    content, as in eager); later reads of the tensor see the pending value; a read of
     another view of the same storage flushes first.
     """
     target = args[0]
     assert isinstance(target, LazyTensor)
     stream = target._stream
+    if not target.is_pending and stream.reads(target._value):
+        stream.flush("in-place write to a tensor with pending readers")
     result = LazyTensor.__torch_function__(INPLACE[func], (LazyTensor,), args, kwargs)
     if not isinstance(result, LazyTensor):
         raise RtxError(f"in-place {func.__name__} produced no tensor")

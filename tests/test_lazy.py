@@ -220,3 +220,15 @@ def test_eval_dropout_contiguous_and_unsqueeze_of_pending_values_do_not_flush(f,
     assert f.stats().kernels_launched == 1  # unsqueeze of a per-row value stays in the row kernel
     d = F.dropout(f.lazy(t), 0.5, training=True)  # random: eager
     assert d.shape == (4, 6) and not d.is_pending
+
+
+def test_inplace_write_to_a_tensor_with_pending_readers_is_a_sync_point(f):
+    t = torch.ones(3)
+    a = f.lazy(t)
+    b = a * 2  # reads t
+    assert f.pending == 1
+    a.add_(1)
+    assert not b.is_pending and b.torch().tolist() == [2.0, 2.0, 2.0]
+    assert "in-place write to a tensor with pending readers" in f.explain()
+    f.sync()
+    assert t.tolist() == [2.0, 2.0, 2.0]
