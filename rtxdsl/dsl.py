@@ -60,7 +60,8 @@ def _unary(op: str, doc: str) -> Callable[[ExprLike], Expr]:
     return fn
 
 
-_UNARY = {
+#: one-operand functions with no parameters: name -> what it computes
+UNARY = {
     "exp": "e**x",
     "exp2": "2**x",
     "log": "natural log",
@@ -86,7 +87,7 @@ _UNARY = {
     "erf": "error function",
     "reciprocal": "1 / x",
 }
-for _op, _doc in _UNARY.items():
+for _op, _doc in UNARY.items():
     globals()[_op] = _unary(_op, _doc)
 
 
@@ -394,7 +395,7 @@ def _install() -> None:
     Expr.__invert__ = lambda a: node("invert", a)  # type: ignore[method-assign]
     g = globals()
     for name in [
-        *_UNARY,
+        *UNARY,
         "maximum",
         "minimum",
         "pow",

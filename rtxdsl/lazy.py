@@ -100,29 +100,7 @@ def _div(a: Any, b: Any, *, rounding_mode: str | None = None) -> Expr:
     raise _Unsupported
 
 
-for _name in (
-    "exp",
-    "exp2",
-    "log",
-    "log2",
-    "log1p",
-    "expm1",
-    "sqrt",
-    "rsqrt",
-    "abs",
-    "sign",
-    "floor",
-    "ceil",
-    "trunc",
-    "sin",
-    "cos",
-    "tan",
-    "tanh",
-    "sigmoid",
-    "erf",
-    "reciprocal",
-    "relu",
-):
+for _name in rx.UNARY:  # F.silu is registered again below: it takes inplace positionally
     _ops(*_names(_name), *([torch.Tensor.__abs__] if _name == "abs" else []))(
         (lambda fn: lambda a, *, inplace=False: fn(a))(getattr(rx, _name))
     )
