@@ -42,8 +42,8 @@ class Expr:
     srcs: tuple[Expr, ...]
 
     def __new__(cls, op: str, srcs: tuple[Expr, ...] = (), attrs: dict[str, Any] | None = None) -> Expr:
-        items = tuple(sorted((attrs or {}).items()))
-        key = (op, tuple((k, _attr_key(v)) for k, v in items), tuple(id(s) for s in srcs))
+        items = tuple(sorted(attrs.items())) if attrs else ()
+        key = (op, tuple([(k, _attr_key(v)) for k, v in items]) if items else (), tuple(map(id, srcs)))
         node = _INTERN.get(key)
         if node is None:
             node = object.__new__(cls)

@@ -604,11 +604,11 @@ class LazyTensor:
         if func in VIEWS:
             return _view(func, args, kwargs, fusion)
         builder = TORCH_OPS.get(func)
-        streams = {id(lt._stream) for lt in lazies}
-        if builder is None or len(streams) > 1 or not fusion.config.enabled:
+        stream = lazies[0]._stream
+        mixed = len(lazies) > 1 and any(lt._stream is not stream for lt in lazies)
+        if builder is None or mixed or not fusion.config.enabled:
             name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
             return fusion._eager(func, args, kwargs, f"unsupported {name}")
-        stream = lazies[0]._stream
         try:
             expr = builder(*_exprs(args, stream), **{k: _exprs_one(v, stream) for k, v in kwargs.items()})
         except _Unsupported:
