@@ -262,20 +262,27 @@ class _Writer:
                 if kind == "b":
                     self.top.add(f"s{k} = s{k} != 0")
 
-    def pointwise(self, name: str) -> str:
+    def _begin(self, flat: str, prefix: str, size: str) -> None:
+        """Parameters, the kernel's top scope, scalar arguments and the row (or flat) index."""
         self.build_params()
         self.top = _Scope()
         self._scalar_prelude()
-        self.ridx = self._decompose(self.top, "offs", "i", "size", self.nr)
-        for k in range(len(self.spec.outputs)):
-            self.store(k, self.top, self.top)
+        self.ridx = self._decompose(self.top, flat, prefix, size, self.nr)
+
+    def _render(self, template: str, name: str) -> str:
         return render(
-            POINTWISE,
+            template,
             name=name,
             params=self._param_text(),
             pid="pid.to(tl.int64)" if self.spec.big else "pid",
             body="\n".join(self.top.lines),
         )
+
+    def pointwise(self, name: str) -> str:
+        self._begin("offs", "i", "size")
+        for k in range(len(self.spec.outputs)):
+            self.store(k, self.top, self.top)
+        return self._render(POINTWISE, name)
 
     def _col_setup(self, scope: _Scope, start: str | None) -> None:
         base = "tl.arange(0, BLOCK_SIZE)[None, :]"
@@ -287,10 +294,7 @@ class _Writer:
         self.cidx = self._decompose(scope, "cols", "c", "csize", self.nc)
 
     def row_kernel(self, name: str) -> str:
-        self.build_params()
-        self.top = _Scope()
-        self._scalar_prelude()
-        self.ridx = self._decompose(self.top, "rows", "r", "rsize", self.nr)
+        self._begin("rows", "r", "rsize")
         outs = list(range(len(self.spec.outputs)))
         full_outs = [k for k in outs if self.spec.outputs[k].role == "full"]
         row_outs = [k for k in outs if self.spec.outputs[k].role != "full"]
@@ -309,13 +313,7 @@ class _Writer:
                 self._close_loop(loop)
             for k in row_outs:
                 self.store(k, self.top, self.top)
-        return render(
-            ROW,
-            name=name,
-            params=self._param_text(),
-            pid="pid.to(tl.int64)" if self.spec.big else "pid",
-            body="\n".join(self.top.lines),
-        )
+        return self._render(ROW, name)
 
     def _levels(self) -> dict[int, int]:
         memo: dict[tuple, int] = {}
