@@ -184,4 +184,5 @@ def test_lazy_tensors_carry_autograd(gen):
     g_t, g_w = t.grad.clone(), wt.grad.clone()
     t.grad = wt.grad = None
     torch.softmax(F.silu(t) * wt, dim=-1).pow(2).sum().backward()
-    torch.testing.assert_close(g_t, t.grad) and torch.testing.assert_close(g_w, wt.grad)
+    torch.testing.assert_close(g_t, t.grad)
+    torch.testing.assert_close(g_w, wt.grad)
