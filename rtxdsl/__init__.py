@@ -6,6 +6,9 @@ Example:
     >>> k = rx.compile(rx.relu(x * b + 1.0))
     >>> k(x=torch.ones(4), b=torch.ones(4)).tolist()
     [2.0, 2.0, 2.0, 2.0]
+
+Op functions (``rx.exp``, ``rx.softmax``, ``rx.layer_norm``, ...) come from the op registry
+(``rtxdsl/ops``), where each op is declared once.
 """
 
 from __future__ import annotations
@@ -22,59 +25,7 @@ if "TRITON_INTERPRET" not in _os.environ:
 
 from .cache import CacheStats, cache_stats  # noqa: E402
 from .config import FusionConfig, get_config, set_config  # noqa: E402
-from .dsl import (  # noqa: E402
-    abs,
-    amax,
-    amin,
-    cast,
-    ceil,
-    clamp,
-    const,
-    cos,
-    elu,
-    erf,
-    exp,
-    exp2,
-    expm1,
-    floor,
-    fuse,
-    gelu,
-    layer_norm,
-    leaky_relu,
-    log,
-    log1p,
-    log2,
-    log_softmax,
-    logsumexp,
-    max,
-    maximum,
-    mean,
-    min,
-    minimum,
-    neg,
-    pow,
-    reciprocal,
-    relu,
-    rms_norm,
-    round,
-    rsqrt,
-    sigmoid,
-    sign,
-    silu,
-    sin,
-    softmax,
-    softplus,
-    sqrt,
-    std,
-    sum,
-    swiglu,
-    tan,
-    tanh,
-    trunc,
-    var,
-    variance,
-    where,
-)
+from .dsl import const, fuse, var  # noqa: E402
 from .errors import (  # noqa: E402
     BackendError,
     ConfigError,
@@ -89,11 +40,27 @@ from .errors import (  # noqa: E402
 )
 from .expr import Expr  # noqa: E402
 from .lazy import Fusion, LazyTensor, OperationStream, lazy, sync  # noqa: E402
+from .ops import REGISTRY as _REGISTRY  # noqa: E402
 from .parse import parse  # noqa: E402
 from .runtime import Kernel, compile  # noqa: E402
 from .stats import FusionStatsSnapshot, fusion_stats, reset_fusion_stats  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# every op function declared in the registry, under each of its public names
+globals().update(_REGISTRY.functions)
+
+
+def __getattr__(name: str):  # ops declared after import (a plugin module, a test)
+    fn = _REGISTRY.functions.get(name)
+    if fn is None:
+        raise AttributeError(f"module 'rtxdsl' has no attribute {name!r}")
+    return fn
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_REGISTRY.functions})
+
 
 __all__ = [
     "BackendError",
@@ -104,74 +71,27 @@ __all__ = [
     "Expr",
     "Fusion",
     "FusionConfig",
-    "LazyTensor",
-    "OperationStream",
-    "lazy",
-    "sync",
     "FusionStatsSnapshot",
     "Kernel",
+    "LazyTensor",
     "MissingInputError",
+    "OperationStream",
     "ParseError",
     "RtxError",
     "ShapeError",
     "UnknownInputError",
     "UnsupportedDtypeError",
-    "abs",
-    "amax",
-    "amin",
     "cache_stats",
-    "cast",
-    "ceil",
-    "clamp",
     "compile",
     "const",
-    "cos",
-    "elu",
-    "erf",
-    "exp",
-    "exp2",
-    "expm1",
-    "floor",
     "fuse",
     "fusion_stats",
-    "gelu",
     "get_config",
-    "layer_norm",
-    "leaky_relu",
-    "log",
-    "log1p",
-    "log2",
-    "log_softmax",
-    "logsumexp",
-    "max",
-    "maximum",
-    "mean",
-    "min",
-    "minimum",
-    "neg",
+    "lazy",
     "parse",
-    "pow",
-    "reciprocal",
-    "relu",
     "reset_fusion_stats",
-    "rms_norm",
-    "round",
-    "rsqrt",
     "set_config",
-    "sigmoid",
-    "sign",
-    "silu",
-    "sin",
-    "softmax",
-    "softplus",
-    "sqrt",
-    "std",
-    "sum",
-    "swiglu",
-    "tan",
-    "tanh",
-    "trunc",
+    "sync",
     "var",
-    "variance",
-    "where",
 ]
+__all__ += sorted(set(_REGISTRY.functions) - set(__all__))

@@ -1,8 +1,11 @@
-"""KernelCache: signature -> compiled kernel, an in-memory LRU over an on-disk source cache.
+"""KernelCache: signature -> loaded kernel, an in-memory LRU over an on-disk source cache.
 
-Generated modules are written to ``cache_dir`` (atomically: temp file + rename) beside
-a JSON record of their spec, and imported from there, so Triton and people can read
-them and a new process finds them without generating code again.
+Generated modules are written to ``cache_dir`` (atomically: temp file + rename) beside a
+JSON record of their spec and a digest of their source, and imported from there, so Triton
+and people can read them and a new process finds them without generating code again. An
+entry whose digest, spec or import fails is regenerated (a WARNING says so); a cache
+directory that cannot be written degrades to kernels held in memory (one WARNING), never to
+a failure. The cache does not know how source is made: callers pass the generator.
 """
 
 from __future__ import annotations
@@ -10,23 +13,29 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import linecache
 import os
 import tempfile
 import threading
-from collections import OrderedDict
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import triton
 
-from .codegen.source import kernel_source
-from .codegen.spec import KernelSpec
+from .log import log
+from .lower.spec import KernelSpec
+from .lru import LRU
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+#: (spec, kernel name, signature, summary) -> module source
+Generator = Callable[[KernelSpec, str, str, str], str]
 
 
-def _generator_digest() -> str:
+def generator_digest() -> str:
     """Hash of the code that turns specs into source: a changed generator never reuses stale files."""
     root = Path(__file__).parent
     h = hashlib.sha256()
@@ -35,17 +44,21 @@ def _generator_digest() -> str:
     return h.hexdigest()[:16]
 
 
-GENERATOR = _generator_digest()
+GENERATOR = generator_digest()
 
 
 @dataclass(frozen=True)
 class CacheStats:
+    """Counters of the kernel cache (and of planning, which sits above it)."""
+
     hits: int = 0
     misses: int = 0
     compiles: int = 0  # sources generated in this process
     disk_hits: int = 0  # misses served from cache_dir without generating code
     evictions: int = 0
     entries: int = 0
+    plans_built: int = 0  # times the analyzer ran: a steady loop stops planning
+    healed: int = 0  # cached entries found corrupt and regenerated
 
 
 @dataclass
@@ -55,7 +68,7 @@ class CompiledKernel:
     signature: str
     name: str
     source: str
-    path: Path
+    path: Path | None  # None: held in memory only (the cache directory is not writable)
     spec: KernelSpec
     jit: Any  # what the module's @triton.jit produced
     _interpreted: Any = field(default=None, repr=False)
@@ -85,71 +98,125 @@ def kernel_name(spec: KernelSpec, signature: str) -> str:
     return f"{spec.kind}_{words}_{signature[:8]}"
 
 
-class KernelCache:
-    """Process-wide: bounded LRU in memory, unbounded sources on disk."""
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
-    def __init__(self) -> None:
-        self._mem: OrderedDict[str, CompiledKernel] = OrderedDict()
-        self._lock = threading.Lock()
-        self._counts = dict(hits=0, misses=0, compiles=0, disk_hits=0, evictions=0)
+
+class KernelCache:
+    """Process-wide: bounded LRU in memory, sources on disk."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._mem: LRU[str, CompiledKernel] = LRU(capacity)
+        self._lock = threading.RLock()
+        self._counts = dict(compiles=0, disk_hits=0, plans_built=0, healed=0)
+        self._readonly: set[str] = set()  # cache dirs already reported as not writable
 
     def stats(self) -> CacheStats:
-        return CacheStats(**self._counts, entries=len(self._mem))
+        m = self._mem
+        return CacheStats(hits=m.hits, misses=m.misses, evictions=m.evictions, entries=len(m), **self._counts)
+
+    def count_plan(self) -> None:
+        with self._lock:
+            self._counts["plans_built"] += 1
 
     def clear(self, reset_stats: bool = True) -> None:
         with self._lock:
             self._mem.clear()
             if reset_stats:
+                self._mem.hits = self._mem.misses = self._mem.evictions = 0
                 self._counts = dict.fromkeys(self._counts, 0)
 
-    def get(self, spec: KernelSpec, summary: str, capacity: int, cache_dir: Path) -> CompiledKernel:
+    def get(
+        self, spec: KernelSpec, summary: str, capacity: int, cache_dir: Path, generate: Generator
+    ) -> CompiledKernel:
         sig = signature_of(spec)
-        with self._lock:
-            hit = self._mem.get(sig)
-            if hit is not None:
-                self._mem.move_to_end(sig)
-                self._counts["hits"] += 1
-                return hit
-            self._counts["misses"] += 1
-            entry = self._load_or_generate(spec, sig, summary, cache_dir)
-            self._mem[sig] = entry
-            while len(self._mem) > capacity:
-                self._mem.popitem(last=False)
-                self._counts["evictions"] += 1
+        hit = self._mem.get(sig)
+        if hit is not None:
+            return hit
+        with self._lock:  # one generator at a time: imports and Triton's JIT are not thread-safe
+            entry = self._mem.peek(sig)
+            if entry is None:
+                entry = self._load_or_generate(spec, sig, summary, cache_dir, generate)
+                if self._mem.capacity != capacity:
+                    self._mem.resize(capacity)
+                self._mem.put(sig, entry)
             return entry
 
-    def _load_or_generate(self, spec: KernelSpec, sig: str, summary: str, cache_dir: Path) -> CompiledKernel:
+    # ---- disk ----------------------------------------------------------------------------
+    def _load_or_generate(
+        self, spec: KernelSpec, sig: str, summary: str, cache_dir: Path, generate: Generator
+    ) -> CompiledKernel:
         name = kernel_name(spec, sig)
         directory = cache_dir / f"v{FORMAT_VERSION}"
         src_path, meta_path = directory / f"{sig}.py", directory / f"{sig}.json"
-        source = None
+        cached = self._read(src_path, meta_path, spec)
+        if cached is not None:
+            try:
+                jit = _import(f"rtxdsl_kernels.{name}", src_path, name)
+                self._counts["disk_hits"] += 1
+                log.debug("kernel %s loaded from %s", name, src_path)
+                return CompiledKernel(sig, name, cached, src_path, spec, jit)
+            except Exception as exc:  # a garbled module: heal it below
+                self._heal(src_path, f"it does not import ({type(exc).__name__}: {exc})")
+        source = generate(spec, name, sig, summary)
+        self._counts["compiles"] += 1
+        log.debug("kernel %s generated (%s)", name, summary)
+        path = self._write(directory, src_path, meta_path, source, spec, sig, name, summary)
+        jit = _import(f"rtxdsl_kernels.{name}", path, name) if path else _import_text(name, sig, source)
+        return CompiledKernel(sig, name, source, path, spec, jit)
+
+    def _read(self, src_path: Path, meta_path: Path, spec: KernelSpec) -> str | None:
+        """The cached source if its record matches this spec and its digest, else None."""
         try:
             meta = json.loads(meta_path.read_text())
-            if meta.get("spec") == repr(spec) and src_path.is_file():
-                source = src_path.read_text()
-                self._counts["disk_hits"] += 1
-        except (OSError, ValueError):
-            pass
-        if source is None:
-            source = kernel_source(spec, name, sig, summary)
-            self._counts["compiles"] += 1
+            source = src_path.read_text()
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            self._heal(src_path, f"its record cannot be read ({exc})")
+            return None
+        if not isinstance(meta, dict) or meta.get("spec") != repr(spec):
+            self._heal(src_path, "its record belongs to another spec")
+            return None
+        if meta.get("digest") != _digest(source):
+            self._heal(src_path, "its source does not match the recorded digest (truncated or edited)")
+            return None
+        return source
+
+    def _heal(self, path: Path, why: str) -> None:
+        self._counts["healed"] += 1
+        log.warning("cached kernel %s is unusable: %s; regenerating it", path, why)
+
+    def _write(
+        self,
+        directory: Path,
+        src_path: Path,
+        meta_path: Path,
+        source: str,
+        spec: KernelSpec,
+        sig: str,
+        name: str,
+        summary: str,
+    ) -> Path | None:
+        meta = {
+            "signature": sig,
+            "name": name,
+            "spec": repr(spec),
+            "summary": summary,
+            "digest": _digest(source),
+            "triton": triton.__version__,
+        }
+        try:
             directory.mkdir(parents=True, exist_ok=True)
             _atomic_write(src_path, source)
-            _atomic_write(
-                meta_path,
-                json.dumps(
-                    {
-                        "signature": sig,
-                        "name": name,
-                        "spec": repr(spec),
-                        "summary": summary,
-                        "triton": triton.__version__,
-                    },
-                    indent=1,
-                ),
-            )
-        module = _import(f"rtxdsl_kernels.{name}", src_path)
-        return CompiledKernel(sig, name, source, src_path, spec, getattr(module, name))
+            _atomic_write(meta_path, json.dumps(meta, indent=1))
+            return src_path
+        except OSError as exc:
+            key = str(directory)
+            if key not in self._readonly:
+                self._readonly.add(key)
+                log.warning("cache_dir %s cannot be written (%s): kernels stay in memory", directory, exc)
+            return None
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -163,12 +230,22 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def _import(module_name: str, path: Path) -> Any:
+def _import(module_name: str, path: Path, name: str) -> Any:
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return getattr(module, name)
+
+
+def _import_text(name: str, sig: str, source: str) -> Any:
+    """A module from source held in memory; linecache lets Triton (inspect) read it back."""
+    filename = f"<rtxdsl-kernel {sig}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    module = types.ModuleType(f"rtxdsl_kernels.{name}")
+    module.__file__ = filename
+    exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own generated source
+    return getattr(module, name)
 
 
 GLOBAL_CACHE = KernelCache()

@@ -48,7 +48,12 @@ class FusionConfig(BaseModel):
     max_queued_ops: int = 256
     """Lazy streams flush when this many ops are queued."""
     launch_cache_size: int = 64
-    """Per-kernel memo of prepared launches for distinct input shapes."""
+    """Per-kernel memo of prepared launches for distinct input layouts (LRU)."""
+    check_indices: bool = True
+    """Gathered indices are checked: out of range raises RtxError (one flag read after the launch).
+    False skips the check; an out-of-range index then reads 0 (its load is masked)."""
+    autotune: bool = False
+    """On a CUDA device, time a few launch configurations on first use and keep the fastest."""
 
     def __init__(self, **data: Any) -> None:
         try:

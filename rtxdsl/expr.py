@@ -1,18 +1,24 @@
-"""Expression nodes: immutable, interned, and typed only when bound to tensors.
+"""Expression nodes: immutable, interned, typed only when bound to tensors.
 
 An :class:`Expr` is ``(op, attrs, srcs)``. Building the same expression twice gives the
 same object, so structural equality is identity and subexpressions are shared. Dtypes and
-shapes are not stored: they follow from the input tensors at call time (see ``bind.py``).
+shapes are not stored: they follow from the input tensors at call time (``lower/bind.py``).
+
+Operators, torch-named methods and the printed form are not written here: each comes
+from the op registry (``rtxdsl/ops``), where every op declares its own.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import weakref
 from typing import Any
 
 import torch
 
 from .errors import RtxError
+from .registry import REGISTRY, OpDef
 
 Scalar = bool | int | float
 
@@ -23,7 +29,15 @@ def _attr_key(value: Any) -> Any:
     # 1, 1.0, True and -0.0 / 0.0 are different constants
     if isinstance(value, (bool, int, float)):
         return (type(value).__name__, repr(value))
+    if isinstance(value, tuple):
+        return tuple(_attr_key(v) for v in value)
     return value
+
+
+#: Python operators an op may claim (``Front.operators``); ``__rX__`` are the reflected forms
+BINARY_OPERATORS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "matmul")
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+UNARY_OPERATORS = ("neg", "abs", "invert")
 
 
 class Expr:
@@ -36,7 +50,7 @@ class Expr:
         relu(x * 2.0 + 1.0)
     """
 
-    __slots__ = ("op", "attrs", "srcs", "__weakref__")
+    __slots__ = ("op", "attrs", "srcs", "_digest", "__weakref__")
     op: str
     attrs: tuple[tuple[str, Any], ...]
     srcs: tuple[Expr, ...]
@@ -50,6 +64,7 @@ class Expr:
             object.__setattr__(node, "op", op)
             object.__setattr__(node, "attrs", items)
             object.__setattr__(node, "srcs", srcs)
+            object.__setattr__(node, "_digest", None)
             _INTERN[key] = node
         return node
 
@@ -68,6 +83,18 @@ class Expr:
     def attr_dict(self) -> dict[str, Any]:
         return dict(self.attrs)
 
+    @property
+    def digest(self) -> str:
+        """A structural hash, stable across processes: sha256 over (op, attrs, operand digests)."""
+        d = self._digest
+        if d is None:
+            for n in walk([self]):
+                if n._digest is None:
+                    text = f"{n.op}|{_attr_text_key(n.attrs)}|{','.join(s._digest for s in n.srcs)}"
+                    object.__setattr__(n, "_digest", hashlib.sha256(text.encode()).hexdigest()[:20])
+            d = self._digest
+        return d
+
     def __bool__(self) -> bool:
         raise RtxError(
             f"expression {self!r} has no truth value: use rx.where(...) instead of if/and/or, "
@@ -75,28 +102,56 @@ class Expr:
         )
 
     def __repr__(self) -> str:
-        from .printer import format_expr
-
         return format_expr(self)
 
-    # Operators and torch-named methods are attached by dsl.py from the op registry.
+    def __pos__(self) -> Expr:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        """Torch-named methods (``e.exp()``, ``e.sum(-1)``, ``e.var()``) from the registry."""
+        entry = REGISTRY.methods.get(name)
+        if entry is None:
+            raise AttributeError(f"Expr has no attribute or method {name!r}")
+        op, adapter = entry
+        fn = adapter if adapter is not None else op.front.fn
+        return functools.partial(fn, self)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*object.__dir__(self), *REGISTRY.methods})
+
+
+def _attr_text_key(attrs: tuple) -> str:
+    return ";".join(f"{k}={_attr_key(v)!r}" for k, v in attrs)
+
+
+def _operator(dunder: str, reflected: bool) -> Any:
+    def method(self: Expr, *args: Any) -> Any:
+        op = REGISTRY.operators.get(dunder)
+        if op is None:
+            return NotImplemented
+        if reflected:
+            return op.front.fn(args[0], self)
+        return op.front.fn(self, *args)
+
+    method.__name__ = dunder
+    return method
+
+
+for _name in BINARY_OPERATORS:
+    setattr(Expr, f"__{_name}__", _operator(f"__{_name}__", False))
+    setattr(Expr, f"__r{_name}__", _operator(f"__r{_name}__", True))
+for _name in (*COMPARISONS, *UNARY_OPERATORS, "getitem"):
+    setattr(Expr, f"__{_name}__", _operator(f"__{_name}__", False))
 
 
 def node(op: str, *srcs: Expr | Scalar, **attrs: Any) -> Expr:
     """Build ``op`` over ``srcs`` (python scalars become constants) after checking arity."""
-    opdef = _registry().get(op)
+    opdef = REGISTRY.get(op)
     if opdef is None:
         raise RtxError(f"unknown op {op!r}")
-    if len(srcs) != opdef.arity:
+    if opdef.arity is not None and len(srcs) != opdef.arity:
         raise RtxError(f"op {op!r} takes {opdef.arity} operands, got {len(srcs)}")
     return Expr(op, tuple(as_expr(s, op) for s in srcs), attrs)
-
-
-def _registry() -> dict:
-    from .ops import REGISTRY  # imported on first use: ops/ builds expressions too
-
-    globals()["_registry"] = lambda: REGISTRY
-    return REGISTRY
 
 
 def as_expr(value: Any, where: str = "expression") -> Expr:
@@ -145,3 +200,39 @@ def variables(roots: list[Expr]) -> tuple[Expr, ...]:
                 )
             found.setdefault(name, n)
     return tuple(found.values())
+
+
+# ---- printing ------------------------------------------------------------------------------
+def _attr_text(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return repr(value)
+
+
+def format_expr(e: Expr) -> str:
+    """Readable text: infix where the op declares a symbol, calls elsewhere (parseable by rx.parse)."""
+    text: dict[int, tuple[str, int]] = {}
+    for n in walk([e]):
+        text[id(n)] = _format_one(n, [text[id(s)] for s in n.srcs])
+    return text[id(e)][0]
+
+
+def _format_one(n: Expr, parts: list[tuple[str, int]]) -> tuple[str, int]:
+    if n.op == "var":
+        return n.attr("name"), 99
+    if n.op == "const":
+        return repr(n.attr("value")), 99
+    opdef: OpDef = REGISTRY[n.op]
+    sym, prec = opdef.symbol, opdef.precedence
+    if sym is not None and len(parts) == 1:
+        inner, p = parts[0]
+        return f"{sym}{inner if p >= prec else f'({inner})'}", prec
+    if sym is not None and len(parts) == 2:
+        (lt, lp), (rt, rp) = parts
+        chained = prec == 0  # comparisons chain in Python: never print a < b < c
+        left = lt if lp > prec or (lp == prec and sym != "**" and not chained) else f"({lt})"
+        right = rt if rp > prec or (rp == prec and sym in ("+", "*", "**")) else f"({rt})"
+        return f"{left} {sym} {right}", prec
+    args = [t for t, _ in parts] + [f"{k}={_attr_text(v)}" for k, v in n.attrs]
+    name = opdef.public[0] if opdef.public else n.op
+    return f"{name}({', '.join(args)})", 99

@@ -1,227 +1,45 @@
 """The lazy stream (the seed's ``Fusion<B>``): ordinary torch code, queued, fused at sync points.
 
-``Fusion.lazy(t)`` wraps a tensor in a :class:`LazyTensor`. Torch functions, ``F.*``,
-Tensor methods and operators called on lazy tensors are *recorded* as expressions when
-rtxdsl supports them (``TORCH_OPS`` below); anything else is a sync point: its lazy
-inputs are materialized, the torch function runs eagerly, and its tensor results are
-wrapped again. A flush compiles the pending expressions that someone still holds into one
-:class:`~rtxdsl.runtime.Kernel` (cached by the segment's canonical structure, so a loop
-replays its plans) and writes only those values: an intermediate nobody holds is never
-written.
+``Fusion.lazy(t)`` wraps a tensor in a :class:`LazyTensor`. Torch functions, ``F.*``, Tensor
+methods and operators called on lazy tensors are *recorded* as expressions when an op in the
+registry maps them (``Front.torch``); anything else is a sync point: its lazy inputs are
+materialized, the torch function runs eagerly, and its tensor results are wrapped again.
+
+A flush compiles the pending values that someone still holds into one
+:class:`~rtxdsl.runtime.Kernel` and writes only those values: an intermediate nobody holds is
+never written. Plans are keyed by *structure*: leaves are named by first use in the segment
+and python numbers become scalar inputs (constants 0, 1 and -1 stay constants), so a loop whose
+learning rate changes every step replays one plan and compiles nothing.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from . import dsl as rx
-from .bind import Info, infer_all
 from .config import FusionConfig, get_config
+from .dsl import var
 from .errors import RtxError
-from .expr import Expr, node
+from .expr import Expr, walk
+from .log import log
+from .lower.bind import Info, infer_all
+from .lru import LRU
+from .ops import REGISTRY, Unsupported
 from .runtime import Kernel
 from .stats import GLOBAL_STATS, FusionStats, FusionStatsSnapshot
 
-log = logging.getLogger("rtxdsl")
-if os.environ.get("RTXDSL_LOG") in ("1", "2") and not log.handlers:
-    log.addHandler(logging.StreamHandler())
-    log.setLevel(logging.INFO if os.environ["RTXDSL_LOG"] == "1" else logging.DEBUG)
-
-# ---- torch function -> expression builders ---------------------------------------------
-#: builders take expressions (lazy tensors and plain tensors already converted) and torch's
-#: own arguments; raising _Unsupported sends the call down the eager path instead.
-TORCH_OPS: dict[Callable[..., Any], Callable[..., Expr]] = {}
-
-
-class _Unsupported(Exception):
-    """These arguments have no fused form (e.g. torch.sum(x, dtype=...)): run eagerly."""
-
-
-def _ops(*fns: Any) -> Callable[[Callable[..., Expr]], Callable[..., Expr]]:
-    def register(builder: Callable[..., Expr]) -> Callable[..., Expr]:
-        for fn in fns:
-            TORCH_OPS[fn] = builder
-        return builder
-
-    return register
-
-
-def _names(*names: str) -> list[Any]:
-    """torch.NAME, torch.Tensor.NAME and F.NAME, for those that exist."""
-    out = []
-    for n in names:
-        for ns in (torch, torch.Tensor, F):
-            if hasattr(ns, n):
-                out.append(getattr(ns, n))
-    return out
-
-
-def _scaled(b: Any, alpha: Any) -> Any:
-    return b if alpha == 1 else b * alpha
-
-
-_ops(*_names("add", "__add__"))(lambda a, b, *, alpha=1: a + _scaled(b, alpha))
-_ops(torch.Tensor.__radd__)(lambda a, b: b + a)
-_ops(*_names("sub", "subtract", "__sub__"))(lambda a, b, *, alpha=1: a - _scaled(b, alpha))
-_ops(torch.Tensor.__rsub__, torch.rsub)(lambda a, b, *, alpha=1: b - _scaled(a, alpha))
-_ops(*_names("mul", "multiply", "__mul__"))(lambda a, b: a * b)
-_ops(torch.Tensor.__rmul__)(lambda a, b: b * a)
-_ops(torch.Tensor.__rtruediv__)(lambda a, b: b / a)
-_ops(*_names("floor_divide", "__floordiv__"))(lambda a, b: a // b)
-_ops(torch.Tensor.__rfloordiv__)(lambda a, b: b // a)
-_ops(*_names("remainder", "__mod__"))(lambda a, b: a % b)
-_ops(*_names("pow", "__pow__"))(lambda a, b: a**b)
-_ops(torch.Tensor.__rpow__)(lambda a, b: b**a)
-_ops(*_names("neg", "negative", "__neg__"))(lambda a: -a)
-_ops(*_names("maximum"))(rx.maximum)
-_ops(*_names("minimum"))(rx.minimum)
-_ops(*_names("where"))(lambda c, a, b: rx.where(c, a, b))
-for _cmp in ("lt", "le", "gt", "ge", "eq", "ne"):
-    _ops(*_names(_cmp, f"__{_cmp}__"))((lambda n: lambda a, b: getattr(a, f"__{n}__")(b))(_cmp))
-for _bit, _dunder in (("bitwise_and", "and"), ("bitwise_or", "or"), ("bitwise_xor", "xor")):
-    _ops(*_names(_bit, f"__{_dunder}__"))((lambda d: lambda a, b: getattr(a, f"__{d}__")(b))(_dunder))
-_ops(*_names("bitwise_not", "__invert__", "logical_not"))(lambda a: ~a)
-
-
-@_ops(*_names("div", "divide", "true_divide", "__truediv__"))
-def _div(a: Any, b: Any, *, rounding_mode: str | None = None) -> Expr:
-    if rounding_mode is None:
-        return a / b
-    if rounding_mode == "floor":
-        return a // b
-    raise _Unsupported
-
-
-for _name in rx.UNARY:  # F.silu is registered again below: it takes inplace positionally
-    _ops(*_names(_name), *([torch.Tensor.__abs__] if _name == "abs" else []))(
-        (lambda fn: lambda a, *, inplace=False: fn(a))(getattr(rx, _name))
-    )
-_ops(*_names("round"))(lambda a, *, decimals=0: rx.round(a) if decimals == 0 else _raise())
-_ops(F.silu)(lambda a, inplace=False: rx.silu(a))
-_ops(F.gelu)(lambda a, approximate="none": rx.gelu(a, approximate))
-_ops(F.leaky_relu)(lambda a, negative_slope=0.01, inplace=False: rx.leaky_relu(a, negative_slope))
-_ops(F.elu)(lambda a, alpha=1.0, inplace=False: rx.elu(a, alpha))
-_ops(F.softplus)(lambda a, beta=1.0, threshold=20.0: rx.softplus(a, beta, threshold))
-_ops(*_names("clamp", "clip"))(lambda a, min=None, max=None: rx.clamp(a, min, max))
-
-
-@_ops(F.dropout, torch.dropout)
-def _dropout(a: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Expr:
-    if training and p > 0:
-        raise _Unsupported  # random: runs eagerly
-    return a  # evaluation mode: the identity, so it does not cut a fused segment
-
-
-def _raise() -> Expr:
-    raise _Unsupported
-
-
-def _dim(dim: Any) -> Any:
-    return tuple(dim) if isinstance(dim, (list, tuple)) else dim
-
-
-def _reduction(fn: Callable[..., Expr]) -> Callable[..., Expr]:
-    def build(a: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Expr:
-        if dtype is not None:
-            raise _Unsupported
-        return fn(a, _dim(dim), keepdim)
-
-    return build
-
-
-for _name, _fn in (
-    ("sum", rx.sum),
-    ("mean", rx.mean),
-    ("amax", rx.amax),
-    ("amin", rx.amin),
-    ("logsumexp", rx.logsumexp),
-):
-    _ops(*_names(_name))(_reduction(_fn))
-
-
-def _spread(fn: Callable[..., Expr]) -> Callable[..., Expr]:
-    def build(a: Any, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *, correction: Any = None) -> Expr:
-        if isinstance(unbiased, bool) or unbiased is None:
-            corr = correction if correction is not None else (0 if unbiased is False else 1)
-        else:  # torch.var(x, 0) passes dim positionally where unbiased would be
-            raise _Unsupported
-        return fn(a, _dim(dim), keepdim, correction=corr)
-
-    return build
-
-
-_ops(*_names("var"))(_spread(rx.variance))
-_ops(*_names("std"))(_spread(rx.std))
-
-
-@_ops(*_names("softmax"))
-def _softmax(a: Any, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Expr:
-    if dim is None or dtype is not None:
-        raise _Unsupported
-    return rx.softmax(a, dim)
-
-
-@_ops(*_names("log_softmax"))
-def _log_softmax(a: Any, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Expr:
-    if dim is None or dtype is not None:
-        raise _Unsupported
-    return rx.log_softmax(a, dim)
-
-
-@_ops(F.layer_norm)
-def _layer_norm(a: Any, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Expr:
-    if len(tuple(normalized_shape)) != 1:
-        raise _Unsupported  # rtxdsl normalizes over the last axis only
-    return rx.layer_norm(a, weight, bias, eps)
-
-
-@_ops(*_names("rms_norm"))
-def _rms_norm(a: Any, normalized_shape: Any, weight: Any = None, eps: float | None = None) -> Expr:
-    if len(tuple(normalized_shape)) != 1 or eps is None:
-        raise _Unsupported  # eps=None means finfo(dtype).eps in torch: run it eagerly
-    return rx.rms_norm(a, weight, eps)
-
-
-def _cast_to(dtype: torch.dtype) -> Callable[..., Expr]:
-    return lambda a, memory_format=None: rx.cast(a, dtype)
-
-
-for _name, _dt in (
-    ("float", torch.float32),
-    ("half", torch.float16),
-    ("bfloat16", torch.bfloat16),
-    ("double", torch.float64),
-    ("int", torch.int32),
-    ("long", torch.int64),
-    ("bool", torch.bool),
-):
-    _ops(getattr(torch.Tensor, _name))(_cast_to(_dt))
-
-
-@_ops(torch.Tensor.to)
-def _to(a: Any, *args: Any, **kwargs: Any) -> Expr:
-    dtype = kwargs.pop("dtype", None)
-    rest = [x for x in args if not isinstance(x, torch.dtype)]
-    dtype = next((x for x in args if isinstance(x, torch.dtype)), dtype)
-    if rest or kwargs or dtype is None:
-        raise _Unsupported  # a device move or copy=True: a sync point
-    return rx.cast(a, dtype)
-
-
-#: views applied to materialized tensors without a flush
+#: views applied to materialized tensors without a flush (torch makes them without copying)
 VIEWS = {
     getattr(torch.Tensor, n)
     for n in (
         "view",
+        "view_as",
         "reshape",
+        "reshape_as",
         "unsqueeze",
         "squeeze",
         "expand",
@@ -229,34 +47,36 @@ VIEWS = {
         "transpose",
         "permute",
         "t",
+        "T",
+        "mT",
         "flatten",
         "unflatten",
         "contiguous",
         "__getitem__",
         "narrow",
         "select",
+        "unbind",
+        "split",
+        "chunk",
     )
+    if isinstance(getattr(torch.Tensor, n, None), Callable)
 }
 VIEWS |= {getattr(torch, n) for n in ("reshape", "unsqueeze", "squeeze", "transpose", "permute", "t", "flatten")}
 
-INPLACE = {
-    torch.Tensor.add_: torch.Tensor.add,
-    torch.Tensor.sub_: torch.Tensor.sub,
-    torch.Tensor.mul_: torch.Tensor.mul,
-    torch.Tensor.div_: torch.Tensor.div,
-    torch.Tensor.__iadd__: torch.Tensor.add,
-    torch.Tensor.__isub__: torch.Tensor.sub,
-    torch.Tensor.__imul__: torch.Tensor.mul,
-    torch.Tensor.__itruediv__: torch.Tensor.div,
-    torch.Tensor.clamp_: torch.Tensor.clamp,
-    torch.Tensor.relu_: torch.Tensor.relu,
-    torch.Tensor.exp_: torch.Tensor.exp,
-    torch.Tensor.neg_: torch.Tensor.neg,
-    torch.Tensor.sqrt_: torch.Tensor.sqrt,
-    torch.Tensor.sigmoid_: torch.Tensor.sigmoid,
-    torch.Tensor.tanh_: torch.Tensor.tanh,
-    torch.Tensor.pow_: torch.Tensor.pow,
-}
+#: python numbers that stay constants in a recorded segment (they rarely change between steps)
+STRUCTURAL = frozenset(
+    {("int", "0"), ("int", "1"), ("int", "-1"), ("float", "0.0"), ("float", "1.0"), ("float", "-1.0")}
+)
+
+
+def _dropout_eval(a: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+    if training and p > 0:
+        raise Unsupported  # random: runs eagerly
+    return a  # evaluation mode: the identity, so it does not cut a fused segment
+
+
+#: torch functions that are the identity on a recorded value (no op of their own)
+IDENTITY: dict[Any, Callable[..., Any]] = {F.dropout: _dropout_eval, torch.dropout: _dropout_eval}
 
 
 # ---- the stream ---------------------------------------------------------------------------
@@ -273,29 +93,28 @@ class OperationStream:
         # tensors written in place by pending values: id -> (tensor, writers in program order)
         self.homes: dict[int, tuple[torch.Tensor, list[LazyTensor]]] = {}
         self.queued = 0
-        self._counter = 0
+        self.epoch = 0  # flushes so far: a conversion that straddles one is redone
 
     # leaves and recording
     def leaf(self, t: torch.Tensor) -> Expr:
         home = self.homes.get(id(t))
         if home is not None and home[0] is t:  # t has a pending in-place value: read that
-            return home[1][-1]._expr
+            return home[1][-1]._expr  # type: ignore[return-value]
         if self.homes and any(_overlaps(t, h) for h, _ in self.homes.values()):
             self.flush("read of a tensor aliased by a pending in-place write")
         hit = self.leaves.get(id(t))
         if hit is not None and hit[0] is t:
             return hit[1]
-        self._counter += 1
-        v = rx.var(f"t{self._counter}")
+        v = var(f"t{len(self.leaves) + 1}")
         self.leaves[id(t)] = (t, v)
         self.info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
         self.keep.append(v)
         return v
 
     def record(self, expr: Expr) -> LazyTensor:
-        self.keep.extend(infer_all([expr], self.info))
+        infer_all([expr], self.info, self.keep)
         self.queued += 1
-        log.debug("rtxdsl: queued %s (%d pending)", expr, self.queued)
+        log.debug("queued %s (%d pending)", expr, self.queued)
         lt = LazyTensor._pending(self, expr, self.info[id(expr)])
         self.holders.append(weakref.ref(lt))
         if self.queued >= self.fusion.config.max_queued_ops:
@@ -310,33 +129,34 @@ class OperationStream:
     def write_home(self, home: torch.Tensor, writer: LazyTensor) -> None:
         """``writer``'s pending value is ``home``'s new content (an in-place op)."""
         entry = self.homes.setdefault(id(home), (home, []))
-        if all(w is not writer for w in entry[1]):
-            entry[1].append(writer)
-        else:  # keep program order: the latest write last
+        if any(w is writer for w in entry[1]):  # keep program order: the latest write last
             entry[1].remove(writer)
-            entry[1].append(writer)
+        entry[1].append(writer)
 
     # flushing
     def flush(self, reason: str) -> None:
         writers = [w for _, ws in self.homes.values() for w in ws]
         held = [lt for lt in (r() for r in self.holders) if lt is not None]
         live = list({id(lt): lt for lt in held + writers if lt._expr is not None}.values())
+        self.epoch += 1
         if not live:
             self._reset()
             return
-        kernel, tensors = self.fusion._plan([lt._expr for lt in live], self)
-        outs = kernel(*tensors)
+        kernel, args = self.fusion._plan([lt._expr for lt in live], self)  # type: ignore[misc]
+        outs = kernel(*args)
         outs = [outs] if not isinstance(outs, dict) else list(outs.values())
         for lt, out in zip(live, outs):
             lt._materialize(out)
+        dry = kernel.config.dry_run
         for home, ws in self.homes.values():  # in-place results land in their tensors, as in eager
-            home.copy_(ws[-1]._value)
-            nbytes = 2 * home.numel() * home.element_size()
-            self.fusion._stats.record(1, 0, 1, nbytes, nbytes)
+            if not dry:  # a dry run computed nothing: never write it into a user tensor
+                home.copy_(ws[-1]._value)
+                nbytes = 2 * home.numel() * home.element_size()
+                self.fusion._stats.record(1, 0, 1, nbytes, nbytes)
             for w in ws:
                 w._value, w._home = home, None
-        self.fusion._last = (reason, kernel, tuple(tensors))
-        log.info("rtxdsl: flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(live))
+        self.fusion._last = (reason, kernel, tuple(args))
+        log.info("flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(live))
         self._reset()
 
     def _reset(self) -> None:
@@ -346,11 +166,30 @@ class OperationStream:
         self.holders.clear()
         self.homes.clear()
         self.queued = 0
-        self._counter = 0  # leaves are named by first use within a segment
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def canonical(roots: list[Expr], leaves: dict[int, torch.Tensor]) -> tuple[tuple[Expr, ...], list[Any]]:
+    """The segment's structure and its arguments: leaves renamed by first use, python numbers as
+    scalar inputs (except 0, 1, -1). Interned, so the same structure gives the same roots."""
+    memo: dict[int, Expr] = {}
+    args: list[Any] = []
+    for n in walk(roots):
+        if n.op == "var":
+            memo[id(n)] = var(f"a{len(args)}")
+            args.append(leaves[id(n)])
+        elif n.op == "const" and (type(n.attr("value")).__name__, repr(n.attr("value"))) not in STRUCTURAL:
+            memo[id(n)] = var(f"a{len(args)}")
+            args.append(n.attr("value"))
+        elif n.srcs:
+            srcs = tuple(memo[id(s)] for s in n.srcs)
+            memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
+        else:
+            memo[id(n)] = n
+    return tuple(memo[id(r)] for r in roots), args
 
 
 class Fusion:
@@ -373,7 +212,7 @@ class Fusion:
         self._config = config
         self._stats = stats or FusionStats()
         self._streams: dict[torch.device, OperationStream] = {}
-        self._plans: OrderedDict[tuple, Kernel] = OrderedDict()
+        self._plans: LRU[tuple[Expr, ...], Kernel] = LRU(self.config.cache_size)
         self._last: tuple[str, Kernel, tuple] | None = None
 
     @property
@@ -414,42 +253,32 @@ class Fusion:
         """The plan of the last flush, and why the segment closed."""
         if self._last is None:
             return "nothing flushed yet"
-        reason, kernel, tensors = self._last
-        return f"segment closed by: {reason}\n" + kernel.explain(*tensors)
+        reason, kernel, args = self._last
+        return f"segment closed by: {reason}\n" + kernel.explain(*args)
 
     @property
     def plans(self) -> int:
-        """Distinct segment structures planned (a steady loop stops adding to this)."""
+        """Distinct segment structures held (a steady loop stops adding to this)."""
         return len(self._plans)
 
-    def _plan(self, roots: list[Expr], stream: OperationStream) -> tuple[Kernel, list[torch.Tensor]]:
-        """The kernel for these roots, found by identity.
-
-        Leaves are named by their order of first use in the segment and expressions are
-        interned, so a loop that records the same sequence builds the very same root
-        objects: the plan lookup is one dict probe, and the kernel (with its prepared
-        launches) is reused without analysis. Sizes and scalar values are not in the key's
-        structure beyond what the expressions hold (constants are part of an expression).
-        """
-        canon = tuple(roots)
+    def _plan(self, roots: list[Expr], stream: OperationStream) -> tuple[Kernel, list[Any]]:
+        """The kernel for this segment's structure, and the tensors and numbers to call it with."""
+        tensor_of = {id(v): t for t, v in stream.leaves.values()}
+        canon, args = canonical(roots, tensor_of)
         kernel = self._plans.get(canon)
         if kernel is None:
             kernel = Kernel({f"o{k}": r for k, r in enumerate(canon)}, self._config, stats=self._stats)
-            self._plans[canon] = kernel
-            while len(self._plans) > self.config.cache_size:
-                self._plans.popitem(last=False)
-        tensor_of = {id(v): t for t, v in stream.leaves.values()}
-        return kernel, [tensor_of[id(v)] for v in kernel._vars]
+            self._plans.put(canon, kernel)
+        return kernel, args
 
     def _eager(self, func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
         """A sync point: materialize lazy arguments, run ``func`` eagerly, wrap tensor results."""
-        real_args, real_kwargs, streams = _materialize_all(args, kwargs, reason)
+        real_args, real_kwargs = _materialize_all(args, kwargs, reason)
         out = func(*real_args, **real_kwargs)
         nbytes = sum(t.numel() * t.element_size() for t in _tensors((real_args, real_kwargs, out)))
         self._stats.record(1, 0, 1, nbytes, nbytes)
-        log.debug("rtxdsl: eager %s (%s)", getattr(func, "__name__", func), reason)
-        device = streams[0].device if streams else None
-        return _wrap(out, self, device)
+        log.debug("eager %s (%s)", getattr(func, "__name__", func), reason)
+        return _wrap(out, self)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -462,28 +291,24 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _materialize_all(args: tuple, kwargs: dict, reason: str) -> tuple[tuple, dict, list[OperationStream]]:
-    streams: list[OperationStream] = []
-
+def _materialize_all(args: tuple, kwargs: dict, reason: str) -> tuple[tuple, dict]:
     def real(x: Any) -> Any:
         if isinstance(x, LazyTensor):
-            if all(x._stream is not s for s in streams):
-                streams.append(x._stream)
             return x._real(reason)
         if isinstance(x, (list, tuple)):
             return type(x)(real(v) for v in x)
         return x
 
-    return tuple(real(a) for a in args), {k: real(v) for k, v in kwargs.items()}, streams
+    return tuple(real(a) for a in args), {k: real(v) for k, v in kwargs.items()}
 
 
-def _wrap(out: Any, fusion: Fusion, device: torch.device | None) -> Any:
+def _wrap(out: Any, fusion: Fusion) -> Any:
     if isinstance(out, torch.Tensor) and not isinstance(out, torch.nn.Parameter):
         return fusion.lazy(out)
     if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(_wrap(o, fusion, device) for o in out)
+        return tuple(_wrap(o, fusion) for o in out)
     if isinstance(out, list):
-        return [_wrap(o, fusion, device) for o in out]
+        return [_wrap(o, fusion) for o in out]
     return out
 
 
@@ -523,7 +348,7 @@ class LazyTensor:
         return self._value
 
     def _as_expr(self) -> Expr:
-        return self._expr if self._expr is not None else self._stream.leaf(self._value)
+        return self._expr if self._expr is not None else self._stream.leaf(self._value)  # type: ignore[arg-type]
 
     # metadata without a flush
     @property
@@ -554,6 +379,10 @@ class LazyTensor:
     @property
     def is_pending(self) -> bool:
         return self._expr is not None
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._value.requires_grad if self._value is not None else False
 
     # data access: sync points
     def torch(self) -> torch.Tensor:
@@ -598,22 +427,24 @@ class LazyTensor:
         lazies = [a for a in args if isinstance(a, LazyTensor)]
         if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):  # nested or keyword tensors
             lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
-        fusion = lazies[0]._stream.fusion
-        if func in INPLACE:
+        stream = lazies[0]._stream
+        fusion = stream.fusion
+        if func in REGISTRY.inplace:
             return _inplace(func, args, kwargs)
         if func in VIEWS:
             return _view(func, args, kwargs, fusion)
-        builder = TORCH_OPS.get(func)
-        stream = lazies[0]._stream
-        mixed = len(lazies) > 1 and any(lt._stream is not stream for lt in lazies)
+        entry = REGISTRY.torch.get(func)
+        builder = entry[1] if entry is not None else IDENTITY.get(func)
+        mixed = any(lt._stream is not stream for lt in lazies)
+        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
         if builder is None or mixed or not fusion.config.enabled:
-            name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
             return fusion._eager(func, args, kwargs, f"unsupported {name}")
         try:
-            expr = builder(*_exprs(args, stream), **{k: _exprs_one(v, stream) for k, v in kwargs.items()})
-        except _Unsupported:
-            name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
+            expr = _build(builder, args, kwargs, stream)
+        except Unsupported:
             return fusion._eager(func, args, kwargs, f"unsupported arguments of {name}")
+        if isinstance(expr, LazyTensor):  # an identity builder gave its operand back
+            return expr
         return stream.record(expr)
 
     def __getattr__(self, name: str) -> Any:
@@ -621,6 +452,19 @@ class LazyTensor:
         if fn is None or not callable(fn):
             raise AttributeError(f"LazyTensor has no attribute {name!r}")
         return lambda *args, **kwargs: LazyTensor.__torch_function__(fn, (LazyTensor,), (self, *args), kwargs)
+
+
+def _build(builder: Callable[..., Any], args: tuple, kwargs: dict, stream: OperationStream) -> Any:
+    """Operands as expressions, then the op's builder; redone if converting an operand flushed the
+    stream (a read of a tensor with a pending in-place write): no operand keeps a stale leaf."""
+    if builder in IDENTITY.values():
+        return builder(*args, **kwargs)
+    while True:
+        epoch = stream.epoch
+        exprs = [_expr_of(a, stream) for a in args]
+        kw = {k: _expr_of(v, stream) for k, v in kwargs.items()}
+        if stream.epoch == epoch:
+            return builder(*exprs, **kw)
 
 
 def _tensors_and_lazies(obj: Any) -> list[Any]:
@@ -633,36 +477,43 @@ def _tensors_and_lazies(obj: Any) -> list[Any]:
     return []
 
 
-def _exprs_one(x: Any, stream: OperationStream) -> Any:
+def _expr_of(x: Any, stream: OperationStream) -> Any:
     if isinstance(x, LazyTensor):
         return x._as_expr()
     if isinstance(x, torch.Tensor):
         if x.device != stream.device:
-            raise _Unsupported
+            raise Unsupported
         return stream.leaf(x)
+    if isinstance(x, (list, tuple)) and any(isinstance(v, (LazyTensor, torch.Tensor)) for v in x):
+        return type(x)(_expr_of(v, stream) for v in x)
     return x
-
-
-def _exprs(args: tuple, stream: OperationStream) -> list[Any]:
-    return [_exprs_one(a, stream) for a in args]
 
 
 def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
     """Views of materialized values are free. Of a pending value, ``contiguous`` is the value
-    itself (kernels write contiguous outputs) and ``unsqueeze`` is recorded; other views
-    need the value first."""
+    itself (kernels write contiguous outputs), a view an op maps (``unsqueeze``, slicing) is
+    recorded; other views need the value first."""
     base = args[0]
     if isinstance(base, LazyTensor) and base.is_pending:
-        name = func.__name__
+        name = getattr(func, "__name__", "")
         if name == "contiguous":
             return base
-        if name == "unsqueeze":
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            if isinstance(dim, int) and -base.ndim - 1 <= dim <= base.ndim:
-                return base._stream.record(node("unsqueeze", base._expr, axes=(dim % (base.ndim + 1),)))
+        entry = REGISTRY.torch.get(func)
+        if entry is not None:
+            try:
+                return base._stream.record(_build(entry[1], args, kwargs, base._stream))
+            except Unsupported:
+                pass
         base._real(f"view {name} of a pending value")
-    real_args, real_kwargs, _ = _materialize_all(args, kwargs, "view")
-    return _wrap(func(*real_args, **real_kwargs), fusion, None)
+    real_args, real_kwargs = _materialize_all(args, kwargs, "view")
+    return _wrap(func(*real_args, **real_kwargs), fusion)
+
+
+def _out_of_place(func: Any) -> Any:
+    """``Tensor.add_`` -> ``Tensor.add``; ``Tensor.__iadd__`` -> ``Tensor.__add__``."""
+    name = func.__name__
+    plain = f"__{name[3:]}" if name.startswith("__i") else name[:-1]
+    return getattr(torch.Tensor, plain)
 
 
 def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -675,9 +526,9 @@ def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
     target = args[0]
     assert isinstance(target, LazyTensor)
     stream = target._stream
-    if not target.is_pending and stream.reads(target._value):
+    if not target.is_pending and stream.reads(target._value):  # type: ignore[arg-type]
         stream.flush("in-place write to a tensor with pending readers")
-    result = LazyTensor.__torch_function__(INPLACE[func], (LazyTensor,), args, kwargs)
+    result = LazyTensor.__torch_function__(_out_of_place(func), (LazyTensor,), args, kwargs)
     if not isinstance(result, LazyTensor):
         raise RtxError(f"in-place {func.__name__} produced no tensor")
     if result.dtype != target.dtype or result.shape != target.shape:
@@ -690,7 +541,7 @@ def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
         if home is None:
             target._value = result._value
         else:
-            home.copy_(result._value)
+            home.copy_(result._value)  # type: ignore[arg-type]
         return target
     target._expr, target._info, target._value = result._expr, result._info, None
     if home is not None:
@@ -706,40 +557,13 @@ def _dunder(name: str) -> Callable[..., Any]:
 
 
 for _d in (
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__floordiv__",
-    "__rfloordiv__",
-    "__mod__",
-    "__pow__",
-    "__rpow__",
-    "__neg__",
-    "__abs__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__eq__",
-    "__ne__",
-    "__and__",
-    "__or__",
-    "__xor__",
-    "__invert__",
-    "__iadd__",
-    "__isub__",
-    "__imul__",
-    "__itruediv__",
-    "__getitem__",
-    "__matmul__",
-    "__rmatmul__",
+    *(f"__{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "matmul")),
+    *(f"__r{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "matmul")),
+    *(f"__i{n}__" for n in ("add", "sub", "mul", "truediv", "pow", "and", "or", "xor")),
+    *(f"__{n}__" for n in ("neg", "abs", "invert", "lt", "le", "gt", "ge", "eq", "ne", "getitem")),
 ):
-    setattr(LazyTensor, _d, _dunder(_d))
+    if hasattr(torch.Tensor, _d):
+        setattr(LazyTensor, _d, _dunder(_d))
 LazyTensor.__hash__ = object.__hash__  # type: ignore[method-assign,assignment]
 
 
@@ -769,3 +593,6 @@ def lazy(t: torch.Tensor) -> LazyTensor:
 def sync() -> None:
     """Run everything queued on the default stream."""
     default_fusion().sync()
+
+
+__all__ = ["Fusion", "LazyTensor", "OperationStream", "canonical", "default_fusion", "lazy", "sync"]

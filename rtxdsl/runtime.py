@@ -1,17 +1,20 @@
-"""Kernel: binds inputs, plans, generates, caches and launches — with a cheap hot path.
+"""Kernel: the user's compiled expression. A call runs a prepared :class:`Launch` built from the
+:class:`~rtxdsl.lower.Program` that ``lower()`` made for the inputs' layout.
 
-A call first looks up a prepared :class:`Launch` keyed by the inputs' dtypes, shapes,
-strides and device (an LRU per kernel). On a hit the call only allocates outputs and
-launches the cached kernels with precomputed arguments: no analysis, no hashing of the
-expression, no code generation. On a miss it binds (torch's shape/dtype rules on meta
-tensors), plans (FusionAnalyzer), and fetches each group's kernel from the signature-keyed
-KernelCache, which compiles only structures it has not seen.
+The hot path is a key over the inputs' dtypes, shapes, strides, device and requires_grad, an
+LRU lookup of the prepared launch, output allocation and a direct launch of each kernel with
+precomputed arguments: no analysis, no hashing of the expression, no code generation. A miss
+lowers (bind, analyze, schedule), fetches each kernel from the signature-keyed KernelCache
+(which generates only structures it has not seen) and prepares the launch.
+
+Backends: ``triton`` (compiled, CUDA tensors), ``interpreter`` (the same kernels under
+Triton's interpreter, CPU tensors; it is not thread-safe, so launches are serialized) and
+``torch`` (the expression evaluated op by op with torch: the reference).
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .analyzer import FusionAnalyzer, FusionPlan
-from .bind import Bound, bind
 from .cache import GLOBAL_CACHE, CompiledKernel
-from .codegen.spec import KernelSpec, Layout, build, contiguous_strides
+from .codegen.source import kernel_source
 from .config import FusionConfig, get_config
 from .dtypes import SHORT_NAME, check_supported
 from .errors import (
@@ -34,24 +35,15 @@ from .errors import (
     UnknownInputError,
 )
 from .expr import Expr, as_expr, variables, walk
+from .lower import InputMeta, Layout, Program, lower
+from .lower.schedule import encode_scalar
+from .lower.vjp import Gradients, differentiate
+from .lru import LRU
 from .ops import REGISTRY, apply_ref
 from .stats import GLOBAL_STATS, FusionStats
 
-
-@dataclass
-class Step:
-    """One kernel launch with everything but the tensors precomputed."""
-
-    fn: Any  # the launchable kernel, chosen by backend once planned
-    grid: tuple[int, ...]
-    bufs: tuple[int, ...]  # buffer slots: inputs then outputs, in parameter order
-    rest: tuple[Any, ...]  # sizes, strides, scalars
-    meta: dict[str, int]  # constexprs and launch options
-    compiled: CompiledKernel
-    spec: KernelSpec
-    ops: int
-    bytes: int
-    empty: bool
+#: Triton's interpreter keeps global state (the current program id, patched tl functions)
+INTERPRETER_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -69,71 +61,89 @@ class PlanSummary:
 
 
 class Launch:
-    """A prepared call for one input layout: allocations, steps and counters."""
+    """A prepared call for one input layout: allocations, launchers, result packing and counters."""
 
-    def __init__(self, kernel: Kernel, config: FusionConfig, device: torch.device, n_inputs: int) -> None:
-        self.kernel = kernel
+    __slots__ = ("program", "backend", "note", "config", "device", "any_grad", "_makers", "_launchers", "_finish")
+
+    def __init__(self, kernel: Kernel, program: Program, config: FusionConfig, tensors: tuple[Any, ...]) -> None:
+        device = _device_of(tensors)
+        self.program = program
         self.config = config
         self.device = device
-        self.n_inputs = n_inputs
-        self.allocs: list[tuple[int, tuple[int, ...], torch.dtype]] = []
-        self.steps: list[Step] = []
-        self.out_slots: list[tuple[str, int]] = []
-        self.scalar_outputs: dict[str, tuple[Any, torch.dtype]] = {}
-        self.plan: FusionPlan | None = None
-        self.makers: list[Any] = []
-        self.launchers: list[tuple] = []  # (fn[grid], buffer slots, sizes/strides/scalars, constexprs)
-        self.dry_run = config.dry_run
-        self.finish: Any = None
-        self.bound: Bound | None = None
-        self.backend = ""
-        self.note = ""  # why this backend, when it is not the obvious one
-        self.any_grad = False  # some input requires grad: calls go through torch.autograd
-        self.stats: FusionStats = GLOBAL_STATS
-        self.kernels = self.fused = self.eager_launches = self.bytes_moved = self.bytes_eager = 0
+        self.any_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        self.backend, self.note = _backend_for(config, device)
+        self._makers = [_maker(b.shape, b.dtype, device, tensors) for b in program.buffers]
+        self._launchers: list[tuple[Any, tuple[int, ...], Any, dict[str, int]]] = []
+        if self.backend != "torch":
+            interpret = self.backend == "interpreter"
+            for call in program.launched:
+                compiled = _compiled(call.spec, call.summary, config)
+                fn = compiled.function(interpret)
+                launcher = _Interpreted(fn, call.grid) if interpret else fn[call.grid]
+                args: Any = call.args if not call.scalar_inputs else _ArgFill(call.args, call.scalar_inputs)
+                self._launchers.append((launcher, call.buffers, args, dict(call.meta)))
+        self._finish = _finisher(kernel, program, device)
 
-    def run(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+    def run(self, kernel: Kernel, tensors: tuple[Any, ...]) -> Any:
+        p = self.program
         if self.backend == "torch":
-            results = self.kernel._reference(tensors, self.config)
-            self._count()
+            results = kernel._reference(tensors)
+            kernel._stats.record(p.eager_launches, 0, p.eager_launches, p.eager_bytes, p.eager_bytes)
             return results
         bufs: list[Any] = [*tensors]
-        for make in self.makers:
+        for make in self._makers:
             bufs.append(make(tensors))
-        if not self.dry_run:
-            for launcher, slots, rest, meta in self.launchers:
-                launcher(*[bufs[i] for i in slots], *rest, **meta)
-            self._count()
-        return self.finish(bufs)
+        if not self.config.dry_run:
+            for launcher, slots, args, meta in self._launchers:
+                if type(args) is _ArgFill:
+                    args = args(tensors)
+                launcher(*[bufs[i] for i in slots], *args, **meta)
+            kernel._stats.record(p.kernels_launched, p.fused, p.eager_launches, p.bytes_moved, p.eager_bytes)
+        return self._finish(bufs)
 
-    def seal(self) -> None:
-        """Precompute the allocation and result-packing closures the hot path calls."""
-        self.dry_run = self.config.dry_run
-        self.launchers = [
-            (st.fn[st.grid], st.bufs, st.rest, st.meta) for st in self.steps if not st.empty and st.fn is not None
-        ]
-        self.makers = [_maker(shape, dtype, self.device, self.bound, self.kernel) for _, shape, dtype in self.allocs]
-        kernel, scalars, device = self.kernel, self.scalar_outputs, self.device
-        order = {k: s for k, s in self.out_slots}
-        slots = [(k, order.get(k)) for k in kernel.outputs]
-        if kernel._single and not scalars:
-            slot = slots[0][1]
-            self.finish = lambda bufs: bufs[slot]
-        elif not scalars:
-            self.finish = lambda bufs: {k: bufs[s] for k, s in slots}
-        else:
 
-            def finish(bufs: list[Any]) -> Any:
-                res = {
-                    k: bufs[s] if s is not None else torch.tensor(scalars[k][0], dtype=scalars[k][1], device=device)
-                    for k, s in slots
-                }
-                return res["out"] if kernel._single else res
+class _ArgFill:
+    """A kernel's arguments with the scalar inputs of this call filled in."""
 
-            self.finish = finish
+    __slots__ = ("args", "fills")
 
-    def _count(self) -> None:
-        self.stats.record(self.kernels, self.fused, self.eager_launches, self.bytes_moved, self.bytes_eager)
+    def __init__(self, args: tuple[Any, ...], fills: tuple[tuple[int, int, str], ...]) -> None:
+        self.args = args
+        self.fills = fills
+
+    def __call__(self, tensors: tuple[Any, ...]) -> list[Any]:
+        out = list(self.args)
+        for pos, j, kind in self.fills:
+            out[pos] = encode_scalar(tensors[j], kind)
+        return out
+
+
+class _Interpreted:
+    """An interpreted kernel launch: serialized, numpy's floating-point warnings silenced
+    (masked lanes compute e.g. log(0))."""
+
+    __slots__ = ("launcher",)
+
+    def __init__(self, fn: Any, grid: tuple[int, ...]) -> None:
+        self.launcher = fn[grid]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with INTERPRETER_LOCK, np.errstate(all="ignore"):
+            return self.launcher(*args, **kwargs)
+
+
+def _compiled(spec: Any, summary: str, config: FusionConfig) -> CompiledKernel:
+    return GLOBAL_CACHE.get(spec, summary, config.cache_size, config.resolved_cache_dir, kernel_source)
+
+
+@dataclass(frozen=True)
+class GradPlan:
+    """Forward (outputs + saved statistics) and backward kernels for one input layout."""
+
+    forward: Kernel
+    backward: Kernel
+    grads: Gradients
+    input_names: tuple[str, ...]
 
 
 class Kernel:
@@ -150,9 +160,13 @@ class Kernel:
     """
 
     def __init__(
-        self, outputs: Expr | Mapping[str, Any], config: FusionConfig | None = None, stats: FusionStats | None = None
+        self,
+        outputs: Expr | Mapping[str, Any],
+        config: FusionConfig | None = None,
+        *,
+        inputs: tuple[str, ...] | None = None,
+        stats: FusionStats | None = None,
     ) -> None:
-        self._stats = stats or GLOBAL_STATS
         if config is not None and not isinstance(config, FusionConfig):
             raise RtxError(f"config must be a FusionConfig, got {type(config).__name__}")
         if isinstance(outputs, Mapping):
@@ -161,18 +175,29 @@ class Kernel:
             for key in outputs:
                 if not isinstance(key, str):
                     raise RtxError(f"output keys must be strings, got {key!r}")
-            self._outputs = [(k, as_expr(e, f"output {k!r}")) for k, e in outputs.items()]
+            self._outputs = tuple((k, as_expr(e, f"output {k!r}")) for k, e in outputs.items())
             self._single = False
         else:
-            self._outputs = [("out", as_expr(outputs, "compile"))]
+            self._outputs = (("out", as_expr(outputs, "compile")),)
             self._single = True
-        self._vars = variables([e for _, e in self._outputs])
-        self.inputs: tuple[str, ...] = tuple(v.attr("name") for v in self._vars)
+        found = variables([e for _, e in self._outputs])
+        if inputs is not None:  # an explicit positional order (@rx.fuse: the function's parameters)
+            by_name = {v.attr("name"): v for v in found}
+            unused = [n for n in inputs if n not in by_name]
+            if unused:
+                raise RtxError(f"input {unused[0]!r} is not used by the expression")
+            missing = [n for n in by_name if n not in inputs]
+            if missing:
+                raise RtxError(f"the expression reads {missing[0]!r}, which is not among the inputs {inputs}")
+            found = tuple(by_name[n] for n in inputs)
+        self._vars = found
+        self.inputs: tuple[str, ...] = tuple(v.attr("name") for v in found)
         self._index = {n: i for i, n in enumerate(self.inputs)}
         self._config = config
+        self._stats = stats or GLOBAL_STATS
         self._seen_config: FusionConfig | None = None
-        self._grad_plans: dict[tuple, Any] = {}
-        self._launches: OrderedDict[tuple, Launch] = OrderedDict()
+        self._launches: LRU[tuple, Launch] = LRU((config or get_config()).launch_cache_size)
+        self._grads: LRU[tuple, GradPlan] = LRU((config or get_config()).launch_cache_size)
         self._key = _key_function(len(self.inputs))
 
     @property
@@ -183,6 +208,16 @@ class Kernel:
     def outputs(self) -> tuple[str, ...]:
         return tuple(k for k, _ in self._outputs)
 
+    @property
+    def expressions(self) -> tuple[tuple[str, Expr], ...]:
+        """The output expressions, by key."""
+        return self._outputs
+
+    @property
+    def variables(self) -> tuple[Expr, ...]:
+        """The input ``var`` nodes, in ``inputs`` order."""
+        return self._vars
+
     def __repr__(self) -> str:
         body = self._outputs[0][1] if self._single else dict(self._outputs)
         return f"rx.Kernel({body!r}, inputs={self.inputs})"
@@ -192,32 +227,60 @@ class Kernel:
         cfg = self._config or get_config()
         if cfg is not self._seen_config:  # launches are prepared for one config
             self._launches.clear()
-            self._grad_plans.clear()
+            self._grads.clear()
+            self._launches.resize(cfg.launch_cache_size)
+            self._grads.resize(cfg.launch_cache_size)
             self._seen_config = cfg
         tensors = args if not kwargs and len(args) == len(self.inputs) else self._collect(args, kwargs)
         try:
             key = self._key(*tensors)
-        except AttributeError:
+        except AttributeError:  # a python number for a scalar input (or a wrong argument)
             self._check_types(tensors)
-            raise
+            key = _mixed_key(tensors)
         launch = self._launches.get(key)
         if launch is None:
-            launch = self._prepare(tensors, cfg, key)
+            launch = self._prepare(tensors, cfg)
+            self._launches.put(key, launch)
         if launch.any_grad and torch.is_grad_enabled():
             return self._grad_call(tensors, launch, key)
-        return launch.run(tensors)
+        return launch.run(self, tensors)
 
     def _grad_call(self, tensors: tuple, launch: Launch, key: tuple) -> Any:
         """Through torch.autograd: fused forward (saving row statistics) and fused backward."""
-        from . import autograd
-
-        needs = [t.requires_grad for t in tensors]
-        gkey = (key, tuple(needs))
-        plan = self._grad_plans.get(gkey)
+        needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        plan = self._grads.get((key, needs))
         if plan is None:
-            assert launch.bound is not None
-            plan = self._grad_plans[gkey] = autograd.build(self, launch.bound, needs)
-        return autograd.call(self, plan, tensors)
+            plan = self._grad_plan(launch.program, needs)
+            self._grads.put((key, needs), plan)
+        results = _Apply.apply(plan, *tensors)
+        if self._single:
+            return results[0]
+        return dict(zip(plan.grads.user_keys, results))
+
+    def _grad_plan(self, program: Program, needs: tuple[bool, ...]) -> GradPlan:
+        grads = differentiate(program.plan.graph, self._outputs, needs)
+        return GradPlan(
+            forward=Kernel(dict(grads.forward), self._config, stats=self._stats),
+            backward=Kernel(dict(grads.backward), self._config, stats=self._stats),
+            grads=grads,
+            input_names=self.inputs,
+        )
+
+    def grad_plan(self, *args: Any, **kwargs: Any) -> GradPlan:
+        """The forward and backward kernels autograd runs for these inputs: with respect to the
+        inputs that require grad, or every floating-point tensor input when none does.
+
+        Example:
+            >>> import torch, rtxdsl as rx
+            >>> g = rx.compile(rx.softmax(rx.var("x"))).grad_plan(x=torch.empty(4, 8))
+            >>> g.backward.inputs, g.grads.saved_keys
+            (('x', '_s0', '_g0'), ('_s0',))
+        """
+        tensors = self._collect(args, kwargs)
+        needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        if not any(needs):
+            needs = tuple(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in tensors)
+        return self._grad_plan(self.program(*tensors), needs)
 
     def _collect(self, args: tuple, kwargs: dict) -> tuple:
         n = len(self.inputs)
@@ -246,14 +309,20 @@ class Kernel:
 
     def _check_types(self, tensors: tuple) -> None:
         for name, t in zip(self.inputs, tensors):
-            if not isinstance(t, torch.Tensor):
-                raise RtxError(f"input {name!r} must be a torch.Tensor, got {type(t).__name__}")
+            if not isinstance(t, (torch.Tensor, bool, int, float)):
+                raise RtxError(f"input {name!r} must be a torch.Tensor or a python number, got {type(t).__name__}")
 
     def _validate(self, tensors: tuple, cfg: FusionConfig) -> torch.device:
         self._check_types(tensors)
         device = None
         first = None
         for v, name, t in zip(self._vars, self.inputs, tensors):
+            if not isinstance(t, torch.Tensor):
+                if v.attr("dtype") is not None:
+                    raise DtypeMismatchError(
+                        f"input {name!r} was declared {SHORT_NAME[v.attr('dtype')]} but got a python {type(t).__name__}"
+                    )
+                continue
             check_supported(t.dtype, f"input {name!r}")
             declared = v.attr("dtype")
             if declared is not None and t.dtype != declared:
@@ -277,87 +346,27 @@ class Kernel:
         return device
 
     # ---- preparing ----------------------------------------------------------------------
-    def _prepare(self, tensors: tuple, cfg: FusionConfig, key: tuple | None, lower: bool = False) -> Launch:
-        """Bind, plan and fetch kernels for these inputs; ``lower`` plans kernels whatever the backend."""
-        device = self._validate(tensors, cfg)
-        bound = bind(self._outputs, self._vars, tensors)
-        launch = Launch(self, cfg, device, len(tensors))
-        launch.stats = self._stats
-        launch.any_grad = any(t.requires_grad for t in tensors)
-        launch.bound = bound
-        launch.eager_launches, launch.bytes_eager = bound.eager_launches, bound.eager_bytes
-        launch.backend, launch.note = _backend_for(cfg, device)
-        if launch.backend == "torch" and not lower:
-            launch.kernels, launch.bytes_moved = bound.eager_launches, bound.eager_bytes
-        else:
-            self._lower(launch, bound, tensors, cfg)
-            if launch.backend != "torch":
-                interpret = launch.backend == "interpreter"
-                for st in launch.steps:
-                    fn = st.compiled.function(interpret)
-                    st.fn = _quiet(fn) if interpret else fn
-            launch.seal()
-        if key is not None:
-            self._launches[key] = launch
-            while len(self._launches) > cfg.launch_cache_size:
-                self._launches.popitem(last=False)
-        return launch
+    def program(self, *args: Any, **kwargs: Any) -> Program:
+        """The lowered program for these inputs (nothing is launched or compiled)."""
+        tensors = self._collect(args, kwargs)
+        self._validate(tensors, self.config)
+        return self._lower(tensors, self.config)
 
-    def _lower(self, launch: Launch, bound: Bound, tensors: tuple, cfg: FusionConfig) -> None:
-        plan = FusionAnalyzer(cfg).plan(bound)
-        launch.plan = plan
-        slots: dict[int, int] = {}
-        layouts: dict[int, Layout] = {}
-        for v, t in zip(self._vars, tensors):
-            slots[id(v)] = bound.var_index[v.attr("name")]
-            layouts[id(v)] = Layout(tuple(t.shape), tuple(t.stride()), t.dtype)
-        next_slot = len(tensors)
-        for g in plan.groups:
-            for o in g.outputs:
-                info = bound.of(o)
-                slots[id(o)] = next_slot
-                layouts[id(o)] = Layout(info.shape, contiguous_strides(info.shape), info.dtype)
-                launch.allocs.append((next_slot, info.shape, info.dtype))
-                next_slot += 1
-        cache_dir = cfg.resolved_cache_dir
-        for g in plan.groups:
-            spec, args = build(g, bound, layouts)
-            summary = f"{g.pattern}: {', '.join(g.ops)}"
-            compiled = GLOBAL_CACHE.get(spec, summary, cfg.cache_size, cache_dir)
-            meta = {"BLOCK_SIZE": spec.block, "num_warps": spec.num_warps}
-            if spec.kind == "row":
-                meta["ROWS"] = spec.rows_per_program
-            nbytes = sum(_nbytes(layouts[id(i)]) for i in g.inputs) + sum(_nbytes(layouts[id(o)]) for o in g.outputs)
-            launch.steps.append(
-                Step(
-                    fn=None,
-                    grid=args.grid,
-                    bufs=tuple(slots[id(i)] for i in g.inputs) + tuple(slots[id(o)] for o in g.outputs),
-                    rest=(*args.ints, *args.scalars),
-                    meta=meta,
-                    compiled=compiled,
-                    spec=spec,
-                    ops=len(g.nodes),
-                    bytes=0 if args.empty else nbytes,
-                    empty=args.empty,
-                )
-            )
-        for key, root in bound.outputs:
-            if id(root) in slots:
-                launch.out_slots.append((key, slots[id(root)]))
-            else:  # a scalar-only output: no kernel needed
-                info = bound.of(root)
-                launch.scalar_outputs[key] = (info.value, info.dtype)
-        live = [s for s in launch.steps if not s.empty]
-        launch.kernels = len(live)
-        launch.fused = sum(1 for s in live if s.ops >= 2)
-        launch.bytes_moved = sum(s.bytes for s in live)
+    def _lower(self, tensors: tuple, cfg: FusionConfig) -> Program:
+        metas: tuple[InputMeta, ...] = tuple(
+            Layout(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors
+        )
+        GLOBAL_CACHE.count_plan()
+        return lower(self._outputs, self._vars, metas, cfg)
 
-    def _reference(self, tensors: tuple, cfg: FusionConfig) -> Any:
+    def _prepare(self, tensors: tuple, cfg: FusionConfig) -> Launch:
+        """Lower and fetch kernels for these inputs."""
+        self._validate(tensors, cfg)
+        return Launch(self, self._lower(tensors, cfg), cfg, tensors)
+
+    def _reference(self, tensors: tuple) -> Any:
         """Evaluate with torch ops, op by op (backend 'torch', or fusion disabled)."""
-        vals: dict[int, Any] = {}
-        for v, t in zip(self._vars, tensors):
-            vals[id(v)] = t
+        vals: dict[int, Any] = {id(v): t for v, t in zip(self._vars, tensors)}
         for n in walk([e for _, e in self._outputs]):
             if id(n) in vals:
                 continue
@@ -378,20 +387,20 @@ class Kernel:
 
     # ---- inspection ---------------------------------------------------------------------
     def _launch_for(self, args: tuple, kwargs: dict) -> Launch:
-        cfg = self._config or get_config()
+        cfg = self.config
         tensors = self._collect(args, kwargs)
-        self._check_types(tensors)
-        return self._prepare(tensors, cfg, None)
+        self._validate(tensors, cfg)
+        return Launch(self, self._lower(tensors, cfg), cfg, tensors)
 
     def explain(self, *args: Any, **kwargs: Any) -> str:
-        """The plan for these inputs: groups, pattern, launches and bytes, against eager torch."""
-        launch = self._launch_for(args, kwargs)
-        return _explain(self, launch)
+        """The plan for these inputs: groups, pattern, launches, passes and bytes, against eager torch."""
+        return _explain(self, self._launch_for(args, kwargs))
 
     def sources(self, *args: Any, **kwargs: Any) -> list[str]:
         """Generated Triton source, one string per kernel the call launches."""
-        launch = self._launch_for(args, kwargs)
-        return [s.compiled.source for s in launch.steps]
+        cfg = self.config
+        program = self.program(*args, **kwargs)
+        return [_compiled(k.spec, k.summary, cfg).source for k in program.kernels]
 
     def launches(self, *args: Any, **kwargs: Any) -> int:
         """How many kernels a call with these inputs launches."""
@@ -406,21 +415,57 @@ class Kernel:
             >>> (s.kernels, s.eager_launches, s.bytes_moved == s.bytes_minimum)
             (1, 1, True)
         """
-        launch = self._launch_for(args, kwargs)
-        bound = launch.bound
-        assert bound is not None
-        minimum = _minimum_bytes(self, bound)
-        patterns = tuple(g.pattern for g in launch.plan.groups) if launch.plan else ()
+        cfg = self.config
+        tensors = self._collect(args, kwargs)
+        device = self._validate(tensors, cfg)
+        p = self._lower(tensors, cfg)
+        backend, _ = _backend_for(cfg, device)
+        torch_run = backend == "torch"
         return PlanSummary(
-            launch.kernels,
-            launch.fused,
-            launch.eager_launches,
-            launch.bytes_moved,
-            launch.bytes_eager,
-            minimum,
-            patterns,
-            launch.backend,
+            p.eager_launches if torch_run else p.kernels_launched,
+            0 if torch_run else p.fused,
+            p.eager_launches,
+            p.eager_bytes if torch_run else p.bytes_moved,
+            p.eager_bytes,
+            p.minimum_bytes,
+            tuple(g.pattern for g in p.plan.groups),
+            backend,
         )
+
+
+class _Apply(torch.autograd.Function):
+    """Fused forward saving the row statistics; fused backward reading them (autograd
+    materializes the cotangents of unused outputs as zeros)."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: GradPlan, *inputs: Any) -> Any:
+        outs = plan.forward(**dict(zip(plan.input_names, inputs)))
+        g = plan.grads
+        ctx.plan = plan
+        ctx.scalars = {i: v for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor)}
+        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)], *[outs[k] for k in g.saved_keys])
+        results = tuple(outs[k] for k in g.user_keys)
+        ctx.mark_non_differentiable(*[r for r, f in zip(results, g.float_outputs) if not f])
+        return results
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if torch.is_grad_enabled():
+            raise RtxError("double backward through an rtxdsl kernel is not supported (create_graph=True)")
+        plan: GradPlan = ctx.plan
+        g = plan.grads
+        saved = iter(ctx.saved_tensors)
+        inputs = [ctx.scalars[i] if i in ctx.scalars else next(saved) for i in range(len(plan.input_names))]
+        feed = dict(zip(plan.input_names, inputs))
+        feed.update(zip(g.saved_keys, saved))
+        feed.update({f"_g{k}": gr for k, (gr, f) in enumerate(zip(grads, g.float_outputs)) if f})
+        outs = plan.backward(**{name: feed[name] for name in plan.backward.inputs})
+        grad_of = dict(g.grad_of)
+        grads_in = []
+        for name, t in zip(plan.input_names, inputs):
+            gi = outs[grad_of[name]] if name in grad_of else None
+            grads_in.append(gi if gi is None or gi.shape == t.shape else gi.expand(t.shape))
+        return (None, *grads_in)
 
 
 def interpreter_active() -> bool:
@@ -447,24 +492,6 @@ def _backend_for(cfg: FusionConfig, device: torch.device) -> tuple[str, str]:
     return "torch", "Triton's interpreter is off (TRITON_INTERPRET unset at import), so CPU tensors run through torch"
 
 
-class _quiet:
-    """An interpreted kernel with numpy's floating-point warnings silenced (masked lanes compute log(0))."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Any:
-        launcher = self.fn[grid]
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with np.errstate(all="ignore"):
-                return launcher(*args, **kwargs)
-
-        return run
-
-
 def _key_function(n: int) -> Any:
     """``key(t0, t1, ...)``: dtype, shape, strides, device and requires_grad of each input, as one flat tuple."""
     names = ", ".join(f"t{i}" for i in range(n))
@@ -474,67 +501,89 @@ def _key_function(n: int) -> Any:
     return scope["key"]
 
 
-def _maker(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, bound: Any, kernel: Kernel) -> Any:
-    """A closure allocating one contiguous output; empty_like of a matching input is the cheapest."""
-    for i, v in enumerate(kernel._vars):
-        info = bound.of(v)
-        if info.shape == shape and info.dtype == dtype and bound.contiguous[i]:
-            return lambda tensors: torch.empty_like(tensors[i])
-    return lambda tensors: torch.empty(shape, dtype=dtype, device=device)
+def _maker(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tensors: tuple[Any, ...]) -> Any:
+    """A closure allocating one contiguous buffer; empty_like of a matching contiguous input is the cheapest
+    (the launch key fixes every input's layout, so the match holds for every call of this launch)."""
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous():
+            return lambda ts: torch.empty_like(ts[i])
+    return lambda ts: torch.empty(shape, dtype=dtype, device=device)
 
 
-def _nbytes(layout: Layout) -> int:
-    return math.prod(layout.shape) * layout.dtype.itemsize
+def _device_of(tensors: tuple[Any, ...]) -> torch.device:
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
-def _fmt_meta(info) -> str:
+def _mixed_key(tensors: tuple[Any, ...]) -> tuple:
+    """The launch key when some inputs are python numbers: those count by type only."""
+    return tuple(
+        (t.dtype, t.shape, t.stride(), t.device, t.requires_grad) if isinstance(t, torch.Tensor) else type(t)
+        for t in tensors
+    )
+
+
+def _finisher(kernel: Kernel, program: Program, device: torch.device) -> Any:
+    """Packs the call's buffers into its result: one tensor, or a dict by output key."""
+    slots = list(program.outputs)
+    scalars = program.scalar_outputs
+    if kernel._single and not scalars:
+        slot = slots[0][1]
+        return lambda bufs: bufs[slot]
+    if not scalars:
+        return lambda bufs: {k: bufs[s] for k, s in slots}
+
+    def finish(bufs: list[Any]) -> Any:
+        res = {
+            k: bufs[s] if s is not None else torch.tensor(scalars[k][0], dtype=scalars[k][1], device=device)
+            for k, s in slots
+        }
+        return res["out"] if kernel._single else res
+
+    return finish
+
+
+def _fmt_meta(info: Any) -> str:
     return f"{SHORT_NAME[info.dtype]}[{', '.join(map(str, info.shape))}]"
 
 
-def _minimum_bytes(kernel: Kernel, bound: Bound) -> int:
-    """Each input read once, each output written once."""
-    tensors = [bound.of(v) for v in kernel._vars] + [bound.of(e) for _, e in bound.outputs]
-    return sum(i.numel * i.dtype.itemsize for i in tensors if not i.is_scalar)
-
-
 def _explain(kernel: Kernel, launch: Launch) -> str:
-    bound = launch.bound
-    assert bound is not None
+    p = launch.program
+    graph = p.plan.graph
     lines = [f"{kernel!r}"]
-    lines.append("inputs: " + ", ".join(f"{n}: {_fmt_meta(bound.of(v))}" for n, v in zip(kernel.inputs, kernel._vars)))
+    lines.append("inputs: " + ", ".join(f"{n}: {_fmt_meta(graph.of(v))}" for n, v in zip(kernel.inputs, kernel._vars)))
     lines.append(
         f"backend: {launch.backend} ({launch.device.type})"
         + ("  [dry_run]" if launch.config.dry_run else "")
         + (f"  [{launch.note}]" if launch.note else "")
     )
-    minimum = _minimum_bytes(kernel, bound)
-    if launch.plan is not None:
-        names = {id(v): n for n, v in zip(kernel.inputs, kernel._vars)}
-        outs = {id(e): k for k, e in bound.outputs}
-        for i, (g, st) in enumerate(zip(launch.plan.groups, launch.steps)):
-            domain = f"rows over axes {list(g.axes)} of" if g.is_row else "pointwise over"
-            lines.append(
-                f"group {i}: {g.pattern} — {domain} [{', '.join(map(str, g.shape))}], "
-                f"{len(g.nodes)} ops: {', '.join(g.ops)}"
-            )
-            reads = ", ".join(f"{names.get(id(n), f'tmp{id(n) % 997}')} {_fmt_meta(bound.of(n))}" for n in g.inputs)
-            writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {_fmt_meta(bound.of(n))}" for n in g.outputs)
-            lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
-            mode = (
-                (
-                    f"row block {st.spec.block} x {st.spec.rows_per_program} rows"
-                    + (", looped" if st.spec.looped else "")
-                )
-                if g.is_row
-                else f"block {st.spec.block}"
-            )
-            lines.append(
-                f"  kernel {st.compiled.name}: grid {st.grid}, {mode}, {st.bytes} bytes"
-                + (" (empty: not launched)" if st.empty else "")
-            )
+    names = {id(v): n for n, v in zip(kernel.inputs, kernel._vars)}
+    outs = {id(e): k for k, e in graph.outputs}
+    for i, (g, call) in enumerate(zip(p.plan.groups, p.kernels)):
+        domain = f"rows over axes {list(g.axes)} of" if g.is_row else "pointwise over"
+        shape = ", ".join(map(str, g.shape))
+        lines.append(f"group {i}: {g.pattern} — {domain} [{shape}], {len(g.nodes)} ops: {', '.join(g.ops)}")
+        reads = ", ".join(f"{names.get(id(n), f'tmp{id(n) % 997}')} {_fmt_meta(graph.of(n))}" for n in g.inputs)
+        writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {_fmt_meta(graph.of(n))}" for n in g.outputs)
+        lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
+        spec = call.spec
+        if g.is_row:
+            mode = f"row block {spec.block} x {spec.rows_per_program} rows" + (", looped" if spec.looped else "")
+        else:
+            mode = f"block {spec.block}"
+        programs = 1
+        for d in call.grid:
+            programs *= d
+        lines.append(
+            f"  kernel {call.summary.split(':')[0]}: grid {call.grid} ({programs} programs), {mode}, "
+            f"{call.passes} pass(es) over its inputs, {call.bytes} bytes"
+            + (" (empty: not launched)" if call.empty else "")
+        )
+    torch_run = launch.backend == "torch"
+    kernels = p.eager_launches if torch_run else p.kernels_launched
+    moved = p.eager_bytes if torch_run else p.bytes_moved
     lines.append(
-        f"total: {launch.kernels} kernel launch(es) (eager torch: {launch.eager_launches}), "
-        f"{launch.bytes_moved} bytes moved (eager: {launch.bytes_eager}, minimum: {minimum})"
+        f"total: {kernels} kernel launch(es) (eager torch: {p.eager_launches}), "
+        f"{moved} bytes moved (eager: {p.eager_bytes}, minimum: {p.minimum_bytes})"
     )
     return "\n".join(lines)
 
@@ -552,4 +601,4 @@ def compile(outputs: Expr | Mapping[str, Any], config: FusionConfig | None = Non
     return Kernel(outputs, config)
 
 
-__all__ = ["Kernel", "PlanSummary", "compile"]
+__all__ = ["GradPlan", "Kernel", "Launch", "PlanSummary", "compile", "interpreter_active"]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class FusionStatsSnapshot:
-    """Counters at one moment; ``bytes_*`` follow the traffic model (inputs read once, outputs written once)."""
+    """Counters at one moment; ``bytes_*`` follow the traffic model (every pass over an input, each
+    output written once)."""
 
     kernels_launched: int = 0
     fused_executions: int = 0  # launches of kernels that fuse two or more ops
@@ -22,34 +24,46 @@ class FusionStatsSnapshot:
 
 
 class FusionStats:
-    """Mutable counters; :meth:`snapshot` freezes them."""
+    """Mutable counters, exact under threads; :meth:`snapshot` freezes them."""
 
-    __slots__ = ("kernels_launched", "fused_executions", "kernel_launches_saved", "bytes_moved", "bytes_eager", "calls")
+    __slots__ = (
+        "kernels_launched",
+        "fused_executions",
+        "kernel_launches_saved",
+        "bytes_moved",
+        "bytes_eager",
+        "calls",
+        "_lock",
+    )
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
-        self.kernels_launched = self.fused_executions = self.kernel_launches_saved = 0
-        self.bytes_moved = self.bytes_eager = self.calls = 0
+        with self._lock:
+            self.kernels_launched = self.fused_executions = self.kernel_launches_saved = 0
+            self.bytes_moved = self.bytes_eager = self.calls = 0
 
     def record(self, kernels: int, fused: int, eager_launches: int, bytes_moved: int, bytes_eager: int) -> None:
-        self.kernels_launched += kernels
-        self.fused_executions += fused
-        self.kernel_launches_saved += eager_launches - kernels
-        self.bytes_moved += bytes_moved
-        self.bytes_eager += bytes_eager
-        self.calls += 1
+        with self._lock:
+            self.kernels_launched += kernels
+            self.fused_executions += fused
+            self.kernel_launches_saved += eager_launches - kernels
+            self.bytes_moved += bytes_moved
+            self.bytes_eager += bytes_eager
+            self.calls += 1
 
     def snapshot(self) -> FusionStatsSnapshot:
-        return FusionStatsSnapshot(
-            self.kernels_launched,
-            self.fused_executions,
-            self.kernel_launches_saved,
-            self.bytes_moved,
-            self.bytes_eager,
-            self.calls,
-        )
+        with self._lock:
+            return FusionStatsSnapshot(
+                self.kernels_launched,
+                self.fused_executions,
+                self.kernel_launches_saved,
+                self.bytes_moved,
+                self.bytes_eager,
+                self.calls,
+            )
 
 
 GLOBAL_STATS = FusionStats()

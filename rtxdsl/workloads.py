@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import dsl as rx
+import rtxdsl as rx
+
 from .expr import Expr
 
 ADAMW = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.01, step=10)

@@ -65,11 +65,12 @@ def test_sources_written_to_cache_dir_and_importable(tmp_path):
     cfg = rx.FusionConfig(cache_dir=str(tmp_path))
     k = rx.compile(rx.sigmoid(x) * y, config=cfg)
     k(x=torch.randn(4), y=torch.randn(4))
-    files = sorted(p.name for p in (tmp_path / "v1").iterdir())
+    (version,) = list(tmp_path.iterdir())  # one format-version directory
+    files = sorted(p.name for p in version.iterdir())
     assert len(files) == 2 and files[0].endswith(".json") and files[1].endswith(".py")
     assert not [p for p in tmp_path.rglob("*.tmp")]
-    meta = json.loads(next((tmp_path / "v1").glob("*.json")).read_text())
-    src = (tmp_path / "v1" / f"{meta['signature']}.py").read_text()
+    meta = json.loads(next(version.glob("*.json")).read_text())
+    src = (version / f"{meta['signature']}.py").read_text()
     assert src == k.sources(x=torch.randn(4), y=torch.randn(4))[0] and "@triton.jit" in src
 
 

@@ -118,20 +118,16 @@ def test_nan_and_inf_propagate_like_torch():
 
 def test_int64_offsets_when_an_extent_reaches_2_31():
     """The spec switches to int64 indexing from sizes alone (no 2**31-element tensor needed)."""
-    from rtxdsl.analyzer import FusionAnalyzer
-    from rtxdsl.bind import bind
     from rtxdsl.codegen.source import kernel_source
-    from rtxdsl.codegen.spec import Layout, build
+    from rtxdsl.lower import Layout, lower
 
     k = rx.compile(rx.var("x") * 2.0)
-    small = torch.empty(16)
-    big_shape = (2**31 + 5,)
-    meta = torch.empty(big_shape, device="meta")
-    bound = bind(k._outputs, k._vars, (meta,))
-    g = FusionAnalyzer(rx.get_config()).plan(bound).groups[0]
-    spec, args = build(g, bound, {id(k._vars[0]): Layout(big_shape, (1,), torch.float32)})
-    assert spec.big and "pid.to(tl.int64)" in kernel_source(spec, "k", "sig", "")
-    bound_small = bind(k._outputs, k._vars, (small,))
-    g2 = FusionAnalyzer(rx.get_config()).plan(bound_small).groups[0]
-    spec2, _ = build(g2, bound_small, {id(k._vars[0]): Layout((16,), (1,), torch.float32)})
-    assert not spec2.big and "pid.to(tl.int64)" not in kernel_source(spec2, "k", "sig", "")
+
+    def source(n: int) -> tuple[bool, str]:
+        spec = lower(k.expressions, k.variables, (Layout((n,), (1,), torch.float32),), rx.get_config()).kernels[0].spec
+        return spec.big, kernel_source(spec, "k", "sig", "")
+
+    big, src = source(2**31 + 5)
+    assert big and "pid.to(tl.int64)" in src
+    small, src = source(16)
+    assert not small and "pid.to(tl.int64)" not in src

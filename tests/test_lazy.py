@@ -215,8 +215,8 @@ def test_eval_dropout_contiguous_and_unsqueeze_of_pending_values_do_not_flush(f,
     t = torch.randn(4, 6, generator=gen)
     a = f.lazy(t)
     s = F.dropout(torch.softmax(a, -1), 0.1, training=False).contiguous().sum(-1).unsqueeze(1) + a
-    assert f.pending == 5 and s.shape == (4, 6)
-    assert torch.allclose(s.torch(), torch.softmax(t, -1).sum(-1).unsqueeze(1) + t)
+    assert f.pending == 4 and s.shape == (4, 6)  # softmax, sum, unsqueeze, add (the rest are identities)
+    torch.testing.assert_close(s.torch(), torch.softmax(t, -1).sum(-1).unsqueeze(1) + t)
     assert f.stats().kernels_launched == 1  # unsqueeze of a per-row value stays in the row kernel
     d = F.dropout(f.lazy(t), 0.5, training=True)  # random: eager
     assert d.shape == (4, 6) and not d.is_pending

@@ -4,62 +4,43 @@ from __future__ import annotations
 
 import pytest
 
+import rtxdsl as rx
 from rtxdsl.ops import REGISTRY, OpKind
 
 COMPUTING = [op for op in REGISTRY.values() if op.kind is not OpKind.LEAF]
+#: ops users do not call by name: built by other ops (element counts, gradients, decompositions)
+INTERNAL = {"rcount", "m2", "unsqueeze", "clamp_min", "clamp_max"}
 
 
 @pytest.mark.parametrize("op", COMPUTING, ids=lambda o: o.name)
 def test_op_has_reference_and_lowering(op):
     assert callable(op.ref), f"{op.name} lacks a torch reference"
-    if op.kind is OpKind.ELEMENTWISE:
+    if op.kind in (OpKind.ELEMENTWISE, OpKind.MOVEMENT):
         assert callable(op.emit), f"{op.name} lacks a Triton emitter"
     elif op.kind is OpKind.REDUCTION:
-        assert op.reduce is not None, f"{op.name} lacks a reduction spec"
+        assert op.reduce is not None and op.canonical is not None, f"{op.name} lacks a reduction state"
     elif op.kind is OpKind.COMPOSITE:
         assert callable(op.decompose), f"{op.name} lacks a decomposition"
     assert op.accepts, f"{op.name} accepts no dtype"
-    assert op.eager_launches >= (0 if op.kind is OpKind.SCALAR or op.view or op.name == "detach" else 1), (
+    assert op.eager_launches >= (0 if op.kind in (OpKind.SCALAR, OpKind.MOVEMENT) or op.name == "detach" else 1), (
         f"{op.name}: eager launch count"
     )
 
 
 @pytest.mark.parametrize(
-    "op", [o for o in COMPUTING if o.kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)], ids=lambda o: o.name
+    "op",
+    [o for o in COMPUTING if o.kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.MOVEMENT)],
+    ids=lambda o: o.name,
 )
 def test_op_has_derivative(op):
     assert op.derivative is not None, f"{op.name} has no derivative rule"
 
 
 def test_public_functions_cover_every_op():
-    import rtxdsl as rx
-
-    internal = {
-        "var",
-        "const",
-        "rcount",
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "floordiv",
-        "remainder",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "eq",
-        "ne",
-        "and",
-        "or",
-        "xor",
-        "invert",
-        "clamp_min",
-        "clamp_max",
-        "unsqueeze",  # the gradient of keepdim=False reductions
-        "detach",  # the stability shift of softmax
-    }  # operators / helpers
-    for name in REGISTRY:
-        if name in internal:
+    for op in COMPUTING:
+        if op.name in INTERNAL or op.kind is OpKind.SCALAR:
             continue
-        assert hasattr(rx, name), f"op {name} has no rx.{name}"
+        assert op.public, f"op {op.name} has no public function"
+        for name in op.public:
+            assert getattr(rx, name) is op.front.fn, f"rx.{name} is not op {op.name}'s function"
+            assert name in rx.__all__

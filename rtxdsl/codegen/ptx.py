@@ -49,17 +49,17 @@ def _int_type(v: int) -> str:
     return "i32" if -(2**31) <= v < 2**31 else "i64"
 
 
-def compile_step(step: Any, tensors: list[torch.Tensor], arch: int = 90) -> CompileFacts:
-    """Compile one prepared launch step for ``sm_{arch}`` the way Triton specializes it on a GPU."""
+def compile_call(jit: Any, call: Any, tensors: list[torch.Tensor], arch: int = 90) -> CompileFacts:
+    """Compile one kernel call of a Program for ``sm_{arch}`` the way Triton specializes it on a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    jit = step.compiled.jit
     fn = jit if isinstance(jit, JITFunction) else JITFunction(jit.fn)
     names = fn.arg_names
-    values = list(tensors) + list(step.rest)
+    meta = dict(call.meta)
+    values = list(tensors) + list(call.args)
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, (name, v) in enumerate(zip(names, values)):
@@ -72,7 +72,7 @@ def compile_step(step: Any, tensors: list[torch.Tensor], arch: int = 90) -> Comp
             signature[name] = _int_type(int(v))
             if int(v) % 16 == 0 and int(v) != 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    constexprs = {k: v for k, v in step.meta.items() if k in names}
+    constexprs = {k: v for k, v in meta.items() if k in names}
     for k in constexprs:
         signature[k] = "constexpr"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -82,7 +82,7 @@ def compile_step(step: Any, tensors: list[torch.Tensor], arch: int = 90) -> Comp
         try:
             start = time.perf_counter()
             compiled = triton.compile(
-                src, target=GPUTarget("cuda", arch, 32), options={"num_warps": step.meta.get("num_warps", 4)}
+                src, target=GPUTarget("cuda", arch, 32), options={"num_warps": meta.get("num_warps", 4)}
             )
             seconds = time.perf_counter() - start
         finally:
@@ -130,8 +130,15 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
 
 def compile_kernel(kernel: Any, inputs: dict[str, torch.Tensor], arch: int = 90) -> list[CompileFacts]:
     """Facts for every kernel a call of ``kernel`` with ``inputs`` launches (inputs may be CPU tensors)."""
-    tensors = tuple(inputs[n] for n in kernel.inputs)
-    launch = kernel._prepare(tensors, kernel.config, None, lower=True)
-    tensors = [inputs[n] for n in kernel.inputs]
-    bufs: list[torch.Tensor] = list(tensors) + [torch.empty(shape, dtype=dtype) for _, shape, dtype in launch.allocs]
-    return [compile_step(st, [bufs[i] for i in st.bufs], arch) for st in launch.steps]
+    from ..cache import GLOBAL_CACHE
+    from .source import kernel_source
+
+    program = kernel.program(*[inputs[n] for n in kernel.inputs])
+    cfg = kernel.config
+    bufs: list[Any] = [inputs[n] for n in kernel.inputs]
+    bufs += [torch.empty(b.shape, dtype=b.dtype) for b in program.buffers]
+    facts = []
+    for call in program.kernels:
+        compiled = GLOBAL_CACHE.get(call.spec, call.summary, cfg.cache_size, cfg.resolved_cache_dir, kernel_source)
+        facts.append(compile_call(compiled.jit, call, [bufs[i] for i in call.buffers], arch))
+    return facts

@@ -1,4 +1,11 @@
-"""Triton source for a KernelSpec, written to read like the Triton tutorials."""
+"""Triton source for a KernelSpec, written to read like the Triton tutorials.
+
+Two families: *pointwise* (a flat block of ``offs``, decomposed into coordinates when an
+operand is strided or broadcast) and *row* (a ``[ROWS, BLOCK_SIZE]`` tile of rows by reduced
+columns, kept whole in registers or looped over column blocks, one pass per reduction level).
+Reductions are states from the op registry: lifted per element, reduced per tile, merged
+across loop iterations, read off at the end.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,10 @@ import itertools
 import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
+from ..lower.schedule import is_reshape, levels
+from ..lower.spec import STRIDED, UNIT, KernelSpec, NodeSpec
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind
 from ..ops.elementwise import to_storage
-from .spec import STRIDED, UNIT, KernelSpec
 from .template import render
 
 POINTWISE = """\
@@ -153,8 +161,8 @@ class _Writer:
             name = self._emit_load(i, scope)
         else:
             node = self.spec.nodes[i]
-            if self._is_reshape(node):
-                name = self.value(node.srcs[0], loop)
+            if is_reshape(self.spec, i):
+                name = self._emit_single(node, f"v{i}", scope, loop)
             elif REGISTRY[node.op].kind is OpKind.REDUCTION:
                 if self.spec.looped:
                     raise AssertionError(f"reduction v{i} used before its pass finished")
@@ -163,14 +171,6 @@ class _Writer:
                 name = self._emit_node(node, f"v{i}", scope, loop)
         scope.memo[ref] = name
         return name
-
-    def _is_reshape(self, node) -> bool:
-        """A reduction of a per-row value (over size-1 dims) is the value itself."""
-        if REGISTRY[node.op].kind is not OpKind.REDUCTION:
-            return False
-        kind, i = node.srcs[0]
-        role = self.spec.nodes[i].role if kind == "n" else self.spec.loads[i].role if kind == "l" else "const"
-        return role != "full"
 
     def _emit_load(self, k: int, scope: _Scope) -> str:
         ld = self.spec.loads[k]
@@ -191,7 +191,7 @@ class _Writer:
         self.types[name] = cdt
         return name
 
-    def _ctx(self, node, scope: _Scope, cdt: torch.dtype) -> EmitCtx:
+    def _ctx(self, node: NodeSpec, scope: _Scope, cdt: torch.dtype) -> EmitCtx:
         def tmp(expr: str) -> str:
             t = f"t{next(self.tmp_ids)}"
             scope.add(f"{t} = {expr}")
@@ -199,7 +199,7 @@ class _Writer:
 
         return EmitCtx(dtype=cdt, out=node.dtype, attrs=dict(node.attrs), tmp=tmp)
 
-    def _operands(self, node, scope: _Scope, loop: _Scope) -> list[str]:
+    def _operands(self, node: NodeSpec, loop: _Scope) -> list[str]:
         rule = REGISTRY[node.op].rule
         names = [self.value(r, loop) for r in node.srcs]
         if rule is DtypeRule.CAST:
@@ -209,8 +209,8 @@ class _Writer:
             wants[0] = torch.bool
         return [self.cast(n, w) for n, w in zip(names, wants)]
 
-    def _emit_node(self, node, name: str, scope: _Scope, loop: _Scope) -> str:
-        args = self._operands(node, scope, loop)
+    def _emit_node(self, node: NodeSpec, name: str, scope: _Scope, loop: _Scope) -> str:
+        args = self._operands(node, loop)
         expr = REGISTRY[node.op].emit(self._ctx(node, scope, node.cdt), *args)
         result = compute_dtype(node.dtype)
         if result is not torch.bool and not result.is_floating_point:
@@ -219,20 +219,64 @@ class _Writer:
         self.types[name] = result
         return name
 
-    def _reduce_dtype(self, node) -> torch.dtype:
+    # ---- reductions ------------------------------------------------------------------------
+    def _reduce_dtype(self, node: NodeSpec) -> torch.dtype:
         return torch.int32 if node.cdt is torch.bool else node.cdt
 
-    def _emit_reduction_whole(self, i: int, scope: _Scope) -> str:
+    def _reduce_input(self, i: int, scope: _Scope, loop: _Scope) -> tuple[NodeSpec, torch.dtype, EmitCtx, str]:
         node = self.spec.nodes[i]
-        red = REGISTRY[node.op].reduce
         rdt = self._reduce_dtype(node)
-        (x,) = [self.cast(n, rdt) for n in (self.value(node.srcs[0], scope),)]
-        ctx = self._ctx(node, scope, rdt)
-        masked = ctx.tmp(f"tl.where(mask, {x}, {red.identity(rdt)})")
-        name = f"v{i}"
-        scope.add(f"{name} = {red.final(ctx, masked)}")
+        x = self.cast(self.value(node.srcs[0], loop), rdt)
+        return node, rdt, self._ctx(node, scope, rdt), x
+
+    def _lifted(self, ctx: EmitCtx, node: NodeSpec, rdt: torch.dtype, x: str) -> tuple[str, ...]:
+        """One element's state per lane, the identity where the lane is masked."""
+        red = REGISTRY[node.op].reduce
+        return tuple(ctx.tmp(f"tl.where(mask, {c}, {ident})") for c, ident in zip(red.lift(ctx, x), red.identity(rdt)))
+
+    def _emit_single(self, node: NodeSpec, name: str, scope: _Scope, loop: _Scope) -> str:
+        rdt = self._reduce_dtype(node)
+        x = self.cast(self.value(node.srcs[0], loop), rdt)
+        scope.add(f"{name} = {REGISTRY[node.op].reduce.single(self._ctx(node, scope, rdt), x)}")
         self.types[name] = rdt
         return name
+
+    def _emit_reduction_whole(self, i: int, scope: _Scope) -> str:
+        node, rdt, ctx, x = self._reduce_input(i, scope, scope)
+        red = REGISTRY[node.op].reduce
+        state = red.tile(ctx, self._lifted(ctx, node, rdt, x))
+        name = f"v{i}"
+        scope.add(f"{name} = {red.value(ctx, state)}")
+        self.types[name] = rdt
+        return name
+
+    def _pass(self, reductions: list[int]) -> None:
+        """One loop over the row's column blocks, advancing every reduction of this level."""
+        loop = self._open_loop()
+        finals = []
+        for i in reductions:
+            node = self.spec.nodes[i]
+            red = REGISTRY[node.op].reduce
+            rdt = self._reduce_dtype(node)
+            tt = TRITON_TYPE[rdt]
+            top = self._ctx(node, self.top, rdt)
+            shape = "[ROWS, BLOCK_SIZE]" if red.lanes else "[ROWS, 1]"
+            running = tuple(f"{c}{i}" for c in red.state)
+            for name, ident in zip(running, red.identity(rdt)):
+                self.top.add(f"{name} = tl.full({shape}, {ident}, dtype={tt})")
+            _, _, ctx, x = self._reduce_input(i, loop, loop)
+            lifted = self._lifted(ctx, node, rdt, x)
+            new = red.merge(ctx, running, lifted if red.lanes else red.tile(ctx, lifted))
+            staged = [ctx.tmp(expr) for expr in new]
+            for name, expr in zip(running, staged):
+                loop.add(f"{name} = {expr}")
+            finals.append((i, red, top, running))
+        self._close_loop(loop)
+        for i, red, top, running in finals:
+            state = red.tile(top, running) if red.lanes else running
+            self.top.add(f"v{i} = {red.value(top, state)}")
+            self.types[f"v{i}"] = self._reduce_dtype(self.spec.nodes[i])
+            self.top.memo[("n", i)] = f"v{i}"
 
     # ---- stores -----------------------------------------------------------------------
     def store(self, k: int, scope: _Scope, loop: _Scope) -> None:
@@ -273,7 +317,7 @@ class _Writer:
         return render(
             template,
             name=name,
-            params=self._param_text(),
+            params="\n".join(f"{p}," for p in self.params),
             pid="pid.to(tl.int64)" if self.spec.big else "pid",
             body="\n".join(self.top.lines),
         )
@@ -303,9 +347,9 @@ class _Writer:
             for k in full_outs + row_outs:
                 self.store(k, self.top, self.top)
         else:
-            levels = self._levels()
-            for level in range(1, max(levels.values(), default=0) + 1):
-                self._pass([i for i, lv in levels.items() if lv == level])
+            lv = levels(self.spec)
+            for level in range(1, max(lv.values(), default=0) + 1):
+                self._pass([i for i, v in lv.items() if v == level])
             if full_outs:
                 loop = self._open_loop()
                 for k in full_outs:
@@ -315,21 +359,6 @@ class _Writer:
                 self.store(k, self.top, self.top)
         return self._render(ROW, name)
 
-    def _levels(self) -> dict[int, int]:
-        memo: dict[tuple, int] = {}
-
-        def depth(ref: tuple) -> int:
-            if ref[0] != "n":
-                return 0
-            if ref not in memo:
-                node = self.spec.nodes[ref[1]]
-                d = max((depth(s) for s in node.srcs), default=0)
-                is_pass = REGISTRY[node.op].kind is OpKind.REDUCTION and not self._is_reshape(node)
-                memo[ref] = d + 1 if is_pass else d
-            return memo[ref]
-
-        return {i: depth(("n", i)) for i in self.spec.reductions if not self._is_reshape(self.spec.nodes[i])}
-
     def _open_loop(self) -> _Scope:
         loop = _Scope(indent="    ")
         self._col_setup(loop, "col_start")
@@ -338,29 +367,6 @@ class _Writer:
     def _close_loop(self, loop: _Scope) -> None:
         self.top.add("for col_start in range(0, n_cols, BLOCK_SIZE):")
         self.top.lines.extend(loop.lines)
-
-    def _pass(self, reductions: list[int]) -> None:
-        loop = self._open_loop()
-        accs = []
-        for i in reductions:
-            node = self.spec.nodes[i]
-            red = REGISTRY[node.op].reduce
-            rdt = self._reduce_dtype(node)
-            acc = f"acc{i}"
-            self.top.add(f"{acc} = tl.full([ROWS, BLOCK_SIZE], {red.identity(rdt)}, dtype={TRITON_TYPE[rdt]})")
-            x = self.cast(self.value(node.srcs[0], loop), rdt)
-            ctx = self._ctx(node, loop, rdt)
-            masked = ctx.tmp(f"tl.where(mask, {x}, {red.identity(rdt)})")
-            loop.add(f"{acc} = {red.combine(ctx, acc, masked)}")
-            accs.append((i, acc, red, rdt, node))
-        self._close_loop(loop)
-        for i, acc, red, rdt, node in accs:
-            self.top.add(f"v{i} = {red.final(self._ctx(node, self.top, rdt), acc)}")
-            self.types[f"v{i}"] = rdt
-            self.top.memo[("n", i)] = f"v{i}"
-
-    def _param_text(self) -> str:
-        return "\n".join(f"{p}," for p in self.params)
 
 
 def kernel_source(spec: KernelSpec, name: str, signature: str, summary: str) -> str:

@@ -1,21 +1,40 @@
 """Composites: declared once as decompositions into primitives.
 
-Fusion and (later) derivatives come from the primitives; the composite keeps its torch
-reference (the oracle, and torch's dtype/shape rules and errors) and the number of kernels
-eager torch launches for it, which the traffic model charges eager execution with.
+Fusion and derivatives come from the primitives; the composite keeps its torch reference
+(the oracle, and torch's dtype/shape rules and errors) and the number of kernels eager torch
+launches for it, which the traffic model charges eager execution with.
+
+softmax is ``exp(x - logsumexp(x))`` and layer_norm reads its mean and ``m2`` in the same
+pass: a row that does not fit on chip is read twice (statistics, then output), never three
+times.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from ..errors import RtxError
 from ..expr import Expr, node
-from . import FLOAT, NUMERIC, OpDef, OpKind, register
+from ..registry import FLOATING, NUMERIC, Front, OpDef, OpKind, Unsupported, register
+from .helpers import ExprLike, axis_arg, binary_fn, int_axis, scalar_arg, torch_fns
+from .reduction import mean_of, norm_axes, reduced_shape
 
 
 def _composite(
-    name: str, arity: int, ref, decompose, *, eager_launches: int = 1, pattern: str | None = None, accepts=NUMERIC
+    name: str,
+    arity: int,
+    ref: Callable[..., Any],
+    decompose: Callable[..., Expr],
+    *,
+    shape: Callable[..., tuple[int, ...]] | None = None,
+    eager_launches: int = 1,
+    pattern: str | None = None,
+    accepts=NUMERIC,
+    front: Front | None = None,
 ) -> OpDef:
     return register(
         OpDef(
@@ -24,51 +43,181 @@ def _composite(
             arity=arity,
             ref=ref,
             decompose=decompose,
+            shape=shape,
             eager_launches=eager_launches,
             pattern=pattern,
             accepts=accepts,
+            front=front or Front(),
         )
     )
 
 
-def _keep(x: Expr, op: str, axis) -> Expr:
-    return node(op, x, axis=axis, keepdim=True)
+def _dims(axis: Any) -> Any:
+    return () if axis is None else axis
 
 
-def _shift(x: Expr, axis) -> Expr:
-    """The max subtracted for stability: its gradient cancels exactly, so it is detached."""
-    return node("detach", _keep(x, "amax", axis))
+def _reduced(shapes: list[tuple[int, ...]], axis: Any, keepdim: bool) -> tuple[int, ...]:
+    return reduced_shape(shapes[0], axis, keepdim)
 
 
-def mean(x: Expr, axis, keepdim: bool) -> Expr:
-    return node("div", node("sum", x, axis=axis, keepdim=keepdim), node("rcount", x, axis=axis))
+def _same_as_first(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+    norm_axes(axis, len(shapes[0]))  # checks the axis
+    return shapes[0]
 
 
-def variance(x: Expr, correction: Expr, axis, keepdim: bool) -> Expr:
-    d = node("sub", x, mean(x, axis, True))
+def _lse_keep(x: Expr, axis: Any) -> Expr:
+    return node("logsumexp", x, axis=axis, keepdim=True)
+
+
+# ---- statistics -----------------------------------------------------------------------------
+def variance_of(x: Expr, correction: Expr, axis: Any, keepdim: bool) -> Expr:
     dof = node("maximum", node("sub", node("rcount", x, axis=axis), correction), 0)
-    return node("div", node("sum", node("mul", d, d), axis=axis, keepdim=keepdim), dof)
+    return node("div", node("m2", x, axis=axis, keepdim=keepdim), dof)
 
 
-def logsumexp(x: Expr, axis, keepdim: bool) -> Expr:
-    m = _shift(x, axis)
-    # torch shifts by 0 where the max is infinite, so all -inf rows give -inf, not nan
-    m = node("where", node("eq", node("abs", m), float("inf")), 0.0, m)
-    s = node("sum", node("exp", node("sub", x, m)), axis=axis, keepdim=keepdim)
-    shift = m if keepdim else node("sum", m, axis=axis, keepdim=False)
-    return node("add", node("log", s), shift)
+def _torch_spread(fn: Callable[..., Expr]) -> Callable[..., Expr]:
+    def build(a: Any, dim: Any = None, unbiased: Any = None, keepdim: bool = False, *, correction: Any = None) -> Expr:
+        if isinstance(unbiased, bool) or unbiased is None:
+            corr = correction if correction is not None else (0 if unbiased is False else 1)
+        else:  # torch.var(x, 0) passes dim positionally where unbiased would be
+            raise Unsupported
+        if isinstance(dim, list):
+            dim = tuple(dim)
+        return fn(a, dim, keepdim, correction=corr)
+
+    return build
 
 
-def softmax(x: Expr, axis) -> Expr:
-    e = node("exp", node("sub", x, _shift(x, axis)))
-    return node("div", e, _keep(e, "sum", axis))
+def _spread_fn(op: str, text: str) -> Callable[..., Expr]:
+    def fn(x: ExprLike, axis: Any = None, keepdim: bool = False, *, correction: int = 1, dim: Any = None) -> Expr:
+        if isinstance(correction, bool) or not isinstance(correction, (int, float)):
+            raise RtxError(f"{op}: correction must be a number, got {correction!r}")
+        return node(op, x, correction, axis=axis_arg(axis, dim, op), keepdim=bool(keepdim))
+
+    fn.__name__ = fn.__qualname__ = op
+    fn.__doc__ = (
+        f"{text} over ``axis`` with ``correction`` (1: Bessel's), from a one-pass Welford state.\n\n"
+        f"Example:\n    >>> import rtxdsl as rx\n    >>> rx.{op}(rx.var('x'), axis=-1)\n"
+        f"    {op}(x, 1, axis=-1, keepdim=False)\n"
+    )
+    return fn
 
 
-def log_softmax(x: Expr, axis) -> Expr:
-    z = node("sub", x, _shift(x, axis))
-    return node("sub", z, node("log", _keep(node("exp", z), "sum", axis)))
+def _mean_fn(x: ExprLike, axis: Any = None, keepdim: bool = False, *, dim: Any = None) -> Expr:
+    """Mean over ``axis`` (None or (): all), keeping reduced dims as size 1 if ``keepdim``.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.mean(rx.var('x'), axis=-1)
+        mean(x, axis=-1, keepdim=False)
+    """
+    return node("mean", x, axis=axis_arg(axis, dim, "mean"), keepdim=bool(keepdim))
 
 
+_mean_fn.__name__ = _mean_fn.__qualname__ = "mean"
+
+
+def _torch_mean(a: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None, out: Any = None) -> Expr:
+    if dtype is not None or out is not None:
+        raise Unsupported
+    return _mean_fn(a, tuple(dim) if isinstance(dim, list) else dim, keepdim)
+
+
+_composite(
+    "mean",
+    1,
+    lambda x, axis, keepdim: torch.mean(x, dim=_dims(axis), keepdim=keepdim),
+    lambda x, axis, keepdim: mean_of(x, axis, keepdim),
+    shape=_reduced,
+    pattern="Reduction",
+    accepts=FLOATING,
+    front=Front(fn=_mean_fn, methods={"mean": None}, torch=dict.fromkeys(torch_fns("mean"), _torch_mean)),
+)
+_variance = _spread_fn("variance", "Variance")
+_std = _spread_fn("std", "Standard deviation")
+_composite(
+    "variance",
+    2,
+    lambda x, c, axis, keepdim: torch.var(x, dim=axis, correction=c, keepdim=keepdim),
+    variance_of,
+    shape=_reduced,
+    pattern="Reduction",
+    accepts=FLOATING,
+    front=Front(fn=_variance, methods={"var": None}, torch=dict.fromkeys(torch_fns("var"), _torch_spread(_variance))),
+)
+_composite(
+    "std",
+    2,
+    lambda x, c, axis, keepdim: torch.std(x, dim=axis, correction=c, keepdim=keepdim),
+    lambda x, c, axis, keepdim: node("sqrt", variance_of(x, c, axis, keepdim)),
+    shape=_reduced,
+    pattern="Reduction",
+    accepts=FLOATING,
+    front=Front(fn=_std, methods={"std": None}, torch=dict.fromkeys(torch_fns("std"), _torch_spread(_std))),
+)
+
+
+# ---- softmax family ---------------------------------------------------------------------------
+def softmax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
+    """exp(x - logsumexp(x)) over ``axis``: one kernel, minimum bytes.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.softmax(rx.var("x") * 0.125)
+        softmax(x * 0.125, axis=-1)
+    """
+    return node("softmax", x, axis=int_axis(axis, dim, "softmax"))
+
+
+def log_softmax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
+    """x - logsumexp(x) over ``axis``.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.log_softmax(rx.var("x"))
+        log_softmax(x, axis=-1)
+    """
+    return node("log_softmax", x, axis=int_axis(axis, dim, "log_softmax"))
+
+
+def _torch_softmax(fn: Callable[..., Expr]) -> Callable[..., Expr]:
+    def build(a: Any, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Expr:
+        if dim is None or dtype is not None:
+            raise Unsupported
+        return fn(a, dim)
+
+    return build
+
+
+_composite(
+    "softmax",
+    1,
+    lambda x, axis: torch.softmax(x, dim=axis),
+    lambda x, axis: node("exp", node("sub", x, _lse_keep(x, axis))),
+    shape=_same_as_first,
+    pattern="Softmax",
+    accepts=FLOATING,
+    front=Front(
+        fn=softmax, methods={"softmax": None}, torch=dict.fromkeys(torch_fns("softmax"), _torch_softmax(softmax))
+    ),
+)
+_composite(
+    "log_softmax",
+    1,
+    lambda x, axis: torch.log_softmax(x, dim=axis),
+    lambda x, axis: node("sub", x, _lse_keep(x, axis)),
+    shape=_same_as_first,
+    pattern="Softmax",
+    accepts=FLOATING,
+    front=Front(
+        fn=log_softmax,
+        methods={"log_softmax": None},
+        torch=dict.fromkeys(torch_fns("log_softmax"), _torch_softmax(log_softmax)),
+    ),
+)
+
+
+# ---- norms ----------------------------------------------------------------------------------------
 def _affine(y: Expr, w: Expr, b: Expr | None) -> Expr:
     if not (w.op == "const" and w.attr("value") == 1.0):
         y = node("mul", y, w)
@@ -77,18 +226,18 @@ def _affine(y: Expr, w: Expr, b: Expr | None) -> Expr:
     return y
 
 
-def layer_norm(x: Expr, w: Expr, b: Expr, eps: Expr) -> Expr:
-    d = node("sub", x, mean(x, -1, True))
-    rstd = node("rsqrt", node("add", mean(node("mul", d, d), -1, True), eps))
-    return _affine(node("mul", d, rstd), w, b)
+def _layer_norm(x: Expr, w: Expr, b: Expr, eps: Expr) -> Expr:
+    mu = mean_of(x, (-1,), True)
+    var = node("div", node("m2", x, axis=(-1,), keepdim=True), node("rcount", x, axis=(-1,)))
+    return _affine(node("mul", node("sub", x, mu), node("rsqrt", node("add", var, eps))), w, b)
 
 
-def rms_norm(x: Expr, w: Expr, eps: Expr) -> Expr:
-    rstd = node("rsqrt", node("add", mean(node("mul", x, x), -1, True), eps))
+def _rms_norm(x: Expr, w: Expr, eps: Expr) -> Expr:
+    rstd = node("rsqrt", node("add", mean_of(node("mul", x, x), (-1,), True), eps))
     return _affine(node("mul", x, rstd), w, None)
 
 
-def _scalar_affine_ref(y: torch.Tensor, w, b=0.0) -> torch.Tensor:
+def _scalar_affine_ref(y: torch.Tensor, w: Any, b: Any = 0.0) -> torch.Tensor:
     if not isinstance(w, torch.Tensor) and w != 1.0:
         y = y * w
     if not isinstance(b, torch.Tensor) and b != 0.0:
@@ -96,62 +245,91 @@ def _scalar_affine_ref(y: torch.Tensor, w, b=0.0) -> torch.Tensor:
     return y
 
 
-def _tensor_or_none(v):
+def _tensor_or_none(v: Any) -> Any:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _layer_norm_ref(x, w, b, eps):
+def _layer_norm_ref(x: Any, w: Any, b: Any, eps: float) -> torch.Tensor:
     y = F.layer_norm(x, x.shape[-1:], _tensor_or_none(w), _tensor_or_none(b), eps)
     return _scalar_affine_ref(y, w, b)
 
 
-def _rms_norm_ref(x, w, eps):
+def _rms_norm_ref(x: Any, w: Any, eps: float) -> torch.Tensor:
     return _scalar_affine_ref(F.rms_norm(x, x.shape[-1:], _tensor_or_none(w), eps), w)
 
 
-def _dims(axis):
-    return () if axis is None else axis
+def _norm_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    x = shapes[0]
+    if not x:
+        raise RtxError("norms normalize the last axis: a 0-dim input has none")
+    for s in shapes[1:]:
+        if s and s != x[-1:]:
+            raise RtxError(f"norm weight/bias of shape {list(s)} does not match the last axis of {list(x)}")
+    return x
+
+
+def layer_norm(x: ExprLike, weight: ExprLike | None = None, bias: ExprLike | None = None, eps: float = 1e-5) -> Expr:
+    """Layer norm over the last axis (one-pass mean and variance), then ``* weight + bias``.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.layer_norm(rx.var("x"), rx.var("w"), rx.var("b"))
+        layer_norm(x, w, b, 1e-05)
+    """
+    return node(
+        "layer_norm",
+        x,
+        1.0 if weight is None else weight,
+        0.0 if bias is None else bias,
+        scalar_arg(eps, "layer_norm", "eps"),
+    )
+
+
+def rms_norm(x: ExprLike, weight: ExprLike | None = None, eps: float = 1e-6) -> Expr:
+    """x * rsqrt(mean(x**2, -1) + eps) * weight (the seed's rms_norm_cpu semantics).
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.rms_norm(rx.var("x"), rx.var("w"))
+        rms_norm(x, w, 1e-06)
+    """
+    return node("rms_norm", x, 1.0 if weight is None else weight, scalar_arg(eps, "rms_norm", "eps"))
+
+
+def _torch_layer_norm(a: Any, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Expr:
+    if len(tuple(normalized_shape)) != 1:
+        raise Unsupported  # rtxdsl normalizes over the last axis only
+    return layer_norm(a, weight, bias, eps)
+
+
+def _torch_rms_norm(a: Any, normalized_shape: Any, weight: Any = None, eps: float | None = None) -> Expr:
+    if len(tuple(normalized_shape)) != 1 or eps is None:
+        raise Unsupported  # eps=None means finfo(dtype).eps in torch: run it eagerly
+    return rms_norm(a, weight, eps)
 
 
 _composite(
-    "mean", 1, lambda x, axis, keepdim: torch.mean(x, dim=_dims(axis), keepdim=keepdim), mean, pattern="Reduction"
+    "layer_norm",
+    4,
+    _layer_norm_ref,
+    _layer_norm,
+    shape=_norm_shape,
+    pattern="LayerNorm",
+    accepts=FLOATING,
+    front=Front(fn=layer_norm, torch={F.layer_norm: _torch_layer_norm}),
 )
 _composite(
-    "variance",
-    2,
-    lambda x, c, axis, keepdim: torch.var(x, dim=axis, correction=c, keepdim=keepdim),
-    variance,
-    pattern="Reduction",
+    "rms_norm",
+    3,
+    _rms_norm_ref,
+    _rms_norm,
+    shape=_norm_shape,
+    pattern="RMSNorm",
+    accepts=FLOATING,
+    front=Front(fn=rms_norm, torch=dict.fromkeys(torch_fns("rms_norm"), _torch_rms_norm)),
 )
-_composite(
-    "std",
-    2,
-    lambda x, c, axis, keepdim: torch.std(x, dim=axis, correction=c, keepdim=keepdim),
-    lambda x, c, axis, keepdim: node("sqrt", variance(x, c, axis, keepdim)),
-    pattern="Reduction",
-)
-# eager logsumexp: amax, masked fill, sub, exp, sum, log, add
-_composite(
-    "logsumexp",
-    1,
-    lambda x, axis, keepdim: torch.logsumexp(x, dim=_dims(axis) or tuple(range(x.ndim)), keepdim=keepdim),
-    logsumexp,
-    eager_launches=7,
-    pattern="Reduction",
-)
-_composite(
-    "softmax", 1, lambda x, axis: torch.softmax(x, dim=axis), softmax, pattern="Softmax", accepts=frozenset({FLOAT})
-)
-_composite(
-    "log_softmax",
-    1,
-    lambda x, axis: torch.log_softmax(x, dim=axis),
-    log_softmax,
-    pattern="Softmax",
-    accepts=frozenset({FLOAT}),
-)
-_composite("layer_norm", 4, _layer_norm_ref, layer_norm, pattern="LayerNorm", accepts=frozenset({FLOAT}))
-_composite("rms_norm", 3, _rms_norm_ref, rms_norm, pattern="RMSNorm", accepts=frozenset({FLOAT}))
+
+# ---- gated activations and clamps ---------------------------------------------------------------
 _composite(
     "swiglu",
     2,
@@ -159,10 +337,46 @@ _composite(
     lambda g, u: node("mul", node("silu", g), u),
     eager_launches=2,
     pattern="Activation",
-    accepts=frozenset({FLOAT}),
+    accepts=FLOATING,
+    front=Front(fn=binary_fn("swiglu", "silu(gate) * up", "swiglu(a, b)")),
 )
+
+
+def clamp(x: ExprLike, min: ExprLike | None = None, max: ExprLike | None = None) -> Expr:  # noqa: A002
+    """Clamp into [min, max] (either may be None); NaN stays NaN.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.clamp(rx.var("x"), 0.0, 6.0)
+        clamp(x, 0.0, 6.0)
+    """
+    if min is None and max is None:
+        raise RtxError("clamp: at least one of min and max must be given")
+    if max is None:
+        return node("clamp_min", x, min)
+    if min is None:
+        return node("clamp_max", x, max)
+    return node("clamp", x, min, max)
+
+
+def _torch_clamp(a: Any, min: Any = None, max: Any = None) -> Expr:  # noqa: A002
+    if min is None and max is None:
+        raise Unsupported  # torch raises; let it
+    return clamp(a, min, max)
+
+
 _composite(
-    "clamp", 3, lambda x, lo, hi: torch.clamp(x, lo, hi), lambda x, lo, hi: node("minimum", node("maximum", x, lo), hi)
+    "clamp",
+    3,
+    lambda x, lo, hi: torch.clamp(x, lo, hi),
+    lambda x, lo, hi: node("minimum", node("maximum", x, lo), hi),
+    front=Front(
+        fn=clamp,
+        names=("clamp", "clip"),
+        methods={"clamp": None, "clip": None},
+        torch=dict.fromkeys(torch_fns("clamp", "clip"), _torch_clamp),
+        inplace=(torch.Tensor.clamp_, torch.Tensor.clip_),
+    ),
 )
 _composite("clamp_min", 2, lambda x, lo: torch.clamp(x, min=lo), lambda x, lo: node("maximum", x, lo))
 _composite("clamp_max", 2, lambda x, hi: torch.clamp(x, max=hi), lambda x, hi: node("minimum", x, hi))

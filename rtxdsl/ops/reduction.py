@@ -1,49 +1,176 @@
-"""Reduction primitives (sum, amax, amin) and the reduced-element count.
+"""Reduction primitives as mergeable states: sum, amax, amin, the online logsumexp and Welford's
+sum of squared deviations (``m2``), plus the reduced-element count.
 
-mean, variance, std and logsumexp are composites built on these (see composite.py).
-Accumulation runs in fp32 for half types (the compute dtype); NaN wins in amax/amin.
+mean, variance, std, softmax, log_softmax and the norms are composites over these. Each state
+merges associatively, so one declaration serves a row kept in registers, a row looped over
+in blocks (at most two reads: the statistics pass and the output pass) and a row split across
+programs whose partial states a second kernel merges. Accumulation runs in fp32 for half types
+(the compute dtype); NaN wins in amax/amin and propagates through logsumexp and m2.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from ..dtypes import highest, lowest
-from . import ANY, FLOAT, NUMERIC, EmitCtx, OpDef, OpKind, ReduceSpec, register
+from ..errors import ShapeError
+from ..expr import Expr, node
+from ..registry import ANY, FLOATING, NUMERIC, EmitCtx, Front, OpDef, OpKind, ReduceSpec, Unsupported, register
 from .elementwise import nan_max, nan_min
+from .helpers import D, reduction_fn, torch_fns
 
 
-def _axes(axis, ndim: int) -> tuple[int, ...]:
+def norm_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     """Normalized, sorted reduction axes; ``None`` means all."""
     if axis is None:
         return tuple(range(ndim))
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    return tuple(sorted({a % ndim if ndim else 0 for a in axes}))
+    for a in axes:
+        if not (-max(ndim, 1) <= a < max(ndim, 1)):
+            raise ShapeError(f"axis {a} is out of range for a tensor of rank {ndim}")
+    out = sorted({a % ndim if ndim else 0 for a in axes})
+    if len(out) != len(axes):
+        raise ShapeError(f"axis {axis!r} names a dimension twice")
+    return tuple(out) if ndim else ()
 
 
-def _torch_dims(axis):
+def reduced_shape(shape: tuple[int, ...], axis: Any, keepdim: bool) -> tuple[int, ...]:
+    axes = set(norm_axes(axis, len(shape)))
+    if keepdim:
+        return tuple(1 if d in axes else s for d, s in enumerate(shape))
+    return tuple(s for d, s in enumerate(shape) if d not in axes)
+
+
+def _shape(shapes: list[tuple[int, ...]], axis: Any, keepdim: bool) -> tuple[int, ...]:
+    return reduced_shape(shapes[0], axis, keepdim)
+
+
+def _nonempty_shape(op: str):
+    def shape(shapes: list[tuple[int, ...]], axis: Any, keepdim: bool) -> tuple[int, ...]:
+        x = shapes[0]
+        if any(x[a] == 0 for a in norm_axes(axis, len(x))):
+            raise ShapeError(f"op {op!r}: cannot reduce over a dimension of size 0 (torch.{op} has no identity)")
+        return reduced_shape(x, axis, keepdim)
+
+    return shape
+
+
+def _dims(axis: Any) -> Any:
     return () if axis is None else axis
 
 
-def _sum_final(ctx: EmitCtx, acc: str) -> str:
-    return f"tl.sum({acc}, axis=1)[:, None]"
+def _tile_sum(v: str) -> str:
+    return f"tl.sum({v}, axis=1)[:, None]"
 
 
-def _extreme_final(which: str):
-    def final(ctx: EmitCtx, acc: str) -> str:
+def _tile_extreme(which: str):
+    def tile(ctx: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
+        (acc,) = st
         red = f"tl.{which}({acc}, axis=1)[:, None]"
         if not ctx.is_float:
-            return red
-        # tl.max/tl.min may drop NaN; the running combine kept it, so look for it
+            return (red,)
+        # tl.max/tl.min may drop NaN; the lanes kept it, so look for it
         has_nan = f"tl.max(({acc} != {acc}).to(tl.int32), axis=1)[:, None] > 0"
-        return f"tl.where({has_nan}, float('nan'), {red})"
+        return (f"tl.where({has_nan}, float('nan'), {red})",)
 
-    return final
+    return tile
 
 
-def _reduction(name: str, ref, spec: ReduceSpec, accepts=ANY) -> OpDef:
+SUM = ReduceSpec(
+    state=("acc",),
+    identity=lambda dt: ("0",),
+    lift=lambda c, x: (x,),
+    tile=lambda c, st: (_tile_sum(st[0]),),
+    merge=lambda c, a, b: (f"{a[0]} + {b[0]}",),
+    value=lambda c, st: st[0],
+    single=lambda c, x: x,
+    lanes=True,
+)
+
+
+def _extreme_spec(which: str, identity, pick) -> ReduceSpec:
+    int_pick = f"tl.{which}imum"
+    return ReduceSpec(
+        state=("acc",),
+        identity=lambda dt: (identity(dt),),
+        lift=lambda c, x: (x,),
+        tile=_tile_extreme(which),
+        merge=lambda c, a, b: (pick(b[0], a[0]) if c.is_float else f"{int_pick}({a[0]}, {b[0]})",),
+        value=lambda c, st: st[0],
+        single=lambda c, x: x,
+        lanes=True,
+    )
+
+
+def _lse_tile(c: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
+    m, s = st
+    big = c.tmp(_tile_extreme("max")(c, (m,))[0])
+    return big, _tile_sum(f"tl.where({m} == {big}, {s}, {s} * tl.exp({m} - {big}))")
+
+
+def _lse_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    big = c.tmp(nan_max(a[0], b[0]))
+    scale = lambda m, s: f"tl.where({m} == {big}, {s}, {s} * tl.exp({m} - {big}))"  # noqa: E731
+    return big, f"{scale(*a)} + {scale(*b)}"
+
+
+#: online logsumexp: the running max and the sum of exp(x - max) (rescaled when the max grows)
+LOGSUMEXP = ReduceSpec(
+    state=("m", "s"),
+    identity=lambda dt: ("float('-inf')", "0.0"),
+    lift=lambda c, x: (x, "1.0"),
+    tile=_lse_tile,
+    merge=_lse_merge,
+    value=lambda c, st: f"{st[0]} + tl.log({st[1]})",
+    single=lambda c, x: x,
+)
+
+
+def _m2_tile(c: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
+    n, mean, m2 = st
+    total = c.tmp(_tile_sum(n))
+    mu = c.tmp(f"tl.where({total} == 0, 0.0, {_tile_sum(f'{n} * {mean}')} / tl.where({total} == 0, 1.0, {total}))")
+    return total, mu, _tile_sum(f"{m2} + {n} * ({mean} - {mu}) * ({mean} - {mu})")
+
+
+def _m2_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    (n1, mu1, q1), (n2, mu2, q2) = a, b
+    total = c.tmp(f"{n1} + {n2}")
+    safe = c.tmp(f"tl.where({total} == 0, 1.0, {total})")
+    delta = c.tmp(f"{mu2} - {mu1}")
+    return total, f"{mu1} + {delta} * ({n2} / {safe})", f"{q1} + {q2} + {delta} * {delta} * ({n1} * {n2} / {safe})"
+
+
+#: Welford / Chan: count, mean and sum of squared deviations; two-pass exact within a tile
+M2 = ReduceSpec(
+    state=("n", "mean", "m2"),
+    identity=lambda dt: ("0.0", "0.0", "0.0"),
+    lift=lambda c, x: ("1.0", x, "0.0"),
+    tile=_m2_tile,
+    merge=_m2_merge,
+    value=lambda c, st: st[2],
+    single=lambda c, x: f"({x} - {x}) * ({x} - {x})",
+)
+
+
+def _reduction(
+    name: str,
+    ref,
+    spec: ReduceSpec,
+    derivative,
+    text: str,
+    *,
+    accepts=ANY,
+    eager_launches: int = 1,
+    names: tuple[str, ...] = (),
+    methods: tuple[str, ...] = (),
+    torch_names: tuple[str, ...] = (),
+    shape=_shape,
+) -> OpDef:
+    fn = reduction_fn(name, text)
     return register(
         OpDef(
             name=name,
@@ -51,45 +178,116 @@ def _reduction(name: str, ref, spec: ReduceSpec, accepts=ANY) -> OpDef:
             arity=1,
             ref=ref,
             reduce=spec,
-            eager_launches=1,
+            derivative=derivative,
+            shape=shape,
+            canonical=lambda shapes, axis, keepdim: {"axis": norm_axes(axis, len(shapes[0])), "keepdim": keepdim},
+            eager_launches=eager_launches,
             accepts=accepts,
             pattern="Reduction",
+            front=Front(
+                fn=fn if names or methods or torch_names else None,
+                names=names,
+                methods=dict.fromkeys(methods),
+                torch=dict.fromkeys(torch_fns(*torch_names), _torch_reduction(fn)),
+            ),
         )
     )
 
 
+def _torch_reduction(fn):
+    """torch.sum(x, dim, keepdim) and friends; dtype=, out= and named dims run eagerly."""
+
+    def build(a: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None, out: Any = None) -> Expr:
+        if dtype is not None or out is not None:
+            raise Unsupported
+        if isinstance(dim, (list, tuple)):
+            if not all(isinstance(d, int) for d in dim):
+                raise Unsupported
+            dim = tuple(dim)
+        elif dim is not None and not isinstance(dim, int):
+            raise Unsupported
+        return fn(a, dim, keepdim)
+
+    return build
+
+
+def _extreme_derivative(d: D) -> tuple:
+    """amax/amin: spread evenly over the elements equal to the result."""
+    hit = node("cast", node("eq", d.a, d.y), dtype=torch.float32)
+    count = node("sum", hit, axis=d.n.attr("axis"), keepdim=True)
+    return (node("div", node("mul", d.g, hit), count),)
+
+
+def mean_of(x: Expr, axis: Any, keepdim: bool) -> Expr:
+    return node("div", node("sum", x, axis=axis, keepdim=keepdim), node("rcount", x, axis=axis))
+
+
 _reduction(
     "sum",
-    lambda x, axis, keepdim: torch.sum(x, dim=_torch_dims(axis), keepdim=keepdim),
-    ReduceSpec(identity=lambda dt: "0", combine=lambda c, acc, v: f"{acc} + {v}", final=_sum_final),
+    lambda x, axis, keepdim: torch.sum(x, dim=_dims(axis), keepdim=keepdim),
+    SUM,
+    lambda d: (d.g,),
+    "Sum (ints accumulate in int64, half types in fp32)",
+    names=("sum",),
+    methods=("sum",),
+    torch_names=("sum",),
 )
 _reduction(
     "amax",
-    lambda x, axis, keepdim: torch.amax(x, dim=_torch_dims(axis), keepdim=keepdim),
-    ReduceSpec(
-        identity=lowest,
-        combine=lambda c, acc, v: nan_max(v, acc) if c.is_float else f"tl.maximum({acc}, {v})",
-        final=_extreme_final("max"),
-    ),
+    lambda x, axis, keepdim: torch.amax(x, dim=_dims(axis), keepdim=keepdim),
+    _extreme_spec("max", lowest, nan_max),
+    _extreme_derivative,
+    "Maximum (NaN wins); values only, like torch.amax",
     accepts=NUMERIC | {"bool"},
+    names=("amax", "max"),
+    methods=("amax", "max"),
+    torch_names=("amax",),
+    shape=_nonempty_shape("amax"),
 )
 _reduction(
     "amin",
-    lambda x, axis, keepdim: torch.amin(x, dim=_torch_dims(axis), keepdim=keepdim),
-    ReduceSpec(
-        identity=highest,
-        combine=lambda c, acc, v: nan_min(v, acc) if c.is_float else f"tl.minimum({acc}, {v})",
-        final=_extreme_final("min"),
-    ),
+    lambda x, axis, keepdim: torch.amin(x, dim=_dims(axis), keepdim=keepdim),
+    _extreme_spec("min", highest, nan_min),
+    _extreme_derivative,
+    "Minimum (NaN wins); values only, like torch.amin",
     accepts=NUMERIC | {"bool"},
+    names=("amin", "min"),
+    methods=("amin", "min"),
+    torch_names=("amin",),
+    shape=_nonempty_shape("amin"),
+)
+# eager logsumexp: amax, masked fill, sub, exp, sum, log, add
+_reduction(
+    "logsumexp",
+    lambda x, axis, keepdim: torch.logsumexp(x, dim=_dims(axis) or tuple(range(x.ndim)), keepdim=keepdim),
+    LOGSUMEXP,
+    lambda d: (node("mul", d.g, node("exp", node("sub", d.a, d.y))),),
+    "log(sum(exp(x))), computed online in one pass",
+    accepts=FLOATING,
+    eager_launches=7,
+    names=("logsumexp",),
+    methods=("logsumexp",),
+    torch_names=("logsumexp",),
+)
+_reduction(
+    "m2",
+    lambda x, axis, keepdim: (
+        torch.var(x, dim=_dims(axis) or None, correction=0, keepdim=keepdim)
+        * math.prod(x.shape[a] for a in norm_axes(axis, x.ndim))
+    ),
+    M2,
+    lambda d: (node("mul", node("mul", d.g, 2.0), node("sub", d.a, mean_of(d.a, d.n.attr("axis"), True))),),
+    "Sum of squared deviations from the mean (Welford)",
+    accepts=FLOATING,
+    eager_launches=2,
 )
 
 
-def rcount_value(x, axis) -> float:
+def rcount_value(x: Any, axis: Any) -> float:
     """How many elements a reduction over ``axis`` combines (a per-call kernel argument)."""
     if not hasattr(x, "shape") or not x.shape:
         return 1.0
-    return float(math.prod(x.shape[a] for a in _axes(axis, x.ndim)))
+    return float(math.prod(x.shape[a] for a in norm_axes(axis, len(x.shape))))
 
 
 register(
@@ -98,10 +296,11 @@ register(
         kind=OpKind.SCALAR,
         arity=1,
         eager_launches=0,
-        accepts=frozenset({FLOAT, "int", "bool"}),
+        accepts=ANY,
         ref=rcount_value,
         doc="number of elements reduced over axis (a scalar argument)",
     )
 )
 
-axes_of = _axes
+#: what a reduction over no dims (a 0-dim operand) is, per op: the operand itself, or m2's 0
+SINGLE = {"m2": lambda x: node("mul", node("sub", x, x), node("sub", x, x))}

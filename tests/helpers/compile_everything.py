@@ -82,14 +82,13 @@ for name, e, ins in [
 # backward kernels
 for name, (expr, make) in CASES.items():
     k = rx.compile(expr)
-    ins = [t.float().requires_grad_() for t in make()]
-    k(*ins)
-    plan = next(iter(k._grad_plans.values()))
-    feed = dict(zip(k.inputs, [t.detach() for t in ins]))
+    ins = [t.float() for t in make()]
+    plan = k.grad_plan(*ins)
+    feed = dict(zip(k.inputs, ins))
     fo = plan.forward(**feed)
-    for kk in plan.saved_keys:
+    for kk in plan.grads.saved_keys:
         feed[kk] = fo[kk]
-    for i, key in enumerate(plan.user_keys):
+    for i, key in enumerate(plan.grads.user_keys):
         feed[f"_g{i}"] = torch.empty_like(fo[key])
     tryc(f"bwd-{name}", plan.backward, {n_: feed[n_] for n_ in plan.backward.inputs})
     tryc(f"fwd-{name}", plan.forward, {n_: feed[n_] for n_ in plan.forward.inputs})

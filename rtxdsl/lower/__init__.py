@@ -1,0 +1,116 @@
+"""Lowering: expressions + input layouts -> a frozen :class:`Program`, as a pure function.
+
+``lower(outputs, inputs, layouts, config)`` binds (``bind``), expands composites
+(``expand``), partitions the graph into fusion groups (``analyze``) and schedules each group
+(``schedule``): the result says which kernels run with which buffers and arguments, and
+nothing in it depends on where or how it will run. ``vjp`` differentiates a graph into
+forward and backward expressions that lower the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..config import FusionConfig
+from ..expr import Expr
+from .analyze import Group, Plan, Role, analyze
+from .bind import Info
+from .expand import Graph, expand
+from .schedule import Layout, contiguous_strides, input_reads, kernel_spec
+from .spec import Buffer, KernelCall, KernelSpec, Program
+
+#: what a call gives for one input: a tensor's layout, or a python number (a scalar input)
+InputMeta = Layout | bool | int | float
+
+
+def lower(
+    outputs: Sequence[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tuple[InputMeta, ...], config: FusionConfig
+) -> Program:
+    """The program computing ``outputs`` from inputs described by ``metas`` (in ``inputs`` order)."""
+    infos = tuple(Info.tensor(m.shape, m.dtype) if isinstance(m, Layout) else Info.scalar_input(m) for m in metas)
+    graph = expand(list(outputs), inputs, infos)
+    return program(analyze(graph, config), metas)
+
+
+def program(plan: Plan, metas: tuple[InputMeta, ...]) -> Program:
+    """Buffers, kernel calls and results of ``plan`` for inputs described by ``metas``."""
+    graph = plan.graph
+    n_inputs = len(metas)
+    slots: dict[int, int] = {}
+    lay: dict[int, Layout] = {}
+    for i, (v, meta) in enumerate(zip(graph.inputs, metas)):
+        if isinstance(meta, Layout):
+            slots[id(v)] = i
+            lay[id(v)] = meta
+    buffers: list[Buffer] = []
+    for g in plan.groups:
+        for o in g.outputs:
+            info = graph.of(o)
+            slots[id(o)] = n_inputs + len(buffers)
+            lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), info.dtype)
+            buffers.append(Buffer(info.shape, info.dtype))
+    calls = []
+    for g in plan.groups:
+        spec, launch = kernel_spec(g, graph, lay)
+        meta = [("BLOCK_SIZE", spec.block), ("num_warps", spec.num_warps)]
+        if spec.kind == "row":
+            meta.append(("ROWS", spec.rows_per_program))
+        reads = input_reads(spec)
+        nbytes = sum(r * lay[id(i)].nbytes for r, i in zip(reads, g.inputs)) + sum(lay[id(o)].nbytes for o in g.outputs)
+        calls.append(
+            KernelCall(
+                spec=spec,
+                summary=f"{g.pattern}: {', '.join(g.ops)}",
+                grid=launch.grid,
+                buffers=tuple(slots[id(i)] for i in g.inputs) + tuple(slots[id(o)] for o in g.outputs),
+                args=(*launch.ints, *launch.scalars),
+                meta=tuple(meta),
+                ops=len(g.nodes),
+                bytes=0 if launch.empty else nbytes,
+                passes=max(reads, default=1),
+                empty=launch.empty,
+                scalar_inputs=launch.scalar_inputs,
+            )
+        )
+    outputs: list[tuple[str, int | None]] = []
+    scalars = {}
+    for key, root in graph.outputs:
+        if id(root) in slots:
+            outputs.append((key, slots[id(root)]))
+        else:  # a scalar-only output: no kernel needed
+            info = graph.of(root)
+            outputs.append((key, None))
+            scalars[key] = (info.value, info.dtype)
+    minimum = sum(m.nbytes for m in metas if isinstance(m, Layout)) + sum(
+        graph.of(e).nbytes for _, e in graph.outputs if not graph.of(e).is_scalar
+    )
+    return Program(
+        n_inputs=n_inputs,
+        buffers=tuple(buffers),
+        kernels=tuple(calls),
+        outputs=tuple(outputs),
+        scalar_outputs=scalars,
+        eager_launches=graph.eager_launches,
+        eager_bytes=graph.eager_bytes,
+        minimum_bytes=minimum,
+        plan=plan,
+    )
+
+
+__all__ = [
+    "Buffer",
+    "InputMeta",
+    "Graph",
+    "Group",
+    "Info",
+    "KernelCall",
+    "KernelSpec",
+    "Layout",
+    "Plan",
+    "Program",
+    "Role",
+    "analyze",
+    "expand",
+    "lower",
+    "program",
+]

@@ -1,0 +1,551 @@
+"""The fusion analyzer: a typed primitive graph -> fusion groups, one kernel each.
+
+Each group runs over a *domain*: a full shape ``S`` and the axes ``A`` it reduces (none for
+pointwise groups). Inside a row group (``A`` non-empty) a node has a role: FULL (varies over
+the whole domain), KEEP (one value per row, reduced dims kept as size 1) or DROP (one value
+per row, reduced dims removed).
+
+The analysis is a sequence of passes, each a function from (graph, groups) to new groups:
+
+1. ``partition``: greedy, in topological order. An elementwise node joins its operands'
+   groups when its shape and their roles fit (operand groups that fit are merged unless that
+   would make a cycle between groups); a private pointwise producer of a smaller,
+   broadcastable shape is absorbed and recomputed at the larger shape; a reduction takes its
+   input's pointwise group as prologue or joins a row group over the same rows (softmax:
+   logsumexp, then exp(x - lse)). ``min_fusion_ops`` re-runs it with small groups kept apart.
+2. ``merge_siblings``: independent groups over the same domain become one kernel.
+3. ``absorb_per_row``: math on leaves only is recomputed in every kernel that reads it.
+4. ``recompute_elementwise``: a kernel reading another kernel's elementwise value recomputes
+   it from leaves instead of reading it back.
+5. ``finish``: what each kernel reads and writes (a value is written only when requested or
+   read by a kernel that does not compute it), its pattern, and a launch order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from ..config import FusionConfig
+from ..expr import Expr
+from ..ops import REGISTRY, OpKind
+from .expand import Graph, is_leaf
+
+
+class Role(enum.Enum):
+    FULL = "full"
+    KEEP = "keep"
+    DROP = "drop"
+
+
+PATTERN_PRIORITY = ("LayerNorm", "RMSNorm", "Softmax", "Reduction", "Activation", "ElementwiseChain", "Single")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One kernel: its domain, its nodes (operands first) with their roles, what it reads and writes."""
+
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    nodes: tuple[Expr, ...]
+    roles: Mapping[int, Role]
+    inputs: tuple[Expr, ...] = ()  # tensors read: vars or other groups' outputs
+    outputs: tuple[Expr, ...] = ()
+    pattern: str = "Single"
+
+    @property
+    def is_row(self) -> bool:
+        return bool(self.axes)
+
+    def keep_shape(self) -> tuple[int, ...]:
+        return tuple(1 if d in self.axes else s for d, s in enumerate(self.shape))
+
+    def drop_shape(self) -> tuple[int, ...]:
+        return tuple(s for d, s in enumerate(self.shape) if d not in self.axes)
+
+    def role(self, n: Expr) -> Role:
+        return self.roles[id(n)]
+
+    @property
+    def ops(self) -> list[str]:
+        return [n.op for n in self.nodes]
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: tuple[Group, ...]  # in launch order
+    graph: Graph
+
+    @property
+    def kernels(self) -> int:
+        return len(self.groups)
+
+
+def analyze(graph: Graph, config: FusionConfig) -> Plan:
+    """Partition ``graph`` into fusion groups under ``config``'s limits."""
+    groups = partition(graph, config, frozenset())
+    small = frozenset(id(n) for g in groups if len(g.nodes) < config.min_fusion_ops for n in g.nodes)
+    if small:
+        groups = partition(graph, config, small)
+    groups = merge_siblings(graph, groups, config, small)
+    groups = absorb_per_row(graph, groups, config, small)
+    groups = recompute_elementwise(graph, groups, config, small)
+    return finish(graph, groups)
+
+
+# ---- a group while a pass edits it -------------------------------------------------------------
+@dataclass(eq=False)
+class _Work:
+    shape: tuple[int, ...]
+    axes: tuple[int, ...] = ()
+    nodes: list[Expr] = field(default_factory=list)
+    roles: dict[int, Role] = field(default_factory=dict)
+
+    @staticmethod
+    def of(g: Group) -> _Work:
+        return _Work(g.shape, g.axes, list(g.nodes), dict(g.roles))
+
+    def freeze(self, order: Mapping[int, int]) -> Group:
+        nodes = tuple(sorted(self.nodes, key=lambda m: order[id(m)]))
+        return Group(self.shape, self.axes, nodes, MappingProxyType(dict(self.roles)))
+
+    @property
+    def is_row(self) -> bool:
+        return bool(self.axes)
+
+    def keep_shape(self) -> tuple[int, ...]:
+        return tuple(1 if d in self.axes else s for d, s in enumerate(self.shape))
+
+    def drop_shape(self) -> tuple[int, ...]:
+        return tuple(s for d, s in enumerate(self.shape) if d not in self.axes)
+
+    def role(self, n: Expr) -> Role:
+        return self.roles[id(n)]
+
+
+def _order(graph: Graph) -> dict[int, int]:
+    return {id(n): i for i, n in enumerate(graph.nodes)}
+
+
+def _consumers(graph: Graph) -> dict[int, list[Expr]]:
+    out: dict[int, list[Expr]] = {}
+    for n in graph.nodes:
+        if not is_leaf(n, graph.info):
+            for s in n.srcs:
+                out.setdefault(id(s), []).append(n)
+    return out
+
+
+def _broadcasts(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
+    if len(small) > len(big):
+        return False
+    return all(s == 1 or s == b for s, b in zip(reversed(small), reversed(big)))
+
+
+class _Deps:
+    """Which groups read which (through node operands), for cycle checks while groups merge."""
+
+    def __init__(self) -> None:
+        self.home: dict[int, _Work] = {}  # node id -> the group that computes (and may write) it
+        self.reads: dict[int, set[int]] = {}  # group id -> ids of groups it reads
+        self.by_id: dict[int, _Work] = {}
+
+    def add_group(self, g: _Work) -> None:
+        self.by_id[id(g)] = g
+        self.reads.setdefault(id(g), set())
+
+    def put(self, g: _Work, n: Expr) -> None:
+        self.home[id(n)] = g
+        for s in n.srcs:
+            h = self.home.get(id(s))
+            if h is not None and h is not g:
+                self.reads[id(g)].add(id(h))
+
+    def merge(self, a: _Work, b: _Work) -> None:
+        """``b``'s nodes now live in ``a``."""
+        for m in b.nodes:
+            self.home[id(m)] = a
+        self.reads[id(a)] |= self.reads.pop(id(b))
+        self.reads[id(a)].discard(id(a))
+        self.reads[id(a)].discard(id(b))
+        del self.by_id[id(b)]
+        for r in self.reads.values():
+            if id(b) in r:
+                r.discard(id(b))
+                r.add(id(a))
+        for gid, r in self.reads.items():
+            r.discard(gid)
+
+    def reaches(self, a: _Work, b: _Work) -> bool:
+        """Does ``a`` read, through any chain of groups, something ``b`` writes?"""
+        stack, seen = [id(a)], {id(a)}
+        while stack:
+            for d in self.reads[stack.pop()]:
+                if d == id(b):
+                    return True
+                if d not in seen:
+                    seen.add(d)
+                    stack.append(d)
+        return False
+
+
+# ---- pass 1: greedy partition ----------------------------------------------------------------
+def partition(graph: Graph, config: FusionConfig, solo: frozenset[int]) -> tuple[Group, ...]:
+    """Groups built in topological order; nodes in ``solo`` get a kernel of their own."""
+    cap = config.max_fusion_ops
+    requested = {id(e) for _, e in graph.outputs}
+    consumers = _consumers(graph)
+    groups: list[_Work] = []
+    deps = _Deps()
+
+    def new(n: Expr, shape: tuple[int, ...], axes: tuple[int, ...], role: Role) -> _Work:
+        g = _Work(tuple(shape), tuple(axes))
+        groups.append(g)
+        deps.add_group(g)
+        put(g, n, role)
+        return g
+
+    def put(g: _Work, n: Expr, role: Role) -> None:
+        g.nodes.append(n)
+        g.roles[id(n)] = role
+        deps.put(g, n)
+
+    def closed(g: _Work) -> bool:
+        return len(g.nodes) >= cap or any(id(m) in solo for m in g.nodes)
+
+    def private_to(g: _Work, n: Expr) -> bool:
+        """``g`` is pointwise, requested nowhere, and read only by itself and ``n``."""
+        if g.is_row or any(id(m) in requested for m in g.nodes):
+            return False
+        members = {id(m) for m in g.nodes} | {id(n)}
+        return all(id(c) in members for m in g.nodes for c in consumers.get(id(m), ()))
+
+    def role_in(g: _Work, n: Expr, also: _Work | None = None) -> Role | None:
+        """The role ``n`` would have in ``g`` (merged with ``also``), or None if it cannot join."""
+        shape = graph.of(n).shape
+        view = REGISTRY[n.op].kind is OpKind.MOVEMENT
+        if not g.is_row:
+            if view and any(deps.home.get(id(s)) in (g, also) for s in n.srcs):
+                return None  # reindexing a value computed in this kernel: it must be written first
+            return Role.FULL if shape == g.shape else None
+        homes = [h for h in (g, also) if h is not None]
+        inner = [h.role(s) for s in n.srcs for h in homes if deps.home.get(id(s)) is h]
+        if view and inner:  # a per-row value regains its reduced dims
+            ok = inner == [Role.DROP] and tuple(sorted(n.attr("axes"))) == g.axes and shape == g.keep_shape()
+            return Role.KEEP if ok else None
+        if Role.DROP in inner:
+            return Role.DROP if shape == g.drop_shape() and all(r is Role.DROP for r in inner) else None
+        if shape == g.shape:
+            return Role.FULL
+        if shape == g.keep_shape() and all(r is Role.KEEP for r in inner):
+            return Role.KEEP
+        return None
+
+    def can_merge(a: _Work, b: _Work) -> bool:
+        same = a.shape == b.shape and (a.axes == b.axes or not a.is_row or not b.is_row)
+        if not same or len(a.nodes) + len(b.nodes) > cap:
+            return False
+        return not deps.reaches(a, b) and not deps.reaches(b, a)
+
+    def merge(a: _Work, b: _Work) -> _Work:
+        a.nodes.extend(b.nodes)
+        a.roles.update(b.roles)
+        a.axes = a.axes or b.axes  # a pointwise group merged with a row group becomes its prologue
+        deps.merge(a, b)
+        groups.remove(b)
+        return a
+
+    def src_groups(n: Expr) -> list[_Work]:
+        out: list[_Work] = []
+        for s in n.srcs:
+            g = deps.home.get(id(s))
+            if g is not None and all(g is not o for o in out):
+                out.append(g)
+        return out
+
+    def add_elementwise(n: Expr) -> None:
+        shape = graph.of(n).shape
+        target: _Work | None = None
+        absorbed: list[_Work] = []
+        if id(n) not in solo:
+            for g in src_groups(n):
+                if closed(g):
+                    continue
+                role = role_in(g, n) if target is None else role_in(target, n, also=g)
+                if role is not None and (target is None or can_merge(target, g)):
+                    target = g if target is None else merge(target, g)
+                elif not g.is_row and g.shape != shape and _broadcasts(g.shape, shape) and private_to(g, n):
+                    absorbed.append(g)
+        if target is not None:
+            others = {id(h): h for s in n.srcs if (h := deps.home.get(id(s))) is not None and h is not target}
+            if any(deps.reaches(h, target) for h in others.values() if h not in absorbed):
+                target = None
+        if target is None:
+            target = new(n, shape, (), Role.FULL)
+        else:
+            role = role_in(target, n)
+            assert role is not None
+            put(target, n, role)
+        for g in absorbed:
+            if g not in groups:
+                continue
+            for m in g.nodes:
+                g.roles[id(m)] = Role.FULL
+            merge(target, g)
+
+    def add_reduction(n: Expr) -> None:
+        (u,) = n.srcs
+        in_shape = graph.of(u).shape
+        axes = n.attr("axis")
+        role = Role.KEEP if n.attr("keepdim") else Role.DROP
+        g = deps.home.get(id(u))
+        if g is not None and id(n) not in solo:
+            if g.is_row and g.role(u) is Role.KEEP and axes == g.axes and in_shape == g.keep_shape():
+                put(g, n, role)  # reducing a per-row value over its size-1 dims only reshapes it
+                return
+            if not closed(g) and g.shape == in_shape and g.role(u) is Role.FULL:
+                if not g.is_row:
+                    g.axes = axes
+                if g.axes == axes:
+                    put(g, n, role)
+                    return
+        new(n, in_shape, axes, role)
+
+    for n in graph.nodes:
+        if is_leaf(n, graph.info):
+            continue
+        if REGISTRY[n.op].kind is OpKind.REDUCTION:
+            add_reduction(n)
+        else:
+            add_elementwise(n)
+    order = _order(graph)
+    return tuple(g.freeze(order) for g in groups)
+
+
+# ---- shared by the later passes ------------------------------------------------------------------
+def _homes(groups: tuple[Group, ...] | list[_Work]) -> dict[int, int]:
+    """node id -> index of the first group containing it (the one that computes and writes it)."""
+    out: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        for m in g.nodes:
+            out.setdefault(id(m), i)
+    return out
+
+
+def _group_reads(g: Group | _Work, homes: dict[int, int], self_index: int) -> set[int]:
+    members = {id(m) for m in g.nodes}
+    return {homes[id(s)] for m in g.nodes for s in m.srcs if id(s) in homes and id(s) not in members} - {self_index}
+
+
+def _reaches(reads: list[set[int]], a: int, b: int) -> bool:
+    stack, seen = [a], {a}
+    while stack:
+        for d in reads[stack.pop()]:
+            if d == b:
+                return True
+            if d not in seen:
+                seen.add(d)
+                stack.append(d)
+    return False
+
+
+# ---- pass 2: siblings --------------------------------------------------------------------------
+def merge_siblings(
+    graph: Graph, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
+) -> tuple[Group, ...]:
+    """Independent groups over the same domain become one kernel (shared inputs read once)."""
+    work = [_Work.of(g) for g in groups]
+    by_domain: dict[tuple, list[int]] = {}
+    for i, g in enumerate(work):
+        if not any(id(m) in solo for m in g.nodes):
+            by_domain.setdefault((g.shape, g.axes), []).append(i)
+    alive = [True] * len(work)
+    homes = _homes(work)
+    reads = [_group_reads(g, homes, i) for i, g in enumerate(work)]
+    for members in by_domain.values():
+        for k, a in enumerate(members):
+            if not alive[a]:
+                continue
+            for b in members[k + 1 :]:
+                if not alive[b] or len(work[a].nodes) + len(work[b].nodes) > config.max_fusion_ops:
+                    continue
+                if _reaches(reads, a, b) or _reaches(reads, b, a):
+                    continue
+                work[a].nodes.extend(work[b].nodes)
+                work[a].roles.update(work[b].roles)
+                alive[b] = False
+                reads[a] = (reads[a] | reads[b]) - {a, b}
+                reads[b] = set()
+                for r in reads:
+                    if b in r:
+                        r.discard(b)
+                        r.add(a)
+                for i, r in enumerate(reads):
+                    r.discard(i)
+    order = _order(graph)
+    return tuple(g.freeze(order) for g, ok in zip(work, alive) if ok)
+
+
+# ---- pass 3: per-row math on leaves ------------------------------------------------------------
+def absorb_per_row(
+    graph: Graph, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
+) -> tuple[Group, ...]:
+    """Math on leaves only (e.g. rstd from a saved variance) is recomputed in every kernel reading it.
+
+    Such a group would otherwise be a launch of its own whose results are written and read
+    back; its values broadcast to each reader's domain, per row (KEEP) where they fit.
+    """
+    requested = {id(e) for _, e in graph.outputs}
+    consumers = _consumers(graph)
+    work = [_Work.of(g) for g in groups]
+    alive = [True] * len(work)
+    for pi, p in enumerate(work):
+        if p.is_row or any(id(m) in requested or id(m) in solo for m in p.nodes):
+            continue
+        homes = _homes([w for w, ok in zip(work, alive) if ok])
+        live = [w for w, ok in zip(work, alive) if ok]
+        members = {id(m) for m in p.nodes}
+        if any(id(s) in homes and id(s) not in members for m in p.nodes for s in m.srcs):
+            continue  # reads another kernel's output
+        readers: dict[int, _Work] = {}
+        for m in p.nodes:
+            for c in consumers.get(id(m), ()):
+                h = live[homes[id(c)]]
+                if h is not p:
+                    readers[id(h)] = h
+        cap = config.max_fusion_ops
+        if not readers or any(
+            not _broadcasts(p.shape, r.shape) or len(r.nodes) + len(p.nodes) > cap for r in readers.values()
+        ):
+            continue
+        for r in readers.values():
+            role = Role.KEEP if r.is_row and p.shape == r.keep_shape() else Role.FULL
+            for m in p.nodes:
+                r.roles[id(m)] = role
+            r.nodes[:0] = p.nodes
+        alive[pi] = False
+    order = _order(graph)
+    return tuple(g.freeze(order) for g, ok in zip(work, alive) if ok)
+
+
+# ---- pass 4: recompute elementwise values instead of reading them back ------------------------
+def recompute_elementwise(
+    graph: Graph, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
+) -> tuple[Group, ...]:
+    """A kernel reading another's elementwise value recomputes it from leaves instead.
+
+    E.g. layer_norm's backward: the weight-gradient column reduction recomputes ``g * xhat``
+    rather than have the row kernel write it and read it back.
+    """
+    work = [_Work.of(g) for g in groups]
+    homes = _homes(work)
+
+    def ancestry(s: Expr, r1: _Work, r2: _Work) -> list[Expr] | None:
+        """``s`` and what it needs inside ``r1``, if all of it is elementwise over leaves and fits ``r2``."""
+        out: list[Expr] = []
+        stack, seen = [s], set()
+        while stack:
+            n = stack.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            kind = REGISTRY[n.op].kind
+            if (
+                id(n) in solo
+                or kind is not OpKind.ELEMENTWISE
+                or r1.role(n) is Role.DROP
+                or not _broadcasts(graph.of(n).shape, r2.shape)
+            ):
+                return None
+            out.append(n)
+            for src in n.srcs:
+                if id(src) in homes and work[homes[id(src)]] is r1:
+                    stack.append(src)
+                elif not is_leaf(src, graph.info):
+                    return None  # another kernel's output: reading it here could order kernels in a cycle
+        return out
+
+    for r2 in work:
+        for m in list(r2.nodes):
+            for s in m.srcs:
+                if id(s) not in homes:
+                    continue
+                r1 = work[homes[id(s)]]
+                if r1 is r2 or id(s) in {id(x) for x in r2.nodes}:
+                    continue
+                chain = ancestry(s, r1, r2)
+                if chain is None or len(r2.nodes) + len(chain) > config.max_fusion_ops:
+                    continue
+                for n in chain:
+                    shape = graph.of(n).shape
+                    keep = r2.is_row and shape == r2.keep_shape() and shape != r2.shape
+                    r2.roles[id(n)] = Role.KEEP if keep else Role.FULL
+                r2.nodes[:0] = chain
+    order = _order(graph)
+    return tuple(g.freeze(order) for g in work)
+
+
+# ---- pass 5: outputs, inputs, pattern, launch order ---------------------------------------------
+def finish(graph: Graph, groups: tuple[Group, ...]) -> Plan:
+    requested = {id(e) for _, e in graph.outputs}
+    consumers = _consumers(graph)
+    homes = _homes(groups)
+    members = [{id(m) for m in g.nodes} for g in groups]
+    containing: dict[int, list[int]] = {}
+    for i, ms in enumerate(members):
+        for m in ms:
+            containing.setdefault(m, []).append(i)
+    done: list[Group] = []
+    for i, g in enumerate(groups):
+        # written by its home group when requested, or read by a kernel that does not compute it
+        outputs = tuple(
+            m
+            for m in g.nodes
+            if homes[id(m)] == i
+            and (
+                id(m) in requested
+                or any(id(m) not in members[j] for c in consumers.get(id(m), ()) for j in containing[id(c)])
+            )
+        )
+        seen: set[int] = set()
+        inputs: list[Expr] = []
+        for m in g.nodes:
+            for s in m.srcs:
+                tensor = not graph.of(s).is_scalar and (s.op == "var" or not is_leaf(s, graph.info))
+                if tensor and id(s) not in members[i] and id(s) not in seen:
+                    seen.add(id(s))
+                    inputs.append(s)
+        done.append(
+            Group(g.shape, g.axes, g.nodes, g.roles, tuple(inputs), outputs, _pattern(g, graph)),
+        )
+    return Plan(_topo(done, homes), graph)
+
+
+def _pattern(g: Group, graph: Graph) -> str:
+    labels = {graph.origin[id(m)] for m in g.nodes if id(m) in graph.origin}
+    names = {REGISTRY[o].pattern for o in labels} | {REGISTRY[m.op].pattern for m in g.nodes}
+    if len(g.nodes) >= 2:
+        names.add("ElementwiseChain")
+    names.add("Single")
+    if g.is_row:
+        names.discard("Activation")
+    return next(p for p in PATTERN_PRIORITY if p in names)
+
+
+def _topo(groups: list[Group], homes: dict[int, int]) -> tuple[Group, ...]:
+    deps = [{homes[id(s)] for s in g.inputs if id(s) in homes} - {i} for i, g in enumerate(groups)]
+    order: list[int] = []
+    placed: set[int] = set()
+    pending = list(range(len(groups)))
+    while pending:
+        for i in pending:
+            if deps[i] <= placed:
+                order.append(i)
+                placed.add(i)
+                pending.remove(i)
+                break
+        else:  # pragma: no cover - the analyzer never builds a cycle
+            raise RuntimeError("fusion groups form a cycle")
+    return tuple(groups[i] for i in order)

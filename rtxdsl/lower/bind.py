@@ -1,0 +1,180 @@
+"""Binding: expressions + input metadata -> every node's dtype and shape (or python value).
+
+Dtypes and argument errors come from torch itself: each op's reference runs on a *probe*,
+a one-element CPU tensor with the node's dtype and rank (promotion depends only on dtype,
+category and rank, never on sizes). Shapes come from each op's declared shape rule
+(broadcasting by default). Meta tensors would give both at once, but their first use costs
+a second of lazy imports inside torch; probes keep a new process's first call fast.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..dtypes import SHORT_NAME, check_supported
+from ..errors import RtxError, ShapeError, UnsupportedDtypeError
+from ..expr import Expr
+from ..lru import LRU
+from ..ops import REGISTRY, OpKind, apply_ref, category
+
+
+@dataclass(frozen=True)
+class Info:
+    """What binding learnt about one node: shape and dtype, or a python scalar value."""
+
+    value: Any = None  # python scalar, for scalar-only nodes
+    shape: tuple[int, ...] = ()
+    dtype_: torch.dtype | None = None  # None: a python scalar
+    symbolic: bool = False  # a scalar known only at call time (a scalar input, or math on one)
+
+    @staticmethod
+    def tensor(shape: tuple[int, ...], dtype: torch.dtype) -> Info:
+        return Info(None, tuple(shape), dtype)
+
+    @staticmethod
+    def scalar_input(value: bool | int | float) -> Info:
+        """A python number given for a var: typed like a python scalar, its value an argument."""
+        return Info(value, (), None, True)
+
+    @property
+    def is_scalar(self) -> bool:
+        return self.dtype_ is None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        if self.dtype_ is not None:
+            return self.dtype_
+        v = self.value
+        if isinstance(v, bool):
+            return torch.bool
+        return torch.int64 if isinstance(v, int) else torch.float32
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.is_scalar else self.numel * self.dtype.itemsize
+
+    def like(self) -> Any:
+        """What the torch reference sees for this node: a probe, or the scalar."""
+        if self.dtype_ is None:
+            return self.value
+        return torch.ones((1,) * len(self.shape), dtype=self.dtype_)
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """Shape without data, for ops that read only sizes (``rcount``)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def describe(n: Expr) -> str:
+    return f"input {n.attr('name')!r}" if n.op == "var" else f"op {n.op!r}"
+
+
+def broadcast_shapes(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """torch's broadcasting rule (torch.broadcast_shapes imports sympy on first use: a second)."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for d, size in enumerate(s, ndim - len(s)):
+            if size != out[d] and size != 1:
+                if out[d] != 1:
+                    raise ShapeError(
+                        f"shapes {' and '.join(str(tuple(x)) for x in shapes)} do not broadcast "
+                        f"(size {out[d]} against {size} at dimension {d - ndim})"
+                    )
+                out[d] = size
+    return tuple(out)
+
+
+def _probe_dtype(n: Expr, srcs: list[Info]) -> Any:
+    """torch's result for ``n`` on probes: a dtype, or a python value when every operand is a scalar."""
+    opdef = REGISTRY[n.op]
+    try:
+        with warnings.catch_warnings():  # one-element probes make torch warn about e.g. var()'s dof
+            warnings.simplefilter("ignore")
+            out = apply_ref(opdef, [i.like() for i in srcs], n.attr_dict)
+    except (RuntimeError, TypeError, IndexError, ValueError) as exc:
+        if isinstance(exc, RtxError):
+            raise
+        msg = str(exc).splitlines()[0]
+        words = ("size", "shape", "dimension", "broadcast", "range")
+        kind = ShapeError if any(w in msg for w in words) else UnsupportedDtypeError
+        raise kind(f"op {n.op!r} in {n!r}: {msg}") from None
+    if not isinstance(out, torch.Tensor):
+        return ("value", out)
+    return out.dtype
+
+
+#: (op, attrs, operand dtypes and ranks) -> torch's answer on probes: a loop types each op once
+_PROBES: LRU[tuple, Any] = LRU(8192)
+
+
+def infer(n: Expr, srcs: list[Info]) -> Info:
+    """Type one node from its operands' infos."""
+    if n.op == "const":
+        return Info(n.attr("value"))
+    opdef = REGISTRY[n.op]
+    if opdef.kind is OpKind.SCALAR:
+        return Info(opdef.ref(*[Shaped(i.shape) for i in srcs], **n.attr_dict))
+    for k, (s, i) in enumerate(zip(n.srcs, srcs)):
+        if not i.is_scalar and category(i.dtype) not in opdef.accepts:
+            raise UnsupportedDtypeError(
+                f"op {n.op!r} does not accept {SHORT_NAME.get(i.dtype, i.dtype)} operands "
+                f"(operand {k}: {s!r}); it takes {', '.join(sorted(opdef.accepts))}"
+            )
+    if all(i.is_scalar for i in srcs) and srcs:
+        answer = _probe_dtype(n, srcs)
+    else:
+        key = (n.op, n.attrs, tuple(type(i.value) if i.is_scalar else (i.dtype, len(i.shape)) for i in srcs))
+        answer = _PROBES.get(key)
+        if answer is None:
+            answer = _probe_dtype(n, srcs)
+            _PROBES.put(key, answer)
+    if isinstance(answer, tuple):
+        return Info(answer[1], symbolic=any(i.symbolic for i in srcs))
+    check_supported(answer, f"the result of op {n.op!r}")
+    if category(answer) not in opdef.results:
+        raise UnsupportedDtypeError(
+            f"op {n.op!r} in {n!r} would give a {SHORT_NAME[answer]} result; "
+            f"rtxdsl computes it only for {', '.join(sorted(opdef.results))} results"
+        )
+    shapes = [i.shape for i in srcs if not i.is_scalar]
+    try:
+        shape = opdef.shape(shapes, **n.attr_dict) if opdef.shape is not None else broadcast_shapes(shapes)
+    except RtxError as exc:
+        raise type(exc)(f"op {n.op!r} in {n!r}: {exc}") from None
+    return Info.tensor(shape, answer)
+
+
+def infer_all(roots: list[Expr], info: dict[int, Info], keep: list[Expr]) -> None:
+    """Type every node reachable from ``roots`` that ``info`` does not know yet.
+
+    Known nodes are not descended into, so typing a new op over a large typed DAG costs only
+    the new nodes (the lazy stream records one op at a time). Typed nodes are appended to
+    ``keep``, which holds them alive while their ids key ``info``.
+    """
+    stack: list[tuple[Expr, bool]] = [(r, False) for r in roots]
+    while stack:
+        n, ready = stack.pop()
+        if id(n) in info:
+            continue
+        if ready:
+            info[id(n)] = infer(n, [info[id(s)] for s in n.srcs])
+            keep.append(n)
+            continue
+        stack.append((n, True))
+        stack.extend((s, False) for s in n.srcs if id(s) not in info)

@@ -1,0 +1,162 @@
+"""Expansion: a bound user graph -> a graph of primitives the analyzer and code generator read.
+
+* composites are replaced by their decompositions (cast back to torch's result dtype where
+  the decomposition computes in another), and their nodes remember the composite they came
+  from, which names the fusion pattern;
+* reductions carry their axes normalized (a sorted tuple); a reduction over no axes (a 0-dim
+  operand) is the operand itself, converted;
+* scalar-only subexpressions (constants, element counts) are folded into constants: their
+  values are kernel arguments like any constant;
+* an output that is an input is copied (an output is always a fresh tensor).
+
+The eager traffic model is charged on the user's graph: a composite costs what torch's own
+kernel for it costs, not its decomposition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from ..errors import RtxError
+from ..expr import Expr, node, walk
+from ..ops import REGISTRY, OpKind
+from ..ops.reduction import SINGLE
+from .bind import Info, infer_all
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A typed graph of primitive ops for one input signature (dtypes and shapes)."""
+
+    outputs: tuple[tuple[str, Expr], ...]  # output key -> primitive root
+    inputs: tuple[Expr, ...]  # the kernel's var nodes, in call order
+    nodes: tuple[Expr, ...]  # primitives reachable from the outputs, operands first
+    info: Mapping[int, Info]
+    origin: Mapping[int, str]  # node id -> composite op it came from
+    eager_launches: int
+    eager_bytes: int
+    keep: tuple[Expr, ...]  # every node whose id keys ``info``: kept alive with the graph
+
+    def of(self, n: Expr) -> Info:
+        return self.info[id(n)]
+
+
+def is_leaf(n: Expr, info: Mapping[int, Info]) -> bool:
+    """Loaded or passed, never computed by a fusion group: vars, constants, scalar-valued nodes
+    (math on scalar inputs is recomputed by each kernel that reads it)."""
+    return n.op in ("var", "const") or info[id(n)].is_scalar
+
+
+def is_tensor(n: Expr, info: Mapping[int, Info]) -> bool:
+    return not info[id(n)].is_scalar
+
+
+def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tuple[Info, ...]) -> Graph:
+    """Type ``outputs`` for inputs with ``metas`` (in ``inputs`` order) and lower them to primitives."""
+    info: dict[int, Info] = {id(v): m for v, m in zip(inputs, metas)}
+    keep: list[Expr] = list(inputs)
+    roots = [e for _, e in outputs]
+    infer_all(roots, info, keep)
+
+    eager_launches = eager_bytes = 0
+    for n in walk(roots):
+        opdef = REGISTRY[n.op]
+        me = info[id(n)]
+        if opdef.kind not in (OpKind.LEAF, OpKind.SCALAR) and not me.is_scalar:
+            eager_launches += opdef.eager_launches
+            if opdef.eager_launches:
+                eager_bytes += me.nbytes + sum(info[id(s)].nbytes for s in n.srcs)
+
+    memo: dict[int, Expr] = {}
+    origin: dict[int, str] = {}
+    _lower_all(roots, info, keep, memo, origin)
+    prim = [(k, _fold_scalars(memo[id(e)], info, keep, origin)) for k, e in outputs]
+    for k, p in prim:
+        if info[id(p)].symbolic:
+            raise RtxError(f"output {k!r} depends only on scalar inputs: compute it in python")
+    for i, (k, p) in enumerate(prim):
+        if p.op == "var":  # outputs that are leaves still need a kernel producing a fresh tensor
+            c = node("cast", p, dtype=info[id(p)].dtype)
+            infer_all([c], info, keep)
+            prim[i] = (k, c)
+    return Graph(
+        outputs=tuple(prim),
+        inputs=tuple(inputs),
+        nodes=tuple(walk([p for _, p in prim])),
+        info=MappingProxyType(info),
+        origin=MappingProxyType(origin),
+        eager_launches=eager_launches,
+        eager_bytes=eager_bytes,
+        keep=tuple(keep),
+    )
+
+
+def _lower_all(
+    roots: list[Expr], info: dict[int, Info], keep: list[Expr], memo: dict[int, Expr], origin: dict[int, str]
+) -> None:
+    """Fill ``memo`` (node id -> its primitive form) for every node reachable from ``roots``."""
+    for n in walk(roots):
+        if id(n) in memo:
+            continue
+        srcs = tuple(memo[id(s)] for s in n.srcs)
+        opdef = REGISTRY[n.op]
+        me = info[id(n)]
+        if opdef.kind is OpKind.COMPOSITE and not me.is_scalar:
+            start = len(keep)
+            d = opdef.decompose(*srcs, **n.attr_dict)
+            infer_all([d], info, keep)
+            _lower_all([d], info, keep, memo, origin)
+            p = memo[id(d)]
+            if info[id(p)].dtype != me.dtype:
+                p = _typed(node("cast", p, dtype=me.dtype), info, keep)
+            for m in keep[start:]:
+                origin.setdefault(id(m), n.op)
+        else:
+            attrs = n.attr_dict
+            if opdef.canonical is not None and not me.is_scalar:
+                attrs = opdef.canonical([info[id(x)].shape for x in srcs], **attrs)
+            if opdef.kind is OpKind.REDUCTION and not me.is_scalar and not attrs["axis"]:
+                # reducing a 0-dim tensor: the single element's reduction, converted
+                single = SINGLE.get(n.op)
+                p = _typed(single(srcs[0]), info, keep) if single is not None else srcs[0]
+                if info[id(p)].dtype != me.dtype:
+                    p = _typed(node("cast", p, dtype=me.dtype), info, keep)
+            elif all(a is b for a, b in zip(srcs, n.srcs)) and attrs == n.attr_dict:
+                p = n
+            else:
+                p = _typed(Expr(n.op, srcs, attrs), info, keep)
+        memo[id(n)] = p
+        memo[id(p)] = p
+
+
+def _typed(e: Expr, info: dict[int, Info], keep: list[Expr]) -> Expr:
+    infer_all([e], info, keep)
+    return e
+
+
+def _fold_scalars(root: Expr, info: dict[int, Info], keep: list[Expr], origin: dict[int, str]) -> Expr:
+    """Replace scalar-only subexpressions (constants, element counts) by constants of their value."""
+    memo: dict[int, Expr] = {}
+    for n in walk([root]):
+        i = info[id(n)]
+        if i.is_scalar and not i.symbolic and n.op != "const":
+            new = Expr("const", (), {"value": i.value})
+        else:
+            srcs = tuple(memo[id(s)] for s in n.srcs)
+            new = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
+        if id(new) not in info:
+            info[id(new)] = i
+            keep.append(new)
+        if id(n) in origin:
+            origin.setdefault(id(new), origin[id(n)])
+        memo[id(n)] = new
+    return memo[id(root)]
+
+
+def float_dtype_of(nodes: list[Expr], info: Mapping[int, Info]) -> torch.dtype:
+    """fp64 when any node computes in float64, else fp32: the kernel's float scalar type."""
+    return torch.float64 if any(info[id(n)].dtype is torch.float64 for n in nodes) else torch.float32

@@ -1,0 +1,392 @@
+"""Scheduling: a fusion group + the layouts of what it reads -> its KernelSpec and launch arguments.
+
+Each step is one function: the kernel body (nodes, deduplicated loads, scalar slots), every
+operand's strides over the group's domain, coalescing of dims all operands walk together,
+the int64-indexing choice, stride classes, argument packing, scalar encoding, and the launch
+configuration from the heuristics table of the kernel's family.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ..dtypes import compute_dtype
+from ..expr import Expr
+from ..ops import REGISTRY, DtypeRule, OpKind
+from .analyze import Group, Role
+from .expand import Graph, float_dtype_of
+from .spec import BCAST, STRIDED, UNIT, KernelSpec, LoadSpec, NodeSpec, OutSpec
+
+INT32_LIMIT = 2**31
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape and strides of a tensor a kernel reads or writes."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Sizes, strides and scalars in parameter order, the grid, and whether there is nothing to do.
+
+    ``scalar_inputs`` says which arguments come from the call: (argument position, input index, kind).
+    """
+
+    ints: tuple[int, ...]
+    scalars: tuple[Any, ...]
+    grid: tuple[int, ...]
+    empty: bool
+    scalar_inputs: tuple[tuple[int, int, str], ...] = ()
+
+
+# ---- launch configurations: one table per kernel family ---------------------------------------
+@dataclass(frozen=True)
+class Config:
+    block: int
+    rows_per_program: int
+    looped: bool
+    num_warps: int
+
+
+POINTWISE_BLOCK = 1024
+MAX_ROW_BLOCK = 16384  # longest row kept whole in registers
+LOOP_BLOCK = 4096  # block of a looped row
+ROW_TILE = 4096  # elements per program for short rows (several rows each)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _warps(tile: int) -> int:
+    return 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+
+
+def pointwise_config(numel: int) -> Config:
+    return Config(POINTWISE_BLOCK, 1, False, _warps(POINTWISE_BLOCK))
+
+
+def row_config(n_rows: int, n_cols: int) -> Config:
+    looped = n_cols > MAX_ROW_BLOCK
+    block = LOOP_BLOCK if looped else _pow2(max(n_cols, 1))
+    rows = 1 if looped else max(1, ROW_TILE // block)
+    return Config(block, rows, looped, _warps(block * rows))
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+def expand_strides(layout: Layout, target: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of ``layout`` broadcast to ``target`` (0 where broadcast)."""
+    pad = len(target) - len(layout.shape)
+    out = []
+    for d, size in enumerate(target):
+        sd = d - pad
+        if sd < 0 or (layout.shape[sd] == 1 and size != 1):
+            out.append(0)
+        else:
+            out.append(layout.strides[sd])
+    return tuple(out)
+
+
+def coalesce(sizes: list[int], strides: list[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dims and merge neighbours that every operand walks contiguously."""
+    keep = [d for d, s in enumerate(sizes) if s != 1]
+    if not keep and sizes:  # one element along these dims: keep the last so its classes match longer extents
+        keep = [len(sizes) - 1]
+    sz = [sizes[d] for d in keep]
+    st = [[s[d] for d in keep] for s in strides]
+    d = len(sz) - 2
+    while d >= 0:
+        if all(s[d] == s[d + 1] * sz[d + 1] for s in st):
+            sz[d] *= sz[d + 1]
+            for s in st:
+                s[d] = s[d + 1]
+                del s[d + 1]
+            del sz[d + 1]
+        d -= 1
+    if not sz:
+        sz, st = [1], [[0] for _ in st]
+    return sz, st
+
+
+def stride_class(stride: int) -> str:
+    return BCAST if stride == 0 else UNIT if stride == 1 else STRIDED
+
+
+# ---- the kernel body ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Body:
+    nodes: tuple[NodeSpec, ...]
+    index: Mapping[int, int]  # id(node) -> its position in ``nodes``
+    loads: tuple[tuple[int, Role, tuple[int, ...] | None], ...]  # (input index, role, unsqueezed axes)
+    slots: tuple[Expr, ...]  # constants and scalar inputs, passed as scalar arguments
+
+
+def body(group: Group, graph: Graph) -> Body:
+    """Node specs with operands as references; each (input, role, view) loaded once; constants and
+    scalar inputs as slots; math on scalar inputs computed in the kernel (role "scalar")."""
+    index: dict[int, int] = {}
+    inputs = {id(n): i for i, n in enumerate(group.inputs)}
+    slots: list[Expr] = []
+    loads: list[tuple[int, Role, tuple[int, ...] | None]] = []
+    specs: list[NodeSpec] = []
+
+    def ref(s: Expr, consumer_role: Role, view: tuple[int, ...] | None) -> tuple:
+        if id(s) in index:
+            return ("n", index[id(s)])
+        info = graph.of(s)
+        if info.is_scalar and s.op not in ("const", "var"):
+            srcs = tuple(ref(x, Role.FULL, None) for x in s.srcs)
+            return add(s, srcs, "scalar")
+        if info.is_scalar:
+            k = next((i for i, o in enumerate(slots) if o is s), None)
+            if k is None:
+                slots.append(s)
+                k = len(slots) - 1
+            return ("s", k)
+        key = (inputs[id(s)], consumer_role, view)
+        if key not in loads:
+            loads.append(key)
+        return ("l", loads.index(key))
+
+    def add(n: Expr, srcs: tuple, role: str) -> tuple:
+        specs.append(NodeSpec(n.op, n.attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role))
+        index[id(n)] = len(specs) - 1
+        return ("n", index[id(n)])
+
+    for n in group.nodes:
+        role = group.role(n)
+        kind = REGISTRY[n.op].kind
+        load_role = Role.FULL if kind is OpKind.REDUCTION else role
+        view = tuple(sorted(n.attr("axes"))) if kind is OpKind.MOVEMENT else None
+        add(n, tuple(ref(s, load_role, view) for s in n.srcs), role.value)
+    return Body(tuple(specs), MappingProxyType(index), tuple(loads), tuple(slots))
+
+
+def _compute_dtype(n: Expr, graph: Graph) -> torch.dtype:
+    """The dtype ``n``'s operands are computed in."""
+    rule = REGISTRY[n.op].rule
+    if rule is DtypeRule.CAST:
+        return compute_dtype(graph.of(n.srcs[0]).dtype)
+    if rule is DtypeRule.COMPARE:
+        a, b = (graph.of(s).like() for s in n.srcs)
+        if not isinstance(a, torch.Tensor):
+            a = torch.tensor(a)
+        return compute_dtype(torch.result_type(a, b))
+    return compute_dtype(graph.of(n).dtype)
+
+
+# ---- operands over the domain ----------------------------------------------------------------------
+def operand_strides(group: Group, graph: Graph, layouts: Mapping[int, Layout], b: Body) -> list[tuple[int, ...]]:
+    """Strides of every load and then every output over the group's domain (0 on reduced dims
+    for per-row operands, 0 where broadcast)."""
+    domain = group.shape
+
+    def over_domain(strides: tuple[int, ...], role: Role) -> tuple[int, ...]:
+        if role is Role.DROP:  # strides over drop_shape -> strides over domain (0 on reduced dims)
+            it = iter(strides)
+            return tuple(0 if d in group.axes else next(it) for d in range(len(domain)))
+        return strides
+
+    target = {Role.FULL: domain, Role.KEEP: group.keep_shape(), Role.DROP: group.drop_shape()}
+    out: list[tuple[int, ...]] = []
+    for j, role, view in b.loads:
+        lay = layouts[id(group.inputs[j])]
+        if view is not None:  # an unsqueezed operand: the same memory with size-1 dims inserted
+            shape, strides = list(lay.shape), list(lay.strides)
+            for ax in view:
+                shape.insert(ax, 1)
+                strides.insert(ax, 0)
+            lay = Layout(tuple(shape), tuple(strides), lay.dtype)
+        out.append(over_domain(expand_strides(lay, target[role]), role))
+    for o in group.outputs:
+        role = group.role(o)
+        if role is Role.KEEP:
+            out.append(over_domain(contiguous_strides(group.drop_shape()), Role.DROP))
+        else:
+            out.append(over_domain(contiguous_strides(graph.of(o).shape), role))
+    return out
+
+
+def _int64_needed(numel: int, sizes: list[list[int]], strides: list[list[list[int]]]) -> bool:
+    """Offsets reach 2**31 somewhere: the element count or the farthest element of an operand."""
+    reach = numel
+    for per_operand in zip(*strides):
+        far = sum(abs(st) * (sz - 1) for dims, szs in zip(per_operand, sizes) for st, sz in zip(dims, szs))
+        reach = max(reach, far)
+    return reach >= INT32_LIMIT
+
+
+def scalar_kind(v: Any, kernel_float: torch.dtype) -> str:
+    if isinstance(v, bool):
+        return "b"
+    if isinstance(v, int):
+        return "i"
+    return "f64" if kernel_float is torch.float64 else "f32"
+
+
+def encode_scalar(v: Any, kind: str) -> Any:
+    """A python number as the kernel argument of its kind: bools as ints, fp64 as its bits (exact)."""
+    if kind == "b":
+        return int(v)
+    if kind == "i":
+        return int(v)
+    if kind == "f64":
+        return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+    return float(v)
+
+
+def _scalar_args(slots: tuple[Expr, ...], graph: Graph, kernel_float: torch.dtype) -> tuple[list[str], list[Any]]:
+    """Constant values (and scalar inputs' placeholders) as kernel arguments."""
+    kinds = [scalar_kind(graph.of(s).value, kernel_float) for s in slots]
+    return kinds, [encode_scalar(graph.of(s).value, k) for s, k in zip(slots, kinds)]
+
+
+# ---- the whole spec ----------------------------------------------------------------------------------
+def kernel_spec(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -> tuple[KernelSpec, Launch]:
+    """Spec and launch arguments for ``group``; ``layouts`` maps id(input node) -> its tensor layout."""
+    b = body(group, graph)
+    strides = operand_strides(group, graph, layouts, b)
+    domain = group.shape
+    row_dims = [d for d in range(len(domain)) if d not in group.axes]
+    col_dims = list(group.axes)
+    row_sizes, row_strides = coalesce([domain[d] for d in row_dims], [tuple(s[d] for d in row_dims) for s in strides])
+    if group.is_row:
+        col_sizes, col_strides = coalesce(
+            [domain[d] for d in col_dims], [tuple(s[d] for d in col_dims) for s in strides]
+        )
+        n_rows, n_cols = math.prod(group.drop_shape()), math.prod(domain[d] for d in col_dims)
+    else:
+        col_sizes, col_strides = [], [[] for _ in strides]
+        n_rows, n_cols = math.prod(domain), 1
+    numel = n_rows * n_cols
+    big = _int64_needed(numel, [row_sizes, col_sizes], [row_strides, col_strides])
+
+    n_loads = len(b.loads)
+    classes = [
+        (tuple(stride_class(s) for s in r), tuple(stride_class(s) for s in c)) for r, c in zip(row_strides, col_strides)
+    ]
+    load_specs = tuple(LoadSpec(j, role.value, *classes[k]) for k, (j, role, _) in enumerate(b.loads))
+    if not group.is_row:  # pointwise outputs are contiguous over the domain: written at offs
+        classes[n_loads:] = [((), ())] * len(group.outputs)
+        row_strides, col_strides = row_strides[:n_loads], col_strides[:n_loads]
+    out_specs = tuple(
+        OutSpec(b.index[id(o)], graph.of(o).dtype, group.role(o).value, *classes[n_loads + k])
+        for k, o in enumerate(group.outputs)
+    )
+
+    ints: list[int] = []
+    if group.is_row:
+        ints += [n_rows, n_cols] + (row_sizes if len(row_sizes) > 1 else []) + (col_sizes if len(col_sizes) > 1 else [])
+    else:
+        ints += [numel] + (row_sizes if len(row_sizes) > 1 else [])
+    for r, c in zip(row_strides, col_strides):
+        ints += [s for s in r if stride_class(s) == STRIDED] + [s for s in c if stride_class(s) == STRIDED]
+
+    kinds, vals = _scalar_args(b.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
+    position = {id(v): i for i, v in enumerate(graph.inputs)}
+    scalar_inputs = tuple(
+        (len(ints) + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(b.slots, kinds)) if s.op == "var"
+    )
+    if group.is_row:
+        cfg = row_config(n_rows, n_cols)
+        grid = (max(1, -(-n_rows // cfg.rows_per_program)),)
+    else:
+        cfg = pointwise_config(numel)
+        grid = (max(1, -(-numel // cfg.block)),)
+    reductions = tuple(i for i, n in enumerate(b.nodes) if REGISTRY[n.op].kind is OpKind.REDUCTION)
+    spec = KernelSpec(
+        kind="row" if group.is_row else "pointwise",
+        in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
+        loads=load_specs,
+        nodes=b.nodes,
+        outputs=out_specs,
+        scalars=tuple(kinds),
+        reductions=reductions,
+        block=cfg.block,
+        rows_per_program=cfg.rows_per_program,
+        looped=cfg.looped,
+        big=big,
+        num_warps=cfg.num_warps,
+    )
+    return spec, Launch(tuple(ints), tuple(vals), grid, numel == 0, scalar_inputs)
+
+
+# ---- passes over the inputs (the honest traffic model) ---------------------------------------------
+def is_reshape(spec: KernelSpec, i: int) -> bool:
+    """A reduction of a per-row value (over size-1 dims) is the value itself, not a pass."""
+    node = spec.nodes[i]
+    if REGISTRY[node.op].kind is not OpKind.REDUCTION:
+        return False
+    kind, j = node.srcs[0]
+    role = spec.nodes[j].role if kind == "n" else spec.loads[j].role if kind == "l" else "const"
+    return role != "full"
+
+
+def levels(spec: KernelSpec) -> dict[int, int]:
+    """Reduction node -> its pass (1 + the passes of the reductions it depends on)."""
+    memo: dict[int, int] = {}
+
+    def depth(ref: tuple) -> int:
+        if ref[0] != "n":
+            return 0
+        i = ref[1]
+        if i not in memo:
+            d = max((depth(s) for s in spec.nodes[i].srcs), default=0)
+            is_pass = REGISTRY[spec.nodes[i].op].kind is OpKind.REDUCTION and not is_reshape(spec, i)
+            memo[i] = d + 1 if is_pass else d
+        return memo[i]
+
+    return {i: depth(("n", i)) for i in spec.reductions if not is_reshape(spec, i)}
+
+
+def input_reads(spec: KernelSpec) -> list[int]:
+    """How many times each input is read: once, or once per looped pass that loads it."""
+    if spec.kind != "row" or not spec.looped:
+        return [1] * len(spec.in_dtypes)
+    lv = levels(spec)
+    reads: list[set[Any]] = [set() for _ in spec.in_dtypes]
+
+    def mark(ref: tuple, scope: Any, seen: set) -> None:
+        if ref in seen:
+            return
+        seen.add(ref)
+        kind, i = ref
+        if kind == "l":
+            ld = spec.loads[i]
+            reads[ld.input].add(scope if ld.role == "full" else "top")
+        elif kind == "n":
+            if i in lv and lv[i] != scope:  # a finished reduction: a value on chip, read nothing
+                return
+            for s in spec.nodes[i].srcs:
+                mark(s, scope, seen)
+
+    for level in sorted(set(lv.values())):
+        for i in (i for i, v in lv.items() if v == level):
+            for s in spec.nodes[i].srcs:
+                mark(s, level, set())
+    for o in spec.outputs:
+        mark(("n", o.node), "out" if o.role == "full" else "top", set())
+    return [max(1, len(r)) for r in reads]

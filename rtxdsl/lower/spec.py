@@ -1,0 +1,119 @@
+"""The frozen result of lowering: :class:`KernelSpec` (what a kernel's source depends on) and
+:class:`Program` (every kernel of a call with its buffers and arguments).
+
+A spec holds structure, dtypes, stride classes and the launch-configuration bucket; sizes,
+strides and scalar values are launch arguments. Its repr is the structural signature: one
+compile serves every batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .analyze import Plan
+
+# stride classes of a (coalesced) dimension
+BCAST, UNIT, STRIDED = "0", "1", "s"
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    input: int
+    role: str  # "full" | "keep" | "drop"
+    rows: tuple[str, ...]  # stride class per coalesced row (or flat) dim
+    cols: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    op: str
+    attrs: tuple
+    srcs: tuple[tuple, ...]  # ("n", i) node, ("l", k) load, ("s", k) scalar slot
+    dtype: torch.dtype  # result dtype
+    cdt: torch.dtype  # operand compute dtype
+    role: str  # "full" | "keep" | "drop"
+
+
+@dataclass(frozen=True)
+class OutSpec:
+    node: int
+    dtype: torch.dtype
+    role: str
+    rows: tuple[str, ...]
+    cols: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    kind: str  # "pointwise" | "row"
+    in_dtypes: tuple[torch.dtype, ...]
+    loads: tuple[LoadSpec, ...]
+    nodes: tuple[NodeSpec, ...]
+    outputs: tuple[OutSpec, ...]
+    scalars: tuple[str, ...]  # "f32" | "f64" | "i" | "b"
+    reductions: tuple[int, ...]  # node indices of reductions (row kernels)
+    block: int
+    rows_per_program: int
+    looped: bool
+    big: bool  # int64 offsets
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A tensor a call allocates: an output or an intermediate another kernel reads."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One launch of a :class:`Program`, with everything but the tensors precomputed."""
+
+    spec: KernelSpec
+    summary: str  # "Pattern: op, op, ..."
+    grid: tuple[int, ...]
+    buffers: tuple[int, ...]  # slots (inputs first, then allocated buffers) in parameter order
+    args: tuple[Any, ...]  # sizes, strides, scalar values
+    meta: tuple[tuple[str, int], ...]  # constexprs and launch options
+    ops: int
+    bytes: int  # traffic model: every pass over each input, each output once
+    passes: int  # reads of the most-read input (1: on chip, 2: looped statistics + output)
+    empty: bool  # a zero-size domain: nothing to launch
+    scalar_inputs: tuple[tuple[int, int, str], ...] = ()  # (position in args, input index, kind)
+
+
+@dataclass(frozen=True)
+class Program:
+    """Everything a call with one input layout runs: buffers to allocate, kernels, results."""
+
+    n_inputs: int
+    buffers: tuple[Buffer, ...]  # slot n_inputs + i
+    kernels: tuple[KernelCall, ...]
+    outputs: tuple[tuple[str, int | None], ...]  # output key -> buffer slot (None: a scalar value)
+    scalar_outputs: Mapping[str, tuple[Any, torch.dtype]]
+    eager_launches: int
+    eager_bytes: int
+    minimum_bytes: int
+    plan: Plan  # the fusion groups, for explain() and the autograd pass
+
+    @property
+    def launched(self) -> tuple[KernelCall, ...]:
+        return tuple(k for k in self.kernels if not k.empty)
+
+    @property
+    def kernels_launched(self) -> int:
+        return len(self.launched)
+
+    @property
+    def fused(self) -> int:
+        return sum(1 for k in self.launched if k.ops >= 2)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(k.bytes for k in self.launched)

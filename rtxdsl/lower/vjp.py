@@ -1,0 +1,150 @@
+"""The VJP pass: a primitive graph -> forward and backward expressions, lowered like any other.
+
+* The forward computes the outputs plus every reduction the backward reads (max, logsumexp,
+  mean, m2...): row statistics are saved, in the compute dtype (fp32 for half inputs, so a
+  row whose sum overflows fp16 still has finite statistics), not recomputed.
+* The backward computes each needed input gradient from the forward's inputs, those
+  statistics and the output cotangents (``_g<k>``). Cheap elementwise values are recomputed
+  inside it, not saved; broadcast operands get their gradient summed back to their shape.
+
+Derivative rules live with each op's declaration (``OpDef.derivative``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import compute_dtype
+from ..errors import RtxError
+from ..expr import Expr, node, walk
+from ..ops import REGISTRY, OpKind
+from ..ops.helpers import D
+from .bind import Info, infer_all
+from .expand import Graph, is_leaf
+
+#: names of the backward's extra inputs and outputs (user inputs may not use them)
+COTANGENT, SAVED, GRADIENT = "_g", "_s", "_d"
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """Expressions of a differentiated graph."""
+
+    forward: tuple[tuple[str, Expr], ...]  # user outputs, then saved statistics
+    backward: tuple[tuple[str, Expr], ...]  # one gradient per input that needs it
+    user_keys: tuple[str, ...]
+    saved_keys: tuple[str, ...]
+    grad_of: tuple[tuple[str, str], ...]  # input name -> backward output key
+    float_outputs: tuple[bool, ...]  # which user outputs carry a gradient
+
+
+def sum_to(c: Expr, have: tuple[int, ...], want: tuple[int, ...]) -> Expr:
+    """Sum a cotangent over the dims its operand was broadcast along.
+
+    A cotangent smaller than its operand (it broadcasts to it) is left as it is: it is expanded
+    on the host, for free, when handed back to autograd.
+    """
+    if len(have) < len(want):
+        have = (1,) * (len(want) - len(have)) + tuple(have)
+    lead = len(have) - len(want)
+    keep = tuple(lead + i for i, s in enumerate(want) if s == 1 and have[lead + i] != 1)
+    if keep:
+        c = node("sum", c, axis=keep, keepdim=True)
+    if lead:
+        c = node("sum", c, axis=tuple(range(lead)), keepdim=False)
+    return c
+
+
+def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple[bool, ...]) -> Gradients:
+    """Gradients of ``graph`` (lowered from ``user``) with respect to the inputs flagged in ``needs``."""
+    info: dict[int, Info] = dict(graph.info)
+    keep: list[Expr] = []  # new nodes, alive while their ids key ``info``
+    grads: dict[int, Expr] = {}
+    floats = []
+
+    def typed(e: Expr) -> Info:
+        infer_all([e], info, keep)
+        return info[id(e)]
+
+    def accumulate(target: Expr, c: Expr) -> None:
+        grads[id(target)] = c if id(target) not in grads else node("add", grads[id(target)], c)
+
+    for k, (_, root) in enumerate(graph.outputs):
+        ri = graph.of(root)
+        floats.append(not ri.is_scalar and ri.dtype.is_floating_point)
+        if floats[-1]:
+            g = Expr("var", (), {"name": f"{COTANGENT}{k}", "dtype": None})
+            info[id(g)] = Info.tensor(ri.shape, ri.dtype)
+            keep.append(g)
+            accumulate(root, g)
+
+    for n in reversed(graph.nodes):
+        g = grads.get(id(n))
+        if g is None or is_leaf(n, graph.info):
+            continue
+        opdef = REGISTRY[n.op]
+        if opdef.derivative is None:
+            raise RtxError(f"op {n.op!r} has no derivative rule")
+        y = n
+        if opdef.kind is OpKind.REDUCTION and not n.attr("keepdim"):
+            axes = n.attr("axis")
+            g, y = node("unsqueeze", g, axes=axes), node("unsqueeze", n, axes=axes)
+        rule_in = D(
+            n,
+            g,
+            y,
+            g_ndim=len(typed(g).shape),
+            n_ndim=len(info[id(n)].shape),
+            src_shapes=tuple(info[id(s)].shape for s in n.srcs),
+        )
+        for s, c in zip(n.srcs, opdef.derivative(rule_in)):
+            si = info[id(s)]
+            if c is None or si.is_scalar or not si.dtype.is_floating_point:
+                continue
+            accumulate(s, sum_to(c, typed(c).shape, si.shape))
+
+    reductions = [n for n in graph.nodes if REGISTRY[n.op].kind is OpKind.REDUCTION]
+    saved = {id(r): Expr("var", (), {"name": f"{SAVED}{k}", "dtype": None}) for k, r in enumerate(reductions)}
+    backward: list[tuple[str, Expr]] = []
+    grad_of: list[tuple[str, str]] = []
+    for v, need in zip(graph.inputs, needs):
+        if not need or id(v) not in grads:
+            continue
+        e = grads[id(v)]
+        if typed(e).dtype != graph.of(v).dtype:
+            e = node("cast", e, dtype=graph.of(v).dtype)
+        key = f"{GRADIENT}{len(backward)}"
+        grad_of.append((v.attr("name"), key))
+        backward.append((key, _substitute(e, saved)))
+    if not backward:
+        raise RtxError("no input that requires grad reaches a floating-point output")
+    used = {id(n) for _, e in backward for n in walk([e])}
+    forward = list(user)
+    saved_keys = []
+    for k, r in enumerate(reductions):
+        if id(saved[id(r)]) in used:
+            dt = graph.of(r).dtype
+            stat = r if compute_dtype(dt) == dt else node("cast", r, dtype=compute_dtype(dt))
+            forward.append((f"{SAVED}{k}", stat))
+            saved_keys.append(f"{SAVED}{k}")
+    return Gradients(
+        forward=tuple(forward),
+        backward=tuple(backward),
+        user_keys=tuple(k for k, _ in user),
+        saved_keys=tuple(saved_keys),
+        grad_of=tuple(grad_of),
+        float_outputs=tuple(floats),
+    )
+
+
+def _substitute(e: Expr, repl: dict[int, Expr]) -> Expr:
+    memo: dict[int, Expr] = {}
+    for n in walk([e]):
+        if id(n) in repl:
+            memo[id(n)] = repl[id(n)]
+        elif n.srcs:
+            srcs = tuple(memo[id(s)] for s in n.srcs)
+            memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
+        else:
+            memo[id(n)] = n
+    return memo[id(e)]

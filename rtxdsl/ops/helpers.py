@@ -1,0 +1,127 @@
+"""What op declarations share: DSL-function factories, argument checks, torch name lookup and
+the input of derivative rules. Nothing here names a particular op."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import RtxError
+from ..expr import Expr, Scalar, node
+
+ExprLike = Expr | Scalar
+
+
+def torch_fns(*names: str) -> list[Any]:
+    """``torch.NAME``, ``torch.Tensor.NAME`` and ``F.NAME`` for every one that exists."""
+    out = []
+    for n in names:
+        for ns in (torch, torch.Tensor, F):
+            fn = getattr(ns, n, None)
+            if fn is not None and fn not in out:
+                out.append(fn)
+    return out
+
+
+def _doc(fn: Callable[..., Any], name: str, text: str, example: str, shown: str) -> Callable[..., Any]:
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"{text}\n\nExample:\n    >>> import rtxdsl as rx\n    >>> {example}\n    {shown}\n"
+    return fn
+
+
+def unary_fn(op: str, text: str) -> Callable[[ExprLike], Expr]:
+    def fn(x: ExprLike) -> Expr:
+        return node(op, x)
+
+    return _doc(fn, op, text, f"rx.{op}(rx.var('x'))", f"{op}(x)")
+
+
+def binary_fn(op: str, text: str, shown: str | None = None) -> Callable[[ExprLike, ExprLike], Expr]:
+    def fn(a: ExprLike, b: ExprLike) -> Expr:
+        return node(op, a, b)
+
+    return _doc(fn, op, text, f"rx.{op}(rx.var('a'), rx.var('b'))", shown or f"{op}(a, b)")
+
+
+def scalar_arg(v: Any, op: str, name: str) -> float:
+    """A python number given for a scalar parameter (bools are not numbers here)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise RtxError(f"{op}: {name} must be a python number, got {v!r}")
+    return float(v)
+
+
+def axis_arg(axis: Any, dim: Any, op: str) -> int | tuple[int, ...] | None:
+    """``axis`` (or torch's ``dim``): None, an int or a tuple of ints; ``()`` means all, as in torch."""
+    if dim is not None:
+        if axis is not None:
+            raise RtxError(f"{op}: give axis or dim, not both")
+        axis = dim
+    if axis is None:
+        return None
+    if isinstance(axis, bool) or not isinstance(axis, (int, tuple, list)):
+        raise RtxError(f"{op}: axis must be None, an int or a tuple of ints, got {axis!r}")
+    if isinstance(axis, (tuple, list)):
+        if not all(isinstance(a, int) and not isinstance(a, bool) for a in axis):
+            raise RtxError(f"{op}: axis must be a tuple of ints, got {axis!r}")
+        return tuple(axis) if axis else None
+    return axis
+
+
+def int_axis(axis: Any, dim: Any, op: str) -> int:
+    a = axis_arg(axis if dim is None else None, dim, op)
+    if not isinstance(a, int):
+        raise RtxError(f"{op}: axis must be an int, got {a!r}")
+    return a
+
+
+def reduction_fn(op: str, text: str) -> Callable[..., Expr]:
+    def fn(x: ExprLike, axis: Any = None, keepdim: bool = False, *, dim: Any = None) -> Expr:
+        return node(op, x, axis=axis_arg(axis, dim, op), keepdim=bool(keepdim))
+
+    return _doc(
+        fn,
+        op,
+        f"{text} over ``axis`` (None or (): all), keeping reduced dims as size 1 if ``keepdim``.",
+        f"rx.{op}(rx.var('x'), axis=-1)",
+        f"{op}(x, axis=-1, keepdim=False)",
+    )
+
+
+@dataclass(frozen=True)
+class D:
+    """The input of a derivative rule.
+
+    ``n`` is the forward node (operands ``a``, ``b``, ``srcs``), ``g`` the cotangent of its
+    result and ``y`` the result itself — for reductions both in keepdim form, so they
+    broadcast against the operand. ``g_ndim`` / ``n_ndim`` are the ranks of ``g`` and of the
+    result. A rule returns one cotangent per operand (None where there is none); broadcast
+    operands are summed back to their shape by the VJP pass, not by the rule.
+    """
+
+    n: Expr
+    g: Expr
+    y: Expr
+    g_ndim: int = -1
+    n_ndim: int = -1
+    src_shapes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def a(self) -> Expr:
+        return self.n.srcs[0]
+
+    @property
+    def b(self) -> Expr:
+        return self.n.srcs[1]
+
+    @property
+    def srcs(self) -> tuple[Expr, ...]:
+        return self.n.srcs
+
+
+def no_grad(d: D) -> tuple[None, ...]:
+    """Comparisons, logic, detach: no operand receives a gradient."""
+    return tuple(None for _ in d.n.srcs)

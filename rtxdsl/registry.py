@@ -1,0 +1,242 @@
+"""The op table: :class:`OpDef`, the :class:`Registry` and what an emitter sees.
+
+This module is the bottom of the pipeline (expressions, lowering and every front end read
+it; it reads nothing of theirs). An op is declared once (``rtxdsl/ops/*.py``) as an
+:class:`OpDef`: its torch reference (the oracle and torch's own dtype and argument rules),
+its kernel lowering (an emitter, a
+reduction state, a movement rule or a decomposition), its derivative, how many kernels
+eager torch launches for it, and how users reach it — public function names, ``Expr``
+methods and operators, the torch functions the lazy stream records as it, and whether
+``rx.parse`` knows it. Every front end reads this table; nothing else switches on op names.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class OpKind(enum.Enum):
+    LEAF = "leaf"  # var, const: no computation
+    SCALAR = "scalar"  # a per-call scalar derived from shapes (reduced element count)
+    ELEMENTWISE = "elementwise"
+    REDUCTION = "reduction"
+    MOVEMENT = "movement"  # re-indexes its first operand; evaluated inside the consuming kernel
+    COMPOSITE = "composite"  # defined by a decomposition into other ops
+
+
+class DtypeRule(enum.Enum):
+    """How an op's operands are typed inside a kernel."""
+
+    PROMOTE = "promote"  # operands cast to the compute dtype of the result
+    COMPARE = "compare"  # operands cast to their common compute dtype; result is bool
+    WHERE = "where"  # first operand is a bool condition; the rest as PROMOTE
+    CAST = "cast"  # the operand keeps its own dtype; the emitter converts
+    KEEP = "keep"  # movement: the data operand keeps its dtype, index operands stay integers
+
+
+class Unsupported(Exception):
+    """Raised by a torch-function builder: these arguments have no fused form (run eagerly)."""
+
+
+@dataclass(frozen=True)
+class EmitCtx:
+    """What an emitter may ask about the node it is emitting.
+
+    ``dtype`` is the torch compute dtype of the operands (after the rule's casts), ``out``
+    the node's result dtype, ``attrs`` its attributes, and ``tmp`` binds a sub-expression
+    to a fresh local so an emitter can use it twice.
+    """
+
+    dtype: torch.dtype
+    out: torch.dtype
+    attrs: dict[str, Any]
+    tmp: Callable[[str], str]
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point
+
+    @property
+    def is_bool(self) -> bool:
+        return self.dtype is torch.bool
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """A reduction as a mergeable per-row *state* (source text), so a row can be reduced whole
+    in registers, in a loop over blocks, or split across programs and combined later.
+
+    ``lift`` gives one element's state, ``tile`` reduces the states of a ``[ROWS, BLOCK]``
+    tile along axis 1 to ``[ROWS, 1]`` states, ``merge`` combines two row states (the
+    loop's running state and a block's, or partial results of a split row), and ``value``
+    reads the result off a state. Masked lanes hold ``identity``. ``single`` is the reduction
+    of one element (a per-row value reduced over its size-1 dims). With ``lanes`` a looped row
+    keeps one state per lane and reduces the tile once at the end (cheap merges: sum, max);
+    otherwise each block is reduced and merged into one state per row (logsumexp, Welford).
+    """
+
+    state: tuple[str, ...]  # component names, e.g. ("acc",), ("m", "s"), ("n", "mean", "m2")
+    identity: Callable[[torch.dtype], tuple[str, ...]]
+    lift: Callable[[EmitCtx, str], tuple[str, ...]]
+    tile: Callable[[EmitCtx, tuple[str, ...]], tuple[str, ...]]
+    merge: Callable[[EmitCtx, tuple[str, ...], tuple[str, ...]], tuple[str, ...]]
+    value: Callable[[EmitCtx, tuple[str, ...]], str]
+    single: Callable[[EmitCtx, str], str]
+    lanes: bool = False
+
+
+#: categories an op accepts for its tensor operands
+FLOAT, INT, BOOL = "float", "int", "bool"
+ANY = frozenset({FLOAT, INT, BOOL})
+NUMERIC = frozenset({FLOAT, INT})
+INTEGRAL = frozenset({INT, BOOL})
+FLOATING = frozenset({FLOAT})
+
+
+def category(dtype: torch.dtype) -> str:
+    if dtype is torch.bool:
+        return BOOL
+    return FLOAT if dtype.is_floating_point else INT
+
+
+@dataclass(frozen=True)
+class Front:
+    """How users reach an op: the DSL function and the names, methods, operators and torch
+    functions that lead to it. An op with no ``fn`` is internal (built by other ops only)."""
+
+    fn: Callable[..., Any] | None = None
+    #: public names (``rx.<name>``, ``rx.parse``); empty: the op's own name when ``fn`` is set
+    names: tuple[str, ...] = ()
+    #: ``Expr`` method name -> adapter ``(self, *args, **kwargs)``, or None to call ``fn(self, ...)``
+    methods: dict[str, Callable[..., Any] | None] = field(default_factory=dict)
+    #: Python operator dunders on ``Expr``; ``__rX__`` calls ``fn(other, self)``
+    operators: tuple[str, ...] = ()
+    #: torch callables (functions, Tensor methods, F.*) -> builder taking torch's arguments,
+    #: with tensors already turned into expressions; a builder raises Unsupported to decline
+    torch: dict[Any, Callable[..., Any]] = field(default_factory=dict)
+    #: in-place torch methods (``Tensor.add_``) whose out-of-place value this op computes
+    inplace: tuple[Any, ...] = ()
+    parse: bool = True
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    kind: OpKind
+    #: operand count; None: any number (``cat``)
+    arity: int | None
+    ref: Callable[..., Any]
+    eager_launches: int
+    rule: DtypeRule = DtypeRule.PROMOTE
+    accepts: frozenset[str] = ANY
+    #: categories the op may produce (pow has no integer-to-float rule of its own)
+    results: frozenset[str] = ANY
+    emit: Callable[..., str] | None = None
+    reduce: ReduceSpec | None = None
+    decompose: Callable[..., Any] | None = None
+    #: result shape from operand shapes and attributes; None: broadcasting
+    shape: Callable[..., tuple[int, ...]] | None = None
+    #: attributes in canonical form, from operand shapes (normalized axes): (shapes, **attrs) -> attrs
+    canonical: Callable[..., dict[str, Any]] | None = None
+    #: derivative rule (see ops/helpers.D); None: not differentiable yet
+    derivative: Callable[..., Any] | None = None
+    #: FusionPattern a group containing this op is labelled with
+    pattern: str | None = None
+    #: infix operator for printing (``+``) and its precedence
+    symbol: str | None = None
+    precedence: int = 10
+    front: Front = field(default_factory=Front)
+    doc: str = ""
+
+    @property
+    def public(self) -> tuple[str, ...]:
+        if self.front.names:
+            return self.front.names
+        return (self.name,) if self.front.fn is not None else ()
+
+
+class Registry:
+    """Every op by name, plus the indices the front ends read (kept in step by :meth:`register`)."""
+
+    def __init__(self) -> None:
+        self.ops: dict[str, OpDef] = {}
+        self.functions: dict[str, Callable[..., Any]] = {}  # public name -> DSL function
+        self.named: dict[str, OpDef] = {}  # public name -> op
+        self.methods: dict[str, tuple[OpDef, Callable[..., Any] | None]] = {}
+        self.operators: dict[str, OpDef] = {}
+        self.torch: dict[Any, tuple[OpDef, Callable[..., Any]]] = {}
+        self.inplace: dict[Any, OpDef] = {}
+
+    def register(self, op: OpDef) -> OpDef:
+        if op.name in self.ops:
+            raise RuntimeError(f"op {op.name!r} declared twice")
+        fr = op.front
+        for table, keys in (
+            (self.functions, op.public),
+            (self.methods, fr.methods),
+            (self.operators, fr.operators),
+            (self.torch, fr.torch),
+            (self.inplace, fr.inplace),
+        ):
+            clash = [k for k in keys if k in table]
+            if clash:
+                raise RuntimeError(f"op {op.name!r}: {clash[0]!r} already belongs to another op")
+        self.ops[op.name] = op
+        for name in op.public:
+            assert fr.fn is not None, f"op {op.name!r} has public names but no function"
+            self.functions[name] = fr.fn
+            self.named[name] = op
+        for m, adapter in fr.methods.items():
+            self.methods[m] = (op, adapter)
+        for d in fr.operators:
+            self.operators[d] = op
+        for t, builder in fr.torch.items():
+            self.torch[t] = (op, builder)
+        for t in fr.inplace:
+            self.inplace[t] = op
+        return op
+
+    def unregister(self, name: str) -> None:
+        """Remove an op and every index entry it owns (tests declaring temporary ops)."""
+        op = self.ops.pop(name)
+        for table in (self.named, self.methods, self.operators, self.torch, self.inplace):
+            for k in [k for k, v in table.items() if v is op or (isinstance(v, tuple) and v[0] is op)]:
+                del table[k]
+        for k in op.public:
+            self.functions.pop(k, None)
+
+    def __getitem__(self, name: str) -> OpDef:
+        return self.ops[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.ops
+
+    def get(self, name: str) -> OpDef | None:
+        return self.ops.get(name)
+
+    def values(self) -> list[OpDef]:
+        return list(self.ops.values())
+
+
+REGISTRY = Registry()
+register = REGISTRY.register
+
+
+def as_tensors(*vals: Any) -> list[Any]:
+    """Python scalars as 0-dim tensors beside the tensors among ``vals`` (same promotion)."""
+    like = next((v for v in vals if isinstance(v, torch.Tensor)), None)
+    device = like.device if like is not None else "cpu"
+    return [v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device) for v in vals]
+
+
+def apply_ref(op: OpDef, vals: list[Any], attrs: dict[str, Any]) -> Any:
+    """Run ``op``'s torch reference; all-scalar operands give a python scalar, as python would."""
+    if op.kind is not OpKind.SCALAR and not any(isinstance(v, torch.Tensor) for v in vals):
+        out = op.ref(*[torch.tensor(v) for v in vals], **attrs)
+        return out.item() if isinstance(out, torch.Tensor) else out
+    return op.ref(*vals, **attrs)
