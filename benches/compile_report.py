@@ -27,8 +27,9 @@ import torch  # noqa: E402
 
 import rtxdsl as rx  # noqa: E402
 from benches.common import machine, markdown, save  # noqa: E402
+from rtxdsl.build import prepare  # noqa: E402
 from rtxdsl.cache import GLOBAL_CACHE  # noqa: E402
-from rtxdsl.codegen.ptx import compile_step  # noqa: E402
+from rtxdsl.codegen.ptx import compile_call  # noqa: E402
 from rtxdsl.workloads import BY_NAME, WORKLOADS  # noqa: E402
 
 ROWS, HIDDEN = 64, 4096
@@ -39,15 +40,14 @@ def one(name: str, cache_dir: str) -> list[dict]:
     cfg = rx.FusionConfig(cache_dir=cache_dir)
     k = rx.compile(w.expr(), config=cfg)
     ins = w.inputs(ROWS, HIDDEN, w.dtype, torch.device("cpu"), torch.Generator().manual_seed(0))
-    tensors = tuple(ins[n] for n in k.inputs)
     GLOBAL_CACHE.clear(reset_stats=False)
     start = time.perf_counter()
-    launch = k._prepare(tensors, cfg, None, lower=True)  # bind, analyze, generate, write, import
+    program, compiled = prepare(k, ins)  # bind, analyze, generate, write, import
     ours = time.perf_counter() - start
-    bufs = list(tensors) + [torch.empty(shape, dtype=dtype) for _, shape, dtype in launch.allocs]
+    bufs = [ins[n] for n in k.inputs] + [torch.empty(b.shape, dtype=b.dtype) for b in program.buffers]
     rows = []
-    for i, st in enumerate(launch.steps):
-        facts = compile_step(st, [bufs[j] for j in st.bufs])
+    for i, (c, call) in enumerate(zip(compiled, program.kernels)):
+        facts = compile_call(c.jit, call, [bufs[j] for j in call.buffers])
         rows.append(
             {
                 "workload": name,

@@ -79,6 +79,43 @@ def _dropout_eval(a: Any, p: float = 0.5, training: bool = True, inplace: bool =
 IDENTITY: dict[Any, Callable[..., Any]] = {F.dropout: _dropout_eval, torch.dropout: _dropout_eval}
 
 
+# ---- tensors with pending in-place writes -------------------------------------------------------
+#: Tensor attributes that read metadata, not data: a guarded tensor answers them without a flush
+METADATA = {
+    "shape", "dtype", "device", "size", "dim", "ndim", "stride", "is_contiguous", "numel", "requires_grad",
+    "data_ptr", "untyped_storage", "element_size", "layout", "is_cuda", "grad_fn", "is_leaf", "names", "__len__",
+    "_base", "_version",
+}  # fmt: skip
+_GUARDED: dict[type, type] = {}  # plain class -> its guarded subclass
+
+
+def _guarded_class(base: type) -> type:
+    """A subclass of ``base`` whose every torch call on a tensor flushes that tensor's pending writes."""
+    cls = _GUARDED.get(base)
+    if cls is None:
+
+        def __torch_function__(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            name = getattr(func, "__name__", "")
+            if name == "__get__":  # a property (t.shape): the descriptor's name
+                name = getattr(getattr(func, "__self__", None), "__name__", name)
+            if name not in METADATA:
+                for t in _tensors_and_lazies((args, kwargs or {})):
+                    stream = _PENDING_HOMES.get(id(t))
+                    if stream is not None:
+                        stream.flush(f"torch.{name} on a tensor with a pending in-place write")
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+        cls = _GUARDED[base] = type(
+            f"Pending{base.__name__}", (base,), {"__torch_function__": classmethod(__torch_function__)}
+        )
+    return cls
+
+
+#: id(tensor) -> the stream whose pending in-place write will land in it
+_PENDING_HOMES: dict[int, OperationStream] = {}
+
+
 # ---- the stream ---------------------------------------------------------------------------
 class OperationStream:
     """Pending expressions of one device, the leaves they read, and the flush that runs them."""
@@ -94,13 +131,16 @@ class OperationStream:
         self.homes: dict[int, tuple[torch.Tensor, list[LazyTensor]]] = {}
         self.queued = 0
         self.epoch = 0  # flushes so far: a conversion that straddles one is redone
+        self.guarded: list[tuple[torch.Tensor, type]] = []  # tensors guarded while writes are pending
 
     # leaves and recording
     def leaf(self, t: torch.Tensor) -> Expr:
         home = self.homes.get(id(t))
         if home is not None and home[0] is t:  # t has a pending in-place value: read that
             return home[1][-1]._expr  # type: ignore[return-value]
-        if self.homes and any(_overlaps(t, h) for h, _ in self.homes.values()):
+        with torch._C.DisableTorchFunctionSubclass():
+            aliased = self.overlaps_pending_write([t])
+        if aliased:
             self.flush("read of a tensor aliased by a pending in-place write")
         hit = self.leaves.get(id(t))
         if hit is not None and hit[0] is t:
@@ -127,14 +167,38 @@ class OperationStream:
         return hit is not None and hit[0] is t
 
     def write_home(self, home: torch.Tensor, writer: LazyTensor) -> None:
-        """``writer``'s pending value is ``home``'s new content (an in-place op)."""
+        """``writer``'s pending value is ``home``'s new content (an in-place op).
+
+        Until the flush, ``home``'s class is a guarded subclass: a torch call that reads or
+        writes it directly (not through the stream) flushes first, so it never sees stale data.
+        """
         entry = self.homes.setdefault(id(home), (home, []))
         if any(w is writer for w in entry[1]):  # keep program order: the latest write last
             entry[1].remove(writer)
         entry[1].append(writer)
+        if type(home) not in (torch.Tensor, torch.nn.Parameter, *_GUARDED.values()):
+            self.flush(f"in-place write to a {type(home).__name__}")  # a subclass of its own: write now
+            return
+        with torch._C.DisableTorchFunctionSubclass():
+            base = home._base
+        for t in (home, base):  # the tensor written and, for a view, the tensor it views
+            if t is not None and id(t) not in _PENDING_HOMES and type(t) in (torch.Tensor, torch.nn.Parameter):
+                _PENDING_HOMES[id(t)] = self
+                self.guarded.append((t, type(t)))
+                t.__class__ = _guarded_class(type(t))
+
+    def _unguard(self) -> None:
+        for t, cls in self.guarded:
+            t.__class__ = cls
+            _PENDING_HOMES.pop(id(t), None)
+        self.guarded.clear()
+
+    def overlaps_pending_write(self, tensors: list[torch.Tensor]) -> bool:
+        return bool(self.homes) and any(_overlaps(t, h) for t in tensors for h, _ in self.homes.values())
 
     # flushing
     def flush(self, reason: str) -> None:
+        self._unguard()
         writers = [w for _, ws in self.homes.values() for w in ws]
         held = [lt for lt in (r() for r in self.holders) if lt is not None]
         live = list({id(lt): lt for lt in held + writers if lt._expr is not None}.values())
@@ -272,8 +336,15 @@ class Fusion:
         return kernel, args
 
     def _eager(self, func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
-        """A sync point: materialize lazy arguments, run ``func`` eagerly, wrap tensor results."""
+        """A sync point: materialize lazy arguments, land pending writes they alias, run ``func``
+        eagerly, wrap tensor results."""
         real_args, real_kwargs = _materialize_all(args, kwargs, reason)
+        reals = [t for t in _tensors((real_args, real_kwargs))]
+        for s in self._streams.values():
+            with torch._C.DisableTorchFunctionSubclass():
+                aliased = s.overlaps_pending_write(reals)
+            if aliased:
+                s.flush(f"{reason}: it reads a tensor with a pending in-place write")
         out = func(*real_args, **real_kwargs)
         nbytes = sum(t.numel() * t.element_size() for t in _tensors((real_args, real_kwargs, out)))
         self._stats.record(1, 0, 1, nbytes, nbytes)

@@ -48,14 +48,16 @@ class EmitCtx:
     """What an emitter may ask about the node it is emitting.
 
     ``dtype`` is the torch compute dtype of the operands (after the rule's casts), ``out``
-    the node's result dtype, ``attrs`` its attributes, and ``tmp`` binds a sub-expression
-    to a fresh local so an emitter can use it twice.
+    the node's result dtype, ``attrs`` its attributes, ``tmp`` binds a sub-expression to a
+    fresh local so an emitter can use it twice, and ``helper(name, source)`` adds a
+    module-level ``@triton.jit`` function (loops an expression cannot hold) and returns its name.
     """
 
     dtype: torch.dtype
     out: torch.dtype
     attrs: dict[str, Any]
     tmp: Callable[[str], str]
+    helper: Callable[[str, str], str]
 
     @property
     def is_float(self) -> bool:

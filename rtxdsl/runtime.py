@@ -35,7 +35,7 @@ from .errors import (
     UnknownInputError,
 )
 from .expr import Expr, as_expr, variables, walk
-from .lower import InputMeta, Layout, Program, lower
+from .lower import InputMeta, Layout, Program, Target, lower, target_for
 from .lower.schedule import encode_scalar
 from .lower.vjp import Gradients, differentiate
 from .lru import LRU
@@ -347,17 +347,26 @@ class Kernel:
 
     # ---- preparing ----------------------------------------------------------------------
     def program(self, *args: Any, **kwargs: Any) -> Program:
-        """The lowered program for these inputs (nothing is launched or compiled)."""
+        """The lowered program a call with these inputs runs (nothing is launched or compiled)."""
         tensors = self._collect(args, kwargs)
         self._validate(tensors, self.config)
         return self._lower(tensors, self.config)
 
-    def _lower(self, tensors: tuple, cfg: FusionConfig) -> Program:
+    def lower_for(self, target: Target, *args: Any, **kwargs: Any) -> Program:
+        """The program for these inputs with launch configurations shaped for ``target`` (e.g. the
+        GPU's, to trace or count a GPU-shaped launch on a CPU machine)."""
+        tensors = self._collect(args, kwargs)
+        self._validate(tensors, self.config)
+        return self._lower(tensors, self.config, target)
+
+    def _lower(self, tensors: tuple, cfg: FusionConfig, target: Target | None = None) -> Program:
         metas: tuple[InputMeta, ...] = tuple(
             Layout(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors
         )
+        if target is None:
+            target = target_for(_device_of(tensors), _backend_for(cfg, _device_of(tensors))[0] != "triton")
         GLOBAL_CACHE.count_plan()
-        return lower(self._outputs, self._vars, metas, cfg)
+        return lower(self._outputs, self._vars, metas, cfg, target)
 
     def _prepare(self, tensors: tuple, cfg: FusionConfig) -> Launch:
         """Lower and fetch kernels for these inputs."""
@@ -374,7 +383,7 @@ class Kernel:
                 vals[id(n)] = n.attr("value")
                 continue
             vals[id(n)] = apply_ref(REGISTRY[n.op], [vals[id(s)] for s in n.srcs], n.attr_dict)
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = _device_of(tensors)
         res = {}
         for k, e in self._outputs:
             r = vals[id(e)]
@@ -566,10 +575,11 @@ def _explain(kernel: Kernel, launch: Launch) -> str:
         writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {_fmt_meta(graph.of(n))}" for n in g.outputs)
         lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
         spec = call.spec
+        meta = dict(call.meta)
         if g.is_row:
             mode = f"row block {spec.block} x {spec.rows_per_program} rows" + (", looped" if spec.looped else "")
         else:
-            mode = f"block {spec.block}"
+            mode = f"block {meta['BLOCK_SIZE']}"
         programs = 1
         for d in call.grid:
             programs *= d

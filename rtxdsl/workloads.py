@@ -6,6 +6,7 @@ eager torch code a user would otherwise write.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -130,10 +131,26 @@ BY_NAME = {w.name: w for w in WORKLOADS}
 
 
 def max_error(out: Any, want: Any) -> float:
-    """Largest absolute difference over one output or a dict of them, in float64."""
+    """Largest absolute difference over one output or a dict of them, in float64.
+
+    NaN where only one side has NaN (in any output) makes the result NaN; equal values (inf
+    included) and NaN on both sides count as agreement; a shape mismatch is infinite.
+    """
     outs = out if isinstance(out, dict) else {"out": out}
     wants = want if isinstance(want, dict) else {"out": want}
-    return max(((outs[k].double() - wants[k].double()).abs().max().item() if outs[k].numel() else 0.0) for k in outs)
+    worst = 0.0
+    for k in outs:
+        a, b = outs[k].double(), wants[k].double()
+        if a.shape != b.shape:
+            return math.inf
+        if not a.numel():
+            continue
+        d = torch.where((a == b) | (a.isnan() & b.isnan()), 0.0, (a - b).abs())
+        m = d.max().item()
+        if math.isnan(m):
+            return math.nan
+        worst = max(worst, m)
+    return worst
 
 
 def tolerance(dtype: torch.dtype) -> float:

@@ -88,3 +88,38 @@ def test_a_new_process_starts_from_disk(tmp_path):
     second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     assert first.stdout.split() == ["1", "0", "1.9545"]
     assert second.stdout.split() == ["0", "1", "1.9545"]
+
+
+PROCESS_SCRIPT = textwrap.dedent("""
+    import sys, torch, rtxdsl as rx
+    from rtxdsl.workloads import WORKLOADS
+    cfg = rx.FusionConfig(cache_dir=sys.argv[1])
+    for w in WORKLOADS:
+        ins = w.inputs(3, 40, w.dtype, torch.device("cpu"), torch.Generator().manual_seed(0))
+        rx.compile(w.expr(), config=cfg)(**ins)
+    s = rx.cache_stats()
+    print(s.compiles, s.disk_hits, s.healed)
+""")
+
+
+def test_four_processes_share_an_empty_cache_dir_and_a_fifth_starts_from_disk(tmp_path):
+    import hashlib
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-c", PROCESS_SCRIPT, str(tmp_path)]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)
+    ]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-2000:]
+        assert out.split()[2] == "0"  # nothing had to be healed: no process saw a partial entry
+    assert not list(tmp_path.rglob("*.tmp"))
+    sources = list(tmp_path.rglob("*.py"))
+    assert len(sources) == len(list(tmp_path.rglob("*.json"))) > 0
+    for src in sources:  # every entry complete: its record's digest matches its source
+        meta = json.loads(src.with_suffix(".json").read_text())
+        assert meta["digest"] == hashlib.sha256(src.read_text().encode()).hexdigest()
+    fifth = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    compiles, disk_hits, healed = map(int, fifth.stdout.split())
+    assert (compiles, healed) == (0, 0) and disk_hits == len(sources)

@@ -16,7 +16,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import json, torch, rtxdsl as rx
-    from rtxdsl.codegen.ptx import compile_kernel
+    from rtxdsl.build import compile_kernel
     x, y, w, b = (rx.var(n) for n in "xywb")
     cases = {
         "flat_fp32": (rx.relu(x * y + 1.0), dict(x=torch.empty(4096), y=torch.empty(4096))),

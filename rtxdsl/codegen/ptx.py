@@ -126,19 +126,3 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores", text)
     return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None)
-
-
-def compile_kernel(kernel: Any, inputs: dict[str, torch.Tensor], arch: int = 90) -> list[CompileFacts]:
-    """Facts for every kernel a call of ``kernel`` with ``inputs`` launches (inputs may be CPU tensors)."""
-    from ..cache import GLOBAL_CACHE
-    from .source import kernel_source
-
-    program = kernel.program(*[inputs[n] for n in kernel.inputs])
-    cfg = kernel.config
-    bufs: list[Any] = [inputs[n] for n in kernel.inputs]
-    bufs += [torch.empty(b.shape, dtype=b.dtype) for b in program.buffers]
-    facts = []
-    for call in program.kernels:
-        compiled = GLOBAL_CACHE.get(call.spec, call.summary, cfg.cache_size, cfg.resolved_cache_dir, kernel_source)
-        facts.append(compile_call(compiled.jit, call, [bufs[i] for i in call.buffers], arch))
-    return facts

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 
+${helpers}
 ${kernel}"""
 
 
@@ -72,6 +73,7 @@ class _Writer:
         self.types: dict[str, torch.dtype] = {}
         self.tmp_ids = itertools.count()
         self.params: list[str] = []
+        self.helpers: dict[str, str] = {}  # module-level @triton.jit helpers the emitters asked for
         self.load_names = self._load_names()
 
     # ---- parameters -------------------------------------------------------------------
@@ -197,7 +199,12 @@ class _Writer:
             scope.add(f"{t} = {expr}")
             return t
 
-        return EmitCtx(dtype=cdt, out=node.dtype, attrs=dict(node.attrs), tmp=tmp)
+        return EmitCtx(dtype=cdt, out=node.dtype, attrs=dict(node.attrs), tmp=tmp, helper=self.helper)
+
+    def helper(self, name: str, source: str) -> str:
+        if self.helpers.setdefault(name, source) != source:
+            raise AssertionError(f"two different helpers named {name!r}")
+        return name
 
     def _operands(self, node: NodeSpec, loop: _Scope) -> list[str]:
         rule = REGISTRY[node.op].rule
@@ -373,4 +380,5 @@ def kernel_source(spec: KernelSpec, name: str, signature: str, summary: str) -> 
     """The whole generated module: imports and one ``@triton.jit`` kernel called ``name``."""
     w = _Writer(spec)
     kernel = w.row_kernel(name) if spec.kind == "row" else w.pointwise(name)
-    return render(MODULE, signature=signature, summary=summary.replace("\n", " "), kernel=kernel)
+    helpers = "".join(f"{src}\n\n" for src in w.helpers.values())
+    return render(MODULE, signature=signature, summary=summary.replace("\n", " "), helpers=helpers, kernel=kernel)

@@ -18,22 +18,28 @@ from .bind import Info
 from .expand import Graph, expand
 from .schedule import Layout, contiguous_strides, input_reads, kernel_spec
 from .spec import Buffer, KernelCall, KernelSpec, Program
+from .target import GPU, INTERPRETER, Target, target_for
 
 #: what a call gives for one input: a tensor's layout, or a python number (a scalar input)
 InputMeta = Layout | bool | int | float
 
 
 def lower(
-    outputs: Sequence[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tuple[InputMeta, ...], config: FusionConfig
+    outputs: Sequence[tuple[str, Expr]],
+    inputs: tuple[Expr, ...],
+    metas: tuple[InputMeta, ...],
+    config: FusionConfig,
+    target: Target = GPU,
 ) -> Program:
-    """The program computing ``outputs`` from inputs described by ``metas`` (in ``inputs`` order)."""
+    """The program computing ``outputs`` from inputs described by ``metas`` (in ``inputs`` order),
+    with launch configurations shaped for ``target``."""
     infos = tuple(Info.tensor(m.shape, m.dtype) if isinstance(m, Layout) else Info.scalar_input(m) for m in metas)
     graph = expand(list(outputs), inputs, infos)
-    return program(analyze(graph, config), metas)
+    return program(analyze(graph, config), metas, target)
 
 
-def program(plan: Plan, metas: tuple[InputMeta, ...]) -> Program:
-    """Buffers, kernel calls and results of ``plan`` for inputs described by ``metas``."""
+def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> Program:
+    """Buffers, kernel calls and results of ``plan`` for inputs described by ``metas``, on ``target``."""
     graph = plan.graph
     n_inputs = len(metas)
     slots: dict[int, int] = {}
@@ -51,10 +57,7 @@ def program(plan: Plan, metas: tuple[InputMeta, ...]) -> Program:
             buffers.append(Buffer(info.shape, info.dtype))
     calls = []
     for g in plan.groups:
-        spec, launch = kernel_spec(g, graph, lay)
-        meta = [("BLOCK_SIZE", spec.block), ("num_warps", spec.num_warps)]
-        if spec.kind == "row":
-            meta.append(("ROWS", spec.rows_per_program))
+        spec, launch = kernel_spec(g, graph, lay, target)
         reads = input_reads(spec)
         nbytes = sum(r * lay[id(i)].nbytes for r, i in zip(reads, g.inputs)) + sum(lay[id(o)].nbytes for o in g.outputs)
         calls.append(
@@ -64,7 +67,7 @@ def program(plan: Plan, metas: tuple[InputMeta, ...]) -> Program:
                 grid=launch.grid,
                 buffers=tuple(slots[id(i)] for i in g.inputs) + tuple(slots[id(o)] for o in g.outputs),
                 args=(*launch.ints, *launch.scalars),
-                meta=tuple(meta),
+                meta=launch.meta,
                 ops=len(g.nodes),
                 bytes=0 if launch.empty else nbytes,
                 passes=max(reads, default=1),
@@ -109,8 +112,12 @@ __all__ = [
     "Plan",
     "Program",
     "Role",
+    "GPU",
+    "INTERPRETER",
+    "Target",
     "analyze",
     "expand",
     "lower",
     "program",
+    "target_for",
 ]

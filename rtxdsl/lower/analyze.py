@@ -24,6 +24,7 @@ The analysis is a sequence of passes, each a function from (graph, groups) to ne
 from __future__ import annotations
 
 import enum
+import graphlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -535,17 +536,6 @@ def _pattern(g: Group, graph: Graph) -> str:
 
 
 def _topo(groups: list[Group], homes: dict[int, int]) -> tuple[Group, ...]:
-    deps = [{homes[id(s)] for s in g.inputs if id(s) in homes} - {i} for i, g in enumerate(groups)]
-    order: list[int] = []
-    placed: set[int] = set()
-    pending = list(range(len(groups)))
-    while pending:
-        for i in pending:
-            if deps[i] <= placed:
-                order.append(i)
-                placed.add(i)
-                pending.remove(i)
-                break
-        else:  # pragma: no cover - the analyzer never builds a cycle
-            raise RuntimeError("fusion groups form a cycle")
-    return tuple(groups[i] for i in order)
+    """Launch order: every group after the groups whose outputs it reads."""
+    deps = {i: {homes[id(s)] for s in g.inputs if id(s) in homes} - {i} for i, g in enumerate(groups)}
+    return tuple(groups[i] for i in graphlib.TopologicalSorter(deps).static_order())

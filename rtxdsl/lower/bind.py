@@ -123,6 +123,14 @@ def _probe_dtype(n: Expr, srcs: list[Info]) -> Any:
 _PROBES: LRU[tuple, Any] = LRU(8192)
 
 
+def _probe_key(i: Info) -> Any:
+    if not i.is_scalar:
+        return (i.dtype, len(i.shape))
+    if isinstance(i.value, int) and not i.symbolic:
+        return (type(i.value), i.value)
+    return type(i.value)
+
+
 def infer(n: Expr, srcs: list[Info]) -> Info:
     """Type one node from its operands' infos."""
     if n.op == "const":
@@ -139,7 +147,8 @@ def infer(n: Expr, srcs: list[Info]) -> Info:
     if all(i.is_scalar for i in srcs) and srcs:
         answer = _probe_dtype(n, srcs)
     else:
-        key = (n.op, n.attrs, tuple(type(i.value) if i.is_scalar else (i.dtype, len(i.shape)) for i in srcs))
+        # integer constants key by value: torch's errors may depend on them (int ** -1)
+        key = (n.op, n.attrs, tuple(_probe_key(i) for i in srcs))
         answer = _PROBES.get(key)
         if answer is None:
             answer = _probe_dtype(n, srcs)

@@ -23,6 +23,7 @@ from ..ops import REGISTRY, DtypeRule, OpKind
 from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
 from .spec import BCAST, STRIDED, UNIT, KernelSpec, LoadSpec, NodeSpec, OutSpec
+from .target import GPU, Target
 
 INT32_LIMIT = 2**31
 
@@ -42,7 +43,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class Launch:
-    """Sizes, strides and scalars in parameter order, the grid, and whether there is nothing to do.
+    """Sizes, strides and scalars in parameter order, the grid, the constexprs and launch options,
+    and whether there is nothing to do.
 
     ``scalar_inputs`` says which arguments come from the call: (argument position, input index, kind).
     """
@@ -50,6 +52,7 @@ class Launch:
     ints: tuple[int, ...]
     scalars: tuple[Any, ...]
     grid: tuple[int, ...]
+    meta: tuple[tuple[str, int], ...]
     empty: bool
     scalar_inputs: tuple[tuple[int, int, str], ...] = ()
 
@@ -63,12 +66,6 @@ class Config:
     num_warps: int
 
 
-POINTWISE_BLOCK = 1024
-MAX_ROW_BLOCK = 16384  # longest row kept whole in registers
-LOOP_BLOCK = 4096  # block of a looped row
-ROW_TILE = 4096  # elements per program for short rows (several rows each)
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -77,15 +74,16 @@ def _warps(tile: int) -> int:
     return 4 if tile <= 2048 else 8 if tile <= 8192 else 16
 
 
-def pointwise_config(numel: int) -> Config:
-    return Config(POINTWISE_BLOCK, 1, False, _warps(POINTWISE_BLOCK))
+def pointwise_config(numel: int, target: Target) -> Config:
+    block = min(target.pointwise_block, max(GPU.pointwise_block, _pow2(numel)))
+    return Config(block, 1, False, _warps(min(block, GPU.pointwise_block)))
 
 
-def row_config(n_rows: int, n_cols: int) -> Config:
-    looped = n_cols > MAX_ROW_BLOCK
-    block = LOOP_BLOCK if looped else _pow2(max(n_cols, 1))
-    rows = 1 if looped else max(1, ROW_TILE // block)
-    return Config(block, rows, looped, _warps(block * rows))
+def row_config(n_rows: int, n_cols: int, target: Target) -> Config:
+    looped = n_cols > target.max_row_block
+    block = target.loop_block if looped else _pow2(max(n_cols, 1))
+    rows = 1 if looped else max(1, target.row_tile // block)  # never from the row count: one compile serves all
+    return Config(block, rows, looped, _warps(min(block * rows, GPU.row_tile)))
 
 
 # ---- layouts ----------------------------------------------------------------------------------
@@ -265,8 +263,10 @@ def _scalar_args(slots: tuple[Expr, ...], graph: Graph, kernel_float: torch.dtyp
 
 
 # ---- the whole spec ----------------------------------------------------------------------------------
-def kernel_spec(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -> tuple[KernelSpec, Launch]:
-    """Spec and launch arguments for ``group``; ``layouts`` maps id(input node) -> its tensor layout."""
+def kernel_spec(
+    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU
+) -> tuple[KernelSpec, Launch]:
+    """Spec and launch arguments for ``group`` on ``target``; ``layouts`` maps id(input node) -> its layout."""
     b = body(group, graph)
     strides = operand_strides(group, graph, layouts, b)
     domain = group.shape
@@ -311,11 +311,14 @@ def kernel_spec(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -> tu
         (len(ints) + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(b.slots, kinds)) if s.op == "var"
     )
     if group.is_row:
-        cfg = row_config(n_rows, n_cols)
+        cfg = row_config(n_rows, n_cols, target)
         grid = (max(1, -(-n_rows // cfg.rows_per_program)),)
+        meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
     else:
-        cfg = pointwise_config(numel)
+        cfg = pointwise_config(numel, target)
         grid = (max(1, -(-numel // cfg.block)),)
+        meta = (("BLOCK_SIZE", cfg.block), ("num_warps", cfg.num_warps))
+        cfg = Config(0, 1, False, 0)  # the block is a launch parameter: no size ever enters the signature
     reductions = tuple(i for i, n in enumerate(b.nodes) if REGISTRY[n.op].kind is OpKind.REDUCTION)
     spec = KernelSpec(
         kind="row" if group.is_row else "pointwise",
@@ -331,7 +334,7 @@ def kernel_spec(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -> tu
         big=big,
         num_warps=cfg.num_warps,
     )
-    return spec, Launch(tuple(ints), tuple(vals), grid, numel == 0, scalar_inputs)
+    return spec, Launch(tuple(ints), tuple(vals), grid, meta, numel == 0, scalar_inputs)
 
 
 # ---- passes over the inputs (the honest traffic model) ---------------------------------------------

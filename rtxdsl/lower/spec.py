@@ -56,7 +56,7 @@ class KernelSpec:
     outputs: tuple[OutSpec, ...]
     scalars: tuple[str, ...]  # "f32" | "f64" | "i" | "b"
     reductions: tuple[int, ...]  # node indices of reductions (row kernels)
-    block: int
+    block: int  # row kernels: the row's power-of-two block bucket (0 for pointwise: a launch parameter)
     rows_per_program: int
     looped: bool
     big: bool  # int64 offsets

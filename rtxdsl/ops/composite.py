@@ -65,8 +65,11 @@ def _same_as_first(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
     return shapes[0]
 
 
-def _lse_keep(x: Expr, axis: Any) -> Expr:
-    return node("logsumexp", x, axis=axis, keepdim=True)
+def _lse_shift(x: Expr, axis: Any) -> Expr:
+    """logsumexp, as the shift of softmax and log_softmax. torch gives NaN for a whole row that
+    holds +inf (its max shift makes inf - inf); lse + (lse - lse) is NaN exactly then."""
+    lse = node("logsumexp", x, axis=axis, keepdim=True)
+    return node("add", lse, node("sub", lse, lse))
 
 
 # ---- statistics -----------------------------------------------------------------------------
@@ -193,7 +196,7 @@ _composite(
     "softmax",
     1,
     lambda x, axis: torch.softmax(x, dim=axis),
-    lambda x, axis: node("exp", node("sub", x, _lse_keep(x, axis))),
+    lambda x, axis: node("exp", node("sub", x, _lse_shift(x, axis))),
     shape=_same_as_first,
     pattern="Softmax",
     accepts=FLOATING,
@@ -205,7 +208,7 @@ _composite(
     "log_softmax",
     1,
     lambda x, axis: torch.log_softmax(x, dim=axis),
-    lambda x, axis: node("sub", x, _lse_keep(x, axis)),
+    lambda x, axis: node("sub", x, _lse_shift(x, axis)),
     shape=_same_as_first,
     pattern="Softmax",
     accepts=FLOATING,
@@ -365,11 +368,21 @@ def _torch_clamp(a: Any, min: Any = None, max: Any = None) -> Expr:  # noqa: A00
     return clamp(a, min, max)
 
 
+def _clamp_min(x: Expr, lo: Expr) -> Expr:
+    # where, not maximum: torch's gradient passes at x == lo (a tie would halve it); NaN in x
+    # or in the bound gives NaN, as torch
+    return node("where", node("ne", lo, lo), lo, node("where", node("lt", x, lo), lo, x))
+
+
+def _clamp_max(x: Expr, hi: Expr) -> Expr:
+    return node("where", node("ne", hi, hi), hi, node("where", node("gt", x, hi), hi, x))
+
+
 _composite(
     "clamp",
     3,
     lambda x, lo, hi: torch.clamp(x, lo, hi),
-    lambda x, lo, hi: node("minimum", node("maximum", x, lo), hi),
+    lambda x, lo, hi: _clamp_max(_clamp_min(x, lo), hi),
     front=Front(
         fn=clamp,
         names=("clamp", "clip"),
@@ -378,5 +391,5 @@ _composite(
         inplace=(torch.Tensor.clamp_, torch.Tensor.clip_),
     ),
 )
-_composite("clamp_min", 2, lambda x, lo: torch.clamp(x, min=lo), lambda x, lo: node("maximum", x, lo))
-_composite("clamp_max", 2, lambda x, hi: torch.clamp(x, max=hi), lambda x, hi: node("minimum", x, hi))
+_composite("clamp_min", 2, lambda x, lo: torch.clamp(x, min=lo), _clamp_min)
+_composite("clamp_max", 2, lambda x, hi: torch.clamp(x, max=hi), _clamp_max)

@@ -97,6 +97,16 @@ def _scaled(b: Any, alpha: Any) -> Any:
 
 
 # ---- source-text helpers shared by several emitters (not ops) -----------------------------
+# Conditions combine through nested tl.where, never & or |: Triton's interpreter mistypes the
+# comparison results of 0-dim values, and & / | between them then fails.
+def both(a: str, b: str) -> str:
+    return f"tl.where({a}, {b}, False)"
+
+
+def either(a: str, b: str) -> str:
+    return f"tl.where({a}, True, {b})"
+
+
 def nan_max(a: str, b: str) -> str:
     """torch.maximum: NaN in either operand wins (nested where: no ``|`` of mixed operand types)."""
     return f"tl.where({a} != {a}, {a}, tl.where({a} > {b}, {a}, {b}))"
@@ -152,29 +162,36 @@ def _pow(ctx: EmitCtx, a: str, b: str) -> str:
     return f"tl.where({b} == 0.0, 1.0, tl.where({a} == 1.0, 1.0, tl.where({a} == -1.0, {minus_one}, {general})))"
 
 
+INT_POW = """\
+@triton.jit
+def rx_int_pow(a, b):
+    # exact integer powers by squaring over every exponent bit, wrapping like torch;
+    # negative exponents give 1 for a base of 1, +-1 for -1 and 0 otherwise
+    acc = a * 0 + 1
+    base = a
+    e = tl.where(b < 0, b * 0, b)
+    for _ in range(64):
+        acc = tl.where((e & 1) != 0, acc * base, acc)
+        base = base * base
+        e = e >> 1
+    odd = (b & 1) != 0
+    negative = tl.where(a == 1, a * 0 + 1, tl.where(a == -1, tl.where(odd, a * 0 - 1, a * 0 + 1), a * 0))
+    return tl.where(b < 0, negative, acc)
+"""
+
+
 def _int_pow(ctx: EmitCtx, a: str, b: str) -> str:
-    # exact integer powers by squaring (exponents < 2**6 matter before the result wraps)
-    acc = ctx.tmp(f"tl.where({b} >= 0, {a} * 0 + 1, {a} * 0)")
-    base, e = ctx.tmp(f"{a} * 1"), ctx.tmp(f"tl.where({b} >= 0, {b}, 0)")
-    for _ in range(7):
-        acc = ctx.tmp(f"tl.where((({e} & 1) != 0), {acc} * {base}, {acc})")
-        base = ctx.tmp(f"{base} * {base}")
-        e = ctx.tmp(f"{e} >> 1")
-    big = ctx.tmp(f"{e} != 0")  # exponent >= 128: only 0, 1 and -1 bases stay small
-    a_abs1 = f"({a} == 1) | ({a} == -1)"
-    sign = f"tl.where(({a} == -1) & (({b} & 1) != 0), {a} * 0 - 1, {a} * 0 + 1)"
-    wide = f"tl.where({a} == 0, {a} * 0, tl.where({a_abs1}, {sign}, {acc}))"
-    return f"tl.where({big}, {wide}, {acc})"
+    return f"{ctx.helper('rx_int_pow', INT_POW)}({a}, {b})"
 
 
 def _floordiv(ctx: EmitCtx, a: str, b: str) -> str:
     if not ctx.is_float:
         q = ctx.tmp(f"{a} // {b}")
-        return f"tl.where((({a} % {b}) != 0) & (({a} < 0) != ({b} < 0)), {q} - 1, {q})"
+        return f"tl.where({both(f'({a} % {b}) != 0', f'({a} < 0) != ({b} < 0)')}, {q} - 1, {q})"
     # ATen's div_floor_floating
     mod = ctx.tmp(f"tl.where({b} == 0, {a} * 0.0, {a} % {b})")
     div = ctx.tmp(f"({a} - {mod}) / {b}")
-    div = ctx.tmp(f"tl.where(({mod} != 0) & (({b} < 0) != ({mod} < 0)), {div} - 1.0, {div})")
+    div = ctx.tmp(f"tl.where({both(f'{mod} != 0', f'({b} < 0) != ({mod} < 0)')}, {div} - 1.0, {div})")
     fl = ctx.tmp(f"tl.floor({div})")
     fl = ctx.tmp(f"tl.where({div} - {fl} > 0.5, {fl} + 1.0, {fl})")
     signed_zero = f"tl.where(({a} < 0) != ({b} < 0), -0.0, 0.0)"
@@ -183,7 +200,7 @@ def _floordiv(ctx: EmitCtx, a: str, b: str) -> str:
 
 def _remainder(ctx: EmitCtx, a: str, b: str) -> str:
     r = ctx.tmp(f"{a} % {b}")  # fmod for floats (sign of a), then shifted to the sign of b
-    return f"tl.where(({r} != 0) & (({r} < 0) != ({b} < 0)), {r} + {b}, {r})"
+    return f"tl.where({both(f'{r} != 0', f'({r} < 0) != ({b} < 0)')}, {r} + {b}, {r})"
 
 
 def to_storage(a: str, have: torch.dtype, want: torch.dtype) -> str:
@@ -204,15 +221,17 @@ def to_storage(a: str, have: torch.dtype, want: torch.dtype) -> str:
 
 
 def _cast(ctx: EmitCtx, a: str) -> str:
+    """The value in the target's compute dtype: half targets round as asked, then compute in fp32."""
     target: torch.dtype = ctx.attrs["dtype"]
-    if target in (torch.float16, torch.bfloat16) and ctx.dtype.is_floating_point:
-        # round to the half type as asked, keep computing in fp32
-        return f"{to_storage(a, ctx.dtype, target)}.to(tl.float32)"
+    if target in (torch.float16, torch.bfloat16):
+        have = ctx.dtype if ctx.dtype.is_floating_point else torch.float32
+        src = a if ctx.dtype.is_floating_point else f"{a}.to(tl.float32)"
+        return f"{to_storage(src, have, target)}.to(tl.float32)"
     return to_storage(a, ctx.dtype, target)
 
 
-def _bool_or(op_bool: str, op: str) -> Callable[..., str]:
-    return lambda ctx, a, b: f"{a} {op_bool if ctx.is_bool else op} {b}"
+def _bool_or(on_bools: Callable[[str, str], str], op: str) -> Callable[..., str]:
+    return lambda ctx, a, b: on_bools(a, b) if ctx.is_bool else f"{a} {op} {b}"
 
 
 def _zero(d: D) -> tuple:
@@ -241,7 +260,7 @@ _ew(
     "add",
     2,
     _binary_ref(torch.add),
-    _bool_or("|", "+"),
+    _bool_or(either, "+"),
     lambda d: (d.g, d.g),
     accepts=ANY,
     symbol="+",
@@ -279,7 +298,7 @@ _ew(
     "mul",
     2,
     _binary_ref(torch.mul),
-    _bool_or("&", "*"),
+    _bool_or(both, "*"),
     lambda d: (node("mul", d.g, d.b), node("mul", d.g, d.a)),
     accepts=ANY,
     symbol="*",
@@ -411,12 +430,12 @@ def _split_ties(d: D, first_wins: str) -> tuple:
 
 
 def _extreme(name: str, nan_pick: Callable[[str, str], str], ties: str) -> OpDef:
-    int_fn, bool_op = ("tl.maximum", "|") if name == "maximum" else ("tl.minimum", "&")
+    int_fn, on_bools = ("tl.maximum", either) if name == "maximum" else ("tl.minimum", both)
 
     def emit(c: EmitCtx, a: str, b: str) -> str:
         if c.is_float:
             return nan_pick(a, b)
-        return f"{a} {bool_op} {b}" if c.is_bool else f"{int_fn}({a}, {b})"
+        return on_bools(a, b) if c.is_bool else f"{int_fn}({a}, {b})"
 
     return _ew(
         name,
@@ -503,7 +522,7 @@ def _math(
     text: str,
     *,
     ref: Callable[..., Any] | None = None,
-    accepts=NUMERIC,
+    accepts=ANY,
     pattern: str | None = None,
     functional: bool = False,
 ) -> OpDef:
@@ -771,6 +790,7 @@ for _name, _sym, _aliases in (
             | {getattr(torch.Tensor, f"__{_name}__"): (lambda n: lambda a, b: node(n, a, b))(_name)},
         ),
     )
+_ON_BOOLS = {"and": both, "or": either, "xor": lambda a, b: f"{a} != {b}"}
 for _name, _sym, _torch, _prec in (
     ("and", "&", "bitwise_and", 3),
     ("or", "|", "bitwise_or", 1),
@@ -780,7 +800,7 @@ for _name, _sym, _torch, _prec in (
         _name,
         2,
         _binary_ref(getattr(torch, _torch)),
-        (lambda s: lambda c, a, b: f"{a} {s} {b}")(_sym),
+        _bool_or(_ON_BOOLS[_name], _sym),
         no_grad,
         accepts=INTEGRAL,
         symbol=_sym,

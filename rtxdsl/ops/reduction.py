@@ -263,7 +263,7 @@ _reduction(
     LOGSUMEXP,
     lambda d: (node("mul", d.g, node("exp", node("sub", d.a, d.y))),),
     "log(sum(exp(x))), computed online in one pass",
-    accepts=FLOATING,
+    accepts=ANY,
     eager_launches=7,
     names=("logsumexp",),
     methods=("logsumexp",),

@@ -17,7 +17,7 @@ from test_autograd import CASES  # noqa: E402
 from test_elementwise import BINARY, UNARY  # noqa: E402
 
 import rtxdsl as rx  # noqa: E402
-from rtxdsl.codegen.ptx import compile_kernel  # noqa: E402
+from rtxdsl.build import compile_kernel  # noqa: E402
 
 x, y = rx.var("x"), rx.var("y")
 fails = 0

@@ -1,0 +1,153 @@
+"""Differential fuzzing: random programs against torch (float64 reference, exact dtypes).
+
+``RTXDSL_FUZZ_EXAMPLES=N`` scales every fuzzer (the default is CI-sized); ``RTXDSL_FUZZ_SEED``
+picks another deterministic sequence. See the README for a 10,000-example run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from fuzzing import EXAMPLES, check_close, float64, lazy_programs, programs, run_lazy_program
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+import rtxdsl as rx
+from rtxdsl.expr import walk
+
+SEED = int(os.environ.get("RTXDSL_FUZZ_SEED", "0"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=SEED == 0,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
+REFERENCE = rx.FusionConfig(backend="torch")
+
+
+@seed(SEED)
+@FUZZ
+@given(p=programs())
+def test_random_programs_match_torch(p):
+    try:
+        same = rx.compile(p.outputs, config=REFERENCE)(**p.inputs)
+    except (RuntimeError, rx.RtxError):  # torch rejects it: so must we, with an RtxError
+        with pytest.raises(rx.RtxError):
+            rx.compile(p.outputs)(**p.inputs)
+        return
+    out = rx.compile(p.outputs)(**p.inputs)
+    ref64 = rx.compile(p.outputs, config=REFERENCE)(**{n: float64(t) for n, t in p.inputs.items()})
+    for key in p.outputs:
+        assert out[key].dtype == same[key].dtype, f"{key}: dtype {out[key].dtype} != torch's {same[key].dtype}\n{p}"
+        check_close(out[key], ref64[key], f"{key}\n{p}")
+
+
+@seed(SEED)
+@FUZZ
+@given(program=lazy_programs())
+def test_random_lazy_programs_match_eager(program):
+    plain, steps = program
+    want = run_lazy_program(plain, steps, None)
+    got = run_lazy_program(plain, steps, rx.Fusion())
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        if isinstance(w, torch.Tensor):
+            torch.testing.assert_close(
+                g, w, atol=1e-5, rtol=1e-5, equal_nan=True, msg=lambda m: f"value {k}: {m}\n{steps}"
+            )
+        else:
+            assert g == pytest.approx(w, rel=1e-5, abs=1e-5), f"value {k}\n{steps}"
+
+
+def _finite_copy(t: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``t`` in ``dtype`` with NaN/inf replaced (gradients through them are not comparable)."""
+    return (torch.nan_to_num(t.double(), nan=0.5, posinf=2.0, neginf=-2.0) * scale).to(dtype)
+
+
+@seed(SEED)
+@FUZZ
+@given(p=programs(float_only=True), data=st.data())
+def test_random_gradients_match_torch_autograd(p, data):
+    names = list(p.inputs)
+    flags = data.draw(st.lists(st.booleans(), min_size=len(names), max_size=len(names)))
+    if not any(flags):
+        flags[0] = True
+    gen = torch.Generator().manual_seed(7)
+
+    def run(config):
+        leaves = {n: _finite_copy(t, torch.float64).requires_grad_(f) for (n, t), f in zip(p.inputs.items(), flags)}
+        out = rx.compile(p.outputs, config=config)(**leaves)
+        floats = [o for o in out.values() if o.dtype.is_floating_point]
+        return leaves, floats
+
+    try:
+        leaves_ref, outs_ref = run(REFERENCE)
+    except (RuntimeError, rx.RtxError):  # torch rejects the program (the value fuzzer checks we do too)
+        return
+    if not outs_ref or not all(torch.isfinite(o).all() for o in outs_ref):
+        return  # non-finite outputs: their gradients are NaN on both sides, nothing to compare
+    cots = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs_ref]
+    grads_ref = torch.autograd.grad(
+        outs_ref, [leaves_ref[n] for n, f in zip(names, flags) if f], cots, allow_unused=True
+    )
+    leaves, outs = run(None)
+    grads = torch.autograd.grad(outs, [leaves[n] for n, f in zip(names, flags) if f], cots, allow_unused=True)
+    # a cast to a half type rounds torch's intermediate values (and its saved ones); ours stay fp32
+    halved = any(n.op == "cast" and n.attr("dtype").itemsize == 2 for n in walk(list(p.outputs.values())))
+    atol, rtol = (2e-3, 2e-2) if halved else (1e-7, 1e-6)
+    for n, g, r in zip([n for n, f in zip(names, flags) if f], grads, grads_ref):
+        if r is None:
+            assert g is None or not g.abs().gt(0).any(), f"d/d{n} should be zero\n{p}"
+            continue
+        assert g is not None, f"d/d{n} missing\n{p}"
+        torch.testing.assert_close(g, r, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"d/d{n}: {m}\n{p}")
+
+
+HALF_COMPOSITES = {
+    "layer_norm": lambda x, w: rx.layer_norm(x, w),
+    "rms_norm": lambda x, w: rx.rms_norm(x, w),
+    "softmax": lambda x, w: rx.softmax(x * w),
+    "log_softmax": lambda x, w: rx.log_softmax(x + w),
+    "variance": lambda x, w: rx.variance(x, -1, keepdim=True) * w,
+    "logsumexp": lambda x, w: rx.logsumexp(x, -1, keepdim=True) + w,
+}
+HALF_REFERENCE = {
+    "layer_norm": lambda x, w: torch.nn.functional.layer_norm(x, x.shape[-1:], w),
+    "rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, x.shape[-1:], w, 1e-6),
+    "softmax": lambda x, w: torch.softmax(x * w, -1),
+    "log_softmax": lambda x, w: torch.log_softmax(x + w, -1),
+    "variance": lambda x, w: x.var(-1, keepdim=True) * w,
+    "logsumexp": lambda x, w: torch.logsumexp(x, -1, keepdim=True) + w,
+}
+
+
+@seed(SEED)
+@FUZZ
+@given(
+    name=st.sampled_from(sorted(HALF_COMPOSITES)),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    shape=st.tuples(st.sampled_from([1, 3, 7]), st.sampled_from([5, 33, 300])),
+    scale=st.sampled_from([1.0, 30.0, 300.0]),
+    seed_=st.integers(0, 2**16),
+)
+def test_half_gradients_are_finite_where_torchs_are(name, dtype, shape, scale, seed_):
+    gen = torch.Generator().manual_seed(seed_)
+    base, wb = torch.randn(shape, generator=gen) * scale + scale, torch.rand(shape[-1], generator=gen) + 0.5
+    cot = torch.randn(shape, generator=gen)
+
+    def grads(fn):
+        xl, wl = base.to(dtype).requires_grad_(), wb.to(dtype).requires_grad_()
+        out = fn(xl, wl)
+        out.backward(cot.to(dtype).expand(out.shape) if out.shape != shape else cot.to(dtype))
+        return xl.grad, wl.grad
+
+    ours = grads(lambda a, b: rx.compile(HALF_COMPOSITES[name](rx.var("x"), rx.var("w")))(x=a, w=b))
+    theirs = grads(HALF_REFERENCE[name])
+    for g, r in zip(ours, theirs):
+        assert torch.isfinite(g)[torch.isfinite(r)].all(), (
+            f"{name} {dtype} x{scale}: non-finite gradient where torch's is finite"
+        )

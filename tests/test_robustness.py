@@ -1,0 +1,359 @@
+"""No silent wrong results: one test per defect found in the first version (each failed there)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import tracemalloc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rtxdsl as rx
+from rtxdsl.cache import GLOBAL_CACHE
+from rtxdsl.workloads import max_error
+
+x, y, w, b = (rx.var(n) for n in "xywb")
+
+
+# 1. lazy aliasing ---------------------------------------------------------------------------
+def test_operand_conversion_that_flushes_does_not_keep_a_stale_leaf():
+    f = rx.Fusion()
+    p = torch.zeros(4)
+    a = f.lazy(torch.full((4,), 5.0)) * 2
+    f.lazy(p).add_(1)  # a pending in-place write to p
+    z = a + p.view(-1)  # converting p's view flushes mid-way: a must be re-read from the new segment
+    assert z.torch().tolist() == [11.0] * 4
+    assert p.tolist() == [1.0] * 4
+
+
+# 2. half-precision backward ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_layer_norm_backward_keeps_fp32_statistics(dtype, gen):
+    """Rows whose sum overflows fp16 (> 65504): eager keeps fp32 statistics, so must we."""
+    base = torch.randn(4, 300, generator=gen) * 10 + 300
+    xs = base.to(dtype).requires_grad_()
+    ws = torch.ones(300, dtype=dtype, requires_grad=True)
+    rx.compile(rx.layer_norm(x, w))(x=xs, w=ws).float().pow(2).sum().backward()
+    xe = base.to(dtype).requires_grad_()
+    we = torch.ones(300, dtype=dtype, requires_grad=True)
+    F.layer_norm(xe, (300,), we).float().pow(2).sum().backward()
+    assert torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
+    torch.testing.assert_close(xs.grad.float(), xe.grad.float(), atol=5e-2, rtol=5e-2)
+    plan = rx.compile(rx.layer_norm(x, w)).grad_plan(x=xs.detach(), w=ws.detach())
+    out = plan.forward(x=xs.detach(), w=ws.detach())
+    assert all(out[k].dtype == torch.float32 for k in plan.grads.saved_keys)
+
+
+# 3. broadcast backward with comparisons, min/max and division -----------------------------------
+@pytest.mark.parametrize(
+    "expr, shapes",
+    [
+        (rx.where(x > y, x / y, rx.maximum(x, y)), ((3, 4), (4,))),
+        (rx.minimum(x, y) / y + (x < y), ((3, 4), (3, 1))),
+        (rx.maximum(x / y, 0.5) * (y > 1), ((2, 3, 4), (1, 3, 1))),
+        (rx.softmax(x / y) * rx.minimum(y, 2.0), ((5, 6), (1, 6))),
+    ],
+    ids=["where_div_max", "min_div_cmp", "max_div_mask", "softmax_div_min"],
+)
+def test_broadcast_backward_kernels_run(expr, shapes, gen):
+    ins = [(torch.rand(s, generator=gen, dtype=torch.float64) + 0.5).requires_grad_() for s in shapes]
+    k = rx.compile(expr)
+    assert torch.autograd.gradcheck(lambda *a: k(*a), ins, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+# 4. dry_run never writes into a user tensor -------------------------------------------------------
+def test_dry_run_lazy_inplace_leaves_the_tensor_alone():
+    f = rx.Fusion(rx.FusionConfig(dry_run=True))
+    t = torch.ones(1000)
+    f.lazy(t).add_(1)
+    f.sync()
+    assert t.tolist() == [1.0] * 1000
+
+
+# 5. the disk cache heals and degrades -------------------------------------------------------------
+def _entries(root):
+    return sorted(p for p in root.rglob("*.py"))
+
+
+def test_corrupt_cached_source_is_regenerated_with_a_warning(tmp_path, caplog):
+    cfg = rx.FusionConfig(cache_dir=str(tmp_path))
+    t = torch.randn(5)
+    rx.compile(rx.exp(x) * 3.0, config=cfg)(x=t)
+    (src,) = _entries(tmp_path)
+    src.write_text(src.read_text()[:-40])  # truncated by a crash
+    GLOBAL_CACHE.clear(reset_stats=False)
+    before = rx.cache_stats().healed
+    with caplog.at_level(logging.WARNING, logger="rtxdsl"):
+        out = rx.compile(rx.exp(x) * 3.0, config=cfg)(x=t)
+    torch.testing.assert_close(out, t.exp() * 3.0)
+    assert rx.cache_stats().healed == before + 1
+    assert any("regenerating" in r.message for r in caplog.records)
+    GLOBAL_CACHE.clear(reset_stats=False)
+    assert rx.compile(rx.exp(x) * 3.0, config=cfg)(x=t) is not None and rx.cache_stats().healed == before + 1
+
+
+def test_garbled_source_with_a_matching_digest_is_regenerated(tmp_path, caplog):
+    """A module that does not import (e.g. a different Triton wrote it) heals too."""
+    import hashlib
+    import json
+
+    cfg = rx.FusionConfig(cache_dir=str(tmp_path))
+    rx.compile(rx.sin(x) + 1.0, config=cfg)(x=torch.randn(3))
+    (src,) = _entries(tmp_path)
+    garbled = "this is not python\n"
+    src.write_text(garbled)
+    meta_path = src.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    meta["digest"] = hashlib.sha256(garbled.encode()).hexdigest()
+    meta_path.write_text(json.dumps(meta))
+    GLOBAL_CACHE.clear(reset_stats=False)
+    with caplog.at_level(logging.WARNING, logger="rtxdsl"):
+        out = rx.compile(rx.sin(x) + 1.0, config=cfg)(x=torch.zeros(3))
+    assert out.tolist() == [1.0, 1.0, 1.0]
+    assert any("does not import" in r.message for r in caplog.records)
+    assert "@triton.jit" in src.read_text()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_cache_dir_degrades_to_memory(tmp_path, caplog):  # pragma: no cover - CI runs as root
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    _check_memory_only(rx.FusionConfig(cache_dir=str(ro)), caplog)
+
+
+def test_unwritable_cache_dir_degrades_to_memory(tmp_path, caplog):
+    """A cache_dir that cannot be created (a file is in the way) works from memory, one warning."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    _check_memory_only(rx.FusionConfig(cache_dir=str(blocker / "cache")), caplog)
+
+
+def _check_memory_only(cfg, caplog):
+    GLOBAL_CACHE.clear(reset_stats=False)
+    with caplog.at_level(logging.WARNING, logger="rtxdsl"):
+        for k in range(3):
+            e = rx.cos(x) + float(k) if k else rx.cos(x) * 2.0 + rx.sin(x)
+            out = rx.compile(e, config=cfg)(x=torch.zeros(4))
+            assert torch.isfinite(out).all()
+    warnings = [r for r in caplog.records if "cannot be written" in r.message]
+    assert len(warnings) == 1
+
+
+# 6. bounded, structurally keyed caches -----------------------------------------------------------
+def test_gradient_plans_stay_bounded_over_many_shapes():
+    cfg = rx.FusionConfig(launch_cache_size=4)
+    k = rx.compile(rx.gelu(x + b), config=cfg)
+    for n in range(1, 30):
+        xs, bs = torch.randn(n, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+        k(x=xs, b=bs).sum().backward()
+    assert len(k._grads) <= 4 and len(k._launches) <= 4
+
+
+def test_lazy_plans_are_keyed_by_structure_not_constant_values():
+    f = rx.Fusion()
+    p, m = torch.randn(64), torch.zeros(64)
+    planned = rx.cache_stats().plans_built
+    for step in range(1, 40):
+        lr = 1e-3 * (0.97**step)  # a schedule: every step a new constant
+        lp, lm = f.lazy(p), f.lazy(m)
+        lm.mul_(0.9).add_(f.lazy(torch.ones(64)) * 0.1)
+        lp.sub_(lm * lr)
+        f.sync()
+    assert f.plans == 1
+    assert rx.cache_stats().plans_built - planned == 1
+
+
+def test_lru_evicts_least_recently_used():
+    from rtxdsl.lru import LRU
+
+    c: LRU[str, int] = LRU(2)
+    c.put("a", 1)
+    c.put("b", 2)
+    assert c.get("a") == 1  # a is now the most recent
+    c.put("c", 3)
+    assert c.keys() == ["a", "c"] and c.evictions == 1
+
+
+def test_long_lazy_training_loop_memory_is_flat_and_planning_stops():
+    """1,000 steps, a changing learning rate, 30 input shapes: memory flat, planning stops."""
+    f = rx.Fusion()
+    shapes = [(n, 17) for n in range(1, 31)]
+    params = {s: torch.randn(s) for s in shapes}
+    moms = {s: torch.zeros(s) for s in shapes}
+    grads = {s: torch.randn(s) for s in shapes}
+
+    def step(i: int) -> None:
+        s = shapes[i % len(shapes)]
+        lr = 1e-2 / (1 + i)
+        lm = f.lazy(moms[s])
+        lm.mul_(0.9).add_(f.lazy(grads[s]) * 0.1)
+        f.lazy(params[s]).sub_(lm * lr)
+        f.sync()
+
+    for i in range(60):  # every shape seen twice: warm
+        step(i)
+    planned = rx.cache_stats().plans_built
+    tracemalloc.start()
+    for i in range(60, 300):
+        step(i)
+    first, _ = tracemalloc.get_traced_memory()
+    for i in range(300, 1000):
+        step(i)
+    last, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert rx.cache_stats().plans_built == planned  # no planning after the first steps
+    assert last - first < 256 * 1024, f"memory grew by {last - first} bytes over 700 steps"
+
+
+# 7. threads ---------------------------------------------------------------------------------
+def test_two_threads_calling_kernels_get_right_results_and_exact_counts():
+    k = rx.compile(rx.relu(x * 2.0 - 1.0))
+    ts = [torch.randn(257) for _ in range(2)]
+    errors: list[BaseException] = []
+    rx.reset_fusion_stats()
+
+    def run(t: torch.Tensor) -> None:
+        try:
+            for _ in range(15):
+                torch.testing.assert_close(k(x=t), torch.relu(t * 2.0 - 1.0))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in ts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+    s = rx.fusion_stats()
+    assert s.calls == 30 and s.kernels_launched == 30 and s.kernel_launches_saved == 60
+
+
+# 8. the demo's check and the parser ------------------------------------------------------------
+def test_max_error_sees_nan_in_any_output():
+    good = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    bad = {"a": torch.zeros(2), "b": torch.tensor([0.0, math.nan])}
+    assert math.isnan(max_error(bad, good))
+    assert math.isnan(max_error(good, bad))
+    assert max_error({"a": torch.tensor([math.nan])}, {"a": torch.tensor([math.nan])}) == 0.0
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("gelu(x, **k)", "keyword unpacking is not supported at line 1, column 11"),
+        ("float16 + x", "names a dtype"),
+        ("(" * 300 + "x" + ")" * 300 + " + 1", "nested"),
+        ("-" * 3000 + "x", "nests"),
+        ("+".join(["x"] * 5000), "nests"),
+    ],
+    ids=["kwargs", "dtype_shadows_input", "deep_parens", "deep_unary", "long_sum"],
+)
+def test_parse_rejects_with_a_positioned_error(text, where):
+    with pytest.raises(rx.ParseError, match=where):
+        rx.parse(text)
+
+
+def test_parse_accepts_dtypes_as_arguments_and_round_trips_printing():
+    e = rx.cast(x * 2, torch.float16) + rx.sum(y, axis=(0, 1), keepdim=True)
+    assert rx.parse(repr(e)) is e
+    assert rx.parse("cast(x, dtype=bfloat16)") is rx.cast(x, torch.bfloat16)
+
+
+# 9. logging ---------------------------------------------------------------------------------
+def test_import_installs_no_stream_handler_and_logs_compiles(caplog):
+    script = textwrap.dedent("""
+        import logging, rtxdsl
+        log = logging.getLogger("rtxdsl")
+        print(sorted(type(h).__name__ for h in log.handlers))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "RTXDSL_LOG"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "['NullHandler']"
+    env["RTXDSL_LOG"] = "2"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert "StreamHandler" in out.stdout
+    GLOBAL_CACHE.clear(reset_stats=False)
+    with caplog.at_level(logging.DEBUG, logger="rtxdsl"):
+        rx.compile(rx.tan(x) * 7.0)(x=torch.zeros(2))
+    assert any("generated" in r.message or "loaded from" in r.message for r in caplog.records)
+
+
+# 10. found by the differential fuzzer ------------------------------------------------------------
+@pytest.mark.parametrize(
+    "xd, yd",
+    [(torch.float16, torch.float32), (torch.float32, torch.float16), (torch.bfloat16, torch.float16)],
+    ids=str,
+)
+def test_maximum_minimum_mixed_operand_types(xd, yd, gen):
+    a = torch.randn(7, generator=gen).to(xd)
+    c = torch.randn(7, generator=gen).to(yd)
+    a[2] = math.nan
+    out = rx.compile({"mx": rx.maximum(x, y), "mn": rx.minimum(x, 0.5), "mc": rx.maximum(2, y)})(x=a, y=c)
+    torch.testing.assert_close(out["mx"], torch.maximum(a, c), equal_nan=True)
+    torch.testing.assert_close(out["mn"], torch.minimum(a, torch.tensor(0.5)), equal_nan=True)
+    torch.testing.assert_close(out["mc"], torch.maximum(torch.tensor(2), c), equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "build, ref",
+    [
+        (lambda x, y: rx.softmax(x) + y, lambda x, y: torch.softmax(x, -1) + y),
+        (lambda x, y: rx.log_softmax(x, 0) * y, lambda x, y: torch.log_softmax(x, 0) * y),
+        (lambda x, y: rx.sum(x, -1, keepdim=True) - y, lambda x, y: x.sum(-1, keepdim=True) - y),
+        (lambda x, y: rx.logsumexp(x, ()) + y, lambda x, y: torch.logsumexp(x, ()) + y),
+    ],
+    ids=["softmax", "log_softmax", "keepdim_sum", "logsumexp_empty_dims"],
+)
+def test_row_ops_over_a_zero_dim_operand(build, ref):
+    xs, ys = torch.tensor(1.5), torch.randn(3)
+    torch.testing.assert_close(rx.compile(build(x, y))(x=xs, y=ys), ref(xs, ys))
+
+
+def test_float64_pow_backward(gen):
+    ins = [(torch.rand(4, generator=gen, dtype=torch.float64) + 0.5).requires_grad_() for _ in range(2)]
+    assert torch.autograd.gradcheck(lambda a, c: rx.compile(x**y)(x=a, y=c), ins)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pow_of_half_operands_keeps_half(dtype, gen):
+    a, c = torch.rand(5, generator=gen).to(dtype) + 0.5, torch.rand(5, generator=gen).to(dtype)
+    out = rx.compile(x**y)(x=a, y=c)
+    assert out.dtype == dtype == (a**c).dtype
+    torch.testing.assert_close(out, a**c, atol=1e-2, rtol=1e-2)
+
+
+def test_integer_pow_is_exact_and_negative_scalar_exponents_raise_like_torch():
+    a = torch.arange(-6, 7, dtype=torch.int32)
+    e = torch.tensor([0, 1, 2, 3, 5, 7, 0, 1, 2, 3, 11, 13, 30], dtype=torch.int32)
+    assert torch.equal(rx.compile(x**y)(x=a, y=e), a**e)
+    assert torch.equal(rx.compile(x**3)(x=a), a**3)
+    with pytest.raises(rx.RtxError, match="negative"):
+        rx.compile(x**-1)(x=a)
+
+
+def test_clamp_gradient_passes_at_its_bounds_like_torch():
+    t = torch.tensor([-1.0, 0.0, 0.5, 6.0, 7.0], dtype=torch.float64, requires_grad=True)
+    rx.compile(rx.clamp(x, 0.0, 6.0))(x=t).sum().backward()
+    ref = t.detach().clone().requires_grad_()
+    torch.clamp(ref, 0.0, 6.0).sum().backward()
+    assert t.grad.tolist() == ref.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_boolean_logic_on_zero_dim_operands():
+    """Triton's interpreter mistypes comparisons of 0-dim values; the kernels never & them."""
+    a, c = torch.tensor(1.5), torch.tensor([0.5, 2.0, 3.0])
+    out = rx.compile({"and": (x > 1) & (y > 1), "or": (x > 2) | (y > 2), "xor": (x > 1) ^ (y > 1)})(x=a, y=c)
+    assert out["and"].tolist() == [False, True, True]
+    assert out["or"].tolist() == [False, False, True]
+    assert out["xor"].tolist() == [True, False, False]
+    q = rx.compile(x // y)(x=torch.tensor(-7), y=torch.tensor([2, -2, 3]))
+    assert q.tolist() == torch.floor_divide(torch.tensor(-7), torch.tensor([2, -2, 3])).tolist()
