@@ -48,6 +48,25 @@ def host_us(fn: Callable[[], Any], calls: int = 2000, repeats: int = 7, sync: bo
     return min(samples)
 
 
+def host_compare(fns: dict[str, Callable[[], Any]], calls: int = 2000, rounds: int = 15) -> dict[str, float]:
+    """Best-round mean microseconds per call of each function, timed in interleaved rounds.
+
+    This machine's speed drifts by up to 2x within a run; timing every contender in every round
+    (the minimum over rounds for each) gives each the same phases, so their ratio is stable.
+    """
+    for fn in fns.values():  # warm caches and the allocator out of the numbers
+        for _ in range(min(calls, 300)):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
 def markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:

@@ -68,12 +68,13 @@ def warm_start(cache_dir: str) -> float:
     """ms from compile() to a prepared launch of a known kernel in a new process (disk cache warm)."""
     script = textwrap.dedent(f"""
         import time, torch, rtxdsl as rx
+        from rtxdsl.build import prepare
         from rtxdsl.workloads import BY_NAME
         w = BY_NAME["layer_norm"]
         ins = w.inputs(64, 4096, w.dtype, torch.device("cpu"), torch.Generator().manual_seed(0))
         start = time.perf_counter()
         k = rx.compile(w.expr(), config=rx.FusionConfig(cache_dir={cache_dir!r}))
-        k.summary(**ins)
+        prepare(k, ins)  # lowered for sm_90, as the parent built it
         took = time.perf_counter() - start
         assert rx.cache_stats().compiles == 0 and rx.cache_stats().disk_hits == 1, rx.cache_stats()
         print(took * 1e3)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import weakref
 from typing import Any
 
@@ -22,7 +23,17 @@ from .registry import REGISTRY, OpDef
 
 Scalar = bool | int | float
 
-_INTERN: weakref.WeakValueDictionary[tuple, Expr] = weakref.WeakValueDictionary()
+#: structure -> weak reference to the one node with it (a plain dict of weakrefs: C-speed lookups,
+#: each entry removed by its reference's callback when the node dies)
+_INTERN: dict[tuple, weakref.ref] = {}
+
+
+def _forget(key: tuple) -> Any:
+    def callback(ref: weakref.ref) -> None:
+        if _INTERN.get(key) is ref:
+            del _INTERN[key]
+
+    return callback
 
 
 def _attr_key(value: Any) -> Any:
@@ -56,16 +67,21 @@ class Expr:
     srcs: tuple[Expr, ...]
 
     def __new__(cls, op: str, srcs: tuple[Expr, ...] = (), attrs: dict[str, Any] | None = None) -> Expr:
-        items = tuple(sorted(attrs.items())) if attrs else ()
-        key = (op, tuple([(k, _attr_key(v)) for k, v in items]) if items else (), tuple(map(id, srcs)))
-        node = _INTERN.get(key)
+        if attrs:
+            items = tuple(sorted(attrs.items()))
+            key = (op, tuple([(k, _attr_key(v)) for k, v in items]), tuple(map(id, srcs)))
+        else:
+            items = ()
+            key = (op, (), tuple(map(id, srcs)))
+        ref = _INTERN.get(key)
+        node = ref() if ref is not None else None
         if node is None:
             node = object.__new__(cls)
             object.__setattr__(node, "op", op)
             object.__setattr__(node, "attrs", items)
             object.__setattr__(node, "srcs", srcs)
             object.__setattr__(node, "_digest", None)
-            _INTERN[key] = node
+            _INTERN[key] = weakref.ref(node, _forget(key))
         return node
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -146,20 +162,42 @@ for _name in (*COMPARISONS, *UNARY_OPERATORS, "getitem"):
 
 def node(op: str, *srcs: Expr | Scalar, **attrs: Any) -> Expr:
     """Build ``op`` over ``srcs`` (python scalars become constants) after checking arity."""
-    opdef = REGISTRY.get(op)
+    opdef = REGISTRY.ops.get(op)
     if opdef is None:
         raise RtxError(f"unknown op {op!r}")
     if opdef.arity is not None and len(srcs) != opdef.arity:
         raise RtxError(f"op {op!r} takes {opdef.arity} operands, got {len(srcs)}")
-    return Expr(op, tuple(as_expr(s, op) for s in srcs), attrs)
+    return Expr(op, tuple([s if type(s) is Expr else as_expr(s, op) for s in srcs]), attrs)
+
+
+#: (type, value, sign) -> weak reference to the constant node: python numbers recur constantly
+_CONSTS: dict[tuple, weakref.ref] = {}
+
+
+def _const(value: bool | int | float) -> Expr:
+    key = (type(value), value, math.copysign(1.0, value) if type(value) is float else 0)
+    ref = _CONSTS.get(key)
+    node = ref() if ref is not None else None
+    if node is None:  # (NaN never equals itself: it always takes this way, which is correct)
+        node = Expr("const", (), {"value": value})
+        _CONSTS[key] = weakref.ref(node, _forget_const(key))
+    return node
+
+
+def _forget_const(key: tuple) -> Any:
+    def callback(ref: weakref.ref) -> None:
+        if _CONSTS.get(key) is ref:
+            del _CONSTS[key]
+
+    return callback
 
 
 def as_expr(value: Any, where: str = "expression") -> Expr:
     """An :class:`Expr` for ``value``: expressions pass through, python scalars become constants."""
-    if isinstance(value, Expr):
+    if type(value) is Expr:
         return value
     if isinstance(value, (bool, int, float)):
-        return Expr("const", (), {"value": value})
+        return _const(value)
     if isinstance(value, torch.Tensor):
         raise RtxError(
             f"{where}: a torch.Tensor cannot be embedded in an expression; "

@@ -14,6 +14,7 @@ learning rate changes every step replays one plan and compiles nothing.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from .dsl import var
 from .errors import RtxError
 from .expr import Expr, walk
 from .log import log
-from .lower.bind import Info, infer_all
+from .lower.bind import Info, infer, infer_all
 from .lru import LRU
 from .ops import REGISTRY, Unsupported
 from .runtime import Kernel
@@ -130,6 +131,7 @@ class OperationStream:
         # tensors written in place by pending values: id -> (tensor, writers in program order)
         self.homes: dict[int, tuple[torch.Tensor, list[LazyTensor]]] = {}
         self.queued = 0
+        self.cap = fusion.config.max_queued_ops  # read again at each flush
         self.epoch = 0  # flushes so far: a conversion that straddles one is redone
         self.guarded: list[tuple[torch.Tensor, type]] = []  # tensors guarded while writes are pending
 
@@ -152,13 +154,31 @@ class OperationStream:
         return v
 
     def record(self, expr: Expr) -> LazyTensor:
-        infer_all([expr], self.info, self.keep)
+        info = self.info
+        typed = info.get(id(expr))
+        if typed is None:
+            srcs = []
+            for s in expr.srcs:  # the common case: one new node over known operands and constants
+                i = info.get(id(s))
+                if i is None:
+                    if s.op != "const":
+                        break
+                    i = Info(s.attrs[0][1])
+                srcs.append(i)
+            else:
+                typed = info[id(expr)] = infer(expr, srcs)
+                self.keep.append(expr)
+            if typed is None:  # operands a builder made itself: type the whole new subtree
+                infer_all([expr], info, self.keep)
+                typed = info[id(expr)]
         self.queued += 1
-        log.debug("queued %s (%d pending)", expr, self.queued)
-        lt = LazyTensor._pending(self, expr, self.info[id(expr)])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("queued %s (%d pending)", expr, self.queued)
+        lt = _new(LazyTensor)
+        lt._stream, lt._expr, lt._value, lt._info, lt._home = self, expr, None, typed, None
         self.holders.append(weakref.ref(lt))
-        if self.queued >= self.fusion.config.max_queued_ops:
-            self.flush(f"queue cap ({self.fusion.config.max_queued_ops} ops)")
+        if self.queued >= self.cap:
+            self.flush(f"queue cap ({self.cap} ops)")
         return lt
 
     def reads(self, t: torch.Tensor) -> bool:
@@ -230,30 +250,39 @@ class OperationStream:
         self.holders.clear()
         self.homes.clear()
         self.queued = 0
+        self.cap = self.fusion.config.max_queued_ops
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def canonical(roots: list[Expr], leaves: dict[int, torch.Tensor]) -> tuple[tuple[Expr, ...], list[Any]]:
-    """The segment's structure and its arguments: leaves renamed by first use, python numbers as
-    scalar inputs (except 0, 1, -1). Interned, so the same structure gives the same roots."""
+#: the canonical inputs a0, a1, ...: one interned var each, built once
+_ARGS: list[Expr] = []
+
+
+def _arg(k: int) -> Expr:
+    while len(_ARGS) <= k:
+        _ARGS.append(Expr("var", (), {"name": f"a{len(_ARGS)}", "dtype": None}))
+    return _ARGS[k]
+
+
+def canonical(roots: tuple[Expr, ...]) -> tuple[tuple[Expr, ...], tuple[Expr, ...]]:
+    """The segment's structure and the nodes that feed it: leaves renamed by first use and python
+    numbers as scalar inputs (except 0, 1, -1). Interned, so the same structure gives the same
+    roots; the second result lists, in argument order, the var or const node each input comes from."""
     memo: dict[int, Expr] = {}
-    args: list[Any] = []
-    for n in walk(roots):
-        if n.op == "var":
-            memo[id(n)] = var(f"a{len(args)}")
-            args.append(leaves[id(n)])
-        elif n.op == "const" and (type(n.attr("value")).__name__, repr(n.attr("value"))) not in STRUCTURAL:
-            memo[id(n)] = var(f"a{len(args)}")
-            args.append(n.attr("value"))
+    params: list[Expr] = []
+    for n in walk(list(roots)):
+        if n.op == "var" or n.op == "const" and (type(n.attr("value")).__name__, repr(n.attr("value"))) not in STRUCTURAL:
+            memo[id(n)] = _arg(len(params))
+            params.append(n)
         elif n.srcs:
             srcs = tuple(memo[id(s)] for s in n.srcs)
             memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
         else:
             memo[id(n)] = n
-    return tuple(memo[id(r)] for r in roots), args
+    return tuple(memo[id(r)] for r in roots), tuple(params)
 
 
 class Fusion:
@@ -277,6 +306,8 @@ class Fusion:
         self._stats = stats or FusionStats()
         self._streams: dict[torch.device, OperationStream] = {}
         self._plans: LRU[tuple[Expr, ...], Kernel] = LRU(self.config.cache_size)
+        # the recorded roots (interned: a loop records the same ones) -> their canonical form
+        self._canon: LRU[tuple[Expr, ...], tuple[tuple[Expr, ...], tuple[Expr, ...]]] = LRU(self.config.cache_size)
         self._last: tuple[str, Kernel, tuple] | None = None
 
     @property
@@ -326,9 +357,19 @@ class Fusion:
         return len(self._plans)
 
     def _plan(self, roots: list[Expr], stream: OperationStream) -> tuple[Kernel, list[Any]]:
-        """The kernel for this segment's structure, and the tensors and numbers to call it with."""
+        """The kernel for this segment's structure, and the tensors and numbers to call it with.
+
+        Two lookups: the recorded roots themselves (a steady loop records the very same interned
+        nodes), then their canonical structure (a loop whose constants change maps to one plan).
+        """
+        key = tuple(roots)
+        hit = self._canon.get(key)
+        if hit is None:
+            hit = canonical(key)
+            self._canon.put(key, hit)
+        canon, params = hit
         tensor_of = {id(v): t for t, v in stream.leaves.values()}
-        canon, args = canonical(roots, tensor_of)
+        args = [tensor_of[id(p)] if p.op == "var" else p.attr("value") for p in params]
         kernel = self._plans.get(canon)
         if kernel is None:
             kernel = Kernel({f"o{k}": r for k, r in enumerate(canon)}, self._config, stats=self._stats)
@@ -405,7 +446,7 @@ class LazyTensor:
 
     @classmethod
     def _pending(cls, stream: OperationStream, expr: Expr, info: Info) -> LazyTensor:
-        lt = object.__new__(cls)
+        lt = _new(cls)
         lt._stream, lt._expr, lt._value, lt._info, lt._home = stream, expr, None, info, None
         return lt
 
@@ -494,35 +535,69 @@ class LazyTensor:
     # dispatch
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        lazies = [a for a in args if isinstance(a, LazyTensor)]
-        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):  # nested or keyword tensors
-            lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
-        stream = lazies[0]._stream
-        fusion = stream.fusion
-        if func in REGISTRY.inplace:
-            return _inplace(func, args, kwargs)
-        if func in VIEWS:
-            return _view(func, args, kwargs, fusion)
-        entry = REGISTRY.torch.get(func)
-        builder = entry[1] if entry is not None else IDENTITY.get(func)
-        mixed = any(lt._stream is not stream for lt in lazies)
-        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
-        if builder is None or mixed or not fusion.config.enabled:
-            return fusion._eager(func, args, kwargs, f"unsupported {name}")
-        try:
-            expr = _build(builder, args, kwargs, stream)
-        except Unsupported:
-            return fusion._eager(func, args, kwargs, f"unsupported arguments of {name}")
-        if isinstance(expr, LazyTensor):  # an identity builder gave its operand back
-            return expr
-        return stream.record(expr)
+        entry = _TORCH.get(func)
+        if entry is not None and not kwargs and func not in VIEWS:
+            # the hot path: a mapped op over lazy values (one stream) and python numbers
+            stream = None
+            operands = []
+            for a in args:
+                if type(a) is LazyTensor:
+                    if stream is None:
+                        stream, epoch = a._stream, a._stream.epoch
+                    elif a._stream is not stream:
+                        break
+                    operands.append(a._expr if a._expr is not None else stream.leaf(a._value))
+                elif isinstance(a, (bool, int, float)):
+                    operands.append(a)
+                else:
+                    break
+            else:  # (a conversion that flushed the stream takes the careful path below)
+                if stream is not None and stream.epoch == epoch and stream.fusion.config.enabled:
+                    try:
+                        return stream.record(entry[1](*operands))
+                    except Unsupported:
+                        pass
+        return _dispatch(func, args, kwargs or {})
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(torch.Tensor, name, None)
         if fn is None or not callable(fn):
             raise AttributeError(f"LazyTensor has no attribute {name!r}")
         return lambda *args, **kwargs: LazyTensor.__torch_function__(fn, (LazyTensor,), (self, *args), kwargs)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Every call the hot path does not take: in-place ops, views, mixed operands, sync points."""
+    lazies = [a for a in args if isinstance(a, LazyTensor)]
+    if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):  # nested or keyword tensors
+        lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
+    stream = lazies[0]._stream
+    fusion = stream.fusion
+    if func in REGISTRY.inplace:
+        return _inplace(func, args, kwargs)
+    if func in VIEWS:
+        return _view(func, args, kwargs, fusion)
+    entry = REGISTRY.torch.get(func)
+    builder = entry[1] if entry is not None else IDENTITY.get(func)
+    mixed = any(lt._stream is not stream for lt in lazies)
+    if builder is None or mixed or not fusion.config.enabled:
+        return fusion._eager(func, args, kwargs, f"unsupported {_name(func)}")
+    try:
+        expr = _build(builder, args, kwargs, stream)
+    except Unsupported:
+        return fusion._eager(func, args, kwargs, f"unsupported arguments of {_name(func)}")
+    if isinstance(expr, LazyTensor):  # an identity builder gave its operand back
+        return expr
+    return stream.record(expr)
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
+
+
+#: the registry's torch mappings, read once per call on the hot path
+_TORCH = REGISTRY.torch
+_new = object.__new__
 
 
 def _build(builder: Callable[..., Any], args: tuple, kwargs: dict, stream: OperationStream) -> Any:
@@ -624,7 +699,11 @@ def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
 # operators: dunders are looked up on the class, not through __getattr__
 def _dunder(name: str) -> Callable[..., Any]:
     fn = getattr(torch.Tensor, name)
-    return lambda self, *args: LazyTensor.__torch_function__(fn, (LazyTensor,), (self, *args))
+    dispatch = LazyTensor.__torch_function__
+    return lambda self, *args: dispatch(fn, _TYPES, (self, *args))
+
+
+_TYPES = (LazyTensor,)
 
 
 for _d in (

@@ -39,14 +39,18 @@ class LRU(Generic[K, V]):
         self.hits = self.misses = self.evictions = 0
 
     def get(self, key: K) -> V | None:
-        with self._lock:
-            value = self._data.get(key)
-            if value is None:
-                self.misses += 1
-                return None
+        # lock-free: dict lookups and move_to_end are atomic under the GIL; a concurrent eviction
+        # between them only loses this entry's recency
+        value = self._data.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        try:
             self._data.move_to_end(key)
-            self.hits += 1
-            return value
+        except KeyError:
+            pass
+        self.hits += 1
+        return value
 
     def peek(self, key: K) -> V | None:
         """The value under ``key`` without touching the order or the counters."""

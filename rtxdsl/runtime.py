@@ -61,9 +61,10 @@ class PlanSummary:
 
 
 class Launch:
-    """A prepared call for one input layout: allocations, launchers, result packing and counters."""
+    """A prepared call for one input layout: a generated ``run(tensors)`` that allocates the
+    outputs, launches each kernel with its precomputed arguments, counts, and packs the result."""
 
-    __slots__ = ("program", "backend", "note", "config", "device", "any_grad", "_makers", "_launchers", "_finish")
+    __slots__ = ("program", "backend", "note", "config", "device", "any_grad", "run", "source")
 
     def __init__(self, kernel: Kernel, program: Program, config: FusionConfig, tensors: tuple[Any, ...]) -> None:
         device = _device_of(tensors)
@@ -72,34 +73,70 @@ class Launch:
         self.device = device
         self.any_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         self.backend, self.note = _backend_for(config, device)
-        self._makers = [_maker(b.shape, b.dtype, device, tensors) for b in program.buffers]
-        self._launchers: list[tuple[Any, tuple[int, ...], Any, dict[str, int]]] = []
-        if self.backend != "torch":
-            interpret = self.backend == "interpreter"
-            for call in program.launched:
-                compiled = _compiled(call.spec, call.summary, config)
-                fn = compiled.function(interpret)
-                launcher = _Interpreted(fn, call.grid) if interpret else fn[call.grid]
-                args: Any = call.args if not call.scalar_inputs else _ArgFill(call.args, call.scalar_inputs)
-                self._launchers.append((launcher, call.buffers, args, dict(call.meta)))
-        self._finish = _finisher(kernel, program, device)
-
-    def run(self, kernel: Kernel, tensors: tuple[Any, ...]) -> Any:
-        p = self.program
         if self.backend == "torch":
-            results = kernel._reference(tensors)
-            kernel._stats.record(p.eager_launches, 0, p.eager_launches, p.eager_bytes, p.eager_bytes)
-            return results
-        bufs: list[Any] = [*tensors]
-        for make in self._makers:
-            bufs.append(make(tensors))
-        if not self.config.dry_run:
-            for launcher, slots, args, meta in self._launchers:
-                if type(args) is _ArgFill:
-                    args = args(tensors)
-                launcher(*[bufs[i] for i in slots], *args, **meta)
-            kernel._stats.record(p.kernels_launched, p.fused, p.eager_launches, p.bytes_moved, p.eager_bytes)
-        return self._finish(bufs)
+            p, record = program, kernel._stats.record
+
+            def run(ts: tuple[Any, ...]) -> Any:
+                results = kernel._reference(ts)
+                record(p.eager_launches, 0, p.eager_launches, p.eager_bytes, p.eager_bytes)
+                return results
+
+            self.run, self.source = run, ""
+        else:
+            self.run, self.source = _generate_run(kernel, program, config, tensors, self.backend == "interpreter")
+
+
+def _generate_run(
+    kernel: Kernel, program: Program, config: FusionConfig, tensors: tuple[Any, ...], interpret: bool
+) -> tuple[Any, str]:
+    """``run(tensors)`` for one launch, as straight-line python (a fixed template, no user text)."""
+    scope: dict[str, Any] = {"empty_like": torch.empty_like, "empty": torch.empty, "DEV": _device_of(tensors)}
+    n = len(tensors)
+    lines = ["def run(tensors):"]
+    if n:
+        lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
+    names = [f"t{i}" for i in range(n)]
+    for k, b in enumerate(program.buffers):
+        same = next(
+            (i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and tuple(t.shape) == b.shape
+             and t.dtype == b.dtype and t.is_contiguous()),
+            None,
+        )  # fmt: skip
+        if same is not None:  # empty_like of a matching contiguous input is the cheapest allocation
+            lines.append(f"    b{k} = empty_like(t{same})")
+        else:
+            scope[f"SHAPE{k}"], scope[f"DT{k}"] = b.shape, b.dtype
+            lines.append(f"    b{k} = empty(SHAPE{k}, dtype=DT{k}, device=DEV)")
+        names.append(f"b{k}")
+    if not config.dry_run:
+        for j, call in enumerate(program.launched):
+            fn = _compiled(call.spec, call.summary, config).function(interpret)
+            scope[f"L{j}"] = _Interpreted(fn, call.grid) if interpret else fn[call.grid]
+            scope[f"META{j}"] = dict(call.meta)
+            operands = ", ".join(names[i] for i in call.buffers)
+            if call.scalar_inputs:
+                scope[f"ARGS{j}"] = _ArgFill(call.args, call.scalar_inputs)
+                args = f"*ARGS{j}(tensors)"
+            else:
+                scope[f"ARGS{j}"] = call.args
+                args = f"*ARGS{j}"
+            lines.append(f"    L{j}({operands}, {args}, **META{j})")
+        p = program
+        scope["record"] = kernel._stats.record
+        lines.append(
+            f"    record({p.kernels_launched}, {p.fused}, {p.eager_launches}, {p.bytes_moved}, {p.eager_bytes})"
+        )
+    if program.scalar_outputs:
+        scope["finish"] = _finisher(kernel, program, scope["DEV"])
+        lines.append(f"    return finish([{', '.join(names)}])")
+    elif kernel._single:
+        lines.append(f"    return {names[program.outputs[0][1]]}")
+    else:
+        packed = ", ".join(f"{key!r}: {names[slot]}" for key, slot in program.outputs)
+        lines.append(f"    return {{{packed}}}")
+    source = "\n".join(lines) + "\n"
+    exec(source, scope)  # noqa: S102 - generated from the program's structure, no user text
+    return scope["run"], source
 
 
 class _ArgFill:
@@ -243,7 +280,7 @@ class Kernel:
             self._launches.put(key, launch)
         if launch.any_grad and torch.is_grad_enabled():
             return self._grad_call(tensors, launch, key)
-        return launch.run(self, tensors)
+        return launch.run(tensors)
 
     def _grad_call(self, tensors: tuple, launch: Launch, key: tuple) -> Any:
         """Through torch.autograd: fused forward (saving row statistics) and fused backward."""
@@ -508,15 +545,6 @@ def _key_function(n: int) -> Any:
     scope: dict[str, Any] = {}
     exec(f"def key({names}):\n    return ({fields})\n", scope)  # noqa: S102 - fixed template, no user text
     return scope["key"]
-
-
-def _maker(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tensors: tuple[Any, ...]) -> Any:
-    """A closure allocating one contiguous buffer; empty_like of a matching contiguous input is the cheapest
-    (the launch key fixes every input's layout, so the match holds for every call of this launch)."""
-    for i, t in enumerate(tensors):
-        if isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous():
-            return lambda ts: torch.empty_like(ts[i])
-    return lambda ts: torch.empty(shape, dtype=dtype, device=device)
 
 
 def _device_of(tensors: tuple[Any, ...]) -> torch.device:

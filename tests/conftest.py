@@ -9,6 +9,8 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RTXDSL_CACHE_DIR", tempfile.mkdtemp(prefix="rtxdsl-test-cache-"))
 
+from collections import Counter  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -42,3 +44,24 @@ def _fresh_stats():
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+#: OpInfo conformance counts (agree / tried / skip), summed over xdist workers at the end
+OPINFO: Counter[str] = Counter()
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the counts to the controller
+        session.config.workeroutput["opinfo"] = dict(OPINFO)
+
+
+def pytest_testnodedown(node, error):
+    OPINFO.update(node.workeroutput.get("opinfo", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if OPINFO["tried"]:
+        terminalreporter.write_line(
+            f"OpInfo: {OPINFO['agree']} samples agree with torch / {OPINFO['tried']} tried "
+            f"({OPINFO['skip']} skipped: arguments outside rtxdsl's API)"
+        )

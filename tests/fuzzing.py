@@ -21,6 +21,7 @@ import torch
 from hypothesis import strategies as st
 
 import rtxdsl as rx
+from rtxdsl.expr import walk
 
 EXAMPLES = int(os.environ.get("RTXDSL_FUZZ_EXAMPLES", "40"))
 DIMS = (1, 2, 3, 5, 7, 13)
@@ -326,8 +327,6 @@ def programs(draw: Any, max_steps: int = 6, float_only: bool = False) -> Program
 
 
 def _vars(e: Any) -> list[Any]:
-    from rtxdsl.expr import walk
-
     return [n for n in walk([e]) if n.op == "var"]
 
 
@@ -335,8 +334,17 @@ def float64(t: torch.Tensor) -> torch.Tensor:
     return t.double() if t.dtype.is_floating_point else t
 
 
-def check_close(out: torch.Tensor, ref64: torch.Tensor, what: str) -> None:
-    """``out`` against the float64 reference rounded to ``out``'s dtype; ints and bools exactly."""
+def coarsest(p: Program) -> torch.dtype | None:
+    """The least precise float dtype the program computes in (inputs and casts)."""
+    dts = [t.dtype for t in p.inputs.values() if t.dtype.is_floating_point]
+    dts += [n.attr("dtype") for n in walk(list(p.outputs.values())) if n.op == "cast"]
+    dts = [d for d in dts if d.is_floating_point]
+    return max(dts, key=lambda d: TOLERANCE[d][0]) if dts else None
+
+
+def check_close(out: torch.Tensor, ref64: torch.Tensor, what: str, coarse: torch.dtype | None = None) -> None:
+    """``out`` against the float64 reference rounded to ``out``'s dtype; ints and bools exactly.
+    The tolerance is the coarser of the output's and ``coarse`` (the program's least precise dtype)."""
     assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
     if not out.dtype.is_floating_point:
         assert torch.equal(out, ref64.to(out.dtype)), f"{what}: {out} != {ref64}"
@@ -346,6 +354,8 @@ def check_close(out: torch.Tensor, ref64: torch.Tensor, what: str) -> None:
     finite = want[torch.isfinite(want)]
     scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
     atol, rtol = TOLERANCE[out.dtype]
+    if coarse is not None:
+        atol, rtol = max(atol, TOLERANCE[coarse][0]), max(rtol, TOLERANCE[coarse][1])
     torch.testing.assert_close(got, want, atol=atol * scale, rtol=rtol, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 

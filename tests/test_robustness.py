@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import tracemalloc
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -357,3 +358,23 @@ def test_boolean_logic_on_zero_dim_operands():
     assert out["xor"].tolist() == [True, False, False]
     q = rx.compile(x // y)(x=torch.tensor(-7), y=torch.tensor([2, -2, 3]))
     assert q.tolist() == torch.floor_divide(torch.tensor(-7), torch.tensor([2, -2, 3])).tolist()
+
+
+@pytest.mark.parametrize(
+    "build, ref",
+    [
+        (rx.sum, torch.sum),
+        (rx.mean, torch.mean),
+        (rx.std, torch.std),
+        (rx.variance, torch.var),
+        (rx.logsumexp, lambda t, d: torch.logsumexp(t, d)),
+    ],
+    ids=["sum", "mean", "std", "variance", "logsumexp"],
+)
+def test_reducing_an_empty_extent_writes_torchs_identity(build, ref):
+    for shape, axis in [((0,), None), ((3, 0), -1), ((0, 4), 0)]:
+        t = torch.empty(shape)
+        with pytest.warns(UserWarning) if build in (rx.std, rx.variance) else nullcontext():
+            want = ref(t, axis if axis is not None else tuple(range(len(shape))))
+        got = rx.compile(build(x, axis))(x=t)
+        torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m: f"{shape} axis={axis}: {m}")

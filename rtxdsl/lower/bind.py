@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,9 +23,11 @@ from ..lru import LRU
 from ..ops import REGISTRY, OpKind, apply_ref, category
 
 
-@dataclass(frozen=True)
-class Info:
-    """What binding learnt about one node: shape and dtype, or a python scalar value."""
+class Info(NamedTuple):
+    """What binding learnt about one node: shape and dtype, or a python scalar value.
+
+    (A NamedTuple, not a frozen dataclass: the lazy stream builds one per recorded op.)
+    """
 
     value: Any = None  # python scalar, for scalar-only nodes
     shape: tuple[int, ...] = ()
@@ -131,10 +133,39 @@ def _probe_key(i: Info) -> Any:
     return type(i.value)
 
 
+def _scalar_key(i: Info) -> Any:
+    v = i.value
+    return (type(v), v if isinstance(v, int) else None, i.symbolic)  # ints by value (int ** -1 raises)
+
+
+#: (op, attrs, operand types) -> the node's Info: a loop, or the lazy stream recording the same op
+#: over same-typed operands again, types it with one lookup
+_TYPED: LRU[tuple, Info] = LRU(16384)
+
+
 def infer(n: Expr, srcs: list[Info]) -> Info:
     """Type one node from its operands' infos."""
     if n.op == "const":
         return Info(n.attr("value"))
+    parts = []
+    tensor = False
+    for i in srcs:
+        if i.dtype_ is not None:
+            tensor = True
+            parts.append((i.dtype_, i.shape))
+        else:
+            parts.append(_scalar_key(i))
+    if not tensor:  # a python value: computed, not memoized
+        return _infer(n, srcs)
+    key = (n.op, n.attrs, tuple(parts))
+    hit = _TYPED.get(key)
+    if hit is None:
+        hit = _infer(n, srcs)
+        _TYPED.put(key, hit)
+    return hit
+
+
+def _infer(n: Expr, srcs: list[Info]) -> Info:
     opdef = REGISTRY[n.op]
     if opdef.kind is OpKind.SCALAR:
         return Info(opdef.ref(*[Shaped(i.shape) for i in srcs], **n.attr_dict))

@@ -334,7 +334,10 @@ def kernel_spec(
         big=big,
         num_warps=cfg.num_warps,
     )
-    return spec, Launch(tuple(ints), tuple(vals), grid, meta, numel == 0, scalar_inputs)
+    # nothing to launch only when nothing is written: reducing an empty extent still writes
+    # torch's identity values (0 for sum, nan for mean and var, -inf for logsumexp)
+    empty = all(graph.of(o).numel == 0 for o in group.outputs)
+    return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs)
 
 
 # ---- passes over the inputs (the honest traffic model) ---------------------------------------------

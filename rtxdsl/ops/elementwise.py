@@ -44,7 +44,7 @@ def _ew(
     derivative: Callable[[D], tuple] | None,
     *,
     front: Front | None = None,
-    accepts=NUMERIC,
+    accepts=ANY,
     results=ANY,
     rule=DtypeRule.PROMOTE,
     symbol: str | None = None,
@@ -269,8 +269,8 @@ _ew(
         fn=binary_fn("add", "a + b", "a + b"),
         operators=("__add__", "__radd__"),
         torch={
-            **{f: (lambda a, b, *, alpha=1: a + _scaled(b, alpha)) for f in torch_fns("add", "__add__")},
-            torch.Tensor.__radd__: lambda a, b: b + a,
+            **{f: (lambda a, b, *, alpha=1: node("add", a, _scaled(b, alpha))) for f in torch_fns("add", "__add__")},
+            torch.Tensor.__radd__: lambda a, b: node("add", b, a),
         },
         inplace=(torch.Tensor.add_, torch.Tensor.__iadd__),
     ),
@@ -287,9 +287,12 @@ _ew(
         fn=binary_fn("sub", "a - b", "a - b"),
         operators=("__sub__", "__rsub__"),
         torch={
-            **{f: (lambda a, b, *, alpha=1: a - _scaled(b, alpha)) for f in torch_fns("sub", "subtract", "__sub__")},
-            torch.Tensor.__rsub__: lambda a, b: b - a,
-            torch.rsub: lambda a, b, *, alpha=1: b - _scaled(a, alpha),
+            **{
+                f: (lambda a, b, *, alpha=1: node("sub", a, _scaled(b, alpha)))
+                for f in torch_fns("sub", "subtract", "__sub__")
+            },
+            torch.Tensor.__rsub__: lambda a, b: node("sub", b, a),
+            torch.rsub: lambda a, b, *, alpha=1: node("sub", b, _scaled(a, alpha)),
         },
         inplace=(torch.Tensor.sub_, torch.Tensor.__isub__),
     ),
@@ -307,8 +310,8 @@ _ew(
         fn=binary_fn("mul", "a * b", "a * b"),
         operators=("__mul__", "__rmul__"),
         torch={
-            **{f: (lambda a, b: a * b) for f in torch_fns("mul", "multiply", "__mul__")},
-            torch.Tensor.__rmul__: lambda a, b: b * a,
+            **{f: (lambda a, b: node("mul", a, b)) for f in torch_fns("mul", "multiply", "__mul__")},
+            torch.Tensor.__rmul__: lambda a, b: node("mul", b, a),
         },
         inplace=(torch.Tensor.mul_, torch.Tensor.__imul__),
     ),
@@ -317,9 +320,9 @@ _ew(
 
 def _div_builder(a: Any, b: Any, *, rounding_mode: str | None = None) -> Expr:
     if rounding_mode is None:
-        return a / b
+        return node("div", a, b)
     if rounding_mode == "floor":
-        return a // b
+        return node("floordiv", a, b)
     raise Unsupported
 
 
@@ -336,7 +339,7 @@ _ew(
         operators=("__truediv__", "__rtruediv__"),
         torch={
             **dict.fromkeys(torch_fns("div", "divide", "true_divide", "__truediv__"), _div_builder),
-            torch.Tensor.__rtruediv__: lambda a, b: b / a,
+            torch.Tensor.__rtruediv__: lambda a, b: node("div", b, a),
         },
         inplace=(torch.Tensor.div_, torch.Tensor.__itruediv__),
     ),
@@ -467,7 +470,7 @@ _ew(
         fn=unary_fn("neg", "-x"),
         operators=("__neg__",),
         methods={"neg": None},
-        torch={f: (lambda a: -a) for f in torch_fns("neg", "negative", "__neg__")},
+        torch={f: (lambda a: node("neg", a)) for f in torch_fns("neg", "negative", "__neg__")},
         inplace=(torch.Tensor.neg_,),
     ),
 )

@@ -1,0 +1,119 @@
+"""Process replay: the generated source of every catalog kernel, to see what a change alters.
+
+Writes one file per kernel — every workload, every composite and the backward kernels of
+both — for a fixed set of shapes and dtypes, lowered for the GPU target (sm_90 launch
+configurations), with signatures normalized (they hash the generator's own code, so they
+change with any edit of it). ``tests/test_replay.py`` compares a fresh replay with the
+snapshot committed under ``tests/replay/`` and prints a unified diff of what changed.
+
+    python -m benches.replay --out tests/replay      # accept the current kernels as the snapshot
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import rtxdsl as rx
+from rtxdsl.build import prepare
+from rtxdsl.lower import GPU
+from rtxdsl.workloads import WORKLOADS
+
+x, y, w, b = (rx.var(n) for n in "xywb")
+#: (rows, hidden): on chip, and a row long enough to loop
+SHAPES = [(5, 33), (2, 20000)]
+#: composites by name: expression and the inputs' kinds ("rh": rows x hidden, "h": hidden)
+COMPOSITES: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {
+    "softmax": (lambda: rx.softmax(x), ("rh",)),
+    "log_softmax": (lambda: rx.log_softmax(x, axis=0), ("rh",)),
+    "logsumexp": (lambda: rx.logsumexp(x, -1), ("rh",)),
+    "layer_norm": (lambda: rx.layer_norm(x, w, b), ("rh", "h", "h")),
+    "rms_norm": (lambda: rx.rms_norm(x, w), ("rh", "h")),
+    "swiglu": (lambda: rx.swiglu(x, y), ("rh", "rh")),
+    "mean_variance_std": (lambda: {"m": rx.mean(x, 0), "v": rx.variance(x, -1), "s": rx.std(x)}, ("rh",)),
+    "amax_amin": (lambda: {"hi": rx.amax(x, -1, keepdim=True), "lo": rx.amin(x, 0)}, ("rh",)),
+    "clamp_where": (lambda: rx.where(x > 0, rx.clamp(x, -1.0, 1.0), y), ("rh", "rh")),
+}
+SIGNATURE = re.compile(r"[0-9a-f]{24}")
+NAME_HASH = re.compile(r"_[0-9a-f]{8}\(")
+
+
+def normalize(source: str) -> str:
+    return NAME_HASH.sub("_SIG(", SIGNATURE.sub("SIGNATURE", source))
+
+
+def _inputs(kinds: tuple[str, ...], names: tuple[str, ...], rows: int, hidden: int, dtype: torch.dtype) -> dict:
+    shape = {"rh": (rows, hidden), "h": (hidden,)}
+    return {n: torch.empty(shape[k], dtype=dtype) for n, k in zip(names, kinds)}
+
+
+def _sources(kernel: rx.Kernel, ins: dict[str, Any]) -> list[str]:
+    _, compiled = prepare(kernel, ins, GPU)
+    return [normalize(c.source) for c in compiled]
+
+
+def cases() -> dict[str, tuple[rx.Kernel, dict[str, Any]]]:
+    """Every kernel call to replay, by a stable name."""
+    out: dict[str, tuple[rx.Kernel, dict[str, Any]]] = {}
+    for wl in WORKLOADS:
+        k = rx.compile(wl.expr())
+        ins = wl.inputs(7, 33, wl.dtype, torch.device("cpu"), torch.Generator().manual_seed(0))
+        out[f"workload.{wl.name}"] = (k, ins)
+    for name, (expr, kinds) in COMPOSITES.items():
+        k = rx.compile(expr())
+        for rows, hidden in SHAPES:
+            for dtype in (torch.float32, torch.bfloat16):
+                out[f"composite.{name}.{rows}x{hidden}.{str(dtype).removeprefix('torch.')}"] = (
+                    k,
+                    _inputs(kinds, k.inputs, rows, hidden, dtype),
+                )
+    return out
+
+
+def replay() -> dict[str, str]:
+    """File name -> normalized source, forward and backward, for every case."""
+    files: dict[str, str] = {}
+    for name, (k, ins) in cases().items():
+        for i, src in enumerate(_sources(k, ins)):
+            files[f"{name}.fwd{i}.py"] = src
+        if any(t.dtype.is_floating_point for t in ins.values()):
+            plan = k.grad_plan(**ins)
+            feed = dict(ins)
+            fwd = plan.forward.program(**{n: feed[n] for n in plan.forward.inputs})
+            graph = fwd.plan.graph
+            for key, root in graph.outputs:  # saved statistics and cotangents, shaped as the forward makes them
+                info = graph.of(root)
+                if key in plan.grads.saved_keys:
+                    feed[key] = torch.empty(info.shape, dtype=info.dtype)
+                elif key in plan.grads.user_keys:
+                    feed[f"_g{plan.grads.user_keys.index(key)}"] = torch.empty(info.shape, dtype=info.dtype)
+            for i, src in enumerate(_sources(plan.backward, {n: feed[n] for n in plan.backward.inputs})):
+                files[f"{name}.bwd{i}.py"] = src
+    return files
+
+
+def write(out: Path) -> int:
+    files = replay()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for name, src in files.items():
+        (out / name).write_text(src)
+    return len(files)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory to (re)write, e.g. tests/replay")
+    args = ap.parse_args()
+    print(f"wrote {write(Path(args.out))} kernel sources to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
