@@ -274,7 +274,8 @@ def canonical(roots: tuple[Expr, ...]) -> tuple[tuple[Expr, ...], tuple[Expr, ..
     memo: dict[int, Expr] = {}
     params: list[Expr] = []
     for n in walk(list(roots)):
-        if n.op == "var" or n.op == "const" and (type(n.attr("value")).__name__, repr(n.attr("value"))) not in STRUCTURAL:
+        value = n.attr("value")
+        if n.op == "var" or n.op == "const" and (type(value).__name__, repr(value)) not in STRUCTURAL:
             memo[id(n)] = _arg(len(params))
             params.append(n)
         elif n.srcs:
