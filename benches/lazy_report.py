@@ -8,13 +8,12 @@ launches and bytes against eager torch.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 import rtxdsl as rx
-from benches.common import host_us, machine, markdown, save
+from benches.common import host_compare, machine, markdown, save
 
 
 class Block(torch.nn.Module):
@@ -55,42 +54,41 @@ def block_counts(rows: int, d: int) -> dict:
 
 
 def overheads(calls: int) -> list[dict]:
+    """Capture per recorded op and a cached flush, against one eager op on the same 1-element
+    tensor, timed in interleaved rounds (ratios are what this drifting machine can state)."""
     dry = rx.Fusion(rx.FusionConfig(dry_run=True))
-    t = torch.randn(1, 768)
+    t = torch.randn(1)
     la = dry.lazy(t)
+    stream = dry.stream(t.device)
 
-    def capture() -> None:  # 8 recorded ops, then drop them unflushed
+    def capture() -> None:  # 12 recorded ops (4 x mul, add, relu), then dropped unflushed
         y = la
         for _ in range(4):
             y = torch.relu(y * 2.0 + 1.0)
-        dry.stream(t.device)._reset()
+        stream._reset()
 
-    def flush_us(calls: int) -> float:  # the flush alone, of the same 12 ops through a cached plan
-        best = float("inf")
-        for _ in range(5):
-            total = 0.0
-            for _ in range(calls):
-                y = la
-                for _ in range(4):
-                    y = torch.relu(y * 2.0 + 1.0)
-                start = time.perf_counter()
-                y.torch()
-                total += time.perf_counter() - start
-            best = min(best, total / calls * 1e6)
-        return best
+    def flush() -> None:  # the same 12 ops, recorded and flushed through a cached plan
+        y = la
+        for _ in range(4):
+            y = torch.relu(y * 2.0 + 1.0)
+        y.torch()
 
     def eager() -> None:
         y = t
         for _ in range(4):
             y = torch.relu(y * 2.0 + 1.0)
 
-    cap, eag = host_us(capture, calls), host_us(eager, calls)
-    flush = flush_us(max(50, calls // 10))
-    # relu(x * 2 + 1) is 3 recorded ops (mul, add, relu): 12 per call
+    r = host_compare({"capture": capture, "flush": flush, "eager": eager, "op": lambda: t * 2.0}, calls)
+    per_op = r["capture"] / 12
     return [
-        {"what": "capture, per recorded op", "us": cap / 12},
-        {"what": "flush of a cached 12-op segment (host work, dry_run)", "us": flush},
-        {"what": "eager torch, same 12 ops on a 1x768 CPU tensor, per op", "us": eag / 12},
+        {"what": "capture, per recorded op", "us": per_op, "x eager op": per_op / r["op"]},
+        {"what": "flush of a cached 12-op segment (host work, dry_run)", "us": r["flush"] - r["capture"]},
+        {"what": "eager torch, one op (t * 2.0) on a 1-element CPU tensor", "us": r["op"], "x eager op": 1.0},
+        {
+            "what": "eager torch, the same 12 ops, per op",
+            "us": r["eager"] / 12,
+            "x eager op": r["eager"] / 12 / r["op"],
+        },
     ]
 
 
@@ -116,9 +114,9 @@ def main() -> None:
             ],
         )
     )
-    over = overheads(200 if args.quick else 3000)
+    over = overheads(100 if args.quick else 1000)
     print("\n## Capture and flush overhead (host)\n")
-    print(markdown(over, ["what", "us"]))
+    print(markdown(over, ["what", "us", "x eager op"]))
     if not args.quick:
         print(f"\nwrote {save('lazy-cpu', {'block': blocks, 'overhead': over})}")
 
