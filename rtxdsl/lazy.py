@@ -307,8 +307,9 @@ class Fusion:
         self._stats = stats or FusionStats()
         self._streams: dict[torch.device, OperationStream] = {}
         self._plans: LRU[tuple[Expr, ...], Kernel] = LRU(self.config.cache_size)
-        # the recorded roots (interned: a loop records the same ones) -> their canonical form
-        self._canon: LRU[tuple[Expr, ...], tuple[tuple[Expr, ...], tuple[Expr, ...]]] = LRU(self.config.cache_size)
+        # the last few segments' recorded roots (interned: a steady loop records the same ones) -> their
+        # canonical form; a loop whose constants change misses here and pays one walk per flush
+        self._canon: LRU[tuple[Expr, ...], tuple[tuple[Expr, ...], tuple[Expr, ...]]] = LRU(16)
         self._last: tuple[str, Kernel, tuple] | None = None
 
     @property
