@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from .cache import GLOBAL_CACHE, CompiledKernel
+from .codegen.module import kernel_source
 from .codegen.ptx import CompileFacts, compile_call
-from .codegen.source import kernel_source
 from .lower import GPU, Program, Target
 from .runtime import Kernel
 
@@ -33,6 +33,7 @@ def compile_kernel(kernel: Kernel, inputs: dict[str, Any], arch: int = 90) -> li
     """Facts for every kernel a call of ``kernel`` with ``inputs`` launches (inputs may be CPU tensors)."""
     program, compiled = prepare(kernel, inputs)
     bufs: list[Any] = [inputs[n] for n in kernel.inputs]
+    bufs += [0] * (program.n_inputs - len(bufs))  # drawn seeds: scalars, not buffers
     bufs += [torch.empty(b.shape, dtype=b.dtype) for b in program.buffers]
     return [
         compile_call(c.jit, call, [bufs[i] for i in call.buffers], arch) for c, call in zip(compiled, program.kernels)

@@ -39,7 +39,7 @@ def generator_digest() -> str:
     """Hash of the code that turns specs into source: a changed generator never reuses stale files."""
     root = Path(__file__).parent
     h = hashlib.sha256()
-    for path in sorted([*root.glob("codegen/*.py"), *root.glob("ops/*.py")]):
+    for path in sorted([*root.glob("codegen/*.py"), *root.glob("ops/*.py"), root / "registry.py", root / "dtypes.py"]):
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

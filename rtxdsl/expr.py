@@ -272,5 +272,5 @@ def _format_one(n: Expr, parts: list[tuple[str, int]]) -> tuple[str, int]:
         right = rt if rp > prec or (rp == prec and sym in ("+", "*", "**")) else f"({rt})"
         return f"{left} {sym} {right}", prec
     args = [t for t, _ in parts] + [f"{k}={_attr_text(v)}" for k, v in n.attrs]
-    name = opdef.public[0] if opdef.public else n.op
+    name = opdef.public[0] if opdef.public and opdef.front.parse else n.op
     return f"{name}({', '.join(args)})", 99

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .config import FusionConfig, get_config
 from .dsl import var
@@ -68,16 +67,6 @@ VIEWS |= {getattr(torch, n) for n in ("reshape", "unsqueeze", "squeeze", "transp
 STRUCTURAL = frozenset(
     {("int", "0"), ("int", "1"), ("int", "-1"), ("float", "0.0"), ("float", "1.0"), ("float", "-1.0")}
 )
-
-
-def _dropout_eval(a: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
-    if training and p > 0:
-        raise Unsupported  # random: runs eagerly
-    return a  # evaluation mode: the identity, so it does not cut a fused segment
-
-
-#: torch functions that are the identity on a recorded value (no op of their own)
-IDENTITY: dict[Any, Callable[..., Any]] = {F.dropout: _dropout_eval, torch.dropout: _dropout_eval}
 
 
 # ---- tensors with pending in-place writes -------------------------------------------------------
@@ -311,6 +300,7 @@ class Fusion:
         # canonical form; a loop whose constants change misses here and pays one walk per flush
         self._canon: LRU[tuple[Expr, ...], tuple[tuple[Expr, ...], tuple[Expr, ...]]] = LRU(16)
         self._last: tuple[str, Kernel, tuple] | None = None
+        self.eager_ops = 0  # ops run eagerly at sync points (matmuls, attention, unsupported calls)
 
     @property
     def config(self) -> FusionConfig:
@@ -389,6 +379,7 @@ class Fusion:
             if aliased:
                 s.flush(f"{reason}: it reads a tensor with a pending in-place write")
         out = func(*real_args, **real_kwargs)
+        self.eager_ops += 1
         nbytes = sum(t.numel() * t.element_size() for t in _tensors((real_args, real_kwargs, out)))
         self._stats.record(1, 0, 1, nbytes, nbytes)
         log.debug("eager %s (%s)", getattr(func, "__name__", func), reason)
@@ -556,9 +547,11 @@ class LazyTensor:
             else:  # (a conversion that flushed the stream takes the careful path below)
                 if stream is not None and stream.epoch == epoch and stream.fusion.config.enabled:
                     try:
-                        return stream.record(entry[1](*operands))
+                        out = entry[1](*operands)
                     except Unsupported:
                         pass
+                    else:  # an identity (eval-mode dropout) gives its operand back
+                        return args[0] if out is operands[0] else stream.record(out)
         return _dispatch(func, args, kwargs or {})
 
     def __getattr__(self, name: str) -> Any:
@@ -580,7 +573,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if func in VIEWS:
         return _view(func, args, kwargs, fusion)
     entry = REGISTRY.torch.get(func)
-    builder = entry[1] if entry is not None else IDENTITY.get(func)
+    builder = entry[1] if entry is not None else None
     mixed = any(lt._stream is not stream for lt in lazies)
     if builder is None or mixed or not fusion.config.enabled:
         return fusion._eager(func, args, kwargs, f"unsupported {_name(func)}")
@@ -588,8 +581,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         expr = _build(builder, args, kwargs, stream)
     except Unsupported:
         return fusion._eager(func, args, kwargs, f"unsupported arguments of {_name(func)}")
-    if isinstance(expr, LazyTensor):  # an identity builder gave its operand back
-        return expr
+    for a in args:  # an identity (eval-mode dropout) gave its operand back
+        if isinstance(a, LazyTensor) and a._expr is not None and a._expr is expr:
+            return a
     return stream.record(expr)
 
 
@@ -605,8 +599,6 @@ _new = object.__new__
 def _build(builder: Callable[..., Any], args: tuple, kwargs: dict, stream: OperationStream) -> Any:
     """Operands as expressions, then the op's builder; redone if converting an operand flushed the
     stream (a read of a tensor with a pending in-place write): no operand keeps a stale leaf."""
-    if builder in IDENTITY.values():
-        return builder(*args, **kwargs)
     while True:
         epoch = stream.epoch
         exprs = [_expr_of(a, stream) for a in args]

@@ -92,6 +92,40 @@ class ReduceSpec:
     lanes: bool = False
 
 
+@dataclass(frozen=True)
+class Coords:
+    """Where a movement op's value is read: an index expression per dimension (source text),
+    plus the predicates (masks) a load there must also satisfy."""
+
+    idx: tuple[str, ...]
+    pred: tuple[str, ...] = ()
+
+    def at(self, axis: int, index: str) -> Coords:
+        """These coordinates with ``index`` on ``axis`` (parenthesized: remaps compose as text)."""
+        if not index.replace("_", "").isalnum():
+            index = f"({index})"
+        return Coords(self.idx[:axis] + (index,) + self.idx[axis + 1 :], self.pred)
+
+    def where(self, *pred: str) -> Coords:
+        return Coords(self.idx, self.pred + pred)
+
+
+@dataclass(frozen=True)
+class RemapCtx:
+    """What a movement op's ``remap`` sees: its output coordinates, its attributes, the names of
+    its launch arguments, its operands' ranks, and ways to read operands at other coordinates
+    (``value(k, coords)``), bind a temporary (``tmp``) and report an out-of-range index (``flag``)."""
+
+    out: Coords
+    attrs: dict[str, Any]
+    args: tuple[str, ...]
+    src_ranks: tuple[int, ...]
+    value: Callable[[int, Coords], str]
+    tmp: Callable[[str], str]
+    flag: Callable[[str], None]
+    zero: str  # a name holding 0 with the shape of the kernel's index tile (for index-only values)
+
+
 #: categories an op accepts for its tensor operands
 FLOAT, INT, BOOL = "float", "int", "bool"
 ANY = frozenset({FLOAT, INT, BOOL})
@@ -141,10 +175,29 @@ class OpDef:
     emit: Callable[..., str] | None = None
     reduce: ReduceSpec | None = None
     decompose: Callable[..., Any] | None = None
+    #: the decomposition also takes ``shapes=`` and ``dtypes=`` of its operands (rank- or
+    #: dtype-dependent lowering: cross_entropy's class axis and target kind)
+    typed_decompose: bool = False
     #: result shape from operand shapes and attributes; None: broadcasting
     shape: Callable[..., tuple[int, ...]] | None = None
     #: attributes in canonical form, from operand shapes (normalized axes): (shapes, **attrs) -> attrs
     canonical: Callable[..., dict[str, Any]] | None = None
+    #: movement ops: the value at ``ctx.out`` from operands read at other coordinates (source text)
+    remap: Callable[[RemapCtx], str] | None = None
+    #: movement ops: attributes whose values are launch arguments, not part of the signature
+    launch_attrs: tuple[str, ...] = ()
+    #: movement ops: int launch arguments from (operand shapes, output shape, **attrs)
+    launch_args: Callable[..., tuple[int, ...]] | None = None
+    #: movement ops that only insert size-1 dims: flat kernels address them in place
+    view: bool = False
+    #: operand positions read for their shape only (``arange_like``): never loaded
+    shape_only: tuple[int, ...] = ()
+    #: result dtype from operand dtypes and attributes, where probing torch cannot tell (an op
+    #: whose reference reads index values); None: torch's answer on one-element probes
+    result_dtype: Callable[..., torch.dtype] | None = None
+    #: movement ops reading at loaded positions (``gather``): the operand holding the indices,
+    #: checked against bounds in the kernel
+    index_operand: int | None = None
     #: derivative rule (see ops/helpers.D); None: not differentiable yet
     derivative: Callable[..., Any] | None = None
     #: FusionPattern a group containing this op is labelled with

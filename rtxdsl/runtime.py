@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .cache import GLOBAL_CACHE, CompiledKernel
-from .codegen.source import kernel_source
+from .codegen.module import kernel_source
 from .config import FusionConfig, get_config
 from .dtypes import SHORT_NAME, check_supported
 from .errors import (
@@ -40,6 +40,7 @@ from .lower.schedule import encode_scalar
 from .lower.vjp import Gradients, differentiate
 from .lru import LRU
 from .ops import REGISTRY, apply_ref
+from .ops.random import SEED_PREFIX, draw_seed
 from .stats import GLOBAL_STATS, FusionStats
 
 #: Triton's interpreter keeps global state (the current program id, patched tl functions)
@@ -97,6 +98,11 @@ def _generate_run(
         lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
     names = [f"t{i}" for i in range(n)]
     for k, b in enumerate(program.buffers):
+        if b.zero:  # index-check flags
+            scope[f"SHAPE{k}"], scope[f"DT{k}"], scope["zeros"] = b.shape, b.dtype, torch.zeros
+            lines.append(f"    b{k} = zeros(SHAPE{k}, dtype=DT{k}, device=DEV)")
+            names.append(f"b{k}")
+            continue
         same = next(
             (i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and tuple(t.shape) == b.shape
              and t.dtype == b.dtype and t.is_contiguous()),
@@ -121,6 +127,11 @@ def _generate_run(
                 scope[f"ARGS{j}"] = call.args
                 args = f"*ARGS{j}"
             lines.append(f"    L{j}({operands}, {args}, **META{j})")
+        checking = config.check_indices or scope["DEV"].type == "cpu"
+        for j, call in enumerate(program.launched):
+            if call.checks and checking:  # one flag read after the launch
+                scope[f"CHECK{j}"] = _IndexCheck(call.checks)
+                lines.append(f"    CHECK{j}({names[call.buffers[-1]]})")
         p = program
         scope["record"] = kernel._stats.record
         lines.append(
@@ -137,6 +148,19 @@ def _generate_run(
     source = "\n".join(lines) + "\n"
     exec(source, scope)  # noqa: S102 - generated from the program's structure, no user text
     return scope["run"], source
+
+
+class _IndexCheck:
+    """Raises for the first flag a kernel set: an index it was asked to read was out of range."""
+
+    __slots__ = ("messages",)
+
+    def __init__(self, messages: tuple[str, ...]) -> None:
+        self.messages = messages
+
+    def __call__(self, flags: torch.Tensor) -> None:
+        if flags.any():
+            raise RtxError(self.messages[int(flags.nonzero()[0, 0])])
 
 
 class _ArgFill:
@@ -203,6 +227,7 @@ class Kernel:
         *,
         inputs: tuple[str, ...] | None = None,
         stats: FusionStats | None = None,
+        draw_seeds: bool = True,
     ) -> None:
         if config is not None and not isinstance(config, FusionConfig):
             raise RtxError(f"config must be a FusionConfig, got {type(config).__name__}")
@@ -227,8 +252,13 @@ class Kernel:
             if missing:
                 raise RtxError(f"the expression reads {missing[0]!r}, which is not among the inputs {inputs}")
             found = tuple(by_name[n] for n in inputs)
+        # per-call random seeds (rx.rand_like / rx.dropout with seed=None): hidden inputs drawn
+        # on every call and handed to the backward, last among the variables
+        hidden = tuple(v for v in found if draw_seeds and v.attr("name").startswith(SEED_PREFIX))
+        found = tuple(v for v in found if all(v is not h for h in hidden)) + hidden
+        self._seeds = len(hidden)
         self._vars = found
-        self.inputs: tuple[str, ...] = tuple(v.attr("name") for v in found)
+        self.inputs: tuple[str, ...] = tuple(v.attr("name") for v in found[: len(found) - len(hidden)])
         self._index = {n: i for i, n in enumerate(self.inputs)}
         self._config = config
         self._stats = stats or GLOBAL_STATS
@@ -271,12 +301,14 @@ class Kernel:
             self._grads.resize(cfg.launch_cache_size)
             self._seen_config = cfg
             self._last = (None, None)
-        tensors = args if not kwargs and len(args) == self._arity else self._collect(args, kwargs)
+        tensors = args if not kwargs and len(args) == self._arity else self._collect_given(args, kwargs)
         try:
             key = self._key(*tensors)
         except AttributeError:  # a python number for a scalar input (or a wrong argument)
             self._check_types(tensors)
             key = _mixed_key(tensors)
+        if self._seeds:
+            tensors = (*tensors, *[draw_seed() for _ in range(self._seeds)])
         last_key, launch = self._last
         if key != last_key:  # the same layout as the last call needs no hashing: steady loops
             launch = self._launches.get(key)
@@ -303,10 +335,10 @@ class Kernel:
     def _grad_plan(self, program: Program, needs: tuple[bool, ...]) -> GradPlan:
         grads = differentiate(program.plan.graph, self._outputs, needs)
         return GradPlan(
-            forward=Kernel(dict(grads.forward), self._config, stats=self._stats),
-            backward=Kernel(dict(grads.backward), self._config, stats=self._stats),
+            forward=Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False),
+            backward=Kernel(dict(grads.backward), self._config, stats=self._stats, draw_seeds=False),
             grads=grads,
-            input_names=self.inputs,
+            input_names=tuple(v.attr("name") for v in self._vars),
         )
 
     def grad_plan(self, *args: Any, **kwargs: Any) -> GradPlan:
@@ -326,6 +358,11 @@ class Kernel:
         return self._grad_plan(self.program(*tensors), needs)
 
     def _collect(self, args: tuple, kwargs: dict) -> tuple:
+        """The call's inputs in variable order, with fresh seeds for the hidden ones."""
+        tensors = self._collect_given(args, kwargs)
+        return (*tensors, *[draw_seed() for _ in range(self._seeds)]) if self._seeds else tensors
+
+    def _collect_given(self, args: tuple, kwargs: dict) -> tuple:
         n = len(self.inputs)
         if not kwargs and len(args) == n:
             return args

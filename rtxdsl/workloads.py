@@ -56,6 +56,28 @@ def _adam_inputs(rows: int, hidden: int, dtype: torch.dtype, device: torch.devic
     return ins
 
 
+def _ce_inputs(rows: int, hidden: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    target = torch.randint(0, hidden, (rows,), generator=gen)
+    target[::7] = -100  # padding tokens: ignored
+    return {"x": _rand(gen, device, dtype, rows, hidden), "t": target.to(device)}
+
+
+def _rope_inputs(rows: int, hidden: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    """q and k as [rows, hidden] (tokens x one head's dim, made even); cos / sin of the positions."""
+    half = hidden // 2
+    hidden = 2 * half
+    angle = torch.arange(rows)[:, None] * (10000 ** (-torch.arange(half) / half))[None]
+    angle = torch.cat((angle, angle), -1)
+    ins = _named(("q", "rh"), ("k", "rh"))(rows, hidden, dtype, device, gen)
+    return {**ins, "c": angle.cos().to(device=device, dtype=dtype), "s": angle.sin().to(device=device, dtype=dtype)}
+
+
+def rope_eager(t: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Hugging Face Llama's apply_rotary_pos_emb for one tensor."""
+    half = t.shape[-1] // 2
+    return t * c + torch.cat((-t[..., half:], t[..., :half]), -1) * s
+
+
 def adamw(lr: float, b1: float, b2: float, eps: float, wd: float, step: int) -> dict[str, Expr]:
     """One AdamW step: new parameter, first and second moments, as one three-output kernel."""
     p, g, m, v = rx.var("p"), rx.var("g"), rx.var("m"), rx.var("v")
@@ -125,6 +147,30 @@ WORKLOADS: list[Workload] = [
         lambda g, w, u: F.silu(F.rms_norm(g, g.shape[-1:], w, 1e-6)) * u,
     ),
     Workload("adamw_step", lambda: adamw(**ADAMW), _adam_inputs, lambda p, g, m, v: adamw_eager(p, g, m, v, **ADAMW)),
+    Workload(
+        "add_rms_norm",
+        lambda: {"h": rx.var("x") + rx.var("r"), "y": rx.rms_norm(rx.var("x") + rx.var("r"), rx.var("w"))},
+        _named(("x", "rh"), ("r", "rh"), ("w", "h")),
+        lambda x, r, w: {"h": x + r, "y": F.rms_norm(x + r, x.shape[-1:], w, 1e-6)},
+    ),
+    Workload(
+        "geglu",
+        lambda: rx.geglu(rx.var("g"), rx.var("u"), approximate="tanh"),
+        _named(("g", "rh"), ("u", "rh")),
+        lambda g, u: F.gelu(g, approximate="tanh") * u,
+    ),
+    Workload(
+        "rope_qk",
+        lambda: {"q": rx.rope(*_v("q", "c", "s")), "k": rx.rope(*_v("k", "c", "s"))},
+        _rope_inputs,
+        lambda q, k, c, s: {"q": rope_eager(q, c, s), "k": rope_eager(k, c, s)},
+    ),
+    Workload(
+        "cross_entropy",
+        lambda: rx.cross_entropy(rx.var("x"), rx.var("t"), label_smoothing=0.1),
+        _ce_inputs,
+        lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1),
+    ),
 ]
 
 BY_NAME = {w.name: w for w in WORKLOADS}

@@ -2,8 +2,8 @@
 
 A program is a few inputs (odd, broadcast-compatible shapes, 0-dim and empty ones, mixed
 dtypes, contiguous / transposed / sliced / expanded layouts, NaN and inf sprinkled in) and a
-DAG of ops over them (every elementwise op, reduction and composite, shared subexpressions,
-several outputs). Ops whose domain is restricted get "safe" operands (log of |x| + 1/4, exp
+DAG of ops over them (every elementwise op, reduction and composite, slices, flips, integer
+indexing, joins and positions, shared subexpressions, several outputs). Ops whose domain is restricted get "safe" operands (log of |x| + 1/4, exp
 of a clamp) so a float64 reference and a float32 kernel stay comparable.
 
 ``RTXDSL_FUZZ_EXAMPLES`` sets how many programs each fuzz test runs (CI-sized by default).
@@ -204,9 +204,47 @@ def _axis(draw: Any, shape: tuple[int, ...]) -> Any:
     return axis
 
 
+def _move(draw: Any, pool: list[Value], a: Value) -> tuple[str, Value] | None:
+    """A movement op over ``a``: a slice, flip, integer index, join or positions along one axis."""
+    r = len(a.shape)
+    ax = draw(st.integers(-r, r - 1))
+    n = a.shape[ax]
+    lead = (slice(None),) * (ax % r)
+    name = draw(st.sampled_from(["slice", "flip", "select", "cat", "arange"]))
+    if name == "slice":
+        start, stop = draw(st.integers(-n - 1, n + 1)), draw(st.sampled_from([None, *range(-n - 1, n + 2)]))
+        step = draw(st.integers(1, 3))
+        length = len(range(*slice(start, stop, step).indices(n)))
+        shape = a.shape[: ax % r] + (length,) + a.shape[ax % r + 1 :]
+        return name, Value(a.expr[(*lead, slice(start, stop, step))], shape, a.kind)
+    if name == "flip":
+        return name, Value(rx.flip(a.expr, ax), a.shape, a.kind)
+    if name == "select" and n:
+        i = draw(st.integers(-n, n - 1))
+        return name, Value(a.expr[(*lead, i)], a.shape[: ax % r] + a.shape[ax % r + 1 :], a.kind)
+    if name == "cat":
+        fits = [
+            v for v in pool
+            if v.kind == a.kind and len(v.shape) == r
+            and all(x == y for d, (x, y) in enumerate(zip(v.shape, a.shape)) if d != ax % r)
+        ]  # fmt: skip
+        b = draw(st.sampled_from(fits))
+        shape = a.shape[: ax % r] + (n + b.shape[ax % r],) + a.shape[ax % r + 1 :]
+        return name, Value(rx.cat([a.expr, b.expr], ax), shape, a.kind)
+    if name == "arange" and a.kind != "bool":
+        return name, Value(a.expr + rx.arange_like(a.expr, ax), a.shape, a.kind)
+    return None
+
+
 def _step(draw: Any, pool: list[Value], steps: list[str], names: list[str]) -> None:
     """Add one op to ``pool`` (over earlier entries, shared freely)."""
     a = draw(st.sampled_from(pool))
+    if a.shape and draw(st.integers(0, 4)) == 0:
+        moved = _move(draw, pool, a)
+        if moved is not None:
+            pool.append(moved[1])
+            steps.append(moved[0])
+            return
     choice = draw(st.integers(0, 9))
     floats = [v for v in pool if v.kind == "float"]
     if a.kind == "bool" and choice < 7:

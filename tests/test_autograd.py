@@ -56,6 +56,12 @@ CASES = {
     "layer_norm": (rx.layer_norm(x, w, b), lambda: (_any(3, 5), _any(5), _any(5))),
     "rms_norm": (rx.rms_norm(x, w), lambda: (_any(3, 5), _any(5))),
     "swiglu": (rx.swiglu(x, y), lambda: (_any(3, 5), _any(3, 5))),
+    "geglu": (rx.geglu(x, y), lambda: (_any(3, 5), _any(3, 5))),
+    "slices_cat_flip": (rx.cat([x[:, 1::2], rx.flip(y, -1)], -1) * x[:, :1], lambda: (_any(3, 6), _any(3, 2))),
+    "select_stack_narrow": (rx.stack([x[0], rx.narrow(y, 0, 1, 4)], 1), lambda: (_any(3, 4), _any(5))),
+    "rope": (rx.rope(x, w, b), lambda: (_any(2, 3, 6), _any(3, 6), _any(3, 6))),
+    "rope_interleaved": (rx.rope(x, w, b, interleaved=True), lambda: (_any(2, 4), _any(4), _any(4))),
+    "dropout_layer_norm": (rx.layer_norm(rx.dropout(x, 0.3, seed=5) + y), lambda: (_any(3, 7), _any(3, 7))),
 }
 
 

@@ -118,7 +118,7 @@ def test_nan_and_inf_propagate_like_torch():
 
 def test_int64_offsets_when_an_extent_reaches_2_31():
     """The spec switches to int64 indexing from sizes alone (no 2**31-element tensor needed)."""
-    from rtxdsl.codegen.source import kernel_source
+    from rtxdsl.codegen.module import kernel_source
     from rtxdsl.lower import Layout, lower
 
     k = rx.compile(rx.var("x") * 2.0)

@@ -66,7 +66,7 @@ class _Scope:
         self.lines.append(self.indent + line)
 
 
-class _Writer:
+class Writer:
     def __init__(self, spec: KernelSpec) -> None:
         self.spec = spec
         self.row = spec.kind == "row"
@@ -113,6 +113,8 @@ class _Writer:
 
     # ---- indexing ---------------------------------------------------------------------
     def _decompose(self, scope: _Scope, flat: str, prefix: str, size: str, n: int) -> list[str]:
+        if n == 0:
+            return []
         if n == 1:
             return [flat]
         names = [f"{prefix}{d}" for d in range(n)]
@@ -206,9 +208,8 @@ class _Writer:
             raise AssertionError(f"two different helpers named {name!r}")
         return name
 
-    def _operands(self, node: NodeSpec, loop: _Scope) -> list[str]:
+    def _operands(self, node: NodeSpec, names: list[str]) -> list[str]:
         rule = REGISTRY[node.op].rule
-        names = [self.value(r, loop) for r in node.srcs]
         if rule is DtypeRule.CAST:
             return names
         wants = [node.cdt] * len(names)
@@ -217,7 +218,10 @@ class _Writer:
         return [self.cast(n, w) for n, w in zip(names, wants)]
 
     def _emit_node(self, node: NodeSpec, name: str, scope: _Scope, loop: _Scope) -> str:
-        args = self._operands(node, loop)
+        return self._emit_with(node, name, scope, [self.value(r, loop) for r in node.srcs])
+
+    def _emit_with(self, node: NodeSpec, name: str, scope: _Scope, operands: list[str]) -> str:
+        args = self._operands(node, operands)
         expr = REGISTRY[node.op].emit(self._ctx(node, scope, node.cdt), *args)
         result = compute_dtype(node.dtype)
         if result is not torch.bool and not result.is_floating_point:
@@ -374,11 +378,3 @@ class _Writer:
     def _close_loop(self, loop: _Scope) -> None:
         self.top.add("for col_start in range(0, n_cols, BLOCK_SIZE):")
         self.top.lines.extend(loop.lines)
-
-
-def kernel_source(spec: KernelSpec, name: str, signature: str, summary: str) -> str:
-    """The whole generated module: imports and one ``@triton.jit`` kernel called ``name``."""
-    w = _Writer(spec)
-    kernel = w.row_kernel(name) if spec.kind == "row" else w.pointwise(name)
-    helpers = "".join(f"{src}\n\n" for src in w.helpers.values())
-    return render(MODULE, signature=signature, summary=summary.replace("\n", " "), helpers=helpers, kernel=kernel)

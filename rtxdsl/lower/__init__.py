@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from ..config import FusionConfig
 from ..expr import Expr
 from .analyze import Group, Plan, Role, analyze
@@ -58,6 +60,10 @@ def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> P
     calls = []
     for g in plan.groups:
         spec, launch = kernel_spec(g, graph, lay, target)
+        flags: tuple[int, ...] = ()
+        if spec.flags:  # index checks: an int32 flag per gathering op, zeroed per call
+            flags = (n_inputs + len(buffers),)
+            buffers.append(Buffer((len(spec.flags),), torch.int32, zero=True))
         reads = input_reads(spec)
         nbytes = sum(r * lay[id(i)].nbytes for r, i in zip(reads, g.inputs)) + sum(lay[id(o)].nbytes for o in g.outputs)
         calls.append(
@@ -65,7 +71,7 @@ def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> P
                 spec=spec,
                 summary=f"{g.pattern}: {', '.join(g.ops)}",
                 grid=launch.grid,
-                buffers=tuple(slots[id(i)] for i in g.inputs) + tuple(slots[id(o)] for o in g.outputs),
+                buffers=tuple(slots[id(i)] for i in g.inputs) + tuple(slots[id(o)] for o in g.outputs) + flags,
                 args=(*launch.ints, *launch.scalars),
                 meta=launch.meta,
                 ops=len(g.nodes),
@@ -73,6 +79,7 @@ def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> P
                 passes=max(reads, default=1),
                 empty=launch.empty,
                 scalar_inputs=launch.scalar_inputs,
+                checks=launch.checks,
             )
         )
     outputs: list[tuple[str, int | None]] = []

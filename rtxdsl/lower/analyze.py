@@ -19,6 +19,11 @@ The analysis is a sequence of passes, each a function from (graph, groups) to ne
    it from leaves instead of reading it back.
 5. ``finish``: what each kernel reads and writes (a value is written only when requested or
    read by a kernel that does not compute it), its pattern, and a launch order.
+
+Movement ops that re-index (slices, ``cat``, ``flip``, ``gather``) are evaluated inside the
+kernel that consumes them: their operands' elementwise cones are recomputed at the remapped
+coordinates from leaves and reductions (:class:`Flow`). A node only ever read through such
+cones is *free*: no group owns it and nothing writes it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,17 @@ class Role(enum.Enum):
     DROP = "drop"
 
 
-PATTERN_PRIORITY = ("LayerNorm", "RMSNorm", "Softmax", "Reduction", "Activation", "ElementwiseChain", "Single")
+PATTERN_PRIORITY = (
+    "CrossEntropy",
+    "LayerNorm",
+    "RMSNorm",
+    "RoPE",
+    "Softmax",
+    "Reduction",
+    "Activation",
+    "ElementwiseChain",
+    "Single",
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,12 @@ class Group:
     inputs: tuple[Expr, ...] = ()  # tensors read: vars or other groups' outputs
     outputs: tuple[Expr, ...] = ()
     pattern: str = "Single"
+    cone: tuple[Expr, ...] = ()  # free nodes its movement ops evaluate at remapped coordinates
+
+    @property
+    def remaps(self) -> bool:
+        """Does the kernel evaluate values at re-indexed coordinates (a coordinate-mode kernel)?"""
+        return bool(self.cone) or any(reindexes(n) for n in self.nodes)
 
     @property
     def is_row(self) -> bool:
@@ -86,14 +107,88 @@ class Plan:
 
 def analyze(graph: Graph, config: FusionConfig) -> Plan:
     """Partition ``graph`` into fusion groups under ``config``'s limits."""
-    groups = partition(graph, config, frozenset())
+    fl = flow(graph)
+    groups = partition(graph, fl, config, frozenset())
     small = frozenset(id(n) for g in groups if len(g.nodes) < config.min_fusion_ops for n in g.nodes)
     if small:
-        groups = partition(graph, config, small)
-    groups = merge_siblings(graph, groups, config, small)
-    groups = absorb_per_row(graph, groups, config, small)
-    groups = recompute_elementwise(graph, groups, config, small)
-    return finish(graph, groups)
+        groups = partition(graph, fl, config, small)
+    groups = merge_siblings(graph, fl, groups, config, small)
+    groups = absorb_per_row(graph, fl, groups, config, small)
+    groups = recompute_elementwise(graph, fl, groups, config, small)
+    return finish(graph, fl, groups)
+
+
+# ---- data flow through movement ops -------------------------------------------------------------
+def reindexes(n: Expr) -> bool:
+    """A movement op a kernel evaluates by reading its operands at other coordinates."""
+    op = REGISTRY[n.op]
+    return op.kind is OpKind.MOVEMENT and not op.view
+
+
+def read_srcs(n: Expr) -> tuple[Expr, ...]:
+    """Operands whose values ``n`` reads (not those it takes only a shape from)."""
+    skip = REGISTRY[n.op].shape_only
+    return tuple(s for k, s in enumerate(n.srcs) if k not in skip) if skip else n.srcs
+
+
+@dataclass(frozen=True)
+class Flow:
+    """What each grouped node needs, seen through movement ops.
+
+    ``reads[id(n)]``: the nodes whose values a kernel computing ``n`` must have (members of its
+    group, or tensors it loads). For a re-indexing movement op these are the *boundaries* of
+    its cone: leaves and reductions; the elementwise and movement nodes between them
+    (``cones[id(n)]``) are recomputed at the remapped coordinates. ``free``: nodes read only
+    inside cones; no group computes them at their own coordinates.
+    """
+
+    reads: Mapping[int, tuple[Expr, ...]]
+    cones: Mapping[int, tuple[Expr, ...]]
+    free: frozenset[int]
+
+
+def flow(graph: Graph) -> Flow:
+    requested = {id(e) for _, e in graph.outputs}
+    leaf = {id(n) for n in graph.nodes if is_leaf(n, graph.info)}
+    readers: dict[int, list[Expr]] = {}
+    for n in graph.nodes:
+        if id(n) not in leaf:
+            for s in read_srcs(n):
+                readers.setdefault(id(s), []).append(n)
+    free: set[int] = set()
+    for n in reversed(graph.nodes):
+        kind = REGISTRY[n.op].kind
+        if id(n) in leaf or id(n) in requested or kind not in (OpKind.ELEMENTWISE, OpKind.MOVEMENT):
+            continue
+        if all(reindexes(c) or id(c) in free for c in readers.get(id(n), ())):
+            free.add(id(n))
+    reads: dict[int, tuple[Expr, ...]] = {}
+    cones: dict[int, tuple[Expr, ...]] = {}
+    for n in graph.nodes:
+        if id(n) in leaf:
+            continue
+        if not reindexes(n):
+            reads[id(n)] = read_srcs(n)
+            continue
+        cone: list[Expr] = []
+        bounds: list[Expr] = []
+        seen: set[int] = set()
+
+        def visit(s: Expr) -> None:
+            if id(s) in seen:
+                return
+            seen.add(id(s))
+            if id(s) in leaf or REGISTRY[s.op].kind is OpKind.REDUCTION:
+                bounds.append(s)
+                return
+            for x in read_srcs(s):
+                visit(x)
+            cone.append(s)
+
+        for s in read_srcs(n):
+            visit(s)
+        reads[id(n)], cones[id(n)] = tuple(bounds), tuple(cone)
+    return Flow(MappingProxyType(reads), MappingProxyType(cones), frozenset(free))
 
 
 # ---- a group while a pass edits it -------------------------------------------------------------
@@ -103,14 +198,16 @@ class _Work:
     axes: tuple[int, ...] = ()
     nodes: list[Expr] = field(default_factory=list)
     roles: dict[int, Role] = field(default_factory=dict)
+    free: list[Expr] = field(default_factory=list)  # recomputed where views of them are read
 
     @staticmethod
     def of(g: Group) -> _Work:
-        return _Work(g.shape, g.axes, list(g.nodes), dict(g.roles))
+        return _Work(g.shape, g.axes, list(g.nodes), dict(g.roles), list(g.cone))
 
     def freeze(self, order: Mapping[int, int]) -> Group:
         nodes = tuple(sorted(self.nodes, key=lambda m: order[id(m)]))
-        return Group(self.shape, self.axes, nodes, MappingProxyType(dict(self.roles)))
+        cone = tuple(sorted(self.free, key=lambda m: order[id(m)]))
+        return Group(self.shape, self.axes, nodes, MappingProxyType(dict(self.roles)), cone=cone)
 
     @property
     def is_row(self) -> bool:
@@ -130,11 +227,12 @@ def _order(graph: Graph) -> dict[int, int]:
     return {id(n): i for i, n in enumerate(graph.nodes)}
 
 
-def _consumers(graph: Graph) -> dict[int, list[Expr]]:
+def _consumers(graph: Graph, fl: Flow) -> dict[int, list[Expr]]:
+    """node id -> the grouped nodes that read it (through movement cones: their boundaries)."""
     out: dict[int, list[Expr]] = {}
     for n in graph.nodes:
-        if not is_leaf(n, graph.info):
-            for s in n.srcs:
+        if id(n) in fl.reads and id(n) not in fl.free:
+            for s in fl.reads[id(n)]:
                 out.setdefault(id(s), []).append(n)
     return out
 
@@ -148,7 +246,8 @@ def _broadcasts(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
 class _Deps:
     """Which groups read which (through node operands), for cycle checks while groups merge."""
 
-    def __init__(self) -> None:
+    def __init__(self, fl: Flow) -> None:
+        self.fl = fl
         self.home: dict[int, _Work] = {}  # node id -> the group that computes (and may write) it
         self.reads: dict[int, set[int]] = {}  # group id -> ids of groups it reads
         self.by_id: dict[int, _Work] = {}
@@ -159,7 +258,7 @@ class _Deps:
 
     def put(self, g: _Work, n: Expr) -> None:
         self.home[id(n)] = g
-        for s in n.srcs:
+        for s in self.fl.reads[id(n)]:
             h = self.home.get(id(s))
             if h is not None and h is not g:
                 self.reads[id(g)].add(id(h))
@@ -193,13 +292,13 @@ class _Deps:
 
 
 # ---- pass 1: greedy partition ----------------------------------------------------------------
-def partition(graph: Graph, config: FusionConfig, solo: frozenset[int]) -> tuple[Group, ...]:
+def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]) -> tuple[Group, ...]:
     """Groups built in topological order; nodes in ``solo`` get a kernel of their own."""
     cap = config.max_fusion_ops
     requested = {id(e) for _, e in graph.outputs}
-    consumers = _consumers(graph)
+    consumers = _consumers(graph, fl)
     groups: list[_Work] = []
-    deps = _Deps()
+    deps = _Deps(fl)
 
     def new(n: Expr, shape: tuple[int, ...], axes: tuple[int, ...], role: Role) -> _Work:
         g = _Work(tuple(shape), tuple(axes))
@@ -226,6 +325,14 @@ def partition(graph: Graph, config: FusionConfig, solo: frozenset[int]) -> tuple
     def role_in(g: _Work, n: Expr, also: _Work | None = None) -> Role | None:
         """The role ``n`` would have in ``g`` (merged with ``also``), or None if it cannot join."""
         shape = graph.of(n).shape
+        if reindexes(n):  # its cone's boundaries are read from memory: written by other kernels first
+            if any(deps.home.get(id(s)) in (g, also) for s in fl.reads[id(n)]):
+                return None
+            if shape == g.shape:
+                return Role.FULL
+            if g.is_row and shape == g.keep_shape():
+                return Role.KEEP
+            return Role.DROP if g.is_row and shape == g.drop_shape() else None
         view = REGISTRY[n.op].kind is OpKind.MOVEMENT
         if not g.is_row:
             if view and any(deps.home.get(id(s)) in (g, also) for s in n.srcs):
@@ -244,6 +351,11 @@ def partition(graph: Graph, config: FusionConfig, solo: frozenset[int]) -> tuple
             return Role.KEEP
         return None
 
+    def can_join_rows(a: _Work, b: _Work) -> bool:
+        if len(a.nodes) + len(b.nodes) > cap:
+            return False
+        return not deps.reaches(a, b) and not deps.reaches(b, a)
+
     def can_merge(a: _Work, b: _Work) -> bool:
         same = a.shape == b.shape and (a.axes == b.axes or not a.is_row or not b.is_row)
         if not same or len(a.nodes) + len(b.nodes) > cap:
@@ -260,7 +372,7 @@ def partition(graph: Graph, config: FusionConfig, solo: frozenset[int]) -> tuple
 
     def src_groups(n: Expr) -> list[_Work]:
         out: list[_Work] = []
-        for s in n.srcs:
+        for s in fl.reads[id(n)]:
             g = deps.home.get(id(s))
             if g is not None and all(g is not o for o in out):
                 out.append(g)
@@ -271,8 +383,14 @@ def partition(graph: Graph, config: FusionConfig, solo: frozenset[int]) -> tuple
         target: _Work | None = None
         absorbed: list[_Work] = []
         if id(n) not in solo:
-            for g in src_groups(n):
+            for g in sorted(src_groups(n), key=lambda h: not h.is_row):  # row groups first
                 if closed(g):
+                    continue
+                per_row = _per_row_role(target, g) if target is not None else None
+                if per_row is not None and can_join_rows(target, g):
+                    for m in g.nodes:  # a pointwise group over the rows: one value per row here
+                        g.roles[id(m)] = per_row
+                    target = merge(target, g)  # type: ignore[arg-type]
                     continue
                 role = role_in(g, n) if target is None else role_in(target, n, also=g)
                 if role is not None and (target is None or can_merge(target, g)):
@@ -280,7 +398,7 @@ def partition(graph: Graph, config: FusionConfig, solo: frozenset[int]) -> tuple
                 elif not g.is_row and g.shape != shape and _broadcasts(g.shape, shape) and private_to(g, n):
                     absorbed.append(g)
         if target is not None:
-            others = {id(h): h for s in n.srcs if (h := deps.home.get(id(s))) is not None and h is not target}
+            others = {id(h): h for s in fl.reads[id(n)] if (h := deps.home.get(id(s))) is not None and h is not target}
             if any(deps.reaches(h, target) for h in others.values() if h not in absorbed):
                 target = None
         if target is None:
@@ -315,7 +433,7 @@ def partition(graph: Graph, config: FusionConfig, solo: frozenset[int]) -> tuple
         new(n, in_shape, axes, role)
 
     for n in graph.nodes:
-        if is_leaf(n, graph.info):
+        if is_leaf(n, graph.info) or id(n) in fl.free:
             continue
         if REGISTRY[n.op].kind is OpKind.REDUCTION:
             add_reduction(n)
@@ -323,6 +441,15 @@ def partition(graph: Graph, config: FusionConfig, solo: frozenset[int]) -> tuple
             add_elementwise(n)
     order = _order(graph)
     return tuple(g.freeze(order) for g in groups)
+
+
+def _per_row_role(target: _Work, g: _Work) -> Role | None:
+    """The role a pointwise group ``g`` over ``target``'s rows would have inside it."""
+    if not target.is_row or g.is_row:
+        return None
+    if g.shape == target.drop_shape():
+        return Role.DROP
+    return Role.KEEP if g.shape == target.keep_shape() else None
 
 
 # ---- shared by the later passes ------------------------------------------------------------------
@@ -335,9 +462,10 @@ def _homes(groups: tuple[Group, ...] | list[_Work]) -> dict[int, int]:
     return out
 
 
-def _group_reads(g: Group | _Work, homes: dict[int, int], self_index: int) -> set[int]:
+def _group_reads(g: Group | _Work, fl: Flow, homes: dict[int, int], self_index: int) -> set[int]:
     members = {id(m) for m in g.nodes}
-    return {homes[id(s)] for m in g.nodes for s in m.srcs if id(s) in homes and id(s) not in members} - {self_index}
+    reads = {homes[id(s)] for m in g.nodes for s in fl.reads[id(m)] if id(s) in homes and id(s) not in members}
+    return reads - {self_index}
 
 
 def _reaches(reads: list[set[int]], a: int, b: int) -> bool:
@@ -354,7 +482,7 @@ def _reaches(reads: list[set[int]], a: int, b: int) -> bool:
 
 # ---- pass 2: siblings --------------------------------------------------------------------------
 def merge_siblings(
-    graph: Graph, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
+    graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
 ) -> tuple[Group, ...]:
     """Independent groups over the same domain become one kernel (shared inputs read once)."""
     work = [_Work.of(g) for g in groups]
@@ -364,7 +492,7 @@ def merge_siblings(
             by_domain.setdefault((g.shape, g.axes), []).append(i)
     alive = [True] * len(work)
     homes = _homes(work)
-    reads = [_group_reads(g, homes, i) for i, g in enumerate(work)]
+    reads = [_group_reads(g, fl, homes, i) for i, g in enumerate(work)]
     for members in by_domain.values():
         for k, a in enumerate(members):
             if not alive[a]:
@@ -391,15 +519,17 @@ def merge_siblings(
 
 # ---- pass 3: per-row math on leaves ------------------------------------------------------------
 def absorb_per_row(
-    graph: Graph, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
+    graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
 ) -> tuple[Group, ...]:
     """Math on leaves only (e.g. rstd from a saved variance) is recomputed in every kernel reading it.
 
     Such a group would otherwise be a launch of its own whose results are written and read
-    back; its values broadcast to each reader's domain, per row (KEEP) where they fit.
+    back; its values broadcast to each reader's domain, per row (KEEP) where they fit. A reader
+    that sees them only through views with size-1 dims inserted (``g[:, None]`` of a per-row
+    cotangent) recomputes them at the view's coordinates (free nodes of a coordinate kernel).
     """
     requested = {id(e) for _, e in graph.outputs}
-    consumers = _consumers(graph)
+    consumers = _consumers(graph, fl)
     work = [_Work.of(g) for g in groups]
     alive = [True] * len(work)
     for pi, p in enumerate(work):
@@ -408,7 +538,7 @@ def absorb_per_row(
         homes = _homes([w for w, ok in zip(work, alive) if ok])
         live = [w for w, ok in zip(work, alive) if ok]
         members = {id(m) for m in p.nodes}
-        if any(id(s) in homes and id(s) not in members for m in p.nodes for s in m.srcs):
+        if any(id(s) in homes and id(s) not in members for m in p.nodes for s in fl.reads[id(m)]):
             continue  # reads another kernel's output
         readers: dict[int, _Work] = {}
         for m in p.nodes:
@@ -417,11 +547,21 @@ def absorb_per_row(
                 if h is not p:
                     readers[id(h)] = h
         cap = config.max_fusion_ops
+
+        def through_views(r: _Work) -> bool:
+            inside = {id(n) for n in r.nodes}
+            uses = [c for m in p.nodes for c in consumers.get(id(m), ()) if id(c) in inside and id(c) not in members]
+            return all(REGISTRY[c.op].view and _broadcasts(graph.of(c).shape, r.shape) for c in uses)
+
         if not readers or any(
-            not _broadcasts(p.shape, r.shape) or len(r.nodes) + len(p.nodes) > cap for r in readers.values()
+            not (_broadcasts(p.shape, r.shape) or through_views(r)) or len(r.nodes) + len(p.nodes) > cap
+            for r in readers.values()
         ):
             continue
         for r in readers.values():
+            if not _broadcasts(p.shape, r.shape):
+                r.free[:0] = p.nodes
+                continue
             role = Role.KEEP if r.is_row and p.shape == r.keep_shape() else Role.FULL
             for m in p.nodes:
                 r.roles[id(m)] = role
@@ -433,7 +573,7 @@ def absorb_per_row(
 
 # ---- pass 4: recompute elementwise values instead of reading them back ------------------------
 def recompute_elementwise(
-    graph: Graph, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
+    graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
 ) -> tuple[Group, ...]:
     """A kernel reading another's elementwise value recomputes it from leaves instead.
 
@@ -470,7 +610,7 @@ def recompute_elementwise(
 
     for r2 in work:
         for m in list(r2.nodes):
-            for s in m.srcs:
+            for s in fl.reads[id(m)]:
                 if id(s) not in homes:
                     continue
                 r1 = work[homes[id(s)]]
@@ -489,9 +629,9 @@ def recompute_elementwise(
 
 
 # ---- pass 5: outputs, inputs, pattern, launch order ---------------------------------------------
-def finish(graph: Graph, groups: tuple[Group, ...]) -> Plan:
+def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
     requested = {id(e) for _, e in graph.outputs}
-    consumers = _consumers(graph)
+    consumers = _consumers(graph, fl)
     homes = _homes(groups)
     members = [{id(m) for m in g.nodes} for g in groups]
     containing: dict[int, list[int]] = {}
@@ -510,16 +650,29 @@ def finish(graph: Graph, groups: tuple[Group, ...]) -> Plan:
                 or any(id(m) not in members[j] for c in consumers.get(id(m), ()) for j in containing[id(c)])
             )
         )
-        seen: set[int] = set()
+        seen = {id(f) for f in g.cone}  # free nodes: recomputed here, never read
         inputs: list[Expr] = []
-        for m in g.nodes:
-            for s in m.srcs:
+        for m in (*g.cone, *g.nodes):
+            for s in fl.reads[id(m)]:
                 tensor = not graph.of(s).is_scalar and (s.op == "var" or not is_leaf(s, graph.info))
                 if tensor and id(s) not in members[i] and id(s) not in seen:
                     seen.add(id(s))
                     inputs.append(s)
+        cone: dict[int, Expr] = {id(c): c for c in g.cone}
+        for m in g.nodes:
+            cone.update((id(c), c) for c in fl.cones.get(id(m), ()))
+        order = _order(graph)
         done.append(
-            Group(g.shape, g.axes, g.nodes, g.roles, tuple(inputs), outputs, _pattern(g, graph)),
+            Group(
+                g.shape,
+                g.axes,
+                g.nodes,
+                g.roles,
+                tuple(inputs),
+                outputs,
+                _pattern(g, graph),
+                tuple(sorted(cone.values(), key=lambda c: order[id(c)])),
+            ),
         )
     return Plan(_topo(done, homes), graph)
 

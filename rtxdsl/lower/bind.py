@@ -73,9 +73,10 @@ class Info(NamedTuple):
 
 @dataclass(frozen=True)
 class Shaped:
-    """Shape without data, for ops that read only sizes (``rcount``)."""
+    """Shape and dtype without data, for ops that read only those (``rcount``, ``eps_of``)."""
 
     shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
 
     @property
     def ndim(self) -> int:
@@ -168,14 +169,19 @@ def infer(n: Expr, srcs: list[Info]) -> Info:
 def _infer(n: Expr, srcs: list[Info]) -> Info:
     opdef = REGISTRY[n.op]
     if opdef.kind is OpKind.SCALAR:
-        return Info(opdef.ref(*[Shaped(i.shape) for i in srcs], **n.attr_dict))
+        return Info(opdef.ref(*[Shaped(i.shape, i.dtype) for i in srcs], **n.attr_dict))
     for k, (s, i) in enumerate(zip(n.srcs, srcs)):
         if not i.is_scalar and category(i.dtype) not in opdef.accepts:
             raise UnsupportedDtypeError(
                 f"op {n.op!r} does not accept {SHORT_NAME.get(i.dtype, i.dtype)} operands "
                 f"(operand {k}: {s!r}); it takes {', '.join(sorted(opdef.accepts))}"
             )
-    if all(i.is_scalar for i in srcs) and srcs:
+    if opdef.result_dtype is not None:
+        try:
+            answer = opdef.result_dtype([i.dtype for i in srcs], **n.attr_dict)
+        except RtxError as exc:
+            raise type(exc)(f"op {n.op!r} in {n!r}: {exc}") from None
+    elif all(i.is_scalar for i in srcs) and srcs:
         answer = _probe_dtype(n, srcs)
     else:
         # integer constants key by value: torch's errors may depend on them (int ** -1)

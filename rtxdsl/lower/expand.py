@@ -107,7 +107,12 @@ def _lower_all(
         me = info[id(n)]
         if opdef.kind is OpKind.COMPOSITE and not me.is_scalar:
             start = len(keep)
-            d = opdef.decompose(*srcs, **n.attr_dict)
+            typed = (
+                {"shapes": [info[id(x)].shape for x in srcs], "dtypes": [info[id(x)].dtype for x in srcs]}
+                if opdef.typed_decompose
+                else {}
+            )
+            d = opdef.decompose(*srcs, **n.attr_dict, **typed)
             infer_all([d], info, keep)
             _lower_all([d], info, keep, memo, origin)
             p = memo[id(d)]

@@ -55,6 +55,7 @@ class Launch:
     meta: tuple[tuple[str, int], ...]
     empty: bool
     scalar_inputs: tuple[tuple[int, int, str], ...] = ()
+    checks: tuple[str, ...] = ()  # per index-check flag: the error it means
 
 
 # ---- launch configurations: one table per kernel family ---------------------------------------
@@ -267,6 +268,8 @@ def kernel_spec(
     group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU
 ) -> tuple[KernelSpec, Launch]:
     """Spec and launch arguments for ``group`` on ``target``; ``layouts`` maps id(input node) -> its layout."""
+    if group.remaps:
+        return coordinate_spec(group, graph, layouts, target)
     b = body(group, graph)
     strides = operand_strides(group, graph, layouts, b)
     domain = group.shape
@@ -338,6 +341,130 @@ def kernel_spec(
     # torch's identity values (0 for sum, nan for mean and var, -inf for logsumexp)
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs)
+
+
+# ---- coordinate kernels: movement ops inside ----------------------------------------------------
+def coordinate_spec(
+    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU
+) -> tuple[KernelSpec, Launch]:
+    """A kernel whose values are read at re-indexed coordinates (slices, ``cat``, ``gather``).
+
+    Nothing is coalesced: every domain dim has its own index, every input its own strides over
+    its own dims, and each movement op maps coordinates to its operands' coordinates with its
+    launch arguments (offsets, sizes). Free nodes (cones of movement ops) are in the body with
+    role "free": evaluated only where a movement op asks for them.
+    """
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    members = {id(m) for m in group.nodes}
+    inputs = {id(n): i for i, n in enumerate(group.inputs)}
+    index: dict[int, int] = {}
+    slots: list[Expr] = []
+    specs: list[NodeSpec] = []
+    nargs: list[int] = []
+
+    def ones(n: Expr) -> tuple[bool, ...]:
+        return tuple(d == 1 for d in graph.of(n).shape)
+
+    def ref(s: Expr) -> tuple:
+        if id(s) in index:
+            return ("n", index[id(s)])
+        if graph.of(s).is_scalar and s.op not in ("const", "var"):
+            return add(s, "scalar")
+        if graph.of(s).is_scalar:
+            if not any(o is s for o in slots):
+                slots.append(s)
+            return ("s", next(i for i, o in enumerate(slots) if o is s))
+        return ("l", inputs[id(s)])
+
+    def add(n: Expr, role: str) -> tuple:
+        op = REGISTRY[n.op]
+        srcs = tuple(("-", 0) if k in op.shape_only else ref(s) for k, s in enumerate(n.srcs))
+        args: tuple[int, ...] = ()
+        if op.launch_args is not None:
+            args = op.launch_args([graph.of(x).shape for x in n.srcs], graph.of(n).shape, **n.attr_dict)
+        attrs = tuple((k, v) for k, v in n.attrs if k not in op.launch_attrs)
+        specs.append(NodeSpec(n.op, attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role, ones(n), len(args)))
+        nargs.extend(args)
+        index[id(n)] = len(specs) - 1
+        return ("n", index[id(n)])
+
+    for n in sorted((*group.cone, *group.nodes), key=lambda m: order[id(m)]):
+        if id(n) not in index:
+            add(n, group.role(n).value if id(n) in members else "free")
+
+    domain = group.shape
+    reduced = tuple(d in group.axes for d in range(len(domain)))
+    loads = []
+    ints: list[int] = []
+    reach = math.prod(domain)
+    for j, n in enumerate(group.inputs):
+        lay = layouts[id(n)]
+        classes = tuple(BCAST if size == 1 else stride_class(st) for size, st in zip(lay.shape, lay.strides))
+        loads.append(LoadSpec(j, "full", classes, ()))
+        ints_j = [st for c, st in zip(classes, lay.strides) if c == STRIDED]
+        ints.extend(ints_j)
+        reach = max(reach, sum(abs(st) * (size - 1) for size, st in zip(lay.shape, lay.strides)))
+    outs = []
+    for o in group.outputs:
+        role = group.role(o)
+        strides = iter(contiguous_strides(graph.of(o).shape if role is Role.FULL else group.drop_shape()))
+        over = [0 if reduced[d] and role is not Role.FULL else next(strides) for d in range(len(domain))]
+        over = [0 if size == 1 else st for size, st in zip(domain, over)]
+        classes = tuple(stride_class(st) for st in over) if group.is_row else ()
+        outs.append(OutSpec(index[id(o)], graph.of(o).dtype, role.value, classes, ()))
+        ints.extend(st for c, st in zip(classes, over) if c == STRIDED)
+    ints.extend(nargs)
+
+    rows = [domain[d] for d in range(len(domain)) if not reduced[d]]
+    cols = [domain[d] for d in range(len(domain)) if reduced[d]]
+    if group.is_row:
+        n_rows, n_cols = math.prod(rows), math.prod(cols)
+        head = [n_rows, n_cols] + (rows if len(rows) > 1 else []) + (cols if len(cols) > 1 else [])
+        cfg = row_config(n_rows, n_cols, target)
+        grid = (max(1, -(-n_rows // cfg.rows_per_program)),)
+        meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
+    else:
+        numel = math.prod(domain)
+        head = [numel] + (list(domain) if len(domain) > 1 else [])
+        pcfg = pointwise_config(numel, target)
+        grid = (max(1, -(-numel // pcfg.block)),)
+        meta = (("BLOCK_SIZE", pcfg.block), ("num_warps", pcfg.num_warps))
+        cfg = Config(0, 1, False, 0)
+    ints = head + ints
+    kinds, vals = _scalar_args(tuple(slots), graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
+    position = {id(v): i for i, v in enumerate(graph.inputs)}
+    scalar_inputs = tuple(
+        (len(ints) + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(slots, kinds)) if s.op == "var"
+    )
+    spec = KernelSpec(
+        kind="row" if group.is_row else "pointwise",
+        in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
+        loads=tuple(loads),
+        nodes=tuple(specs),
+        outputs=tuple(outs),
+        scalars=tuple(kinds),
+        reductions=tuple(i for i, n in enumerate(specs) if REGISTRY[n.op].kind is OpKind.REDUCTION),
+        block=cfg.block,
+        rows_per_program=cfg.rows_per_program,
+        looped=cfg.looped,
+        big=reach >= INT32_LIMIT,
+        num_warps=cfg.num_warps,
+        domain=reduced,
+        flags=tuple(i for i, n in enumerate(specs) if REGISTRY[n.op].index_operand is not None),
+    )
+    empty = all(graph.of(o).numel == 0 for o in group.outputs)
+    by_index = {i: n for n in (*group.cone, *group.nodes) if (i := index.get(id(n))) is not None}
+    checks = tuple(_check_message(by_index[i], graph) for i in spec.flags)
+    return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, checks)
+
+
+def _check_message(n: Expr, graph: Graph) -> str:
+    op = REGISTRY[n.op]
+    assert op.index_operand is not None
+    data, idx = n.srcs[0], n.srcs[op.index_operand]
+    shape = graph.of(data).shape
+    size = shape[n.attr("axis")] if shape else 1
+    return f"{n.op}: an index in {idx!r} is out of range for axis {n.attr('axis')} of {data!r} (size {size})"
 
 
 # ---- passes over the inputs (the honest traffic model) ---------------------------------------------

@@ -35,7 +35,9 @@ class NodeSpec:
     srcs: tuple[tuple, ...]  # ("n", i) node, ("l", k) load, ("s", k) scalar slot
     dtype: torch.dtype  # result dtype
     cdt: torch.dtype  # operand compute dtype
-    role: str  # "full" | "keep" | "drop"
+    role: str  # "full" | "keep" | "drop"; coordinate kernels: "free" (evaluated only where remapped)
+    ones: tuple[bool, ...] = ()  # coordinate kernels: which dims of the value have size 1
+    nargs: int = 0  # coordinate kernels: launch arguments of a movement op (offsets, sizes)
 
 
 @dataclass(frozen=True)
@@ -61,14 +63,19 @@ class KernelSpec:
     looped: bool
     big: bool  # int64 offsets
     num_warps: int
+    #: coordinate kernels (movement ops inside): per domain dim, is it reduced? None: flat kernels
+    domain: tuple[bool, ...] | None = None
+    flags: tuple[int, ...] = ()  # nodes that report an out-of-range index (one flag slot each)
 
 
 @dataclass(frozen=True)
 class Buffer:
-    """A tensor a call allocates: an output or an intermediate another kernel reads."""
+    """A tensor a call allocates: an output, an intermediate another kernel reads, or (``zero``)
+    a kernel's index-check flags."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class KernelCall:
     passes: int  # reads of the most-read input (1: on chip, 2: looped statistics + output)
     empty: bool  # a zero-size domain: nothing to launch
     scalar_inputs: tuple[tuple[int, int, str], ...] = ()  # (position in args, input index, kind)
+    checks: tuple[str, ...] = ()  # per flag slot: what an out-of-range index there means (its last buffer)
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ class Program:
     """Everything a call with one input layout runs: buffers to allocate, kernels, results."""
 
     n_inputs: int
-    buffers: tuple[Buffer, ...]  # slot n_inputs + i
+    buffers: tuple[Buffer, ...]  # slot n_inputs + i (index-check flags are int32 buffers zeroed per call)
     kernels: tuple[KernelCall, ...]
     outputs: tuple[tuple[str, int | None], ...]  # output key -> buffer slot (None: a scalar value)
     scalar_outputs: Mapping[str, tuple[Any, torch.dtype]]

@@ -89,6 +89,8 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
         if opdef.kind is OpKind.REDUCTION and not n.attr("keepdim"):
             axes = n.attr("axis")
             g, y = node("unsqueeze", g, axes=axes), node("unsqueeze", n, axes=axes)
+        elif opdef.kind is OpKind.MOVEMENT and typed(g).shape != info[id(n)].shape:
+            g = node("expand", g, shape=info[id(n)].shape)  # re-indexing needs the cotangent at every element
         rule_in = D(
             n,
             g,

@@ -1,7 +1,8 @@
 """The op registry: every op is declared once, in the modules beside this one.
 
 ``base`` holds the table's types; ``leaf``, ``elementwise``, ``reduction`` and ``composite``
-fill it (``movement`` and ``random`` add indexing and random numbers). Importing this package
+fill it (``movement`` adds slices, joins, gathers and positions, ``random`` Philox numbers and
+dropout, ``llm`` cross-entropy and rotary embeddings). Importing this package
 loads every declaration.
 """
 
@@ -16,6 +17,7 @@ from ..registry import (
     INTEGRAL,
     NUMERIC,
     REGISTRY,
+    Coords,
     DtypeRule,
     EmitCtx,
     Front,
@@ -23,13 +25,14 @@ from ..registry import (
     OpKind,
     ReduceSpec,
     Registry,
+    RemapCtx,
     Unsupported,
     apply_ref,
     as_tensors,
     category,
     register,
 )
-from . import composite, elementwise, leaf, movement, reduction  # noqa: F401  (fill the registry)
+from . import composite, elementwise, leaf, llm, movement, random, reduction  # noqa: F401  (fill the registry)
 
 __all__ = [
     "ANY",
@@ -40,12 +43,14 @@ __all__ = [
     "INTEGRAL",
     "NUMERIC",
     "REGISTRY",
+    "Coords",
     "DtypeRule",
     "EmitCtx",
     "Front",
     "OpDef",
     "OpKind",
     "ReduceSpec",
+    "RemapCtx",
     "Registry",
     "Unsupported",
     "apply_ref",

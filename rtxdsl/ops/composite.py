@@ -306,8 +306,10 @@ def _torch_layer_norm(a: Any, normalized_shape: Any, weight: Any = None, bias: A
 
 
 def _torch_rms_norm(a: Any, normalized_shape: Any, weight: Any = None, eps: float | None = None) -> Expr:
-    if len(tuple(normalized_shape)) != 1 or eps is None:
-        raise Unsupported  # eps=None means finfo(dtype).eps in torch: run it eagerly
+    if len(tuple(normalized_shape)) != 1:
+        raise Unsupported  # rtxdsl normalizes over the last axis only
+    if eps is None:  # torch: the machine epsilon of the input's dtype
+        return node("rms_norm", a, 1.0 if weight is None else weight, node("eps_of", a))
     return rms_norm(a, weight, eps)
 
 
@@ -342,6 +344,31 @@ _composite(
     pattern="Activation",
     accepts=FLOATING,
     front=Front(fn=binary_fn("swiglu", "silu(gate) * up", "swiglu(a, b)")),
+)
+
+
+def geglu(gate: ExprLike, up: ExprLike, approximate: str = "none") -> Expr:
+    """gelu(gate) * up (GeGLU; ``approximate="tanh"`` as in Gemma).
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.geglu(rx.var("g"), rx.var("u"))
+        geglu(g, u, approximate='none')
+    """
+    if approximate not in ("none", "tanh"):
+        raise RtxError(f"geglu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return node("geglu", gate, up, approximate=approximate)
+
+
+_composite(
+    "geglu",
+    2,
+    lambda g, u, approximate: F.gelu(g, approximate=approximate) * u,
+    lambda g, u, approximate: node("mul", node("gelu", g, approximate=approximate), u),
+    eager_launches=2,
+    pattern="Activation",
+    accepts=FLOATING,
+    front=Front(fn=geglu),
 )
 
 

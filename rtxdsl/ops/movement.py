@@ -1,21 +1,83 @@
-"""Movement ops: re-index their first operand; a kernel evaluates them inside the consumer.
+"""Movement ops: they re-index their operands, and a kernel evaluates them inside the consumer.
 
-``unsqueeze`` inserts size-1 dims (what a keepdim=False reduction's gradient needs to
-broadcast back); inside a row kernel it only turns a per-row value's role around.
+Each declares a ``remap``: given the coordinates its value is wanted at (index expressions per
+output dimension), it reads its operands at other coordinates — a slice shifts and strides an
+index, a flip mirrors it, ``cat`` picks the operand whose range holds it, ``take`` (gather)
+replaces one index with a loaded value, ``reshape`` ravels and unravels. Nothing is copied:
+the loads happen at the remapped addresses inside the kernel that consumes the value.
+Offsets, steps and sizes are launch arguments (``launch_attrs`` / ``launch_args``), so other
+slices or sizes compile nothing new.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..errors import ShapeError
-from ..expr import node
-from ..registry import ANY, DtypeRule, Front, OpDef, OpKind, Unsupported, register
-from .helpers import D
+from ..errors import RtxError, ShapeError
+from ..expr import Expr, node
+from ..registry import ANY, Coords, DtypeRule, Front, OpDef, OpKind, RemapCtx, Unsupported, register
+from .helpers import D, ExprLike, torch_fns
 
 
+def _axis(axis: int, rank: int, op: str) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise RtxError(f"{op}: axis must be an int, got {axis!r}")
+    if not -max(rank, 1) <= axis < max(rank, 1):
+        raise ShapeError(f"{op}: axis {axis} is out of range for rank {rank}")
+    return axis % rank if rank else 0
+
+
+def _promoted(dtypes: list[torch.dtype], **attrs: Any) -> torch.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _movement(
+    name: str,
+    arity: int | None,
+    ref: Callable[..., Any],
+    shape: Callable[..., tuple[int, ...]],
+    remap: Callable[[RemapCtx], str],
+    derivative: Callable[[D], tuple] | None,
+    *,
+    canonical: Callable[..., dict[str, Any]] | None = None,
+    launch_attrs: tuple[str, ...] = (),
+    launch_args: Callable[..., tuple[int, ...]] | None = None,
+    rule: DtypeRule = DtypeRule.KEEP,
+    front: Front | None = None,
+    **more: Any,
+) -> OpDef:
+    # the result has the data operand's dtype (cat: the operands' promoted one); torch's answer on
+    # one-element probes would depend on the index values (select(1) of a probe is out of range)
+    if "result_dtype" not in more:
+        more["result_dtype"] = _promoted if rule is DtypeRule.PROMOTE else lambda dtypes, **attrs: dtypes[0]
+    return register(
+        OpDef(
+            name=name,
+            kind=OpKind.MOVEMENT,
+            arity=arity,
+            ref=ref,
+            shape=shape,
+            remap=remap,
+            derivative=derivative,
+            canonical=canonical,
+            launch_attrs=launch_attrs,
+            launch_args=launch_args,
+            eager_launches=0,
+            accepts=ANY,
+            rule=rule,
+            front=front or Front(),
+            **more,
+        )
+    )
+
+
+# ---- unsqueeze: size-1 dims inserted ------------------------------------------------------------
 def _unsqueeze_ref(a: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
     for ax in sorted(axes):
         a = a.unsqueeze(ax)
@@ -37,10 +99,9 @@ def _unsqueeze_canonical(shapes: list[tuple[int, ...]], axes: tuple[int, ...]) -
     return {"axes": tuple(sorted(a % rank for a in axes))}
 
 
-def _torch_unsqueeze(a: Any, dim: Any) -> Any:
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        raise Unsupported
-    return node("unsqueeze", a, axes=(dim,))
+def _unsqueeze_remap(c: RemapCtx) -> str:
+    axes = set(c.attrs["axes"])
+    return c.value(0, Coords(tuple(i for d, i in enumerate(c.out.idx) if d not in axes), c.out.pred))
 
 
 def _squeeze_back(d: D) -> tuple[Any, ...]:
@@ -50,19 +111,626 @@ def _squeeze_back(d: D) -> tuple[Any, ...]:
     return (node("sum", d.g, axis=present, keepdim=False) if present else d.g,)
 
 
+def _torch_unsqueeze(a: Any, dim: Any) -> Any:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise Unsupported
+    return node("unsqueeze", a, axes=(dim,))
+
+
+_movement(
+    "unsqueeze",
+    1,
+    _unsqueeze_ref,
+    _unsqueeze_shape,
+    _unsqueeze_remap,
+    _squeeze_back,
+    canonical=_unsqueeze_canonical,
+    view=True,
+    emit=lambda c, a: a,  # flat kernels address the operand with the size-1 dims' strides
+    front=Front(torch={torch.Tensor.unsqueeze: _torch_unsqueeze, torch.unsqueeze: _torch_unsqueeze}),
+)
+
+
+# ---- expand: broadcast to a shape (the cotangent of a movement op, at the op's full shape) ------
+def _expand_shape(shapes: list[tuple[int, ...]], shape: tuple[int, ...]) -> tuple[int, ...]:
+    x = shapes[0]
+    pad = len(shape) - len(x)
+    if pad < 0 or any(s not in (1, t) for s, t in zip(x, shape[pad:])):
+        raise ShapeError(f"expand: shape {list(x)} does not broadcast to {list(shape)}")
+    return tuple(shape)
+
+
+_movement(
+    "expand",
+    1,
+    lambda x, shape: x.expand(shape),
+    _expand_shape,
+    lambda c: c.value(0, c.out),  # the reader's coordinates, broadcast: 0 on size-1 dims
+    lambda d: (d.g,),  # the VJP pass sums the cotangent back to the operand's shape
+    launch_attrs=("shape",),
+)
+
+
+# ---- slice: start + step * i along one axis ---------------------------------------------------
+def _slice_bounds(n: int, start: int | None, stop: int | None, step: int, chunk: tuple[int, int] | None):
+    if chunk is not None:  # rx.chunk: piece k of n, torch's chunk size (the trailing ones may be empty)
+        pieces, k = chunk
+        size = -(-n // pieces) if n else 0
+        start, stop = min(k * size, n), min((k + 1) * size, n)
+    if step < 1:
+        raise ShapeError(f"slice step must be positive, got {step} (use rx.flip to reverse)")
+    s, e, st = slice(start, stop, step).indices(n)
+    return s, len(range(s, e, st))
+
+
+def _slice_shape(shapes: list[tuple[int, ...]], axis: int, start: Any, stop: Any, step: int, chunk: Any = None):
+    x = shapes[0]
+    a = _axis(axis, len(x), "slice")
+    if not x:
+        raise ShapeError("cannot slice a 0-dim expression")
+    _, length = _slice_bounds(x[a], start, stop, step, chunk)
+    return x[:a] + (length,) + x[a + 1 :]
+
+
+def _slice_canonical(shapes: list[tuple[int, ...]], axis: int, start: Any, stop: Any, step: int, chunk: Any = None):
+    x = shapes[0]
+    a = _axis(axis, len(x), "slice")
+    s, length = _slice_bounds(x[a], start, stop, step, chunk)
+    return {"axis": a, "start": s, "stop": s + step * length, "step": step}
+
+
+def _slice_ref(x: torch.Tensor, axis: int, start: Any, stop: Any, step: int, chunk: Any = None) -> torch.Tensor:
+    a = axis % x.ndim
+    s, length = _slice_bounds(x.shape[a], start, stop, step, chunk)
+    return x.narrow(a, s, step * (length - 1) + 1 if length else 0)[(slice(None),) * a + (slice(None, None, step),)]
+
+
+def _slice_remap(c: RemapCtx) -> str:
+    a = c.attrs["axis"]
+    start, step = c.args
+    return c.value(0, c.out.at(a, f"{start} + {step} * {c.out.idx[a]}"))
+
+
+def _slice_back(d: D) -> tuple[Any, ...]:
+    at = d.n.attr_dict
+    n = d.src_shapes[0][at["axis"]]
+    return (node("unslice", d.g, axis=at["axis"], start=at["start"], step=at["step"], size=n),)
+
+
+def _unslice_back(d: D) -> tuple[Any, ...]:
+    at = d.n.attr_dict
+    length = d.src_shapes[0][at["axis"]]
+    stop = at["start"] + at["step"] * length
+    return (node("slice", d.g, axis=at["axis"], start=at["start"], stop=stop, step=at["step"]),)
+
+
+def chunk(e: ExprLike, chunks: int, axis: int = 0) -> tuple[Expr, ...]:
+    """``chunks`` pieces of ``e`` along ``axis`` with torch.chunk's sizes; where torch returns fewer
+    pieces (e.g. 5 elements in 4 chunks gives 3), the trailing ones here are empty.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> len(rx.chunk(rx.var("x"), 2, -1))
+        2
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise RtxError(f"chunk: chunks must be a positive int, got {chunks!r}")
+    return tuple(node("slice", e, axis=axis, start=None, stop=None, step=1, chunk=(chunks, k)) for k in range(chunks))
+
+
+_movement(
+    "slice",
+    1,
+    _slice_ref,
+    _slice_shape,
+    _slice_remap,
+    _slice_back,
+    canonical=_slice_canonical,
+    launch_attrs=("start", "stop", "step"),
+    launch_args=lambda shapes, out, axis, start, stop, step, chunk=None: (start, step),
+    front=Front(fn=chunk, names=("chunk",), methods={"chunk": None}, parse=False),
+)
+
+
+def narrow(e: ExprLike, axis: int, start: int, length: int) -> Expr:
+    """``length`` elements of ``e`` along ``axis`` from ``start`` (torch.narrow); read in place.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.narrow(rx.var("x"), -1, 2, 4)
+        slice(x, axis=-1, start=2, step=1, stop=6)
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise RtxError(f"narrow: length must be a non-negative int, got {length!r}")
+    if isinstance(start, bool) or not isinstance(start, int):
+        raise RtxError(f"narrow: start must be an int, got {start!r}")
+    return node("narrow", e, axis=axis, start=start, length=length)
+
+
+def _narrow_shape(shapes: list[tuple[int, ...]], axis: int, start: int, length: int) -> tuple[int, ...]:
+    x = shapes[0]
+    a = _axis(axis, len(x), "narrow")
+    if not -x[a] <= start <= x[a] or (start % x[a] if x[a] and start < 0 else start) + length > x[a]:
+        raise ShapeError(f"narrow: start {start} + length {length} exceeds dimension {a} of size {x[a]}")
+    return x[:a] + (length,) + x[a + 1 :]
+
+
+def _torch_narrow(a: Any, dim: Any, start: Any, length: Any) -> Expr:
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, start, length)):
+        raise Unsupported
+    return narrow(a, dim, start, length)
+
+
+# narrow is a slice whose stop follows from a possibly negative start: resolved at binding
 register(
     OpDef(
-        name="unsqueeze",
-        kind=OpKind.MOVEMENT,
+        name="narrow",
+        kind=OpKind.COMPOSITE,
         arity=1,
-        ref=_unsqueeze_ref,
-        emit=lambda c, a: a,
-        shape=_unsqueeze_shape,
-        canonical=_unsqueeze_canonical,
-        derivative=_squeeze_back,
+        ref=lambda x, axis, start, length: x.narrow(axis, start, length),
+        decompose=lambda x, axis, start, length: node(
+            "slice",
+            x,
+            axis=axis,
+            start=start,
+            stop=(start + length) if start >= 0 else (start + length or None),
+            step=1,
+        ),
+        shape=_narrow_shape,
+        result_dtype=lambda dtypes, **attrs: dtypes[0],
         eager_launches=0,
         accepts=ANY,
-        rule=DtypeRule.KEEP,
-        front=Front(torch={torch.Tensor.unsqueeze: _torch_unsqueeze, torch.unsqueeze: _torch_unsqueeze}),
+        front=Front(fn=narrow, methods={"narrow": None}, torch=dict.fromkeys(torch_fns("narrow"), _torch_narrow)),
     )
+)
+
+
+def unslice_shape(shapes: list[tuple[int, ...]], axis: int, start: int, step: int, size: int) -> tuple[int, ...]:
+    g = shapes[0]
+    return g[:axis] + (size,) + g[axis + 1 :]
+
+
+def _unslice_ref(g: torch.Tensor, axis: int, start: int, step: int, size: int) -> torch.Tensor:
+    shape = list(g.shape)
+    shape[axis] = size
+    out = torch.zeros(shape, dtype=g.dtype, device=g.device)
+    out.narrow(axis, start, size - start)[(slice(None),) * axis + (slice(None, None, step),)][
+        (slice(None),) * axis + (slice(0, g.shape[axis]),)
+    ] = g
+    return out
+
+
+def _unslice_remap(c: RemapCtx) -> str:
+    """The gradient of a slice: g where an index was sliced, 0 elsewhere."""
+    a = c.attrs["axis"]
+    start, step, length = c.args
+    d = c.tmp(f"{c.out.idx[a]} - {start}")
+    k = c.tmp(f"{d} // {step}")
+    hit = c.tmp(f"({d} >= 0) & ({d} % {step} == 0) & ({k} < {length})")
+    return f"tl.where({hit}, {c.value(0, c.out.at(a, k).where(hit))}, 0)"
+
+
+_movement(
+    "unslice",
+    1,
+    _unslice_ref,
+    unslice_shape,
+    _unslice_remap,
+    _unslice_back,
+    launch_attrs=("start", "step", "size"),
+    launch_args=lambda shapes, out, axis, start, step, size: (start, step, shapes[0][axis]),
+)
+
+
+# ---- flip ---------------------------------------------------------------------------------------
+def flip(e: ExprLike, axis: int | tuple[int, ...]) -> Expr:
+    """``e`` reversed along ``axis`` (or each axis of a tuple), as torch.flip; read in place.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.flip(rx.var("x"), -1)
+        flip(x, axis=-1)
+    """
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    out = e
+    for a in axes:
+        out = node("flip", out, axis=a)
+    return out  # type: ignore[return-value]
+
+
+def _torch_flip(a: Any, dims: Any) -> Expr:
+    if isinstance(dims, int):
+        dims = (dims,)
+    if not all(isinstance(d, int) for d in dims):
+        raise Unsupported
+    return flip(a, tuple(dims))
+
+
+_movement(
+    "flip",
+    1,
+    lambda x, axis: torch.flip(x, (axis,)),
+    lambda shapes, axis: (_axis(axis, len(shapes[0]), "flip"), shapes[0])[1],
+    lambda c: c.value(0, c.out.at(c.attrs["axis"], f"{c.args[0]} - {c.out.idx[c.attrs['axis']]}")),
+    lambda d: (node("flip", d.g, axis=d.n.attr("axis")),),
+    canonical=lambda shapes, axis: {"axis": _axis(axis, len(shapes[0]), "flip")},
+    launch_args=lambda shapes, out, axis: (shapes[0][axis] - 1,),
+    front=Front(fn=flip, methods={"flip": None}, torch=dict.fromkeys(torch_fns("flip"), _torch_flip)),
+)
+
+
+# ---- cat / stack --------------------------------------------------------------------------------
+def _cat_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+    live = [s for s in shapes if s != (0,)] or shapes[:1]  # torch skips legacy empty 1-d operands
+    rank = len(live[0])
+    if not rank:
+        raise ShapeError("cat: zero-dimensional expressions cannot be concatenated")
+    a = _axis(axis, rank, "cat")
+    for k, s in enumerate(live):
+        if len(s) != rank or any(x != y for d, (x, y) in enumerate(zip(s, live[0])) if d != a):
+            raise ShapeError(f"cat: operand {k} has shape {list(s)}, which does not match {list(live[0])} off axis {a}")
+    return live[0][:a] + (sum(s[a] for s in live),) + live[0][a + 1 :]
+
+
+def _cat_remap(c: RemapCtx) -> str:
+    """Nested where over the operands' ranges; each operand's loads masked to its own range."""
+    a = c.attrs["axis"]
+    i = c.out.idx[a]
+    parts = [k for k, r in enumerate(c.src_ranks) if r == len(c.out.idx)]  # legacy empty 1-d operands: none
+    bounds = dict(zip(parts, c.args))  # end offset of each live operand but the last
+    lo = None
+    branches = []
+    for k in parts:
+        hi = bounds.get(k)
+        coords = c.out.at(a, f"{i} - {lo}" if lo else i)
+        coords = coords.where(*([f"{i} >= {lo}"] if lo else []), *([f"{i} < {hi}"] if hi else []))
+        branches.append((hi, c.value(k, coords)))
+        lo = hi
+    expr = branches[-1][1]
+    for hi, v in reversed(branches[:-1]):
+        expr = f"tl.where({i} < {hi}, {v}, {expr})"
+    return expr
+
+
+def _cat_args(shapes: list[tuple[int, ...]], out: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    live = [s for s in shapes if len(s) == len(out)]
+    ends, acc = [], 0
+    for s in live[:-1]:
+        acc += s[axis]
+        ends.append(acc)
+    return tuple(ends)
+
+
+def _cat_back(d: D) -> tuple[Any, ...]:
+    a = d.n.attr("axis")
+    out, lo = [], 0
+    for s in d.src_shapes:
+        if len(s) != d.n_ndim:
+            out.append(None)
+            continue
+        out.append(node("slice", d.g, axis=a, start=lo, stop=lo + s[a], step=1))
+        lo += s[a]
+    return tuple(out)
+
+
+def cat(exprs: Any, axis: int = 0, *, dim: int | None = None) -> Expr:
+    """Concatenation along ``axis`` (torch.cat); each operand is read in place by the consumer.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.cat([rx.var("a"), rx.var("b")], -1)
+        cat(a, b, axis=-1)
+    """
+    if dim is not None:
+        axis = dim
+    if not isinstance(exprs, (list, tuple)) or not exprs:
+        raise RtxError("cat: needs a non-empty list of expressions")
+    return node("cat", *exprs, axis=axis)
+
+
+def stack(exprs: Any, axis: int = 0, *, dim: int | None = None) -> Expr:
+    """Stacking along a new ``axis`` (torch.stack): cat of the operands, each with a size-1 dim inserted.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.stack([rx.var("a"), rx.var("b")], 0)
+        stack(a, b, axis=0)
+    """
+    if dim is not None:
+        axis = dim
+    if not isinstance(exprs, (list, tuple)) or not exprs:
+        raise RtxError("stack: needs a non-empty list of expressions")
+    return node("stack", *exprs, axis=axis)
+
+
+def _torch_cat(tensors: Any, dim: int = 0, *, out: Any = None) -> Expr:
+    if out is not None or not isinstance(dim, int):
+        raise Unsupported
+    return cat(list(tensors), dim)
+
+
+def _torch_stack(tensors: Any, dim: int = 0, *, out: Any = None) -> Expr:
+    if out is not None or not isinstance(dim, int):
+        raise Unsupported
+    return stack(list(tensors), dim)
+
+
+_movement(
+    "cat",
+    None,
+    lambda *xs, axis: torch.cat(xs, axis),
+    _cat_shape,
+    _cat_remap,
+    _cat_back,
+    canonical=lambda shapes, axis: {"axis": _axis(axis, len(_cat_shape(shapes, axis)), "cat")},
+    launch_args=_cat_args,
+    rule=DtypeRule.PROMOTE,
+    front=Front(
+        fn=cat, names=("cat", "concat", "concatenate"), torch=dict.fromkeys(torch_fns("cat", "concat"), _torch_cat)
+    ),
+)
+
+
+def _stack_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+    first = shapes[0]
+    for k, s in enumerate(shapes):
+        if s != first:
+            raise ShapeError(f"stack: operand {k} has shape {list(s)}, expected {list(first)}")
+    a = _axis(axis, len(first) + 1, "stack")
+    return first[:a] + (len(shapes),) + first[a:]
+
+
+register(
+    OpDef(
+        name="stack",
+        kind=OpKind.COMPOSITE,
+        arity=None,
+        ref=lambda *xs, axis: torch.stack(xs, axis),
+        decompose=lambda *xs, axis: node("cat", *[node("unsqueeze", x, axes=(axis,)) for x in xs], axis=axis),
+        shape=_stack_shape,
+        eager_launches=1,
+        accepts=ANY,
+        front=Front(fn=stack, torch=dict.fromkeys(torch_fns("stack"), _torch_stack)),
+    )
+)
+
+
+# ---- select: one index along an axis, the axis dropped (integer indexing) ------------------------
+def _select_shape(shapes: list[tuple[int, ...]], axis: int, index: int) -> tuple[int, ...]:
+    x = shapes[0]
+    if not x:
+        raise ShapeError("cannot index a 0-dim expression with an integer")
+    a = _axis(axis, len(x), "index")
+    if not -x[a] <= index < x[a]:
+        raise ShapeError(f"index {index} is out of range for dimension {a} of size {x[a]}")
+    return x[:a] + x[a + 1 :]
+
+
+def _select_canonical(shapes: list[tuple[int, ...]], axis: int, index: int) -> dict[str, Any]:
+    x = shapes[0]
+    a = _axis(axis, len(x), "index")
+    return {"axis": a, "index": index % x[a]}
+
+
+def _select_back(d: D) -> tuple[Any, ...]:
+    a, i = d.n.attr("axis"), d.n.attr("index")
+    g = node("unsqueeze", d.g, axes=(a,))
+    return (node("unslice", g, axis=a, start=i, step=1, size=d.src_shapes[0][a]),)
+
+
+_movement(
+    "select",
+    1,
+    lambda x, axis, index: x.select(axis, index),
+    _select_shape,
+    lambda c: c.value(
+        0, Coords(c.out.idx[: c.attrs["axis"]] + (c.args[0],) + c.out.idx[c.attrs["axis"] :], c.out.pred)
+    ),
+    _select_back,
+    canonical=_select_canonical,
+    launch_attrs=("index",),
+    launch_args=lambda shapes, out, axis, index: (index,),
+    front=Front(
+        fn=lambda e, key: getitem(e, key),
+        names=("getitem",),
+        operators=("__getitem__",),
+        torch={torch.Tensor.__getitem__: lambda a, key: _torch_getitem(a, key)},
+        parse=False,
+    ),
+)
+
+
+# ---- Python indexing: e[..., 1:, None, 0] --------------------------------------------------------
+def getitem(e: ExprLike, key: Any) -> Expr:
+    """``e[key]`` with slices (positive steps), integers, ``None`` and ``...``, read in place.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.var("x")[..., 1:]
+        slice(x, axis=-1, start=1, step=1, stop=None)
+    """
+    items = list(key) if isinstance(key, tuple) else [key]
+    for it in items:
+        ok = it is None or it is Ellipsis or isinstance(it, slice) or (isinstance(it, int) and not isinstance(it, bool))
+        if not ok:
+            raise RtxError(f"indexing: only slices, integers, None and ... are supported, got {it!r}")
+    if sum(it is Ellipsis for it in items) > 1:
+        raise RtxError("indexing: an index can only have a single ellipsis ('...')")
+    cut = items.index(Ellipsis) if Ellipsis in items else len(items)
+    head, tail = items[:cut], items[cut + 1 :]
+    out = e
+    # axes of the operand: counted from the front before the ellipsis, from the back after it
+    placed: list[tuple[int, Any]] = []
+    k = 0
+    for it in head:
+        if it is not None:
+            placed.append((k, it))
+            k += 1
+    k = -1
+    for it in reversed(tail):
+        if it is not None:
+            placed.append((k, it))
+            k -= 1
+    for axis, it in placed:
+        if isinstance(it, slice):
+            for name in ("start", "stop", "step"):
+                v = getattr(it, name)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                    raise RtxError(f"indexing: slice {name} must be an int, got {v!r}")
+            if it != slice(None):
+                out = node(
+                    "slice", out, axis=axis, start=it.start, stop=it.stop, step=1 if it.step is None else it.step
+                )
+    ints = [(a, it) for a, it in placed if not isinstance(it, slice)]
+    # drop integer-indexed axes so the others keep their numbers: front ones last-first, back ones first-last
+    for axis, it in sorted((p for p in ints if p[0] >= 0), reverse=True) + sorted(p for p in ints if p[0] < 0):
+        out = node("select", out, axis=axis, index=it)
+    new: list[int] = []
+    k = 0
+    for it in head:
+        if it is None:
+            new.append(k)
+        if not isinstance(it, int) or it is None:
+            k += 1
+    k = -1
+    for it in reversed(tail):
+        if it is None:
+            new.append(k)
+        if not isinstance(it, int) or it is None:
+            k -= 1
+    if new:
+        out = node("unsqueeze", out, axes=tuple(new))
+    return out  # type: ignore[return-value]
+
+
+def _torch_getitem(a: Any, key: Any) -> Expr:
+    try:
+        return getitem(a, key)
+    except RtxError:
+        raise Unsupported from None
+
+
+# ---- gather ---------------------------------------------------------------------------------------
+def gather(x: ExprLike, index: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
+    """``torch.gather``: ``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along ``axis``.
+
+    ``index`` (int32 or int64) has the rank of ``x`` and is no larger off ``axis``; the result has
+    its shape. An out-of-range index raises RtxError (see ``FusionConfig.check_indices``).
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.gather(rx.var("logits"), rx.var("target"), -1)
+        gather(logits, target, axis=-1)
+    """
+    return node("gather", x, index, axis=axis if dim is None else dim)
+
+
+def _gather_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+    x, i = shapes
+    if len(i) != len(x):
+        raise ShapeError(f"gather: index has rank {len(i)}, but the input has rank {len(x)}: they must match")
+    a = _axis(axis, len(x), "gather")
+    for d, (xs, js) in enumerate(zip(x, i)):
+        if d != a and js > xs:
+            raise ShapeError(f"gather: index has size {js} at dimension {d}, larger than the input's {xs}")
+    return i
+
+
+def _gather_dtype(dtypes: list[torch.dtype], axis: int) -> torch.dtype:
+    if dtypes[1] not in (torch.int32, torch.int64):
+        raise RtxError(f"gather: index must be int32 or int64, got {dtypes[1]}")
+    return dtypes[0]
+
+
+def _gather_ref(x: torch.Tensor, index: torch.Tensor, axis: int) -> torch.Tensor:
+    n = x.shape[axis] if x.ndim else 1
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n):
+        raise RtxError(f"gather: an index is out of range for axis {axis} of size {n}")
+    return torch.gather(x, axis, index)
+
+
+def _gather_remap(c: RemapCtx) -> str:
+    a = c.attrs["axis"]
+    (size,) = c.args
+    idx = c.value(1, c.out)
+    inb = c.tmp(f"({idx} >= 0) & ({idx} < {size})")
+    c.flag(f"~{inb}")
+    at = c.out.at(a, idx) if c.out.idx else c.out
+    return f"tl.where({inb}, {c.value(0, at.where(inb))}, 0)"
+
+
+def _gather_back(d: D) -> tuple[Any, ...]:
+    """Scatter-add as a comparison: dx[.., j, ..] = sum_k (index[.., k, ..] == j) * g[.., k, ..]."""
+    a = d.n.attr("axis")
+    x, idx = d.srcs
+    xs, ks = d.src_shapes
+    if not xs:
+        return (d.g, None)
+    if ks[a] == 1:  # one index per row (cross-entropy's target): no sum
+        gx = node("where", node("eq", idx, node("arange_like", x, axis=a)), d.g, 0)
+    else:
+        spread = node("arange_like", node("unsqueeze", x, axes=(a + 1,)), axis=a)
+        hit = node("eq", node("unsqueeze", idx, axes=(a,)), spread)
+        gx = node("sum", node("where", hit, node("unsqueeze", d.g, axes=(a,)), 0), axis=(a + 1,), keepdim=False)
+    for dim, (n, k) in enumerate(zip(xs, ks)):
+        if dim != a and k < n:  # the index covers a corner of x off the gathered axis
+            gx = node("unslice", gx, axis=dim, start=0, step=1, size=n)
+    return (gx, None)
+
+
+def _torch_gather(a: Any, dim: Any, index: Any, *, sparse_grad: bool = False, out: Any = None) -> Expr:
+    if out is not None or sparse_grad or not isinstance(dim, int):
+        raise Unsupported
+    return gather(a, index, dim)
+
+
+_movement(
+    "gather",
+    2,
+    _gather_ref,
+    _gather_shape,
+    _gather_remap,
+    _gather_back,
+    canonical=lambda shapes, axis: {"axis": _axis(axis, len(shapes[0]), "gather")},
+    launch_args=lambda shapes, out, axis: (shapes[0][axis] if shapes[0] else 1,),
+    result_dtype=_gather_dtype,
+    index_operand=1,
+    front=Front(fn=gather, methods={"gather": None}, torch=dict.fromkeys(torch_fns("gather"), _torch_gather)),
+)
+
+
+# ---- positions --------------------------------------------------------------------------------
+def arange_like(e: ExprLike, axis: int = -1) -> Expr:
+    """int64 positions ``0 .. e.shape[axis] - 1`` along ``axis``, size 1 elsewhere (broadcasts against ``e``).
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.arange_like(rx.var("x"), -1)
+        arange_like(x, axis=-1)
+    """
+    return node("arange_like", e, axis=axis)
+
+
+def _arange_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+    x = shapes[0]
+    a = _axis(axis, len(x), "arange_like")
+    return tuple(s if d == a else 1 for d, s in enumerate(x))
+
+
+def _arange_ref(x: torch.Tensor, axis: int) -> torch.Tensor:
+    shape = _arange_shape([tuple(x.shape)], axis)
+    return torch.arange(x.shape[axis] if x.ndim else 1, device=x.device).reshape(shape)
+
+
+_movement(
+    "arange_like",
+    1,
+    _arange_ref,
+    _arange_shape,
+    lambda c: f"{c.out.idx[c.attrs['axis']] if c.out.idx else 0} + {c.zero}",
+    lambda d: (None,),
+    canonical=lambda shapes, axis: {"axis": _axis(axis, len(shapes[0]), "arange_like")},
+    result_dtype=lambda dtypes, axis: torch.int64,
+    shape_only=(0,),
+    front=Front(fn=arange_like),
 )

@@ -302,5 +302,17 @@ register(
     )
 )
 
+register(
+    OpDef(
+        name="eps_of",
+        kind=OpKind.SCALAR,
+        arity=1,
+        eager_launches=0,
+        accepts=ANY,
+        ref=lambda x: float(torch.finfo(x.dtype if x.dtype.is_floating_point else torch.float32).eps),
+        doc="machine epsilon of the operand's dtype (rms_norm's eps=None, as torch)",
+    )
+)
+
 #: what a reduction over no dims (a 0-dim operand) is, per op: the operand itself, or m2's 0
 SINGLE = {"m2": lambda x: node("mul", node("sub", x, x), node("sub", x, x))}

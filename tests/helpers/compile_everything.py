@@ -77,6 +77,26 @@ for name, e, ins in [
     ),
     ("f64_const", rx.exp(x) * 0.1 + 1e-12, {"x": torch.empty(100, dtype=torch.float64)}),
     ("zero_dim", x + 1, {"x": torch.tensor(1.0)}),
+    # movement: slices, joins, gathers, positions, random numbers (coordinate kernels)
+    ("slice_cat_flip", rx.cat([x[:, 1:], rx.flip(y, -1)], -1) * 2, {"x": torch.empty(8, 65), "y": torch.empty(8, 30)}),
+    ("select_strided", x[..., 3] + y[0], {"x": torch.empty(30, 40).t(), "y": torch.empty(5, 40)}),
+    ("gather_i32", rx.gather(x, rx.var("i"), 1), {"x": torch.empty(8, 100), "i": torch.empty(8, 3, dtype=torch.int32)}),
+    ("dropout_half", rx.dropout(x, 0.1), {"x": torch.empty(8, 100, dtype=torch.float16)}),
+    ("rand_f64", rx.rand_like(x, seed=3), {"x": torch.empty(9, dtype=torch.float64)}),
+    (
+        "ce_bf16",
+        rx.cross_entropy(x, rx.var("t"), label_smoothing=0.1),
+        {"x": torch.empty(16, 32000, dtype=torch.bfloat16), "t": torch.empty(16, dtype=torch.int64)},
+    ),
+    (
+        "rope_bf16",
+        rx.rope(x, y, rx.var("s")),
+        {
+            "x": torch.empty(2, 8, 16, 128, dtype=torch.bfloat16),
+            "y": torch.empty(16, 128, dtype=torch.bfloat16),
+            "s": torch.empty(16, 128, dtype=torch.bfloat16),
+        },
+    ),
 ]:
     tryc(name, rx.compile(e), ins)
 # backward kernels

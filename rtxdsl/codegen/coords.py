@@ -1,0 +1,211 @@
+"""Coordinate kernels: values evaluated at index expressions, for groups with movement ops.
+
+A flat kernel walks one (coalesced) index and reads every operand at it. When a group slices,
+concatenates, flips or gathers, operands are read elsewhere: here every domain dim has its own
+index (``i0, i1, ...`` in pointwise kernels, ``r*``/``c*`` for the rows and reduced columns of
+row kernels), every value is asked for *at coordinates* (:class:`~rtxdsl.registry.Coords`:
+an index expression per dim of the value plus the predicates a load there must satisfy), and a
+movement op answers by asking its operands at remapped coordinates (its ``remap``). A value is
+computed once per (coordinates, scope); loads are masked with the kernel's mask and the
+coordinates' predicates, so nothing is read out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dtypes import TRITON_TYPE, compute_dtype
+from ..lower.spec import BCAST, STRIDED, UNIT
+from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
+from ..ops.elementwise import to_storage
+from .source import Writer, _Scope
+
+
+class CoordWriter(Writer):
+    """The writer for KernelSpecs with a ``domain`` (see the module docstring)."""
+
+    # ---- parameters -------------------------------------------------------------------
+    def build_params(self) -> None:
+        s = self.spec
+        assert s.domain is not None
+        self.params += [f"in{j}_ptr" for j in range(len(s.in_dtypes))]
+        self.params += [f"out{k}_ptr" for k in range(len(s.outputs))]
+        self.params += ["flag_ptr"] if s.flags else []
+        self.nr = sum(1 for red in s.domain if not red)
+        self.nc = len(s.domain) - self.nr
+        if self.row:
+            self.params += ["n_rows", "n_cols"]
+            self.params += [f"rsize{d}" for d in range(self.nr)] if self.nr > 1 else []
+            self.params += [f"csize{d}" for d in range(self.nc)] if self.nc > 1 else []
+        else:
+            self.params += ["n_elements"] + ([f"size{d}" for d in range(self.nr)] if self.nr > 1 else [])
+        for j, ld in enumerate(s.loads):
+            self.params += [f"in{j}_stride{d}" for d, c in enumerate(ld.rows) if c == STRIDED]
+        for k, o in enumerate(s.outputs):
+            self.params += [f"out{k}_stride{d}" for d, c in enumerate(o.rows) if c == STRIDED]
+        for i, n in enumerate(s.nodes):
+            self.params += [f"m{i}_{k}" for k in range(n.nargs)]
+        self.params += [f"s{k}" for k in range(len(s.scalars))]
+        self.flag_slot = {i: k for k, i in enumerate(s.flags)}
+
+    # ---- coordinates ------------------------------------------------------------------
+    def _domain(self, full: bool) -> tuple[str, ...]:
+        """The domain's index per dim: reduced dims are "0" for per-row values."""
+        assert self.spec.domain is not None
+        rows = iter(self.ridx)
+        cols = iter(self.cidx if full and self.row else ())
+        return tuple((next(cols) if full else "0") if red else next(rows) for red in self.spec.domain)
+
+    def _ones(self, ref: tuple) -> tuple[bool, ...]:
+        kind, i = ref
+        if kind == "l":
+            return tuple(c == BCAST for c in self.spec.loads[i].rows)
+        return self.spec.nodes[i].ones
+
+    @staticmethod
+    def _adjust(c: Coords, ones: tuple[bool, ...]) -> Coords:
+        """Coordinates of a value broadcast against ``c``: trailing dims, 0 where it has size 1."""
+        idx = c.idx[len(c.idx) - len(ones) :] if ones else ()
+        return Coords(tuple("0" if one else i for i, one in zip(idx, ones)), c.pred)
+
+    def _default(self, i: int) -> Coords:
+        node = self.spec.nodes[i]
+        if node.role == "drop":
+            return self._adjust(Coords(tuple(self.ridx)), node.ones)
+        return self._adjust(Coords(self._domain(node.role == "full")), node.ones)
+
+    def _zero(self, full: bool) -> str:
+        """0 with the shape of the kernel's index tile (for values made of indices only)."""
+        if not self.row:
+            return "offs * 0"
+        return "(rows * 0 + cols * 0)" if full else "rows * 0"
+
+    def _mask(self, full: bool, c: Coords) -> str:
+        base = "mask" if full or not self.row else "row_mask"
+        return " & ".join([base, *(f"({p})" for p in c.pred)])
+
+    # ---- values -----------------------------------------------------------------------
+    def value(self, ref: tuple, loop: _Scope) -> str:
+        kind, i = ref
+        if kind == "s":
+            return f"s{i}"
+        if kind == "l":  # a reduction's operand read directly: at the domain's full coordinates
+            return self._value_at(ref, self._adjust(Coords(self._domain(True)), self._ones(ref)), loop, True)
+        node = self.spec.nodes[i]
+        if node.role == "scalar" or REGISTRY[node.op].kind is OpKind.REDUCTION:
+            return super().value(ref, loop)
+        full = node.role == "full"
+        return self._value_at(ref, self._default(i), loop if full else self.top, full)
+
+    def _value_at(self, ref: tuple, c: Coords, scope: _Scope, full: bool) -> str:
+        kind, i = ref
+        if kind == "s":
+            return f"s{i}"
+        if kind == "n":
+            node = self.spec.nodes[i]
+            if node.role == "scalar" or REGISTRY[node.op].kind is OpKind.REDUCTION:
+                return self.value(ref, scope)  # one value per row: the same at every column
+        key = (ref, c)
+        for s in (scope, self.top):
+            if key in s.memo:
+                return s.memo[key]
+        if kind == "l":
+            name = self._load_at(i, c, scope, full)
+        else:
+            node = self.spec.nodes[i]
+            name = f"v{i}" if c == self._default(i) and ("n", i) not in self.named else f"v{i}_{next(self.tmp_ids)}"
+            self.named.add(("n", i))
+            if REGISTRY[node.op].kind is OpKind.MOVEMENT:
+                self._remap(i, name, c, scope, full)
+            else:
+                operands = [self._value_at(r, self._adjust(c, self._ones(r)), scope, full) for r in node.srcs]
+                self._emit_with(node, name, scope, operands)
+        scope.memo[key] = name
+        return name
+
+    def _load_at(self, j: int, c: Coords, scope: _Scope, full: bool) -> str:
+        ld = self.spec.loads[j]
+        terms = []
+        for d, (cls, idx) in enumerate(zip(ld.rows, c.idx)):
+            if cls == BCAST or idx == "0":
+                continue
+            terms.append(f"({idx})" if cls == UNIT else f"({idx}) * in{j}_stride{d}")
+        ptr = f"in{ld.input}_ptr"
+        # the pointer gets the mask's tile shape even where every index is a scalar
+        offset = " + ".join([*terms, self._zero(full)])
+        text = f"tl.load({ptr} + {offset}, mask={self._mask(full, c)}, other=0)"
+        dtype = self.spec.in_dtypes[ld.input]
+        cdt = compute_dtype(dtype)
+        if cdt != dtype:
+            text += f".to({TRITON_TYPE[cdt]})"
+        name = f"x{j}_{next(self.tmp_ids)}"
+        scope.add(f"{name} = {text}")
+        self.types[name] = cdt
+        return name
+
+    def _remap(self, i: int, name: str, c: Coords, scope: _Scope, full: bool) -> None:
+        node = self.spec.nodes[i]
+        op = REGISTRY[node.op]
+
+        def value(k: int, at: Coords) -> str:
+            r = node.srcs[k]
+            v = self._value_at(r, self._adjust(at, self._ones(r)), scope, full)
+            if op.rule is DtypeRule.PROMOTE or (op.rule is DtypeRule.KEEP and k == 0):
+                return self.cast(v, node.cdt)
+            return v
+
+        def tmp(expr: str) -> str:
+            t = f"t{next(self.tmp_ids)}"
+            scope.add(f"{t} = {expr}")
+            return t
+
+        def flag(bad: str) -> None:
+            where = self._mask(full, c)
+            scope.add(f"tl.store(flag_ptr + {self.flag_slot[i]} + {self._zero(full)}, 1, mask={where} & ({bad}))")
+
+        zero = self._zero(full)
+        # index arithmetic on tiles only (the interpreter rejects masks made from scalars)
+        out = Coords(tuple(zero if i == "0" else i for i in c.idx), c.pred)
+        ctx = RemapCtx(
+            out=out,
+            attrs=dict(node.attrs),
+            args=tuple(f"m{i}_{k}" for k in range(node.nargs)),
+            src_ranks=tuple(0 if r[0] in ("s", "-") else len(self._ones(r)) for r in node.srcs),
+            value=value,
+            tmp=tmp,
+            flag=flag,
+            zero=zero,
+        )
+        expr = op.remap(ctx)  # type: ignore[misc]
+        result = compute_dtype(node.dtype)
+        expr = f"({expr}) != 0" if result is torch.bool else f"({expr}).to({TRITON_TYPE[result]})"
+        scope.add(f"{name} = {expr}")
+        self.types[name] = result
+
+    # ---- stores -----------------------------------------------------------------------
+    def store(self, k: int, scope: _Scope, loop: _Scope) -> None:
+        o = self.spec.outputs[k]
+        v = self.value(("n", o.node), loop)
+        val = to_storage(v, self.types[v], o.dtype)
+        full = o.role == "full"
+        if not self.row:
+            scope.add(f"tl.store(out{k}_ptr + offs, {val}, mask=mask)")
+            return
+        terms, on_rows, on_cols = [], False, False
+        assert self.spec.domain is not None
+        for d, (cls, idx, red) in enumerate(zip(o.rows, self._domain(full), self.spec.domain)):
+            if cls == BCAST:
+                continue
+            terms.append(idx if cls == UNIT else f"{idx} * out{k}_stride{d}")
+            on_cols, on_rows = on_cols or red, on_rows or not red
+        if not on_rows:
+            terms.append("rows * 0")
+        if full and not on_cols:
+            terms.append("cols * 0")
+        mask = "mask" if full else "row_mask"
+        scope.add(f"tl.store(out{k}_ptr + {' + '.join(terms)}, {val}, mask={mask})")
+
+    def _begin(self, flat: str, prefix: str, size: str) -> None:
+        self.named: set[tuple] = set()
+        self.cidx: list[str] = []
+        super()._begin(flat, prefix, size)

@@ -1,0 +1,273 @@
+"""The LLM kernels, as composites of primitives: cross-entropy (``gather`` + ``logsumexp``) and
+rotary embeddings (slices and ``cat``). Forward and backward are derived, not hand-written:
+the VJP pass differentiates the decomposition, and the analyzer fuses both directions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import RtxError, ShapeError
+from ..expr import Expr, node
+from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Unsupported, register
+from .helpers import ExprLike, scalar_arg, torch_fns
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+# ---- cross-entropy --------------------------------------------------------------------------------
+def cross_entropy(
+    logits: ExprLike,
+    target: ExprLike,
+    weight: ExprLike | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> Expr:
+    """``F.cross_entropy`` (class axis 1, or 0 for 1-d logits), plus PaLM's ``z_loss * lse**2``.
+
+    ``target`` holds int64 class indices (shaped like ``logits`` without the class axis) or
+    class probabilities (shaped and typed like ``logits``). With indices, rows whose target is
+    ``ignore_index`` contribute nothing and "mean" divides by the weight of the other rows
+    (their count without ``weight``); the z-loss term is reduced the same way. The row kernel
+    reads each row once and the backward reads the saved per-row logsumexp.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.cross_entropy(rx.var("logits"), rx.var("target"))
+        cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduction='mean', z_loss=0.0)
+    """
+    if reduction not in REDUCTIONS:
+        raise RtxError(f"cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise RtxError(f"cross_entropy: ignore_index must be an int, got {ignore_index!r}")
+    eps = scalar_arg(label_smoothing, "cross_entropy", "label_smoothing")
+    if not 0.0 <= eps <= 1.0:
+        raise RtxError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    z = scalar_arg(z_loss, "cross_entropy", "z_loss")
+    operands = (logits, target) if weight is None else (logits, target, weight)
+    return node(
+        "cross_entropy", *operands, ignore_index=ignore_index, reduction=reduction, label_smoothing=eps, z_loss=z
+    )
+
+
+def _class_axis(rank: int) -> int:
+    return 1 if rank >= 2 else 0
+
+
+def _ce_shape(shapes: list[tuple[int, ...]], reduction: str, **_: Any) -> tuple[int, ...]:
+    x, t = shapes[0], shapes[1]
+    if not x:
+        raise ShapeError("cross_entropy: logits must have a class axis (at least 1-d)")
+    cls = _class_axis(len(x))
+    rows = x[:cls] + x[cls + 1 :]
+    if t != rows and t != x:
+        raise ShapeError(
+            f"cross_entropy: target has shape {list(t)}; expected {list(rows)} (class indices) "
+            f"or {list(x)} (class probabilities)"
+        )
+    if len(shapes) == 3 and shapes[2] != (x[cls],):
+        raise ShapeError(f"cross_entropy: weight has shape {list(shapes[2])}; expected [{x[cls]}]")
+    if reduction != "none":
+        return ()
+    return rows
+
+
+def _ce_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
+    x, t = dtypes[0], dtypes[1]
+    if t.is_floating_point and t != x:
+        raise RtxError(f"cross_entropy: probability target is {t}; it must match the logits' {x}")
+    if not t.is_floating_point and t != torch.int64:
+        raise RtxError(f"cross_entropy: class-index target must be int64, got {t}")
+    if len(dtypes) == 3 and not dtypes[2].is_floating_point:
+        raise RtxError(f"cross_entropy: weight must be floating point, got {dtypes[2]}")
+    return x
+
+
+def _ce_ref(
+    x: torch.Tensor, t: torch.Tensor, *w: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+    z_loss: float,
+) -> torch.Tensor:  # fmt: skip
+    weight = w[0] if w else None
+    loss = F.cross_entropy(
+        x, t, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+    )
+    if not z_loss:
+        return loss
+    cls = _class_axis(x.ndim)
+    lse = torch.logsumexp(x, cls)
+    if t.is_floating_point():
+        zl, count = z_loss * lse**2, lse.numel()
+    else:
+        valid = t != ignore_index
+        zl = torch.where(valid, z_loss * lse**2, 0)
+        tw = weight[torch.where(valid, t, 0)] if weight is not None else torch.ones_like(lse)
+        count = torch.where(valid, tw, 0).sum()
+    if reduction == "none":
+        return loss + zl
+    return loss + (zl.sum() / count if reduction == "mean" else zl.sum())
+
+
+def _ce_decompose(
+    x: Expr, t: Expr, *w: Expr, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
+    shapes: list[tuple[int, ...]], dtypes: list[torch.dtype],
+) -> Expr:  # fmt: skip
+    rank = len(shapes[0])
+    cls = _class_axis(rank)
+    n_classes = shapes[0][cls]
+    eps = label_smoothing
+    lse = node("logsumexp", x, axis=(cls,), keepdim=False)
+    # weight along the class axis, broadcast against the logits
+    wb = node("unsqueeze", w[0], axes=(0, *range(2, rank))) if w and rank >= 2 else (w[0] if w else None)
+    if dtypes[1].is_floating_point:  # class probabilities (smoothed toward uniform)
+        p = node("add", node("mul", t, 1.0 - eps), eps / n_classes) if eps else t
+        if wb is not None:
+            p = node("mul", p, wb)
+        neg_logp = node("sub", node("unsqueeze", lse, axes=(cls,)), x)
+        per = node("sum", node("mul", p, neg_logp), axis=(cls,), keepdim=False)
+        if z_loss:
+            per = node("add", per, node("mul", node("mul", lse, lse), z_loss))
+        if reduction == "none":
+            return per
+        total = node("sum", per, axis=None, keepdim=False)
+        return node("div", total, max(1, math.prod(shapes[0]) // max(n_classes, 1))) if reduction == "mean" else total
+    valid = node("ne", t, ignore_index)
+    safe = node("where", valid, t, 0)  # ignored rows gather class 0, then count nothing
+    at = node("unsqueeze", safe, axes=(cls,))
+    picked = node("select", node("gather", x, at, axis=cls), axis=cls, index=0)
+    tw = None
+    if wb is not None:
+        tw = node("select", node("gather", node("expand", wb, shape=shapes[0]), at, axis=cls), axis=cls, index=0)
+    nll = node("sub", lse, picked)
+    per = node("mul", nll, tw) if tw is not None else nll
+    if eps:
+        summed = node("sum", node("mul", x, wb) if wb is not None else x, axis=(cls,), keepdim=False)
+        mass = node("sum", w[0], axis=None, keepdim=False) if w else float(n_classes)
+        smooth = node("sub", node("mul", lse, mass), summed)  # -sum_c w_c log p_c
+        per = node("add", node("mul", per, 1.0 - eps), node("mul", smooth, eps / n_classes))
+    if z_loss:
+        per = node("add", per, node("mul", node("mul", lse, lse), z_loss))
+    per = node("where", valid, per, 0.0)
+    if reduction == "none":
+        return per
+    total = node("sum", per, axis=None, keepdim=False)
+    if reduction == "sum":
+        return total
+    count = node("where", valid, tw if tw is not None else 1.0, 0.0)
+    return node("div", total, node("sum", count, axis=None, keepdim=False))
+
+
+def _torch_cross_entropy(
+    x: Any, t: Any, weight: Any = None, size_average: Any = None, ignore_index: int = -100, reduce: Any = None,
+    reduction: str = "mean", label_smoothing: float = 0.0,
+) -> Expr:  # fmt: skip
+    if size_average is not None or reduce is not None:
+        raise Unsupported
+    return cross_entropy(x, t, weight, ignore_index, reduction, label_smoothing)
+
+
+register(
+    OpDef(
+        name="cross_entropy",
+        kind=OpKind.COMPOSITE,
+        arity=None,
+        ref=_ce_ref,
+        decompose=_ce_decompose,
+        typed_decompose=True,
+        shape=_ce_shape,
+        result_dtype=_ce_dtype,
+        eager_launches=2,  # log_softmax, nll_loss
+        pattern="CrossEntropy",
+        accepts=ANY,
+        front=Front(fn=cross_entropy, torch=dict.fromkeys(torch_fns("cross_entropy"), _torch_cross_entropy)),
+    )
+)
+
+
+# ---- rotary embeddings ------------------------------------------------------------------------------
+def rope(x: ExprLike, cos: ExprLike, sin: ExprLike, interleaved: bool = False) -> Expr:
+    """Rotary position embedding on the last axis: ``x * cos + rotate(x) * sin``.
+
+    ``rotate`` is Hugging Face Llama's rotate-half (``cat(-x2, x1)`` of the two halves) or, with
+    ``interleaved``, GPT-J's pairs (``(-x1, x0), (-x3, x2), ...``). ``cos`` and ``sin`` have
+    the full last axis and broadcast against ``x`` (e.g. ``[T, D]`` against ``[B, H, T, D]``).
+    q and k in one kernel: ``rx.compile({"q": rx.rope(q, c, s), "k": rx.rope(k, c, s)})``.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.rope(rx.var("q"), rx.var("cos"), rx.var("sin"))
+        rope(q, cos, sin, interleaved=False)
+    """
+    return node("rope", x, cos, sin, interleaved=bool(interleaved))
+
+
+def _rotate(x: Expr, interleaved: bool, last: int) -> Expr:
+    if not interleaved:
+        half = last // 2
+        x1 = node("slice", x, axis=-1, start=0, stop=half, step=1)
+        x2 = node("slice", x, axis=-1, start=half, stop=None, step=1)
+        return node("cat", node("neg", x2), x1, axis=-1)
+    nxt = node(
+        "cat",
+        node("slice", x, axis=-1, start=1, stop=None, step=1),
+        node("slice", x, axis=-1, start=0, stop=1, step=1),
+        axis=-1,
+    )  # noqa: E501
+    prv = node(
+        "cat",
+        node("slice", x, axis=-1, start=-1, stop=None, step=1),
+        node("slice", x, axis=-1, start=0, stop=-1, step=1),
+        axis=-1,
+    )  # noqa: E501
+    even = node("eq", node("remainder", node("arange_like", x, axis=-1), 2), 0)
+    return node("where", even, node("neg", nxt), prv)
+
+
+def _rope_shape(shapes: list[tuple[int, ...]], interleaved: bool) -> tuple[int, ...]:
+    x = shapes[0]
+    if not x or x[-1] % 2:
+        raise ShapeError(f"rope: the last axis of x must have an even size, got shape {list(x)}")
+    for name, s in zip(("cos", "sin"), shapes[1:]):
+        pad = len(x) - len(s)
+        if pad < 0 or not s or s[-1] != x[-1] or any(a not in (1, b) for a, b in zip(s, x[pad:])):
+            raise ShapeError(f"rope: {name} has shape {list(s)}, which does not broadcast to x's {list(x)}")
+    return x
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        rot = torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+    else:
+        x1, x2 = x.chunk(2, -1)
+        rot = torch.cat((-x2, x1), -1)
+    return x * cos + rot * sin
+
+
+def _rope_decompose(x: Expr, cos: Expr, sin: Expr, interleaved: bool, shapes: list, dtypes: list) -> Expr:
+    rot = _rotate(x, interleaved, shapes[0][-1])
+    return node("add", node("mul", x, cos), node("mul", rot, sin))
+
+
+register(
+    OpDef(
+        name="rope",
+        kind=OpKind.COMPOSITE,
+        arity=3,
+        ref=_rope_ref,
+        decompose=_rope_decompose,
+        typed_decompose=True,
+        shape=_rope_shape,
+        result_dtype=lambda dtypes, interleaved: torch.promote_types(
+            torch.promote_types(dtypes[0], dtypes[1]), dtypes[2]
+        ),
+        eager_launches=5,  # HF: two slices and a cat make copies: neg, cat, mul, mul, add
+        pattern="RoPE",
+        accepts=FLOATING,
+        front=Front(fn=rope),
+    )
+)
