@@ -13,14 +13,23 @@ import torch.nn.functional as F
 
 import rtxdsl as rx
 from benches.common import machine, markdown, save
+from rtxdsl.workloads import rope_eager
 
-x, y, w, b = (rx.var(n) for n in "xywb")
+x, y, w, b, c, s, t = (rx.var(n) for n in "xywbcst")
 CASES = {
     "bias_gelu": (rx.gelu(x + b), lambda x, b: F.gelu(x + b), ("x", "b")),
     "layer_norm": (rx.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), ("x", "w", "b")),
     "rms_norm": (rx.rms_norm(x, w), lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6), ("x", "w")),
     "softmax": (rx.softmax(x), lambda x: torch.softmax(x, -1), ("x",)),
     "swiglu": (rx.swiglu(x, y), lambda x, y: F.silu(x) * y, ("x", "y")),
+    "geglu": (rx.geglu(x, y), lambda x, y: F.gelu(x) * y, ("x", "y")),
+    "rope": (rx.rope(x, c, s), lambda x, c, s: rope_eager(x, c, s), ("x", "c", "s")),
+    "cross_entropy": (rx.cross_entropy(x, t), lambda x, t: F.cross_entropy(x, t), ("x", "t")),
+    "dropout_residual_ln": (
+        rx.layer_norm(rx.dropout(x, 0.1, seed=3) + y, w, b),
+        None,  # Philox numbers differ from torch's generator: counts and memory only
+        ("x", "y", "w", "b"),
+    ),
 }
 
 
@@ -41,21 +50,27 @@ def saved_bytes(fn) -> tuple[int, object]:
 def measure(name: str, rows: int, hidden: int) -> dict:
     expr, eager, names = CASES[name]
     shapes = {"x": (rows, hidden), "y": (rows, hidden), "w": (hidden,), "b": (hidden,)}
+    shapes |= {"c": (rows, hidden), "s": (rows, hidden)}
     gen = torch.Generator().manual_seed(0)
-    base = {n: torch.randn(shapes[n], generator=gen) for n in names}
-    go = torch.randn(rows, hidden, generator=gen)
+    base = {
+        n: torch.randint(0, hidden, (rows,), generator=gen) if n == "t" else torch.randn(shapes[n], generator=gen)
+        for n in names
+    }
     k = rx.compile(expr)
-    ours = {n: t.clone().requires_grad_() for n, t in base.items()}
-    theirs = {n: t.clone().requires_grad_() for n, t in base.items()}
+    ours = {n: v.clone().requires_grad_(v.is_floating_point()) for n, v in base.items()}
+    theirs = {n: v.clone().requires_grad_(v.is_floating_point()) for n, v in base.items()}
     rx.reset_fusion_stats()
     our_saved, out = saved_bytes(lambda: k(**ours))
     fwd = rx.fusion_stats().kernels_launched
+    go = torch.randn(out.shape, generator=gen)
     rx.reset_fusion_stats()
     out.backward(go)
     bwd = rx.fusion_stats().kernels_launched
-    eager_saved, ref = saved_bytes(lambda: eager(**theirs))
-    ref.backward(go)
-    err = max((ours[n].grad - theirs[n].grad).abs().max().item() for n in names)
+    eager_saved, err = 0, float("nan")
+    if eager is not None:
+        eager_saved, ref = saved_bytes(lambda: eager(**theirs))
+        ref.backward(go)
+        err = max((ours[n].grad - theirs[n].grad).abs().max().item() for n in names if ours[n].requires_grad)
     return {
         "op": name,
         "shape": f"{rows}x{hidden}",

@@ -248,10 +248,11 @@ class Kernel:
             unused = [n for n in inputs if n not in by_name]
             if unused:
                 raise RtxError(f"input {unused[0]!r} is not used by the expression")
-            missing = [n for n in by_name if n not in inputs]
+            drawn = [n for n in by_name if draw_seeds and n.startswith(SEED_PREFIX)]
+            missing = [n for n in by_name if n not in inputs and n not in drawn]
             if missing:
                 raise RtxError(f"the expression reads {missing[0]!r}, which is not among the inputs {inputs}")
-            found = tuple(by_name[n] for n in inputs)
+            found = tuple(by_name[n] for n in (*inputs, *drawn))
         # per-call random seeds (rx.rand_like / rx.dropout with seed=None): hidden inputs drawn
         # on every call and handed to the backward, last among the variables
         hidden = tuple(v for v in found if draw_seeds and v.attr("name").startswith(SEED_PREFIX))

@@ -234,3 +234,17 @@ def test_inplace_write_to_a_tensor_with_pending_readers_is_a_sync_point(f):
     assert "in-place write to a tensor with pending readers" in f.explain()
     f.sync()
     assert t.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_slices_joins_gathers_and_cross_entropy_are_recorded(f, gen):
+    t = torch.randn(6, 10, generator=gen)
+    target = torch.randint(0, 5, (6,), generator=gen)
+    a = f.lazy(t) * 2  # pending: its slices and joins are recorded, not flushed
+    half = torch.cat((-a[:, 5:], a[:, :5]), dim=-1) + torch.flip(a, (-1,))
+    picked = torch.gather(half, 1, target[:, None]) + torch.narrow(a, 1, 2, 1)
+    loss = F.cross_entropy(half[:, :5] + a[0, :5], target)
+    assert f.pending >= 8 and half.is_pending and loss.is_pending
+    want_half = torch.cat((-(t * 2)[:, 5:], (t * 2)[:, :5]), -1) + (t * 2).flip(-1)
+    torch.testing.assert_close(half.torch(), want_half)
+    torch.testing.assert_close(picked.torch(), want_half.gather(1, target[:, None]) + (t * 2)[:, 2:3])
+    torch.testing.assert_close(loss.torch(), F.cross_entropy(want_half[:, :5] + (t * 2)[0, :5], target))

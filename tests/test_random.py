@@ -98,3 +98,13 @@ def test_lazy_dropout_is_fused_and_reproducible():
     second = (F.dropout(f.lazy(t) * 2, 0.5, training=True) + 1).torch()
     assert torch.equal(first, second)
     assert f.stats().kernels_launched == 2  # one fused kernel per step
+
+
+def test_fused_function_with_dropout_draws_its_seed():
+    @rx.fuse
+    def drop_add(a, b):
+        return rx.dropout(a, 0.5) + b
+
+    t = torch.ones(64)
+    out = drop_add(t, t)
+    assert set(out.unique().tolist()) == {1.0, 3.0}  # dropped: 0 + 1; kept: 1 / 0.5 + 1

@@ -62,6 +62,13 @@ def _dims(axis: Any) -> Any:
     return () if axis is None else axis
 
 
+def _all_if_none(axis: Any, ndim: int) -> tuple[int, ...]:
+    """Explicit dims for refs whose torch op has no "all" spelling (axis 0 is not "all")."""
+    if axis is None or axis == ():
+        return tuple(range(ndim))
+    return (axis,) if isinstance(axis, int) else tuple(axis)
+
+
 def _tile_sum(v: str) -> str:
     return f"tl.sum({v}, axis=1)[:, None]"
 
@@ -259,7 +266,7 @@ _reduction(
 # eager logsumexp: amax, masked fill, sub, exp, sum, log, add
 _reduction(
     "logsumexp",
-    lambda x, axis, keepdim: torch.logsumexp(x, dim=_dims(axis) or tuple(range(x.ndim)), keepdim=keepdim),
+    lambda x, axis, keepdim: torch.logsumexp(x, dim=_all_if_none(axis, x.ndim), keepdim=keepdim),
     LOGSUMEXP,
     lambda d: (node("mul", d.g, node("exp", node("sub", d.a, d.y))),),
     "log(sum(exp(x))), computed online in one pass",
@@ -272,7 +279,7 @@ _reduction(
 _reduction(
     "m2",
     lambda x, axis, keepdim: (
-        torch.var(x, dim=_dims(axis) or None, correction=0, keepdim=keepdim)
+        torch.var(x, dim=_all_if_none(axis, x.ndim), correction=0, keepdim=keepdim)
         * math.prod(x.shape[a] for a in norm_axes(axis, x.ndim))
     ),
     M2,
