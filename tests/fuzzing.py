@@ -3,8 +3,9 @@
 A program is a few inputs (odd, broadcast-compatible shapes, 0-dim and empty ones, mixed
 dtypes, contiguous / transposed / sliced / expanded layouts, NaN and inf sprinkled in) and a
 DAG of ops over them (every elementwise op, reduction and composite, slices, flips, integer
-indexing, joins and positions, shared subexpressions, several outputs). Ops whose domain is restricted get "safe" operands (log of |x| + 1/4, exp
-of a clamp) so a float64 reference and a float32 kernel stay comparable.
+indexing, joins and positions, shared subexpressions, several outputs). Ops whose domain is
+restricted get "safe" operands (log of |x| + 1/4, exp of a clamp) so a float64 reference and
+a float32 kernel stay comparable.
 
 ``RTXDSL_FUZZ_EXAMPLES`` sets how many programs each fuzz test runs (CI-sized by default).
 """
