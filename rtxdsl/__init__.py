@@ -40,6 +40,7 @@ from .errors import (  # noqa: E402
 )
 from .expr import Expr  # noqa: E402
 from .lazy import Fusion, LazyTensor, OperationStream, lazy, sync  # noqa: E402
+from .library import Library, LibraryError, load_library  # noqa: E402
 from .ops import REGISTRY as _REGISTRY  # noqa: E402
 from .parse import parse  # noqa: E402
 from .runtime import Kernel, compile  # noqa: E402
@@ -74,6 +75,8 @@ __all__ = [
     "FusionStatsSnapshot",
     "Kernel",
     "LazyTensor",
+    "Library",
+    "LibraryError",
     "MissingInputError",
     "OperationStream",
     "ParseError",
@@ -88,6 +91,7 @@ __all__ = [
     "fusion_stats",
     "get_config",
     "lazy",
+    "load_library",
     "parse",
     "reset_fusion_stats",
     "set_config",

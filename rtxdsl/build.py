@@ -7,6 +7,7 @@ adds Triton's compile for ``sm_<arch>`` and reads the facts that matter off the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,5 +37,6 @@ def compile_kernel(kernel: Kernel, inputs: dict[str, Any], arch: int = 90) -> li
     bufs += [0] * (program.n_inputs - len(bufs))  # drawn seeds: scalars, not buffers
     bufs += [torch.empty(b.shape, dtype=b.dtype) for b in program.buffers]
     return [
-        compile_call(c.jit, call, [bufs[i] for i in call.buffers], arch) for c, call in zip(compiled, program.kernels)
+        replace(compile_call(c.jit, call, [bufs[i] for i in call.buffers], arch), signature=c.signature)
+        for c, call in zip(compiled, program.kernels)
     ]

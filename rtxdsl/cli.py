@@ -1,11 +1,11 @@
-"""The ``rtxdsl`` command: a demo of real fused workloads, checked against torch.
+"""The ``rtxdsl`` command: a demo of real fused workloads, and the kernel-file commands.
 
-``python -m rtxdsl`` (or ``rtxdsl demo``) compiles the workloads of ``rtxdsl.workloads`` —
-mul+add+relu, bias+GELU (fp32, and bf16 with the tanh form), softmax, scaled and masked
-softmax, layer norm, residual + layer norm, RMSNorm+SwiGLU and an AdamW step — prints the
-fusion plan and the generated Triton source of one kernel, runs them (CUDA: compiled;
-CPU: the same kernels under Triton's interpreter), checks them against torch and prints
-the fusion and cache statistics.
+``python -m rtxdsl`` (or ``rtxdsl demo``) compiles the workloads of ``rtxdsl.workloads``,
+prints the fusion plan and the generated Triton source of one kernel, runs them (CUDA:
+compiled; CPU: the same kernels under Triton's interpreter), checks them against torch and
+prints the fusion and cache statistics. ``rtxdsl check | explain | build | bench FILE`` work
+on kernel files (``rtxdsl.commands``); ``rtxdsl explain "text" --input x=float32:4x8`` on one
+expression.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 import torch
 
 import rtxdsl as rx
+from rtxdsl import commands
 from rtxdsl.workloads import WORKLOADS, max_error, tolerance
 
 
@@ -88,13 +89,36 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd")
     d = sub.add_parser("demo", help="compile, run and check the demo workloads (default)")
     d.add_argument("--source", default="layer_norm", help="workload whose generated source to print")
-    e = sub.add_parser("explain", help="plan, source and a check of an expression given as text")
-    e.add_argument("expr", help='e.g. "softmax(x * 0.125, axis=-1)"')
+    e = sub.add_parser("explain", help="plans of a kernel file, or plan, source and check of expression text")
+    e.add_argument("expr", help='a kernel file (.toml/.yaml/.yml/.json), or text: "softmax(x * 0.125, axis=-1)"')
     e.add_argument("--input", action="append", default=[], help="name=dtype:4x8 (repeat per input)")
+    e.add_argument("--kernel", help="only this kernel of the file")
+    e.add_argument("--source", action="store_true", help="also print the generated sources")
+    c = sub.add_parser("check", help="every kernel of a file at every size against torch (float64)")
+    c.add_argument("file")
+    c.add_argument("--kernel", help="only this kernel")
+    b = sub.add_parser("build", help="generate and compile every kernel of a file for GPU targets, no GPU needed")
+    b.add_argument("file")
+    b.add_argument("--target", action="append", default=[], help="sm_XX (repeat; default sm_90)")
+    b.add_argument("--kernel", help="only this kernel")
+    b.add_argument("--manifest", help="where to write build-manifest.json (default: the cache directory)")
+    m = sub.add_parser("bench", help="pytest-benchmark of every kernel of a file against eager torch")
+    m.add_argument("file")
+    m.add_argument("--kernel", help="only this kernel")
+    m.add_argument("--json", dest="json_out", help="write pytest-benchmark's JSON here")
+    m.add_argument("--compare", default="eager", help="comma-separated: eager (compile runs on a GPU only)")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "explain":
+            if commands.is_kernel_file(args.expr):
+                return commands.explain(args.expr, args.kernel, args.source)
             return explain(args.expr, args.input)
+        if args.cmd == "check":
+            return commands.check(args.file, args.kernel)
+        if args.cmd == "build":
+            return commands.build(args.file, args.target or ["sm_90"], args.kernel, args.manifest)
+        if args.cmd == "bench":
+            return commands.bench(args.file, args.kernel, args.json_out, args.compare.split(","))
         return demo(getattr(args, "source", "layer_norm"))
     except rx.RtxError as exc:
         print(f"rtxdsl: {exc}", file=sys.stderr)

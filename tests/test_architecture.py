@@ -26,8 +26,8 @@ LAYERS = [
     {"codegen"},
     {"cache"},
     {"runtime"},
-    {"dsl", "build", "trace", "parse", "lazy"},
-    {"cli", "workloads", "__init__", "__main__"},
+    {"dsl", "build", "trace", "parse", "lazy", "library"},
+    {"cli", "commands", "workloads", "__init__", "__main__"},
 ]
 
 

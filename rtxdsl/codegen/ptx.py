@@ -43,6 +43,7 @@ class CompileFacts:
     registers: int | None  # per thread, from ptxas -v
     spill_bytes: int | None
     ptx: str
+    signature: str = ""  # the kernel's structural signature (filled by rtxdsl.build)
 
 
 def _int_type(v: int) -> str:
