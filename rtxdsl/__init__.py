@@ -23,6 +23,7 @@ if "TRITON_INTERPRET" not in _os.environ:
     if not _torch.cuda.is_available():
         _os.environ["TRITON_INTERPRET"] = "1"
 
+from . import nn, optim  # noqa: E402
 from .cache import CacheStats, cache_stats  # noqa: E402
 from .config import FusionConfig, get_config, set_config  # noqa: E402
 from .dsl import const, fuse, var  # noqa: E402
@@ -91,6 +92,8 @@ __all__ = [
     "fusion_stats",
     "get_config",
     "lazy",
+    "nn",
+    "optim",
     "load_library",
     "parse",
     "reset_fusion_stats",

@@ -350,7 +350,7 @@ class Kernel:
             >>> import torch, rtxdsl as rx
             >>> g = rx.compile(rx.softmax(rx.var("x"))).grad_plan(x=torch.empty(4, 8))
             >>> g.backward.inputs, g.grads.saved_keys
-            (('x', '_s0', '_g0'), ('_s0',))
+            (('_g0', 'x', '_s0'), ('_s0',))
         """
         tensors = self._collect(args, kwargs)
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

@@ -26,7 +26,7 @@ LAYERS = [
     {"codegen"},
     {"cache"},
     {"runtime"},
-    {"dsl", "build", "trace", "parse", "lazy", "library"},
+    {"dsl", "build", "trace", "parse", "lazy", "library", "nn", "optim"},
     {"cli", "commands", "workloads", "__init__", "__main__"},
 ]
 

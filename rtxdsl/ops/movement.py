@@ -238,7 +238,7 @@ def narrow(e: ExprLike, axis: int, start: int, length: int) -> Expr:
     Example:
         >>> import rtxdsl as rx
         >>> rx.narrow(rx.var("x"), -1, 2, 4)
-        slice(x, axis=-1, start=2, step=1, stop=6)
+        narrow(x, axis=-1, length=4, start=2)
     """
     if isinstance(length, bool) or not isinstance(length, int) or length < 0:
         raise RtxError(f"narrow: length must be a non-negative int, got {length!r}")

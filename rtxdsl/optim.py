@@ -1,0 +1,91 @@
+"""Fused optimizers: ``rx.optim.AdamW`` is ``torch.optim.AdamW`` (same arguments, param groups, state
+and state_dict, so either loads the other's checkpoint and LR schedulers work) whose step runs one
+fused multi-output kernel per parameter. Learning rate, betas, bias corrections and weight decay
+are scalar kernel arguments: a schedule compiles nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from . import dsl
+from .ops import REGISTRY
+from .runtime import Kernel
+
+_maximum, _sqrt = REGISTRY.functions["maximum"], REGISTRY.functions["sqrt"]
+
+
+@functools.lru_cache(maxsize=4)
+def _adamw_kernel(amsgrad: bool) -> Kernel:
+    """p, m, v (and the running max of v) after one AdamW step, torch's formula step for step."""
+    p, g, m, v, vmax = (dsl.var(n) for n in ("p", "g", "m", "v", "vmax"))
+    lr, b1, b2, eps, wd, c1, c2 = (dsl.var(n) for n in ("lr", "b1", "b2", "eps", "wd", "c1", "c2"))
+    decayed = p * (1 - lr * wd)
+    m2 = m * b1 + g * (1 - b1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
+    v2 = v * b2 + g * g * (1 - b2)
+    outs = {"m": m2, "v": v2}
+    second = v2
+    if amsgrad:
+        second = _maximum(vmax, v2)
+        outs["vmax"] = second
+    denom = _sqrt(second) / _sqrt(c2) + eps
+    outs["p"] = decayed - (lr / c1) * m2 / denom
+    names = ("p", "g", "m", "v", *(("vmax",) if amsgrad else ()), "lr", "b1", "b2", "eps", "wd", "c1", "c2")
+    return Kernel(outs, inputs=names)
+
+
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` with a fused step (one kernel per parameter; fp32 math for half params).
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> w = torch.nn.Parameter(torch.ones(3))
+        >>> opt = rx.optim.AdamW([w], lr=0.1)
+        >>> w.grad = torch.ones(3); opt.step(); round(w[0].item(), 4)
+        0.899
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False) -> None:  # fmt: skip
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            amsgrad = group["amsgrad"]
+            kernel = _adamw_kernel(amsgrad)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:  # torch's own state layout, so state_dicts move both ways
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if amsgrad:
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = float(state["step"])
+                g = -p.grad if group["maximize"] else p.grad
+                args = [p.detach(), g, state["exp_avg"], state["exp_avg_sq"]]
+                args += [state["max_exp_avg_sq"]] if amsgrad else []
+                scalars = [float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"])]
+                out = kernel(*args, *scalars, 1 - b1**step, 1 - b2**step)
+                p.copy_(out["p"])
+                state["exp_avg"].copy_(out["m"])
+                state["exp_avg_sq"].copy_(out["v"])
+                if amsgrad:
+                    state["max_exp_avg_sq"].copy_(out["vmax"])
+        return loss

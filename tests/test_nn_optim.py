@@ -1,0 +1,133 @@
+"""Drop-in modules and the fused AdamW: torch's arguments, parameters and state_dicts, torch's numbers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rtxdsl as rx
+
+
+def _mlp(norm: str = "layer") -> torch.nn.Module:
+    torch.manual_seed(0)
+    norm_mod = torch.nn.LayerNorm(16) if norm == "layer" else torch.nn.RMSNorm(16)
+    return torch.nn.Sequential(torch.nn.Linear(7, 16), norm_mod, torch.nn.GELU(), torch.nn.Linear(16, 5))
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "args"),
+    [
+        (rx.nn.LayerNorm, torch.nn.LayerNorm, (13,)),
+        (rx.nn.LayerNorm, torch.nn.LayerNorm, (13, 1e-3, False)),  # no affine parameters
+        (rx.nn.RMSNorm, torch.nn.RMSNorm, (13,)),  # eps=None: the dtype's machine epsilon
+        (rx.nn.RMSNorm, torch.nn.RMSNorm, (13, 1e-5)),
+    ],
+)
+def test_norm_modules_match_torch_and_share_checkpoints(ours, theirs, args, gen):
+    a, b = ours(*args), theirs(*args)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.uniform_(0.5, 1.5, generator=gen)
+    a.load_state_dict(b.state_dict())  # torch's checkpoint into ours ...
+    b.load_state_dict(a.state_dict())  # ... and back
+    assert a.state_dict().keys() == b.state_dict().keys()
+    x = torch.randn(5, 13, generator=gen)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.testing.assert_close(a(xa), b(xb))
+    a(xa).sum().backward()
+    b(xb).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad)
+
+
+def test_replace_modules_swaps_norms_in_place():
+    model = _mlp()
+    x = torch.randn(4, 7)
+    want = model(x)
+    weight = model[1].weight
+    assert rx.nn.replace_modules(model) == 1
+    assert type(model[1]) is rx.nn.LayerNorm and model[1].weight is weight  # the same parameter
+    torch.testing.assert_close(model(x), want)
+    assert rx.nn.replace_modules(model) == 0  # nothing left to swap
+
+
+def test_cross_entropy_loss_module(gen):
+    logits, target = torch.randn(6, 11, generator=gen), torch.randint(0, 11, (6,), generator=gen)
+    w = torch.rand(11, generator=gen)
+    for kw in ({}, {"weight": w, "label_smoothing": 0.1}, {"reduction": "sum", "ignore_index": 3}):
+        torch.testing.assert_close(
+            rx.nn.CrossEntropyLoss(**kw)(logits, target), torch.nn.CrossEntropyLoss(**kw)(logits, target)
+        )
+
+
+@pytest.mark.parametrize(
+    ("cls", "act"), [(rx.nn.SwiGLU, F.silu), (rx.nn.GeGLU, lambda t: F.gelu(t, approximate="tanh"))]
+)
+def test_gated_mlp_blocks(cls, act, gen):
+    m = cls(8, 24)
+    assert set(m.state_dict()) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    x = torch.randn(3, 8, generator=gen)
+    want = m.down_proj(act(m.gate_proj(x)) * m.up_proj(x))
+    torch.testing.assert_close(m(x), want)
+
+
+@pytest.mark.parametrize(("amsgrad", "maximize"), [(False, False), (True, False), (False, True)])
+def test_adamw_matches_torch_over_50_steps(amsgrad, maximize):
+    a, b = _mlp(), _mlp()
+    rx.nn.replace_modules(b)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=3e-3, weight_decay=0.05, amsgrad=amsgrad, maximize=maximize)
+    opt_b = rx.optim.AdamW(b.parameters(), lr=3e-3, weight_decay=0.05, amsgrad=amsgrad, maximize=maximize)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, 10, 0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, 10, 0.5)
+    gen = torch.Generator().manual_seed(1)
+    before = rx.cache_stats().compiles
+    for _ in range(50):
+        x, y = torch.randn(16, 7, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+        for model, opt, sched in ((a, opt_a, sched_a), (b, opt_b, sched_b)):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=2e-5, rtol=1e-4)
+    assert rx.cache_stats().compiles - before <= 8  # one kernel per parameter shape, not per step or lr
+
+
+def test_adamw_state_dict_moves_both_ways():
+    a, b = _mlp(), _mlp()
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 7), torch.randint(0, 5, (8,))
+    for _ in range(3):
+        opt_a.zero_grad()
+        F.cross_entropy(a(x), y).backward()
+        opt_a.step()
+    b.load_state_dict(a.state_dict())
+    opt_b = rx.optim.AdamW(b.parameters(), lr=1e-2)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # continue torch's run with ours (own tensors)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
+    back = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    back.load_state_dict(copy.deepcopy(opt_b.state_dict()))  # and ours into torch's
+    assert back.state_dict()["state"][0]["step"] == 4
+
+
+def test_adamw_bf16_parameters():
+    torch.manual_seed(0)
+    p32 = torch.randn(33)
+    pa, pb = torch.nn.Parameter(p32.bfloat16()), torch.nn.Parameter(p32.bfloat16())
+    opt_a, opt_b = torch.optim.AdamW([pa], lr=1e-2), rx.optim.AdamW([pb], lr=1e-2)
+    for i in range(10):
+        g = torch.randn(33, generator=torch.Generator().manual_seed(i)).bfloat16()
+        pa.grad, pb.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    assert pb.dtype == torch.bfloat16
+    torch.testing.assert_close(pa.float(), pb.float(), atol=2e-2, rtol=2e-2)
