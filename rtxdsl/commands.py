@@ -250,7 +250,8 @@ def bench(path: str, only: str | None, json_out: str | None, compare: list[str])
         argv += ["--benchmark-only", "--benchmark-group-by=group", "--benchmark-columns=min,median,mean,rounds"]
         if json_out:
             argv.append(f"--benchmark-json={Path(json_out).resolve()}")
-        res = subprocess.run(argv, cwd=tmp, check=False)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTEST_XDIST"))}  # a nested run
+        res = subprocess.run(argv, cwd=tmp, env=env, check=False)
     return 0 if res.returncode == 0 else 1
 
 
