@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import dsl
+from .expr import node
 from .ops import REGISTRY
 from .ops.composite import geglu, layer_norm, rms_norm
 from .ops.llm import cross_entropy
@@ -24,14 +25,28 @@ _x, _w, _b, _t = dsl.var("x"), dsl.var("w"), dsl.var("b"), dsl.var("t")
 
 
 @functools.lru_cache(maxsize=64)
-def _norm_kernel(kind: str, eps: float, weight: bool, bias: bool) -> Kernel:
+def _norm_kernel(kind: str, eps: float | None, weight: bool, bias: bool) -> Kernel:
     w = _w if weight else None
     if kind == "layer_norm":
         return compile(layer_norm(_x, w, _b if bias else None, eps))
+    if eps is None:  # torch: the machine epsilon of the input's dtype, known at binding
+        return compile(node("rms_norm", _x, _w if weight else 1.0, node("eps_of", _x)))
     return compile(rms_norm(_x, w, eps))
 
 
-class LayerNorm(torch.nn.LayerNorm):
+class _Fused:
+    """Holds the module's kernel, made when the module is (never inside a torch.compile trace)."""
+
+    _kernel: Kernel
+
+    def _make_kernel(self) -> Kernel:
+        raise NotImplementedError
+
+    def _attach(self) -> None:
+        self._kernel = self._make_kernel()
+
+
+class LayerNorm(_Fused, torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` over the last axis as one kernel (statistics in one pass).
 
     Example:
@@ -40,15 +55,21 @@ class LayerNorm(torch.nn.LayerNorm):
         torch.Size([2, 8])
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _norm_kernel("layer_norm", float(self.eps), self.weight is not None, self.bias is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.normalized_shape) != 1:  # several normalized dims: torch's own
             return super().forward(x)
-        k = _norm_kernel("layer_norm", float(self.eps), self.weight is not None, self.bias is not None)
         args = [x] + [p for p in (self.weight, self.bias) if p is not None]
-        return k(*args)
+        return self._kernel(*args)
 
 
-class RMSNorm(torch.nn.RMSNorm):
+class RMSNorm(_Fused, torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` over the last axis as one kernel (``eps=None``: the dtype's epsilon, as torch).
 
     Example:
@@ -57,15 +78,21 @@ class RMSNorm(torch.nn.RMSNorm):
         torch.Size([2, 8])
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        eps = None if self.eps is None else float(self.eps)
+        return _norm_kernel("rms_norm", eps, self.weight is not None, False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.normalized_shape) != 1:
             return super().forward(x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        k = _norm_kernel("rms_norm", float(eps), self.weight is not None, False)
-        return k(x, self.weight) if self.weight is not None else k(x)
+        return self._kernel(x, self.weight) if self.weight is not None else self._kernel(x)
 
 
-class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
     """``torch.nn.CrossEntropyLoss`` as one row kernel (+ the mean), fused backward.
 
     Example:
@@ -74,8 +101,15 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         torch.Size([])
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _ce_kernel(self.weight is not None, self.ignore_index, self.reduction, float(self.label_smoothing))
+
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: A002
-        k = _ce_kernel(self.weight is not None, self.ignore_index, self.reduction, float(self.label_smoothing))
+        k = self._kernel
         return k(input, target, self.weight) if self.weight is not None else k(input, target)
 
 
@@ -84,18 +118,15 @@ def _ce_kernel(weight: bool, ignore_index: int, reduction: str, smoothing: float
     return compile(cross_entropy(_x, _t, _w if weight else None, ignore_index, reduction, smoothing))
 
 
-class _GatedMLP(torch.nn.Module):
+class _GatedMLP(_Fused, torch.nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool = False, **factory: Any) -> None:
         super().__init__()
         self.gate_proj = torch.nn.Linear(dim, hidden, bias=bias, **factory)
         self.up_proj = torch.nn.Linear(dim, hidden, bias=bias, **factory)
         self.down_proj = torch.nn.Linear(hidden, dim, bias=bias, **factory)
 
-    def _activation(self) -> Kernel:
-        raise NotImplementedError
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._activation()(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self._kernel(self.gate_proj(x), self.up_proj(x)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -113,7 +144,11 @@ class SwiGLU(_GatedMLP):
         torch.Size([2, 8])
     """
 
-    def _activation(self) -> Kernel:
+    def __init__(self, dim: int, hidden: int, bias: bool = False, **factory: Any) -> None:
+        super().__init__(dim, hidden, bias, **factory)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
         return _gated("swiglu", "none")
 
 
@@ -129,8 +164,9 @@ class GeGLU(_GatedMLP):
     def __init__(self, dim: int, hidden: int, bias: bool = False, approximate: str = "tanh", **factory: Any) -> None:
         super().__init__(dim, hidden, bias, **factory)
         self.approximate = approximate
+        self._attach()
 
-    def _activation(self) -> Kernel:
+    def _make_kernel(self) -> Kernel:
         return _gated("geglu", self.approximate)
 
 
@@ -164,4 +200,5 @@ def _replacement(m: torch.nn.Module) -> torch.nn.Module | None:
     else:
         return None
     new.__dict__.update(m.__dict__)  # same parameters, buffers, hooks and training flag: nothing copied
+    new._attach()  # type: ignore[attr-defined]
     return new

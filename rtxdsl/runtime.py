@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from .cache import GLOBAL_CACHE, CompiledKernel
 from .codegen.module import kernel_source
@@ -42,6 +43,7 @@ from .lru import LRU
 from .ops import REGISTRY, apply_ref
 from .ops.random import SEED_PREFIX, draw_seed
 from .stats import GLOBAL_STATS, FusionStats
+from .torchop import kernel_op, make_op, register_kernel
 
 #: Triton's interpreter keeps global state (the current program id, patched tl functions)
 INTERPRETER_LOCK = threading.Lock()
@@ -269,6 +271,8 @@ class Kernel:
         self._key = _key_function(len(self.inputs))
         self._arity = len(self.inputs)
         self._last: tuple[Any, Any] = (None, None)  # (key, launch) of the last call
+        self._op: Any = None  # the kernel's own torch.library op, made on first use
+        self._op_key = register_kernel(self)  # its name for rtxdsl::kernel (torch.compile)
 
     @property
     def config(self) -> FusionConfig:
@@ -294,6 +298,8 @@ class Kernel:
 
     # ---- calling --------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if is_dynamo_compiling():  # inside torch.compile: one opaque custom op in the graph
+            return self._traced(args, kwargs)
         cfg = self._config or get_config()
         if cfg is not self._seen_config:  # launches are prepared for one config
             self._launches.clear()
@@ -320,6 +326,35 @@ class Kernel:
         if launch.any_grad and torch.is_grad_enabled():
             return self._grad_call(tensors, launch, key)
         return launch.run(tensors)
+
+    @property
+    def torch_op(self) -> Any:
+        """This kernel as a ``torch.library`` custom op (``rtxdsl::k_<hash>``): inputs positionally in
+        ``inputs`` order, outputs as a tensor or a tuple in ``outputs`` order; fake and autograd
+        implementations included. ``torch.compile`` sees a call of the kernel as this op.
+
+        Example:
+            >>> import torch, rtxdsl as rx
+            >>> k = rx.compile(rx.relu(rx.var("x")))
+            >>> k.torch_op(torch.tensor([-1.0, 2.0])).tolist()
+            [0.0, 2.0]
+        """
+        if self._op is None:
+            self._op = make_op(self)
+        return self._op
+
+    @property
+    def draws_seeds(self) -> bool:
+        """Does a call draw fresh random seeds (``rand_like`` / ``dropout`` with ``seed=None``)?"""
+        return bool(self._seeds)
+
+    def reference_on(self, tensors: tuple[Any, ...]) -> Any:
+        """The torch reference, op by op, on the given inputs (fake tensors too; seeds 0)."""
+        return self._reference((*tensors, *[0] * self._seeds))
+
+    def _traced(self, args: tuple, kwargs: dict) -> Any:
+        result = kernel_op(self._op_key, list(self._collect_given(args, kwargs)))
+        return result[0] if self._single else dict(zip(self.outputs, result))
 
     def _grad_call(self, tensors: tuple, launch: Launch, key: tuple) -> Any:
         """Through torch.autograd: fused forward (saving row statistics) and fused backward."""

@@ -25,6 +25,7 @@ LAYERS = [
     {"lower"},
     {"codegen"},
     {"cache"},
+    {"torchop"},
     {"runtime"},
     {"dsl", "build", "trace", "parse", "lazy", "library", "nn", "optim"},
     {"cli", "commands", "workloads", "__init__", "__main__"},

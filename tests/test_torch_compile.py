@@ -1,0 +1,91 @@
+"""Kernels inside PyTorch: torch.library ops (opcheck), torch.compile without graph breaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rtxdsl as rx
+from rtxdsl.workloads import WORKLOADS
+
+x, b = rx.var("x"), rx.var("b")
+
+
+@pytest.mark.parametrize("w", WORKLOADS, ids=[w.name for w in WORKLOADS])
+def test_every_catalog_kernel_is_an_opchecked_torch_op(w):
+    k = rx.compile(w.expr())
+    ins = w.inputs(3, 16, w.dtype, torch.device("cpu"), torch.Generator().manual_seed(0))
+    args = tuple(ins[n] for n in k.inputs)
+    want = k(*args)
+    got = k.torch_op(*args)
+    if isinstance(want, dict):
+        assert isinstance(got, tuple) and len(got) == len(k.outputs)
+        for key, g in zip(k.outputs, got):
+            torch.testing.assert_close(g, want[key])
+    else:
+        torch.testing.assert_close(got, want)
+    assert k.torch_op._qualname.startswith("rtxdsl::k_")
+    torch.library.opcheck(k.torch_op, args)
+
+
+def test_torch_op_is_the_same_op_for_the_same_structure():
+    one, two = rx.compile(rx.gelu(x + b)), rx.compile(rx.gelu(x + b))
+    assert one.torch_op is two.torch_op
+    assert rx.compile(rx.relu(x + b)).torch_op is not one.torch_op
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_kernels_inside_torch_compile_fullgraph(backend):
+    k = rx.compile(rx.gelu(x + b))
+    ln = rx.nn.LayerNorm(8)
+
+    @rx.fuse
+    def scaled(a, c):
+        return rx.softmax(a * c)
+
+    def fn(a, c):
+        h = k(x=a, b=c) + k(a, c)  # by name and positionally
+        return ln(scaled(h, 0.5 + c.abs()))
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=True)
+    t, c = torch.randn(5, 8), torch.randn(8)
+    ta, tr = t.clone().requires_grad_(), t.clone().requires_grad_()
+    out = compiled(ta, c)
+    ref = F.layer_norm(torch.softmax(2 * F.gelu(tr + c) * (0.5 + c.abs()), -1), (8,), ln.weight, ln.bias)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(ta.grad, tr.grad)
+    torch.testing.assert_close(compiled(torch.randn(9, 8), c).shape, torch.Size([9, 8]))
+
+
+def test_no_graph_breaks_and_no_recompiles_across_batch_sizes():
+    k = rx.compile({"h": x + b, "y": rx.layer_norm(x + b)})
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(a, c):
+        out = k(x=a, b=c)
+        return out["y"] * 2 + out["h"]
+
+    explained = torch._dynamo.explain(fn)(torch.randn(4, 8), torch.randn(8))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=counting, dynamic=True)
+    for rows in (2, 5, 17, 64):
+        t, c = torch.randn(rows, 8), torch.randn(8)
+        torch.testing.assert_close(compiled(t, c), F.layer_norm(t + c, (8,)) * 2 + t + c)
+    assert len(graphs) == 1
+
+
+def test_random_kernels_under_compile_refuse_a_backward_they_cannot_replay():
+    k = rx.compile(rx.dropout(x, 0.5))
+    compiled = torch.compile(lambda a: k(a), fullgraph=True, backend="eager")
+    out = compiled(torch.ones(64))
+    assert set(out.unique().tolist()) <= {0.0, 2.0}
+    with pytest.raises(Exception, match="draws random seeds per call"):
+        compiled(torch.ones(64, requires_grad=True)).sum().backward()
