@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--target", action="append", default=[], help="sm_XX (repeat; default sm_90)")
     b.add_argument("--kernel", help="only this kernel")
     b.add_argument("--manifest", help="where to write build-manifest.json (default: the cache directory)")
+    b.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     m = sub.add_parser("bench", help="pytest-benchmark of every kernel of a file against eager torch")
     m.add_argument("file")
     m.add_argument("--kernel", help="only this kernel")
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "check":
             return commands.check(args.file, args.kernel)
         if args.cmd == "build":
-            return commands.build(args.file, args.target or ["sm_90"], args.kernel, args.manifest)
+            return commands.build(args.file, args.target or ["sm_90"], args.kernel, args.manifest, args.jobs)
         if args.cmd == "bench":
             return commands.bench(args.file, args.kernel, args.json_out, args.compare.split(","))
         return demo(getattr(args, "source", "layer_norm"))

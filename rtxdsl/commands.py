@@ -6,6 +6,8 @@ compile, 2 an invalid file (every problem printed with its file:line:col, nothin
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import json
 import os
 import subprocess
@@ -120,10 +122,10 @@ def explain(path: str, only: str | None = None, source: bool = False) -> int:
     return 0
 
 
-def build(path: str, targets: list[str], only: str | None = None, manifest: str | None = None) -> int:
+def build(path: str, targets: list[str], only: str | None = None, manifest: str | None = None, jobs: int = 1) -> int:
     """Generate and compile every kernel and size for each ``sm_XX`` target, without that GPU."""
     if interpreter_active():  # compiling needs Triton's compiled mode: run in a fresh process
-        argv = ["build", path, *[a for t in targets for a in ("--target", t)]]
+        argv = ["build", path, *[a for t in targets for a in ("--target", t)], "--jobs", str(jobs)]
         argv += ["--kernel", only] if only else []
         argv += ["--manifest", manifest] if manifest else []
         env = {"TRITON_DEFAULT_FP_FUSION": "1", **os.environ, "TRITON_INTERPRET": "0"}
@@ -135,44 +137,38 @@ def build(path: str, targets: list[str], only: str | None = None, manifest: str 
             print(f"rtxdsl: --target {t!r}: expected sm_XX, e.g. sm_90", file=sys.stderr)
             return 2
         archs.append(int(t[3:]))
+    if jobs < 1:
+        print(f"rtxdsl: --jobs {jobs}: expected a positive count", file=sys.stderr)
+        return 2
     lib = _open(path)
     if lib is None:
         return 2
     entries = _pick(lib, only)
     if entries is None:
         return 2
-    jobs = [(e, sizes, arch) for e in entries for sizes in e.size_grid() for arch in archs]
+    work = [(str(lib.path), e.name, sizes, arch) for e in entries for sizes in e.size_grid() for arch in archs]
+    if jobs == 1:
+        results = map(_build_one, work)
+    else:  # each worker loads the file once and compiles its share
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=jobs)
+        results = pool.map(_build_one, work)
     rows, bad = [], 0
-    for e, sizes, arch in _progress(jobs):
-        ins = e.random_inputs(sizes)
-        try:
-            facts = compile_kernel(e.kernel, ins, arch)
-        except Exception as exc:  # a compile failure of one kernel is reported, the rest still build
+    for (_, name, sizes, arch), (facts, error) in zip(work, _progress(results, len(work))):
+        if error is not None:  # a compile failure of one kernel is reported, the rest still build
             bad += 1
-            print(f"{e.name} [{size_label(sizes)}] sm_{arch}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            print(f"{name} [{size_label(sizes)}] sm_{arch}: FAILED {error}")
             continue
         for f in facts:
-            spilled = bool(f.spill_bytes)
+            spilled = bool(f["spill_bytes"])
             bad += spilled
-            rows.append(
-                {
-                    "kernel": e.name,
-                    "sizes": sizes,
-                    "target": f"sm_{arch}",
-                    "generated": f.name,
-                    "signature": f.signature,
-                    "compile_ms": round(f.seconds * 1e3, 1),
-                    "registers": f.registers,
-                    "spill_bytes": f.spill_bytes,
-                    "v4_loads": f.v4_loads,
-                    "v4_stores": f.v4_stores,
-                }
-            )
+            rows.append({"kernel": name, "sizes": sizes, "target": f"sm_{arch}", **f})
             print(
-                f"{e.name} [{size_label(sizes)}] sm_{arch}: {f.name}: {f.seconds * 1e3:.0f} ms, "
-                f"{f.registers} registers, {f.spill_bytes} spill bytes, "
-                f"{f.v4_loads}/{f.v4_stores} 128-bit loads/stores{' SPILLS' if spilled else ''}"
+                f"{name} [{size_label(sizes)}] sm_{arch}: {f['generated']}: {f['compile_ms']:.0f} ms, "
+                f"{f['registers']} registers, {f['spill_bytes']} spill bytes, "
+                f"{f['v4_loads']}/{f['v4_stores']} 128-bit loads/stores{' SPILLS' if spilled else ''}"
             )
+    if jobs > 1:
+        pool.shutdown()
     out = Path(manifest) if manifest else lib.config.resolved_cache_dir / "build-manifest.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"file": str(lib.path), "kernels": rows}, indent=1))
@@ -180,9 +176,36 @@ def build(path: str, targets: list[str], only: str | None = None, manifest: str 
     return 1 if bad else 0
 
 
-def _progress(jobs: list[Any]) -> Any:
-    """A progress bar on a terminal (tqdm), the plain list otherwise."""
-    return tqdm(jobs, file=sys.stderr, unit="kernel") if sys.stderr.isatty() else jobs
+@functools.lru_cache(maxsize=4)
+def _library(path: str) -> Library:
+    return load_library(path)
+
+
+def _build_one(job: tuple[str, str, dict[str, int], int]) -> tuple[list[dict[str, Any]], str | None]:
+    """Compile one kernel at one size for one target: its facts, or the error (picklable either way)."""
+    path, name, sizes, arch = job
+    e = _library(path).entries[name]
+    try:
+        facts = compile_kernel(e.kernel, e.random_inputs(sizes), arch)
+    except Exception as exc:  # reported per kernel by the caller
+        return [], f"{type(exc).__name__}: {str(exc)[:200]}"
+    return [
+        {
+            "generated": f.name,
+            "signature": f.signature,
+            "compile_ms": round(f.seconds * 1e3, 1),
+            "registers": f.registers,
+            "spill_bytes": f.spill_bytes,
+            "v4_loads": f.v4_loads,
+            "v4_stores": f.v4_stores,
+        }
+        for f in facts
+    ], None
+
+
+def _progress(results: Any, total: int) -> Any:
+    """A progress bar on a terminal (tqdm), the plain results otherwise."""
+    return tqdm(results, total=total, file=sys.stderr, unit="kernel") if sys.stderr.isatty() else results
 
 
 BENCH_MODULE = textwrap.dedent('''

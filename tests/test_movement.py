@@ -110,6 +110,7 @@ def test_empty_and_zero_dim():
     out = rx.compile(rx.gather(x, i, 0))(x=torch.tensor(2.5), i=torch.tensor(0))
     assert out.shape == () and out.item() == 2.5
     assert rx.compile(x[1:1] * 2)(x=torch.randn(4)).shape == (0,)
+    assert rx.compile(rx.flip(x, -1) + 1)(x=torch.tensor(2.5)).item() == 3.5  # a 0-dim operand is its own flip
 
 
 GRAD_CASES = [

@@ -338,6 +338,14 @@ def flip(e: ExprLike, axis: int | tuple[int, ...]) -> Expr:
     return out  # type: ignore[return-value]
 
 
+def _flip_remap(c: RemapCtx) -> str:
+    """Index ``size - 1 - i`` along the axis (a 0-dim operand is its own flip)."""
+    if not c.out.idx:
+        return c.value(0, c.out)
+    a = c.attrs["axis"]
+    return c.value(0, c.out.at(a, f"{c.args[0]} - {c.out.idx[a]}"))
+
+
 def _torch_flip(a: Any, dims: Any) -> Expr:
     if isinstance(dims, int):
         dims = (dims,)
@@ -351,10 +359,10 @@ _movement(
     1,
     lambda x, axis: torch.flip(x, (axis,)),
     lambda shapes, axis: (_axis(axis, len(shapes[0]), "flip"), shapes[0])[1],
-    lambda c: c.value(0, c.out.at(c.attrs["axis"], f"{c.args[0]} - {c.out.idx[c.attrs['axis']]}")),
+    _flip_remap,
     lambda d: (node("flip", d.g, axis=d.n.attr("axis")),),
     canonical=lambda shapes, axis: {"axis": _axis(axis, len(shapes[0]), "flip")},
-    launch_args=lambda shapes, out, axis: (shapes[0][axis] - 1,),
+    launch_args=lambda shapes, out, axis: (shapes[0][axis] - 1 if shapes[0] else 0,),
     front=Front(fn=flip, methods={"flip": None}, torch=dict.fromkeys(torch_fns("flip"), _torch_flip)),
 )
 
@@ -652,7 +660,7 @@ def _gather_ref(x: torch.Tensor, index: torch.Tensor, axis: int) -> torch.Tensor
 def _gather_remap(c: RemapCtx) -> str:
     a = c.attrs["axis"]
     (size,) = c.args
-    idx = c.value(1, c.out)
+    idx = c.tmp(f"{c.value(1, c.out)}.to(tl.int64)")  # an int32 index times a stride: 64-bit addresses
     inb = c.tmp(f"({idx} >= 0) & ({idx} < {size})")
     c.flag(f"~{inb}")
     at = c.out.at(a, idx) if c.out.idx else c.out

@@ -41,16 +41,17 @@ def row_ne_logsumexp_where_unsqueeze_SIG(
     v1 = t4 + tl.log(tl.sum(tl.where(t2 == t4, t3, t3 * tl.exp(t2 - t4)), axis=1)[:, None])
     v2_5 = (tl.where(v0, x0_0, s1)).to(tl.int64)
     v3 = (v2_5).to(tl.int64)
-    t6 = (v3 >= 0) & (v3 < m4_0)
-    tl.store(flag_ptr + 0 + rows * 0, 1, mask=row_mask & (~t6))
-    x1_7 = tl.load(in1_ptr + (rows) * in1_stride0 + (v3) + rows * 0, mask=row_mask & (t6), other=0)
-    v4 = (tl.where(t6, x1_7, 0)).to(tl.float32)
+    t6 = v3.to(tl.int64)
+    t7 = (t6 >= 0) & (t6 < m4_0)
+    tl.store(flag_ptr + 0 + rows * 0, 1, mask=row_mask & (~t7))
+    x1_8 = tl.load(in1_ptr + (rows) * in1_stride0 + (t6) + rows * 0, mask=row_mask & (t7), other=0)
+    v4 = (tl.where(t7, x1_8, 0)).to(tl.float32)
     v5 = (v4).to(tl.float32)
     v6 = v1 - v5
     v7 = v6 * s2
     v8 = v1 * s3
-    t8 = tl.where(mask, x1_1, 0)
-    v9 = tl.sum(t8, axis=1)[:, None]
+    t9 = tl.where(mask, x1_1, 0)
+    v9 = tl.sum(t9, axis=1)[:, None]
     v10 = v8 - v9
     v11 = v10 * s4
     v12 = v7 + v11
