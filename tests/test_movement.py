@@ -185,3 +185,13 @@ def test_indexing_rejects_what_it_cannot_read_in_place():
         x[torch.tensor([0, 1])]
     with pytest.raises(rx.RtxError, match="single ellipsis"):
         x[..., ...]
+
+
+def test_integer_index_of_a_join_masks_with_tiles():
+    """cat(a, a)[0] compared a launch argument with a bound: a scalar mask the interpreter rejects."""
+    a = torch.tensor([[-float("inf")]], dtype=torch.float64)
+    k = rx.compile(rx.cat([x, x], 0)[0] * 2)
+    assert_close(k(x=a), torch.cat([a, a], 0)[0] * 2, 0, 0, "cat select")
+    t = torch.ones(1, 1, dtype=torch.float64, requires_grad=True)
+    k(x=t).sum().backward()
+    assert t.grad.item() == 2.0  # row 0 of the join is the first copy only

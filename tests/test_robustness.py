@@ -378,3 +378,44 @@ def test_reducing_an_empty_extent_writes_torchs_identity(build, ref):
             want = ref(t, axis if axis is not None else tuple(range(len(shape))))
         got = rx.compile(build(x, axis))(x=t)
         torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m: f"{shape} axis={axis}: {m}")
+
+
+def test_per_row_math_read_through_a_view_is_not_broadcast_right_aligned():
+    """(a * 2)[:, None] + x: the per-row values are indexed by rows, not by the last axis (was wrong)."""
+    x, a = rx.var("x"), rx.var("a")
+    t, u = torch.randn(3, 3), torch.randn(3)
+    torch.testing.assert_close(rx.compile(x + (a * 2)[:, None])(x=t, a=u), t + (u * 2)[:, None])
+    torch.testing.assert_close(rx.compile(x * (a + 1)[None, :])(x=t, a=u), t * (u + 1)[None, :])
+
+
+def test_gradient_of_a_clamped_row_sum_broadcast_back():
+    """The backward unsqueezes per-row cotangent math; it was recomputed at the wrong index."""
+    x = rx.var("x")
+    s = rx.sum(x, 1)
+    k = rx.compile({"s": s, "e": rx.exp(rx.clamp(x, -6.0, 6.0)), "f": rx.exp(rx.clamp(s, -6.0, 6.0))})
+    t = torch.tensor([[1.541, -2.0], [-2.1788, 2.0]], dtype=torch.float64, requires_grad=True)
+    r = t.detach().clone().requires_grad_()
+    out = k(x=t)
+    rs = r.sum(1)
+    ref = {"s": rs, "e": torch.exp(r.clamp(-6, 6)), "f": torch.exp(rs.clamp(-6, 6))}
+    gen = torch.Generator().manual_seed(0)
+    cots = [torch.randn(ref[n].shape, generator=gen, dtype=torch.float64) for n in ("s", "e", "f")]
+    got = torch.autograd.grad([out[n] for n in ("s", "e", "f")], t, cots)[0]
+    want = torch.autograd.grad([ref[n] for n in ("s", "e", "f")], r, cots)[0]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3])
+def test_absorbing_a_producer_that_reads_the_kernel_makes_no_cycle(rows):
+    """A private producer reading the target kernel's output was merged into it: a cycle of kernels
+    (CycleError); with no rows, a fully broadcast operand was then read unmasked (a crash)."""
+    x = rx.var("x")
+    s = rx.sum(x, -1)
+    k = rx.compile({"a": s, "b": rx.sum(s, 0), "c": rx.maximum(rx.sum(s, 0), x)})
+    t = torch.randn(rows, 13, dtype=torch.float64, requires_grad=True)
+    r = t.detach().clone().requires_grad_()
+    out = k(x=t)
+    sum(v.sum() for v in out.values()).backward()
+    rs = r.sum(-1)
+    (rs.sum() + rs.sum(0).sum() + torch.maximum(rs.sum(0), r).sum()).backward()
+    torch.testing.assert_close(t.grad, r.grad)

@@ -186,6 +186,8 @@ class Writer:
         if off:
             mask = "mask" if full or not self.row else "row_mask"
             text = f"tl.load({ptr} + {off}, mask={mask}, other=0)"
+        elif full and self.row:  # broadcast over the whole tile: empty when the reduced extent is
+            text = f"tl.load({ptr} + (rows * 0 + cols * 0), mask=mask, other=0)"
         else:
             text = f"tl.load({ptr})"
         cdt = compute_dtype(dtype)

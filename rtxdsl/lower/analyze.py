@@ -398,6 +398,8 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
                 elif not g.is_row and g.shape != shape and _broadcasts(g.shape, shape) and private_to(g, n):
                     absorbed.append(g)
         if target is not None:
+            # a private producer that reads the target's outputs (through other kernels) stays apart
+            absorbed = [g for g in absorbed if not deps.reaches(g, target)]
             others = {id(h): h for s in fl.reads[id(n)] if (h := deps.home.get(id(s))) is not None and h is not target}
             if any(deps.reaches(h, target) for h in others.values() if h not in absorbed):
                 target = None
@@ -548,18 +550,22 @@ def absorb_per_row(
                     readers[id(h)] = h
         cap = config.max_fusion_ops
 
-        def through_views(r: _Work) -> bool:
+        def uses(r: _Work) -> list[Expr]:
             inside = {id(n) for n in r.nodes}
-            uses = [c for m in p.nodes for c in consumers.get(id(m), ()) if id(c) in inside and id(c) not in members]
-            return all(REGISTRY[c.op].view and _broadcasts(graph.of(c).shape, r.shape) for c in uses)
+            return [c for m in p.nodes for c in consumers.get(id(m), ()) if id(c) in inside and id(c) not in members]
+
+        def plain(r: _Work) -> bool:  # read by broadcasting (right-aligned): members of ``r``
+            return _broadcasts(p.shape, r.shape) and not any(REGISTRY[c.op].view for c in uses(r))
+
+        def through_views(r: _Work) -> bool:  # read through size-1 dims inserted: free nodes of ``r``
+            return all(REGISTRY[c.op].view and _broadcasts(graph.of(c).shape, r.shape) for c in uses(r))
 
         if not readers or any(
-            not (_broadcasts(p.shape, r.shape) or through_views(r)) or len(r.nodes) + len(p.nodes) > cap
-            for r in readers.values()
+            not (plain(r) or through_views(r)) or len(r.nodes) + len(p.nodes) > cap for r in readers.values()
         ):
             continue
         for r in readers.values():
-            if not _broadcasts(p.shape, r.shape):
+            if not plain(r):
                 r.free[:0] = p.nodes
                 continue
             role = Role.KEEP if r.is_row and p.shape == r.keep_shape() else Role.FULL
@@ -610,6 +616,8 @@ def recompute_elementwise(
 
     for r2 in work:
         for m in list(r2.nodes):
+            if REGISTRY[m.op].view:  # a view of the value is not the value broadcast: read it back
+                continue
             for s in fl.reads[id(m)]:
                 if id(s) not in homes:
                     continue

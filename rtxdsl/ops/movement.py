@@ -520,6 +520,12 @@ def _select_canonical(shapes: list[tuple[int, ...]], axis: int, index: int) -> d
     return {"axis": a, "index": index % x[a]}
 
 
+def _select_remap(c: RemapCtx) -> str:
+    """The index inserted at the axis, as a tile (masks built from scalars alone mistype)."""
+    a = c.attrs["axis"]
+    return c.value(0, Coords(c.out.idx[:a] + (f"({c.args[0]} + {c.zero})",) + c.out.idx[a:], c.out.pred))
+
+
 def _select_back(d: D) -> tuple[Any, ...]:
     a, i = d.n.attr("axis"), d.n.attr("index")
     g = node("unsqueeze", d.g, axes=(a,))
@@ -531,9 +537,7 @@ _movement(
     1,
     lambda x, axis, index: x.select(axis, index),
     _select_shape,
-    lambda c: c.value(
-        0, Coords(c.out.idx[: c.attrs["axis"]] + (c.args[0],) + c.out.idx[c.attrs["axis"] :], c.out.pred)
-    ),
+    _select_remap,
     _select_back,
     canonical=_select_canonical,
     launch_attrs=("index",),
