@@ -82,6 +82,19 @@ def _liger(name: str) -> Any:
             from liger_kernel.ops.softmax import LigerSoftmaxFunction
 
             return lambda x: LigerSoftmaxFunction.apply(x)
+        if name in ("geglu", "cross_entropy", "rope_qk"):
+            from liger_kernel.transformers import functional as lf
+
+            if name == "geglu":  # tanh GELU, as the workload
+                return lambda g, u: lf.liger_geglu(g, u)
+            if name == "cross_entropy":
+                return lambda x, t: lf.liger_cross_entropy(x, t, label_smoothing=0.1)
+
+            def rope(q: Any, k: Any, c: Any, s: Any) -> dict:  # Liger wants [batch, heads, seq, dim]
+                rq, rk = lf.liger_rope(q[None, None], k[None, None], c[None], s[None])
+                return {"q": rq[0, 0], "k": rk[0, 0]}
+
+            return rope
     except ImportError:
         return None
     return None
