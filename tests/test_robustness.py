@@ -419,3 +419,12 @@ def test_absorbing_a_producer_that_reads_the_kernel_makes_no_cycle(rows):
     rs = r.sum(-1)
     (rs.sum() + rs.sum(0).sum() + torch.maximum(rs.sum(0), r).sum()).backward()
     torch.testing.assert_close(t.grad, r.grad)
+
+
+def test_per_row_value_joins_a_row_kernel_only_where_its_consumer_can():
+    """exp(b) + softmax(a): the 0-dim exp(b) was merged into the row kernel as a per-row value that
+    its full-shaped consumer could not read (an internal assertion)."""
+    a, b = rx.var("a"), rx.var("b")
+    k = rx.compile(rx.exp(rx.clamp(b, -6.0, 6.0)) + rx.softmax(a, 0))
+    for ta, tb in ((torch.tensor([-float("inf")]), torch.tensor(-float("inf"))), (torch.randn(5), torch.tensor(0.3))):
+        torch.testing.assert_close(k(a=ta, b=tb), torch.exp(tb.clamp(-6, 6)) + torch.softmax(ta, 0), equal_nan=True)

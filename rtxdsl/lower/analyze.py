@@ -386,8 +386,8 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
             for g in sorted(src_groups(n), key=lambda h: not h.is_row):  # row groups first
                 if closed(g):
                     continue
-                per_row = _per_row_role(target, g) if target is not None else None
-                if per_row is not None and can_join_rows(target, g):
+                per_row = _per_row_role(target, g, shape) if target is not None else None
+                if per_row is not None and can_join_rows(target, g):  # type: ignore[arg-type]
                     for m in g.nodes:  # a pointwise group over the rows: one value per row here
                         g.roles[id(m)] = per_row
                     target = merge(target, g)  # type: ignore[arg-type]
@@ -445,13 +445,16 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
     return tuple(g.freeze(order) for g in groups)
 
 
-def _per_row_role(target: _Work, g: _Work) -> Role | None:
-    """The role a pointwise group ``g`` over ``target``'s rows would have inside it."""
+def _per_row_role(target: _Work, g: _Work, consumer: tuple[int, ...]) -> Role | None:
+    """The role a pointwise group ``g`` over ``target``'s rows would have inside it, if a consumer
+    of ``consumer``'s shape can then join too (a DROP value feeds only DROP values)."""
     if not target.is_row or g.is_row:
         return None
-    if g.shape == target.drop_shape():
+    if g.shape == target.drop_shape() and consumer == target.drop_shape():
         return Role.DROP
-    return Role.KEEP if g.shape == target.keep_shape() else None
+    if g.shape == target.keep_shape() and consumer in (target.keep_shape(), target.shape):
+        return Role.KEEP
+    return None
 
 
 # ---- shared by the later passes ------------------------------------------------------------------
