@@ -428,3 +428,15 @@ def test_per_row_value_joins_a_row_kernel_only_where_its_consumer_can():
     k = rx.compile(rx.exp(rx.clamp(b, -6.0, 6.0)) + rx.softmax(a, 0))
     for ta, tb in ((torch.tensor([-float("inf")]), torch.tensor(-float("inf"))), (torch.randn(5), torch.tensor(0.3))):
         torch.testing.assert_close(k(a=ta, b=tb), torch.exp(tb.clamp(-6, 6)) + torch.softmax(ta, 0), equal_nan=True)
+
+
+def test_a_requested_value_recomputed_elsewhere_is_written_by_its_own_kernel():
+    """exp(b) (0-dim, requested) was recomputed inside a [1]-shaped kernel, which then wrote it
+    with its own domain's strides (IndexError while scheduling)."""
+    a, b = rx.var("a"), rx.var("b")
+    eb = rx.exp(rx.clamp(b, -6.0, 6.0))
+    k = rx.compile({"o0": rx.exp(rx.clamp(a, -6.0, 6.0)), "o1": eb, "o2": eb + a})
+    ta, tb = torch.tensor([-1.0]), torch.tensor(0.5)
+    out = k(a=ta, b=tb)
+    torch.testing.assert_close(out["o1"], tb.exp())
+    torch.testing.assert_close(out["o2"], tb.exp() + ta)

@@ -591,9 +591,11 @@ def recompute_elementwise(
     """
     work = [_Work.of(g) for g in groups]
     homes = _homes(work)
+    requested = {id(e) for _, e in graph.outputs}
 
     def ancestry(s: Expr, r1: _Work, r2: _Work) -> list[Expr] | None:
-        """``s`` and what it needs inside ``r1``, if all of it is elementwise over leaves and fits ``r2``."""
+        """``s`` and what it needs inside ``r1``, if all of it is elementwise over leaves and fits ``r2``
+        (a requested value is written anyway: it is read back, and its home stays the kernel that writes it)."""
         out: list[Expr] = []
         stack, seen = [s], set()
         while stack:
@@ -604,6 +606,7 @@ def recompute_elementwise(
             kind = REGISTRY[n.op].kind
             if (
                 id(n) in solo
+                or id(n) in requested
                 or kind is not OpKind.ELEMENTWISE
                 or r1.role(n) is Role.DROP
                 or not _broadcasts(graph.of(n).shape, r2.shape)
@@ -643,7 +646,7 @@ def recompute_elementwise(
 def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
     requested = {id(e) for _, e in graph.outputs}
     consumers = _consumers(graph, fl)
-    homes = _homes(groups)
+    homes = _writers(graph, groups)
     members = [{id(m) for m in g.nodes} for g in groups]
     containing: dict[int, list[int]] = {}
     for i, ms in enumerate(members):
@@ -686,6 +689,19 @@ def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
             ),
         )
     return Plan(_topo(done, homes), graph)
+
+
+def _writers(graph: Graph, groups: tuple[Group, ...]) -> dict[int, int]:
+    """node id -> the group that writes it: the first whose domain the value has exactly (a copy
+    recomputed in another kernel may be broadcast there), else the first containing it."""
+    out = _homes(groups)
+    for i in reversed(range(len(groups))):
+        g = groups[i]
+        exact = {Role.FULL: g.shape, Role.KEEP: g.keep_shape(), Role.DROP: g.drop_shape()}
+        for m in g.nodes:
+            if graph.of(m).shape == exact[g.role(m)]:
+                out[id(m)] = i
+    return out
 
 
 def _pattern(g: Group, graph: Graph) -> str:
