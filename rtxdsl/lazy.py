@@ -29,7 +29,6 @@ from .log import log
 from .lower.bind import Info, infer, infer_all
 from .lru import LRU
 from .ops import REGISTRY, Unsupported
-from .ops.movement import getitem
 from .runtime import Kernel
 from .stats import GLOBAL_STATS, FusionStats, FusionStatsSnapshot
 
@@ -632,60 +631,24 @@ def _expr_of(x: Any, stream: OperationStream) -> Any:
 
 def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
     """Views of materialized values are free. Of a pending value, ``contiguous`` is the value
-    itself (kernels write contiguous outputs), a view an op maps (``unsqueeze``, slicing) is
-    recorded; other views need the value first."""
+    itself (kernels write contiguous outputs), ``unsqueeze`` is recorded; other views (slices,
+    ``narrow``, ``chunk``) need the value first, so they alias it as in eager torch."""
     base = args[0]
     if isinstance(base, LazyTensor) and base.is_pending:
         name = getattr(func, "__name__", "")
         if name == "contiguous":
             return base
         entry = REGISTRY.torch.get(func)
-        if entry is not None:
+        # only views that insert size-1 dims are recorded: any other recorded view (a slice) would
+        # be a copy, and a later in-place write to its base or to it would not reach the other
+        if entry is not None and entry[0].view:
             try:
                 return base._stream.record(_build(entry[1], args, kwargs, base._stream))
             except Unsupported:
                 pass
-        pieces = _pieces(name, base, args[1:], kwargs)
-        if pieces is not None:  # chunk / split / unbind: a tuple of recorded slices
-            expr = base._as_expr()
-            return tuple(base._stream.record(getitem(expr, key)) for key in pieces)
         base._real(f"view {name} of a pending value")
     real_args, real_kwargs = _materialize_all(args, kwargs, "view")
     return _wrap(func(*real_args, **real_kwargs), fusion)
-
-
-def _pieces(name: str, base: LazyTensor, args: tuple, kwargs: dict) -> list[tuple] | None:
-    """Index keys of the pieces ``chunk`` / ``split`` / ``unbind`` return, from the value's shape
-    (torch's counts: ``chunk`` may give fewer pieces than asked); None for anything else."""
-    params = {"chunk": ("chunks", "dim"), "split": ("split_size_or_sections", "dim"), "unbind": ("dim",)}
-    if name not in params:
-        return None
-    bound = dict(zip(params[name], args)) | kwargs
-    dim = bound.get("dim", 0)
-    shape = tuple(base.shape)
-    if not isinstance(dim, int) or not shape or not -len(shape) <= dim < len(shape):
-        return None
-    dim %= len(shape)
-    n = shape[dim]
-    lead = (slice(None),) * dim
-    if name == "unbind":
-        return [(*lead, i) for i in range(n)]
-    if name == "chunk":
-        chunks = bound.get("chunks")
-        if not isinstance(chunks, int) or chunks < 1:
-            return None
-        size = -(-n // chunks) if n else 0
-        sizes = [size] * (n // size) + ([n % size] if n % size else []) if size else [0] * chunks
-    else:
-        spec = bound.get("split_size_or_sections")
-        if isinstance(spec, int) and spec > 0:
-            sizes = [spec] * (n // spec) + ([n % spec] if n % spec else []) if n else [0]
-        elif isinstance(spec, (list, tuple)) and all(isinstance(v, int) and v >= 0 for v in spec) and sum(spec) == n:
-            sizes = list(spec)
-        else:
-            return None
-    starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    return [(*lead, slice(a, a + s)) for a, s in zip(starts, sizes)]
 
 
 def _out_of_place(func: Any) -> Any:
