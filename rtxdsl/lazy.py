@@ -123,6 +123,8 @@ class OperationStream:
         self.cap = fusion.config.max_queued_ops  # read again at each flush
         self.epoch = 0  # flushes so far: a conversion that straddles one is redone
         self.guarded: list[tuple[torch.Tensor, type]] = []  # tensors guarded while writes are pending
+        # views recorded of pending values (unsqueeze): (view, base, torch function, its other arguments)
+        self.views: list[tuple[weakref.ref[LazyTensor], weakref.ref[LazyTensor], Any, tuple, dict]] = []
 
     # leaves and recording
     def leaf(self, t: torch.Tensor) -> Expr:
@@ -449,6 +451,11 @@ class LazyTensor:
     def _real(self, reason: str) -> torch.Tensor:
         if self._expr is not None:
             self._stream.flush(reason)
+        elif self._stream.homes:  # a view of storage that a pending in-place write will change
+            with torch._C.DisableTorchFunctionSubclass():
+                aliased = self._stream.overlaps_pending_write([self._value])  # type: ignore[list-item]
+            if aliased:
+                self._stream.flush(f"{reason}: it aliases a pending in-place write")
         assert self._value is not None
         return self._value
 
@@ -643,12 +650,29 @@ def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
         # be a copy, and a later in-place write to its base or to it would not reach the other
         if entry is not None and entry[0].view:
             try:
-                return base._stream.record(_build(entry[1], args, kwargs, base._stream))
+                view = base._stream.record(_build(entry[1], args, kwargs, base._stream))
             except Unsupported:
                 pass
+            else:  # an in-place write to either later makes it a real view of the other first
+                base._stream.views.append((weakref.ref(view), weakref.ref(base), func, args[1:], kwargs))
+                return view
         base._real(f"view {name} of a pending value")
     real_args, real_kwargs = _materialize_all(args, kwargs, "view")
     return _wrap(func(*real_args, **real_kwargs), fusion)
+
+
+def _realize_views(stream: OperationStream) -> None:
+    """Before an in-place write to a viewed value (or to a recorded view): flush, then make every
+    recorded view a real view of its base's tensor, so the write reaches both, as in eager."""
+    stream.flush("in-place write to a value with recorded views")
+    entries, stream.views = stream.views, []
+    for view_ref, base_ref, func, rest, kwargs in entries:
+        view, base = view_ref(), base_ref()
+        if view is None or base is None or base._value is None:
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
+            view._value = func(base._value, *rest, **kwargs)
+        view._expr = None
 
 
 def _out_of_place(func: Any) -> Any:
@@ -668,6 +692,8 @@ def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
     target = args[0]
     assert isinstance(target, LazyTensor)
     stream = target._stream
+    if any(target is r() for v, b, *_ in stream.views for r in (v, b)):
+        _realize_views(stream)
     if not target.is_pending and stream.reads(target._value):  # type: ignore[arg-type]
         stream.flush("in-place write to a tensor with pending readers")
     result = LazyTensor.__torch_function__(_out_of_place(func), (LazyTensor,), args, kwargs)
