@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -313,7 +312,3 @@ class _Locator:
 
 def size_label(sizes: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "fixed"
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

@@ -61,7 +61,7 @@ def _kernel_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _kernel_backward(ctx: Any, grads: list[Tensor]) -> tuple[None, list[Tensor | None]]:
     saved = ctx.saved_tensors
-    out = kernel_grad_op(ctx.key, list(saved), [g if g is not None else None for g in grads])
+    out = kernel_grad_op(ctx.key, list(saved), list(grads))
     return None, [g if t.is_floating_point() else None for g, t in zip(out, saved)]
 
 
