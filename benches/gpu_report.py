@@ -100,6 +100,39 @@ def _liger(name: str) -> Any:
     return None
 
 
+def _fixed(**shapes: tuple[int, ...]) -> Any:
+    """Inputs of fixed shapes (the GPU-shape cases ignore rows and hidden)."""
+
+    def make(rows: int, hidden: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> dict:
+        return {n: torch.randn(s, generator=gen).to(device=device, dtype=dtype) for n, s in shapes.items()}
+
+    return make
+
+
+def _transposed(rows: int, hidden: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> dict:
+    return {
+        "x": torch.randn(1024, 4096, generator=gen).to(device=device, dtype=dtype).t(),
+        "y": torch.randn(4096, 1024, generator=gen).to(device=device, dtype=dtype),
+    }
+
+
+_x, _y, _w, _b = (rx.var(n) for n in ("x", "y", "w", "b"))
+#: the shapes a GPU punishes (split rows, column and 2-D tiles): timed once each, at these sizes
+GPU_SHAPES = [
+    Workload("column_sum 4096x1024", lambda: rx.sum(_x, 0), _fixed(x=(4096, 1024)), lambda x: x.sum(0)),
+    Workload("full_sum 4M", lambda: rx.sum(_x), _fixed(x=(4 << 20,)), lambda x: x.sum()),
+    Workload("mean 64x65536", lambda: rx.mean(_x, 1), _fixed(x=(64, 65536)), lambda x: x.mean(1)),
+    Workload("softmax 8x131072", lambda: rx.softmax(_x), _fixed(x=(8, 131072)), lambda x: x.softmax(-1)),
+    Workload(
+        "layer_norm 8x131072",
+        lambda: rx.layer_norm(_x, _w, _b),
+        _fixed(x=(8, 131072), w=(131072,), b=(131072,)),
+        lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b),
+    ),
+    Workload("transposed_add 4096x1024", lambda: _x + _y, _transposed, lambda x, y: x + y),
+]
+
+
 def time_workload(w: Workload, rows: int, hidden: int, impls: dict[str, Any], copy_gbs: float) -> list[dict]:
     from triton.testing import do_bench
 
@@ -126,7 +159,7 @@ def time_workload(w: Workload, rows: int, hidden: int, impls: dict[str, Any], co
         out.append(
             {
                 "workload": w.name,
-                "shape": f"{rows}x{hidden}",
+                "shape": f"{rows}x{hidden}" if rows else "-",
                 "dtype": str(w.dtype).removeprefix("torch."),
                 "impl": impl,
                 "us": ms * 1e3,
@@ -207,6 +240,15 @@ def main() -> None:
         overheads += overhead(w, impls)
         save(name, payload(), args.out)  # partial results survive a timeout
         print(f"  {w.name}: done at {time.perf_counter() - start:.0f} s")
+    for w in GPU_SHAPES:  # one size each: the shape is the point
+        if time.perf_counter() - start > BUDGET_S:
+            print(f"  {w.name}: skipped, over the time budget")
+            continue
+        k = rx.compile(w.expr())
+        impls = {"rtxdsl": lambda kk=k, **ins: kk(**ins), "eager": w.eager}
+        if not args.quick:
+            impls["torch.compile"] = torch.compile(w.eager, dynamic=False)
+        timings += time_workload(w, 0, 0, impls, copy_gbs)
     print("\n## Kernel time (do_bench median), achieved GB/s and fraction of copy bandwidth\n")
     print(markdown(timings, ["workload", "shape", "dtype", "impl", "us", "GB/s", "of copy", "kernels"]))
     print("\n## Whole-call time of a cached call on a 1x64 tensor (host clock, synchronized)\n")

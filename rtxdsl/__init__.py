@@ -46,6 +46,7 @@ from .ops import REGISTRY as _REGISTRY  # noqa: E402
 from .parse import parse  # noqa: E402
 from .runtime import Kernel, compile  # noqa: E402
 from .stats import FusionStatsSnapshot, fusion_stats, reset_fusion_stats  # noqa: E402
+from .trace import Trace, memory_trace  # noqa: E402
 
 __version__ = "0.2.0"
 
@@ -83,6 +84,7 @@ __all__ = [
     "ParseError",
     "RtxError",
     "ShapeError",
+    "Trace",
     "UnknownInputError",
     "UnsupportedDtypeError",
     "cache_stats",
@@ -92,6 +94,7 @@ __all__ = [
     "fusion_stats",
     "get_config",
     "lazy",
+    "memory_trace",
     "nn",
     "optim",
     "load_library",

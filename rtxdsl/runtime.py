@@ -662,6 +662,25 @@ def _fmt_meta(info: Any) -> str:
     return f"{SHORT_NAME[info.dtype]}[{', '.join(map(str, info.shape))}]"
 
 
+def _launch_shape(call: Any) -> str:
+    """Grid, programs, tile and split choice of one launch, in words."""
+    spec, meta = call.spec, dict(call.meta)
+    programs = 1
+    for d in call.grid:
+        programs *= d
+    if spec.kind != "row":
+        mode = f"flat blocks of {meta['BLOCK_SIZE']}"
+    elif spec.split == "tile":
+        mode = f"2-D tiles of {spec.rows_per_program} x {spec.block} (operands laid out differently)"
+    else:
+        mode = f"tiles of {spec.rows_per_program} row(s) x {spec.block}" + (", looped" if spec.looped else "")
+        mode += {
+            "partial": ", split: each program reduces a chunk of a row to partial states",
+            "finish": ", split: merges the partial states, writes its chunk",
+        }.get(spec.split, "")
+    return f"grid {call.grid} ({programs} programs), {mode}"
+
+
 def _explain(kernel: Kernel, launch: Launch) -> str:
     p = launch.program
     graph = p.plan.graph
@@ -674,27 +693,21 @@ def _explain(kernel: Kernel, launch: Launch) -> str:
     )
     names = {id(v): n for n, v in zip(kernel.inputs, kernel._vars)}
     outs = {id(e): k for k, e in graph.outputs}
-    for i, (g, call) in enumerate(zip(p.plan.groups, p.kernels)):
+    for i, g in enumerate(p.plan.groups):
         domain = f"rows over axes {list(g.axes)} of" if g.is_row else "pointwise over"
         shape = ", ".join(map(str, g.shape))
         lines.append(f"group {i}: {g.pattern} — {domain} [{shape}], {len(g.nodes)} ops: {', '.join(g.ops)}")
-        reads = ", ".join(f"{names.get(id(n), f'tmp{id(n) % 997}')} {_fmt_meta(graph.of(n))}" for n in g.inputs)
+        in_names = [names.get(id(n), f"tmp{id(n) % 997}") for n in g.inputs]
+        reads = ", ".join(f"{n} {_fmt_meta(graph.of(v))}" for n, v in zip(in_names, g.inputs))
         writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {_fmt_meta(graph.of(n))}" for n in g.outputs)
         lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
-        spec = call.spec
-        meta = dict(call.meta)
-        if g.is_row:
-            mode = f"row block {spec.block} x {spec.rows_per_program} rows" + (", looped" if spec.looped else "")
-        else:
-            mode = f"block {meta['BLOCK_SIZE']}"
-        programs = 1
-        for d in call.grid:
-            programs *= d
-        lines.append(
-            f"  kernel {call.summary.split(':')[0]}: grid {call.grid} ({programs} programs), {mode}, "
-            f"{call.passes} pass(es) over its inputs, {call.bytes} bytes"
-            + (" (empty: not launched)" if call.empty else "")
-        )
+        for call in (c for c in p.kernels if c.group == i):
+            lines.append(f"  kernel {call.summary.split(':')[0]}: {_launch_shape(call)}")
+            passes = ", ".join(f"{n} x{r}" for n, r in zip(in_names, call.reads))
+            lines.append(
+                f"    reads {passes or 'no input'}; {call.bytes} bytes"
+                + (" (empty: not launched)" if call.empty else "")
+            )
     torch_run = launch.backend == "torch"
     kernels = p.eager_launches if torch_run else p.kernels_launched
     moved = p.eager_bytes if torch_run else p.bytes_moved

@@ -18,7 +18,7 @@ from ..expr import Expr
 from .analyze import Group, Plan, Role, analyze
 from .bind import Info
 from .expand import Graph, expand
-from .schedule import Layout, contiguous_strides, input_reads, kernel_spec
+from .schedule import Layout, contiguous_strides, input_reads, kernel_spec, partial_states, split_specs
 from .spec import Buffer, KernelCall, KernelSpec, Program
 from .target import GPU, INTERPRETER, Target, target_for
 
@@ -58,30 +58,50 @@ def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> P
             lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), info.dtype)
             buffers.append(Buffer(info.shape, info.dtype))
     calls = []
-    for g in plan.groups:
+    for gi, g in enumerate(plan.groups):
         spec, launch = kernel_spec(g, graph, lay, target)
+        in_slots = tuple(slots[id(i)] for i in g.inputs)
+        out_slots = tuple(slots[id(o)] for o in g.outputs)
         flags: tuple[int, ...] = ()
         if spec.flags:  # index checks: an int32 flag per gathering op, zeroed per call
             flags = (n_inputs + len(buffers),)
             buffers.append(Buffer((len(spec.flags),), torch.int32, zero=True))
-        reads = input_reads(spec)
-        nbytes = sum(r * lay[id(i)].nbytes for r, i in zip(reads, g.inputs)) + sum(lay[id(o)].nbytes for o in g.outputs)
-        calls.append(
-            KernelCall(
-                spec=spec,
-                summary=f"{g.pattern}: {', '.join(g.ops)}",
-                grid=launch.grid,
-                buffers=tuple(slots[id(i)] for i in g.inputs) + tuple(slots[id(o)] for o in g.outputs) + flags,
-                args=(*launch.ints, *launch.scalars),
-                meta=launch.meta,
-                ops=len(g.nodes),
-                bytes=0 if launch.empty else nbytes,
-                passes=max(reads, default=1),
-                empty=launch.empty,
-                scalar_inputs=launch.scalar_inputs,
-                checks=launch.checks,
+        in_bytes = [lay[id(i)].nbytes for i in g.inputs]
+        out_bytes = 0 if launch.empty else sum(lay[id(o)].nbytes for o in g.outputs)
+        summary = f"{g.pattern}: {', '.join(g.ops)}"
+        parts: tuple[int, ...] = ()
+        part_bytes = 0
+        if launch.split > 1:  # partial states of every reduction, one buffer each
+            for _, n_state, dtype in partial_states(spec):
+                parts += (n_inputs + len(buffers),)
+                buffers.append(Buffer((n_state, launch.rows * launch.split), dtype))
+                part_bytes += n_state * launch.rows * launch.split * dtype.itemsize
+            (partial, p_launch), (finish, f_launch) = split_specs(spec, launch)
+            phases = [(partial, p_launch, 0, part_bytes), (finish, f_launch, part_bytes, 0)]
+        else:
+            phases = [(spec, launch, 0, 0)]
+        for sp, ln, part_read, part_written in phases:
+            reads = input_reads(sp)
+            moved = sum(r * b for r, b in zip(reads, in_bytes)) + part_read + part_written
+            moved += out_bytes if sp.split != "partial" else 0
+            calls.append(
+                KernelCall(
+                    spec=sp,
+                    summary=summary,
+                    grid=ln.grid,
+                    buffers=in_slots + out_slots + parts + flags,
+                    args=(*ln.ints, *ln.scalars),
+                    meta=ln.meta,
+                    ops=len(g.nodes),
+                    bytes=0 if ln.empty else moved,
+                    passes=max(reads, default=1),
+                    empty=ln.empty,
+                    scalar_inputs=ln.scalar_inputs,
+                    checks=ln.checks,
+                    group=gi,
+                    reads=tuple(reads),
+                )
             )
-        )
     outputs: list[tuple[str, int | None]] = []
     scalars = {}
     for key, root in graph.outputs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -56,6 +56,8 @@ class Launch:
     empty: bool
     scalar_inputs: tuple[tuple[int, int, str], ...] = ()
     checks: tuple[str, ...] = ()  # per index-check flag: the error it means
+    split: int = 1  # programs per row of a split reduction (1: not split)
+    rows: int = 0  # rows of a split reduction (its partial buffers hold split * rows states)
 
 
 # ---- launch configurations: one table per kernel family ---------------------------------------
@@ -80,11 +82,33 @@ def pointwise_config(numel: int, target: Target) -> Config:
     return Config(block, 1, False, _warps(min(block, GPU.pointwise_block)))
 
 
-def row_config(n_rows: int, n_cols: int, target: Target) -> Config:
+def row_config(n_rows: int, n_cols: int, target: Target, column: bool = False) -> Config:
+    """A row kernel's tile. ``column``: the reduced axis is strided and a kept axis is contiguous
+    (a column reduction, a bias gradient), so a program takes ``col_rows`` neighbouring kept
+    elements and loops over the reduced axis in blocks: every load runs along the contiguous axis."""
+    if column:
+        warps = _warps(min(target.row_tile, GPU.row_tile))
+        if n_cols * target.col_rows <= target.row_tile:  # the reduced extent fits: kept whole, read once
+            block = _pow2(max(n_cols, 1))
+            return Config(block, target.row_tile // block, False, warps)
+        return Config(target.row_tile // target.col_rows, target.col_rows, True, warps)
     looped = n_cols > target.max_row_block
     block = target.loop_block if looped else _pow2(max(n_cols, 1))
     rows = 1 if looped else max(1, target.row_tile // block)  # never from the row count: one compile serves all
     return Config(block, rows, looped, _warps(min(block * rows, GPU.row_tile)))
+
+
+def split_count(programs: int, n_rows: int, n_cols: int, block: int, target: Target) -> tuple[int, int]:
+    """(programs per row, reduced elements each) for a reduction of ``n_cols`` per row that would
+    run on ``programs`` programs of ``rows`` rows each: split when that is under two waves, each
+    row spans two loop blocks or more, and the whole reduction is big enough to pay a second launch."""
+    big = target.split_min and n_rows * n_cols >= target.split_min
+    if not big or n_cols < 2 * block or programs >= target.waves:
+        return 1, n_cols
+    want = min(-(-target.waves // programs), n_cols // block)
+    chunk = -(-n_cols // want)
+    chunk = -(-chunk // block) * block  # whole blocks per program
+    return -(-n_cols // chunk), chunk
 
 
 # ---- layouts ----------------------------------------------------------------------------------
@@ -272,6 +296,10 @@ def kernel_spec(
         return coordinate_spec(group, graph, layouts, target)
     b = body(group, graph)
     strides = operand_strides(group, graph, layouts, b)
+    tile_shape = target.tile
+    tile = None if group.is_row or tile_shape is None else _tile_axis(group, b, strides)
+    if tile is not None:  # a 2-D tile: the row kernel's code with a kept axis of rows, no reductions
+        group = replace(group, axes=(tile,))
     domain = group.shape
     row_dims = [d for d in range(len(domain)) if d not in group.axes]
     col_dims = list(group.axes)
@@ -300,47 +328,104 @@ def kernel_spec(
         for k, o in enumerate(group.outputs)
     )
 
-    ints: list[int] = []
-    if group.is_row:
-        ints += [n_rows, n_cols] + (row_sizes if len(row_sizes) > 1 else []) + (col_sizes if len(col_sizes) > 1 else [])
+    if tile is not None and tile_shape is not None:
+        cfg = Config(tile_shape[1], tile_shape[0], True, 4)
+    elif group.is_row:
+        cfg = row_config(n_rows, n_cols, target, _is_column(group, layouts, b, classes))
     else:
-        ints += [numel] + (row_sizes if len(row_sizes) > 1 else [])
-    for r, c in zip(row_strides, col_strides):
-        ints += [s for s in r if stride_class(s) == STRIDED] + [s for s in c if stride_class(s) == STRIDED]
-
-    kinds, vals = _scalar_args(b.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
-    position = {id(v): i for i, v in enumerate(graph.inputs)}
-    scalar_inputs = tuple(
-        (len(ints) + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(b.slots, kinds)) if s.op == "var"
-    )
-    if group.is_row:
-        cfg = row_config(n_rows, n_cols, target)
-        grid = (max(1, -(-n_rows // cfg.rows_per_program)),)
-        meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
-    else:
-        cfg = pointwise_config(numel, target)
-        grid = (max(1, -(-numel // cfg.block)),)
-        meta = (("BLOCK_SIZE", cfg.block), ("num_warps", cfg.num_warps))
         cfg = Config(0, 1, False, 0)  # the block is a launch parameter: no size ever enters the signature
-    reductions = tuple(i for i, n in enumerate(b.nodes) if REGISTRY[n.op].kind is OpKind.REDUCTION)
     spec = KernelSpec(
         kind="row" if group.is_row else "pointwise",
         in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
         loads=load_specs,
         nodes=b.nodes,
         outputs=out_specs,
-        scalars=tuple(kinds),
-        reductions=reductions,
+        scalars=(),
+        reductions=tuple(i for i, n in enumerate(b.nodes) if REGISTRY[n.op].kind is OpKind.REDUCTION),
         block=cfg.block,
         rows_per_program=cfg.rows_per_program,
         looped=cfg.looped,
         big=big,
         num_warps=cfg.num_warps,
     )
+    n_split, chunk = 1, n_cols
+    if group.is_row:
+        programs = -(-n_rows // cfg.rows_per_program)
+        if tile is not None:  # every program one tile: its rows, one block of columns
+            n_split, chunk = max(1, -(-n_cols // cfg.block)), cfg.block
+            spec = replace(spec, split="tile")
+        elif splittable(spec):
+            n_split, chunk = split_count(programs, n_rows, n_cols, cfg.block, target)
+        if n_split > 1:
+            spec = replace(spec, looped=True)
+
+    ints: list[int] = []
+    if group.is_row:
+        ints += [n_rows, n_cols] + (row_sizes if len(row_sizes) > 1 else []) + (col_sizes if len(col_sizes) > 1 else [])
+        ints += [n_split, chunk] if n_split > 1 or spec.split else []
+    else:
+        ints += [numel] + (row_sizes if len(row_sizes) > 1 else [])
+    for r, c in zip(row_strides, col_strides):
+        ints += [s for s in r if stride_class(s) == STRIDED] + [s for s in c if stride_class(s) == STRIDED]
+
+    kinds, vals = _scalar_args(b.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
+    spec = replace(spec, scalars=tuple(kinds))
+    position = {id(v): i for i, v in enumerate(graph.inputs)}
+    scalar_inputs = tuple(
+        (len(ints) + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(b.slots, kinds)) if s.op == "var"
+    )
+    if group.is_row:
+        grid = (max(1, programs * n_split),)
+        meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
+    else:
+        pcfg = pointwise_config(numel, target)
+        grid = (max(1, -(-numel // pcfg.block)),)
+        meta = (("BLOCK_SIZE", pcfg.block), ("num_warps", pcfg.num_warps))
     # nothing to launch only when nothing is written: reducing an empty extent still writes
     # torch's identity values (0 for sum, nan for mean and var, -inf for logsumexp)
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
-    return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs)
+    split = n_split if spec.split != "tile" else 1
+    return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, split=split, rows=n_rows)
+
+
+def _tile_axis(group: Group, b: Body, strides: list[tuple[int, ...]]) -> int | None:
+    """For a pointwise group whose operands disagree on the fastest axis (``x.t() + y``): the axis
+    along which a load is contiguous while the output is not (tiles then load both ways)."""
+    domain = group.shape
+    if len(domain) < 2 or domain[-1] < 2 or math.prod(domain) < 2:
+        return None
+    for st in strides[: len(b.loads)]:
+        if st[-1] not in (0, 1):
+            unit = [d for d in range(len(domain) - 1) if st[d] == 1 and domain[d] > 1]
+            if unit:
+                return unit[-1]
+    return None
+
+
+def _is_column(group: Group, layouts: Mapping[int, Layout], b: Body, classes: list) -> bool:
+    """Does the group's biggest full-size operand run contiguously along a kept axis and with
+    stride along the reduced ones (a column reduction: tile it with kept elements side by side)?"""
+    full = [(layouts[id(group.inputs[j])].nbytes, k) for k, (j, role, _) in enumerate(b.loads) if role is Role.FULL]
+    if not full:
+        return False
+    rows, cols = classes[max(full)[1]]
+    return bool(rows) and rows[-1] == UNIT and UNIT not in cols
+
+
+def splittable(spec: KernelSpec) -> bool:
+    """Can a split row merge its reductions across programs? One level of them (none depends on
+    another's result) and every output full-size or per row."""
+    lv = levels(spec)
+    return bool(lv) and max(lv.values()) == 1 and all(o.role != "keep" for o in spec.outputs)
+
+
+def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Launch], tuple[KernelSpec, Launch]]:
+    """The two kernels of a split row: partial states, then merge + outputs (``SPLIT_BLOCK`` lanes of
+    partial states per row, a launch parameter like the pointwise block)."""
+    partial = replace(spec, split="partial")
+    finish = replace(spec, split="finish")
+    meta = (*launch.meta, ("SPLIT_BLOCK", _pow2(launch.split)))
+    return (partial, launch), (finish, replace(launch, meta=meta))
 
 
 # ---- coordinate kernels: movement ops inside ----------------------------------------------------
@@ -495,10 +580,11 @@ def levels(spec: KernelSpec) -> dict[int, int]:
     return {i: depth(("n", i)) for i in spec.reductions if not is_reshape(spec, i)}
 
 
-def input_reads(spec: KernelSpec) -> list[int]:
-    """How many times each input is read: once, or once per looped pass that loads it."""
+def input_scopes(spec: KernelSpec) -> list[set[Any]]:
+    """Where each input is loaded: in which looped pass (its reduction level), in the output loop
+    ("out"), or once per row ("top"). A kernel kept in registers loads everything once ("top")."""
     if spec.kind != "row" or not spec.looped:
-        return [1] * len(spec.in_dtypes)
+        return [{"top"} for _ in spec.in_dtypes]
     lv = levels(spec)
     reads: list[set[Any]] = [set() for _ in spec.in_dtypes]
 
@@ -522,4 +608,27 @@ def input_reads(spec: KernelSpec) -> list[int]:
                 mark(s, level, set())
     for o in spec.outputs:
         mark(("n", o.node), "out" if o.role == "full" else "top", set())
-    return [max(1, len(r)) for r in reads]
+    return reads
+
+
+def input_reads(spec: KernelSpec) -> list[int]:
+    """How many times each input is read: once per looped pass that loads it (a split row's partial
+    kernel makes the reductions' pass, its finish kernel the output pass)."""
+    scopes = input_scopes(spec)
+    if spec.split == "partial":
+        return [int(1 in s) for s in scopes]
+    if spec.split == "finish":
+        return [len(s - {1}) for s in scopes]
+    return [max(1, len(s)) for s in scopes]
+
+
+def partial_states(spec: KernelSpec) -> list[tuple[int, int, torch.dtype]]:
+    """A split row's partial buffers: (reduction node, state components, dtype) per reduction."""
+    return [
+        (i, len(REGISTRY[spec.nodes[i].op].reduce.state), reduce_dtype(spec.nodes[i])) for i in sorted(levels(spec))
+    ]
+
+
+def reduce_dtype(node: NodeSpec) -> torch.dtype:
+    """The dtype a reduction's state is kept in (booleans are counted in int32)."""
+    return torch.int32 if node.cdt is torch.bool else node.cdt

@@ -66,6 +66,9 @@ class KernelSpec:
     #: coordinate kernels (movement ops inside): per domain dim, is it reduced? None: flat kernels
     domain: tuple[bool, ...] | None = None
     flags: tuple[int, ...] = ()  # nodes that report an out-of-range index (one flag slot each)
+    #: a split row: "partial" (each program reduces a chunk of a row and stores partial states) or
+    #: "finish" (merges a row's partial states, then writes its chunk of the outputs); "" when whole
+    split: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class KernelCall:
     empty: bool  # a zero-size domain: nothing to launch
     scalar_inputs: tuple[tuple[int, int, str], ...] = ()  # (position in args, input index, kind)
     checks: tuple[str, ...] = ()  # per flag slot: what an out-of-range index there means (its last buffer)
+    group: int = 0  # the fusion group it runs (a split row runs as two kernels)
+    reads: tuple[int, ...] = ()  # per input of the group: how many times this launch reads it
 
 
 @dataclass(frozen=True)

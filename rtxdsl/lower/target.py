@@ -4,6 +4,12 @@ A GPU wants many programs (two waves over its SMs) of modest blocks kept in regi
 interpreter runs one program at a time in numpy, where each program costs a fixed overhead, so
 it wants few, wide programs. The *code* is the same for both: only the launch configuration
 (block, rows per program, split) and therefore the signature's block bucket differ.
+
+A reduction whose rows would leave the GPU idle (fewer programs than two waves over its SMs)
+and whose reduced extent is long is *split*: several programs per row write partial states,
+a second kernel merges them and writes the outputs. Operands laid out differently (``x.t() + y``)
+are read in 2-D tiles. The interpreter does neither (one program at a time gains nothing from
+them); a test target with a few SMs and tiny tiles runs those code paths on CPU.
 """
 
 from __future__ import annotations
@@ -21,13 +27,30 @@ class Target:
     row_tile: int  # elements per program of a row kernel with short rows (several rows each)
     max_row_block: int  # the longest row kept whole in registers
     loop_block: int  # the column block of a looped row
+    col_rows: int = 64  # kept elements per program of a column tile (reducing a strided axis)
+    split_min: int = 0  # the fewest elements (all rows) a reduction needs to be split (0: never split)
+    #: rows x columns of a 2-D pointwise tile for operands laid out differently (None: flat blocks)
+    tile: tuple[int, int] | None = (32, 64)
+
+    @property
+    def waves(self) -> int:
+        """Programs a launch wants at least: two waves over the SMs."""
+        return 2 * self.sm_count
 
 
 #: an H100 / H200 (sm_90): 132 SMs
-GPU = Target("sm_90", sm_count=132, pointwise_block=1024, row_tile=4096, max_row_block=16384, loop_block=4096)
+GPU = Target(
+    "sm_90", sm_count=132, pointwise_block=1024, row_tile=4096, max_row_block=16384, loop_block=4096, split_min=1 << 18
+)
 #: Triton's interpreter on CPU tensors: the same structure decisions (which rows loop), wide programs
 INTERPRETER = Target(
-    "interpreter", sm_count=1, pointwise_block=1 << 16, row_tile=1 << 16, max_row_block=16384, loop_block=4096
+    "interpreter",
+    sm_count=1,
+    pointwise_block=1 << 16,
+    row_tile=1 << 16,
+    max_row_block=16384,
+    loop_block=4096,
+    tile=None,
 )
 
 
@@ -36,4 +59,4 @@ def target_for(device: torch.device, interpreted: bool) -> Target:
     if interpreted or device.type != "cuda":
         return INTERPRETER
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return GPU if sms == GPU.sm_count else Target(f"cuda-{sms}sm", sms, 1024, 4096, 16384, 4096)
+    return GPU if sms == GPU.sm_count else Target(f"cuda-{sms}sm", sms, 1024, 4096, 16384, 4096, split_min=1 << 18)

@@ -77,6 +77,17 @@ for name, e, ins in [
     ),
     ("f64_const", rx.exp(x) * 0.1 + 1e-12, {"x": torch.empty(100, dtype=torch.float64)}),
     ("zero_dim", x + 1, {"x": torch.tensor(1.0)}),
+    # GPU-shaped families: split rows (partial + finish), column tiles, 2-D pointwise tiles
+    ("split_softmax", rx.softmax(x), {"x": torch.empty(8, 131072)}),
+    (
+        "split_ln_bf16",
+        rx.layer_norm(x, y),
+        {"x": torch.empty(8, 131072, dtype=torch.bfloat16), "y": torch.empty(131072, dtype=torch.bfloat16)},
+    ),
+    ("split_sum_all", rx.sum(x), {"x": torch.empty(1 << 22)}),
+    ("column_sum", rx.sum(x, 0), {"x": torch.empty(4096, 1024)}),
+    ("column_var_f16", rx.variance(x, 0), {"x": torch.empty(4096, 1024, dtype=torch.float16)}),
+    ("tile_add", x + y, {"x": torch.empty(1024, 4096).t(), "y": torch.empty(4096, 1024)}),
     # movement: slices, joins, gathers, positions, random numbers (coordinate kernels)
     ("slice_cat_flip", rx.cat([x[:, 1:], rx.flip(y, -1)], -1) * 2, {"x": torch.empty(8, 65), "y": torch.empty(8, 30)}),
     ("select_strided", x[..., 3] + y[0], {"x": torch.empty(30, 40).t(), "y": torch.empty(5, 40)}),

@@ -1,0 +1,256 @@
+"""A memory-access trace of generated kernels: what a GPU would see, measured on CPU.
+
+:func:`memory_trace` runs a kernel's program, lowered with a GPU's launch configurations (or
+any :class:`~rtxdsl.lower.Target`), under Triton's interpreter with ``tl.load`` / ``tl.store``
+instrumented, and reports per launch and per tensor:
+
+- **re-read**: bytes loaded from a tensor / its unique bytes (1.0: every byte read once; a
+  looped or split row that reads its input for statistics and again for the output: 2.0);
+- **sector use**: bytes loaded / (32-byte sectors the load instructions touch x 32), weighted
+  by bytes. One load instruction here is one ``tl.load`` of a program's whole tile (the
+  interpreter runs a program as one numpy step): strided loads along a tile show up as one
+  sector per element (0.125 for fp32), loads along a contiguous axis as 1.0;
+- **programs** per launch, and the traffic model's bytes next to the traced bytes.
+
+The traced bytes a GPU would move count each *big* tensor's loads (every re-read goes to DRAM)
+and small ones once (a bias or a weight re-read by every row stays in L2); "big" is at least a
+half the launch's largest tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from triton.runtime import interpreter as _interp
+
+from .lower import GPU, Target
+from .runtime import Kernel, Launch, _Interpreted
+
+SECTOR = 32
+
+
+@dataclass(frozen=True)
+class TensorTraffic:
+    """What one launch loaded from and stored to one tensor."""
+
+    name: str  # "in0" (the kernel's first input), "out0", "part0" (split partial states), ...
+    nbytes: int  # the tensor's size
+    loaded: int  # bytes loaded (masked-off lanes excluded)
+    unique: int  # distinct bytes loaded
+    sectors: int  # 32-byte sectors touched, summed over load instructions
+    stored: int  # bytes stored
+
+    @property
+    def re_read(self) -> float:
+        return self.loaded / self.unique if self.unique else 0.0
+
+    @property
+    def sector_use(self) -> float:
+        return self.loaded / (self.sectors * SECTOR) if self.sectors else 1.0
+
+
+@dataclass(frozen=True)
+class LaunchTrace:
+    """One kernel launch: its summary, programs, split phase, the model's bytes and the traffic."""
+
+    summary: str
+    split: str
+    programs: int
+    model_bytes: int
+    tensors: tuple[TensorTraffic, ...]
+
+    @property
+    def big(self) -> tuple[TensorTraffic, ...]:
+        """The tensors whose re-reads reach DRAM (at least half the largest one)."""
+        largest = max((t.nbytes for t in self.tensors), default=0)
+        return tuple(t for t in self.tensors if t.nbytes * 2 >= largest and t.loaded)
+
+    @property
+    def traced_bytes(self) -> int:
+        big = {t.name for t in self.big}
+        return sum((t.loaded if t.name in big else t.unique) + t.stored for t in self.tensors)
+
+    @property
+    def re_read(self) -> float:
+        """The most re-read big tensor's factor."""
+        return max((t.re_read for t in self.big), default=0.0)
+
+    @property
+    def sector_use(self) -> float:
+        """Bytes-weighted sector use of the loads from big tensors."""
+        loaded = sum(t.loaded for t in self.big)
+        sectors = sum(t.sectors for t in self.big)
+        return loaded / (sectors * SECTOR) if sectors else 1.0
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Every launch of one call, and the call's outputs (computed by the traced kernels)."""
+
+    launches: tuple[LaunchTrace, ...]
+    result: Any = field(repr=False)
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(t.model_bytes for t in self.launches)
+
+    @property
+    def traced_bytes(self) -> int:
+        return sum(t.traced_bytes for t in self.launches)
+
+    @property
+    def re_read(self) -> float:
+        """Reads of the most-read input over all launches (a split row's two kernels add up)."""
+        total: dict[int, float] = {}
+        for launch in self.launches:
+            for t in launch.big:
+                if t.name.startswith("in"):
+                    total[int(t.name[2:])] = total.get(int(t.name[2:]), 0.0) + t.re_read
+        return max(total.values(), default=0.0)
+
+    @property
+    def sector_use(self) -> float:
+        loaded = sum(t.loaded for launch in self.launches for t in launch.big)
+        sectors = sum(t.sectors for launch in self.launches for t in launch.big)
+        return loaded / (sectors * SECTOR) if sectors else 1.0
+
+    @property
+    def programs(self) -> int:
+        """Programs of the widest launch."""
+        return max((t.programs for t in self.launches), default=0)
+
+    def table(self) -> str:
+        """One line per launch: programs, re-read, sector use, model and traced bytes."""
+        head = ("kernel", "split", "programs", "re-read", "sectors", "model", "traced")
+        lines = ["{:42s} {:8s} {:>8s} {:>7s} {:>7s} {:>10s} {:>10s}".format(*head)]
+        for t in self.launches:
+            lines.append(
+                f"{t.summary[:42]:42s} {t.split or '-':8s} {t.programs:8d} {t.re_read:7.2f} {t.sector_use:7.2f} "
+                f"{t.model_bytes:10d} {t.traced_bytes:10d}"
+            )
+        return "\n".join(lines)
+
+
+class _Recorder:
+    """Loads and stores of the current launch, attributed to its pointer arguments."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int, str]] = []
+        self.loads: dict[str, list[tuple[np.ndarray, int, int]]] = {}  # name -> (addresses, itemsize, sectors)
+        self.stored: dict[str, int] = {}
+
+    def begin(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        self.ranges = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes(), n) for n, t in zip(names, tensors)]
+        self.loads, self.stored = {}, {}
+
+    def owner(self, addresses: np.ndarray) -> str:
+        a = int(addresses[0])
+        return next((n for lo, hi, n in self.ranges if lo <= a < hi), "?")
+
+    def load(self, ptrs: Any, mask: Any) -> None:
+        addresses = ptrs.data[mask.data.astype(bool)]
+        if addresses.size:
+            item = np.dtype(_interp._get_np_dtype(ptrs.get_element_ty())).itemsize
+            sectors = len(np.unique(addresses // SECTOR))
+            self.loads.setdefault(self.owner(addresses), []).append((addresses.ravel().copy(), item, sectors))
+
+    def store(self, ptrs: Any, mask: Any) -> None:
+        addresses = ptrs.data[mask.data.astype(bool)]
+        if addresses.size:
+            item = np.dtype(_interp._get_np_dtype(ptrs.get_element_ty())).itemsize
+            name = self.owner(addresses)
+            self.stored[name] = self.stored.get(name, 0) + addresses.size * item
+
+    def traffic(self, names: list[str], tensors: list[torch.Tensor]) -> tuple[TensorTraffic, ...]:
+        out = []
+        for n, t in zip(names, tensors):
+            loads = self.loads.get(n, [])
+            loaded = sum(a.size * item for a, item, _ in loads)
+            unique = len(np.unique(np.concatenate([a for a, _, _ in loads]))) * loads[0][1] if loads else 0
+            sectors = sum(s for _, _, s in loads)
+            out.append(TensorTraffic(n, t.numel() * t.element_size(), loaded, unique, sectors, self.stored.get(n, 0)))
+        return tuple(out)
+
+
+@contextlib.contextmanager
+def _instrumented(recorder: _Recorder) -> Iterator[None]:
+    builder = _interp.interpreter_builder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def traced_load(ptrs, mask, other, cache_policy, is_volatile):  # noqa: ANN001, ANN202 - the builder's signature
+        recorder.load(ptrs, mask)
+        return load(ptrs, mask, other, cache_policy, is_volatile)
+
+    def traced_store(ptrs, value, mask, cache_policy):  # noqa: ANN001, ANN202
+        recorder.store(ptrs, mask)
+        return store(ptrs, value, mask, cache_policy)
+
+    builder.create_masked_load, builder.create_masked_store = traced_load, traced_store
+    try:
+        yield
+    finally:
+        builder.create_masked_load, builder.create_masked_store = load, store
+
+
+def memory_trace(kernel: Kernel, *args: Any, target: Target = GPU, **kwargs: Any) -> Trace:
+    """Run ``kernel`` on CPU tensors with ``target``'s launch configurations under Triton's
+    interpreter and trace every load and store.
+
+    Example::
+
+        >>> import torch, rtxdsl as rx
+        >>> k = rx.compile(rx.sum(rx.var("x"), axis=0))          # a column sum: a bias gradient
+        >>> x = torch.randn(300, 128)
+        >>> t = rx.memory_trace(k, x=x)
+        >>> t.programs, t.re_read, t.sector_use                 # 64 columns side by side per program
+        (2, 1.0, 1.0)
+        >>> torch.allclose(t.result, x.sum(0), atol=1e-5)
+        True
+    """
+    tensors = kernel._collect(args, kwargs)
+    program = kernel.lower_for(target, *args, **kwargs)
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            raise ValueError("memory_trace runs under Triton's interpreter: pass CPU tensors")
+    launch = Launch(kernel, program, kernel.config.replace(backend="interpreter"), tensors)
+    recorder = _Recorder()
+    calls = iter(program.launched)
+    traces: list[LaunchTrace] = []
+    real_call = _Interpreted.__call__
+
+    def call(self: _Interpreted, *a: Any, **kw: Any) -> Any:
+        spec_call = next(calls)
+        names = _pointer_names(spec_call)
+        ptrs = [x for x in a if isinstance(x, torch.Tensor)]
+        recorder.begin(names, ptrs)
+        out = real_call(self, *a, **kw)
+        traces.append(
+            LaunchTrace(
+                spec_call.summary,
+                spec_call.spec.split,
+                int(np.prod(spec_call.grid)),
+                spec_call.bytes,
+                recorder.traffic(names, ptrs),
+            )
+        )
+        return out
+
+    _Interpreted.__call__ = call  # type: ignore[method-assign]
+    try:
+        with _instrumented(recorder):
+            result = launch.run(tensors)
+    finally:
+        _Interpreted.__call__ = real_call  # type: ignore[method-assign]
+    return Trace(tuple(traces), result)
+
+
+def _pointer_names(call: Any) -> list[str]:
+    spec = call.spec
+    names = [f"in{j}" for j in range(len(spec.in_dtypes))] + [f"out{k}" for k in range(len(spec.outputs))]
+    extra = len(call.buffers) - len(names)
+    return names + [f"part{k}" for k in range(extra - bool(call.checks))] + (["flags"] if call.checks else [])
