@@ -53,7 +53,9 @@ class FusionConfig(BaseModel):
     """Gathered indices are checked: out of range raises RtxError (one flag read after the launch).
     False skips the check; an out-of-range index then reads 0 (its load is masked)."""
     autotune: bool = False
-    """On a CUDA device, time a few launch configurations on first use and keep the fastest."""
+    """Time each kernel's launch options (warps, stages, a pointwise block) on its first launch and
+    keep the fastest, stored under ``cache_dir/tuned`` per signature, device and Triton version.
+    Meant for CUDA devices (CUDA-event timing); on CPU it times the interpreter, which only tests it."""
 
     def __init__(self, **data: Any) -> None:
         try:

@@ -37,13 +37,14 @@ from .errors import (
 )
 from .expr import Expr, as_expr, variables, walk
 from .lower import InputMeta, Layout, Program, Target, lower, target_for
-from .lower.schedule import encode_scalar
+from .lower.schedule import candidates, encode_scalar
 from .lower.vjp import Gradients, differentiate
 from .lru import LRU
 from .ops import REGISTRY, apply_ref
 from .ops.random import SEED_PREFIX, draw_seed
 from .stats import GLOBAL_STATS, FusionStats
 from .torchop import kernel_op, make_op, register_kernel
+from .tune import Tuned, tuned_path
 
 #: Triton's interpreter keeps global state (the current program id, patched tl functions)
 INTERPRETER_LOCK = threading.Lock()
@@ -118,8 +119,12 @@ def _generate_run(
         names.append(f"b{k}")
     if not config.dry_run:
         for j, call in enumerate(program.launched):
-            fn = _compiled(call.spec, call.summary, config).function(interpret)
-            scope[f"L{j}"] = _Interpreted(fn, call.grid) if interpret else fn[call.grid]
+            compiled = _compiled(call.spec, call.summary, config)
+            fn = compiled.function(interpret)
+            if config.autotune:
+                scope[f"L{j}"] = _tuned(fn, interpret, call, compiled.signature, config, scope["DEV"])
+            else:
+                scope[f"L{j}"] = _Interpreted(fn, call.grid) if interpret else fn[call.grid]
             scope[f"META{j}"] = dict(call.meta)
             operands = ", ".join(names[i] for i in call.buffers)
             if call.scalar_inputs:
@@ -150,6 +155,18 @@ def _generate_run(
     source = "\n".join(lines) + "\n"
     exec(source, scope)  # noqa: S102 - generated from the program's structure, no user text
     return scope["run"], source
+
+
+def _tuned(fn: Any, interpret: bool, call: Any, signature: str, config: FusionConfig, device: torch.device) -> Tuned:
+    """A launcher that times its family's launch options on first use (or reads the stored winner)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
+    numel = call.args[0] if call.spec.kind == "pointwise" else 0
+
+    def launch_for(grid: tuple[int, ...]) -> Any:
+        return _Interpreted(fn, grid) if interpret else fn[grid]
+
+    options = candidates(call.spec, call.meta, call.grid, numel)
+    return Tuned(launch_for, options, tuned_path(config.resolved_cache_dir, signature, name), name)
 
 
 class _IndexCheck:

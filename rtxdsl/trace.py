@@ -12,9 +12,11 @@ instrumented, and reports per launch and per tensor:
   sector per element (0.125 for fp32), loads along a contiguous axis as 1.0;
 - **programs** per launch, and the traffic model's bytes next to the traced bytes.
 
-The traced bytes a GPU would move count each *big* tensor's loads (every re-read goes to DRAM)
-and small ones once (a bias or a weight re-read by every row stays in L2); "big" is at least a
-half the launch's largest tensor.
+The traced bytes a GPU would move count each *big* tensor's loads and small ones once (a bias
+or a weight re-read by every row stays in L2); "big" is at least half the launch's largest
+tensor. A load of bytes the same program loaded within its last ``reuse_bytes`` of loads is an
+on-chip hit, not a re-read (RoPE's partner half, a value loaded twice in one tile); a looped row
+read again after a whole pass is a re-read.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ class TensorTraffic:
 
     name: str  # "in0" (the kernel's first input), "out0", "part0" (split partial states), ...
     nbytes: int  # the tensor's size
-    loaded: int  # bytes loaded (masked-off lanes excluded)
+    loaded: int  # bytes loaded (masked-off lanes and on-chip hits excluded)
     unique: int  # distinct bytes loaded
     sectors: int  # 32-byte sectors touched, summed over load instructions
     stored: int  # bytes stored
+    issued: int = 0  # bytes the load instructions asked for (hits included)
 
     @property
     def re_read(self) -> float:
@@ -51,7 +54,7 @@ class TensorTraffic:
 
     @property
     def sector_use(self) -> float:
-        return self.loaded / (self.sectors * SECTOR) if self.sectors else 1.0
+        return self.issued / (self.sectors * SECTOR) if self.sectors else 1.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class LaunchTrace:
     @property
     def sector_use(self) -> float:
         """Bytes-weighted sector use of the loads from big tensors."""
-        loaded = sum(t.loaded for t in self.big)
+        loaded = sum(t.issued for t in self.big)
         sectors = sum(t.sectors for t in self.big)
         return loaded / (sectors * SECTOR) if sectors else 1.0
 
@@ -115,7 +118,7 @@ class Trace:
 
     @property
     def sector_use(self) -> float:
-        loaded = sum(t.loaded for launch in self.launches for t in launch.big)
+        loaded = sum(t.issued for launch in self.launches for t in launch.big)
         sectors = sum(t.sectors for launch in self.launches for t in launch.big)
         return loaded / (sectors * SECTOR) if sectors else 1.0
 
@@ -139,14 +142,19 @@ class Trace:
 class _Recorder:
     """Loads and stores of the current launch, attributed to its pointer arguments."""
 
-    def __init__(self) -> None:
+    def __init__(self, reuse_bytes: int) -> None:
+        self.reuse_bytes = reuse_bytes
         self.ranges: list[tuple[int, int, str]] = []
-        self.loads: dict[str, list[tuple[np.ndarray, int, int]]] = {}  # name -> (addresses, itemsize, sectors)
+        self.loads: dict[str, list[tuple[np.ndarray, int, int, int]]] = {}  # (addresses, itemsize, sectors, misses)
         self.stored: dict[str, int] = {}
+        self.program: Any = None
+        self.recent: list[np.ndarray] = []  # this program's latest loads, newest last
+        self.recent_bytes = 0
 
     def begin(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         self.ranges = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes(), n) for n, t in zip(names, tensors)]
         self.loads, self.stored = {}, {}
+        self.program, self.recent, self.recent_bytes = None, [], 0
 
     def owner(self, addresses: np.ndarray) -> str:
         a = int(addresses[0])
@@ -157,7 +165,21 @@ class _Recorder:
         if addresses.size:
             item = np.dtype(_interp._get_np_dtype(ptrs.get_element_ty())).itemsize
             sectors = len(np.unique(addresses // SECTOR))
-            self.loads.setdefault(self.owner(addresses), []).append((addresses.ravel().copy(), item, sectors))
+            flat = addresses.ravel().copy()
+            window = self._window()
+            misses = int(flat.size - np.isin(flat, np.concatenate(window)).sum()) if window else flat.size
+            self.recent.append(flat)
+            self.recent_bytes += flat.size * item
+            while self.recent_bytes - self.recent[0].size * item >= self.reuse_bytes and len(self.recent) > 1:
+                self.recent_bytes -= self.recent.pop(0).size * item
+            self.loads.setdefault(self.owner(addresses), []).append((flat, item, sectors, misses))
+
+    def _window(self) -> list[np.ndarray]:
+        """This program's recent loads (a new program starts with nothing on chip)."""
+        program = _interp.interpreter_builder.grid_idx
+        if program != self.program:
+            self.program, self.recent, self.recent_bytes = program, [], 0
+        return self.recent
 
     def store(self, ptrs: Any, mask: Any) -> None:
         addresses = ptrs.data[mask.data.astype(bool)]
@@ -170,10 +192,12 @@ class _Recorder:
         out = []
         for n, t in zip(names, tensors):
             loads = self.loads.get(n, [])
-            loaded = sum(a.size * item for a, item, _ in loads)
-            unique = len(np.unique(np.concatenate([a for a, _, _ in loads]))) * loads[0][1] if loads else 0
-            sectors = sum(s for _, _, s in loads)
-            out.append(TensorTraffic(n, t.numel() * t.element_size(), loaded, unique, sectors, self.stored.get(n, 0)))
+            loaded = sum(misses * item for _, item, _, misses in loads)
+            unique = len(np.unique(np.concatenate([a for a, _, _, _ in loads]))) * loads[0][1] if loads else 0
+            sectors = sum(s for _, _, s, _ in loads)
+            issued = sum(a.size * item for a, item, _, _ in loads)
+            nbytes = t.numel() * t.element_size()
+            out.append(TensorTraffic(n, nbytes, loaded, unique, sectors, self.stored.get(n, 0), issued))
         return tuple(out)
 
 
@@ -197,9 +221,12 @@ def _instrumented(recorder: _Recorder) -> Iterator[None]:
         builder.create_masked_load, builder.create_masked_store = load, store
 
 
-def memory_trace(kernel: Kernel, *args: Any, target: Target = GPU, **kwargs: Any) -> Trace:
+def memory_trace(
+    kernel: Kernel, *args: Any, target: Target = GPU, reuse_bytes: int = 32 * 1024, **kwargs: Any
+) -> Trace:
     """Run ``kernel`` on CPU tensors with ``target``'s launch configurations under Triton's
-    interpreter and trace every load and store.
+    interpreter and trace every load and store (``reuse_bytes``: how far back a program's own
+    loads count as on chip).
 
     Example::
 
@@ -218,7 +245,7 @@ def memory_trace(kernel: Kernel, *args: Any, target: Target = GPU, **kwargs: Any
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             raise ValueError("memory_trace runs under Triton's interpreter: pass CPU tensors")
     launch = Launch(kernel, program, kernel.config.replace(backend="interpreter"), tensors)
-    recorder = _Recorder()
+    recorder = _Recorder(reuse_bytes)
     calls = iter(program.launched)
     traces: list[LaunchTrace] = []
     real_call = _Interpreted.__call__

@@ -24,7 +24,7 @@ LAYERS = [
     {"ops"},
     {"lower"},
     {"codegen"},
-    {"cache"},
+    {"cache", "tune"},
     {"torchop"},
     {"runtime"},
     {"dsl", "build", "trace", "parse", "lazy", "library", "nn", "optim"},

@@ -111,6 +111,41 @@ def split_count(programs: int, n_rows: int, n_cols: int, block: int, target: Tar
     return -(-n_cols // chunk), chunk
 
 
+def family(spec: KernelSpec) -> str:
+    """A kernel's family: which heuristics shaped its launch and which options autotune may try."""
+    if spec.kind == "pointwise":
+        return "pointwise"
+    if spec.split:
+        return "tile" if spec.split == "tile" else "split"
+    return "looped" if spec.looped else "row"
+
+
+#: per family, the launch options autotune times on first use (the heuristic's own choice is
+#: always a candidate too). Only options that leave the generated source as it is: the warps and
+#: pipeline stages, and a pointwise kernel's block (its grid follows).
+TUNABLE: Mapping[str, tuple[Mapping[str, int], ...]] = MappingProxyType(
+    {
+        "pointwise": tuple({"BLOCK_SIZE": bl, "num_warps": w} for bl, w in ((512, 4), (1024, 4), (2048, 8), (4096, 8))),
+        "row": tuple({"num_warps": w} for w in (2, 4, 8, 16)),
+        "looped": tuple({"num_warps": w, "num_stages": st} for w in (4, 8, 16) for st in (2, 3)),
+        "split": tuple({"num_warps": w, "num_stages": st} for w in (4, 8) for st in (2, 3)),
+        "tile": tuple({"num_warps": w} for w in (2, 4, 8)),
+    }
+)
+
+
+def candidates(spec: KernelSpec, meta: tuple[tuple[str, int], ...], grid: tuple[int, ...], numel: int) -> list:
+    """(meta, grid) pairs autotune may launch ``spec`` with: the heuristic's first."""
+    base = dict(meta)
+    out = [(base, grid)]
+    for opts in TUNABLE[family(spec)]:
+        m = {**base, **opts}
+        g = (max(1, -(-numel // m["BLOCK_SIZE"])),) if spec.kind == "pointwise" else grid
+        if (m, g) not in out:
+            out.append((m, g))
+    return out
+
+
 # ---- layouts ----------------------------------------------------------------------------------
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
