@@ -12,11 +12,12 @@ instrumented, and reports per launch and per tensor:
   sector per element (0.125 for fp32), loads along a contiguous axis as 1.0;
 - **programs** per launch, and the traffic model's bytes next to the traced bytes.
 
-The traced bytes a GPU would move count each *big* tensor's loads and small ones once (a bias
-or a weight re-read by every row stays in L2); "big" is at least half the launch's largest
-tensor. A load of bytes the same program loaded within its last ``reuse_bytes`` of loads is an
-on-chip hit, not a re-read (RoPE's partner half, a value loaded twice in one tile); a looped row
-read again after a whole pass is a re-read.
+The traced bytes a GPU would move count each tensor's bytes once per launch plus, for *big*
+tensors (at least half the launch's largest), their re-reads: bytes a program loads again after
+more than ``reuse_bytes`` of other loads (a looped row's second pass). A reload within that
+window is on chip (RoPE's partner half, a value loaded twice in one tile); bytes another program
+already loaded, and small tensors (a weight, a per-row statistic, a scalar), are L2 hits.
+Re-read and sector use are reported for big tensors.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class TensorTraffic:
 
     name: str  # "in0" (the kernel's first input), "out0", "part0" (split partial states), ...
     nbytes: int  # the tensor's size
-    loaded: int  # bytes loaded (masked-off lanes and on-chip hits excluded)
+    loaded: int  # bytes from DRAM: unique bytes + a program's re-reads (hits on chip or in L2 excluded)
     unique: int  # distinct bytes loaded
     sectors: int  # 32-byte sectors touched, summed over load instructions
     stored: int  # bytes stored
@@ -75,6 +76,7 @@ class LaunchTrace:
 
     @property
     def traced_bytes(self) -> int:
+        """DRAM bytes: big tensors with their re-reads, small ones once (they stay in L2), stores."""
         big = {t.name for t in self.big}
         return sum((t.loaded if t.name in big else t.unique) + t.stored for t in self.tensors)
 
@@ -140,21 +142,28 @@ class Trace:
 
 
 class _Recorder:
-    """Loads and stores of the current launch, attributed to its pointer arguments."""
+    """Loads and stores of the current launch, attributed to its pointer arguments.
+
+    A load's bytes are *new* the first time the launch touches them (DRAM), an on-chip hit when
+    the same program loaded them within its last ``reuse_bytes`` of loads, and a *re-read* when
+    the same program loaded them longer ago (a looped row's next pass). Bytes another program
+    already loaded are L2 hits (a weight every row reads, a neighbour's half): not re-reads.
+    """
 
     def __init__(self, reuse_bytes: int) -> None:
         self.reuse_bytes = reuse_bytes
         self.ranges: list[tuple[int, int, str]] = []
-        self.loads: dict[str, list[tuple[np.ndarray, int, int, int]]] = {}  # (addresses, itemsize, sectors, misses)
+        self.loads: dict[str, list[tuple[np.ndarray, int, int, int]]] = {}  # (addresses, itemsize, sectors, re-read)
         self.stored: dict[str, int] = {}
         self.program: Any = None
         self.recent: list[np.ndarray] = []  # this program's latest loads, newest last
         self.recent_bytes = 0
+        self.seen: dict[str, np.ndarray] = {}  # per tensor: what this program has loaded
 
     def begin(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         self.ranges = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes(), n) for n, t in zip(names, tensors)]
         self.loads, self.stored = {}, {}
-        self.program, self.recent, self.recent_bytes = None, [], 0
+        self.program, self.recent, self.recent_bytes, self.seen = None, [], 0, {}
 
     def owner(self, addresses: np.ndarray) -> str:
         a = int(addresses[0])
@@ -162,24 +171,28 @@ class _Recorder:
 
     def load(self, ptrs: Any, mask: Any) -> None:
         addresses = ptrs.data[mask.data.astype(bool)]
-        if addresses.size:
-            item = np.dtype(_interp._get_np_dtype(ptrs.get_element_ty())).itemsize
-            sectors = len(np.unique(addresses // SECTOR))
-            flat = addresses.ravel().copy()
-            window = self._window()
-            misses = int(flat.size - np.isin(flat, np.concatenate(window)).sum()) if window else flat.size
-            self.recent.append(flat)
-            self.recent_bytes += flat.size * item
-            while self.recent_bytes - self.recent[0].size * item >= self.reuse_bytes and len(self.recent) > 1:
-                self.recent_bytes -= self.recent.pop(0).size * item
-            self.loads.setdefault(self.owner(addresses), []).append((flat, item, sectors, misses))
+        if not addresses.size:
+            return
+        item = np.dtype(_interp._get_np_dtype(ptrs.get_element_ty())).itemsize
+        sectors = len(np.unique(addresses // SECTOR))
+        flat = addresses.ravel().copy()
+        name = self.owner(flat)
+        self._enter_program()
+        on_chip = np.isin(flat, np.concatenate(self.recent)) if self.recent else np.zeros(flat.size, dtype=bool)
+        seen = self.seen.get(name)
+        again = np.isin(flat, seen) & ~on_chip if seen is not None else np.zeros(flat.size, dtype=bool)
+        self.seen[name] = flat if seen is None else np.union1d(seen, flat)
+        self.recent.append(flat)
+        self.recent_bytes += flat.size * item
+        while len(self.recent) > 1 and self.recent_bytes - self.recent[0].size * item >= self.reuse_bytes:
+            self.recent_bytes -= self.recent.pop(0).size * item
+        self.loads.setdefault(name, []).append((flat, item, sectors, int(again.sum())))
 
-    def _window(self) -> list[np.ndarray]:
-        """This program's recent loads (a new program starts with nothing on chip)."""
+    def _enter_program(self) -> None:
+        """A new program starts with nothing on chip and nothing loaded."""
         program = _interp.interpreter_builder.grid_idx
         if program != self.program:
-            self.program, self.recent, self.recent_bytes = program, [], 0
-        return self.recent
+            self.program, self.recent, self.recent_bytes, self.seen = program, [], 0, {}
 
     def store(self, ptrs: Any, mask: Any) -> None:
         addresses = ptrs.data[mask.data.astype(bool)]
@@ -192,8 +205,8 @@ class _Recorder:
         out = []
         for n, t in zip(names, tensors):
             loads = self.loads.get(n, [])
-            loaded = sum(misses * item for _, item, _, misses in loads)
             unique = len(np.unique(np.concatenate([a for a, _, _, _ in loads]))) * loads[0][1] if loads else 0
+            loaded = unique + sum(again * item for _, item, _, again in loads)
             sectors = sum(s for _, _, s, _ in loads)
             issued = sum(a.size * item for a, item, _, _ in loads)
             nbytes = t.numel() * t.element_size()

@@ -440,3 +440,41 @@ def test_a_requested_value_recomputed_elsewhere_is_written_by_its_own_kernel():
     out = k(a=ta, b=tb)
     torch.testing.assert_close(out["o1"], tb.exp())
     torch.testing.assert_close(out["o2"], tb.exp() + ta)
+
+
+def test_a_looped_reduction_state_never_shadows_a_scalar_argument():
+    """Looped rows named a reduction's running state ``s<node>``, the name of scalar argument
+    ``s<k>``: ``logsumexp(x) + 2.5`` over rows longer than the in-register limit added the running
+    sum of exponentials instead of 2.5 (an error of ~775, silently)."""
+    t = torch.randn(2, 20000, dtype=torch.float64)
+    for expr, ref in [
+        (rx.logsumexp(x, -1) + 2.5, t.logsumexp(-1) + 2.5),
+        (rx.logsumexp(x * 1.5, -1) * 3.0, (t * 1.5).logsumexp(-1) * 3.0),
+        (rx.variance(x * 0.5, -1) + 4.0, (t * 0.5).var(-1) + 4.0),
+    ]:
+        torch.testing.assert_close(rx.compile(expr)(x=t), ref, rtol=1e-9, atol=1e-9)
+
+
+def test_generated_kernels_assign_no_parameter_but_the_scalar_prelude():
+    """The class of the bug above: no generated name may rebind a kernel parameter (only the
+    scalar prelude converts ``sK`` in place)."""
+    import re
+
+    cases = [
+        (rx.logsumexp(x, -1) + 2.5, {"x": torch.empty(2, 20000)}),
+        (
+            rx.layer_norm(x * 2.0, w, b, eps=1e-3),
+            {"x": torch.empty(3, 20000), "w": torch.empty(20000), "b": torch.empty(20000)},
+        ),
+        (
+            rx.cross_entropy(x, y.to(torch.int64), label_smoothing=0.1),
+            {"x": torch.empty(2, 20000), "y": torch.empty(2)},
+        ),
+        (rx.softmax(x * 3.0) + rx.variance(x, -1, keepdim=True), {"x": torch.empty(2, 20000)}),
+    ]
+    for expr, ins in cases:
+        for src in rx.compile(expr).sources(**ins):
+            params = set(re.findall(r"^    (\w+),$", src, re.M))
+            for target, value in re.findall(r"^\s+(\w+) = (.*)$", src, re.M):
+                if target in params:
+                    assert re.fullmatch(rf"{target}(\.to\(.*\)| != 0)", value), f"{target} = {value}\n{src}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
+from ..lower.schedule import partial_states
 from ..lower.spec import BCAST, STRIDED, UNIT
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
 from ..ops.elementwise import to_storage
@@ -30,6 +31,7 @@ class CoordWriter(Writer):
         assert s.domain is not None
         self.params += [f"in{j}_ptr" for j in range(len(s.in_dtypes))]
         self.params += [f"out{k}_ptr" for k in range(len(s.outputs))]
+        self.params += [f"part{i}_ptr" for i, _, _ in partial_states(s)] if s.split else []
         self.params += ["flag_ptr"] if s.flags else []
         self.nr = sum(1 for red in s.domain if not red)
         self.nc = len(s.domain) - self.nr
@@ -37,6 +39,7 @@ class CoordWriter(Writer):
             self.params += ["n_rows", "n_cols"]
             self.params += [f"rsize{d}" for d in range(self.nr)] if self.nr > 1 else []
             self.params += [f"csize{d}" for d in range(self.nc)] if self.nc > 1 else []
+            self.params += ["n_split", "chunk"] if s.split else []
         else:
             self.params += ["n_elements"] + ([f"size{d}" for d in range(self.nr)] if self.nr > 1 else [])
         for j, ld in enumerate(s.loads):
@@ -202,7 +205,7 @@ class CoordWriter(Writer):
             terms.append("rows * 0")
         if full and not on_cols:
             terms.append("cols * 0")
-        mask = "mask" if full else "row_mask"
+        mask = "mask" if full else self.row_store_mask
         scope.add(f"tl.store(out{k}_ptr + {' + '.join(terms)}, {val}, mask={mask})")
 
     def _begin(self, flat: str, prefix: str, size: str) -> None:

@@ -66,6 +66,11 @@ ${helpers}
 ${kernel}"""
 
 
+def _state_name(component: str, node: int) -> str:
+    """A reduction state's variable: ``s_3`` never shadows the scalar argument ``s3``."""
+    return f"{component}_{node}"
+
+
 class _Scope:
     def __init__(self, indent: str = "") -> None:
         self.lines: list[str] = []
@@ -283,7 +288,7 @@ class Writer:
             tt = TRITON_TYPE[rdt]
             top = self._ctx(node, self.top, rdt)
             shape = "[ROWS, BLOCK_SIZE]" if red.lanes else "[ROWS, 1]"
-            running = tuple(f"{c}{i}" for c in red.state)
+            running = tuple(_state_name(c, i) for c in red.state)
             for name, ident in zip(running, red.identity(rdt)):
                 self.top.add(f"{name} = tl.full({shape}, {ident}, dtype={tt})")
             _, _, ctx, x = self._reduce_input(i, loop, loop)
@@ -321,19 +326,23 @@ class Writer:
             lanes = []
             for k, (comp, ident) in enumerate(zip(red.state, red.identity(rdt))):
                 off = f"{k} * n_part + rows * n_split + parts"
-                self.top.add(f"{comp}{i} = tl.load(part{i}_ptr + {off}, mask=part_mask, other={ident})")
-                lanes.append(f"{comp}{i}")
+                name = _state_name(comp, i)
+                self.top.add(f"{name} = tl.load(part{i}_ptr + {off}, mask=part_mask, other={ident})")
+                lanes.append(name)
             self._finish_reduction(i, red, ctx, red.tile(ctx, tuple(lanes)))
 
     # ---- stores -----------------------------------------------------------------------
+    @property
+    def row_store_mask(self) -> str:
+        """Where a per-row value is written: every program of a split row holds it, the first writes it."""
+        return "rows < tl.where(split == 0, n_rows, 0)" if self.spec.split else "row_mask"
+
     def store(self, k: int, scope: _Scope, loop: _Scope) -> None:
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
         full = o.role == "full"
-        mask = "mask" if full or not self.row else "row_mask"
-        if self.spec.split and not full:  # every program of a split row holds its values: one writes them
-            mask = "rows < tl.where(split == 0, n_rows, 0)"
+        mask = "mask" if full or not self.row else self.row_store_mask
         if not self.row:
             off = "offs"
         else:  # the pointer needs the value's tile shape even where a dim has extent 1

@@ -376,7 +376,7 @@ def kernel_spec(
         nodes=b.nodes,
         outputs=out_specs,
         scalars=(),
-        reductions=tuple(i for i, n in enumerate(b.nodes) if REGISTRY[n.op].kind is OpKind.REDUCTION),
+        reductions=_reductions(b.nodes),
         block=cfg.block,
         rows_per_program=cfg.rows_per_program,
         looped=cfg.looped,
@@ -537,11 +537,21 @@ def coordinate_spec(
 
     rows = [domain[d] for d in range(len(domain)) if not reduced[d]]
     cols = [domain[d] for d in range(len(domain)) if reduced[d]]
+    n_split, chunk, n_rows = 1, 0, 0
     if group.is_row:
         n_rows, n_cols = math.prod(rows), math.prod(cols)
         head = [n_rows, n_cols] + (rows if len(rows) > 1 else []) + (cols if len(cols) > 1 else [])
         cfg = row_config(n_rows, n_cols, target)
-        grid = (max(1, -(-n_rows // cfg.rows_per_program)),)
+        programs = -(-n_rows // cfg.rows_per_program)
+        probe = KernelSpec(
+            "row", (), tuple(loads), tuple(specs), tuple(outs), (), _reductions(specs), 0, 1, True, False, 0
+        )
+        if splittable(probe):
+            n_split, chunk = split_count(programs, n_rows, n_cols, cfg.block, target)
+        if n_split > 1:
+            head += [n_split, chunk]
+            cfg = Config(cfg.block, cfg.rows_per_program, True, cfg.num_warps)
+        grid = (max(1, programs * n_split),)
         meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
     else:
         numel = math.prod(domain)
@@ -563,7 +573,7 @@ def coordinate_spec(
         nodes=tuple(specs),
         outputs=tuple(outs),
         scalars=tuple(kinds),
-        reductions=tuple(i for i, n in enumerate(specs) if REGISTRY[n.op].kind is OpKind.REDUCTION),
+        reductions=_reductions(specs),
         block=cfg.block,
         rows_per_program=cfg.rows_per_program,
         looped=cfg.looped,
@@ -575,7 +585,11 @@ def coordinate_spec(
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
     by_index = {i: n for n in (*group.cone, *group.nodes) if (i := index.get(id(n))) is not None}
     checks = tuple(_check_message(by_index[i], graph) for i in spec.flags)
-    return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, checks)
+    return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, checks, n_split, n_rows)
+
+
+def _reductions(nodes: list[NodeSpec] | tuple[NodeSpec, ...]) -> tuple[int, ...]:
+    return tuple(i for i, n in enumerate(nodes) if REGISTRY[n.op].kind is OpKind.REDUCTION)
 
 
 def _check_message(n: Expr, graph: Graph) -> str:
@@ -634,7 +648,12 @@ def input_scopes(spec: KernelSpec) -> list[set[Any]]:
         elif kind == "n":
             if i in lv and lv[i] != scope:  # a finished reduction: a value on chip, read nothing
                 return
-            for s in spec.nodes[i].srcs:
+            node = spec.nodes[i]
+            op = REGISTRY[node.op]
+            if op.index_operand is not None and node.role != "full":  # one gathered element per row
+                mark(node.srcs[op.index_operand], scope, seen)
+                return
+            for s in node.srcs:
                 mark(s, scope, seen)
 
     for level in sorted(set(lv.values())):

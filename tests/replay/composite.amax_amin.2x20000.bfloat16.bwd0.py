@@ -20,7 +20,7 @@ def row_eq_mul_sum_div_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc3 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_3 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -30,9 +30,9 @@ def row_eq_mul_sum_div_SIG(
         v0 = x0 == x1
         v1 = v0.to(tl.float32)
         t0 = tl.where(mask, v1, 0)
-        t1 = acc3 + t0
-        acc3 = t1
-    v3 = tl.sum(acc3, axis=1)[:, None]
+        t1 = acc_3 + t0
+        acc_3 = t1
+    v3 = tl.sum(acc_3, axis=1)[:, None]
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols

@@ -22,34 +22,34 @@ def row_sum_div_sub_m2_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc0 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
-    n3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    mean3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    m23 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    acc_0 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    n_3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    mean_3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    m2_3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
         t0 = tl.where(mask, x0, 0)
-        t1 = acc0 + t0
-        acc0 = t1
+        t1 = acc_0 + t0
+        acc_0 = t1
         t2 = tl.where(mask, 1.0, 0.0)
         t3 = tl.where(mask, x0, 0.0)
         t4 = tl.where(mask, 0.0, 0.0)
         t5 = tl.sum(t2, axis=1)[:, None]
         t6 = tl.where(t5 == 0, 0.0, tl.sum(t2 * t3, axis=1)[:, None] / tl.where(t5 == 0, 1.0, t5))
-        t7 = n3 + t5
+        t7 = n_3 + t5
         t8 = tl.where(t7 == 0, 1.0, t7)
-        t9 = t6 - mean3
+        t9 = t6 - mean_3
         t10 = t7
-        t11 = mean3 + t9 * (t5 / t8)
-        t12 = m23 + tl.sum(t4 + t2 * (t3 - t6) * (t3 - t6), axis=1)[:, None] + t9 * t9 * (n3 * t5 / t8)
-        n3 = t10
-        mean3 = t11
-        m23 = t12
-    v0 = tl.sum(acc0, axis=1)[:, None]
-    v3 = m23
+        t11 = mean_3 + t9 * (t5 / t8)
+        t12 = m2_3 + tl.sum(t4 + t2 * (t3 - t6) * (t3 - t6), axis=1)[:, None] + t9 * t9 * (n_3 * t5 / t8)
+        n_3 = t10
+        mean_3 = t11
+        m2_3 = t12
+    v0 = tl.sum(acc_0, axis=1)[:, None]
+    v3 = m2_3
     v1 = v0 / s0
     v4 = v3 / s0
     v5 = v4 + s1

@@ -27,8 +27,8 @@ def row_mul_div_sub_sum_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc4 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
-    acc18 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_4 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_18 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     x4 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
     v6 = x4 / s0
     v7 = v6 + s2
@@ -46,15 +46,15 @@ def row_mul_div_sub_sum_SIG(
         v2 = x3 - v1
         v3 = v0 * v2
         t0 = tl.where(mask, v3, 0)
-        t1 = acc4 + t0
-        acc4 = t1
+        t1 = acc_4 + t0
+        acc_4 = t1
         v15 = v0 * v8
         v17 = -v15
         t2 = tl.where(mask, v17, 0)
-        t3 = acc18 + t2
-        acc18 = t3
-    v4 = tl.sum(acc4, axis=1)[:, None]
-    v18 = tl.sum(acc18, axis=1)[:, None]
+        t3 = acc_18 + t2
+        acc_18 = t3
+    v4 = tl.sum(acc_4, axis=1)[:, None]
+    v18 = tl.sum(acc_18, axis=1)[:, None]
     v5 = v4 * s1
     v9 = v8 * v8
     v10 = v8 * v9

@@ -22,16 +22,16 @@ def row_div_unsqueeze_mul_sum_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc3 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_3 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x1_0 = tl.load(in1_ptr + (rows) * in1_stride0 + (cols) + (rows * 0 + cols * 0), mask=mask, other=0).to(tl.float32)
         t1 = tl.where(mask, x1_0, 0)
-        t2 = acc3 + t1
-        acc3 = t2
-    v3 = tl.sum(acc3, axis=1)[:, None]
+        t2 = acc_3 + t1
+        acc_3 = t2
+    v3 = tl.sum(acc_3, axis=1)[:, None]
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols

@@ -29,7 +29,7 @@ def row_mul_div_sqrt_unsqueeze_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc7 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_7 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -39,9 +39,9 @@ def row_mul_div_sqrt_unsqueeze_SIG(
         c0 = crem
         x2 = tl.load(in2_ptr + c0 * in2_col_stride0 + c1, mask=mask, other=0).to(tl.float32)
         t0 = tl.where(mask, x2, 0)
-        t1 = acc7 + t0
-        acc7 = t1
-    v7 = tl.sum(acc7, axis=1)[:, None]
+        t1 = acc_7 + t0
+        acc_7 = t1
+    v7 = tl.sum(acc_7, axis=1)[:, None]
     x0 = tl.load(in0_ptr).to(tl.float32)
     v0 = x0 * s0
     x1 = tl.load(in1_ptr)

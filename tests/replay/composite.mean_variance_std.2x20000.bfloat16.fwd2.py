@@ -17,9 +17,9 @@ def row_m2_div_sqrt_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    n0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    mean0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    m20 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    n_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    mean_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    m2_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -30,16 +30,16 @@ def row_m2_div_sqrt_SIG(
         t2 = tl.where(mask, 0.0, 0.0)
         t3 = tl.sum(t0, axis=1)[:, None]
         t4 = tl.where(t3 == 0, 0.0, tl.sum(t0 * t1, axis=1)[:, None] / tl.where(t3 == 0, 1.0, t3))
-        t5 = n0 + t3
+        t5 = n_0 + t3
         t6 = tl.where(t5 == 0, 1.0, t5)
-        t7 = t4 - mean0
+        t7 = t4 - mean_0
         t8 = t5
-        t9 = mean0 + t7 * (t3 / t6)
-        t10 = m20 + tl.sum(t2 + t0 * (t1 - t4) * (t1 - t4), axis=1)[:, None] + t7 * t7 * (n0 * t3 / t6)
-        n0 = t8
-        mean0 = t9
-        m20 = t10
-    v0 = m20
+        t9 = mean_0 + t7 * (t3 / t6)
+        t10 = m2_0 + tl.sum(t2 + t0 * (t1 - t4) * (t1 - t4), axis=1)[:, None] + t7 * t7 * (n_0 * t3 / t6)
+        n_0 = t8
+        mean_0 = t9
+        m2_0 = t10
+    v0 = m2_0
     v1 = v0 / s0
     v2 = tl.sqrt(v1)
     tl.store(out0_ptr + rows * 0, tl.where(v2 != v2, v2, ((v2.to(tl.uint32, bitcast=True) + 0x7FFF + ((v2.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)

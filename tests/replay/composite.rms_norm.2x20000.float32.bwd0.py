@@ -25,7 +25,7 @@ def row_mul_div_add_rsqrt_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc6 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_6 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -36,9 +36,9 @@ def row_mul_div_add_rsqrt_SIG(
         x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
         v5 = v0 * x3
         t0 = tl.where(mask, v5, 0)
-        t1 = acc6 + t0
-        acc6 = t1
-    v6 = tl.sum(acc6, axis=1)[:, None]
+        t1 = acc_6 + t0
+        acc_6 = t1
+    v6 = tl.sum(acc_6, axis=1)[:, None]
     x2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
     v1 = x2 / s0
     v2 = v1 + s1

@@ -21,7 +21,7 @@ def row_mul_sum_div_add_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc1 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_1 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -29,9 +29,9 @@ def row_mul_sum_div_add_SIG(
         x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
         v0 = x0 * x0
         t0 = tl.where(mask, v0, 0)
-        t1 = acc1 + t0
-        acc1 = t1
-    v1 = tl.sum(acc1, axis=1)[:, None]
+        t1 = acc_1 + t0
+        acc_1 = t1
+    v1 = tl.sum(acc_1, axis=1)[:, None]
     v2 = v1 / s0
     v3 = v2 + s1
     v4 = tl.rsqrt(v3)

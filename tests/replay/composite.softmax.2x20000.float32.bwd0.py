@@ -21,7 +21,7 @@ def row_sub_add_exp_mul_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc6 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_6 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -36,9 +36,9 @@ def row_sub_add_exp_mul_SIG(
         v4 = x2 * v3
         v5 = -v4
         t0 = tl.where(mask, v5, 0)
-        t1 = acc6 + t0
-        acc6 = t1
-    v6 = tl.sum(acc6, axis=1)[:, None]
+        t1 = acc_6 + t0
+        acc_6 = t1
+    v6 = tl.sum(acc_6, axis=1)[:, None]
     v7 = v6 + v6
     v8 = -v6
     v9 = v7 + v8

@@ -18,8 +18,8 @@ def row_logsumexp_sub_add_exp_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    m0 = tl.full([ROWS, 1], float('-inf'), dtype=tl.float32)
-    s0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    m_0 = tl.full([ROWS, 1], float('-inf'), dtype=tl.float32)
+    s_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -28,12 +28,12 @@ def row_logsumexp_sub_add_exp_SIG(
         t0 = tl.where(mask, x0, float('-inf'))
         t1 = tl.where(mask, 1.0, 0.0)
         t2 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t0, axis=1)[:, None])
-        t3 = tl.where(m0 != m0, m0, tl.where(m0 > t2, m0, t2))
+        t3 = tl.where(m_0 != m_0, m_0, tl.where(m_0 > t2, m_0, t2))
         t4 = t3
-        t5 = tl.where(m0 == t3, s0, s0 * tl.exp(m0 - t3)) + tl.where(t2 == t3, tl.sum(tl.where(t0 == t2, t1, t1 * tl.exp(t0 - t2)), axis=1)[:, None], tl.sum(tl.where(t0 == t2, t1, t1 * tl.exp(t0 - t2)), axis=1)[:, None] * tl.exp(t2 - t3))
-        m0 = t4
-        s0 = t5
-    v0 = m0 + tl.log(s0)
+        t5 = tl.where(m_0 == t3, s_0, s_0 * tl.exp(m_0 - t3)) + tl.where(t2 == t3, tl.sum(tl.where(t0 == t2, t1, t1 * tl.exp(t0 - t2)), axis=1)[:, None], tl.sum(tl.where(t0 == t2, t1, t1 * tl.exp(t0 - t2)), axis=1)[:, None] * tl.exp(t2 - t3))
+        m_0 = t4
+        s_0 = t5
+    v0 = m_0 + tl.log(s_0)
     v1 = v0 - v0
     v2 = v0 + v1
     for col_start in range(0, n_cols, BLOCK_SIZE):
