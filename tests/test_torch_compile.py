@@ -89,3 +89,40 @@ def test_random_kernels_under_compile_refuse_a_backward_they_cannot_replay():
     assert set(out.unique().tolist()) <= {0.0, 2.0}
     with pytest.raises(Exception, match="draws random seeds per call"):
         compiled(torch.ones(64, requires_grad=True)).sum().backward()
+
+
+# ---- CUDA graphs: the cached call neither synchronizes nor allocates beyond its outputs -------------
+def test_the_cached_call_path_allocates_outputs_only_and_never_synchronizes():
+    """What CUDA-graph capture needs, read off the generated per-layout ``run`` (CPU): one
+    allocation per buffer the program declares, launches, a counter update; no host reads."""
+    for w in WORKLOADS:
+        k = rx.compile(w.expr())
+        ins = w.inputs(3, 64, w.dtype, torch.device("cpu"), torch.Generator().manual_seed(0))
+        launch = k._launch_for((), ins)
+        body = launch.source.splitlines()[1:]
+        allocations = [ln for ln in body if " = empty" in ln or " = zeros" in ln]
+        assert len(allocations) == len(launch.program.buffers), launch.source
+        flags = sum(1 for b in launch.program.buffers if b.zero)
+        host_reads = [ln for ln in body if "CHECK" in ln]  # a flag read: only for gathers' index checks
+        assert len(host_reads) == sum(1 for c in launch.program.launched if c.checks), launch.source
+        assert flags == len(host_reads) or not flags
+        assert not any(s in launch.source for s in (".item(", ".cpu(", ".tolist(", "synchronize")), launch.source
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_workload_is_captured_in_a_cuda_graph_and_replayed():
+    x, w, b = rx.var("x"), rx.var("w"), rx.var("b")
+    k = rx.compile({"y": rx.layer_norm(x + b, w, b), "s": rx.softmax(x)})
+    static = {n: torch.randn(s, device="cuda") for n, s in (("x", (64, 1000)), ("w", (1000,)), ("b", (1000,)))}
+    k(**static)  # compiles and prepares the launch outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = k(**static)
+    for _ in range(3):
+        static["x"].copy_(torch.randn(64, 1000, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = F.layer_norm(static["x"] + static["b"], (1000,), static["w"], static["b"])
+        torch.testing.assert_close(out["y"], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out["s"], static["x"].softmax(-1), atol=1e-5, rtol=1e-5)
