@@ -48,6 +48,7 @@ class TensorTraffic:
     sectors: int  # 32-byte sectors touched, summed over load instructions
     stored: int  # bytes stored
     issued: int = 0  # bytes the load instructions asked for (hits included)
+    address: int = 0  # where the tensor lives (the same tensor across launches has the same one)
 
     @property
     def re_read(self) -> float:
@@ -110,12 +111,11 @@ class Trace:
 
     @property
     def re_read(self) -> float:
-        """Reads of the most-read input over all launches (a split row's two kernels add up)."""
+        """Reads of the most-read tensor over all launches (a split row's two kernels add up)."""
         total: dict[int, float] = {}
         for launch in self.launches:
             for t in launch.big:
-                if t.name.startswith("in"):
-                    total[int(t.name[2:])] = total.get(int(t.name[2:]), 0.0) + t.re_read
+                total[t.address] = total.get(t.address, 0.0) + t.re_read
         return max(total.values(), default=0.0)
 
     @property
@@ -210,7 +210,7 @@ class _Recorder:
             sectors = sum(s for _, _, s, _ in loads)
             issued = sum(a.size * item for a, item, _, _ in loads)
             nbytes = t.numel() * t.element_size()
-            out.append(TensorTraffic(n, nbytes, loaded, unique, sectors, self.stored.get(n, 0), issued))
+            out.append(TensorTraffic(n, nbytes, loaded, unique, sectors, self.stored.get(n, 0), issued, t.data_ptr()))
         return tuple(out)
 
 
