@@ -99,8 +99,8 @@ def test_forward_backward(benchmark, op, impl):
     else:
         f = torch.compile(eager) if impl == "torch.compile" else eager
         if not CUDA:  # host work against host work: eager on 1-element tensors
-            ins = {n: t.detach()[(slice(0, 1),) * t.dim()].clone().requires_grad_() for n, t in ins.items()}
-            go = go[:1, :1].clone()
+            ins = {n: t.requires_grad_() for n, t in _tiny({n: t.detach() for n, t in ins.items()}).items()}
+            go = _tiny({"go": go})["go"]
         fn = lambda: f(**ins).backward(go)  # noqa: E731
     fn()
     benchmark.group = f"{MEASURES}: fwd+bwd {op} {rows}x{hidden}"

@@ -52,6 +52,15 @@ def _pick(lib: Library, only: str | None) -> list[Entry] | None:
     return [lib.entries[only]]
 
 
+def _selected(path: str, only: str | None) -> tuple[Library, list[Entry]] | None:
+    """The library at ``path`` and its kernels (``only`` one of them); None after reporting why not."""
+    lib = _open(path)
+    if lib is None:
+        return None
+    entries = _pick(lib, only)
+    return None if entries is None else (lib, entries)
+
+
 def _outputs(out: Any) -> dict[str, torch.Tensor]:
     return out if isinstance(out, dict) else {"out": out}
 
@@ -73,12 +82,10 @@ def _agree(out: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float] | None
 
 def check(path: str, only: str | None = None) -> int:
     """Every kernel at every size combination against the torch backend in float64."""
-    lib = _open(path)
-    if lib is None:
+    picked = _selected(path, only)
+    if picked is None:
         return 2
-    entries = _pick(lib, only)
-    if entries is None:
-        return 2
+    lib, entries = picked
     reference = lib.config.model_copy(update={"backend": "torch"})
     bad = 0
     for e in entries:
@@ -105,12 +112,10 @@ def check(path: str, only: str | None = None) -> int:
 
 def explain(path: str, only: str | None = None, source: bool = False) -> int:
     """Plans (and generated sources) for each kernel's first size combination."""
-    lib = _open(path)
-    if lib is None:
+    picked = _selected(path, only)
+    if picked is None:
         return 2
-    entries = _pick(lib, only)
-    if entries is None:
-        return 2
+    lib, entries = picked
     for e in entries:
         sizes = next(e.size_grid())
         ins = e.random_inputs(sizes)
@@ -140,12 +145,10 @@ def build(path: str, targets: list[str], only: str | None = None, manifest: str 
     if jobs < 1:
         print(f"rtxdsl: --jobs {jobs}: expected a positive count", file=sys.stderr)
         return 2
-    lib = _open(path)
-    if lib is None:
+    picked = _selected(path, only)
+    if picked is None:
         return 2
-    entries = _pick(lib, only)
-    if entries is None:
-        return 2
+    lib, entries = picked
     work = [(str(lib.path), e.name, sizes, arch) for e in entries for sizes in e.size_grid() for arch in archs]
     if jobs == 1:
         results = map(_build_one, work)
@@ -253,10 +256,7 @@ def bench_cases(path: str, only: str | None, compare: list[str]) -> list[BenchCa
 
 def bench(path: str, only: str | None, json_out: str | None, compare: list[str]) -> int:
     """pytest-benchmark over the file's kernels; its own JSON format (``pytest-benchmark compare`` reads it)."""
-    lib = _open(path)
-    if lib is None:
-        return 2
-    if only is not None and _pick(lib, only) is None:
+    if _selected(path, only) is None:  # the file loads and names the kernel: reported here, not in pytest
         return 2
     unknown = [c for c in compare if c not in ("eager", "compile")]
     if unknown:

@@ -384,15 +384,12 @@ def kernel_spec(
         num_warps=cfg.num_warps,
     )
     n_split, chunk = 1, n_cols
-    if group.is_row:
+    if tile is not None:  # every program one tile: its rows, one block of columns
         programs = -(-n_rows // cfg.rows_per_program)
-        if tile is not None:  # every program one tile: its rows, one block of columns
-            n_split, chunk = max(1, -(-n_cols // cfg.block)), cfg.block
-            spec = replace(spec, split="tile")
-        elif splittable(spec):
-            n_split, chunk = split_count(programs, n_rows, n_cols, cfg.block, target)
-        if n_split > 1:
-            spec = replace(spec, looped=True)
+        n_split, chunk = max(1, -(-n_cols // cfg.block)), cfg.block
+        spec = replace(spec, split="tile", looped=True)
+    elif group.is_row:
+        spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
 
     ints: list[int] = []
     if group.is_row:
@@ -452,6 +449,15 @@ def splittable(spec: KernelSpec) -> bool:
     another's result) and every output full-size or per row."""
     lv = levels(spec)
     return bool(lv) and max(lv.values()) == 1 and all(o.role != "keep" for o in spec.outputs)
+
+
+def _split_rows(spec: KernelSpec, n_rows: int, n_cols: int, target: Target) -> tuple[KernelSpec, int, int, int]:
+    """A row kernel's split choice: (spec, programs per split, splits per row, reduced elements each)."""
+    programs = -(-n_rows // spec.rows_per_program)
+    if not splittable(spec):
+        return spec, programs, 1, n_cols
+    n_split, chunk = split_count(programs, n_rows, n_cols, spec.block, target)
+    return (replace(spec, looped=True) if n_split > 1 else spec), programs, n_split, chunk
 
 
 def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Launch], tuple[KernelSpec, Launch]]:
@@ -537,35 +543,9 @@ def coordinate_spec(
 
     rows = [domain[d] for d in range(len(domain)) if not reduced[d]]
     cols = [domain[d] for d in range(len(domain)) if reduced[d]]
-    n_split, chunk, n_rows = 1, 0, 0
-    if group.is_row:
-        n_rows, n_cols = math.prod(rows), math.prod(cols)
-        head = [n_rows, n_cols] + (rows if len(rows) > 1 else []) + (cols if len(cols) > 1 else [])
-        cfg = row_config(n_rows, n_cols, target)
-        programs = -(-n_rows // cfg.rows_per_program)
-        probe = KernelSpec(
-            "row", (), tuple(loads), tuple(specs), tuple(outs), (), _reductions(specs), 0, 1, True, False, 0
-        )
-        if splittable(probe):
-            n_split, chunk = split_count(programs, n_rows, n_cols, cfg.block, target)
-        if n_split > 1:
-            head += [n_split, chunk]
-            cfg = Config(cfg.block, cfg.rows_per_program, True, cfg.num_warps)
-        grid = (max(1, programs * n_split),)
-        meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
-    else:
-        numel = math.prod(domain)
-        head = [numel] + (list(domain) if len(domain) > 1 else [])
-        pcfg = pointwise_config(numel, target)
-        grid = (max(1, -(-numel // pcfg.block)),)
-        meta = (("BLOCK_SIZE", pcfg.block), ("num_warps", pcfg.num_warps))
-        cfg = Config(0, 1, False, 0)
-    ints = head + ints
+    n_rows, n_cols = math.prod(rows), math.prod(cols)
+    cfg = row_config(n_rows, n_cols, target) if group.is_row else Config(0, 1, False, 0)
     kinds, vals = _scalar_args(tuple(slots), graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
-    position = {id(v): i for i, v in enumerate(graph.inputs)}
-    scalar_inputs = tuple(
-        (len(ints) + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(slots, kinds)) if s.op == "var"
-    )
     spec = KernelSpec(
         kind="row" if group.is_row else "pointwise",
         in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
@@ -581,6 +561,24 @@ def coordinate_spec(
         num_warps=cfg.num_warps,
         domain=reduced,
         flags=tuple(i for i, n in enumerate(specs) if REGISTRY[n.op].index_operand is not None),
+    )
+    n_split = 1
+    if group.is_row:
+        head = [n_rows, n_cols] + (rows if len(rows) > 1 else []) + (cols if len(cols) > 1 else [])
+        spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
+        head += [n_split, chunk] if n_split > 1 else []
+        grid = (max(1, programs * n_split),)
+        meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
+    else:
+        numel = math.prod(domain)
+        head = [numel] + (list(domain) if len(domain) > 1 else [])
+        pcfg = pointwise_config(numel, target)
+        grid = (max(1, -(-numel // pcfg.block)),)
+        meta = (("BLOCK_SIZE", pcfg.block), ("num_warps", pcfg.num_warps))
+    ints = head + ints
+    position = {id(v): i for i, v in enumerate(graph.inputs)}
+    scalar_inputs = tuple(
+        (len(ints) + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(slots, kinds)) if s.op == "var"
     )
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
     by_index = {i: n for n in (*group.cone, *group.nodes) if (i := index.get(id(n))) is not None}
