@@ -26,6 +26,7 @@ from torch.compiler import is_dynamo_compiling
 from .cache import GLOBAL_CACHE, CompiledKernel
 from .codegen.module import kernel_source
 from .config import FusionConfig, get_config
+from .dtensor import DistributedLaunch, is_dtensor, offer_sharding
 from .dtypes import SHORT_NAME, check_supported
 from .errors import (
     BackendError,
@@ -348,7 +349,8 @@ class Kernel:
     def torch_op(self) -> Any:
         """This kernel as a ``torch.library`` custom op (``rtxdsl::k_<hash>``): inputs positionally in
         ``inputs`` order, outputs as a tensor or a tuple in ``outputs`` order; fake and autograd
-        implementations included. ``torch.compile`` sees a call of the kernel as this op.
+        implementations included, and its sharding rule for DTensor. ``torch.compile`` sees a call
+        of the kernel as this op.
 
         Example:
             >>> import torch, rtxdsl as rx
@@ -358,6 +360,7 @@ class Kernel:
         """
         if self._op is None:
             self._op = make_op(self)
+            offer_sharding(self, self._op)
         return self._op
 
     @property
@@ -501,10 +504,13 @@ class Kernel:
         GLOBAL_CACHE.count_plan()
         return lower(self._outputs, self._vars, metas, cfg, target)
 
-    def _prepare(self, tensors: tuple, cfg: FusionConfig) -> Launch:
-        """Lower and fetch kernels for these inputs."""
+    def _prepare(self, tensors: tuple, cfg: FusionConfig) -> Launch | DistributedLaunch:
+        """Lower and fetch kernels for these inputs (DTensors: the kernel's op, run by DTensor)."""
         self._validate(tensors, cfg)
-        return Launch(self, self._lower(tensors, cfg), cfg, tensors)
+        program = self._lower(tensors, cfg)
+        if any(is_dtensor(t) for t in tensors):
+            return DistributedLaunch(self, program, tensors)
+        return Launch(self, program, cfg, tensors)
 
     def _reference(self, tensors: tuple) -> Any:
         """Evaluate with torch ops, op by op (backend 'torch', or fusion disabled)."""
@@ -635,9 +641,12 @@ def _backend_for(cfg: FusionConfig, device: torch.device) -> tuple[str, str]:
 
 
 def _key_function(n: int) -> Any:
-    """``key(t0, t1, ...)``: dtype, shape, strides, device and requires_grad of each input, as one flat tuple."""
+    """``key(t0, t1, ...)``: dtype, shape, strides, device, requires_grad and type (a DTensor is not a
+    tensor of its global shape) of each input, as one flat tuple."""
     names = ", ".join(f"t{i}" for i in range(n))
-    fields = "".join(f"t{i}.dtype, t{i}.shape, t{i}.stride(), t{i}.device, t{i}.requires_grad, " for i in range(n))
+    fields = "".join(
+        f"t{i}.dtype, t{i}.shape, t{i}.stride(), t{i}.device, t{i}.requires_grad, type(t{i}), " for i in range(n)
+    )
     scope: dict[str, Any] = {}
     exec(f"def key({names}):\n    return ({fields})\n", scope)  # noqa: S102 - fixed template, no user text
     return scope["key"]
@@ -650,7 +659,7 @@ def _device_of(tensors: tuple[Any, ...]) -> torch.device:
 def _mixed_key(tensors: tuple[Any, ...]) -> tuple:
     """The launch key when some inputs are python numbers: those count by type only."""
     return tuple(
-        (t.dtype, t.shape, t.stride(), t.device, t.requires_grad) if isinstance(t, torch.Tensor) else type(t)
+        (t.dtype, t.shape, t.stride(), t.device, t.requires_grad, type(t)) if isinstance(t, torch.Tensor) else type(t)
         for t in tensors
     )
 

@@ -85,16 +85,16 @@ def _recompute_grads(kernel: Any, run: Callable[..., Any], saved: tuple[Tensor, 
     """Input gradients: the fused forward again with grad, then rtxdsl's fused backward."""
     if kernel.draws_seeds:
         raise RtxError("this kernel draws random seeds per call: differentiate it outside torch.compile")
-    ins = [t.detach().requires_grad_(t.is_floating_point()) for t in saved]
+    ins = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor) else t for t in saved]
     with torch.enable_grad():
         outs = run(*ins)
     outs = outs if isinstance(outs, (list, tuple)) else (outs,)
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-    wanted = [t for t in ins if t.requires_grad]
+    wanted = [t for t in ins if isinstance(t, Tensor) and t.requires_grad]
     if not pairs or not wanted:
         return tuple(None for _ in ins)
     got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
-    return tuple(next(got) if t.requires_grad else None for t in ins)
+    return tuple(next(got) if isinstance(t, Tensor) and t.requires_grad else None for t in ins)
 
 
 def op_name(exprs: tuple[tuple[str, Any], ...], inputs: tuple[str, ...], config: Any) -> str:
@@ -102,30 +102,46 @@ def op_name(exprs: tuple[tuple[str, Any], ...], inputs: tuple[str, ...], config:
     return "k_" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def make_op(kernel: Any) -> Any:
-    """Register (once per structure) and return the kernel's own op, ``rtxdsl::k_<hash>``."""
+#: schema types of a call's inputs: a tensor, or a python number (kept as its own type: an int
+#: scalar types a result differently from a float one)
+KINDS = {bool: "bool", int: "int", float: "float"}
+
+
+def kinds_of(values: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple("Tensor" if isinstance(v, Tensor) else KINDS[type(v)] for v in values)
+
+
+def make_op(kernel: Any, kinds: tuple[str, ...] | None = None) -> Any:
+    """Register (once per structure) and return the kernel's own op, ``rtxdsl::k_<hash>``: every
+    input a tensor, or with ``kinds`` some of them python numbers (``k_<hash>_<kinds>``)."""
+    kinds = kinds or ("Tensor",) * len(kernel.inputs)
     name = op_name(kernel.expressions, kernel.inputs, kernel.config)
+    if set(kinds) != {"Tensor"}:
+        name += "_" + "".join(k[0].lower() for k in kinds)
     if name in _OPS:
         return _OPS[name]
     inputs, outputs, run = kernel.inputs, kernel.outputs, kernel
     single = outputs == ("out",)
-    args = ", ".join(f"{n}: Tensor" for n in inputs)
+    args = ", ".join(f"{n}: {k}" for n, k in zip(inputs, kinds))
     ret = "Tensor" if single else f"tuple[{', '.join(['Tensor'] * len(outputs))}]"
-    # a fixed template: input names are identifiers (vars), nothing else comes from the user
+    # a fixed template: input names are identifiers (vars), kinds come from KINDS, nothing else
     src = f"def {name}({args}) -> {ret}:\n    return PACK(RUN({', '.join(inputs)}))\n"
     scope: dict[str, Any] = {"Tensor": Tensor, "RUN": run, "PACK": _packer(outputs, single)}
     exec(src, scope)  # noqa: S102
     op = torch.library.custom_op(f"rtxdsl::{name}", mutates_args=())(scope[name])
 
     @op.register_fake
-    def _fake(*tensors: Tensor) -> Any:
-        return _packer(outputs, single)(kernel.reference_on(tensors))
+    def _fake(*values: Any) -> Any:
+        return _packer(outputs, single)(kernel.reference_on(values))
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*[v for v in inputs if isinstance(v, Tensor)])
+        ctx.numbers = {i: v for i, v in enumerate(inputs) if not isinstance(v, Tensor)}
 
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        return _recompute_grads(kernel, lambda *ts: _packer(outputs, single)(run(*ts)), ctx.saved_tensors, grads)
+        saved = iter(ctx.saved_tensors)
+        values = tuple(ctx.numbers[i] if i in ctx.numbers else next(saved) for i in range(len(inputs)))
+        return _recompute_grads(kernel, lambda *vs: _packer(outputs, single)(run(*vs)), values, grads)
 
     op.register_autograd(backward, setup_context=setup_context)
     _OPS[name] = op

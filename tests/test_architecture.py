@@ -25,7 +25,7 @@ LAYERS = [
     {"lower"},
     {"codegen"},
     {"cache", "tune"},
-    {"torchop"},
+    {"torchop", "dtensor"},
     {"runtime"},
     {"dsl", "build", "trace", "parse", "lazy", "library", "nn", "optim"},
     {"cli", "commands", "workloads", "__init__", "__main__"},

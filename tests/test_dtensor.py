@@ -1,0 +1,186 @@
+"""DTensor and FSDP2: which axes a kernel may shard (proved piecewise, no processes), and real
+DTensor calls and FSDP2 training on two gloo ranks (one subprocess pair for the whole module)."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from filelock import FileLock
+from fuzzing import EXAMPLES, programs
+from hypothesis import HealthCheck, given, settings
+
+import rtxdsl as rx
+from rtxdsl.lower.shard import PARTIAL, sharding
+
+x, w, b, t = rx.var("x"), rx.var("w"), rx.var("b"), rx.var("t")
+F64 = torch.float64
+
+
+def _ways(outputs: dict, **inputs: torch.Tensor):
+    k = rx.compile(outputs)
+    return sharding(k.program(**inputs).plan.graph), k.inputs
+
+
+# (outputs, inputs, ways as {input: dim} per way with the outputs' entries, why: per input the reasons)
+SHARDINGS = [
+    # pointwise with a broadcast bias: rows (bias replicated) or columns (bias sharded alike)
+    ({"o": rx.gelu(x + b)}, {"x": (5, 6), "b": (6,)}, [((0,), (0, None)), ((1,), (1, 0))]),
+    # a row reduction: rows shard, the reduced axis stays whole
+    ({"o": rx.softmax(x)}, {"x": (5, 6)}, [((0,), (0,))]),
+    # a column sum that is an output: a partial sum per piece of the rows
+    ({"o": rx.sum(x, 0)}, {"x": (5, 6)}, [((PARTIAL,), (0,)), ((0,), (1,))]),
+    # ... but a mean divides by a count of the rows: no partial way over them
+    ({"o": rx.mean(x, 0)}, {"x": (5, 6)}, [((0,), (1,))]),
+    # layer_norm's weight is read along the normalized (whole) axis: replicated with the rows sharded
+    ({"o": rx.layer_norm(x, w)}, {"x": (3, 5, 6), "w": (6,)}, [((0,), (0, None)), ((1,), (1, None))]),
+    # RoPE re-indexes the last axis (halves swapped): batch and positions shard, cos / sin with positions
+    ({"o": rx.rope(x, w, b)}, {"x": (2, 3, 8), "w": (3, 8), "b": (3, 8)}, [((0,), (0, None, None)), ((1,), (1, 0, 0))]),
+    # random numbers depend on positions: nothing shards
+    ({"o": rx.dropout(x, 0.5, seed=3)}, {"x": (4, 9)}, []),
+    # a size-1 axis broadcasts, never shards
+    ({"o": x * b}, {"x": (1, 6), "b": (6,)}, [((1,), (1, 0))]),
+]
+
+
+@pytest.mark.parametrize(
+    "outputs, shapes, want", SHARDINGS, ids=[repr(next(iter(o.values())))[:40] for o, _, _ in SHARDINGS]
+)
+def test_sharding_ways_of_named_kernels(outputs, shapes, want):
+    found, names = _ways(outputs, **{n: torch.empty(s, dtype=F64) for n, s in shapes.items()})
+    assert names == tuple(shapes)
+    assert sorted(found.ways, key=repr) == sorted(want, key=repr)
+
+
+def test_cross_entropy_mean_keeps_everything_whole_and_says_why():
+    found, _ = _ways({"o": rx.cross_entropy(x, t)}, x=torch.empty(4, 9, dtype=F64), t=torch.zeros(4, dtype=torch.long))
+    assert found.ways == ()
+    assert found.whole == (("reduced by sum", "reduced by logsumexp"), ("reduced by sum",))
+    per_row, _ = _ways(
+        {"o": rx.cross_entropy(x, t, reduction="none")},
+        x=torch.empty(4, 9, dtype=F64),
+        t=torch.zeros(4, dtype=torch.long),
+    )
+    assert per_row.ways == (((0,), (0, 0)),)
+
+
+def _pieces(v: torch.Tensor, dim: int | None) -> list[torch.Tensor]:
+    return [v, v] if dim is None else list(torch.tensor_split(v, 2, dim))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(p=programs())
+def test_every_claimed_sharding_gives_the_pieces_of_the_full_result(p):
+    """A differential check of the analysis: cut each input as a way says, run each piece alone
+    (torch, op by op, in float64), and the pieces must be the full result's pieces (exactly for
+    integers; floats within 1e-12: torch's CPU exp2 rounds by an ulp differently at other sizes)."""
+    reference = rx.FusionConfig(backend="torch")
+    inputs = {n: v.double() if v.is_floating_point() else v for n, v in p.inputs.items()}
+    k = rx.compile(p.outputs, config=reference)
+    try:
+        full = k(**inputs)
+        found = sharding(k.program(**inputs).plan.graph)
+    except (RuntimeError, rx.RtxError):
+        return
+    full = full if isinstance(full, dict) else {"out": full}
+    for outs, ins in found.ways:
+        cut = [_pieces(inputs[n], d) for n, d in zip(k.inputs, ins)]
+        parts = [k(*[c[i] for c in cut]) for i in range(2)]
+        parts = [r if isinstance(r, dict) else {"out": r} for r in parts]
+        for key, d in zip(k.outputs, outs):
+            got = [r[key] for r in parts]
+            want = full[key]
+            tol = {"atol": 1e-12, "rtol": 1e-12} if want.is_floating_point() else {"atol": 0, "rtol": 0}
+            if d == PARTIAL:
+                assembled = [got[0] + got[1]]
+            else:
+                assembled = got if d is None else [torch.cat(got, d)]  # replicated: each piece is all of it
+            for g in assembled:
+                torch.testing.assert_close(g, want, equal_nan=True, **tol)
+
+
+# ---- two ranks -----------------------------------------------------------------------------------
+HELPER = Path(__file__).parent / "helpers" / "dtensor_ranks.py"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Rank 0's and rank 1's results of every scenario in ``helpers/dtensor_ranks.py`` (run once per
+    session: xdist workers share the results through a locked directory)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no torch.distributed with the gloo backend")
+    out = tmp_path_factory.getbasetemp().parent / "dtensor-ranks"
+    out.mkdir(exist_ok=True)
+    with FileLock(str(out / "lock")):
+        if not (out / "rank1.pkl").exists():
+            done = subprocess.run([sys.executable, str(HELPER), str(out)], capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-4000:]
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+
+
+def _ran(ranks: list[dict], name: str) -> dict:
+    """A scenario's results on rank 0, after checking it ran without error on both ranks."""
+    for r in ranks:
+        assert "error" not in r[name], r[name].get("error")
+    return ranks[0][name]
+
+
+def test_pointwise_keeps_the_inputs_sharding(ranks):
+    result = _ran(ranks, "pointwise")
+    assert result["rows"][:3] == ("Shard(dim=0)", (3, 7), 0.0)  # 5 rows over 2 ranks: 3 + 2
+    assert result["cols"][:3] == ("Shard(dim=1)", (5, 4), 0.0)  # the bias sharded along with the columns
+    assert result["rep"][:3] == ("Replicate()", (5, 7), 0.0)
+    assert all(v[3] == [] for v in result.values())  # no communication needed: no warning
+
+
+def test_rows_shard_and_a_sharded_reduced_axis_is_gathered_once_with_one_warning(ranks):
+    result = _ran(ranks, "rows")
+    assert result["row"] == ("Shard(dim=0)", pytest.approx(0, abs=1e-15), [])
+    placed, err, warned = result["col"]
+    assert placed == "Replicate()" and err < 1e-15
+    assert len(warned) == 1 and "'x'" in warned[0] and "Shard(1)" in warned[0] and "logsumexp" in warned[0]
+    assert result["col_again"] == (pytest.approx(0, abs=1e-15), [])  # one warning per kernel
+
+
+def test_partial_sums_over_sharded_rows(ranks):
+    result = _ran(ranks, "partial_sums")
+    assert result["col"] == ("Partial(sum)", pytest.approx(0, abs=1e-13))
+    assert result["row"] == ("Shard(dim=0)", 0.0)
+    assert result["warned"] == []
+
+
+def test_grads_stay_sharded_through_the_fused_backward(ranks):
+    result = _ran(ranks, "grads")
+    assert result["out"] == ("Shard(dim=0)", pytest.approx(0, abs=1e-14))
+    assert result["dx"] == ("Shard(dim=0)", pytest.approx(0, abs=1e-14))
+    assert result["dw"] < 1e-13 and result["db"] < 1e-13
+    assert result["warned"] == []
+
+
+def test_llm_kernels_rope_sharded_cross_entropy_gathered_dropout_replicated(ranks):
+    result = _ran(ranks, "llm")
+    assert result["rope"] == ("Shard(dim=0)", 0.0, [])
+    assert result["ce"][0] == "Replicate()" and result["ce"][1] < 1e-14 and result["ce"][2] == 1
+    assert result["dropout"] == ("Replicate()", 0.0)  # the same mask as one process with the same seed
+
+
+def test_bad_input_mixed_and_mismatched_meshes_raise_naming_inputs_and_placements(ranks):
+    result = _ran(ranks, "bad_input")
+    assert "input 'y' is a plain torch.Tensor" in result["mixed"] and "Shard(dim=0)" in result["mixed"]
+    assert "'x'" in result["meshes"] and "'y'" in result["meshes"] and "different meshes" in result["meshes"]
+    assert "ranks [0, 1]" in result["meshes"] and "ranks [1, 0]" in result["meshes"]
+
+
+def test_fsdp2_trains_rx_modules_with_rx_adamw_like_one_process(ranks):
+    result = _ran(ranks, "fsdp2")
+    assert result["param"] == ("DTensor", "Shard(dim=0)")
+    assert result["exp_avg"] == "DTensor" and result["step_launches"] == ["DistributedLaunch", "Launch"]
+    assert result["losses"] == pytest.approx(result["single_process"], rel=1e-5, abs=1e-6)
+    assert ranks[1]["fsdp2"]["losses"] == result["losses"]
+    assert result["losses"][-1] < result["losses"][0] / 2  # it trains
