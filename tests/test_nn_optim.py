@@ -131,3 +131,23 @@ def test_adamw_bf16_parameters():
         opt_b.step()
     assert pb.dtype == torch.bfloat16
     torch.testing.assert_close(pa.float(), pb.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("missing", ["exp_avg", "exp_avg_sq"])
+def test_adamw_state_dict_missing_a_state_key_fails_as_torch_does(missing):
+    def step_after_loading(cls):
+        p = torch.nn.Parameter(torch.ones(3))
+        src = torch.optim.AdamW([p])
+        p.grad = torch.ones(3)
+        src.step()
+        state = copy.deepcopy(src.state_dict())
+        del state["state"][0][missing]
+        q = torch.nn.Parameter(torch.ones(3))
+        opt = cls([q])
+        opt.load_state_dict(state)
+        q.grad = torch.ones(3)
+        with pytest.raises(Exception) as caught:
+            opt.step()
+        return type(caught.value), str(caught.value)
+
+    assert step_after_loading(rx.optim.AdamW) == step_after_loading(torch.optim.AdamW) == (KeyError, repr(missing))
