@@ -102,6 +102,11 @@ def _generate_run(
         lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
     names = [f"t{i}" for i in range(n)]
     for k, b in enumerate(program.buffers):
+        if b.persistent:  # a tail's counter: zeroed here once, left at zero by each launch
+            scope[f"KEPT{k}"] = torch.zeros(b.shape, dtype=b.dtype, device=_device_of(tensors))
+            lines.append(f"    b{k} = KEPT{k}")
+            names.append(f"b{k}")
+            continue
         if b.zero:  # index-check flags
             scope[f"SHAPE{k}"], scope[f"DT{k}"], scope["zeros"] = b.shape, b.dtype, torch.zeros
             lines.append(f"    b{k} = zeros(SHAPE{k}, dtype=DT{k}, device=DEV)")
@@ -139,7 +144,7 @@ def _generate_run(
         for j, call in enumerate(program.launched):
             if call.checks and checking:  # one flag read after the launch
                 scope[f"CHECK{j}"] = _IndexCheck(call.checks)
-                lines.append(f"    CHECK{j}({names[call.buffers[-1]]})")
+                lines.append(f"    CHECK{j}({names[call.flags_slot]})")
         p = program
         scope["record"] = kernel._stats.record
         lines.append(
@@ -727,7 +732,10 @@ def _explain(kernel: Kernel, launch: Launch) -> str:
         reads = ", ".join(f"{n} {_fmt_meta(graph.of(v))}" for n, v in zip(in_names, g.inputs))
         writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {_fmt_meta(graph.of(n))}" for n in g.outputs)
         lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
-        for call in (c for c in p.kernels if c.group == i):
+        for call in (c for c in p.kernels if c.group == i or c.tail and c.tail.group == i):
+            if call.group != i:  # this group runs inside another group's launch
+                lines.append(f"  run by the last program of group {call.group}'s kernel, as its tail (no launch)")
+                call = call.tail
             lines.append(f"  kernel {call.summary.split(':')[0]}: {_launch_shape(call)}")
             passes = ", ".join(f"{n} x{r}" for n, r in zip(in_names, call.reads))
             lines.append(

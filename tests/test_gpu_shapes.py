@@ -413,3 +413,42 @@ def test_random_split_and_looped_reductions_match_torch():
         what = f"{make()!r} on {layout} {dtype} [{rows}, {cols}]"
         assert_close(trace.result, ref(t.to(dtype).double()), atol * 10, rtol * 10, what)
     assert {"partial", "finish", ""} <= phases  # the families this is meant to exercise ran
+
+
+# ---- tails: a one-program reduction over what a launch wrote, run by that launch's last program -----
+t_ = rx.var("t")
+TAIL_CASES = [
+    # cross-entropy's mean over its rows (the lazy Llama block's loss): rows, then the mean
+    ("ce_mean", lambda: rx.cross_entropy(x, t_), lambda a, tg: F.cross_entropy(a, tg)),
+    # a scalar over a row statistic: logsumexp rows, then a sum of squares (a z-loss)
+    ("sum_lse_sq", lambda: rx.sum(rx.logsumexp(x, -1) ** 2), lambda a, tg: (a.logsumexp(-1) ** 2).sum()),
+    # a mean of row maxima
+    ("mean_row_max", lambda: rx.mean(rx.amax(x, -1)), lambda a, tg: a.amax(-1).mean()),
+]
+
+
+@pytest.mark.parametrize("name,expr,ref", TAIL_CASES, ids=[c[0] for c in TAIL_CASES])
+@pytest.mark.parametrize("dtype,atol,rtol", FLOAT_TOLERANCES, ids=lambda v: str(v).replace("torch.", ""))
+def test_tail_runs_in_the_last_program_of_one_launch(name, expr, ref, dtype, atol, rtol, gen):
+    k = rx.compile(expr())
+    for rows in (37, 5):  # several programs, then other data and sizes: the counter was left at zero
+        a = torch.randn(rows, 50, generator=gen, dtype=torch.float64)
+        tg = torch.randint(0, 50, (rows,), generator=gen)
+        ins = {"x": a.to(dtype), "t": tg} if "t" in k.inputs else {"x": a.to(dtype)}
+        trace = rx.memory_trace(k, **ins, **AT_SMALL)
+        assert len(trace.launches) == 1 and (rows < 8 or trace.launches[0].programs > 1)
+        assert_close(trace.result, ref(a.to(dtype).double(), tg), atol, rtol, f"{name} {rows} rows")
+        again = rx.memory_trace(k, **ins, **AT_SMALL).result
+        assert torch.equal(again, trace.result)  # bit for bit: the tail reads in a fixed order
+        assert_close(k(**ins), ref(a.to(dtype).double(), tg), atol, rtol, f"{name} {rows} rows, interpreter target")
+
+
+def test_tail_code_takes_one_ticket_and_resets_the_counter(gen):
+    k = rx.compile(rx.cross_entropy(x, t_))
+    a, tg = torch.randn(9, 30, generator=gen), torch.randint(0, 30, (9,), generator=gen)
+    (src,) = k.sources(x=a, t=tg)
+    assert src.count("tl.atomic_add(count_ptr, 1") == 1 and src.count("tl.atomic_xchg(count_ptr, 0)") == 1
+    assert src.count("def ") == 2 and "_tail(" in src  # the head kernel and the function its last program calls
+    assert src.index("tl.debug_barrier()") < src.index("tl.atomic_add(count_ptr")  # every store before the ticket
+    big = k.lower_for(GPU, x=torch.empty(8192, 32000), t=torch.zeros(8192, dtype=torch.long))
+    assert big.kernels_launched == 1 and big.kernels[0].grid == (8192,) and big.kernels[0].tail.grid == (1,)

@@ -8,9 +8,27 @@ from .source import MODULE, Writer
 from .template import render
 
 
+def _writer(spec: KernelSpec) -> Writer:
+    return Writer(spec) if spec.domain is None else CoordWriter(spec)
+
+
 def kernel_source(spec: KernelSpec, name: str, signature: str, summary: str) -> str:
-    """The whole generated module: imports and one ``@triton.jit`` kernel called ``name``."""
-    w = Writer(spec) if spec.domain is None else CoordWriter(spec)
+    """The whole generated module: imports and one ``@triton.jit`` kernel called ``name`` (and the
+    function its last program runs, ``<name>_tail``, when the spec has a tail)."""
+    w = _writer(spec)
+    helpers = dict(w.helpers)
+    if spec.tail is not None:
+        t = _writer(spec.tail)
+        t.program = "tl.program_id(0) * 0"  # called by the head's last program: it is program 0 of one
+        helpers[f"{name}_tail"] = t.row_kernel(f"{name}_tail").rstrip("\n")
+        helpers.update(t.helpers)
+        w.tail = (f"{name}_tail", t.params)
     kernel = w.row_kernel(name) if spec.kind == "row" else w.pointwise(name)
-    helpers = "".join(f"{src}\n\n" for src in w.helpers.values())
-    return render(MODULE, signature=signature, summary=summary.replace("\n", " "), helpers=helpers, kernel=kernel)
+    helpers.update(w.helpers)
+    return render(
+        MODULE,
+        signature=signature,
+        summary=summary.replace("\n", " "),
+        helpers="".join(f"{src}\n\n" for src in helpers.values()),
+        kernel=kernel,
+    )

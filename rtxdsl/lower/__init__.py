@@ -10,6 +10,7 @@ forward and backward expressions that lower the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -102,6 +103,7 @@ def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> P
                     reads=tuple(reads),
                 )
             )
+    calls = _with_tails(calls, buffers, n_inputs)
     outputs: list[tuple[str, int | None]] = []
     scalars = {}
     for key, root in graph.outputs:
@@ -125,6 +127,49 @@ def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> P
         minimum_bytes=minimum,
         plan=plan,
     )
+
+
+def can_be_tail(call: KernelCall) -> bool:
+    """A one-program row kernel (a reduction over everything a previous kernel wrote, such as
+    cross-entropy's mean over its rows) that the previous launch's last program can run."""
+    s = call.spec
+    return (
+        s.kind == "row" and not s.split and s.domain is None and not s.flags and s.tail is None
+        and not call.empty and call.grid == (1,)
+    )  # fmt: skip
+
+
+def _with_tails(calls: list[KernelCall], buffers: list[Buffer], n_inputs: int) -> list[KernelCall]:
+    """Fold each tail-able kernel into the launch before it: every program of that launch takes a
+    ticket from a counter after its stores, and the last one runs the tail, then zeroes the counter
+    for the next call. One launch fewer, the same loads and stores; the tail reads in a fixed
+    order, so results are bit-stable. (The counter belongs to the prepared launch: two streams
+    running one kernel's call with the same layout at once would share it.)"""
+    out: list[KernelCall] = []
+    for call in calls:
+        head = out[-1] if out else None
+        if head is None or head.empty or head.tail is not None or len(head.grid) != 1 or not can_be_tail(call):
+            out.append(call)
+            continue
+        counter = n_inputs + len(buffers)
+        buffers.append(Buffer((1,), torch.int32, persistent=True))
+        shift = len(head.args)
+        out[-1] = replace(
+            head,
+            spec=replace(head.spec, tail=call.spec),
+            buffers=head.buffers + call.buffers + (counter,),
+            args=head.args + call.args,
+            meta=head.meta + tuple((f"T_{k}", v) for k, v in call.meta if k in TAIL_CONSTEXPRS),
+            scalar_inputs=head.scalar_inputs + tuple((p + shift, i, kind) for p, i, kind in call.scalar_inputs),
+            ops=head.ops + call.ops,
+            bytes=head.bytes + call.bytes,
+            tail=call,
+        )
+    return out
+
+
+#: the tail's own constexprs, passed to the head as ``T_<name>``
+TAIL_CONSTEXPRS = ("ROWS", "BLOCK_SIZE")
 
 
 __all__ = [

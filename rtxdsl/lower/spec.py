@@ -69,16 +69,20 @@ class KernelSpec:
     #: a split row: "partial" (each program reduces a chunk of a row and stores partial states) or
     #: "finish" (merges a row's partial states, then writes its chunk of the outputs); "" when whole
     split: str = ""
+    #: a one-program row kernel the last program to finish runs (reading what every program stored)
+    tail: KernelSpec | None = None
 
 
 @dataclass(frozen=True)
 class Buffer:
-    """A tensor a call allocates: an output, an intermediate another kernel reads, or (``zero``)
-    a kernel's index-check flags."""
+    """A tensor a call allocates: an output, an intermediate another kernel reads, (``zero``) a
+    kernel's index-check flags, or (``persistent``) a tail's ticket counter: zeroed once per
+    prepared launch, left at zero by the kernel's last program (no per-call fill)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     zero: bool = False
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,14 @@ class KernelCall:
     checks: tuple[str, ...] = ()  # per flag slot: what an out-of-range index there means (its last buffer)
     group: int = 0  # the fusion group it runs (a split row runs as two kernels)
     reads: tuple[int, ...] = ()  # per input of the group: how many times this launch reads it
+    #: the next kernel, run by this launch's last program (its buffers follow this one's, then a counter)
+    tail: KernelCall | None = None
+
+    @property
+    def flags_slot(self) -> int:
+        """The buffer slot of this launch's index-check flags (its own last buffer)."""
+        own = len(self.buffers) - (len(self.tail.buffers) + 1 if self.tail else 0)
+        return self.buffers[own - 1]
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,8 @@ for name, e, ins in [
     ("column_sum", rx.sum(x, 0), {"x": torch.empty(4096, 1024)}),
     ("column_var_f16", rx.variance(x, 0), {"x": torch.empty(4096, 1024, dtype=torch.float16)}),
     ("tile_add", x + y, {"x": torch.empty(1024, 4096).t(), "y": torch.empty(4096, 1024)}),
+    # a tail: rows, then the last program reduces what every program wrote (one launch)
+    ("tail_sum_lse_sq", rx.sum(rx.logsumexp(x, -1) ** 2), {"x": torch.empty(64, 4096, dtype=torch.float16)}),
     # movement: slices, joins, gathers, positions, random numbers (coordinate kernels)
     ("slice_cat_flip", rx.cat([x[:, 1:], rx.flip(y, -1)], -1) * 2, {"x": torch.empty(8, 65), "y": torch.empty(8, 30)}),
     ("select_strided", x[..., 3] + y[0], {"x": torch.empty(30, 40).t(), "y": torch.empty(5, 40)}),

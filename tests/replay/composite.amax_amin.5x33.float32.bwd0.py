@@ -5,15 +5,65 @@ import triton.language as tl
 
 
 @triton.jit
+def row_eq_mul_sum_div_0e6dbb36_tail(
+    in0_ptr,
+    in1_ptr,
+    in2_ptr,
+    in3_ptr,
+    out0_ptr,
+    n_rows,
+    n_cols,
+    in2_col_stride0,
+    in3_col_stride0,
+    out0_col_stride0,
+    ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    pid = tl.program_id(0) * 0
+    rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_SIZE)[None, :]
+    col_mask = cols < n_cols
+    mask = row_mask & col_mask
+    x0 = tl.load(in0_ptr + rows, mask=mask, other=0)
+    v0 = x0
+    x2 = tl.load(in2_ptr + rows + cols * in2_col_stride0, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
+    v1 = x1
+    v2 = x2 == v1
+    v3 = v2.to(tl.float32)
+    v4 = v0 * v3
+    t0 = tl.where(mask, v3, 0)
+    v5 = tl.sum(t0, axis=1)[:, None]
+    v6 = v4 / v5
+    x3 = tl.load(in3_ptr + rows + cols * in3_col_stride0, mask=mask, other=0)
+    v7 = v6 + x3
+    tl.store(out0_ptr + rows + cols * out0_col_stride0, v7, mask=mask)
+
+
+@triton.jit
 def row_eq_mul_sum_div_SIG(
     in0_ptr,
     in1_ptr,
     in2_ptr,
     out0_ptr,
+    t_in0_ptr,
+    t_in1_ptr,
+    t_in2_ptr,
+    t_in3_ptr,
+    t_out0_ptr,
+    count_ptr,
     n_rows,
     n_cols,
     in0_row_stride0,
     out0_row_stride0,
+    t_n_rows,
+    t_n_cols,
+    t_in2_col_stride0,
+    t_in3_col_stride0,
+    t_out0_col_stride0,
+    T_ROWS: tl.constexpr,
+    T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -33,4 +83,9 @@ def row_eq_mul_sum_div_SIG(
     v3 = tl.sum(t0, axis=1)[:, None]
     v4 = v2 / v3
     tl.store(out0_ptr + rows * out0_row_stride0 + cols, v4, mask=mask)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        row_eq_mul_sum_div_0e6dbb36_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in2_col_stride0, t_in3_col_stride0, t_out0_col_stride0, T_ROWS, T_BLOCK_SIZE)
+        tl.atomic_xchg(count_ptr, 0)
 

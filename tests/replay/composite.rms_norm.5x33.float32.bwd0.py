@@ -5,12 +5,51 @@ import triton.language as tl
 
 
 @triton.jit
+def row_mul_div_add_rsqrt_8a2df19e_tail(
+    in0_ptr,
+    in1_ptr,
+    in2_ptr,
+    out0_ptr,
+    n_rows,
+    n_cols,
+    in1_col_stride0,
+    in2_col_stride0,
+    s0,
+    s1,
+    ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    pid = tl.program_id(0) * 0
+    rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_SIZE)[None, :]
+    col_mask = cols < n_cols
+    mask = row_mask & col_mask
+    x2 = tl.load(in2_ptr + rows + cols * in2_col_stride0, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    v0 = x0 / s0
+    v1 = v0 + s1
+    v2 = tl.rsqrt(v1)
+    v5 = x1 * v2
+    v6 = x2 * v5
+    t0 = tl.where(mask, v6, 0)
+    v7 = tl.sum(t0, axis=1)[:, None]
+    tl.store(out0_ptr + rows, v7, mask=row_mask)
+
+
+@triton.jit
 def row_mul_div_add_rsqrt_SIG(
     in0_ptr,
     in1_ptr,
     in2_ptr,
     in3_ptr,
     out0_ptr,
+    t_in0_ptr,
+    t_in1_ptr,
+    t_in2_ptr,
+    t_out0_ptr,
+    count_ptr,
     n_rows,
     n_cols,
     in0_row_stride0,
@@ -19,6 +58,14 @@ def row_mul_div_add_rsqrt_SIG(
     s0,
     s1,
     s2,
+    t_n_rows,
+    t_n_cols,
+    t_in1_col_stride0,
+    t_in2_col_stride0,
+    t_s0,
+    t_s1,
+    T_ROWS: tl.constexpr,
+    T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -49,4 +96,9 @@ def row_mul_div_add_rsqrt_SIG(
     v13 = v4 + v12
     v14 = v13 + v12
     tl.store(out0_ptr + rows * out0_row_stride0 + cols, v14, mask=mask)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        row_mul_div_add_rsqrt_8a2df19e_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in1_col_stride0, t_in2_col_stride0, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        tl.atomic_xchg(count_ptr, 0)
 

@@ -5,12 +5,42 @@ import triton.language as tl
 
 
 @triton.jit
+def row_ne_logsumexp_where_unsqueeze_45e39fc3_tail(
+    in0_ptr,
+    in1_ptr,
+    out0_ptr,
+    n_rows,
+    n_cols,
+    ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    pid = tl.program_id(0) * 0
+    rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_SIZE)[None, :]
+    col_mask = cols < n_cols
+    mask = row_mask & col_mask
+    x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    t0 = tl.where(mask, x0, 0)
+    v0 = tl.sum(t0, axis=1)[:, None]
+    x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
+    t1 = tl.where(mask, x1, 0)
+    v1 = tl.sum(t1, axis=1)[:, None]
+    v2 = v0 / v1
+    tl.store(out0_ptr + rows * 0, v2, mask=row_mask)
+
+
+@triton.jit
 def row_ne_logsumexp_where_unsqueeze_SIG(
     in0_ptr,
     in1_ptr,
     out0_ptr,
     out1_ptr,
     flag_ptr,
+    t_in0_ptr,
+    t_in1_ptr,
+    t_out0_ptr,
+    count_ptr,
     n_rows,
     n_cols,
     in1_stride0,
@@ -23,6 +53,10 @@ def row_ne_logsumexp_where_unsqueeze_SIG(
     s4,
     s5,
     s6,
+    t_n_rows,
+    t_n_cols,
+    T_ROWS: tl.constexpr,
+    T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -59,4 +93,9 @@ def row_ne_logsumexp_where_unsqueeze_SIG(
     tl.store(out0_ptr + rows, v13, mask=row_mask)
     v14 = tl.where(v0, s6, s5)
     tl.store(out1_ptr + rows, v14, mask=row_mask)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        row_ne_logsumexp_where_unsqueeze_45e39fc3_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, T_ROWS, T_BLOCK_SIZE)
+        tl.atomic_xchg(count_ptr, 0)
 

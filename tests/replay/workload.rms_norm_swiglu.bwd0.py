@@ -5,6 +5,54 @@ import triton.language as tl
 
 
 @triton.jit
+def row_mul_div_add_rsqrt_d3868b54_tail(
+    in0_ptr,
+    in1_ptr,
+    in2_ptr,
+    in3_ptr,
+    in4_ptr,
+    out0_ptr,
+    n_rows,
+    n_cols,
+    in0_col_stride0,
+    in1_col_stride0,
+    in3_col_stride0,
+    s0,
+    s1,
+    s2,
+    ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    pid = tl.program_id(0) * 0
+    rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_SIZE)[None, :]
+    col_mask = cols < n_cols
+    mask = row_mask & col_mask
+    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0)
+    v0 = x0 * x1
+    x3 = tl.load(in3_ptr + rows + cols * in3_col_stride0, mask=mask, other=0)
+    x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
+    v1 = x2 / s0
+    v2 = v1 + s1
+    v3 = tl.rsqrt(v2)
+    v4 = x3 * v3
+    x4 = tl.load(in4_ptr + rows, mask=mask, other=0)
+    v5 = v4 * x4
+    v6 = 1.0 / (1.0 + tl.exp(-v5))
+    v7 = s2 - v6
+    v8 = v5 * v7
+    v9 = s2 + v8
+    v10 = v6 * v9
+    v11 = v0 * v10
+    v12 = v11 * v4
+    t0 = tl.where(mask, v12, 0)
+    v13 = tl.sum(t0, axis=1)[:, None]
+    tl.store(out0_ptr + rows, v13, mask=row_mask)
+
+
+@triton.jit
 def row_mul_div_add_rsqrt_SIG(
     in0_ptr,
     in1_ptr,
@@ -13,6 +61,13 @@ def row_mul_div_add_rsqrt_SIG(
     in4_ptr,
     out0_ptr,
     out1_ptr,
+    t_in0_ptr,
+    t_in1_ptr,
+    t_in2_ptr,
+    t_in3_ptr,
+    t_in4_ptr,
+    t_out0_ptr,
+    count_ptr,
     n_rows,
     n_cols,
     in0_row_stride0,
@@ -24,6 +79,16 @@ def row_mul_div_add_rsqrt_SIG(
     s1,
     s2,
     s3,
+    t_n_rows,
+    t_n_cols,
+    t_in0_col_stride0,
+    t_in1_col_stride0,
+    t_in3_col_stride0,
+    t_s0,
+    t_s1,
+    t_s2,
+    T_ROWS: tl.constexpr,
+    T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -67,4 +132,9 @@ def row_mul_div_add_rsqrt_SIG(
     v25 = v5 / (1.0 + tl.exp(-v5))
     v26 = x0 * v25
     tl.store(out1_ptr + rows * out1_row_stride0 + cols, v26, mask=mask)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:
+        row_mul_div_add_rsqrt_d3868b54_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_col_stride0, t_in1_col_stride0, t_in3_col_stride0, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        tl.atomic_xchg(count_ptr, 0)
 
