@@ -105,7 +105,9 @@ def test_the_cached_call_path_allocates_outputs_only_and_never_synchronizes():
         launch = k._launch_for((), ins)
         body = launch.source.splitlines()[1:]
         allocations = [ln for ln in body if " = empty" in ln or " = zeros" in ln]
-        assert len(allocations) == len(launch.program.buffers), launch.source
+        kept = [ln for ln in body if " = KEPT" in ln]  # a tail's counter: allocated once, at preparation
+        assert len(kept) == sum(1 for b in launch.program.buffers if b.persistent)
+        assert len(allocations) + len(kept) == len(launch.program.buffers), launch.source
         flags = sum(1 for b in launch.program.buffers if b.zero)
         host_reads = [ln for ln in body if "CHECK" in ln]  # a flag read: only for gathers' index checks
         assert len(host_reads) == sum(1 for c in launch.program.launched if c.checks), launch.source
@@ -130,3 +132,21 @@ def test_a_workload_is_captured_in_a_cuda_graph_and_replayed():
         want = F.layer_norm(static["x"] + static["b"], (1000,), static["w"], static["b"])
         torch.testing.assert_close(out["y"], want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out["s"], static["x"].softmax(-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_tail_kernel_replays_in_a_cuda_graph():
+    """Cross-entropy's mean runs in the row kernel's last program; its counter must be back at
+    zero after every replay (no index-flag read: check_indices=False, as capture requires)."""
+    k = rx.compile(rx.cross_entropy(rx.var("x"), rx.var("t")), config=rx.FusionConfig(check_indices=False))
+    static = {"x": torch.randn(4096, 1000, device="cuda"), "t": torch.randint(0, 1000, (4096,), device="cuda")}
+    k(**static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = k(**static)
+    for _ in range(3):
+        static["x"].copy_(torch.randn(4096, 1000, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, F.cross_entropy(static["x"], static["t"]), atol=1e-5, rtol=1e-5)
