@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from .lru import LRU
 from .torchop import kinds_of, make_op
 
 _SHARDED: set[str] = set()  # op names whose sharding rule is registered
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()  # kernels that warned about a gathered axis
 
 
 def is_dtensor(value: Any) -> bool:
@@ -70,7 +72,7 @@ def check_inputs(names: tuple[str, ...], values: tuple[Any, ...]) -> None:
 class DistributedLaunch:
     """A prepared call for DTensor inputs of one layout: the kernel's op, run by DTensor."""
 
-    __slots__ = ("program", "backend", "note", "any_grad", "run", "source", "_warned")
+    __slots__ = ("program", "backend", "note", "any_grad", "run", "source")
 
     def __init__(self, kernel: Any, program: Program, tensors: tuple[Any, ...]) -> None:
         arity = len(kernel.inputs)
@@ -78,35 +80,35 @@ class DistributedLaunch:
         self.program = program
         self.backend, self.note, self.source = "dtensor", "each rank runs the kernel on its local pieces", ""
         self.any_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-        self._warned = False
         op = make_op(kernel, kinds_of(tensors[:arity]))
         _register_sharding(kernel, op)
         outputs, single = kernel.outputs, kernel.outputs == ("out",)
         shards = sharding(program.plan.graph)
 
         def run(ts: tuple[Any, ...]) -> Any:
-            if not self._warned:
-                self._warn_gathers(kernel, shards, ts[:arity])
+            if kernel not in _WARNED:
+                _warn_gathers(kernel, shards, ts[:arity])
             result = op(*ts[:arity])  # hidden seeds are drawn by the kernel on each rank
             return result if single else dict(zip(outputs, result))
 
         self.run = run
 
-    def _warn_gathers(self, kernel: Any, shards: Sharding, values: tuple[Any, ...]) -> None:
-        """Warn (once per kernel) when an input is sharded along an axis the kernel needs whole."""
-        from torch.distributed.tensor import Shard
 
-        for name, v, whole in zip(kernel.inputs, values, shards.whole):
-            for mesh_dim, p in enumerate(getattr(v, "placements", ())):
-                if isinstance(p, Shard) and whole[p.dim]:
-                    self._warned = True
-                    warnings.warn(
-                        f"rtxdsl: input {name!r} is sharded along dim {p.dim} (Shard({p.dim}) on mesh dim "
-                        f"{mesh_dim}), which the kernel needs whole ({whole[p.dim]}): DTensor redistributes it "
-                        f"before the launch; shard another axis to avoid the communication",
-                        stacklevel=4,
-                    )
-                    return
+def _warn_gathers(kernel: Any, shards: Sharding, values: tuple[Any, ...]) -> None:
+    """Warn (once per kernel) when an input is sharded along an axis the kernel needs whole."""
+    from torch.distributed.tensor import Shard
+
+    for name, v, whole in zip(kernel.inputs, values, shards.whole):
+        for mesh_dim, p in enumerate(getattr(v, "placements", ())):
+            if isinstance(p, Shard) and whole[p.dim]:
+                _WARNED.add(kernel)
+                warnings.warn(
+                    f"rtxdsl: input {name!r} is sharded along dim {p.dim} (Shard({p.dim}) on mesh dim "
+                    f"{mesh_dim}), which the kernel needs whole ({whole[p.dim]}): DTensor redistributes it "
+                    f"before the launch; shard another axis to avoid the communication",
+                    stacklevel=4,
+                )
+                return
 
 
 def offer_sharding(kernel: Any, op: Any) -> None:

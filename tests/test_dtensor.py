@@ -3,6 +3,7 @@ DTensor calls and FSDP2 training on two gloo ranks (one subprocess pair for the 
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -119,7 +120,11 @@ def ranks(tmp_path_factory):
     out.mkdir(exist_ok=True)
     with FileLock(str(out / "lock")):
         if not (out / "rank1.pkl").exists():
-            done = subprocess.run([sys.executable, str(HELPER), str(out)], capture_output=True, text=True, timeout=600)
+            root = str(Path(__file__).resolve().parents[1])  # this checkout's rtxdsl, whatever is installed
+            paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+            cmd = [sys.executable, str(HELPER), str(out)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
             assert done.returncode == 0, done.stderr[-4000:]
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
 

@@ -81,11 +81,11 @@ def rows(mesh: Any) -> dict[str, Any]:
     want = torch.softmax(x, -1)
     by_row, w1 = _call(k, distribute_tensor(x, mesh, [Shard(0)]))
     by_col, w2 = _call(k, distribute_tensor(x, mesh, [Shard(1)]))
-    again, w3 = _call(k, distribute_tensor(x, mesh, [Shard(1)]))
+    again, w3 = _call(k, distribute_tensor(_data(4, 5), mesh, [Shard(1)]))  # another layout, the same kernel
     return {
         "row": (_placed(by_row), _err(by_row, want), w1),
         "col": (_placed(by_col), _err(by_col, want), w2),
-        "col_again": (_err(again, want), w3),
+        "col_again": (_err(again, torch.softmax(_data(4, 5), -1)), w3),
     }
 
 
