@@ -36,10 +36,10 @@ from .errors import (
     RtxError,
     UnknownInputError,
 )
-from .expr import Expr, as_expr, variables, walk
+from .expr import Expr, as_expr, node, variables, walk
 from .lower import InputMeta, Layout, Program, Target, lower, target_for
 from .lower.schedule import candidates, encode_scalar
-from .lower.vjp import Gradients, differentiate
+from .lower.vjp import COTANGENT, Gradients, differentiate
 from .lru import LRU
 from .ops import REGISTRY, apply_ref
 from .ops.random import SEED_PREFIX, draw_seed
@@ -253,6 +253,7 @@ class Kernel:
         inputs: tuple[str, ...] | None = None,
         stats: FusionStats | None = None,
         draw_seeds: bool = True,
+        into: Mapping[str, str] | None = None,
     ) -> None:
         if config is not None and not isinstance(config, FusionConfig):
             raise RtxError(f"config must be a FusionConfig, got {type(config).__name__}")
@@ -296,6 +297,8 @@ class Kernel:
         self._last: tuple[Any, Any] = (None, None)  # (key, launch) of the last call
         self._op: Any = None  # the kernel's own torch.library op, made on first use
         self._op_key = register_kernel(self)  # its name for rtxdsl::kernel (torch.compile)
+        self._into = dict(into or {})  # output key -> input name it may be written into (internal)
+        self._in_forward = _gradient_in_forward(self._outputs)  # cross_entropy(..., grad_in_forward=True)
 
     @property
     def config(self) -> FusionConfig:
@@ -384,16 +387,25 @@ class Kernel:
     def _grad_call(self, tensors: tuple, launch: Launch, key: tuple) -> Any:
         """Through torch.autograd: fused forward (saving row statistics) and fused backward."""
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-        plan = self._grads.get((key, needs))
+        # the logits' memory holds the gradient, unless they are a leaf (their .grad would alias them)
+        mode = ""  # cross_entropy(..., grad_in_forward=True): "reuse" the logits' memory, or a "fresh" one
+        if self._in_forward is not None:
+            logits = tensors[self._index[self._in_forward]]
+            # DTensors run each kernel as a functional torch op (no input may be written): as usual
+            mode = "" if is_dtensor(logits) else "reuse" if logits.grad_fn is not None else "fresh"
+        plan = self._grads.get((key, needs, mode))
         if plan is None:
-            plan = self._grad_plan(launch.program, needs)
-            self._grads.put((key, needs), plan)
+            plan = self._grad_plan(launch.program, needs, mode)
+            self._grads.put((key, needs, mode), plan)
         results = _Apply.apply(plan, *tensors)
         if self._single:
             return results[0]
         return dict(zip(plan.grads.user_keys, results))
 
-    def _grad_plan(self, program: Program, needs: tuple[bool, ...]) -> GradPlan:
+    def _grad_plan(self, program: Program, needs: tuple[bool, ...], mode: str = "") -> GradPlan:
+        name = self._in_forward
+        if mode and needs == tuple(v.attr("name") == name for v in self._vars):
+            return self._plan_in_forward(program, mode == "reuse")
         grads = differentiate(program.plan.graph, self._outputs, needs)
         return GradPlan(
             forward=Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False),
@@ -401,6 +413,33 @@ class Kernel:
             grads=grads,
             input_names=tuple(v.attr("name") for v in self._vars),
         )
+
+    def _plan_in_forward(self, program: Program, reuse: bool) -> GradPlan:
+        """cross_entropy(..., grad_in_forward=True): the forward runs the loss kernel (saving the
+        row statistics), then the fused backward kernel with a unit cotangent, writing the
+        logits' gradient into the logits (a new tensor when ``reuse`` is off: a leaf's .grad
+        must not alias it); the backward only scales that gradient, in place, by the cotangent."""
+        name = self._in_forward
+        needs = tuple(v.attr("name") == name for v in self._vars)
+        grads = differentiate(program.plan.graph, self._outputs, needs)
+        ((key, unit),) = grads.backward
+        dtype = _dtype_of(program, name)
+        unit = unit if unit.op == "cast" and unit.attr("dtype") == dtype else node("cast", unit, dtype=dtype)
+        stats = Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False)
+        into = {key: name} if reuse else None
+        gradient = Kernel({key: unit}, self._config, stats=self._stats, draw_seeds=False, into=into)
+        scaled = node("cast", node("mul", _var("_j"), _var(f"{COTANGENT}0")), dtype=dtype)
+        backward = Kernel({"_d0": scaled}, self._config, stats=self._stats, draw_seeds=False, into={"_d0": "_j"})
+        plan = Gradients(
+            forward=(*grads.forward, ("_j", unit)),
+            backward=(("_d0", scaled),),
+            user_keys=grads.user_keys,
+            saved_keys=("_j",),
+            grad_of=((name, "_d0"),),
+            float_outputs=grads.float_outputs,
+        )
+        forward = _InForward(stats, gradient, key, grads.saved_keys)
+        return GradPlan(forward, backward, plan, tuple(v.attr("name") for v in self._vars))  # type: ignore[arg-type]
 
     def grad_plan(self, *args: Any, **kwargs: Any) -> GradPlan:
         """The forward and backward kernels autograd runs for these inputs: with respect to the
@@ -507,7 +546,7 @@ class Kernel:
         if target is None:
             target = target_for(_device_of(tensors), _backend_for(cfg, _device_of(tensors))[0] != "triton")
         GLOBAL_CACHE.count_plan()
-        return lower(self._outputs, self._vars, metas, cfg, target)
+        return lower(self._outputs, self._vars, metas, cfg, target, self._into)
 
     def _prepare(self, tensors: tuple, cfg: FusionConfig) -> Launch | DistributedLaunch:
         """Lower and fetch kernels for these inputs (DTensors: the kernel's op, run by DTensor)."""
@@ -593,6 +632,9 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: GradPlan, *inputs: Any) -> Any:
         outs = plan.forward(**dict(zip(plan.input_names, inputs)))
+        for t in inputs:  # an input whose memory now holds an output (the gradient in the forward)
+            if isinstance(t, torch.Tensor) and any(o is t for o in outs.values()):
+                torch.autograd.graph.increment_version(t)
         g = plan.grads
         ctx.plan = plan
         ctx.scalars = {i: v for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor)}
@@ -619,6 +661,53 @@ class _Apply(torch.autograd.Function):
             gi = outs[grad_of[name]] if name in grad_of else None
             grads_in.append(gi if gi is None or gi.shape == t.shape else gi.expand(t.shape))
         return (None, *grads_in)
+
+
+class _InForward:
+    """The forward of ``cross_entropy(..., grad_in_forward=True)``: the loss kernel, then the
+    gradient kernel fed the loss's row statistics and a unit cotangent."""
+
+    def __init__(self, stats: Kernel, gradient: Kernel, key: str, saved: tuple[str, ...]) -> None:
+        self.stats, self.gradient, self.key, self.saved = stats, gradient, key, saved
+        self.inputs = stats.inputs
+
+    def __call__(self, **feed: Any) -> dict[str, Any]:
+        outs = self.stats(**feed)
+        loss = outs["out"]
+        feed = {**feed, **{k: outs[k] for k in self.saved}, f"{COTANGENT}0": _one(loss.dtype, loss.device)}
+        grad = self.gradient(**{n: feed[n] for n in self.gradient.inputs})[self.key]
+        return {"out": loss, "_j": grad}
+
+
+_ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim 1 made once per dtype and device and never written: no fill launch per call."""
+    t = _ONES.get((dtype, device))
+    if t is None:
+        t = _ONES[(dtype, device)] = torch.ones((), dtype=dtype, device=device)
+    return t
+
+
+def _dtype_of(program: Program, name: str) -> torch.dtype:
+    graph = program.plan.graph
+    return graph.of(next(v for v in graph.inputs if v.attr("name") == name)).dtype
+
+
+def _var(name: str) -> Expr:
+    return Expr("var", (), {"name": name, "dtype": None})
+
+
+def _gradient_in_forward(outputs: tuple[tuple[str, Expr], ...]) -> str | None:
+    """The logits input's name when the kernel's one output is ``cross_entropy(logits_var, ...,
+    grad_in_forward=True)`` (a scalar loss, the leaf of the graph)."""
+    if len(outputs) != 1:
+        return None
+    root = outputs[0][1]
+    if root.op != "cross_entropy" or not root.attr("grad_in_forward") or root.srcs[0].op != "var":
+        return None
+    return root.srcs[0].attr("name")
 
 
 def interpreter_active() -> bool:

@@ -192,3 +192,69 @@ def test_dropout_residual_layer_norm_in_one_kernel(gen):
     assert p.kernels_launched == 1 and p.bytes_moved == p.minimum_bytes
     kept = rx.compile(rx.dropout(x, 0.25, seed=11))(x=a)
     torch.testing.assert_close(k(x=a, r=res), F.layer_norm(kept + res, (32,)))
+
+
+# ---- cross_entropy(..., grad_in_forward=True): Liger-Kernel's memory trick --------------------------
+@pytest.mark.parametrize(
+    "kw, weighted",
+    [
+        ({}, False),  # plain mean
+        ({"label_smoothing": 0.1}, True),  # smoothing with class weights: every term of the gradient
+        ({"reduction": "sum", "z_loss": 0.01}, False),  # sum, and the z-loss term
+    ],
+)
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float64, 1e-12, 1e-12), *FLOAT_TOLERANCES])
+def test_cross_entropy_grad_in_forward_writes_the_gradient_into_the_logits(kw, weighted, dtype, atol, rtol, gen):
+    logits64, target, weight = _ce_inputs(gen, torch.float64, rows=13, classes=37)
+    target[3] = -100  # an ignored row
+    w_in = {"w": weight.to(dtype)} if weighted else {}
+    k = rx.compile(rx.cross_entropy(x, t, w if weighted else None, grad_in_forward=True, **kw))
+    logits64 = logits64.detach()
+    a = logits64.to(dtype).clone().requires_grad_()
+    logits = a * 1.0  # not a leaf: its memory is reused
+    loss = k(x=logits, t=target, **w_in)
+    assert logits._version == 1  # it holds the gradient now, and autograd knows it was written
+    (loss * 3).backward()
+    ref = logits64.clone().requires_grad_()
+    want = F.cross_entropy(
+        ref, target, weight if weighted else None, reduction=kw.get("reduction", "mean"),
+        label_smoothing=kw.get("label_smoothing", 0.0),
+    )  # fmt: skip
+    if kw.get("z_loss"):
+        want = want + (0.01 * ref.logsumexp(-1) ** 2 * (target != -100)).sum()
+    (want * 3).backward()
+    assert_close(loss, want.detach(), atol, rtol, "loss")
+    assert_close(a.grad, ref.grad, atol * 10, rtol * 10, "gradient")
+    assert_close(logits.detach(), ref.grad, atol * 10, rtol * 10, "the logits' memory holds the gradient")
+
+
+def test_cross_entropy_grad_in_forward_leaves_leaf_logits_alone_and_fails_loudly_on_saved_logits(gen):
+    logits, target, _ = _ce_inputs(gen, torch.float32, rows=9, classes=21)
+    k = rx.compile(rx.cross_entropy(x, t, grad_in_forward=True))
+    leaf = logits.clone().requires_grad_()
+    k(x=leaf, t=target).backward()
+    assert torch.equal(leaf.detach(), logits) and leaf._version == 0  # a leaf's .grad must not alias it
+    ref = logits.clone().requires_grad_()
+    F.cross_entropy(ref, target).backward()
+    torch.testing.assert_close(leaf.grad, ref.grad)
+    a = logits.clone().requires_grad_()
+    saved = a.exp()  # exp saves its output for its own backward: overwriting it must not go unnoticed
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        k(x=saved, t=target).backward()
+
+
+def test_cross_entropy_grad_in_forward_launches_and_bad_input(gen):
+    logits, target, _ = _ce_inputs(gen, torch.float32, rows=9, classes=21)
+    k = rx.compile(rx.cross_entropy(x, t, grad_in_forward=True))
+    a = logits.clone().requires_grad_()
+    logits_in = a * 1.0
+    rx.reset_fusion_stats()
+    loss = k(x=logits_in, t=target)
+    assert rx.fusion_stats().kernels_launched == 2  # the loss (its mean a tail), then the gradient into the logits
+    rx.reset_fusion_stats()
+    loss.backward()
+    assert rx.fusion_stats().kernels_launched == 1  # the backward only scales the saved gradient, in place
+    with pytest.raises(rx.RtxError, match="grad_in_forward needs a scalar loss"):
+        rx.cross_entropy(x, t, reduction="none", grad_in_forward=True)
+    with pytest.raises(rx.RtxError, match="grad_in_forward must be a bool"):
+        rx.cross_entropy(x, t, grad_in_forward=1)

@@ -478,3 +478,26 @@ def test_generated_kernels_assign_no_parameter_but_the_scalar_prelude():
             for target, value in re.findall(r"^\s+(\w+) = (.*)$", src, re.M):
                 if target in params:
                     assert re.fullmatch(rf"{target}(\.to\(.*\)| != 0)", value), f"{target} = {value}\n{src}"
+
+
+def test_a_per_row_value_first_made_for_the_whole_tile_is_not_stored_as_per_row():
+    """Coordinate kernels memoized a value by its coordinates only: a target index loaded for the
+    whole tile (a one-hot against positions) was reused as the per-row value another group reads,
+    and the store failed on the tile's shape. The unit-cotangent gradient of a summed
+    cross-entropy next to its loss is such a kernel (the first form of grad_in_forward)."""
+    from rtxdsl.expr import Expr
+    from rtxdsl.lower.vjp import _substitute, differentiate
+
+    x, t = rx.var("x"), rx.var("t")
+    summed = rx.compile(rx.cross_entropy(x, t, reduction="sum"))
+    logits, target = torch.randn(6, 9, generator=torch.Generator().manual_seed(0)), torch.tensor([1, -100, 3, 8, 0, 2])
+    grads = differentiate(summed.program(logits, target).plan.graph, summed.expressions, (True, False))
+    var = {n: Expr("var", (), {"name": n, "dtype": None}) for n in ("_g0", "_one", *grads.saved_keys)}
+    stats = dict(grads.forward)
+    repl = {id(var[s]): stats[s] for s in grads.saved_keys} | {id(var["_g0"]): var["_one"]}
+    unit = _substitute(dict(grads.backward)["_d0"], repl)
+    out = rx.compile({"loss": rx.cross_entropy(x, t), "grad": unit})(x=logits, t=target, _one=torch.ones(()))
+    ref = logits.clone().requires_grad_()
+    F.cross_entropy(ref, target, reduction="sum").backward()
+    torch.testing.assert_close(out["grad"], ref.grad)
+    torch.testing.assert_close(out["loss"], F.cross_entropy(logits, target))

@@ -108,10 +108,13 @@ class CoordWriter(Writer):
             node = self.spec.nodes[i]
             if node.role == "scalar" or REGISTRY[node.op].kind is OpKind.REDUCTION:
                 return self.value(ref, scope)  # one value per row: the same at every column
-        key = (ref, c)
+        # a value made for the whole tile is not a per-row value (its shape is the tile's); a
+        # per-row value serves the tile too (it broadcasts)
+        keys = [(ref, c, False), (ref, c, True)] if full else [(ref, c, False)]
         for s in (scope, self.top):
-            if key in s.memo:
-                return s.memo[key]
+            for key in keys:
+                if key in s.memo:
+                    return s.memo[key]
         if kind == "l":
             name = self._load_at(i, c, scope, full)
         else:
@@ -123,7 +126,7 @@ class CoordWriter(Writer):
             else:
                 operands = [self._value_at(r, self._adjust(c, self._ones(r)), scope, full) for r in node.srcs]
                 self._emit_with(node, name, scope, operands)
-        scope.memo[key] = name
+        scope.memo[(ref, c, full)] = name
         return name
 
     def _load_at(self, j: int, c: Coords, scope: _Scope, full: bool) -> str:

@@ -9,14 +9,15 @@ forward and backward expressions that lower the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
 
 from ..config import FusionConfig
 from ..expr import Expr
-from .analyze import Group, Plan, Role, analyze
+from ..ops import REGISTRY, OpKind
+from .analyze import Group, Plan, Role, analyze, read_srcs
 from .bind import Info
 from .expand import Graph, expand
 from .schedule import Layout, contiguous_strides, input_reads, kernel_spec, partial_states, split_specs
@@ -33,16 +34,25 @@ def lower(
     metas: tuple[InputMeta, ...],
     config: FusionConfig,
     target: Target = GPU,
+    into: Mapping[str, str] | None = None,
 ) -> Program:
     """The program computing ``outputs`` from inputs described by ``metas`` (in ``inputs`` order),
-    with launch configurations shaped for ``target``."""
+    with launch configurations shaped for ``target``; ``into`` (output key -> input name) asks for
+    outputs written into an input's own memory, where that is safe (see :func:`program`)."""
     infos = tuple(Info.tensor(m.shape, m.dtype) if isinstance(m, Layout) else Info.scalar_input(m) for m in metas)
     graph = expand(list(outputs), inputs, infos)
-    return program(analyze(graph, config), metas, target)
+    return program(analyze(graph, config), metas, target, into or {})
 
 
-def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> Program:
-    """Buffers, kernel calls and results of ``plan`` for inputs described by ``metas``, on ``target``."""
+def program(
+    plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU, into: Mapping[str, str] | None = None
+) -> Program:
+    """Buffers, kernel calls and results of ``plan`` for inputs described by ``metas``, on ``target``.
+
+    An output named in ``into`` takes its input's memory when that input is contiguous with the
+    output's shape and dtype and only the output's own pointwise kernel reads it, at the output's
+    own coordinates: each element is read before it is overwritten, by the same program. Otherwise
+    it gets a buffer of its own."""
     graph = plan.graph
     n_inputs = len(metas)
     slots: dict[int, int] = {}
@@ -51,16 +61,23 @@ def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> P
         if isinstance(meta, Layout):
             slots[id(v)] = i
             lay[id(v)] = meta
-    buffers: list[Buffer] = []
     for g in plan.groups:
         for o in g.outputs:
             info = graph.of(o)
-            slots[id(o)] = n_inputs + len(buffers)
             lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), info.dtype)
+    scheduled = [kernel_spec(g, graph, lay, target) for g in plan.groups]
+    aliases = _aliases(plan, scheduled, lay, slots, into or {})
+    buffers: list[Buffer] = []
+    for g in plan.groups:
+        for o in g.outputs:
+            if id(o) in aliases:
+                slots[id(o)] = aliases[id(o)]
+                continue
+            info = graph.of(o)
+            slots[id(o)] = n_inputs + len(buffers)
             buffers.append(Buffer(info.shape, info.dtype))
     calls = []
-    for gi, g in enumerate(plan.groups):
-        spec, launch = kernel_spec(g, graph, lay, target)
+    for gi, (g, (spec, launch)) in enumerate(zip(plan.groups, scheduled)):
         in_slots = tuple(slots[id(i)] for i in g.inputs)
         out_slots = tuple(slots[id(o)] for o in g.outputs)
         flags: tuple[int, ...] = ()
@@ -127,6 +144,33 @@ def program(plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU) -> P
         minimum_bytes=minimum,
         plan=plan,
     )
+
+
+def _aliases(
+    plan: Plan, scheduled: list, lay: dict[int, Layout], slots: dict[int, int], into: Mapping[str, str]
+) -> dict[int, int]:
+    """Output node id -> the input slot it is written into (the safe cases of ``into``)."""
+    graph = plan.graph
+    roots = {key: root for key, root in graph.outputs}
+    found: dict[int, int] = {}
+    for key, name in into.items():
+        v = next((v for v in graph.inputs if v.attr("name") == name), None)
+        o = roots.get(key)
+        if v is None or o is None or id(v) not in slots:
+            continue
+        writer = [k for k, g in enumerate(plan.groups) if any(x is o for x in g.outputs)]
+        readers = [k for k, g in enumerate(plan.groups) if any(x is v for x in g.inputs)]
+        if len(writer) != 1 or readers != writer:
+            continue
+        g, (spec, launch) = plan.groups[writer[0]], scheduled[writer[0]]
+        src, out = lay[id(v)], lay[id(o)]
+        same = (src.shape, src.strides, src.dtype) == (out.shape, out.strides, out.dtype)
+        # pointwise, and no movement op reads it (one might read an element another program wrote;
+        # shape-only operands, such as positions', read nothing)
+        local = not any(REGISTRY[n.op].kind is OpKind.MOVEMENT and any(s is v for s in read_srcs(n)) for n in g.nodes)
+        if same and local and not g.is_row and not spec.split and launch.split <= 1:
+            found[id(o)] = slots[id(v)]
+    return found
 
 
 def can_be_tail(call: KernelCall) -> bool:

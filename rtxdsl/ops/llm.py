@@ -28,6 +28,7 @@ def cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    grad_in_forward: bool = False,
 ) -> Expr:
     """``F.cross_entropy`` (class axis 1, or 0 for 1-d logits), plus PaLM's ``z_loss * lse**2``.
 
@@ -36,6 +37,14 @@ def cross_entropy(
     ``ignore_index`` contribute nothing and "mean" divides by the weight of the other rows
     (their count without ``weight``); the z-loss term is reduced the same way. The row kernel
     reads each row once and the backward reads the saved per-row logsumexp.
+
+    ``grad_in_forward=True`` (Liger-Kernel's memory trick; "mean" or "sum"): when a kernel's one
+    output is this loss and only ``logits`` (a kernel input, not a leaf) requires grad, the forward
+    also runs the fused backward with a unit cotangent and writes the logits' gradient *into the
+    logits' memory*; the backward only scales it there by the loss's cotangent. No second
+    logits-sized buffer is alive at any time. The logits hold the gradient after the call and
+    their version counter is bumped, so autograd raises if anything else saved them. Leaf logits
+    (whose ``.grad`` must not alias them) get a new buffer instead; DTensors run as usual.
 
     Example:
         >>> import rtxdsl as rx
@@ -50,9 +59,20 @@ def cross_entropy(
     if not 0.0 <= eps <= 1.0:
         raise RtxError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
     z = scalar_arg(z_loss, "cross_entropy", "z_loss")
+    if not isinstance(grad_in_forward, bool):
+        raise RtxError(f"cross_entropy: grad_in_forward must be a bool, got {grad_in_forward!r}")
+    if grad_in_forward and reduction == "none":
+        raise RtxError("cross_entropy: grad_in_forward needs a scalar loss (reduction 'mean' or 'sum')")
     operands = (logits, target) if weight is None else (logits, target, weight)
+    marked = {"grad_in_forward": True} if grad_in_forward else {}  # only autograd reads it
     return node(
-        "cross_entropy", *operands, ignore_index=ignore_index, reduction=reduction, label_smoothing=eps, z_loss=z
+        "cross_entropy",
+        *operands,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=eps,
+        z_loss=z,
+        **marked,
     )
 
 
@@ -91,7 +111,7 @@ def _ce_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
 
 def _ce_ref(
     x: torch.Tensor, t: torch.Tensor, *w: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-    z_loss: float,
+    z_loss: float, grad_in_forward: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     weight = w[0] if w else None
     loss = F.cross_entropy(
@@ -115,7 +135,7 @@ def _ce_ref(
 
 def _ce_decompose(
     x: Expr, t: Expr, *w: Expr, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
-    shapes: list[tuple[int, ...]], dtypes: list[torch.dtype],
+    shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], grad_in_forward: bool = False,
 ) -> Expr:  # fmt: skip
     rank = len(shapes[0])
     cls = _class_axis(rank)
