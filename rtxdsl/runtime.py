@@ -127,7 +127,10 @@ def _generate_run(
         for j, call in enumerate(program.launched):
             compiled = _compiled(call.spec, call.summary, config)
             fn = compiled.function(interpret)
-            if config.autotune:
+            # a kernel writing into an input cannot be timed by running it again: never tuned
+            n_in, n_out = len(call.spec.in_dtypes), len(call.spec.outputs)
+            in_place = any(slot < program.n_inputs for slot in call.buffers[n_in : n_in + n_out])
+            if config.autotune and not in_place:
                 scope[f"L{j}"] = _tuned(fn, interpret, call, compiled.signature, config, scope["DEV"])
             else:
                 scope[f"L{j}"] = _Interpreted(fn, call.grid) if interpret else fn[call.grid]

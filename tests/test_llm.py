@@ -258,3 +258,30 @@ def test_cross_entropy_grad_in_forward_launches_and_bad_input(gen):
         rx.cross_entropy(x, t, reduction="none", grad_in_forward=True)
     with pytest.raises(rx.RtxError, match="grad_in_forward must be a bool"):
         rx.cross_entropy(x, t, grad_in_forward=1)
+
+
+def test_cross_entropy_grad_in_forward_with_autotune_times_no_kernel_that_writes_its_input(tmp_path, gen):
+    """Timing runs a kernel again on the same tensors: a kernel writing into its input is never tuned."""
+    from rtxdsl import tune
+
+    logits, target, _ = _ce_inputs(gen, torch.float32, rows=9, classes=21)
+    timed = []
+
+    def timer(launch) -> float:
+        launch()
+        timed.append(1)
+        return 1.0
+
+    k = rx.compile(
+        rx.cross_entropy(x, t, grad_in_forward=True), config=rx.FusionConfig(autotune=True, cache_dir=str(tmp_path))
+    )
+    tune.set_timer(timer)
+    try:
+        a = logits.clone().requires_grad_()
+        k(x=a * 1.0, t=target).backward()
+    finally:
+        tune.set_timer(None)
+    ref = logits.clone().requires_grad_()
+    F.cross_entropy(ref, target).backward()
+    torch.testing.assert_close(a.grad, ref.grad)
+    assert timed  # the loss kernel was tuned; the in-place gradient and scaling kernels were not
