@@ -102,9 +102,14 @@ def _generate_run(
         lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
     names = [f"t{i}" for i in range(n)]
     for k, b in enumerate(program.buffers):
-        if b.persistent:  # a tail's counter: zeroed here once, left at zero by each launch
-            scope[f"KEPT{k}"] = torch.zeros(b.shape, dtype=b.dtype, device=_device_of(tensors))
-            lines.append(f"    b{k} = KEPT{k}")
+        if b.persistent:  # a tail's counter: zeroed once (per CUDA stream), left at zero by each launch
+            device = _device_of(tensors)
+            if device.type == "cuda":
+                scope[f"KEPT{k}"] = _PerStream(b.shape, b.dtype, device)
+                lines.append(f"    b{k} = KEPT{k}()")
+            else:  # launches are serialized (the interpreter's lock): one is enough
+                scope[f"KEPT{k}"] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                lines.append(f"    b{k} = KEPT{k}")
             names.append(f"b{k}")
             continue
         if b.zero:  # index-check flags
@@ -176,6 +181,24 @@ def _tuned(fn: Any, interpret: bool, call: Any, signature: str, config: FusionCo
 
     options = candidates(call.spec, call.meta, call.grid, numel)
     return Tuned(launch_for, options, tuned_path(config.resolved_cache_dir, signature, name), name)
+
+
+class _PerStream:
+    """A tail's counter per CUDA stream: launches of one kernel on two streams may overlap, and a
+    shared counter would hand the last ticket to the wrong launch."""
+
+    __slots__ = ("shape", "dtype", "device", "kept")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def __call__(self) -> torch.Tensor:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        t = self.kept.get(stream)
+        if t is None:
+            t = self.kept[stream] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return t
 
 
 class _IndexCheck:

@@ -238,6 +238,28 @@ def test_two_threads_calling_kernels_get_right_results_and_exact_counts():
     assert s.calls == 30 and s.kernels_launched == 30 and s.kernel_launches_saved == 60
 
 
+def test_two_threads_calling_a_kernel_with_a_tail_get_right_results():
+    """Cross-entropy's mean is the tail of its row kernel, counted with one counter per launch."""
+    k = rx.compile(rx.cross_entropy(x, rx.var("t")))
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(9, 13, generator=gen), torch.randint(0, 13, (9,), generator=gen)) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def run(logits: torch.Tensor, target: torch.Tensor) -> None:
+        try:
+            for _ in range(10):
+                torch.testing.assert_close(k(x=logits, t=target), F.cross_entropy(logits, target))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=pair) for pair in data]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+
+
 # 8. the demo's check and the parser ------------------------------------------------------------
 def test_max_error_sees_nan_in_any_output():
     good = {"a": torch.zeros(2), "b": torch.zeros(2)}

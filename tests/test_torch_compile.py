@@ -105,7 +105,7 @@ def test_the_cached_call_path_allocates_outputs_only_and_never_synchronizes():
         launch = k._launch_for((), ins)
         body = launch.source.splitlines()[1:]
         allocations = [ln for ln in body if " = empty" in ln or " = zeros" in ln]
-        kept = [ln for ln in body if " = KEPT" in ln]  # a tail's counter: allocated once, at preparation
+        kept = [ln for ln in body if " = KEPT" in ln]  # a tail's counter: allocated once (per stream)
         assert len(kept) == sum(1 for b in launch.program.buffers if b.persistent)
         assert len(allocations) + len(kept) == len(launch.program.buffers), launch.source
         flags = sum(1 for b in launch.program.buffers if b.zero)

@@ -187,8 +187,7 @@ def _with_tails(calls: list[KernelCall], buffers: list[Buffer], n_inputs: int) -
     """Fold each tail-able kernel into the launch before it: every program of that launch takes a
     ticket from a counter after its stores, and the last one runs the tail, then zeroes the counter
     for the next call. One launch fewer, the same loads and stores; the tail reads in a fixed
-    order, so results are bit-stable. (The counter belongs to the prepared launch: two streams
-    running one kernel's call with the same layout at once would share it.)"""
+    order, so results are bit-stable. (The runtime keeps one counter per CUDA stream.)"""
     out: list[KernelCall] = []
     for call in calls:
         head = out[-1] if out else None
