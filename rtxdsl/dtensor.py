@@ -72,13 +72,12 @@ def check_inputs(names: tuple[str, ...], values: tuple[Any, ...]) -> None:
 class DistributedLaunch:
     """A prepared call for DTensor inputs of one layout: the kernel's op, run by DTensor."""
 
-    __slots__ = ("program", "backend", "note", "any_grad", "run", "source")
+    __slots__ = ("program", "any_grad", "run")
 
     def __init__(self, kernel: Any, program: Program, tensors: tuple[Any, ...]) -> None:
         arity = len(kernel.inputs)
         check_inputs(kernel.inputs, tensors[:arity])
         self.program = program
-        self.backend, self.note, self.source = "dtensor", "each rank runs the kernel on its local pieces", ""
         self.any_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         op = make_op(kernel, kinds_of(tensors[:arity]))
         _register_sharding(kernel, op)

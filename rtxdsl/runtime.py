@@ -133,8 +133,7 @@ def _generate_run(
             compiled = _compiled(call.spec, call.summary, config)
             fn = compiled.function(interpret)
             # a kernel writing into an input cannot be timed by running it again: never tuned
-            n_in, n_out = len(call.spec.in_dtypes), len(call.spec.outputs)
-            in_place = any(slot < program.n_inputs for slot in call.buffers[n_in : n_in + n_out])
+            in_place = any(slot < program.n_inputs for slot in call.out_slots)
             if config.autotune and not in_place:
                 scope[f"L{j}"] = _tuned(fn, interpret, call, compiled.signature, config, scope["DEV"])
             else:
@@ -429,9 +428,8 @@ class Kernel:
         return dict(zip(plan.grads.user_keys, results))
 
     def _grad_plan(self, program: Program, needs: tuple[bool, ...], mode: str = "") -> GradPlan:
-        name = self._in_forward
-        if mode and needs == tuple(v.attr("name") == name for v in self._vars):
-            return self._plan_in_forward(program, mode == "reuse")
+        if mode and needs == tuple(v.attr("name") == self._in_forward for v in self._vars):
+            return self._plan_in_forward(program, needs, mode == "reuse")
         grads = differentiate(program.plan.graph, self._outputs, needs)
         return GradPlan(
             forward=Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False),
@@ -440,13 +438,12 @@ class Kernel:
             input_names=tuple(v.attr("name") for v in self._vars),
         )
 
-    def _plan_in_forward(self, program: Program, reuse: bool) -> GradPlan:
+    def _plan_in_forward(self, program: Program, needs: tuple[bool, ...], reuse: bool) -> GradPlan:
         """cross_entropy(..., grad_in_forward=True): the forward runs the loss kernel (saving the
         row statistics), then the fused backward kernel with a unit cotangent, writing the
         logits' gradient into the logits (a new tensor when ``reuse`` is off: a leaf's .grad
         must not alias it); the backward only scales that gradient, in place, by the cotangent."""
         name = self._in_forward
-        needs = tuple(v.attr("name") == name for v in self._vars)
         grads = differentiate(program.plan.graph, self._outputs, needs)
         ((key, unit),) = grads.backward
         dtype = _dtype_of(program, name)
@@ -464,7 +461,7 @@ class Kernel:
             grad_of=((name, "_d0"),),
             float_outputs=grads.float_outputs,
         )
-        forward = _InForward(stats, gradient, key, grads.saved_keys)
+        forward = _InForward(stats, gradient, key, grads.saved_keys, name)
         return GradPlan(forward, backward, plan, tuple(v.attr("name") for v in self._vars))  # type: ignore[arg-type]
 
     def grad_plan(self, *args: Any, **kwargs: Any) -> GradPlan:
@@ -658,9 +655,6 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: GradPlan, *inputs: Any) -> Any:
         outs = plan.forward(**dict(zip(plan.input_names, inputs)))
-        for t in inputs:  # an input whose memory now holds an output (the gradient in the forward)
-            if isinstance(t, torch.Tensor) and any(o is t for o in outs.values()):
-                torch.autograd.graph.increment_version(t)
         g = plan.grads
         ctx.plan = plan
         ctx.scalars = {i: v for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor)}
@@ -693,8 +687,8 @@ class _InForward:
     """The forward of ``cross_entropy(..., grad_in_forward=True)``: the loss kernel, then the
     gradient kernel fed the loss's row statistics and a unit cotangent."""
 
-    def __init__(self, stats: Kernel, gradient: Kernel, key: str, saved: tuple[str, ...]) -> None:
-        self.stats, self.gradient, self.key, self.saved = stats, gradient, key, saved
+    def __init__(self, stats: Kernel, gradient: Kernel, key: str, saved: tuple[str, ...], logits: str) -> None:
+        self.stats, self.gradient, self.key, self.saved, self.logits = stats, gradient, key, saved, logits
         self.inputs = stats.inputs
 
     def __call__(self, **feed: Any) -> dict[str, Any]:
@@ -702,6 +696,8 @@ class _InForward:
         loss = outs["out"]
         feed = {**feed, **{k: outs[k] for k in self.saved}, f"{COTANGENT}0": _one(loss.dtype, loss.device)}
         grad = self.gradient(**{n: feed[n] for n in self.gradient.inputs})[self.key]
+        if grad is feed[self.logits]:  # the logits' memory holds the gradient now: autograd must know
+            torch.autograd.graph.increment_version(grad)
         return {"out": loss, "_j": grad}
 
 

@@ -292,7 +292,6 @@ def memory_trace(
 def _pointer_names(call: Any) -> list[str]:
     spec = call.spec
     names = [f"in{j}" for j in range(len(spec.in_dtypes))] + [f"out{k}" for k in range(len(spec.outputs))]
-    own = len(call.buffers) - (len(call.tail.buffers) + 1 if call.tail else 0)
-    extra = own - len(names)
+    extra = len(call.own_buffers) - len(names)
     names += [f"part{k}" for k in range(extra - bool(call.checks))] + (["flags"] if call.checks else [])
     return names + ([f"tail.{n}" for n in _pointer_names(call.tail)] + ["counter"] if call.tail else [])

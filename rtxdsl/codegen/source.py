@@ -15,7 +15,7 @@ import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.schedule import is_reshape, levels, partial_states, reduce_dtype
-from ..lower.spec import STRIDED, UNIT, KernelSpec, NodeSpec
+from ..lower.spec import STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from .template import render
@@ -393,8 +393,9 @@ class Writer:
         assert self.params[: len(ptrs)] == ptrs and params[: len(tptrs)] == tptrs  # pointers first: call order
         targs = [f"t_{p}" for p in tptrs + trest]
         self.params = [*ptrs, *targs[: len(tptrs)], "count_ptr", *rest, *targs[len(tptrs) :]]
-        self.params += ["T_ROWS: tl.constexpr", "T_BLOCK_SIZE: tl.constexpr"]
-        self.top.lines.extend(render(TAIL, tail=fn, args=", ".join([*targs, "T_ROWS", "T_BLOCK_SIZE"])).splitlines())
+        constexprs = [f"T_{c}" for c in TAIL_CONSTEXPRS]
+        self.params += [f"{c}: tl.constexpr" for c in constexprs]
+        self.top.lines.extend(render(TAIL, tail=fn, args=", ".join([*targs, *constexprs])).splitlines())
 
     def _render(self, template: str, name: str) -> str:
         if self.tail is not None:

@@ -21,7 +21,7 @@ from .analyze import Group, Plan, Role, analyze, read_srcs
 from .bind import Info
 from .expand import Graph, expand
 from .schedule import Layout, contiguous_strides, input_reads, kernel_spec, partial_states, split_specs
-from .spec import Buffer, KernelCall, KernelSpec, Program
+from .spec import TAIL_CONSTEXPRS, Buffer, KernelCall, KernelSpec, Program
 from .target import GPU, INTERPRETER, Target, target_for
 
 #: what a call gives for one input: a tensor's layout, or a python number (a scalar input)
@@ -209,10 +209,6 @@ def _with_tails(calls: list[KernelCall], buffers: list[Buffer], n_inputs: int) -
             tail=call,
         )
     return out
-
-
-#: the tail's own constexprs, passed to the head as ``T_<name>``
-TAIL_CONSTEXPRS = ("ROWS", "BLOCK_SIZE")
 
 
 __all__ = [

@@ -73,6 +73,10 @@ class KernelSpec:
     tail: KernelSpec | None = None
 
 
+#: a tail's own constexprs, passed to the kernel that runs it as ``T_<name>``
+TAIL_CONSTEXPRS = ("ROWS", "BLOCK_SIZE")
+
+
 @dataclass(frozen=True)
 class Buffer:
     """A tensor a call allocates: an output, an intermediate another kernel reads, (``zero``) a
@@ -107,10 +111,20 @@ class KernelCall:
     tail: KernelCall | None = None
 
     @property
+    def own_buffers(self) -> tuple[int, ...]:
+        """This launch's own buffer slots (a tail's, then its counter, follow them)."""
+        return self.buffers[: len(self.buffers) - (len(self.tail.buffers) + 1 if self.tail else 0)]
+
+    @property
+    def out_slots(self) -> tuple[int, ...]:
+        """The slots of this launch's outputs (after its inputs)."""
+        n_in = len(self.spec.in_dtypes)
+        return self.buffers[n_in : n_in + len(self.spec.outputs)]
+
+    @property
     def flags_slot(self) -> int:
         """The buffer slot of this launch's index-check flags (its own last buffer)."""
-        own = len(self.buffers) - (len(self.tail.buffers) + 1 if self.tail else 0)
-        return self.buffers[own - 1]
+        return self.own_buffers[-1]
 
 
 @dataclass(frozen=True)
