@@ -81,7 +81,7 @@ class DistributedLaunch:
         self.any_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         op = make_op(kernel, kinds_of(tensors[:arity]))
         _register_sharding(kernel, op)
-        outputs, single = kernel.outputs, kernel.outputs == ("out",)
+        outputs, single = kernel.outputs, kernel.returns_tensor
         shards = sharding(program.plan.graph)
 
         def run(ts: tuple[Any, ...]) -> Any:

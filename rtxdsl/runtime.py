@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.compiler import is_dynamo_compiling
+from torch.library import wrap_triton
 
 from .cache import GLOBAL_CACHE, CompiledKernel
 from .codegen.module import kernel_source
@@ -92,9 +93,18 @@ class Launch:
 
 
 def _generate_run(
-    kernel: Kernel, program: Program, config: FusionConfig, tensors: tuple[Any, ...], interpret: bool
+    kernel: Kernel,
+    program: Program,
+    config: FusionConfig,
+    tensors: tuple[Any, ...],
+    interpret: bool,
+    graph: bool = False,
 ) -> tuple[Any, str]:
-    """``run(tensors)`` for one launch, as straight-line python (a fixed template, no user text)."""
+    """``run(tensors)`` for one launch, as straight-line python (a fixed template, no user text).
+
+    ``graph``: the run torch.compile's graph holds on CUDA (:meth:`Kernel.graph_run`): each launch
+    through ``torch.library.wrap_triton`` (traceable, so Inductor sees the kernel), a tail's counter
+    zeroed per call (a graph keeps no state between calls), no tuning, no counting."""
     scope: dict[str, Any] = {"empty_like": torch.empty_like, "empty": torch.empty, "DEV": _device_of(tensors)}
     n = len(tensors)
     lines = ["def run(tensors):"]
@@ -102,7 +112,7 @@ def _generate_run(
         lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
     names = [f"t{i}" for i in range(n)]
     for k, b in enumerate(program.buffers):
-        if b.persistent:  # a tail's counter: zeroed once (per CUDA stream), left at zero by each launch
+        if b.persistent and not graph:  # a tail's counter: zeroed once (per CUDA stream), left at zero
             device = _device_of(tensors)
             if device.type == "cuda":
                 scope[f"KEPT{k}"] = _PerStream(b.shape, b.dtype, device)
@@ -112,7 +122,7 @@ def _generate_run(
                 lines.append(f"    b{k} = KEPT{k}")
             names.append(f"b{k}")
             continue
-        if b.zero:  # index-check flags
+        if b.zero or b.persistent:  # index-check flags; a tail's counter in a graph
             scope[f"SHAPE{k}"], scope[f"DT{k}"], scope["zeros"] = b.shape, b.dtype, torch.zeros
             lines.append(f"    b{k} = zeros(SHAPE{k}, dtype=DT{k}, device=DEV)")
             names.append(f"b{k}")
@@ -134,7 +144,9 @@ def _generate_run(
             fn = compiled.function(interpret)
             # a kernel writing into an input cannot be timed by running it again: never tuned
             in_place = any(slot < program.n_inputs for slot in call.out_slots)
-            if config.autotune and not in_place:
+            if graph:
+                scope[f"L{j}"] = _Interpreted(fn, call.grid) if interpret else wrap_triton(fn)[call.grid]
+            elif config.autotune and not in_place:
                 scope[f"L{j}"] = _tuned(fn, interpret, call, compiled.signature, config, scope["DEV"])
             else:
                 scope[f"L{j}"] = _Interpreted(fn, call.grid) if interpret else fn[call.grid]
@@ -147,16 +159,16 @@ def _generate_run(
                 scope[f"ARGS{j}"] = call.args
                 args = f"*ARGS{j}"
             lines.append(f"    L{j}({operands}, {args}, **META{j})")
-        checking = config.check_indices or scope["DEV"].type == "cpu"
         for j, call in enumerate(program.launched):
-            if call.checks and checking:  # one flag read after the launch
+            if call.checks and _checking(config, scope["DEV"]):  # one flag read after the launch
                 scope[f"CHECK{j}"] = _IndexCheck(call.checks)
                 lines.append(f"    CHECK{j}({names[call.flags_slot]})")
-        p = program
-        scope["record"] = kernel._stats.record
-        lines.append(
-            f"    record({p.kernels_launched}, {p.fused}, {p.eager_launches}, {p.bytes_moved}, {p.eager_bytes})"
-        )
+        if not graph:
+            p = program
+            scope["record"] = kernel._stats.record
+            lines.append(
+                f"    record({p.kernels_launched}, {p.fused}, {p.eager_launches}, {p.bytes_moved}, {p.eager_bytes})"
+            )
     if program.scalar_outputs:
         scope["finish"] = _finisher(kernel, program, scope["DEV"])
         lines.append(f"    return finish([{', '.join(names)}])")
@@ -168,6 +180,11 @@ def _generate_run(
     source = "\n".join(lines) + "\n"
     exec(source, scope)  # noqa: S102 - generated from the program's structure, no user text
     return scope["run"], source
+
+
+def _checking(config: FusionConfig, device: torch.device) -> bool:
+    """Are gathers' index-check flags read after the launch (always on CPU; on CUDA unless turned off)?"""
+    return config.check_indices or device.type == "cpu"
 
 
 def _tuned(fn: Any, interpret: bool, call: Any, signature: str, config: FusionConfig, device: torch.device) -> Tuned:
@@ -322,6 +339,7 @@ class Kernel:
         self._last: tuple[Any, Any] = (None, None)  # (key, launch) of the last call
         self._op: Any = None  # the kernel's own torch.library op, made on first use
         self._op_key = register_kernel(self)  # its name for rtxdsl::kernel (torch.compile)
+        self._graph_grads: dict[tuple, GradPlan] = {}  # gradient kernels compiled graphs hold (by layout)
         self._into = dict(into or {})  # output key -> input name it may be written into (internal)
         self._in_forward = _gradient_in_forward(self._outputs)  # cross_entropy(..., grad_in_forward=True)
 
@@ -332,6 +350,12 @@ class Kernel:
     @property
     def outputs(self) -> tuple[str, ...]:
         return tuple(k for k, _ in self._outputs)
+
+    @property
+    def returns_tensor(self) -> bool:
+        """Does a call return one tensor (an expression was compiled), not a dict by output key
+        (a mapping was, even one whose only key is ``"out"``)?"""
+        return self._single
 
     @property
     def expressions(self) -> tuple[tuple[str, Expr], ...]:
@@ -395,6 +419,50 @@ class Kernel:
             self._op = make_op(self)
             offer_sharding(self, self._op)
         return self._op
+
+    def graph_run(self, tensors: tuple[Any, ...]) -> Any | None:
+        """This call as the launches torch.compile's graph holds on CUDA: ``run(tensors)`` launching
+        each generated kernel through ``torch.library.wrap_triton`` (so Inductor sees them), or None
+        where a call is not one fixed list of launches and stays the opaque op: CPU tensors (the
+        interpreter cannot be traced), symbolic sizes (the opaque op serves every size without a
+        recompile), random seeds drawn per call, index flags read on the host, DTensors.
+
+        Example (on CPU, None: the opaque op it is):
+            >>> import torch, rtxdsl as rx
+            >>> rx.compile(rx.relu(rx.var("x"))).graph_run((torch.ones(3),)) is None
+            True
+        """
+        cfg = self.config
+        if self._seeds or cfg.dry_run or _backend_for(cfg, _device_of(tensors))[0] != "triton":
+            return None
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and (
+                is_dtensor(t) or not all(isinstance(s, int) for s in (*t.shape, *t.stride()))
+            ):
+                return None
+        return self._graph_run(tensors, cfg, interpret=False)
+
+    def graph_grad_plan(self, tensors: tuple[Any, ...]) -> GradPlan | None:
+        """The forward (saving row statistics) and fused backward kernels torch.compile's graph
+        runs for this call's input gradients on CUDA, each its own op (launches where
+        :meth:`graph_run` allows, else opaque); None where this call has no :meth:`graph_run`
+        (the opaque gradient op then recomputes through autograd). Kept for the kernel's life: a
+        compiled graph names them by key."""
+        if self.graph_run(tensors) is None:
+            return None
+        key = _mixed_key(tensors)
+        plan = self._graph_grads.get(key)
+        if plan is None:
+            needs = tuple(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
+            plan = self._graph_grads[key] = self._grad_plan(self._lower(tensors, self.config), needs)
+        return plan
+
+    def _graph_run(self, tensors: tuple[Any, ...], cfg: FusionConfig, interpret: bool) -> Any | None:
+        self._validate(tensors, cfg)
+        program = self._lower(tensors, cfg)
+        if _checking(cfg, _device_of(tensors)) and any(c.checks for c in program.launched):
+            return None
+        return _generate_run(self, program, cfg, tensors, interpret, graph=True)[0]
 
     @property
     def draws_seeds(self) -> bool:

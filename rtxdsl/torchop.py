@@ -8,6 +8,10 @@ processes), taking its inputs positionally and returning its outputs (a tuple in
 order for several), made on first use. Both fake their results by running the kernel's torch
 reference op by op on the fake tensors (symbolic sizes included, no launch), and differentiate
 by recomputing the fused forward with grad and running rtxdsl's fused backward.
+
+On CUDA with fixed sizes, AOT autograd replaces both by their launches (:func:`expose_launches`,
+``wrap_triton``), so Inductor sees each generated kernel; the gradient op by the gradient
+kernels' own ops (:func:`_grads_in_graph`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from .errors import RtxError
 
@@ -38,7 +44,7 @@ def register_kernel(kernel: Any) -> str:
 
 
 def _as_list(kernel: Any, result: Any) -> list[Tensor]:
-    return [result] if kernel.outputs == ("out",) else [result[k] for k in kernel.outputs]
+    return [result] if kernel.returns_tensor else [result[k] for k in kernel.outputs]
 
 
 @torch.library.custom_op("rtxdsl::kernel", mutates_args=())
@@ -81,6 +87,67 @@ def _kernel_grad_fake(key: str, inputs: list[Tensor], grads: list[Tensor | None]
 kernel_op.register_autograd(_kernel_backward, setup_context=_kernel_setup)
 
 
+def _decomposable(types: Any) -> bool:
+    """May this call be replaced by its launches: tensors torch.compile traces (no subclass such
+    as DTensor), and not inside ``torch.export`` (which keeps custom ops whole, as for triton_op)?"""
+    from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+    known = all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is Tensor for t in types)
+    return known and not custom_triton_ops_decomposition_disabled()
+
+
+def expose_launches(op: Any, unpack: Callable[[tuple], tuple[Any, tuple, Callable[[Any], Any]]]) -> None:
+    """On CUDA, torch.compile's graph holds the kernel's launches instead of the opaque op.
+
+    This is the decomposition ``torch.library.triton_op`` registers (under AOT autograd's
+    functionalization, run a body of torch allocations and ``wrap_triton`` launches, so Inductor
+    sees and schedules each generated Triton kernel), made conditional: ``triton_op`` always
+    decomposes, and its body would have to trace on CPU (the interpreter reads data pointers) and
+    with symbolic sizes (one launch plan per size: a recompile each). Where
+    :meth:`Kernel.graph_run` says a call is not one fixed list of launches, the op stays opaque.
+    ``unpack(args)`` gives (kernel, its input values, how to pack its result as the op's).
+    """
+
+    def decompose(mode: Any, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        kernel, values, pack = unpack(args)
+        run = kernel.graph_run(values) if _decomposable(types) else None
+        if run is None:
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode:
+            return pack(run(values))
+
+    op.register_torch_dispatch(FunctionalTensorMode, decompose)
+
+
+def _grads_in_graph(mode: Any, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """``rtxdsl::kernel_grad`` under AOT autograd on CUDA: the gradient kernels' own ops (each
+    then launches in the graph, or stays opaque), instead of a recompute through autograd."""
+    key, inputs, grads = args
+    plan = KERNELS[key].graph_grad_plan(tuple(inputs)) if _decomposable(types) else None
+    if plan is None:
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+    g = plan.grads
+    with mode:
+        forward = plan.forward
+        outs = dict(zip(forward.outputs, kernel_op(forward._op_key, list(inputs))))
+        feed = dict(zip(plan.input_names, inputs))
+        feed.update((k, outs[k]) for k in g.saved_keys)
+        for i, (k, grad, floating) in enumerate(zip(g.user_keys, grads, g.float_outputs)):
+            if floating:  # autograd's zeros for an output without a cotangent
+                feed[f"_g{i}"] = grad if grad is not None else torch.zeros_like(outs[k])
+        backward = plan.backward
+        got = dict(zip(backward.outputs, kernel_op(backward._op_key, [feed[n] for n in backward.inputs])))
+        grad_of = dict(g.grad_of)
+        return [
+            got[grad_of[n]].expand(t.shape) if n in grad_of else torch.zeros_like(t)
+            for n, t in zip(plan.input_names, inputs)
+        ]
+
+
+expose_launches(kernel_op, lambda args: (KERNELS[args[0]], tuple(args[1]), lambda r: _as_list(KERNELS[args[0]], r)))
+kernel_grad_op.register_torch_dispatch(FunctionalTensorMode, _grads_in_graph)
+
+
 def _recompute_grads(kernel: Any, run: Callable[..., Any], saved: tuple[Tensor, ...], grads: Any) -> tuple:
     """Input gradients: the fused forward again with grad, then rtxdsl's fused backward."""
     if kernel.draws_seeds:
@@ -97,8 +164,9 @@ def _recompute_grads(kernel: Any, run: Callable[..., Any], saved: tuple[Tensor, 
     return tuple(next(got) if isinstance(t, Tensor) and t.requires_grad else None for t in ins)
 
 
-def op_name(exprs: tuple[tuple[str, Any], ...], inputs: tuple[str, ...], config: Any) -> str:
-    text = "|".join([*(f"{k}={e.digest}" for k, e in exprs), ",".join(inputs), repr(config)])
+def op_name(exprs: tuple[tuple[str, Any], ...], inputs: tuple[str, ...], config: Any, single: bool) -> str:
+    """``k_<hash>`` of the expressions, input order, config and return form (a tensor or a tuple)."""
+    text = "|".join([*(f"{k}={e.digest}" for k, e in exprs), ",".join(inputs), repr(config), str(single)])
     return "k_" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -115,13 +183,13 @@ def make_op(kernel: Any, kinds: tuple[str, ...] | None = None) -> Any:
     """Register (once per structure) and return the kernel's own op, ``rtxdsl::k_<hash>``: every
     input a tensor, or with ``kinds`` some of them python numbers (``k_<hash>_<kinds>``)."""
     kinds = kinds or ("Tensor",) * len(kernel.inputs)
-    name = op_name(kernel.expressions, kernel.inputs, kernel.config)
+    name = op_name(kernel.expressions, kernel.inputs, kernel.config, kernel.returns_tensor)
     if set(kinds) != {"Tensor"}:
         name += "_" + "".join(k[0].lower() for k in kinds)
     if name in _OPS:
         return _OPS[name]
     inputs, outputs, run = kernel.inputs, kernel.outputs, kernel
-    single = outputs == ("out",)
+    single = kernel.returns_tensor
     args = ", ".join(f"{n}: {k}" for n, k in zip(inputs, kinds))
     ret = "Tensor" if single else f"tuple[{', '.join(['Tensor'] * len(outputs))}]"
     # a fixed template: input names are identifiers (vars), kinds come from KINDS, nothing else
@@ -144,6 +212,7 @@ def make_op(kernel: Any, kinds: tuple[str, ...] | None = None) -> Any:
         return _recompute_grads(kernel, lambda *vs: _packer(outputs, single)(run(*vs)), values, grads)
 
     op.register_autograd(backward, setup_context=setup_context)
+    expose_launches(op, lambda args: (kernel, tuple(args), _packer(outputs, single)))
     _OPS[name] = op
     return op
 

@@ -1,6 +1,13 @@
-"""Kernels inside PyTorch: torch.library ops (opcheck), torch.compile without graph breaks."""
+"""Kernels inside PyTorch: torch.library ops (opcheck), torch.compile without graph breaks, and
+on CUDA the generated kernels themselves in the compiled graph (traced here on fake CUDA tensors)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +100,110 @@ def test_random_kernels_under_compile_refuse_a_backward_they_cannot_replay():
     assert set(out.unique().tolist()) <= {0.0, 2.0}
     with pytest.raises(Exception, match="draws random seeds per call"):
         compiled(torch.ones(64, requires_grad=True)).sum().backward()
+
+
+def test_a_mapping_with_the_single_key_out_stays_a_mapping_through_the_torch_ops():
+    """``compile({"out": e})`` returns a dict, ``compile(e)`` a tensor: the ops must not confuse them."""
+    as_dict, as_tensor = rx.compile({"out": rx.relu(x)}), rx.compile(rx.relu(x))
+    t = torch.tensor([-1.0, 2.0])
+    assert as_dict.torch_op is not as_tensor.torch_op
+    assert isinstance(as_dict.torch_op(t), tuple) and isinstance(as_tensor.torch_op(t), torch.Tensor)
+    compiled = torch.compile(lambda a: as_dict(a)["out"] + as_tensor(a), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(t), 2 * t.relu())
+
+
+# ---- on CUDA, the compiled graph holds the generated kernels (wrap_triton) ------------------------
+@pytest.fixture(scope="module")
+def graph_reports(tmp_path_factory) -> dict[str, dict]:
+    """``helpers/graph_launches.py``: AOT autograd's graphs of rtxdsl calls on fake CUDA tensors."""
+    script = Path(__file__).parent / "helpers" / "graph_launches.py"
+    cache = tmp_path_factory.mktemp("graph_launches")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1", "RTXDSL_CACHE_DIR": str(cache)}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {r["case"]: r for r in map(json.loads, res.stdout.splitlines())}
+
+
+# fixed shapes on CUDA: each launch a node of the graph (Inductor schedules it), nothing opaque
+LAUNCHED = [
+    "pointwise",  # bias + GELU: one pointwise kernel
+    "torch_op",  # the same through k.torch_op (the kernel's own op)
+    "two_outputs",  # layer_norm and softmax of a 4100-wide row: one row kernel, two outputs
+    "tail",  # cross-entropy with its mean as the row kernel's tail (counter zeroed in the graph)
+]
+
+
+@pytest.mark.parametrize("case", LAUNCHED)
+def test_on_cuda_the_compiled_graph_holds_each_generated_kernel(graph_reports, case):
+    r = graph_reports[case]
+    assert r["launches"] == r["expected"] >= 1 and not r["opaque"], r
+    assert all(name.startswith(("pointwise_", "row_")) for name in r["kernels"]), r
+    # torch's TTIR analysis found what each kernel writes, and no input among it (none is cloned)
+    assert "out0_ptr" in r["written"] and not r["cloned_inputs"], r
+    assert ("count_ptr" in r["written"]) == (case == "tail")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "index_checks",  # gathers whose flags are read on the host after the launch
+        "symbolic",  # dynamic sizes: one opaque op serves every size (no recompile per size)
+    ],
+)
+def test_calls_that_are_not_a_fixed_list_of_launches_stay_one_opaque_op(graph_reports, case):
+    r = graph_reports[case]
+    assert r["launches"] == 0 and r["opaque"] == ["rtxdsl.kernel.default"], r
+
+
+@pytest.mark.parametrize(
+    ("case", "launches"),
+    [
+        ("backward", 1),  # bias + GELU: the forward saves nothing (dropped), one kernel for dx and db
+        ("backward_tail", 2),  # cross-entropy: the forward saving each row's logsumexp, the gradient
+    ],
+)
+def test_gradients_in_the_compiled_graph_are_the_fused_backward_kernels(graph_reports, case, launches):
+    r = graph_reports[case]
+    assert r["launches"] == launches and not r["opaque"] and not r["cloned_inputs"], r
+
+
+def test_the_graph_run_computes_what_the_call_does():
+    """The launches a CUDA graph holds, run here eagerly under the interpreter: allocation, the
+    tail's per-call counter and argument order are the call's own."""
+    z_loss = rx.compile(rx.sum(rx.logsumexp(x, -1) ** 2))  # rows, then the sum as their tail
+    norms = rx.compile({"y": rx.layer_norm(x + b), "s": rx.softmax(x)})
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 11, generator=gen)
+    rows, bias = torch.randn(5, 13, generator=gen).t(), torch.randn(5, generator=gen)  # transposed
+    assert any(buf.persistent for buf in z_loss.program(logits).buffers)  # a tail's counter
+    for kernel, ins in ((z_loss, (logits,)), (norms, (rows, bias))):
+        run = kernel._graph_run(ins, kernel.config, interpret=True)
+        for _ in range(2):  # twice: the tail's counter starts at zero on every call
+            got, want = run(ins), kernel(*ins)
+            if isinstance(want, dict):
+                for key in want:
+                    torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-6)
+            else:
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert z_loss.graph_run((logits,)) is None  # CPU tensors: the opaque op
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor runs user Triton kernels on CUDA only")
+def test_inductor_on_cuda_runs_the_generated_kernels_with_their_gradients():
+    from torch._inductor.utils import run_and_get_code
+
+    k = rx.compile({"y": rx.layer_norm(x + b), "s": rx.softmax(x)})
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(64, 1000, device="cuda", generator=gen, requires_grad=True)
+    c = torch.randn(1000, device="cuda", generator=gen, requires_grad=True)
+    compiled = torch.compile(lambda p, q: k(p, q)["y"].square().sum() + k(p, q)["s"][:, 0].sum(), fullgraph=True)
+    loss, (code, *_) = run_and_get_code(compiled, a, c)
+    assert "row_add_" in code  # the generated kernel, in Inductor's output module
+    want = F.layer_norm(a + c, (1000,)).square().sum() + a.softmax(-1)[:, 0].sum()
+    torch.testing.assert_close(loss, want, atol=1e-3, rtol=1e-4)
+    got = torch.autograd.grad(loss, (a, c))
+    for g, w in zip(got, torch.autograd.grad(want, (a, c))):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
 # ---- CUDA graphs: the cached call neither synchronizes nor allocates beyond its outputs -------------
