@@ -45,7 +45,7 @@ from .lru import LRU
 from .ops import REGISTRY, apply_ref
 from .ops.random import SEED_PREFIX, draw_seed
 from .stats import GLOBAL_STATS, FusionStats
-from .torchop import kernel_op, make_op, register_kernel
+from .torchop import kernel_op, make_op, register_kernel, saving_op
 from .tune import Tuned, tuned_path
 
 #: Triton's interpreter keeps global state (the current program id, patched tl functions)
@@ -339,7 +339,7 @@ class Kernel:
         self._last: tuple[Any, Any] = (None, None)  # (key, launch) of the last call
         self._op: Any = None  # the kernel's own torch.library op, made on first use
         self._op_key = register_kernel(self)  # its name for rtxdsl::kernel (torch.compile)
-        self._graph_grads: dict[tuple, GradPlan] = {}  # gradient kernels compiled graphs hold (by layout)
+        self._graph_grads: dict[tuple, GradPlan] = {}  # plans of torch.compile's saving calls, by layout
         self._into = dict(into or {})  # output key -> input name it may be written into (internal)
         self._in_forward = _gradient_in_forward(self._outputs)  # cross_entropy(..., grad_in_forward=True)
 
@@ -442,21 +442,6 @@ class Kernel:
                 return None
         return self._graph_run(tensors, cfg, interpret=False)
 
-    def graph_grad_plan(self, tensors: tuple[Any, ...]) -> GradPlan | None:
-        """The forward (saving row statistics) and fused backward kernels torch.compile's graph
-        runs for this call's input gradients on CUDA, each its own op (launches where
-        :meth:`graph_run` allows, else opaque); None where this call has no :meth:`graph_run`
-        (the opaque gradient op then recomputes through autograd). Kept for the kernel's life: a
-        compiled graph names them by key."""
-        if self.graph_run(tensors) is None:
-            return None
-        key = _mixed_key(tensors)
-        plan = self._graph_grads.get(key)
-        if plan is None:
-            needs = tuple(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors)
-            plan = self._graph_grads[key] = self._grad_plan(self._lower(tensors, self.config), needs)
-        return plan
-
     def _graph_run(self, tensors: tuple[Any, ...], cfg: FusionConfig, interpret: bool) -> Any | None:
         self._validate(tensors, cfg)
         program = self._lower(tensors, cfg)
@@ -474,8 +459,33 @@ class Kernel:
         return self._reference((*tensors, *[0] * self._seeds))
 
     def _traced(self, args: tuple, kwargs: dict) -> Any:
-        result = kernel_op(self._op_key, list(self._collect_given(args, kwargs)))
+        """The call as torch.compile records it: ``rtxdsl::kernel``; differentiated at fixed sizes,
+        ``rtxdsl::kernel_saving`` (its outputs and the row statistics the backward reads)."""
+        values = self._collect_given(args, kwargs)
+        needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in values)
+        if torch.is_grad_enabled() and any(needs) and self._saves(values):
+            result = saving_op(self._op_key, "".join("01"[n] for n in needs), list(values))
+        else:
+            result = kernel_op(self._op_key, list(values))
         return result[0] if self._single else dict(zip(self.outputs, result))
+
+    def _saves(self, values: tuple[Any, ...]) -> bool:
+        """Can a differentiated call inside torch.compile save its row statistics? Not with
+        random seeds drawn per call, DTensors or python numbers: then ``rtxdsl::kernel``, whose
+        backward runs the forward again (as ``rtxdsl::kernel_saving`` does at symbolic sizes)."""
+        return not self._seeds and all(isinstance(t, torch.Tensor) and not is_dtensor(t) for t in values)
+
+    def saving_plan(self, values: tuple[Any, ...], needs: str) -> GradPlan:
+        """The gradient plan ``rtxdsl::kernel_saving`` runs for these inputs (fixed sizes;
+        ``needs``: a 0/1 per input, which require grad), made once per layout and kept for the
+        kernel's life."""
+        key = (_mixed_key(values), needs)
+        plan = self._graph_grads.get(key)
+        if plan is None:
+            self._validate(values, self.config)
+            program = self._lower(values, self.config)
+            plan = self._graph_grads[key] = self._grad_plan(program, tuple(c == "1" for c in needs))
+        return plan
 
     def _grad_call(self, tensors: tuple, launch: Launch, key: tuple) -> Any:
         """Through torch.autograd: fused forward (saving row statistics) and fused backward."""

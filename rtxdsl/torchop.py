@@ -9,9 +9,11 @@ order for several), made on first use. Both fake their results by running the ke
 reference op by op on the fake tensors (symbolic sizes included, no launch), and differentiate
 by recomputing the fused forward with grad and running rtxdsl's fused backward.
 
-On CUDA with fixed sizes, AOT autograd replaces both by their launches (:func:`expose_launches`,
-``wrap_triton``), so Inductor sees each generated kernel; the gradient op by the gradient
-kernels' own ops (:func:`_grads_in_graph`).
+A differentiated call at fixed sizes is ``rtxdsl::kernel_saving`` instead: its gradient plan's
+forward, whose row statistics autograd saves for the fused backward (no forward again).
+
+On CUDA with fixed sizes, AOT autograd replaces these ops by their launches
+(:func:`expose_launches`, ``wrap_triton``), so Inductor sees each generated kernel.
 """
 
 from __future__ import annotations
@@ -119,33 +121,100 @@ def expose_launches(op: Any, unpack: Callable[[tuple], tuple[Any, tuple, Callabl
     op.register_torch_dispatch(FunctionalTensorMode, decompose)
 
 
-def _grads_in_graph(mode: Any, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
-    """``rtxdsl::kernel_grad`` under AOT autograd on CUDA: the gradient kernels' own ops (each
-    then launches in the graph, or stays opaque), instead of a recompute through autograd."""
-    key, inputs, grads = args
-    plan = KERNELS[key].graph_grad_plan(tuple(inputs)) if _decomposable(types) else None
-    if plan is None:
-        return mode.__torch_dispatch__(func, types, args, kwargs)
-    g = plan.grads
-    with mode:
-        forward = plan.forward
-        outs = dict(zip(forward.outputs, kernel_op(forward._op_key, list(inputs))))
-        feed = dict(zip(plan.input_names, inputs))
-        feed.update((k, outs[k]) for k in g.saved_keys)
-        for i, (k, grad, floating) in enumerate(zip(g.user_keys, grads, g.float_outputs)):
-            if floating:  # autograd's zeros for an output without a cotangent
-                feed[f"_g{i}"] = grad if grad is not None else torch.zeros_like(outs[k])
-        backward = plan.backward
-        got = dict(zip(backward.outputs, kernel_op(backward._op_key, [feed[n] for n in backward.inputs])))
-        grad_of = dict(g.grad_of)
-        return [
-            got[grad_of[n]].expand(t.shape) if n in grad_of else torch.zeros_like(t)
-            for n, t in zip(plan.input_names, inputs)
-        ]
-
-
 expose_launches(kernel_op, lambda args: (KERNELS[args[0]], tuple(args[1]), lambda r: _as_list(KERNELS[args[0]], r)))
-kernel_grad_op.register_torch_dispatch(FunctionalTensorMode, _grads_in_graph)
+
+
+def _forward_values(plan: Any, inputs: list[Tensor]) -> tuple[Tensor, ...]:
+    feed = dict(zip(plan.input_names, inputs))
+    return tuple(feed[n] for n in plan.forward.inputs)
+
+
+def _with_saved(plan: Any, outs: dict[str, Tensor]) -> list[Tensor]:
+    g = plan.grads
+    return [outs[k] for k in (*g.user_keys, *g.saved_keys)]
+
+
+@torch.library.custom_op("rtxdsl::kernel_saving", mutates_args=())
+def saving_op(key: str, needs: str, inputs: list[Tensor]) -> list[Tensor]:
+    """A differentiated call of kernel ``key`` inside ``torch.compile`` (``needs``: one 0/1 per
+    input, which require grad): its gradient plan's forward kernel, returning the call's outputs,
+    then the row statistics the fused backward reads (saved by autograd: no forward again).
+
+    At symbolic sizes a plan (made for fixed sizes) cannot say the statistics' shapes: the call
+    is then ``rtxdsl::kernel`` (AOT autograd's graph holds that op; its fake lists the outputs
+    only) and the backward runs the forward again, as ``rtxdsl::kernel_grad`` does."""
+    plan = KERNELS[key].saving_plan(tuple(inputs), needs)
+    return _with_saved(plan, plan.forward(*_forward_values(plan, inputs)))
+
+
+def _symbolic(values: Any) -> bool:
+    return any(not isinstance(s, int) for t in values for s in (*t.shape, *t.stride()))
+
+
+@saving_op.register_fake
+def _saving_fake(key: str, needs: str, inputs: list[Tensor]) -> list[Tensor]:
+    kernel = KERNELS[key]
+    if _symbolic(inputs):
+        return _as_list(kernel, kernel.reference_on(tuple(inputs)))
+    plan = kernel.saving_plan(tuple(inputs), needs)
+    return _with_saved(plan, plan.forward.reference_on(_forward_values(plan, inputs)))
+
+
+def _saving_setup(ctx: Any, inputs: tuple[Any, ...], output: list[Tensor]) -> None:
+    ctx.key, ctx.needs, values = inputs
+    ctx.n = len(values)
+    ctx.save_for_backward(*values, *output[len(KERNELS[ctx.key].outputs) :])
+
+
+def _saving_backward(ctx: Any, grads: list[Tensor]) -> tuple[None, None, list[Tensor | None]]:
+    saved = ctx.saved_tensors
+    inputs, stats = list(saved[: ctx.n]), list(saved[ctx.n :])
+    kernel = KERNELS[ctx.key]
+    if _symbolic(inputs):  # traced at symbolic sizes: nothing was saved, the forward runs again
+        got = kernel_grad_op(ctx.key, inputs, grads[: len(kernel.outputs)])
+        return None, None, [g if t.is_floating_point() else None for g, t in zip(got, inputs)]
+    plan = kernel.saving_plan(tuple(inputs), ctx.needs)
+    if len(stats) != len(plan.grads.saved_keys):  # never guess which statistic is which
+        raise RtxError(
+            f"the gradient plan reads {len(plan.grads.saved_keys)} saved statistics, the forward saved {len(stats)}"
+        )
+    return None, None, backward_of(plan, inputs, stats, grads)
+
+
+def backward_of(plan: Any, inputs: list[Tensor], stats: list[Tensor], grads: list[Tensor]) -> list[Tensor | None]:
+    """Input gradients from the saved statistics through the fused backward kernel's op (its
+    launches, in a CUDA graph at fixed sizes); None for an input without one."""
+    g = plan.grads
+    feed = dict(zip(plan.input_names, inputs))
+    feed.update(zip(g.saved_keys, stats))
+    # custom ops' autograd hands zeros for an output nothing read (grads are materialized)
+    feed.update((f"_g{i}", grad) for i, (grad, floating) in enumerate(zip(grads, g.float_outputs)) if floating)
+    backward = plan.backward
+    got = dict(zip(backward.outputs, kernel_op(backward._op_key, [feed[n] for n in backward.inputs])))
+    grad_of = dict(g.grad_of)
+    return [got[grad_of[n]].expand(t.shape) if n in grad_of else None for n, t in zip(plan.input_names, inputs)]
+
+
+saving_op.register_autograd(_saving_backward, setup_context=_saving_setup)
+
+
+def _saving_in_graph(mode: Any, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """``rtxdsl::kernel_saving`` under AOT autograd: at symbolic sizes ``rtxdsl::kernel`` (as its
+    fake says); at fixed sizes its plan's forward, launched in the graph on CUDA."""
+    key, needs, inputs = args
+    if _symbolic(inputs):
+        with mode:
+            return kernel_op(key, list(inputs))
+    plan = KERNELS[key].saving_plan(tuple(inputs), needs)
+    values = _forward_values(plan, inputs)
+    run = plan.forward.graph_run(values) if _decomposable(types) else None
+    if run is None:
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+    with mode:
+        return _with_saved(plan, run(values))
+
+
+saving_op.register_torch_dispatch(FunctionalTensorMode, _saving_in_graph)
 
 
 def _recompute_grads(kernel: Any, run: Callable[..., Any], saved: tuple[Tensor, ...], grads: Any) -> tuple:

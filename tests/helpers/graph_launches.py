@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import rtxdsl as rx  # noqa: E402
-from rtxdsl.torchop import kernel_grad_op  # noqa: E402
+from rtxdsl.torchop import backward_of, saving_op  # noqa: E402
 
 
 class _Sm90:
@@ -85,11 +85,15 @@ def trace(name: str, fn, inputs: tuple, expected: int) -> None:
     print(json.dumps({"case": name, "expected": expected, **_report(graphs[0].graph)}))
 
 
-def gradients(kernel, *inputs_then_cotangents):
-    """What a backward graph holds for the kernel (autograd itself cannot run on fake CUDA
-    tensors without CUDA): ``rtxdsl::kernel_grad``, as the registered backward calls it."""
+def gradients(kernel, needs: str, *inputs_then_cotangents):
+    """What the backward graph of a differentiated call holds (autograd itself cannot run on fake
+    CUDA tensors without CUDA): ``rtxdsl::kernel_saving``'s registered backward, on its saved
+    statistics (the forward's launch stays only if the statistics are read)."""
     n = len(kernel.inputs)
-    return kernel_grad_op(kernel._op_key, list(inputs_then_cotangents[:n]), list(inputs_then_cotangents[n:]))
+    inputs, cotangents = list(inputs_then_cotangents[:n]), list(inputs_then_cotangents[n:])
+    stats = saving_op(kernel._op_key, needs, inputs)[len(kernel.outputs) :]
+    plan = kernel.saving_plan(tuple(inputs), needs)
+    return [g for g in backward_of(plan, inputs, stats, cotangents) if g is not None]
 
 
 def main() -> None:
@@ -106,10 +110,12 @@ def main() -> None:
     trace("tail", lambda a, c: traced(loss, a, c), (logits, targets), expected)
     checked = rx.compile(rx.cross_entropy(x, t))
     trace("index_checks", lambda a, c: traced(checked, a, c), (logits, targets), 0)
-    grads = loss.graph_grad_plan((logits, targets))
-    trace("backward", lambda a, c, g: gradients(bias_gelu, a, c, g), (fake(33, 70), fake(70), fake(33, 70)), 2)
-    trace("backward_tail", lambda a, c, g: gradients(loss, a, c, g), (logits, targets, fake()),
-          grads.forward.program(x=logits, t=targets).kernels_launched)  # fmt: skip
+    trace("saving", lambda a, c: saving_op(bias_gelu._op_key, "11", [a, c]), (fake(33, 70), fake(70)), 1)
+    trace("saving_tail", lambda a, c: saving_op(loss._op_key, "10", [a, c]), (logits, targets), expected)
+    trace("backward", lambda a, c, g: gradients(bias_gelu, "11", a, c, g), (fake(33, 70), fake(70), fake(33, 70)), 1)
+    trace("backward_tail", lambda a, c, g: gradients(loss, "10", a, c, g), (logits, targets, fake()), 2)
+    symbolic = (fake(33, 70, symbolic=True), fake(70, symbolic=True))
+    trace("saving_symbolic", lambda a, c: saving_op(bias_gelu._op_key, "11", [a, c]), symbolic, 0)
     trace("symbolic", lambda a, c: traced(bias_gelu, a, c), (fake(33, 70, symbolic=True), fake(70, symbolic=True)), 0)
 
 
