@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.compiler import is_dynamo_compiling
 from torch.library import wrap_triton
 
@@ -339,7 +341,7 @@ class Kernel:
         self._last: tuple[Any, Any] = (None, None)  # (key, launch) of the last call
         self._op: Any = None  # the kernel's own torch.library op, made on first use
         self._op_key = register_kernel(self)  # its name for rtxdsl::kernel (torch.compile)
-        self._graph_grads: dict[tuple, GradPlan] = {}  # plans of torch.compile's saving calls, by layout
+        self._traced_plans: dict[tuple, GradPlan] = {}  # saving plans compiled graphs name (one per layout)
         self._into = dict(into or {})  # output key -> input name it may be written into (internal)
         self._in_forward = _gradient_in_forward(self._outputs)  # cross_entropy(..., grad_in_forward=True)
 
@@ -477,14 +479,19 @@ class Kernel:
 
     def saving_plan(self, values: tuple[Any, ...], needs: str) -> GradPlan:
         """The gradient plan ``rtxdsl::kernel_saving`` runs for these inputs (fixed sizes;
-        ``needs``: a 0/1 per input, which require grad), made once per layout and kept for the
-        kernel's life."""
-        key = (_mixed_key(values), needs)
-        plan = self._graph_grads.get(key)
+        ``needs``: a 0/1 per input, which require grad). One made while torch.compile traces is
+        kept for the kernel's life (a compiled graph names its kernels by key); one for real
+        tensors is cached with the kernel's other plans."""
+        key = ("saving", _mixed_key(values), needs)
+        traced = any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in values)
+        plan = self._traced_plans.get(key) if traced else self._grads.get(key)
         if plan is None:
             self._validate(values, self.config)
-            program = self._lower(values, self.config)
-            plan = self._graph_grads[key] = self._grad_plan(program, tuple(c == "1" for c in needs))
+            plan = self._grad_plan(self._lower(values, self.config), tuple(c == "1" for c in needs))
+            if traced:
+                self._traced_plans[key] = plan
+            else:
+                self._grads.put(key, plan)
         return plan
 
     def _grad_call(self, tensors: tuple, launch: Launch, key: tuple) -> Any:

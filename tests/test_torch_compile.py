@@ -208,6 +208,25 @@ def test_a_differentiated_call_saves_its_statistics_for_the_backward(backend, dy
     assert len(graphs) == 1
 
 
+def test_a_compiled_backward_outlives_the_kernels_plan_cache():
+    """The compiled backward names the gradient plan's kernels by key: other layouts evicting
+    plans from the kernel's cache (one entry here) must not free them."""
+    import gc
+
+    k = rx.compile(rx.layer_norm(x + b), config=rx.FusionConfig(launch_cache_size=1))
+    compiled = torch.compile(lambda p, q: k(p, q).square().sum(), fullgraph=True, backend="aot_eager", dynamic=False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        a = torch.randn(6, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+        c = torch.randn(9, generator=gen, dtype=torch.float64, requires_grad=True)
+        compiled(a, c).backward()
+        want = torch.autograd.grad(F.layer_norm(a + c, (9,)).square().sum(), (a, c))
+        torch.testing.assert_close((a.grad, c.grad), want)
+        for rows in (3, 4, 5):  # eager calls at other sizes churn the plan cache
+            k(torch.randn(rows, 9, requires_grad=True), torch.randn(9)).sum().backward()
+        gc.collect()
+
+
 @pytest.mark.parametrize(
     ("outputs", "needs", "shapes"),
     [
