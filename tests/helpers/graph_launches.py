@@ -116,7 +116,7 @@ def main() -> None:
     trace("backward_tail", lambda a, c, g: gradients(loss, "10", a, c, g), (logits, targets, fake()), 2)
     symbolic = (fake(33, 70, symbolic=True), fake(70, symbolic=True))
     trace("saving_symbolic", lambda a, c: saving_op(bias_gelu._op_key, "11", [a, c]), symbolic, 0)
-    trace("symbolic", lambda a, c: traced(bias_gelu, a, c), (fake(33, 70, symbolic=True), fake(70, symbolic=True)), 0)
+    trace("symbolic", lambda a, c: traced(bias_gelu, a, c), symbolic, 0)
 
 
 if __name__ == "__main__":
