@@ -47,7 +47,7 @@ from .lru import LRU
 from .ops import REGISTRY, apply_ref
 from .ops.random import SEED_PREFIX, draw_seed
 from .stats import GLOBAL_STATS, FusionStats
-from .torchop import kernel_op, make_op, register_kernel, saving_op
+from .torchop import fixed_sizes, kernel_op, make_op, register_kernel, saving_op
 from .tune import Tuned, tuned_path
 
 #: Triton's interpreter keeps global state (the current program id, patched tl functions)
@@ -437,11 +437,8 @@ class Kernel:
         cfg = self.config
         if self._seeds or cfg.dry_run or _backend_for(cfg, _device_of(tensors))[0] != "triton":
             return None
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and (
-                is_dtensor(t) or not all(isinstance(s, int) for s in (*t.shape, *t.stride()))
-            ):
-                return None
+        if any(is_dtensor(t) for t in tensors) or not fixed_sizes(tensors):
+            return None
         return self._graph_run(tensors, cfg, interpret=False)
 
     def _graph_run(self, tensors: tuple[Any, ...], cfg: FusionConfig, interpret: bool) -> Any | None:

@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -89,6 +90,11 @@ def _kernel_grad_fake(key: str, inputs: list[Tensor], grads: list[Tensor | None]
 kernel_op.register_autograd(_kernel_backward, setup_context=_kernel_setup)
 
 
+def fixed_sizes(values: Any) -> bool:
+    """Are the tensors' sizes and strides plain ints (not torch.compile's symbolic sizes)?"""
+    return all(isinstance(s, int) for t in values if isinstance(t, Tensor) for s in (*t.shape, *t.stride()))
+
+
 def _decomposable(types: Any) -> bool:
     """May this call be replaced by its launches: tensors torch.compile traces (no subclass such
     as DTensor), and not inside ``torch.export`` (which keeps custom ops whole, as for triton_op)?"""
@@ -111,14 +117,20 @@ def expose_launches(op: Any, unpack: Callable[[tuple], tuple[Any, tuple, Callabl
     """
 
     def decompose(mode: Any, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
-        kernel, values, pack = unpack(args)
-        run = kernel.graph_run(values) if _decomposable(types) else None
-        if run is None:
-            return mode.__torch_dispatch__(func, types, args, kwargs)
-        with mode:
-            return pack(run(values))
+        return _launches_or_opaque(mode, func, types, args, kwargs, *unpack(args))
 
     op.register_torch_dispatch(FunctionalTensorMode, decompose)
+
+
+def _launches_or_opaque(
+    mode: Any, func: Any, types: Any, args: tuple, kwargs: dict, kernel: Any, values: tuple, pack: Callable
+) -> Any:
+    """Under functionalization: the call's launches (:meth:`Kernel.graph_run`), else the op whole."""
+    run = kernel.graph_run(values) if _decomposable(types) else None
+    if run is None:
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+    with mode:
+        return pack(run(values))
 
 
 expose_launches(kernel_op, lambda args: (KERNELS[args[0]], tuple(args[1]), lambda r: _as_list(KERNELS[args[0]], r)))
@@ -147,14 +159,10 @@ def saving_op(key: str, needs: str, inputs: list[Tensor]) -> list[Tensor]:
     return _with_saved(plan, plan.forward(*_forward_values(plan, inputs)))
 
 
-def _symbolic(values: Any) -> bool:
-    return any(not isinstance(s, int) for t in values for s in (*t.shape, *t.stride()))
-
-
 @saving_op.register_fake
 def _saving_fake(key: str, needs: str, inputs: list[Tensor]) -> list[Tensor]:
     kernel = KERNELS[key]
-    if _symbolic(inputs):
+    if not fixed_sizes(inputs):
         return _as_list(kernel, kernel.reference_on(tuple(inputs)))
     plan = kernel.saving_plan(tuple(inputs), needs)
     return _with_saved(plan, plan.forward.reference_on(_forward_values(plan, inputs)))
@@ -170,7 +178,7 @@ def _saving_backward(ctx: Any, grads: list[Tensor]) -> tuple[None, None, list[Te
     saved = ctx.saved_tensors
     inputs, stats = list(saved[: ctx.n]), list(saved[ctx.n :])
     kernel = KERNELS[ctx.key]
-    if _symbolic(inputs):  # traced at symbolic sizes: nothing was saved, the forward runs again
+    if not fixed_sizes(inputs):  # traced at symbolic sizes: nothing was saved, the forward runs again
         got = kernel_grad_op(ctx.key, inputs, grads[: len(kernel.outputs)])
         return None, None, [g if t.is_floating_point() else None for g, t in zip(got, inputs)]
     plan = kernel.saving_plan(tuple(inputs), ctx.needs)
@@ -202,16 +210,12 @@ def _saving_in_graph(mode: Any, func: Any, types: Any, args: tuple, kwargs: dict
     """``rtxdsl::kernel_saving`` under AOT autograd: at symbolic sizes ``rtxdsl::kernel`` (as its
     fake says); at fixed sizes its plan's forward, launched in the graph on CUDA."""
     key, needs, inputs = args
-    if _symbolic(inputs):
+    if not fixed_sizes(inputs):
         with mode:
             return kernel_op(key, list(inputs))
     plan = KERNELS[key].saving_plan(tuple(inputs), needs)
-    values = _forward_values(plan, inputs)
-    run = plan.forward.graph_run(values) if _decomposable(types) else None
-    if run is None:
-        return mode.__torch_dispatch__(func, types, args, kwargs)
-    with mode:
-        return _with_saved(plan, run(values))
+    pack = partial(_with_saved, plan)
+    return _launches_or_opaque(mode, func, types, args, kwargs, plan.forward, _forward_values(plan, inputs), pack)
 
 
 saving_op.register_torch_dispatch(FunctionalTensorMode, _saving_in_graph)
