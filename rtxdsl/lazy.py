@@ -10,6 +10,23 @@ A flush compiles the pending values that someone still holds into one
 never written. Plans are keyed by *structure*: leaves are named by first use in the segment
 and python numbers become scalar inputs (constants 0, 1 and -1 stay constants), so a loop whose
 learning rate changes every step replays one plan and compiles nothing.
+
+**Aliasing model** (eager-exact). A lazy value is *materialized* (a real tensor, possibly a view
+of another) or *pending*: an expression whose value a flush writes into a fresh buffer, or into
+a real tensor (its *home*) for an in-place write. A pending value never shares memory with a
+real tensor, except through its home. Views of a pending value are recorded as *aliases*: they
+keep their root value and the torch view calls from it; reads use the recorded expression, and
+the flush makes them real views of the root's buffer, so they alias it as in eager. Ops that
+return ``self`` in eager (``float()`` of a float, ``contiguous()`` of a contiguous value,
+identity dropout) return the same lazy tensor; ops that copy in eager give a value of its own.
+Writes: an in-place op the registry computes on a value that nothing else aliases is recorded
+(it becomes the value's pending content); any other write (unrecorded ops, item assignment,
+``out=``, a write to a value with views, a partly overlapping operand) is a sync point: the
+stream flushes, torch runs the write on the real tensors. Plain tensors the stream reads or will
+write are *guarded* (their class is swapped for a subclass until the flush): a plain torch write
+to one, or a view of it, flushes first, and so does any plain access to a tensor with a pending
+write. Eager strides are tracked for values made from non-contiguous inputs (on meta tensors),
+so ``contiguous()``, ``reshape`` and friends copy exactly when eager copies.
 """
 
 from __future__ import annotations
@@ -21,6 +38,7 @@ from typing import Any
 
 import torch
 
+from . import torchsem
 from .config import FusionConfig, get_config
 from .dsl import var
 from .errors import RtxError
@@ -32,69 +50,47 @@ from .ops import REGISTRY, Unsupported
 from .runtime import Kernel
 from .stats import GLOBAL_STATS, FusionStats, FusionStatsSnapshot
 
-#: views applied to materialized tensors without a flush (torch makes them without copying)
-VIEWS = {
-    getattr(torch.Tensor, n)
-    for n in (
-        "view",
-        "view_as",
-        "reshape",
-        "reshape_as",
-        "unsqueeze",
-        "squeeze",
-        "expand",
-        "expand_as",
-        "transpose",
-        "permute",
-        "t",
-        "T",
-        "mT",
-        "flatten",
-        "unflatten",
-        "contiguous",
-        "__getitem__",
-        "narrow",
-        "select",
-        "unbind",
-        "split",
-        "chunk",
-    )
-    if isinstance(getattr(torch.Tensor, n, None), Callable)
-}
-VIEWS |= {getattr(torch, n) for n in ("reshape", "unsqueeze", "squeeze", "transpose", "permute", "t", "flatten")}
-
 #: python numbers that stay constants in a recorded segment (they rarely change between steps)
 STRUCTURAL = frozenset(
     {("int", "0"), ("int", "1"), ("int", "-1"), ("float", "0.0"), ("float", "1.0"), ("float", "-1.0")}
 )
 
 
-# ---- tensors with pending in-place writes -------------------------------------------------------
+# ---- guarded plain tensors ----------------------------------------------------------------------
 #: Tensor attributes that read metadata, not data: a guarded tensor answers them without a flush
 METADATA = {
     "shape", "dtype", "device", "size", "dim", "ndim", "stride", "is_contiguous", "numel", "requires_grad",
     "data_ptr", "untyped_storage", "element_size", "layout", "is_cuda", "grad_fn", "is_leaf", "names", "__len__",
-    "_base", "_version",
+    "_base", "_version", "storage_offset", "is_floating_point", "is_complex", "__hash__", "__eq__",
 }  # fmt: skip
+READ, WRITE = 1, 2  # guard levels: pending ops read the tensor / a pending write will land in it
 _GUARDED: dict[type, type] = {}  # plain class -> its guarded subclass
+#: id(tensor) -> (stream, level) while guarded
+_GUARDS: dict[int, tuple[OperationStream, int]] = {}
 
 
 def _guarded_class(base: type) -> type:
-    """A subclass of ``base`` whose every torch call on a tensor flushes that tensor's pending writes."""
+    """A subclass of ``base`` whose torch calls flush the stream that guards the tensor first:
+    any call but metadata for a pending write, writes and views for a pending read."""
     cls = _GUARDED.get(base)
     if cls is None:
 
         def __torch_function__(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            found = _tensors_and_lazies((args, kwargs))
+            if any(isinstance(t, LazyTensor) for t in found):
+                return NotImplemented  # the lazy tensor's handler takes the call
             name = getattr(func, "__name__", "")
             if name == "__get__":  # a property (t.shape): the descriptor's name
                 name = getattr(getattr(func, "__self__", None), "__name__", name)
             if name not in METADATA:
-                for t in _tensors_and_lazies((args, kwargs or {})):
-                    stream = _PENDING_HOMES.get(id(t))
-                    if stream is not None:
-                        stream.flush(f"torch.{name} on a tensor with a pending in-place write")
+                level = READ if torchsem.writes(func, kwargs) or func in torchsem.VIEWS else WRITE
+                for t in found:
+                    guard = _GUARDS.get(id(t))
+                    if guard is not None and guard[1] >= level:
+                        guard[0].flush(f"torch.{name} on a plain tensor the stream reads or writes")
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs)
 
         cls = _GUARDED[base] = type(
             f"Pending{base.__name__}", (base,), {"__torch_function__": classmethod(__torch_function__)}
@@ -102,8 +98,15 @@ def _guarded_class(base: type) -> type:
     return cls
 
 
-#: id(tensor) -> the stream whose pending in-place write will land in it
-_PENDING_HOMES: dict[int, OperationStream] = {}
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.device, t.untyped_storage().data_ptr()
+
+
+def _contiguous_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """None for a contiguous tensor, else its strides (the eager layout a lazy value tracks)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return None if t.is_contiguous() else tuple(t.stride())
 
 
 # ---- the stream ---------------------------------------------------------------------------
@@ -116,15 +119,15 @@ class OperationStream:
         self.info: dict[int, Info] = {}  # types of the nodes recorded since the last flush
         self.keep: list[Expr] = []  # ... kept alive while their ids are keys above
         self.leaves: dict[int, tuple[torch.Tensor, Expr]] = {}  # id(tensor) -> (tensor, var)
+        self.read_storages: set[tuple[torch.device, int]] = set()  # storages the leaves live in
         self.holders: list[weakref.ref[LazyTensor]] = []
         # tensors written in place by pending values: id -> (tensor, writers in program order)
         self.homes: dict[int, tuple[torch.Tensor, list[LazyTensor]]] = {}
         self.queued = 0
         self.cap = fusion.config.max_queued_ops  # read again at each flush
         self.epoch = 0  # flushes so far: a conversion that straddles one is redone
-        self.guarded: list[tuple[torch.Tensor, type]] = []  # tensors guarded while writes are pending
-        # views recorded of pending values (unsqueeze): (view, base, torch function, its other arguments)
-        self.views: list[tuple[weakref.ref[LazyTensor], weakref.ref[LazyTensor], Any, tuple, dict]] = []
+        self.guarded: list[tuple[torch.Tensor, type]] = []  # plain tensors guarded until the flush
+        self.views: list[weakref.ref[LazyTensor]] = []  # recorded views of pending values
 
     # leaves and recording
     def leaf(self, t: torch.Tensor) -> Expr:
@@ -140,8 +143,10 @@ class OperationStream:
             return hit[1]
         v = var(f"t{len(self.leaves) + 1}")
         self.leaves[id(t)] = (t, v)
+        self.read_storages.add(_storage_key(t))
         self.info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
         self.keep.append(v)
+        self.guard(t, READ)
         return v
 
     def record(self, expr: Expr) -> LazyTensor:
@@ -167,21 +172,39 @@ class OperationStream:
             log.debug("queued %s (%d pending)", expr, self.queued)
         lt = _new(LazyTensor)
         lt._stream, lt._expr, lt._value, lt._info, lt._home = self, expr, None, typed, None
+        lt._base, lt._chain, lt._strides = None, (), None
         self.holders.append(weakref.ref(lt))
         if self.queued >= self.cap:
             self.flush(f"queue cap ({self.cap} ops)")
         return lt
 
     def reads(self, t: torch.Tensor) -> bool:
-        """Has an op recorded since the last flush read ``t``?"""
-        hit = self.leaves.get(id(t))
-        return hit is not None and hit[0] is t
+        """Does an op recorded since the last flush read ``t``'s memory (``t`` or an alias of it)?"""
+        return bool(self.read_storages) and _storage_key(t) in self.read_storages
+
+    def guard(self, t: torch.Tensor, level: int) -> None:
+        """Swap the class of ``t``, of the tensor it views and of every tensor the fusion wrapped
+        over the same memory, so plain torch calls on them flush first (see ``_guarded_class``)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            base = t._base
+        for x in (t, base, *self.fusion._aliases(t)):
+            if x is None:
+                continue
+            held = _GUARDS.get(id(x))
+            if held is not None:
+                if held[0] is self and held[1] < level:
+                    _GUARDS[id(x)] = (self, level)
+                continue
+            if type(x) in (torch.Tensor, torch.nn.Parameter):
+                _GUARDS[id(x)] = (self, level)
+                self.guarded.append((x, type(x)))
+                x.__class__ = _guarded_class(type(x))
 
     def write_home(self, home: torch.Tensor, writer: LazyTensor) -> None:
         """``writer``'s pending value is ``home``'s new content (an in-place op).
 
-        Until the flush, ``home``'s class is a guarded subclass: a torch call that reads or
-        writes it directly (not through the stream) flushes first, so it never sees stale data.
+        Until the flush, ``home`` and every tensor known to alias it are guarded: a torch call
+        that reads or writes one directly (not through the stream) flushes first.
         """
         entry = self.homes.setdefault(id(home), (home, []))
         if any(w is writer for w in entry[1]):  # keep program order: the latest write last
@@ -190,56 +213,89 @@ class OperationStream:
         if type(home) not in (torch.Tensor, torch.nn.Parameter, *_GUARDED.values()):
             self.flush(f"in-place write to a {type(home).__name__}")  # a subclass of its own: write now
             return
-        with torch._C.DisableTorchFunctionSubclass():
-            base = home._base
-        for t in (home, base):  # the tensor written and, for a view, the tensor it views
-            if t is not None and id(t) not in _PENDING_HOMES and type(t) in (torch.Tensor, torch.nn.Parameter):
-                _PENDING_HOMES[id(t)] = self
-                self.guarded.append((t, type(t)))
-                t.__class__ = _guarded_class(type(t))
+        self.guard(home, WRITE)
 
     def _unguard(self) -> None:
         for t, cls in self.guarded:
             t.__class__ = cls
-            _PENDING_HOMES.pop(id(t), None)
+            _GUARDS.pop(id(t), None)
         self.guarded.clear()
 
     def overlaps_pending_write(self, tensors: list[torch.Tensor]) -> bool:
         return bool(self.homes) and any(_overlaps(t, h) for t in tensors for h, _ in self.homes.values())
+
+    def has_views(self, lt: LazyTensor) -> bool:
+        """Is ``lt`` a recorded view, or the root of a live one?"""
+        if lt._base is not None:
+            return True
+        return any((v := r()) is not None and v._expr is not None and v._base is lt for r in self.views)
 
     # flushing
     def flush(self, reason: str) -> None:
         self._unguard()
         writers = [w for _, ws in self.homes.values() for w in ws]
         held = [lt for lt in (r() for r in self.holders) if lt is not None]
-        live = list({id(lt): lt for lt in held + writers if lt._expr is not None}.values())
+        pending = {id(lt): lt for lt in held + writers if lt._expr is not None}
+        views = [lt for lt in pending.values() if lt._base is not None]
+        for v in views:  # a view keeps its root alive: the root is written, the view is made of it
+            pending.setdefault(id(v._base), v._base)
+        computed = [lt for lt in pending.values() if lt._base is None]
         self.epoch += 1
-        if not live:
+        if not computed:
             self._reset()
             return
-        kernel, args = self.fusion._plan([lt._expr for lt in live], self)  # type: ignore[misc]
-        outs = kernel(*args)
-        outs = [outs] if not isinstance(outs, dict) else list(outs.values())
-        for lt, out in zip(live, outs):
-            lt._materialize(out)
-        dry = kernel.config.dry_run
+        firsts: dict[int, LazyTensor] = {}  # one kernel output per distinct expression
+        for lt in computed:
+            if lt._expr.op != "var" and id(lt._expr) not in firsts:  # type: ignore[union-attr]
+                firsts[id(lt._expr)] = lt
+        kernel = None
+        if firsts:
+            kernel, args = self.fusion._plan([lt._expr for lt in firsts.values()], self)  # type: ignore[misc]
+            outs = kernel(*args)
+            outs = [outs] if not isinstance(outs, dict) else list(outs.values())
+            for lt, out in zip(firsts.values(), outs):
+                lt._materialize(out)
+            self.fusion._last = (reason, kernel, tuple(args))
+        tensor_of = {id(v): t for t, v in self.leaves.values()}
+        for lt in computed:  # a copy of a leaf, or an expression equal to another: a tensor of its own
+            if lt._expr is not None:
+                first = firsts.get(id(lt._expr))
+                src = first._value if first is not None else tensor_of[id(lt._expr)]
+                self._copy_record(src)
+                lt._materialize(src.clone())
+        for lt in computed:  # eager strides, where eager's value is not contiguous
+            if lt._strides is not None and lt._home is None:
+                real = torch.empty_strided(lt._info.shape, lt._strides, dtype=lt.dtype, device=self.device)
+                self._copy_record(lt._value)  # type: ignore[arg-type]
+                lt._value = real.copy_(lt._value)  # type: ignore[arg-type]
+        dry = kernel is not None and kernel.config.dry_run
         for home, ws in self.homes.values():  # in-place results land in their tensors, as in eager
             if not dry:  # a dry run computed nothing: never write it into a user tensor
                 home.copy_(ws[-1]._value)
-                nbytes = 2 * home.numel() * home.element_size()
-                self.fusion._stats.record(1, 0, 1, nbytes, nbytes)
+                self._copy_record(home)
             for w in ws:
                 w._value, w._home = home, None
-        self.fusion._last = (reason, kernel, tuple(args))
-        log.info("flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(live))
+        for v in views:  # recorded views become real views of their root's tensor
+            value = v._base._value  # type: ignore[union-attr]
+            with torch._C.DisableTorchFunctionSubclass():
+                for func, rest, kw in v._chain:
+                    value = func(value, *rest, **kw)
+            v._value, v._expr, v._base, v._chain = value, None, None, ()
+        log.info("flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(pending))
         self._reset()
+
+    def _copy_record(self, t: torch.Tensor) -> None:
+        nbytes = 2 * t.numel() * t.element_size()
+        self.fusion._stats.record(1, 0, 1, nbytes, nbytes)
 
     def _reset(self) -> None:
         self.info.clear()
         self.keep.clear()
         self.leaves.clear()
+        self.read_storages.clear()
         self.holders.clear()
         self.homes.clear()
+        self.views.clear()
         self.queued = 0
         self.cap = self.fusion.config.max_queued_ops
 
@@ -303,6 +359,8 @@ class Fusion:
         self._canon: LRU[tuple[Expr, ...], tuple[tuple[Expr, ...], tuple[Expr, ...]]] = LRU(16)
         self._last: tuple[str, Kernel, tuple] | None = None
         self.eager_ops = 0  # ops run eagerly at sync points (matmuls, attention, unsupported calls)
+        # the tensors this fusion wrapped, by the memory they live in (a write through one guards all)
+        self._known: dict[tuple[torch.device, int], list[weakref.ref[torch.Tensor]]] = {}
 
     @property
     def config(self) -> FusionConfig:
@@ -314,7 +372,20 @@ class Fusion:
             return t
         if not isinstance(t, torch.Tensor):
             raise RtxError(f"lazy() takes a torch.Tensor, got {type(t).__name__}")
+        self._remember(t)
         return LazyTensor._leaf(self.stream(t.device), t)
+
+    def _remember(self, t: torch.Tensor) -> None:
+        refs = self._known.setdefault(_storage_key(t), [])
+        if not any(r() is t for r in refs):
+            refs.append(weakref.ref(t))
+        if len(refs) > 64 or len(self._known) > 4096:  # drop what died
+            self._known = {k: live for k, rs in self._known.items() if (live := [r for r in rs if r() is not None])}
+
+    def _aliases(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The live tensors this fusion wrapped that share ``t``'s memory."""
+        refs = self._known.get(_storage_key(t), ())
+        return [x for r in refs if (x := r()) is not None and x is not t]
 
     def stream(self, device: torch.device) -> OperationStream:
         s = self._streams.get(device)
@@ -412,6 +483,8 @@ def _materialize_all(args: tuple, kwargs: dict, reason: str) -> tuple[tuple, dic
 def _wrap(out: Any, fusion: Fusion) -> Any:
     if isinstance(out, torch.Tensor) and not isinstance(out, torch.nn.Parameter):
         return fusion.lazy(out)
+    if isinstance(out, tuple) and hasattr(out, "n_fields"):  # torch.return_types keep their names
+        return type(out)([_wrap(o, fusion) for o in out])
     if isinstance(out, tuple) and not hasattr(out, "_fields"):
         return tuple(_wrap(o, fusion) for o in out)
     if isinstance(out, list):
@@ -427,7 +500,7 @@ class LazyTensor:
     access (``.torch()``, ``.item()``, ``.tolist()``, ``.cpu()``, printing) is a sync point.
     """
 
-    __slots__ = ("_stream", "_expr", "_value", "_info", "_home", "__weakref__")
+    __slots__ = ("_stream", "_expr", "_value", "_info", "_home", "_base", "_chain", "_strides", "__weakref__")
 
     def __init__(self) -> None:
         raise RtxError("create lazy tensors with rx.lazy(tensor) or Fusion.lazy(tensor)")
@@ -436,13 +509,8 @@ class LazyTensor:
     def _leaf(cls, stream: OperationStream, t: torch.Tensor) -> LazyTensor:
         lt = object.__new__(cls)
         lt._stream, lt._expr, lt._value, lt._home = stream, None, t, None
+        lt._base, lt._chain, lt._strides = None, (), _contiguous_strides(t)
         lt._info = Info.tensor(tuple(t.shape), t.dtype)
-        return lt
-
-    @classmethod
-    def _pending(cls, stream: OperationStream, expr: Expr, info: Info) -> LazyTensor:
-        lt = _new(cls)
-        lt._stream, lt._expr, lt._value, lt._info, lt._home = stream, expr, None, info, None
         return lt
 
     def _materialize(self, t: torch.Tensor) -> None:
@@ -496,6 +564,22 @@ class LazyTensor:
     def requires_grad(self) -> bool:
         return self._value.requires_grad if self._value is not None else False
 
+    # views that torch spells as properties
+    @property
+    def T(self) -> Any:  # noqa: N802 (torch's name)
+        return self.permute(tuple(reversed(range(self.ndim)))) if self.ndim >= 2 else self._property_view("T")
+
+    @property
+    def mT(self) -> Any:  # noqa: N802
+        return self.transpose(-2, -1) if self.ndim >= 2 else self._property_view("mT")
+
+    def _property_view(self, name: str) -> Any:
+        """A view torch spells as a property, taken of the real value (torch decides, or raises)."""
+        real = self._real(f"view .{name}")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = getattr(real, name)
+        return _wrap_view(out, self, self._stream.fusion)
+
     # data access: sync points
     def torch(self) -> torch.Tensor:
         """The value as a plain tensor (runs whatever it still needs)."""
@@ -510,8 +594,9 @@ class LazyTensor:
     def numpy(self) -> Any:
         return self._real("data access: .numpy()").numpy()
 
-    def cpu(self) -> torch.Tensor:
-        return self._real("data access: .cpu()").cpu()
+    def cpu(self) -> Any:
+        out = self._real("data access: .cpu()").cpu()
+        return self if out is self._value else out
 
     def __repr__(self) -> str:
         return f"LazyTensor({self._real('data access: printing')!r})"
@@ -525,7 +610,12 @@ class LazyTensor:
     def __int__(self) -> int:
         return int(self._real("data access: int()"))
 
+    def __index__(self) -> int:
+        return self._real("data access: index").__index__()
+
     def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
 
     def __array__(self, dtype: Any = None) -> Any:
@@ -536,12 +626,12 @@ class LazyTensor:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         entry = _TORCH.get(func)
-        if entry is not None and not kwargs and func not in VIEWS:
-            # the hot path: a mapped op over lazy values (one stream) and python numbers
+        if entry is not None and not kwargs and func not in _SLOW:
+            # the hot path: a mapped op over lazy values (one stream, eager layout contiguous) and numbers
             stream = None
             operands = []
             for a in args:
-                if type(a) is LazyTensor:
+                if type(a) is LazyTensor and a._strides is None:
                     if stream is None:
                         stream, epoch = a._stream, a._stream.epoch
                     elif a._stream is not stream:
@@ -554,11 +644,9 @@ class LazyTensor:
             else:  # (a conversion that flushed the stream takes the careful path below)
                 if stream is not None and stream.epoch == epoch and stream.fusion.config.enabled:
                     try:
-                        out = entry[1](*operands)
-                    except Unsupported:
-                        pass
-                    else:  # an identity (eval-mode dropout) gives its operand back
-                        return args[0] if out is operands[0] else stream.record(out)
+                        return stream.record(entry[1](*operands))
+                    except (Unsupported, RtxError):
+                        pass  # torch decides: the careful path runs it eagerly
         return _dispatch(func, args, kwargs or {})
 
     def __getattr__(self, name: str) -> Any:
@@ -570,28 +658,48 @@ class LazyTensor:
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """Every call the hot path does not take: in-place ops, views, mixed operands, sync points."""
-    lazies = [a for a in args if isinstance(a, LazyTensor)]
-    if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):  # nested or keyword tensors
-        lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
-    stream = lazies[0]._stream
-    fusion = stream.fusion
-    if func in REGISTRY.inplace:
-        return _inplace(func, args, kwargs)
-    if func in VIEWS:
+    found = _tensors_and_lazies((args, kwargs))
+    lazies = [a for a in found if isinstance(a, LazyTensor)]
+    fusion = lazies[0]._stream.fusion
+    if torchsem.writes(func, kwargs):
+        return _inplace(func, args, kwargs, fusion)
+    if func is torchsem.CONTIGUOUS:
+        return _contiguous(args[0], args[1:], kwargs)
+    if func in torchsem.VIEWS and isinstance(args[0], LazyTensor) and _basic_view(func, args):
         return _view(func, args, kwargs, fusion)
+    stream = lazies[0]._stream
     entry = REGISTRY.torch.get(func)
-    builder = entry[1] if entry is not None else None
     mixed = any(lt._stream is not stream for lt in lazies)
-    if builder is None or mixed or not fusion.config.enabled:
+    if entry is None or mixed or not fusion.config.enabled:
         return fusion._eager(func, args, kwargs, f"unsupported {_name(func)}")
+    meta = _meta_result(func, args, kwargs)
+    if meta is _RAISES:  # torch rejects the call: let it say so, at this statement
+        return fusion._eager(func, args, kwargs, f"{_name(func)} raises in torch")
+    if meta is _SELF and isinstance(args[0], LazyTensor):
+        return args[0]  # eager returns self (x.float() of a float, eval dropout): so do we
     try:
-        expr = _build(builder, args, kwargs, stream)
-    except Unsupported:
+        expr = _build(entry[1], args, kwargs, stream)
+        if isinstance(expr, tuple):
+            return _record_many(func, expr, stream, meta)
+        out = stream.record(expr)
+    except (Unsupported, RtxError):
         return fusion._eager(func, args, kwargs, f"unsupported arguments of {_name(func)}")
-    for a in args:  # an identity (eval-mode dropout) gave its operand back
-        if isinstance(a, LazyTensor) and a._expr is not None and a._expr is expr:
-            return a
-    return stream.record(expr)
+    if not _agrees(out, meta):  # our typing differs from torch's: torch's answer, eagerly
+        return fusion._eager(func, args, kwargs, f"{_name(func)}: dtype or shape other than torch's")
+    out._strides = _strides_of(meta)
+    return out
+
+
+def _record_many(func: Any, exprs: tuple, stream: OperationStream, meta: Any) -> Any:
+    """A recorded op with several results (``max(dim)``): torch's named tuple when torch gives one."""
+    outs = [stream.record(e) for e in exprs]
+    if isinstance(meta, tuple) and len(meta) == len(outs):
+        for o, m in zip(outs, meta):
+            if not _agrees(o, m):
+                raise Unsupported
+        if hasattr(meta, "n_fields"):
+            return type(meta)(outs)
+    return tuple(outs)
 
 
 def _name(func: Any) -> str:
@@ -601,8 +709,83 @@ def _name(func: Any) -> str:
 #: the registry's torch mappings, read once per call on the hot path
 _TORCH = REGISTRY.torch
 _new = object.__new__
+#: functions the hot path leaves to ``_dispatch``: views, writes, ``contiguous``
+_SLOW = frozenset(
+    torchsem.VIEWS | torchsem.MAYBE_SELF | {torchsem.CONTIGUOUS} | {f for f in _TORCH if torchsem.writes(f, {})}
+)
 
 
+# ---- torch's answer on meta tensors ---------------------------------------------------------------
+_RAISES, _SELF = object(), object()  # torch raises / returns its first argument itself
+#: (func, argument signature) -> torch's result on meta tensors (or _RAISES): one probe per structure
+_META: LRU[tuple, Any] = LRU(4096)
+
+
+def _meta_of(x: Any) -> Any:
+    if isinstance(x, LazyTensor):
+        stride = x._strides if x._strides is not None else torch.empty(x._info.shape, device="meta").stride()
+        return torch.empty_strided(x._info.shape, stride, dtype=x.dtype, device="meta")
+    if isinstance(x, torch.Tensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+        return type(x)(_meta_of(v) for v in x)
+    return x
+
+
+def _sig(x: Any) -> Any:
+    if isinstance(x, LazyTensor):
+        return ("L", x.dtype, x._info.shape, x._strides)
+    if isinstance(x, torch.Tensor):
+        return ("T", x.dtype, tuple(x.shape), _contiguous_strides(x))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_sig(v) for v in x))
+    # numbers by value: dims are ints, and a float can decide identity (dropout's p=0 returns self)
+    return (type(x).__name__, x) if isinstance(x, (int, float, bool, str, torch.dtype, type(None))) else repr(x)
+
+
+def _meta_result(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What torch gives for this call on meta tensors of the same dtypes, shapes and strides:
+    a meta tensor, a tuple of them, ``_RAISES``, or None where meta tensors cannot tell."""
+    try:
+        key = (func, _sig(args), tuple((k, _sig(v)) for k, v in kwargs.items()))
+        hash(key)
+    except TypeError:
+        return None
+    hit = _META.get(key)
+    if hit is not None:
+        return None if hit is _UNKNOWN else hit
+    try:
+        metas = _meta_of(args)
+        out = func(*metas, **{k: _meta_of(v) for k, v in kwargs.items()})
+        if metas and out is metas[0]:
+            out = _SELF
+        elif not isinstance(out, (torch.Tensor, tuple)):
+            out = None
+    except (RuntimeError, IndexError, ValueError, TypeError) as exc:
+        # data-dependent ops and meta gaps cannot tell; shape and dtype errors are torch's verdict
+        text = str(exc)
+        out = None if "meta" in text or "data-dependent" in text or "Cannot copy out" in text else _RAISES
+    except Exception:  # noqa: BLE001 - anything else: unknown, decide without meta
+        out = None
+    _META.put(key, _UNKNOWN if out is None else out)
+    return out
+
+
+_UNKNOWN = object()
+
+
+def _agrees(out: LazyTensor, meta: Any) -> bool:
+    if not isinstance(meta, torch.Tensor):
+        return meta is None
+    return out.dtype == meta.dtype and out._info.shape == tuple(meta.shape)
+
+
+def _strides_of(meta: Any) -> tuple[int, ...] | None:
+    return _contiguous_strides(meta) if isinstance(meta, torch.Tensor) else None
+
+
+# ---- records, views and writes ------------------------------------------------------------------
 def _build(builder: Callable[..., Any], args: tuple, kwargs: dict, stream: OperationStream) -> Any:
     """Operands as expressions, then the op's builder; redone if converting an operand flushed the
     stream (a read of a tensor with a pending in-place write): no operand keeps a stale leaf."""
@@ -636,86 +819,144 @@ def _expr_of(x: Any, stream: OperationStream) -> Any:
     return x
 
 
+def _basic_view(func: Any, args: tuple) -> bool:
+    """Is this call a view in torch? Indexing with tensors or lists is a gather (a copy)."""
+    if func is not torch.Tensor.__getitem__:
+        return not any(isinstance(a, (LazyTensor, torch.Tensor)) for a in args[1:])
+    key = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return all(k is None or k is Ellipsis or isinstance(k, (int, slice)) and not isinstance(k, bool) for k in key)
+
+
+def _wrap_view(out: Any, base: LazyTensor, fusion: Fusion) -> Any:
+    if isinstance(out, torch.Tensor) and out is base._value:
+        return base  # torch gave the tensor itself back (a no-op view)
+    return _wrap(out, fusion)
+
+
 def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
-    """Views of materialized values are free. Of a pending value, ``contiguous`` is the value
-    itself (kernels write contiguous outputs), ``unsqueeze`` is recorded; other views (slices,
-    ``narrow``, ``chunk``) need the value first, so they alias it as in eager torch."""
+    """Views of materialized values are real views (free). Of a pending value, a view the
+    registry records is an alias: a lazy value reading the recorded expression, made a real view
+    of the root's buffer at the flush; any other view (several results, a layout that is not
+    eager's) materializes the value first."""
     base = args[0]
-    if isinstance(base, LazyTensor) and base.is_pending:
-        name = getattr(func, "__name__", "")
-        if name == "contiguous":
-            return base
+    stream = base._stream
+    if base.is_pending:
+        meta = _meta_result(func, args, kwargs)
         entry = REGISTRY.torch.get(func)
-        # only views that insert size-1 dims are recorded: any other recorded view (a slice) would
-        # be a copy, and a later in-place write to its base or to it would not reach the other
-        if entry is not None and entry[0].view:
+        alias = func in (torch.Tensor.detach, torch.detach)
+        if isinstance(meta, torch.Tensor) and (entry is not None or alias) and fusion.config.enabled:
             try:
-                view = base._stream.record(_build(entry[1], args, kwargs, base._stream))
-            except Unsupported:
-                pass
-            else:  # an in-place write to either later makes it a real view of the other first
-                base._stream.views.append((weakref.ref(view), weakref.ref(base), func, args[1:], kwargs))
+                expr = base._expr if alias else _build(entry[1], args, kwargs, stream)  # type: ignore[index]
+                view = stream.record(expr) if isinstance(expr, Expr) and base.is_pending else None
+            except (Unsupported, RtxError):
+                view = None
+            if view is not None and _agrees(view, meta):
+                view._base = base._base if base._base is not None else base
+                view._chain = (*base._chain, (func, args[1:], kwargs))
+                view._strides = _strides_of(meta)
+                stream.views.append(weakref.ref(view))
                 return view
-        base._real(f"view {name} of a pending value")
-    real_args, real_kwargs = _materialize_all(args, kwargs, "view")
-    return _wrap(func(*real_args, **real_kwargs), fusion)
+        base._real(f"view {_name(func)} of a pending value")
+    real = base._real(f"view {_name(func)}")
+    rest, kw = _materialize_all(args[1:], kwargs, "view")
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(real, *rest, **kw)
+    return _wrap_view(out, base, fusion)
 
 
-def _realize_views(stream: OperationStream) -> None:
-    """Before an in-place write to a viewed value (or to a recorded view): flush, then make every
-    recorded view a real view of its base's tensor, so the write reaches both, as in eager."""
-    stream.flush("in-place write to a value with recorded views")
-    entries, stream.views = stream.views, []
-    for view_ref, base_ref, func, rest, kwargs in entries:
-        view, base = view_ref(), base_ref()
-        if view is None or base is None or base._value is None:
-            continue
-        with torch._C.DisableTorchFunctionSubclass():
-            view._value = func(base._value, *rest, **kwargs)
-        view._expr = None
+def _contiguous(base: Any, rest: tuple, kwargs: dict) -> Any:
+    """``contiguous()``: the value itself when eager's is contiguous, else a copy."""
+    if not isinstance(base, LazyTensor):
+        return torch.Tensor.contiguous(base, *rest, **kwargs)
+    if base.is_pending:
+        if base._strides is None and base._home is None:
+            return base
+        if base._home is not None and _contiguous_strides(base._home) is None:
+            return base
+        copy = base._stream.record(base._expr)  # type: ignore[arg-type]
+        return copy  # its own buffer at the flush (equal expressions are written once and copied)
+    real = base._real("contiguous()")
+    with torch._C.DisableTorchFunctionSubclass():
+        out = real.contiguous(*rest, **kwargs)
+    return _wrap_view(out, base, base._stream.fusion)
 
 
-def _out_of_place(func: Any) -> Any:
-    """``Tensor.add_`` -> ``Tensor.add``; ``Tensor.__iadd__`` -> ``Tensor.__add__``."""
-    name = func.__name__
-    plain = f"__{name[3:]}" if name.startswith("__i") else name[:-1]
-    return getattr(torch.Tensor, plain)
+def _partly_overlapping(target: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Does an operand share memory with ``target`` without being the same view of it (torch
+    refuses some such writes and orders others: eager decides)?"""
+    key = _storage_key(target)
+    with torch._C.DisableTorchFunctionSubclass():
+        here = (target.data_ptr(), tuple(target.shape), tuple(target.stride()))
+        for a in _tensors_and_lazies((args[1:], kwargs)):
+            t = a._value if isinstance(a, LazyTensor) else a
+            if t is None or t is target or _storage_key(t) != key:
+                continue
+            if (t.data_ptr(), tuple(t.shape), tuple(t.stride())) != here:
+                return True
+    return False
 
 
-def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``a.add_(b)``: ``a + b`` becomes a's pending value and, at the next flush, its tensor's content.
+def _inplace(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
+    """``a.add_(b)``: ``a + b`` (cast back to a's dtype) becomes a's pending value and, at the
+    next flush, its tensor's content. Writes the registry cannot compute, writes to a value with
+    views, writes with partly overlapping operands and ``out=`` run eagerly after a flush.
 
     A write to a tensor that pending ops read is a sync point (they run first, on the old
     content, as in eager); later reads of the tensor see the pending value; a read of
     another view of the same storage flushes first.
     """
-    target = args[0]
-    assert isinstance(target, LazyTensor)
+    target, plain = args[0], None
+    if isinstance(target, torch.Tensor) and not isinstance(target, LazyTensor):
+        plain, target = target, fusion.lazy(target)  # a plain tensor written with lazy operands
+        args = (target, *args[1:])
+    if not isinstance(target, LazyTensor):
+        return _eager_write(func, args, kwargs, fusion, plain)
     stream = target._stream
-    if any(target is r() for v, b, *_ in stream.views for r in (v, b)):
-        _realize_views(stream)
-    if not target.is_pending and stream.reads(target._value):  # type: ignore[arg-type]
-        stream.flush("in-place write to a tensor with pending readers")
-    result = LazyTensor.__torch_function__(_out_of_place(func), (LazyTensor,), args, kwargs)
-    if not isinstance(result, LazyTensor):
-        raise RtxError(f"in-place {func.__name__} produced no tensor")
-    if result.dtype != target.dtype or result.shape != target.shape:
-        raise RtxError(
-            f"in-place {func.__name__} cannot change {target.dtype}{list(target.shape)} into "
-            f"{result.dtype}{list(result.shape)}"
-        )
+    oop = torchsem.out_of_place(func, kwargs)
+    entry = REGISTRY.torch.get(oop[0]) if oop is not None else None
+    if entry is None or not fusion.config.enabled or target._stream.fusion is not fusion:
+        return _eager_write(func, args, kwargs, fusion, plain)
+    if stream.has_views(target):
+        stream.flush("in-place write to a value with views")
+    if not target.is_pending:
+        if _partly_overlapping(target._value, args, kwargs):  # type: ignore[arg-type]
+            return _eager_write(func, args, kwargs, fusion, plain)
+        if stream.reads(target._value):  # type: ignore[arg-type]
+            stream.flush("in-place write to a tensor with pending readers")
+    result = LazyTensor.__torch_function__(oop[0], (LazyTensor,), args, oop[1])  # type: ignore[index]
+    if not isinstance(result, LazyTensor) or not result.is_pending or result.shape != target.shape:
+        return _eager_write(func, args, kwargs, fusion, plain)  # eager decides (or raises torch's error)
+    if result.dtype != target.dtype:
+        if not torch.can_cast(result.dtype, target.dtype):
+            return _eager_write(func, args, kwargs, fusion, plain)
+        result = LazyTensor.__torch_function__(torch.Tensor.to, (LazyTensor,), (result, target.dtype))
+    if result is target:  # an identity (eval-mode dropout): nothing to write
+        return plain if plain is not None else target
     home = target._home if target.is_pending else target._value
-    if not result.is_pending:  # the op ran eagerly: write now
-        if home is None:
-            target._value = result._value
-        else:
-            home.copy_(result._value)  # type: ignore[arg-type]
-        return target
     target._expr, target._info, target._value = result._expr, result._info, None
     if home is not None:
-        target._home = home
+        target._home, target._strides = home, _contiguous_strides(home)
         stream.write_home(home, target)
-    return target
+    return plain if plain is not None else target
+
+
+def _eager_write(func: Any, args: tuple, kwargs: dict, fusion: Fusion, plain: torch.Tensor | None) -> Any:
+    """A write the stream does not record: everything pending runs first, then torch writes."""
+    for s in list(fusion._streams.values()):
+        s.flush(f"in-place {_name(func)} (run eagerly)")
+    real_args, real_kwargs = _materialize_all(args, kwargs, "in-place write")
+    out = func(*real_args, **real_kwargs)
+    fusion.eager_ops += 1
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors((real_args, real_kwargs)))
+    fusion._stats.record(1, 0, 1, nbytes, nbytes)
+    for lt in _tensors_and_lazies((args, kwargs)):  # set_/resize_ may change what a value is
+        if isinstance(lt, LazyTensor) and lt._value is not None:
+            lt._info = Info.tensor(tuple(lt._value.shape), lt._value.dtype)
+            lt._strides = _contiguous_strides(lt._value)
+    target = args[0]
+    if out is None or not isinstance(out, torch.Tensor) or out is not real_args[0]:
+        return _wrap(out, fusion)
+    return plain if plain is not None else target
 
 
 # operators: dunders are looked up on the class, not through __getattr__
@@ -731,8 +972,9 @@ _TYPES = (LazyTensor,)
 for _d in (
     *(f"__{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "matmul")),
     *(f"__r{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "matmul")),
-    *(f"__i{n}__" for n in ("add", "sub", "mul", "truediv", "pow", "and", "or", "xor")),
-    *(f"__{n}__" for n in ("neg", "abs", "invert", "lt", "le", "gt", "ge", "eq", "ne", "getitem")),
+    *torchsem.INPLACE_DUNDERS,
+    *(f"__{n}__" for n in ("neg", "abs", "invert", "lt", "le", "gt", "ge", "eq", "ne", "getitem", "setitem")),
+    *(f"__{n}__" for n in ("lshift", "rshift", "pos")),
 ):
     if hasattr(torch.Tensor, _d):
         setattr(LazyTensor, _d, _dunder(_d))

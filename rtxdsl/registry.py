@@ -283,10 +283,29 @@ register = REGISTRY.register
 
 
 def as_tensors(*vals: Any) -> list[Any]:
-    """Python scalars as 0-dim tensors beside the tensors among ``vals`` (same promotion)."""
-    like = next((v for v in vals if isinstance(v, torch.Tensor)), None)
-    device = like.device if like is not None else "cpu"
-    return [v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device) for v in vals]
+    """Python scalars as 0-dim tensors beside the tensors among ``vals``, promoting as torch
+    promotes a python scalar: when every tensor is 0-dim, a 0-dim tensor would take part in
+    promotion, so the scalar takes the tensors' dtype unless its category is higher."""
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    device = tensors[0].device if tensors else "cpu"
+    dtype = None
+    if tensors and all(t.dim() == 0 for t in tensors):
+        dtype = tensors[0].dtype
+        for t in tensors[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+
+    def wrap(v: Any) -> torch.Tensor:
+        kind = torch.bool if isinstance(v, bool) else torch.int64 if isinstance(v, int) else torch.get_default_dtype()
+        if dtype is not None and _rank(kind) <= _rank(dtype):
+            return torch.tensor(v, dtype=dtype, device=device)
+        return torch.tensor(v, device=device)
+
+    return [v if isinstance(v, torch.Tensor) else wrap(v) for v in vals]
+
+
+def _rank(dtype: torch.dtype) -> int:
+    """bool < integer < floating (torch's promotion categories)."""
+    return 0 if dtype == torch.bool else 2 if dtype.is_floating_point or dtype.is_complex else 1
 
 
 def apply_ref(op: OpDef, vals: list[Any], attrs: dict[str, Any]) -> Any:

@@ -854,7 +854,7 @@ def _where_builder(c: Any, a: Any = None, b: Any = None) -> Expr:
 _ew(
     "where",
     3,
-    lambda c, a, b: torch.where(*as_tensors(c, a, b)),
+    lambda c, a, b: torch.where(torch.as_tensor(c), *as_tensors(a, b)),  # the condition takes no part in promotion
     lambda ctx, c, a, b: f"tl.where({c}, {a}, {b})",
     lambda d: (None, node("where", d.a, d.g, node("mul", d.g, 0.0)), node("where", d.a, node("mul", d.g, 0.0), d.g)),
     accepts=ANY,

@@ -86,6 +86,8 @@ def _ce_shape(shapes: list[tuple[int, ...]], reduction: str, **_: Any) -> tuple[
         raise ShapeError("cross_entropy: logits must have a class axis (at least 1-d)")
     cls = _class_axis(len(x))
     rows = x[:cls] + x[cls + 1 :]
+    if not rows and t == ():
+        raise ShapeError("cross_entropy: unbatched logits with a class index are not fused (give [1, C] logits)")
     if t != rows and t != x:
         raise ShapeError(
             f"cross_entropy: target has shape {list(t)}; expected {list(rows)} (class indices) "

@@ -1,0 +1,88 @@
+"""What torch functions do to memory: which return views, which may return ``self``, which write.
+
+The lazy stream reproduces eager aliasing from these tables (see ``lazy.py``): a view shares its
+base's storage, an op that may return ``self`` returns the same object when it changes nothing,
+and a write is either recorded exactly or is a sync point. Knowledge of torch only, no rtxdsl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: functions whose result is a view of their first argument (torch's "view ops" list)
+_VIEW_NAMES = (
+    "view", "view_as", "reshape", "reshape_as", "unsqueeze", "squeeze", "expand", "expand_as", "transpose",
+    "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t", "flatten", "unflatten", "narrow", "select",
+    "unbind", "split", "split_with_sizes", "tensor_split", "hsplit", "vsplit", "chunk", "diagonal", "detach",
+    "alias", "as_strided", "__getitem__", "unfold", "adjoint", "view_as_real", "real",
+)  # fmt: skip
+VIEWS: frozenset[Any] = frozenset(
+    f
+    for owner in (torch.Tensor, torch)
+    for n in _VIEW_NAMES
+    if callable(f := getattr(owner, n, None)) and n != "contiguous"
+)
+#: functions that may return their first argument itself (eager: ``x.float() is x`` for fp32 x)
+MAYBE_SELF: frozenset[Any] = frozenset(
+    {
+        *(getattr(torch.Tensor, n) for n in ("to", "type", "type_as", "contiguous", "float", "half", "double")),
+        *(getattr(torch.Tensor, n) for n in ("bfloat16", "int", "long", "short", "bool", "char", "byte")),
+        F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout,
+    }
+)  # fmt: skip
+#: the views whose strides depend on the base's (a copy when they cannot be a view)
+LAYOUT_SENSITIVE: frozenset[Any] = frozenset(
+    f for owner in (torch.Tensor, torch) for n in ("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten")
+    if (f := getattr(owner, n, None)) is not None
+)  # fmt: skip
+CONTIGUOUS = torch.Tensor.contiguous
+
+_DUNDER_NAMES = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift")
+#: in-place dunder -> its out-of-place dunder (``__iadd__`` -> ``__add__``), by function object
+_IDUNDERS: dict[Any, Any] = {
+    getattr(torch.Tensor, f"__i{n}__"): getattr(torch.Tensor, f"__{n}__")
+    for n in _DUNDER_NAMES
+    if hasattr(torch.Tensor, f"__i{n}__") and hasattr(torch.Tensor, f"__{n}__")
+}
+#: the in-place dunders a LazyTensor defines (python rebinds the name for missing ones)
+INPLACE_DUNDERS = tuple(f"__i{n}__" for n in _DUNDER_NAMES if hasattr(torch.Tensor, f"__i{n}__"))
+_OWNERS = (torch.Tensor, torch, F, torch._C._nn)
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", "")
+
+
+def writes(func: Any, kwargs: dict) -> bool:
+    """Does this call write into a tensor argument (the first, or ``out=``)?"""
+    name = _name(func)
+    if func in _IDUNDERS or name == "__setitem__" or kwargs.get("inplace") is True:
+        return True
+    if kwargs.get("out") is not None:
+        return True
+    return name.endswith("_") and not name.startswith("_")
+
+
+def out_of_place(func: Any, kwargs: dict) -> tuple[Callable[..., Any], dict] | None:
+    """The function computing the value an in-place call writes, and its keyword arguments:
+    ``Tensor.add_`` -> ``Tensor.add``, ``__itruediv__`` -> ``__truediv__``, ``F.elu(inplace=True)``
+    -> ``F.elu(inplace=False)``; None when there is none (``zero_``, ``__setitem__``, ``out=``)."""
+    name = _name(func)
+    if kwargs.get("out") is not None:
+        return None
+    if kwargs.get("inplace") is True:
+        return func, {**kwargs, "inplace": False}
+    if func in _IDUNDERS:
+        return _IDUNDERS[func], kwargs
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    plain = name[:-1]
+    for owner in _OWNERS:
+        if getattr(owner, name, None) is func:
+            found = getattr(owner, plain, None)
+            return (found, kwargs) if callable(found) else None
+    return None
