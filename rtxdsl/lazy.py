@@ -301,7 +301,7 @@ class OperationStream:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return _storage_key(a) == _storage_key(b)
 
 
 #: the canonical inputs a0, a1, ...: one interned var each, built once
@@ -873,8 +873,8 @@ def _contiguous(base: Any, rest: tuple, kwargs: dict) -> Any:
             return base
         if base._home is not None and _contiguous_strides(base._home) is None:
             return base
-        copy = base._stream.record(base._expr)  # type: ignore[arg-type]
-        return copy  # its own buffer at the flush (equal expressions are written once and copied)
+        # a value of its own: equal expressions get their own buffer at the flush
+        return base._stream.record(base._expr)  # type: ignore[arg-type]
     real = base._real("contiguous()")
     with torch._C.DisableTorchFunctionSubclass():
         out = real.contiguous(*rest, **kwargs)

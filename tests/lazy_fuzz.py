@@ -196,17 +196,20 @@ def generate(seed: int, steps: int = 10) -> Program:
     return Program(prelude + wrapped, g.lines, scalars, g.raises)
 
 
-def _run(p: Program, L: Any, scalars: dict[str, float]) -> tuple[dict[str, Any], list[bool]]:
-    env: dict[str, Any] = {"torch": torch, "F": F, "L": L, **scalars}
+def _run(p: Program, fusion: Any | None, scalars: dict[str, float]) -> tuple[dict[str, Any], list[Exception | None]]:
+    """Run ``p`` eagerly (``fusion`` None) or with its inputs wrapped; what each line raised."""
+    env: dict[str, Any] = {"torch": torch, "F": F, "L": fusion.lazy if fusion else lambda t: t, **scalars}
     for line in p.inputs:
         exec(line, env)
-    raised = []
+    raised: list[Exception | None] = []
     for line in p.lines:
         try:
             exec(line, env)
-            raised.append(False)
-        except Exception:
-            raised.append(True)
+            raised.append(None)
+        except Exception as e:  # noqa: BLE001 - compared with what eager raised
+            raised.append(e)
+    if fusion is not None:
+        fusion.sync()
     return env, raised
 
 
@@ -259,16 +262,17 @@ def check(p: Program, fusion: Any | None = None) -> tuple[str, str]:
     text = p.source()
     coarse = torch.bfloat16 if "bfloat16" in text else torch.float16 if "float16" in text or "half" in text else None
     for scalars in (p.scalars, {"s0": -p.scalars["s0"] * 0.5 + 0.125, "s1": p.scalars["s1"] * 2}):
-        want, want_raised = _run(p, lambda t: t, scalars)
+        want, want_raised = _run(p, None, scalars)
         try:
-            got, got_raised = _run_lazy(p, f, scalars)
+            got, got_raised = _run(p, f, scalars)
         except rx.RtxError as e:
             return "refused", str(e)
         except Exception as e:  # noqa: BLE001
             return "crash", "".join(traceback.format_exception_only(type(e), e)).strip()
         for k, (w, g) in enumerate(zip(want_raised, got_raised)):
-            if w != g:
-                return "wrong" if w else "crash", f"line {k} ({p.lines[k]}): eager raised {w}, lazy raised {g}"
+            if (w is None) != (g is None):
+                kind = "wrong" if w is not None else "refused" if isinstance(g, rx.RtxError) else "crash"
+                return kind, f"line {k} ({p.lines[k]}): eager raised {w!r}, lazy raised {g!r}"
         for name, w in want.items():
             if name in _NOT_COMPARED or name not in got:
                 continue
@@ -280,25 +284,6 @@ def check(p: Program, fusion: Any | None = None) -> tuple[str, str]:
             if d:
                 return "wrong", f"{name}: {d}"
     return "ok", ""
-
-
-def _run_lazy(p: Program, f: Any, scalars: dict[str, float]) -> tuple[dict[str, Any], list[bool]]:
-    env: dict[str, Any] = {"torch": torch, "F": F, "L": f.lazy, **scalars}
-    for line in p.inputs:
-        exec(line, env)
-    raised = []
-    for line in p.lines:
-        try:
-            exec(line, env)
-            raised.append(False)
-        except rx.RtxError as e:
-            if "refus" in str(e):
-                raise
-            raised.append(True)
-        except Exception:
-            raised.append(True)
-    f.sync()
-    return env, raised
 
 
 def main(argv: list[str] | None = None) -> int:
