@@ -15,7 +15,7 @@ import rtxdsl as rx
 from benches.common import machine, markdown, save
 from rtxdsl.workloads import rope_eager
 
-x, y, w, b, c, s, t = (rx.var(n) for n in "xywbcst")
+x, y, w, b, c, s, t, c3 = (rx.var(n) for n in ("x", "y", "w", "b", "c", "s", "t", "c3"))
 CASES = {
     "bias_gelu": (rx.gelu(x + b), lambda x, b: F.gelu(x + b), ("x", "b")),
     "layer_norm": (rx.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), ("x", "w", "b")),
@@ -25,12 +25,36 @@ CASES = {
     "geglu": (rx.geglu(x, y), lambda x, y: F.gelu(x) * y, ("x", "y")),
     "rope": (rx.rope(x, c, s), lambda x, c, s: rope_eager(x, c, s), ("x", "c", "s")),
     "cross_entropy": (rx.cross_entropy(x, t), lambda x, t: F.cross_entropy(x, t), ("x", "t")),
+    # Liger-Kernel's op set (the references from the definitions its tests use)
+    "kl_div": (
+        rx.kl_div(x, y, "batchmean", True),
+        lambda x, y: F.kl_div(x, y, reduction="batchmean", log_target=True),
+        ("x", "y"),
+    ),
+    "jsd": (rx.jsd(x, y, beta=0.3), lambda x, y: _jsd_eager(x, y, 0.3), ("x", "y")),
+    "tvd": (rx.tvd(x, y), lambda x, y: (x - y).abs().sum() / 2 / x.shape[0], ("x", "y")),
+    "dyt": (rx.dyt(x, 0.5, w, b), lambda x, w, b: w * torch.tanh(0.5 * x) + b, ("x", "w", "b")),
+    "relu_squared": (rx.relu_squared(x), lambda x: torch.relu(x) ** 2, ("x",)),
+    "poly_norm": (rx.poly_norm(x, c3, 0.1), lambda x, c3: _poly_norm_eager(x, c3, 0.1), ("x", "c3")),
     "dropout_residual_ln": (
         rx.layer_norm(rx.dropout(x, 0.1, seed=3) + y, w, b),
         None,  # Philox numbers differ from torch's generator: counts and memory only
         ("x", "y", "w", "b"),
     ),
 }
+
+
+def _jsd_eager(log_q: torch.Tensor, log_p: torch.Tensor, beta: float) -> torch.Tensor:
+    p, q = log_p.exp(), log_q.exp()
+    log_m = torch.log(beta * p + (1 - beta) * q)
+    return (beta * p * (log_p - log_m) + (1 - beta) * q * (log_q - log_m)).sum() / log_q.shape[0]
+
+
+def _poly_norm_eager(x: torch.Tensor, w: torch.Tensor, bias: float) -> torch.Tensor:
+    def norm(u: torch.Tensor) -> torch.Tensor:
+        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    return w[0] * norm(x**3) + w[1] * norm(x**2) + w[2] * norm(x) + bias
 
 
 def saved_bytes(fn) -> tuple[int, object]:
@@ -50,7 +74,7 @@ def saved_bytes(fn) -> tuple[int, object]:
 def measure(name: str, rows: int, hidden: int) -> dict:
     expr, eager, names = CASES[name]
     shapes = {"x": (rows, hidden), "y": (rows, hidden), "w": (hidden,), "b": (hidden,)}
-    shapes |= {"c": (rows, hidden), "s": (rows, hidden)}
+    shapes |= {"c": (rows, hidden), "s": (rows, hidden), "c3": (3,)}
     gen = torch.Generator().manual_seed(0)
     base = {
         n: torch.randint(0, hidden, (rows,), generator=gen) if n == "t" else torch.randn(shapes[n], generator=gen)

@@ -42,11 +42,12 @@ from . import torchsem
 from .config import FusionConfig, get_config
 from .dsl import var
 from .errors import RtxError
-from .expr import Expr, walk
+from .expr import Expr, as_expr, walk
 from .log import log
 from .lower.bind import Info, infer, infer_all
 from .lru import LRU
 from .ops import REGISTRY, Unsupported
+from .ops.movement import permute
 from .runtime import Kernel
 from .stats import GLOBAL_STATS, FusionStats, FusionStatsSnapshot
 
@@ -107,6 +108,17 @@ def _contiguous_strides(t: torch.Tensor) -> tuple[int, ...] | None:
     """None for a contiguous tensor, else its strides (the eager layout a lazy value tracks)."""
     with torch._C.DisableTorchFunctionSubclass():
         return None if t.is_contiguous() else tuple(t.stride())
+
+
+def _memory_order(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The dims in memory order (outermost first) when ``strides`` lay ``shape`` out densely
+    (a permuted contiguous tensor, as eager's elementwise results of transposed inputs are):
+    ``torch.empty(permuted shape).permute(inverse)`` has exactly these strides. None otherwise."""
+    perm = tuple(sorted(range(len(shape)), key=lambda d: -strides[d]))
+    expect, step = [0] * len(shape), 1
+    for d in reversed(perm):
+        expect[d], step = step, step * shape[d]
+    return perm if tuple(expect) == strides else None
 
 
 # ---- the stream ---------------------------------------------------------------------------
@@ -250,10 +262,21 @@ class OperationStream:
                 firsts[id(lt._expr)] = lt
         kernel = None
         if firsts:
-            kernel, args = self.fusion._plan([lt._expr for lt in firsts.values()], self)  # type: ignore[misc]
+            # a value eager lays out as a permuted dense tensor is computed in that memory order
+            # (its kernel writes permute(value)) and viewed back: eager's strides, no copy
+            orders = [_memory_order(lt._info.shape, lt._strides) if lt._strides else None for lt in firsts.values()]
+            exprs = [lt._expr if o is None else permute(lt._expr, o) for lt, o in zip(firsts.values(), orders)]
+            # an in-place result is written straight into its tensor where the kernel can (it
+            # reads the old value only there, element by element): no copy after the kernel
+            final = {id(ws[-1]): home for home, ws in self.homes.values() if not home.requires_grad}
+            into = {k: final[id(lt)] for k, lt in enumerate(firsts.values()) if id(lt) in final}
+            kernel, args = self.fusion._plan(exprs, self, into)  # type: ignore[misc]
             outs = kernel(*args)
             outs = [outs] if not isinstance(outs, dict) else list(outs.values())
-            for lt, out in zip(firsts.values(), outs):
+            for lt, out, o in zip(firsts.values(), outs, orders):
+                if o is not None:
+                    with torch._C.DisableTorchFunctionSubclass():
+                        out = out.permute(sorted(range(len(o)), key=o.__getitem__))
                 lt._materialize(out)
             self.fusion._last = (reason, kernel, tuple(args))
         tensor_of = {id(v): t for t, v in self.leaves.values()}
@@ -261,18 +284,18 @@ class OperationStream:
             if lt._expr is not None:
                 first = firsts.get(id(lt._expr))
                 src = first._value if first is not None else tensor_of[id(lt._expr)]
-                self._copy_record(src)
+                self._copy_record(src, eager=True)  # eager computed it twice
                 lt._materialize(src.clone())
         for lt in computed:  # eager strides, where eager's value is not contiguous
-            if lt._strides is not None and lt._home is None:
+            if lt._strides is not None and lt._home is None and tuple(lt._value.stride()) != lt._strides:  # type: ignore[union-attr]
                 real = torch.empty_strided(lt._info.shape, lt._strides, dtype=lt.dtype, device=self.device)
-                self._copy_record(lt._value)  # type: ignore[arg-type]
+                self._copy_record(lt._value, eager=False)  # type: ignore[arg-type]
                 lt._value = real.copy_(lt._value)  # type: ignore[arg-type]
         dry = kernel is not None and kernel.config.dry_run
         for home, ws in self.homes.values():  # in-place results land in their tensors, as in eager
-            if not dry:  # a dry run computed nothing: never write it into a user tensor
+            if not dry and ws[-1]._value is not home:  # a dry run computed nothing: never write it into a user tensor
                 home.copy_(ws[-1]._value)
-                self._copy_record(home)
+                self._copy_record(home, eager=False)
             for w in ws:
                 w._value, w._home = home, None
         for v in views:  # recorded views become real views of their root's tensor
@@ -284,9 +307,10 @@ class OperationStream:
         log.info("flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(pending))
         self._reset()
 
-    def _copy_record(self, t: torch.Tensor) -> None:
+    def _copy_record(self, t: torch.Tensor, eager: bool) -> None:
+        """A copy the flush launches; ``eager``: eager torch launched its equivalent too."""
         nbytes = 2 * t.numel() * t.element_size()
-        self.fusion._stats.record(1, 0, 1, nbytes, nbytes)
+        self.fusion._stats.record(1, 0, int(eager), nbytes, nbytes if eager else 0)
 
     def _reset(self) -> None:
         self.info.clear()
@@ -421,11 +445,14 @@ class Fusion:
         """Distinct segment structures held (a steady loop stops adding to this)."""
         return len(self._plans)
 
-    def _plan(self, roots: list[Expr], stream: OperationStream) -> tuple[Kernel, list[Any]]:
+    def _plan(
+        self, roots: list[Expr], stream: OperationStream, into: dict[int, torch.Tensor]
+    ) -> tuple[Kernel, list[Any]]:
         """The kernel for this segment's structure, and the tensors and numbers to call it with.
 
         Two lookups: the recorded roots themselves (a steady loop records the very same interned
         nodes), then their canonical structure (a loop whose constants change maps to one plan).
+        ``into``: root index -> the tensor it may be written into (when the kernel reads it).
         """
         key = tuple(roots)
         hit = self._canon.get(key)
@@ -435,10 +462,13 @@ class Fusion:
         canon, params = hit
         tensor_of = {id(v): t for t, v in stream.leaves.values()}
         args = [tensor_of[id(p)] if p.op == "var" else p.attr("value") for p in params]
-        kernel = self._plans.get(canon)
+        slot = {id(t): k for k, t in enumerate(args) if isinstance(t, torch.Tensor)}
+        targets = tuple((f"o{r}", f"a{slot[id(t)]}") for r, t in into.items() if id(t) in slot)
+        kernel = self._plans.get((canon, targets))
         if kernel is None:
-            kernel = Kernel({f"o{k}": r for k, r in enumerate(canon)}, self._config, stats=self._stats)
-            self._plans.put(canon, kernel)
+            outputs = {f"o{k}": r for k, r in enumerate(canon)}
+            kernel = Kernel(outputs, self._config, stats=self._stats, into=dict(targets))
+            self._plans.put((canon, targets), kernel)
         return kernel, args
 
     def _eager(self, func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
@@ -457,6 +487,20 @@ class Fusion:
         self._stats.record(1, 0, 1, nbytes, nbytes)
         log.debug("eager %s (%s)", getattr(func, "__name__", func), reason)
         return _wrap(out, self)
+
+
+def _bind(roots: list[Expr], values: dict[str, Expr]) -> list[Expr]:
+    """``roots`` with each variable replaced by ``values[name]``."""
+    memo: dict[int, Expr] = {}
+    for n in walk(roots):
+        if n.op == "var":
+            memo[id(n)] = values[n.attr("name")]
+        elif n.srcs:
+            srcs = tuple(memo[id(s)] for s in n.srcs)
+            memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
+        else:
+            memo[id(n)] = n
+    return [memo[id(r)] for r in roots]
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -563,6 +607,39 @@ class LazyTensor:
     @property
     def requires_grad(self) -> bool:
         return self._value.requires_grad if self._value is not None else False
+
+    def stride(self, dim: int | None = None) -> Any:
+        """Eager's strides, known without running anything (a pending value's are tracked)."""
+        if self._value is not None:
+            strides = tuple(self._value.stride())
+        elif self._strides is not None:
+            strides = self._strides
+        else:
+            strides = tuple(torch.empty(self._info.shape, device="meta").stride())
+        return strides if dim is None else strides[dim]
+
+    def __rtxdsl_record__(self, kernel: Kernel, values: tuple) -> Any:
+        """``kernel(...)`` with lazy operands: its expressions, bound to the operands', are recorded
+        in the segment (one kernel with whatever else is pending). A kernel that draws random
+        seeds, or operands that need gradients, run it on materialized operands instead."""
+        stream = self._stream
+        lazies = [v for v in values if isinstance(v, LazyTensor)]
+        grads = torch.is_grad_enabled() and any(
+            v.requires_grad for v in values if isinstance(v, (LazyTensor, torch.Tensor))
+        )
+        if kernel.draws_seeds or grads or any(v._stream is not stream for v in lazies):
+            real = [v._real("an rtxdsl kernel call") if isinstance(v, LazyTensor) else v for v in values]
+            return _wrap(kernel(*real), stream.fusion)
+        names = [v.attr("name") for v in kernel.variables]
+        while True:
+            epoch = stream.epoch
+            bound = {n: _expr_of(v, stream) for n, v in zip(names, values)}
+            if stream.epoch == epoch:
+                break
+        keys = [k for k, _ in kernel.expressions]
+        exprs = _bind([e for _, e in kernel.expressions], {n: as_expr(b) for n, b in bound.items()})
+        outs = [stream.record(e) for e in exprs]
+        return outs[0] if kernel.returns_tensor else dict(zip(keys, outs))
 
     # views that torch spells as properties
     @property
@@ -919,7 +996,9 @@ def _inplace(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
     if stream.has_views(target):
         stream.flush("in-place write to a value with views")
     if not target.is_pending:
-        if _partly_overlapping(target._value, args, kwargs):  # type: ignore[arg-type]
+        # operands partly overlapping the target, or a target whose elements share memory
+        # (an expanded view: torch refuses to write it): torch decides, eagerly
+        if _partly_overlapping(target._value, args, kwargs) or _internal_overlap(target._value):  # type: ignore[arg-type]
             return _eager_write(func, args, kwargs, fusion, plain)
         if stream.reads(target._value):  # type: ignore[arg-type]
             stream.flush("in-place write to a tensor with pending readers")
@@ -938,6 +1017,12 @@ def _inplace(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
         target._home, target._strides = home, _contiguous_strides(home)
         stream.write_home(home, target)
     return plain if plain is not None else target
+
+
+def _internal_overlap(t: torch.Tensor) -> bool:
+    """May two elements of ``t`` share memory (torch's check: 0 no, 1 yes, 2 cannot tell)?"""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch._debug_has_internal_overlap(t) != 0
 
 
 def _eager_write(func: Any, args: tuple, kwargs: dict, fusion: Fusion, plain: torch.Tensor | None) -> Any:

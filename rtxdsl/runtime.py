@@ -15,6 +15,7 @@ Triton's interpreter, CPU tensors; it is not thread-safe, so launches are serial
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from .errors import (
     UnknownInputError,
 )
 from .expr import Expr, as_expr, node, variables, walk
-from .lower import InputMeta, Layout, Program, Target, lower, target_for
+from .lower import InputMeta, Layout, Program, Target, intermediate_dtype, lower, target_for
 from .lower.schedule import candidates, encode_scalar
 from .lower.vjp import COTANGENT, Gradients, differentiate
 from .lru import LRU
@@ -340,9 +341,10 @@ class Kernel:
         self._arity = len(self.inputs)
         self._last: tuple[Any, Any] = (None, None)  # (key, launch) of the last call
         self._op: Any = None  # the kernel's own torch.library op, made on first use
-        self._op_key = register_kernel(self)  # its name for rtxdsl::kernel (torch.compile)
-        self._traced_plans: dict[tuple, GradPlan] = {}  # saving plans compiled graphs name (one per layout)
         self._into = dict(into or {})  # output key -> input name it may be written into (internal)
+        # its name for rtxdsl::kernel (torch.compile): structural, the same in every process
+        self._op_key = register_kernel(self, self._into, bool(self._seeds))
+        self._traced_plans: dict[tuple, GradPlan] = {}  # saving plans compiled graphs name (one per layout)
         self._in_forward = _gradient_in_forward(self._outputs)  # cross_entropy(..., grad_in_forward=True)
 
     @property
@@ -389,7 +391,6 @@ class Kernel:
         try:
             key = self._key(*tensors)
         except AttributeError:  # a python number for a scalar input (or a wrong argument)
-            self._check_types(tensors)
             key = _mixed_key(tensors)
         if self._seeds:
             tensors = (*tensors, *[draw_seed() for _ in range(self._seeds)])
@@ -397,6 +398,9 @@ class Kernel:
         if key != last_key:  # the same layout as the last call needs no hashing: steady loops
             launch = self._launches.get(key)
             if launch is None:
+                joining = next((t for t in tensors if hasattr(type(t), "__rtxdsl_record__")), None)
+                if joining is not None:  # lazy operands: the kernel's expressions join their segment
+                    return joining.__rtxdsl_record__(self, tensors)
                 launch = self._prepare(tensors, cfg)
                 self._launches.put(key, launch)
             self._last = (key, launch)
@@ -814,6 +818,22 @@ def _gradient_in_forward(outputs: tuple[tuple[str, Expr], ...]) -> str | None:
     return root.srcs[0].attr("name")
 
 
+def _warn_if_grad_in_forward_ignored(kernel: Kernel) -> None:
+    """``grad_in_forward=True`` anywhere but as the one output over an input's logits has no
+    effect (the ordinary fused backward runs): say so, and why."""
+    outputs = kernel.expressions
+    asked = [n for n in walk([e for _, e in outputs]) if n.op == "cross_entropy" and n.attr("grad_in_forward")]
+    if not asked or kernel._in_forward is not None:
+        return
+    root = outputs[0][1]
+    one = len(outputs) == 1 and len(asked) == 1 and root is asked[0]
+    why = "the kernel has other outputs" if not one else "its logits are computed in the kernel (e.g. softcapped)"
+    warnings.warn(
+        f"cross_entropy(..., grad_in_forward=True) has no effect here: {why}; the fused backward runs as usual",
+        stacklevel=3,
+    )
+
+
 def interpreter_active() -> bool:
     """Triton's interpreter works only when TRITON_INTERPRET was set before triton was imported."""
     import triton.language as tl
@@ -855,7 +875,8 @@ def _device_of(tensors: tuple[Any, ...]) -> torch.device:
 
 
 def _mixed_key(tensors: tuple[Any, ...]) -> tuple:
-    """The launch key when some inputs are python numbers: those count by type only."""
+    """The launch key when some inputs are python numbers: those count by type only (anything
+    else by type too: it never gets a launch, :meth:`Kernel._validate` or a lazy segment takes it)."""
     return tuple(
         (t.dtype, t.shape, t.stride(), t.device, t.requires_grad, type(t)) if isinstance(t, torch.Tensor) else type(t)
         for t in tensors
@@ -917,13 +938,21 @@ def _explain(kernel: Kernel, launch: Launch) -> str:
     )
     names = {id(v): n for n, v in zip(kernel.inputs, kernel._vars)}
     outs = {id(e): k for k, e in graph.outputs}
+    writer = {id(o): g for g in p.plan.groups for o in g.outputs}
     for i, g in enumerate(p.plan.groups):
         domain = f"rows over axes {list(g.axes)} of" if g.is_row else "pointwise over"
         shape = ", ".join(map(str, g.shape))
         lines.append(f"group {i}: {g.pattern} — {domain} [{shape}], {len(g.nodes)} ops: {', '.join(g.ops)}")
         in_names = [names.get(id(n), f"tmp{id(n) % 997}") for n in g.inputs]
-        reads = ", ".join(f"{n} {_fmt_meta(graph.of(v))}" for n, v in zip(in_names, g.inputs))
-        writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {_fmt_meta(graph.of(n))}" for n in g.outputs)
+
+        def stored(n: Expr) -> str:  # as the buffer holds it (per-row statistics in float32)
+            info = graph.of(n)
+            home = writer.get(id(n))
+            dtype = info.dtype if id(n) in outs or home is None else intermediate_dtype(home, info)
+            return f"{SHORT_NAME[dtype]}[{', '.join(map(str, info.shape))}]"
+
+        reads = ", ".join(f"{n} {stored(v)}" for n, v in zip(in_names, g.inputs))
+        writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {stored(n)}" for n in g.outputs)
         lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
         for call in (c for c in p.kernels if c.group == i or c.tail and c.tail.group == i):
             if call.group != i:  # this group runs inside another group's launch
@@ -955,7 +984,9 @@ def compile(outputs: Expr | Mapping[str, Any], config: FusionConfig | None = Non
         >>> sorted(ks(x=torch.zeros(2, 3)))
         ['s', 'y']
     """
-    return Kernel(outputs, config)
+    kernel = Kernel(outputs, config)
+    _warn_if_grad_in_forward_ignored(kernel)
+    return kernel
 
 
 __all__ = ["GradPlan", "Kernel", "Launch", "PlanSummary", "compile", "interpreter_active"]

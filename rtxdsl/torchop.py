@@ -19,7 +19,6 @@ On CUDA with fixed sizes, AOT autograd replaces these ops by their launches
 from __future__ import annotations
 
 import hashlib
-import itertools
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -34,16 +33,31 @@ from .errors import RtxError
 
 _OPS: dict[str, Any] = {}  # op name -> the registered op (a structure registers once per process)
 
-#: kernels by their key in this process: what ``rtxdsl::kernel`` (the op torch.compile traces) calls
+#: kernels by their structural key: what ``rtxdsl::kernel`` (the op torch.compile traces) calls
 KERNELS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-_keys = itertools.count()
 
 
-def register_kernel(kernel: Any) -> str:
-    """A key for ``kernel`` in ``KERNELS`` (cheap: registering a custom op per kernel costs ~4 ms)."""
-    key = f"k{next(_keys)}"
+def register_kernel(kernel: Any, into: Any = (), seeds: bool = False) -> str:
+    """``kernel``'s key in ``KERNELS``: a hash of its structure (expressions, input order, config,
+    return form, inputs it writes into, random seeds), so a graph torch saved in its on-disk
+    compile cache names the same kernel in any process (cheap: no custom op is registered)."""
+    key = op_name(kernel.expressions, kernel.inputs, kernel.config, kernel.returns_tensor)
+    if into or seeds:
+        key += "_" + hashlib.sha256(repr((sorted(dict(into).items()), seeds)).encode()).hexdigest()[:8]
     KERNELS[key] = kernel
     return key
+
+
+def kernel_of(key: str) -> Any:
+    """The kernel a graph names, built in this process, or a clear error (never another kernel)."""
+    kernel = KERNELS.get(key)
+    if kernel is None:
+        raise RtxError(
+            f"a compiled graph calls rtxdsl kernel {key!r}, which this process has not built: compile the "
+            "same expression (rx.compile, or run the rtxdsl code once) before running the graph, or clear "
+            "torch's compile cache"
+        )
+    return kernel
 
 
 def _as_list(kernel: Any, result: Any) -> list[Tensor]:
@@ -53,13 +67,13 @@ def _as_list(kernel: Any, result: Any) -> list[Tensor]:
 @torch.library.custom_op("rtxdsl::kernel", mutates_args=())
 def kernel_op(key: str, inputs: list[Tensor]) -> list[Tensor]:
     """Any rtxdsl kernel, by key: the node a traced ``Kernel`` call becomes in a torch.compile graph."""
-    kernel = KERNELS[key]
+    kernel = kernel_of(key)
     return _as_list(kernel, kernel(*inputs))
 
 
 @kernel_op.register_fake
 def _kernel_fake(key: str, inputs: list[Tensor]) -> list[Tensor]:
-    kernel = KERNELS[key]
+    kernel = kernel_of(key)
     return _as_list(kernel, kernel.reference_on(tuple(inputs)))
 
 
@@ -77,9 +91,19 @@ def _kernel_backward(ctx: Any, grads: list[Tensor]) -> tuple[None, list[Tensor |
 @torch.library.custom_op("rtxdsl::kernel_grad", mutates_args=())
 def kernel_grad_op(key: str, inputs: list[Tensor], grads: list[Tensor | None]) -> list[Tensor]:
     """Input gradients of ``rtxdsl::kernel`` (an op too, so AOT autograd does not trace into it)."""
-    kernel = KERNELS[key]
+    kernel = kernel_of(key)
     got = _recompute_grads(kernel, lambda *ts: _as_list(kernel, kernel(*ts)), tuple(inputs), grads)
-    return [g if g is not None else torch.zeros_like(t) for g, t in zip(got, inputs)]
+    # an op's outputs may alias neither its inputs nor each other (a residual's two gradients are
+    # one tensor, the cotangent itself): those are cloned
+    taken = {t.untyped_storage().data_ptr() for t in (*inputs, *grads) if t is not None and t.numel()}
+    out = []
+    for g, t in zip(got, inputs):
+        g = g if g is not None else torch.zeros_like(t)
+        if g.numel() and g.untyped_storage().data_ptr() in taken:
+            g = g.clone()
+        taken.add(g.untyped_storage().data_ptr())
+        out.append(g)
+    return out
 
 
 @kernel_grad_op.register_fake
@@ -133,7 +157,7 @@ def _launches_or_opaque(
         return pack(run(values))
 
 
-expose_launches(kernel_op, lambda args: (KERNELS[args[0]], tuple(args[1]), lambda r: _as_list(KERNELS[args[0]], r)))
+expose_launches(kernel_op, lambda args: (kernel_of(args[0]), tuple(args[1]), lambda r: _as_list(kernel_of(args[0]), r)))
 
 
 def _forward_values(plan: Any, inputs: list[Tensor]) -> tuple[Tensor, ...]:
@@ -155,13 +179,13 @@ def saving_op(key: str, needs: str, inputs: list[Tensor]) -> list[Tensor]:
     At symbolic sizes a plan (made for fixed sizes) cannot say the statistics' shapes: the call
     is then ``rtxdsl::kernel`` (AOT autograd's graph holds that op; its fake lists the outputs
     only) and the backward runs the forward again, as ``rtxdsl::kernel_grad`` does."""
-    plan = KERNELS[key].saving_plan(tuple(inputs), needs)
+    plan = kernel_of(key).saving_plan(tuple(inputs), needs)
     return _with_saved(plan, plan.forward(*_forward_values(plan, inputs)))
 
 
 @saving_op.register_fake
 def _saving_fake(key: str, needs: str, inputs: list[Tensor]) -> list[Tensor]:
-    kernel = KERNELS[key]
+    kernel = kernel_of(key)
     if not fixed_sizes(inputs):
         return _as_list(kernel, kernel.reference_on(tuple(inputs)))
     plan = kernel.saving_plan(tuple(inputs), needs)
@@ -171,13 +195,13 @@ def _saving_fake(key: str, needs: str, inputs: list[Tensor]) -> list[Tensor]:
 def _saving_setup(ctx: Any, inputs: tuple[Any, ...], output: list[Tensor]) -> None:
     ctx.key, ctx.needs, values = inputs
     ctx.n = len(values)
-    ctx.save_for_backward(*values, *output[len(KERNELS[ctx.key].outputs) :])
+    ctx.save_for_backward(*values, *output[len(kernel_of(ctx.key).outputs) :])
 
 
 def _saving_backward(ctx: Any, grads: list[Tensor]) -> tuple[None, None, list[Tensor | None]]:
     saved = ctx.saved_tensors
     inputs, stats = list(saved[: ctx.n]), list(saved[ctx.n :])
-    kernel = KERNELS[ctx.key]
+    kernel = kernel_of(ctx.key)
     if not fixed_sizes(inputs):  # traced at symbolic sizes: nothing was saved, the forward runs again
         got = kernel_grad_op(ctx.key, inputs, grads[: len(kernel.outputs)])
         return None, None, [g if t.is_floating_point() else None for g, t in zip(got, inputs)]
@@ -213,7 +237,7 @@ def _saving_in_graph(mode: Any, func: Any, types: Any, args: tuple, kwargs: dict
     if not fixed_sizes(inputs):
         with mode:
             return kernel_op(key, list(inputs))
-    plan = KERNELS[key].saving_plan(tuple(inputs), needs)
+    plan = kernel_of(key).saving_plan(tuple(inputs), needs)
     pack = partial(_with_saved, plan)
     return _launches_or_opaque(mode, func, types, args, kwargs, plan.forward, _forward_values(plan, inputs), pack)
 
@@ -280,6 +304,10 @@ def make_op(kernel: Any, kinds: tuple[str, ...] | None = None) -> Any:
         ctx.numbers = {i: v for i, v in enumerate(inputs) if not isinstance(v, Tensor)}
 
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        if not ctx.numbers:  # through rtxdsl::kernel_grad: an op, so AOT autograd does not trace into it
+            saved = list(ctx.saved_tensors)
+            got = kernel_grad_op(kernel._op_key, saved, list(grads))
+            return tuple(g if t.is_floating_point() else None for g, t in zip(got, saved))
         saved = iter(ctx.saved_tensors)
         values = tuple(ctx.numbers[i] if i in ctx.numbers else next(saved) for i in range(len(inputs)))
         return _recompute_grads(kernel, lambda *vs: _packer(outputs, single)(run(*vs)), values, grads)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 
 # Before triton or rtxdsl are imported: CPU tensors run under Triton's interpreter.
@@ -65,3 +66,20 @@ def pytest_terminal_summary(terminalreporter):
             f"OpInfo: {OPINFO['agree']} samples agree with torch / {OPINFO['tried']} tried "
             f"({OPINFO['skip']} skipped: arguments outside rtxdsl's API)"
         )
+
+
+def commit_seed(env: str) -> int:
+    """A fuzz seed: ``env`` when set, else one from the commit, so each submission draws programs
+    no earlier run drew (the header of every pytest run prints it; set ``env`` to reproduce)."""
+    if os.environ.get(env):
+        return int(os.environ[env])
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        return int(head[:7], 16)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return 0
+
+
+def pytest_report_header(config) -> str:
+    seeds = {env: commit_seed(env) for env in ("RTXDSL_FUZZ_SEED", "RTXDSL_LAZY_FUZZ_SEED")}
+    return "fuzz seeds from the commit: " + ", ".join(f"{env}={s}" for env, s in seeds.items()) + " (set to reproduce)"

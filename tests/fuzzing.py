@@ -118,7 +118,8 @@ def _tensor(draw: Any, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Ge
 
 def _input_shape(draw: Any, base: tuple[int, ...]) -> tuple[int, ...]:
     shape = tuple(1 if draw(st.integers(0, 4)) == 0 else s for s in base)
-    drop = draw(st.integers(0, len(shape))) if draw(st.integers(0, 3)) == 0 else 0
+    # fewer leading dims (0-dim included) a third of the time: per-row and scalar operands
+    drop = draw(st.integers(0, len(shape))) if draw(st.integers(0, 2)) == 0 else 0
     return shape[drop:]
 
 
@@ -237,9 +238,41 @@ def _move(draw: Any, pool: list[Value], a: Value) -> tuple[str, Value] | None:
     return None
 
 
-def _step(draw: Any, pool: list[Value], steps: list[str], names: list[str]) -> None:
+def _indexed(draw: Any, a: Value, new_input: Callable[[torch.Tensor], Any]) -> tuple[str, Value] | None:
+    """Ops that read ``a`` at positions from an index input: cross-entropy with class indices
+    (its target logit is a gather) and ``gather``; the index input is drawn here."""
+    r = len(a.shape)
+    if draw(st.booleans()):
+        cls = 1 if r > 1 else 0
+        classes = a.shape[cls]
+        rows = a.shape[:cls] + a.shape[cls + 1 :]
+        if classes == 0:
+            return None
+        target = torch.randint(0, classes, rows, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+        if target.numel() and draw(st.booleans()):
+            target.view(-1)[0] = -100  # ignored
+        reduction = draw(st.sampled_from(["none", "mean", "sum"]))
+        smoothing = draw(st.sampled_from([0.0, 0.0, 0.1]))
+        e = rx.cross_entropy(a.expr, new_input(target), reduction=reduction, label_smoothing=smoothing)
+        return "cross_entropy", Value(e, rows if reduction == "none" else (), "float")
+    ax = draw(st.integers(-r, r - 1))
+    if a.shape[ax] == 0:
+        return None
+    shape = tuple(draw(st.integers(1, s)) if s else 0 for s in a.shape)
+    seed = draw(st.integers(0, 99))
+    index = torch.randint(0, a.shape[ax], shape, generator=torch.Generator().manual_seed(seed))
+    return "gather", Value(rx.gather(a.expr, new_input(index), ax), shape, a.kind)
+
+
+def _step(draw: Any, pool: list[Value], steps: list[str], new_input: Callable[[torch.Tensor], Any]) -> None:
     """Add one op to ``pool`` (over earlier entries, shared freely)."""
     a = draw(st.sampled_from(pool))
+    if a.shape and a.kind == "float" and draw(st.integers(0, 3)) == 0:
+        made = _indexed(draw, a, new_input)
+        if made is not None:
+            pool.append(made[1])
+            steps.append(made[0])
+            return
     if a.shape and draw(st.integers(0, 4)) == 0:
         moved = _move(draw, pool, a)
         if moved is not None:
@@ -354,8 +387,14 @@ def programs(draw: Any, max_steps: int = 6, float_only: bool = False) -> Program
         kind = "float" if dtype.is_floating_point else "bool" if dtype is torch.bool else "int"
         pool.append(Value(rx.var(name), shape, kind))
     steps: list[str] = []
+
+    def new_input(t: torch.Tensor) -> Any:
+        name = f"in{len(inputs)}"
+        inputs[name] = t
+        return rx.var(name)
+
     for _ in range(draw(st.integers(1, max_steps))):
-        _step(draw, pool, steps, list(inputs))
+        _step(draw, pool, steps, new_input)
     distinct = {id(v.expr): v for v in pool[len(inputs) :] if not isinstance(v.expr, (int, float))}
     computed = list(distinct.values()) or pool
     n_out = draw(st.integers(1, min(3, len(computed))))

@@ -205,3 +205,13 @@ def test_lazy_tensors_carry_autograd(gen):
     torch.softmax(F.silu(t) * wt, dim=-1).pow(2).sum().backward()
     torch.testing.assert_close(g_t, t.grad)
     torch.testing.assert_close(g_w, wt.grad)
+
+
+def test_relu_gradient_at_nan_and_with_inf_cotangents_is_torchs():
+    """torch's threshold_backward: the cotangent where the input is > 0 or NaN, exactly 0 where it
+    is <= 0 (even for an inf cotangent)."""
+    t = torch.tensor([float("nan"), -1.0, 0.0, 2.0, -0.0], requires_grad=True)
+    cot = torch.tensor([1.0, float("inf"), float("inf"), 3.0, float("nan")])
+    (got,) = torch.autograd.grad(rx.compile(rx.relu(rx.var("x")))(x=t), t, cot)
+    (want,) = torch.autograd.grad(torch.relu(t), t, cot)
+    torch.testing.assert_close(got, want, equal_nan=True)

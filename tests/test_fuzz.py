@@ -1,15 +1,16 @@
 """Differential fuzzing: random programs against torch (float64 reference, exact dtypes).
 
-``RTXDSL_FUZZ_EXAMPLES=N`` scales every fuzzer (the default is CI-sized); ``RTXDSL_FUZZ_SEED``
-picks another deterministic sequence. See the README for a 10,000-example run.
+``RTXDSL_FUZZ_EXAMPLES=N`` scales every fuzzer (the default is CI-sized). The value and gradient
+fuzzers run twice: a fixed (derandomized) sequence, and a sequence seeded from the commit, which
+``RTXDSL_FUZZ_SEED`` overrides (pytest's header prints the seed a run used, to reproduce it). See
+the README for a 10,000-example run.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import commit_seed
 from fuzzing import EXAMPLES, check_close, coarsest, float64, lazy_programs, programs, run_lazy_program
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
@@ -17,11 +18,11 @@ from hypothesis import strategies as st
 import rtxdsl as rx
 from rtxdsl.expr import walk
 
-SEED = int(os.environ.get("RTXDSL_FUZZ_SEED", "0"))
+SEED = 0  # the fixed sequence (derandomized)
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
-    derandomize=SEED == 0,
+    derandomize=True,
     database=None,
     suppress_health_check=list(HealthCheck),
     print_blob=True,
@@ -29,10 +30,13 @@ FUZZ = settings(
 REFERENCE = rx.FusionConfig(backend="torch")
 
 
-@seed(SEED)
-@FUZZ
-@given(p=programs())
-def test_random_programs_match_torch(p):
+#: the same fuzzers again at a seed from the commit (conftest prints it; RTXDSL_FUZZ_SEED sets it):
+#: every submission tries programs no earlier run tried
+COMMIT_SEED = commit_seed("RTXDSL_FUZZ_SEED")
+AT_THE_COMMIT = settings(FUZZ, derandomize=False)
+
+
+def _check_program(p):
     try:
         same = rx.compile(p.outputs, config=REFERENCE)(**p.inputs)
     except (RuntimeError, rx.RtxError):  # torch rejects it: so must we, with an RtxError
@@ -45,6 +49,20 @@ def test_random_programs_match_torch(p):
     for key in p.outputs:
         assert out[key].dtype == same[key].dtype, f"{key}: dtype {out[key].dtype} != torch's {same[key].dtype}\n{p}"
         check_close(out[key], ref64[key], f"{key}\n{p}", coarse)
+
+
+@seed(SEED)
+@FUZZ
+@given(p=programs())
+def test_random_programs_match_torch(p):
+    _check_program(p)
+
+
+@seed(COMMIT_SEED)
+@AT_THE_COMMIT
+@given(p=programs())
+def test_random_programs_match_torch_at_the_commit_seed(p):
+    _check_program(p)
 
 
 @seed(SEED)
@@ -73,6 +91,17 @@ def _finite_copy(t: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> tor
 @FUZZ
 @given(p=programs(float_only=True), data=st.data())
 def test_random_gradients_match_torch_autograd(p, data):
+    _check_gradients(p, data)
+
+
+@seed(COMMIT_SEED)
+@AT_THE_COMMIT
+@given(p=programs(float_only=True), data=st.data())
+def test_random_gradients_match_torch_autograd_at_the_commit_seed(p, data):
+    _check_gradients(p, data)
+
+
+def _check_gradients(p, data):
     names = list(p.inputs)
     flags = data.draw(st.lists(st.booleans(), min_size=len(names), max_size=len(names)))
     if not any(flags):

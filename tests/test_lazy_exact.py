@@ -9,13 +9,11 @@ value, and a line must raise in lazy exactly when it raises in eager.
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
+from conftest import commit_seed
 from lazy_fuzz import Program, check, generate
-
-import rtxdsl as rx
 
 F32 = "t0 = torch.arange(6.0).reshape(2, 3) - 2.5"
 F32_1D = "t0 = torch.tensor([1.0, -2.0, 3.0])"
@@ -203,50 +201,14 @@ def _program(prelude: list[str], lines: list[str]) -> Program:
     return Program(prelude + names, lines, {"s0": 1.0, "s1": 2.0}, raises)
 
 
-#: defects of the kernels (not of the stream) still open: cross-entropy over a reduced value reads
-#: the reduction's output as if it were per-row (the logsumexp vanishes), a row reduction beside a
-#: 0-dim operand stores the wrong tile shape; strict, so a fix turns them into failures to remove
-KERNEL_DEFECTS = {"10_ce_of_mean_3d", "10_ce_after_inplace_with_sum", "10_ce_inf_row",
-                  "19_row_reduction_with_0dim"}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="kernel defect, issue 21 items 10/19"))
-        if c in KERNEL_DEFECTS
-        else c
-        for c in sorted(CASES)
-    ],
-)
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_issue_21_programs_agree_with_eager(case):
     verdict, detail = check(_program(*CASES[case]))
     assert verdict == "ok", f"{case}: {verdict}: {detail}"
 
 
-@pytest.mark.xfail(strict=True, reason="kernel defect: cross-entropy over a reduced value (issue 21 item 10)")
-def test_cross_entropy_of_a_reduction_in_compile():
-    """Item 10 outside the lazy stream: ``rx.compile`` of cross-entropy over a reduced value."""
-    x = torch.arange(24.0).reshape(4, 2, 3).sin()
-    t = torch.tensor([1, 0])
-    xv, tv = rx.var("x"), rx.var("t")
-    got = rx.compile(rx.cross_entropy(rx.mean(xv, axis=0), tv))(x=x, t=t)
-    torch.testing.assert_close(got, torch.nn.functional.cross_entropy(x.mean(0), t))
-
-
-def _commit_seed() -> int:
-    env = os.environ.get("RTXDSL_LAZY_FUZZ_SEED")
-    if env:
-        return int(env)
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
-        return int(head[:7], 16)
-    except (OSError, subprocess.CalledProcessError, ValueError):
-        return 0
-
-
 FUZZ_PROGRAMS = int(os.environ.get("RTXDSL_LAZY_FUZZ_PROGRAMS", "100"))
-FUZZ_SEEDS = [("fixed", 21), ("commit", _commit_seed())]
+FUZZ_SEEDS = [("fixed", 21), ("commit", commit_seed("RTXDSL_LAZY_FUZZ_SEED"))]
 #: a ratchet, not the goal (every program agrees): the disagreements left when this test was
 #: written were 5% of programs (cross-entropy over a reduced value, a row reduction with a 0-dim
 #: operand, a few aliasing corners); lower it as they are fixed

@@ -77,6 +77,47 @@ def test_cross_entropy_probability_targets_and_higher_rank(gen):
     assert_close(rx.compile(rx.cross_entropy(x, t, w))(x=x3, t=t3, w=w5), F.cross_entropy(x3, t3, w5), 1e-9, 1e-9, "3d")
 
 
+@pytest.mark.parametrize(("kw", "weighted"), CE_CASES)
+def test_cross_entropy_matches_torch_on_inf_and_nan_rows(kw, weighted):
+    """torch takes log_softmax first: a row with a +inf logit, or only -inf ones, is NaN (not
+    inf); a -inf logit elsewhere is fine; a NaN logit is NaN."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor(
+        [[1.0, inf, 0.0, 2.0], [0.0, 1.0, 2.0, 3.0], [-inf, -inf, -inf, -inf], [-inf, 0.0, 1.0, 2.0],
+         [nan, 0.0, 1.0, 2.0], [inf, inf, 0.0, 1.0]]
+    )  # fmt: skip
+    target = torch.tensor([0, 1, 2, 0, 3, 3])
+    weight = torch.tensor([0.5, 1.0, 2.0, 1.5]) if weighted else None
+    kw = {k: v for k, v in kw.items() if k != "ignore_index"}
+    ins = {"x": logits, "t": target} | ({"w": weight} if weighted else {})
+    got = rx.compile(rx.cross_entropy(x, t, w if weighted else None, **kw))(**ins)
+    torch.testing.assert_close(got, _ce_ref(logits, target, *([weight] if weighted else []), ignore_index=-100,
+                                            reduction=kw.get("reduction", "mean"),
+                                            label_smoothing=kw.get("label_smoothing", 0.0),
+                                            z_loss=kw.get("z_loss", 0.0)), equal_nan=True)  # fmt: skip
+
+
+# (expression over x [4, 2, 3], reference): cross-entropy reading a value another kernel reduced,
+# both directly (its logsumexp) and through a gather (its target logit)
+OVER_REDUCED = {
+    "mean_none": (rx.cross_entropy(rx.mean(x, axis=0), t, reduction="none"),
+                  lambda x, t: F.cross_entropy(x.mean(0), t, reduction="none")),
+    "mean_mean": (rx.cross_entropy(rx.mean(x, axis=0), t), lambda x, t: F.cross_entropy(x.mean(0), t)),
+    "sum_smoothed": (rx.cross_entropy(rx.sum(x, axis=0) * 0.5, t, label_smoothing=0.1),
+                     lambda x, t: F.cross_entropy(x.sum(0) * 0.5, t, label_smoothing=0.1)),
+    "amax_then_gather": (rx.logsumexp(rx.amax(x, 0), -1) - rx.gather(rx.amax(x, 0), t[:, None], -1)[:, 0],
+                         lambda x, t: torch.logsumexp(x.amax(0), -1) - x.amax(0).gather(-1, t[:, None])[:, 0]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(OVER_REDUCED))
+def test_cross_entropy_over_a_value_another_kernel_reduced(case, gen):
+    expr, ref = OVER_REDUCED[case]
+    x4 = torch.randn(4, 2, 3, generator=gen, dtype=torch.float64)
+    t2 = torch.tensor([1, 2])
+    assert_close(rx.compile(expr)(x=x4, t=t2), ref(x4, t2), 1e-9, 1e-9, case)
+
+
 def test_cross_entropy_gradcheck(gen):
     logits, target, weight = _ce_inputs(gen, torch.float64, rows=4, classes=5)
     target[2] = -100
@@ -285,3 +326,89 @@ def test_cross_entropy_grad_in_forward_with_autotune_times_no_kernel_that_writes
     F.cross_entropy(ref, target).backward()
     torch.testing.assert_close(a.grad, ref.grad)
     assert timed  # the loss kernel was tuned; the in-place gradient and scaling kernels were not
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_z_loss_with_class_weights_is_unweighted_over_tokens(reduction, gen):
+    """PaLM's / Liger's z-loss: ``z * lse**2`` per non-ignored token, unweighted, its mean over the
+    tokens (not over the target classes' weights, which only the cross-entropy term uses)."""
+    logits = torch.randn(7, 13, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, 13, (7,), generator=gen)
+    target[2] = -100
+    weight = torch.rand(13, generator=gen, dtype=torch.float64)
+    valid = target != -100
+    zl = torch.where(valid, 0.1 * torch.logsumexp(logits, 1) ** 2, 0)
+    z = {"mean": zl.sum() / valid.sum(), "sum": zl.sum(), "none": zl}[reduction]
+    want = F.cross_entropy(logits, target, weight, reduction=reduction) + z
+    got = rx.compile(rx.cross_entropy(x, t, w, reduction=reduction, z_loss=0.1))(x=logits, t=target, w=weight)
+    assert_close(got, want, 1e-12, 1e-12, reduction)
+
+
+def test_cross_entropy_grad_in_forward_where_it_cannot_apply_says_so():
+    with pytest.warns(UserWarning, match="computed in the kernel"):
+        rx.compile(rx.cross_entropy(rx.tanh(x / 30.0) * 30.0, t, grad_in_forward=True))  # softcapped logits
+    with pytest.warns(UserWarning, match="other outputs"):
+        rx.compile({"loss": rx.cross_entropy(x, t, grad_in_forward=True), "lse": rx.logsumexp(x, -1)})
+
+
+def test_cross_entropy_weight_dtype_must_match_the_logits_as_in_torch():
+    logits, target = torch.randn(3, 4, dtype=torch.bfloat16), torch.tensor([0, 1, 2])
+    with pytest.raises(RuntimeError):
+        F.cross_entropy(logits, target, torch.rand(4))
+    with pytest.raises(
+        rx.DtypeMismatchError, match="weight is torch.float32; it must match the logits' torch.bfloat16"
+    ):
+        rx.compile(rx.cross_entropy(x, t, w))(x=logits, t=target, w=torch.rand(4))
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("index", [2, -100])  # a class; ignored (mean: 0 / 0 = NaN, as torch)
+def test_cross_entropy_of_unbatched_logits(reduction, index, gen):
+    logits = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.rand(5, generator=gen, dtype=torch.float64)
+    target = torch.tensor(index)
+    for kw in ({}, {"label_smoothing": 0.1}):
+        got = rx.compile(rx.cross_entropy(x, t, w, reduction=reduction, **kw))(x=logits, t=target, w=weight)
+        want = F.cross_entropy(logits, target, weight, reduction=reduction, **kw)
+        torch.testing.assert_close(got, want, equal_nan=True)
+        if not want.isnan():
+            torch.testing.assert_close(torch.autograd.grad(got, logits)[0], torch.autograd.grad(want, logits)[0])
+
+
+def _errors_against_float64(fn_ours, fn_torch, inputs, cot):
+    """Max error of our bf16 results and of torch's bf16 eager ones against float64 on the same
+    bf16 inputs: (ours, torch's), per output and input gradient."""
+
+    def run(fn, dtype):
+        ins = [t.to(dtype).clone().requires_grad_() for t in inputs]
+        out = fn(*ins)
+        out.backward(cot.to(dtype) if cot is not None else None)
+        return [out, *(t.grad for t in ins)]
+
+    ref, torch_bf16, ours = run(fn_torch, torch.float64), run(fn_torch, torch.bfloat16), run(fn_ours, torch.bfloat16)
+    err = lambda got: [(g.double() - r).abs().max().item() for g, r in zip(got, ref)]  # noqa: E731
+    return err(ours), err(torch_bf16)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["cross_entropy_3x32000", "geglu_tanh_64x1024"],  # the reported shapes (issue 22 item 9)
+)
+def test_bf16_results_and_gradients_are_no_less_accurate_than_torch(case):
+    gen = torch.Generator().manual_seed(0)
+    if case.startswith("cross_entropy"):
+        logits = (torch.randn(3, 32000, generator=gen) * 2).bfloat16()
+        target = torch.randint(0, 32000, (3,), generator=gen)
+        k = rx.compile(rx.cross_entropy(x, t))
+        ours, theirs = _errors_against_float64(
+            lambda a: k(x=a, t=target), lambda a: F.cross_entropy(a, target), [logits], None
+        )
+    else:
+        g, u = (torch.randn(64, 1024, generator=gen) * 2).bfloat16(), torch.randn(64, 1024, generator=gen).bfloat16()
+        k = rx.compile(rx.geglu(x, w, "tanh"))
+        ours, theirs = _errors_against_float64(
+            lambda a, b: k(x=a, w=b), lambda a, b: F.gelu(a, approximate="tanh") * b, [g, u],
+            torch.randn(64, 1024, generator=gen).bfloat16(),
+        )  # fmt: skip
+    for o, th in zip(ours, theirs):  # rounded once, at the store: at most torch's error (plus an ulp's slack)
+        assert o <= th * 1.05 + 1e-6, (ours, theirs)

@@ -92,6 +92,17 @@ def test_gather_matches_torch_gather_for_int32_and_int64(gen):
         assert_close(out0, torch.gather(t, 0, idx[:, :4] % 4), 0, 0, "axis 0")
 
 
+@pytest.mark.parametrize("index", [torch.tensor([0]), torch.tensor(0), torch.tensor([], dtype=torch.int64)])
+def test_gather_of_a_0dim_input(index):
+    """torch reads a 0-dim input as one element: an index of rank 0 or 1 (at most one element)."""
+    t = torch.tensor(3.0, requires_grad=True)
+    out = rx.compile(rx.gather(rx.var("x"), rx.var("i"), 0))(x=t, i=index)
+    want = torch.gather(t, 0, index)
+    torch.testing.assert_close(out, want)
+    (g,) = torch.autograd.grad(out.sum(), t)
+    torch.testing.assert_close(g, torch.autograd.grad(want.sum(), t)[0])
+
+
 def test_gather_out_of_range_raises_naming_the_index():
     k = rx.compile(rx.gather(x, i, -1))
     for bad in (7, -1):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -151,3 +152,34 @@ def test_adamw_state_dict_missing_a_state_key_fails_as_torch_does(missing):
         return type(caught.value), str(caught.value)
 
     assert step_after_loading(rx.optim.AdamW) == step_after_loading(torch.optim.AdamW) == (KeyError, repr(missing))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_rms_norm_default_eps_is_the_epsilon_torch_computes_with(dtype):
+    """``eps=None``: torch takes the epsilon of its compute dtype (float32's for fp16 / bf16)."""
+    x = torch.full((1, 4), 1e-2, dtype=dtype)
+    want = torch.nn.RMSNorm(4).to(dtype)(x)
+    torch.testing.assert_close(rx.nn.RMSNorm(4).to(dtype)(x), want)
+    lazy = F.rms_norm(rx.Fusion().lazy(x), (4,)).torch()  # recorded by the lazy stream
+    torch.testing.assert_close(lazy, F.rms_norm(x, (4,)))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: rx.nn.LayerNorm(6),
+        lambda: rx.nn.RMSNorm(6, offset=1.0, promote=True),
+        lambda: rx.nn.SwiGLU(6, 10),
+        lambda: rx.nn.GeGLU(6, 10),
+        lambda: rx.nn.GateUpMLP(6, 10, activation="gelu_tanh"),
+        lambda: rx.nn.CrossEntropyLoss(label_smoothing=0.1),
+    ],
+)
+def test_fused_modules_deepcopy_and_pickle(make):
+    m = make()
+    x = torch.randn(3, 6)
+    args = (x, torch.tensor([1, 0, 5])) if isinstance(m, torch.nn.CrossEntropyLoss) else (x,)
+    want = m(*args)
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert type(clone) is type(m) and clone.state_dict().keys() == m.state_dict().keys()
+        torch.testing.assert_close(clone(*args), want)

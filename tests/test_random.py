@@ -78,9 +78,17 @@ def test_dropout_keep_rate_scale_and_backward(p, dtype):
 def test_dropout_identity_cases_and_bad_p():
     assert rx.dropout(x, 0.3, training=False) is x
     assert rx.dropout(x, 0.0) is x
-    for bad in (1.0, -0.1, 2):
-        with pytest.raises(rx.RtxError, match=r"dropout: p must be in \[0, 1\)"):
+    assert rx.dropout(x, 1.0, training=False) is x  # torch: identity when not training, any p
+    for bad in (-0.1, 2, 1.5):
+        with pytest.raises(rx.RtxError, match=r"dropout: p must be in \[0, 1\]"):
             rx.dropout(x, bad)
+    t = torch.tensor([1.0, -2.0, float("nan"), float("inf")], requires_grad=True)
+    out = rx.compile(rx.dropout(x, 1.0))(x=t)  # p = 1: input * 0, as torch (NaN and inf give NaN)
+    torch.testing.assert_close(out, F.dropout(t.detach(), 1.0), equal_nan=True)
+    out.sum().backward()
+    assert t.grad.tolist() == [0.0] * 4
+    f = rx.Fusion()
+    torch.testing.assert_close(F.dropout(f.lazy(t.detach()), 1.0).torch(), F.dropout(t.detach(), 1.0), equal_nan=True)
     with pytest.raises(rx.RtxError, match="seed must be None or a non-negative int"):
         rx.rand_like(x, seed=1.5)
     with pytest.raises(rx.RtxError, match="rand_like: the shape operand must be floating point"):

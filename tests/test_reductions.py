@@ -238,3 +238,38 @@ def test_block_bucket_not_row_length_in_signature(gen):
     assert rx.cache_stats().compiles + rx.cache_stats().disk_hits == before
     k(x=torch.randn(3, 1025), w=torch.randn(1025), b=torch.randn(1025))  # next bucket
     assert rx.cache_stats().compiles + rx.cache_stats().disk_hits == before + 1
+
+
+# (expression, reference, shape of b): a per-row value (a reduction's result) combined with math on
+# a smaller operand that the row kernel absorbs and recomputes: it must stay per row
+PER_ROW_WITH_SMALLER = {
+    "sum_mod_0dim": (
+        rx.sum(x, -1) % (rx.abs(b) + 1),
+        lambda x, b: x.sum(-1) % (b.abs() + 1),
+        (),
+    ),
+    "mean_div_len1": (
+        rx.mean(x, -1) / (rx.abs(b) + 1),
+        lambda x, b: x.mean(-1) / (b.abs() + 1),
+        (1,),
+    ),
+    "amax_keepdim_times_0dim": (
+        rx.amax(x, -1, keepdim=True) * rx.exp(b),
+        lambda x, b: x.amax(-1, keepdim=True) * b.exp(),
+        (),
+    ),
+    "logsumexp_sub_0dim_then_full": (
+        x - (rx.logsumexp(x, -1, keepdim=True) + rx.sin(b)),
+        lambda x, b: x - (x.logsumexp(-1, keepdim=True) + b.sin()),
+        (),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PER_ROW_WITH_SMALLER))
+@pytest.mark.parametrize(("rows", "cols"), [(1, 2), (7, 100)])  # the reported shape; several rows, odd
+def test_per_row_value_with_a_smaller_operand(case, rows, cols, gen):
+    expr, ref, b_shape = PER_ROW_WITH_SMALLER[case]
+    xs = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+    bs = torch.randn(b_shape, generator=gen, dtype=torch.float64)
+    assert_close(rx.compile(expr)(x=xs, b=bs), ref(xs, bs), 1e-9, 1e-9, case)

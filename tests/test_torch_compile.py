@@ -34,6 +34,9 @@ def test_every_catalog_kernel_is_an_opchecked_torch_op(w):
         torch.testing.assert_close(got, want)
     assert k.torch_op._qualname.startswith("rtxdsl::k_")
     torch.library.opcheck(k.torch_op, args)
+    # and differentiated: AOT autograd traces the backward at symbolic sizes too (issue 22 item 3)
+    grad_args = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in args)
+    torch.library.opcheck(k.torch_op, grad_args)
 
 
 def test_torch_op_is_the_same_op_for_the_same_structure():
@@ -346,3 +349,20 @@ def test_a_tail_kernel_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, F.cross_entropy(static["x"], static["t"]), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_graphs_name_kernels_by_structure_the_same_in_every_process():
+    """torch's on-disk compile caches replay graphs in later processes: the kernel a graph names
+    must be the same structure there, and an unknown name fails loudly (never another kernel)."""
+    import subprocess
+    import sys
+
+    from rtxdsl.torchop import kernel_op
+
+    k = rx.compile(rx.gelu(x + b))
+    assert rx.compile(rx.gelu(x + b))._op_key == k._op_key != rx.compile(rx.gelu(x - b))._op_key
+    code = "import rtxdsl as rx; x, b = rx.var('x'), rx.var('b'); print(rx.compile(rx.gelu(x + b))._op_key)"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == k._op_key
+    with pytest.raises(rx.RtxError, match="which this process has not built"):
+        kernel_op("k_0000000000000000", [torch.ones(2)])

@@ -9,6 +9,7 @@ forward and backward expressions that lower the same way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -61,10 +62,12 @@ def program(
         if isinstance(meta, Layout):
             slots[id(v)] = i
             lay[id(v)] = meta
+    requested = {id(e) for _, e in graph.outputs}
     for g in plan.groups:
         for o in g.outputs:
             info = graph.of(o)
-            lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), info.dtype)
+            dtype = info.dtype if id(o) in requested else intermediate_dtype(g, info)
+            lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), dtype)
     scheduled = [kernel_spec(g, graph, lay, target) for g in plan.groups]
     aliases = _aliases(plan, scheduled, lay, slots, into or {})
     buffers: list[Buffer] = []
@@ -73,9 +76,8 @@ def program(
             if id(o) in aliases:
                 slots[id(o)] = aliases[id(o)]
                 continue
-            info = graph.of(o)
             slots[id(o)] = n_inputs + len(buffers)
-            buffers.append(Buffer(info.shape, info.dtype))
+            buffers.append(Buffer(lay[id(o)].shape, lay[id(o)].dtype))
     calls = []
     for gi, (g, (spec, launch)) in enumerate(zip(plan.groups, scheduled)):
         in_slots = tuple(slots[id(i)] for i in g.inputs)
@@ -232,3 +234,12 @@ __all__ = [
     "program",
     "target_for",
 ]
+
+
+def intermediate_dtype(group: Group, info: Info) -> torch.dtype:
+    """The dtype of a value only kernels read back, written by ``group``: a per-row statistic
+    (smaller than the group's domain) of fp16 / bf16 keeps float32, so that it is rounded once, at
+    the final store; a full-size value keeps its own dtype (its traffic counts, as in eager)."""
+    if info.dtype in (torch.float16, torch.bfloat16) and math.prod(info.shape) < math.prod(group.shape):
+        return torch.float32
+    return info.dtype

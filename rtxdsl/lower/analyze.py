@@ -412,8 +412,8 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
         for g in absorbed:
             if g not in groups:
                 continue
-            for m in g.nodes:
-                g.roles[id(m)] = Role.FULL
+            for m in g.nodes:  # recomputed where ``n`` is: per row when ``n`` is a per-row value
+                g.roles[id(m)] = target.role(n)
             merge(target, g)
 
     def add_reduction(n: Expr) -> None:
@@ -568,16 +568,29 @@ def absorb_per_row(
         ):
             continue
         for r in readers.values():
+            r.free[:0] = p.free  # what p recomputed at views of its own operands, r recomputes too
             if not plain(r):
                 r.free[:0] = p.nodes
                 continue
-            role = Role.KEEP if r.is_row and p.shape == r.keep_shape() else Role.FULL
+            role = _per_row(r, p.shape)
             for m in p.nodes:
                 r.roles[id(m)] = role
             r.nodes[:0] = p.nodes
         alive[pi] = False
     order = _order(graph)
     return tuple(g.freeze(order) for g, ok in zip(work, alive) if ok)
+
+
+def _per_row(r: _Work, shape: tuple[int, ...]) -> Role:
+    """The role of a value of ``shape`` recomputed in ``r``: per row when it is one value per row
+    (KEEP with the reduced dims kept; DROP when they are the leading dims, so that broadcasting the
+    value against the domain reads it per row), else FULL (broadcast over the whole tile)."""
+    if not r.is_row or shape == r.shape:
+        return Role.FULL
+    if shape == r.keep_shape():
+        return Role.KEEP
+    leading = r.axes == tuple(range(len(r.axes)))
+    return Role.DROP if leading and shape == r.drop_shape() else Role.FULL
 
 
 # ---- pass 4: recompute elementwise values instead of reading them back ------------------------
@@ -634,9 +647,7 @@ def recompute_elementwise(
                 if chain is None or len(r2.nodes) + len(chain) > config.max_fusion_ops:
                     continue
                 for n in chain:
-                    shape = graph.of(n).shape
-                    keep = r2.is_row and shape == r2.keep_shape() and shape != r2.shape
-                    r2.roles[id(n)] = Role.KEEP if keep else Role.FULL
+                    r2.roles[id(n)] = _per_row(r2, graph.of(n).shape)
                 r2.nodes[:0] = chain
     order = _order(graph)
     return tuple(g.freeze(order) for g in work)

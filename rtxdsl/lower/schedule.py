@@ -359,7 +359,7 @@ def kernel_spec(
         classes[n_loads:] = [((), ())] * len(group.outputs)
         row_strides, col_strides = row_strides[:n_loads], col_strides[:n_loads]
     out_specs = tuple(
-        OutSpec(b.index[id(o)], graph.of(o).dtype, group.role(o).value, *classes[n_loads + k])
+        OutSpec(b.index[id(o)], layouts[id(o)].dtype, group.role(o).value, *classes[n_loads + k])
         for k, o in enumerate(group.outputs)
     )
 
@@ -515,7 +515,8 @@ def coordinate_spec(
         return ("n", index[id(n)])
 
     for n in sorted((*group.cone, *group.nodes), key=lambda m: order[id(m)]):
-        if id(n) not in index:
+        # a cone node another kernel writes is read, not recomputed where the kernel also reads it
+        if id(n) not in index and (id(n) in members or id(n) not in inputs):
             add(n, group.role(n).value if id(n) in members else "free")
 
     domain = group.shape
@@ -537,7 +538,7 @@ def coordinate_spec(
         over = [0 if reduced[d] and role is not Role.FULL else next(strides) for d in range(len(domain))]
         over = [0 if size == 1 else st for size, st in zip(domain, over)]
         classes = tuple(stride_class(st) for st in over) if group.is_row else ()
-        outs.append(OutSpec(index[id(o)], graph.of(o).dtype, role.value, classes, ()))
+        outs.append(OutSpec(index[id(o)], layouts[id(o)].dtype, role.value, classes, ()))
         ints.extend(st for c, st in zip(classes, over) if c == STRIDED)
     ints.extend(nargs)
 

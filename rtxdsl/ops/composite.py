@@ -11,13 +11,14 @@ times.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import RtxError
+from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import FLOATING, NUMERIC, Front, OpDef, OpKind, Unsupported, register
 from .helpers import ExprLike, axis_arg, binary_fn, int_axis, scalar_arg, torch_fns
@@ -35,6 +36,7 @@ def _composite(
     pattern: str | None = None,
     accepts=NUMERIC,
     front: Front | None = None,
+    result_dtype: Callable[..., torch.dtype] | None = None,
 ) -> OpDef:
     return register(
         OpDef(
@@ -44,6 +46,7 @@ def _composite(
             ref=ref,
             decompose=decompose,
             shape=shape,
+            result_dtype=result_dtype,
             eager_launches=eager_launches,
             pattern=pattern,
             accepts=accepts,
@@ -420,3 +423,111 @@ _composite(
 )
 _composite("clamp_min", 2, lambda x, lo: torch.clamp(x, min=lo), _clamp_min)
 _composite("clamp_max", 2, lambda x, hi: torch.clamp(x, max=hi), _clamp_max)
+
+
+# ---- Liger-Kernel's activations and norms ----------------------------------------------------------
+def dyt(x: ExprLike, alpha: ExprLike, gamma: ExprLike, beta: ExprLike | None = None) -> Expr:
+    """Dynamic tanh (a norm-free transformer's norm): ``gamma * tanh(alpha * x) + beta``.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.dyt(rx.var("x"), rx.var("a"), rx.var("g"), rx.var("b"))
+        dyt(x, a, g, b)
+    """
+    return node("dyt", x, alpha, gamma, 0.0 if beta is None else beta)
+
+
+_composite(
+    "dyt",
+    4,
+    lambda x, a, g, b: g * torch.tanh(a * x) + b,
+    lambda x, a, g, b: _affine(node("tanh", node("mul", a, x)), g, b),
+    pattern="Activation",
+    accepts=FLOATING,
+    eager_launches=3,
+    front=Front(fn=dyt),
+)
+
+
+def relu_squared(x: ExprLike) -> Expr:
+    """``relu(x) ** 2`` (Primer's ReLU²).
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.relu_squared(rx.var("x"))
+        relu_squared(x)
+    """
+    return node("relu_squared", x)
+
+
+def _relu_squared(x: Expr) -> Expr:
+    r = node("relu", x)
+    return node("mul", r, r)
+
+
+_composite(
+    "relu_squared",
+    1,
+    lambda x: torch.relu(x) ** 2,
+    _relu_squared,
+    pattern="Activation",
+    accepts=FLOATING,
+    eager_launches=2,
+    front=Front(fn=relu_squared, names=("relu_squared", "relu2")),
+)
+
+
+def poly_norm(x: ExprLike, weight: ExprLike, bias: ExprLike, eps: float = 1e-6) -> Expr:
+    """PolyNorm (PolyCom): ``w[0] * norm(x**3) + w[1] * norm(x**2) + w[2] * norm(x) + bias``, each
+    ``norm`` an RMS normalization over the last axis; ``weight`` has 3 elements.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.poly_norm(rx.var("x"), rx.var("w"), rx.var("b"))
+        poly_norm(x, w, b, 1e-06)
+    """
+    return node("poly_norm", x, weight, bias, scalar_arg(eps, "poly_norm", "eps"))
+
+
+def _poly_norm(x: Expr, w: Expr, b: Expr, eps: Expr) -> Expr:
+    x2 = node("mul", x, x)
+    powers = (node("mul", x2, x), x2, x)
+    out = b
+    for k, u in enumerate(powers):
+        rstd = node("rsqrt", node("add", mean_of(node("mul", u, u), (-1,), True), eps))
+        out = node("add", out, node("mul", node("select", w, axis=0, index=k), node("mul", u, rstd)))
+    return out
+
+
+def _poly_norm_ref(x: torch.Tensor, w: torch.Tensor, b: Any, eps: float) -> torch.Tensor:
+    def norm(u: torch.Tensor) -> torch.Tensor:
+        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+
+    return w[0] * norm(x**3) + w[1] * norm(x**2) + w[2] * norm(x) + b
+
+
+def _poly_norm_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    x, w = shapes[0], shapes[1]
+    b = shapes[2] if len(shapes) > 2 else ()  # a python number bias has no shape
+    if not x:
+        raise ShapeError("poly_norm normalizes the last axis: a 0-dim input has none")
+    if w != (3,):
+        raise ShapeError(f"poly_norm: weight has shape {list(w)}; expected [3]")
+    if math.prod(b) != 1:
+        raise ShapeError(f"poly_norm: bias has shape {list(b)}; expected one element")
+    return x
+
+
+_composite(
+    "poly_norm",
+    4,
+    _poly_norm_ref,
+    _poly_norm,
+    shape=_poly_norm_shape,
+    # one-element probes cannot index the 3 weights: the promoted dtype, as torch's arithmetic
+    result_dtype=lambda dtypes, **_: torch.promote_types(torch.promote_types(dtypes[0], dtypes[1]), dtypes[2]),
+    pattern="RMSNorm",
+    accepts=FLOATING,
+    eager_launches=13,
+    front=Front(fn=poly_norm),
+)

@@ -151,7 +151,12 @@ def _pow(ctx: EmitCtx, a: str, b: str) -> str:
     # powers of negative bases (-0 and -inf included), NaN for negative bases to non-integers,
     # 1 for b == 0, a == 1 and (-1)**inf. Nested where rather than & / | of mixed operands.
     inf = "float('inf')"
-    mag = ctx.tmp(f"tl.exp2({b} * tl.log2(tl.abs({a})))")
+    if ctx.dtype == torch.float64:
+        mag = ctx.tmp(f"tl.exp2({b} * tl.log2(tl.abs({a})))")
+    else:  # b * log2|a| in float64: float32's rounding of it is amplified by exp2 (torch's pow is exact)
+        log_a = ctx.tmp(f"tl.log2(tl.abs({a}).to(tl.float64))")
+        wide = f"tl.exp2((tl.zeros_like({log_a}) + {b}) * {log_a})"  # b may be a literal
+        mag = ctx.tmp(f"({wide}).to({TRITON_TYPE[ctx.dtype]})")
     is_int = ctx.tmp(f"tl.floor({b}) == {b}")
     odd = ctx.tmp(f"tl.where({is_int}, tl.floor({b} * 0.5) * 2.0 != {b}, {is_int})")
     negative = ctx.tmp(f"tl.where({a} == 0, 1.0 / {a} < 0, {a} < 0)")  # -0 counts as negative
@@ -616,7 +621,9 @@ _math(
 _math(
     "relu",
     lambda c, a: f"tl.where({a} < 0, 0, {a})",
-    lambda d: (node("where", node("gt", d.a, 0), d.g, node("mul", d.g, 0.0)),),
+    # torch's threshold_backward: 0 where the input is <= 0 (even for an inf cotangent), else
+    # the cotangent (a NaN input passes it through)
+    lambda d: (node("where", node("le", d.a, 0), 0.0, d.g),),
     "max(x, 0), NaN kept",
     pattern="Activation",
 )

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import RtxError, ShapeError
+from ..errors import DtypeMismatchError, RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Unsupported, register
 from .helpers import ExprLike, scalar_arg, torch_fns
@@ -35,7 +35,8 @@ def cross_entropy(
     ``target`` holds int64 class indices (shaped like ``logits`` without the class axis) or
     class probabilities (shaped and typed like ``logits``). With indices, rows whose target is
     ``ignore_index`` contribute nothing and "mean" divides by the weight of the other rows
-    (their count without ``weight``); the z-loss term is reduced the same way. The row kernel
+    (their count without ``weight``). The z-loss term is never weighted: "mean" averages it over
+    the non-ignored rows (PaLM's and Liger-Kernel's definition). The row kernel
     reads each row once and the backward reads the saved per-row logsumexp.
 
     ``grad_in_forward=True`` (Liger-Kernel's memory trick; "mean" or "sum"): when a kernel's one
@@ -86,8 +87,6 @@ def _ce_shape(shapes: list[tuple[int, ...]], reduction: str, **_: Any) -> tuple[
         raise ShapeError("cross_entropy: logits must have a class axis (at least 1-d)")
     cls = _class_axis(len(x))
     rows = x[:cls] + x[cls + 1 :]
-    if not rows and t == ():
-        raise ShapeError("cross_entropy: unbatched logits with a class index are not fused (give [1, C] logits)")
     if t != rows and t != x:
         raise ShapeError(
             f"cross_entropy: target has shape {list(t)}; expected {list(rows)} (class indices) "
@@ -106,8 +105,8 @@ def _ce_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
         raise RtxError(f"cross_entropy: probability target is {t}; it must match the logits' {x}")
     if not t.is_floating_point and t != torch.int64:
         raise RtxError(f"cross_entropy: class-index target must be int64, got {t}")
-    if len(dtypes) == 3 and not dtypes[2].is_floating_point:
-        raise RtxError(f"cross_entropy: weight must be floating point, got {dtypes[2]}")
+    if len(dtypes) == 3 and dtypes[2] != x:  # torch: "expected scalar type ... but found ..."
+        raise DtypeMismatchError(f"cross_entropy: weight is {dtypes[2]}; it must match the logits' {x}")
     return x
 
 
@@ -125,11 +124,10 @@ def _ce_ref(
     lse = torch.logsumexp(x, cls)
     if t.is_floating_point():
         zl, count = z_loss * lse**2, lse.numel()
-    else:
+    else:  # an unweighted term, its mean over the non-ignored tokens
         valid = t != ignore_index
         zl = torch.where(valid, z_loss * lse**2, 0)
-        tw = weight[torch.where(valid, t, 0)] if weight is not None else torch.ones_like(lse)
-        count = torch.where(valid, tw, 0).sum()
+        count = valid.sum()
     if reduction == "none":
         return loss + zl
     return loss + (zl.sum() / count if reduction == "mean" else zl.sum())
@@ -140,6 +138,13 @@ def _ce_decompose(
     shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], grad_in_forward: bool = False,
 ) -> Expr:  # fmt: skip
     rank = len(shapes[0])
+    if rank == 1 and not dtypes[1].is_floating_point:  # unbatched: one row of [1, C], then its value
+        one = _ce_decompose(
+            node("unsqueeze", x, axes=(0,)), node("unsqueeze", t, axes=(0,)), *w, ignore_index=ignore_index,
+            reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+            shapes=[(1, *shapes[0]), (1,), *shapes[2:]], dtypes=dtypes,
+        )  # fmt: skip
+        return node("select", one, axis=0, index=0) if reduction == "none" else one
     cls = _class_axis(rank)
     n_classes = shapes[0][cls]
     eps = label_smoothing
@@ -165,15 +170,21 @@ def _ce_decompose(
     tw = None
     if wb is not None:
         tw = node("select", node("gather", node("expand", wb, shape=shapes[0]), at, axis=cls), axis=cls, index=0)
-    nll = node("sub", lse, picked)
+    # torch takes log_softmax first: a row whose logsumexp is +-inf (a +inf logit, or every logit
+    # -inf) is NaN there; lse - lse is NaN exactly then, and 0 otherwise (no gradient flows through it)
+    nll = node("add", node("sub", lse, picked), node("detach", node("sub", lse, lse)))
     per = node("mul", nll, tw) if tw is not None else nll
     if eps:
         summed = node("sum", node("mul", x, wb) if wb is not None else x, axis=(cls,), keepdim=False)
         mass = node("sum", w[0], axis=None, keepdim=False) if w else float(n_classes)
         smooth = node("sub", node("mul", lse, mass), summed)  # -sum_c w_c log p_c
         per = node("add", node("mul", per, 1.0 - eps), node("mul", smooth, eps / n_classes))
-    if z_loss:
-        per = node("add", per, node("mul", node("mul", lse, lse), z_loss))
+    # the z-loss term is unweighted and its mean is over the non-ignored tokens (PaLM, Liger); the
+    # cross-entropy term's mean is over their class weights (torch)
+    z = node("mul", node("mul", lse, lse), z_loss) if z_loss else None
+    if reduction != "mean" or tw is None:
+        per = node("add", per, z) if z is not None else per
+        z = None
     per = node("where", valid, per, 0.0)
     if reduction == "none":
         return per
@@ -181,7 +192,11 @@ def _ce_decompose(
     if reduction == "sum":
         return total
     count = node("where", valid, tw if tw is not None else 1.0, 0.0)
-    return node("div", total, node("sum", count, axis=None, keepdim=False))
+    mean = node("div", total, node("sum", count, axis=None, keepdim=False))
+    if z is None:
+        return mean
+    tokens = node("sum", node("where", valid, 1.0, 0.0), axis=None, keepdim=False)
+    return node("add", mean, node("div", node("sum", node("where", valid, z, 0.0), axis=None, keepdim=False), tokens))
 
 
 def _torch_cross_entropy(

@@ -11,6 +11,7 @@ slices or sizes compile nothing new.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -367,6 +368,56 @@ _movement(
 )
 
 
+# ---- permute -------------------------------------------------------------------------------------
+def permute(e: ExprLike, dims: tuple[int, ...] | list[int]) -> Expr:
+    """``e`` with its dims reordered, as torch.permute (``out.shape[i] == e.shape[dims[i]]``).
+
+    Read in place: a consumer reads ``e`` at the permuted coordinates. The lazy stream uses it to
+    compute a value in eager's memory order (then views it back), so no copy restrides it.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.permute(rx.var("x"), (1, 0))
+        permute(x, dims=(1, 0))
+    """
+    return node("permute", e, dims=tuple(dims))
+
+
+def _permute_dims(shapes: list[tuple[int, ...]], dims: tuple[int, ...]) -> tuple[int, ...]:
+    rank = len(shapes[0])
+    if len(dims) != rank:
+        raise ShapeError(f"permute: dims {dims} do not match rank {rank}")
+    canon = tuple(_axis(d, rank, "permute") for d in dims)
+    if sorted(canon) != list(range(rank)):
+        raise ShapeError(f"permute: dims {dims} are not a permutation of range({rank})")
+    return canon
+
+
+def _permute_remap(c: RemapCtx) -> str:
+    """The operand's dim ``dims[p]`` is read at the output's index ``p``."""
+    src = [""] * len(c.out.idx)
+    for p, k in enumerate(c.attrs["dims"]):
+        src[k] = c.out.idx[p]
+    return c.value(0, Coords(tuple(src), c.out.pred))
+
+
+def _permute_back(d: D) -> tuple[Any, ...]:
+    dims = d.n.attr("dims")
+    return (node("permute", d.g, dims=tuple(sorted(range(len(dims)), key=dims.__getitem__))),)
+
+
+_movement(
+    "permute",
+    1,
+    lambda x, dims: x.permute(dims),
+    lambda shapes, dims: tuple(shapes[0][k] for k in _permute_dims(shapes, dims)),
+    _permute_remap,
+    _permute_back,
+    canonical=lambda shapes, dims: {"dims": _permute_dims(shapes, dims)},
+    front=Front(fn=permute),
+)
+
+
 # ---- cat / stack --------------------------------------------------------------------------------
 def _cat_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
     live = [s for s in shapes if s != (0,)] or shapes[:1]  # torch skips legacy empty 1-d operands
@@ -639,6 +690,9 @@ def gather(x: ExprLike, index: ExprLike, axis: int = -1, *, dim: int | None = No
 
 def _gather_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
     x, i = shapes
+    if not x and len(i) <= 1 and math.prod(i) <= 1:  # torch reads a 0-dim input as one element
+        _axis(axis, 1, "gather")
+        return i
     if len(i) != len(x):
         raise ShapeError(f"gather: index has rank {len(i)}, but the input has rank {len(x)}: they must match")
     a = _axis(axis, len(x), "gather")
@@ -676,8 +730,8 @@ def _gather_back(d: D) -> tuple[Any, ...]:
     a = d.n.attr("axis")
     x, idx = d.srcs
     xs, ks = d.src_shapes
-    if not xs:
-        return (d.g, None)
+    if not xs:  # a 0-dim input: the gradient of its one element (the index may be 1-d)
+        return (node("sum", d.g, axis=None, keepdim=False) if ks else d.g, None)
     if ks[a] == 1:  # one index per row (cross-entropy's target): no sum
         gx = node("where", node("eq", idx, node("arange_like", x, axis=a)), d.g, 0)
     else:

@@ -120,12 +120,14 @@ def dropout(e: ExprLike, p: float = 0.5, training: bool = True, seed: int | None
         dropout(x, 3, p=0.1)
     """
     prob = scalar_arg(p, "dropout", "p")
-    if not 0.0 <= prob < 1.0:
-        raise RtxError(f"dropout: p must be in [0, 1), got {p!r}")
+    if not 0.0 <= prob <= 1.0:
+        raise RtxError(f"dropout: p must be in [0, 1], got {p!r}")
     if not isinstance(training, bool):
         raise RtxError(f"dropout: training must be a bool, got {training!r}")
     if not training or prob == 0.0:
         return e if isinstance(e, Expr) else node("cast", e, dtype=torch.get_default_dtype())
+    if prob == 1.0:  # torch: input * 0 (NaN and inf stay NaN), no random draw
+        return node("mul", e, 0.0)
     return node("dropout", e, seed_operand(seed, "dropout"), p=prob)
 
 

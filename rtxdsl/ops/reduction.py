@@ -316,8 +316,9 @@ register(
         arity=1,
         eager_launches=0,
         accepts=ANY,
-        ref=lambda x: float(torch.finfo(x.dtype if x.dtype.is_floating_point else torch.float32).eps),
-        doc="machine epsilon of the operand's dtype (rms_norm's eps=None, as torch)",
+        # torch takes the epsilon of the dtype it computes in: float32 for fp16 / bf16 (and ints)
+        ref=lambda x: float(torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps),
+        doc="machine epsilon of the dtype the operand is computed in (rms_norm's eps=None, as torch)",
     )
 )
 

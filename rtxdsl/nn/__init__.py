@@ -1,0 +1,42 @@
+"""Drop-in fused modules (:mod:`rtxdsl.nn.modules`) and ``replace_modules`` (:mod:`rtxdsl.nn.swap`),
+which fuses a torch or Hugging Face model's norms, gated MLPs, rotary embedding and loss in place.
+
+Example:
+    >>> import torch, rtxdsl as rx
+    >>> rx.nn.RMSNorm(8)(torch.randn(2, 8)).shape
+    torch.Size([2, 8])
+"""
+
+from __future__ import annotations
+
+from .modules import (
+    JSD,
+    CrossEntropyLoss,
+    DyT,
+    GateUpMLP,
+    GeGLU,
+    KLDivLoss,
+    LayerNorm,
+    PolyNorm,
+    RMSNorm,
+    SwiGLU,
+    TVDLoss,
+)
+from .swap import Replaced, causal_lm_loss, replace_modules
+
+__all__ = [
+    "JSD",
+    "CrossEntropyLoss",
+    "DyT",
+    "GateUpMLP",
+    "GeGLU",
+    "KLDivLoss",
+    "LayerNorm",
+    "PolyNorm",
+    "RMSNorm",
+    "Replaced",
+    "SwiGLU",
+    "TVDLoss",
+    "causal_lm_loss",
+    "replace_modules",
+]

@@ -1,0 +1,393 @@
+"""Drop-in modules: torch's constructor arguments, parameter names and state_dict keys, with the
+memory-bound part of ``forward`` as one fused rtxdsl kernel (fused backward too).
+
+``rx.nn.LayerNorm`` / ``RMSNorm`` / ``CrossEntropyLoss`` subclass torch's, so checkpoints load both
+ways and ``isinstance`` checks keep working; ``SwiGLU`` / ``GeGLU`` are Llama- / Gemma-style MLP
+blocks (gate, up and down projections run as torch matmuls, the activation product is fused).
+``replace_modules(model)`` (:mod:`rtxdsl.nn.swap`) swaps a model's norms, gated MLPs, rotary
+embedding and loss for these, in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from .. import dsl
+from ..errors import RtxError
+from ..expr import node
+from ..ops import REGISTRY
+from ..ops.composite import geglu, layer_norm, rms_norm
+from ..ops.elementwise import cast
+from ..ops.llm import cross_entropy
+from ..runtime import Kernel, compile
+
+_x, _w, _b, _t = dsl.var("x"), dsl.var("w"), dsl.var("b"), dsl.var("t")
+
+
+@functools.lru_cache(maxsize=64)
+def _norm_kernel(
+    kind: str, eps: float | None, weight: bool, bias: bool, offset: float = 0.0, out: torch.dtype | None = None
+) -> Kernel:
+    """``offset``: the weight enters as ``offset + w`` (Gemma's ``1 + w``); ``out``: the result's dtype
+    (None: the input's)."""
+    w = (_w + offset if offset else _w) if weight else None
+    if kind == "layer_norm":
+        e = layer_norm(_x, w, _b if bias else None, eps)
+    elif eps is None:  # torch: the epsilon of the dtype it computes in, known at binding
+        e = node("rms_norm", _x, 1.0 if w is None else w, node("eps_of", _x))
+    else:
+        e = rms_norm(_x, w, eps)
+    return compile(e if out is None else cast(e, out))
+
+
+class _Fused:
+    """Holds the module's kernel, made when the module is (never inside a torch.compile trace)."""
+
+    _kernel: Kernel
+
+    def _make_kernel(self) -> Kernel:
+        raise NotImplementedError
+
+    def _attach(self) -> None:
+        self._kernel = self._make_kernel()
+
+    # copies and pickles carry the parameters and options; the kernel is made again from them
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_kernel", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        self._attach()
+
+
+class LayerNorm(_Fused, torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` over the last axis as one kernel (statistics in one pass).
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.LayerNorm(8)(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _norm_kernel("layer_norm", float(self.eps), self.weight is not None, self.bias is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.normalized_shape) != 1:  # several normalized dims: torch's own
+            return super().forward(x)
+        args = [x] + [p for p in (self.weight, self.bias) if p is not None]
+        return self._kernel(*args)
+
+
+class RMSNorm(_Fused, torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` over the last axis as one kernel (``eps=None``: the epsilon of the dtype
+    torch computes in, float32's for fp16 / bf16).
+
+    Two options cover Hugging Face's variants: ``offset=1.0`` scales by ``1 + weight`` (Gemma), and
+    ``promote=True`` returns the weight's and input's promoted dtype (Llama's ``weight *
+    x.to(input_dtype)``); by default the result has the input's dtype, as torch's.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.RMSNorm(8)(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, *args: Any, offset: float = 0.0, promote: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.offset, self.promote = float(offset), bool(promote)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return self._kernel_for(None)
+
+    def _kernel_for(self, out: torch.dtype | None) -> Kernel:
+        eps = None if self.eps is None else float(self.eps)
+        return _norm_kernel("rms_norm", eps, self.weight is not None, False, self.offset, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.normalized_shape) != 1:
+            if self.offset or self.promote:
+                raise RtxError("rx.nn.RMSNorm: offset and promote need one normalized dim")
+            return super().forward(x)
+        if self.weight is None:
+            return self._kernel(x)
+        out = torch.promote_types(x.dtype, self.weight.dtype) if self.promote else x.dtype
+        kernel = self._kernel if out == x.dtype else self._kernel_for(out)
+        return kernel(x, self.weight)
+
+    def extra_repr(self) -> str:
+        more = (f", offset={self.offset}" if self.offset else "") + (", promote=True" if self.promote else "")
+        return super().extra_repr() + more
+
+
+class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` as one row kernel (+ the mean), fused backward.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.CrossEntropyLoss()(torch.randn(4, 10), torch.tensor([1, 2, 3, 4])).shape
+        torch.Size([])
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _ce_kernel(self.weight is not None, self.ignore_index, self.reduction, float(self.label_smoothing))
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        k = self._kernel
+        return k(input, target, self.weight) if self.weight is not None else k(input, target)
+
+
+@functools.lru_cache(maxsize=64)
+def _ce_kernel(weight: bool, ignore_index: int, reduction: str, smoothing: float) -> Kernel:
+    return compile(cross_entropy(_x, _t, _w if weight else None, ignore_index, reduction, smoothing))
+
+
+class _GatedMLP(_Fused, torch.nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = False, **factory: Any) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(dim, hidden, bias=bias, **factory)
+        self.up_proj = torch.nn.Linear(dim, hidden, bias=bias, **factory)
+        self.down_proj = torch.nn.Linear(hidden, dim, bias=bias, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._kernel(self.gate_proj(x), self.up_proj(x)))
+
+
+@functools.lru_cache(maxsize=8)
+def _gated(kind: str, approximate: str) -> Kernel:
+    g, u = dsl.var("g"), dsl.var("u")
+    return compile(REGISTRY.functions["swiglu"](g, u) if kind == "swiglu" else geglu(g, u, approximate))
+
+
+class SwiGLU(_GatedMLP):
+    """Llama's MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, the product fused.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.SwiGLU(8, 16)(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, **factory: Any) -> None:
+        super().__init__(dim, hidden, bias, **factory)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _gated("swiglu", "none")
+
+
+class GeGLU(_GatedMLP):
+    """Gemma's MLP: ``down_proj(gelu(gate_proj(x)) * up_proj(x))`` (``approximate="tanh"`` as Gemma).
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.GeGLU(8, 16)(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, approximate: str = "tanh", **factory: Any) -> None:
+        super().__init__(dim, hidden, bias, **factory)
+        self.approximate = approximate
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _gated("geglu", self.approximate)
+
+
+@functools.lru_cache(maxsize=8)
+def _gate_up(activation: str) -> Kernel:
+    h = dsl.var("h")
+    gate, up = REGISTRY.functions["chunk"](h, 2, -1)
+    return compile(_ACTIVATED[activation](gate, up))
+
+
+#: the gated products by activation name: silu (SwiGLU), gelu_tanh and gelu (GeGLU)
+_ACTIVATED = {
+    "silu": lambda g, u: REGISTRY.functions["swiglu"](g, u),
+    "gelu_tanh": lambda g, u: geglu(g, u, "tanh"),
+    "gelu": lambda g, u: geglu(g, u, "none"),
+}
+
+
+class GateUpMLP(_Fused, torch.nn.Module):
+    """Phi-3's MLP: one ``gate_up_proj`` (gate first, then up), ``down_proj(act(gate) * up)``;
+    the chunk and the activation product are one kernel.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.GateUpMLP(8, 16)(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, activation: str = "silu", **factory: Any) -> None:
+        if activation not in _ACTIVATED:
+            raise RtxError(f"GateUpMLP: activation must be one of {sorted(_ACTIVATED)}, got {activation!r}")
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(dim, 2 * hidden, bias=bias, **factory)
+        self.down_proj = torch.nn.Linear(hidden, dim, bias=bias, **factory)
+        self.activation = activation
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _gate_up(self.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._kernel(self.gate_up_proj(x)))
+
+
+# ---- Liger-Kernel's op set as modules (Liger's parameter names) ------------------------------------
+@functools.lru_cache(maxsize=8)
+def _liger_kernel(kind: str, *options: Any) -> Kernel:
+    x, a, g, b, lbl = (dsl.var(n) for n in ("x", "a", "g", "b", "label"))
+    f = REGISTRY.functions
+    if kind == "dyt":
+        return compile(f["dyt"](x, a, g, b if options[0] else None))
+    if kind == "poly_norm":
+        return compile(f["poly_norm"](x, g, b, options[0]))
+    if kind == "kl_div":
+        return compile(f["kl_div"](x, a, *options))
+    label = lbl if options[0] else None
+    if kind == "jsd":
+        return compile(f["jsd"](x, a, label, *options[1:]))
+    return compile(f["tvd"](x, a, label, *options[1:]))
+
+
+class DyT(_Fused, torch.nn.Module):
+    """Dynamic tanh, ``gamma * tanh(alpha * x) + beta``, one kernel forward and backward.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.DyT(8)(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, hidden_size: int, beta: bool = True, init_alpha: float = 0.5, **factory: Any) -> None:
+        super().__init__()
+        self.alpha = torch.nn.Parameter(torch.full((1,), float(init_alpha), **factory))
+        self.gamma = torch.nn.Parameter(torch.ones(hidden_size, **factory))
+        self.beta = torch.nn.Parameter(torch.zeros(hidden_size, **factory)) if beta else None
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _liger_kernel("dyt", self.beta is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = {"b": self.beta} if self.beta is not None else {}
+        return self._kernel(x=x, a=self.alpha, g=self.gamma, **extra)
+
+
+class PolyNorm(_Fused, torch.nn.Module):
+    """PolyNorm: ``w[0] * norm(x**3) + w[1] * norm(x**2) + w[2] * norm(x) + bias``, one kernel.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.PolyNorm()(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, eps: float = 1e-6, **factory: Any) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((3,), 1.0 / 3.0, **factory))
+        self.bias = torch.nn.Parameter(torch.tensor(1.0, **factory))
+        self.eps = float(eps)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _liger_kernel("poly_norm", self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x=x, g=self.weight, b=self.bias)
+
+
+class KLDivLoss(_Fused, torch.nn.KLDivLoss):
+    """``torch.nn.KLDivLoss`` as one kernel (the pointwise terms and their reduction), fused backward.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> q, p = torch.randn(2, 5).log_softmax(-1), torch.randn(2, 5).softmax(-1)
+        >>> rx.nn.KLDivLoss(reduction="batchmean")(q, p).shape
+        torch.Size([])
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _liger_kernel("kl_div", self.reduction, bool(self.log_target))
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        return self._kernel(x=input, a=target)
+
+
+class _LabelledLoss(_Fused, torch.nn.Module):
+    """A divergence over rows with an optional label per row (rows labelled ``ignore_index`` count nothing)."""
+
+    _kind = ""
+
+    def _options(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def _make_kernel(self) -> Kernel:
+        return _liger_kernel(self._kind, False, *self._options())
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, label: torch.Tensor | None = None) -> torch.Tensor:
+        if label is None:
+            return self._kernel(x=a, a=b)
+        return _liger_kernel(self._kind, True, *self._options())(x=a, a=b, label=label)
+
+
+class JSD(_LabelledLoss):
+    """Liger-Kernel's generalized Jensen-Shannon divergence ``forward(log_q, log_p, label=None)``
+    (student, teacher log-probabilities): ``beta=0`` forward KL, ``beta=1`` reverse KL.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> q, p = torch.randn(2, 5).log_softmax(-1), torch.randn(2, 5).log_softmax(-1)
+        >>> rx.nn.JSD(beta=0.5)(q, p).shape
+        torch.Size([])
+    """
+
+    _kind = "jsd"
+
+    def __init__(self, beta: float = 0.5, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.beta, self.ignore_index = float(beta), int(ignore_index)
+        self._attach()
+
+    def _options(self) -> tuple[Any, ...]:
+        return (self.beta, self.ignore_index)
+
+
+class TVDLoss(_LabelledLoss):
+    """Total variation distance ``|p - q| / 2`` (Liger-Kernel's ``forward(p, q, label=None)``).
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.TVDLoss()(torch.rand(2, 5), torch.rand(2, 5)).shape
+        torch.Size([])
+    """
+
+    _kind = "tvd"
+
+    def __init__(self, reduction: str = "batchmean", ignore_index: int = -100) -> None:
+        super().__init__()
+        self.reduction, self.ignore_index = reduction, int(ignore_index)
+        self._attach()
+
+    def _options(self) -> tuple[Any, ...]:
+        return (self.reduction, self.ignore_index)

@@ -1,0 +1,303 @@
+"""``replace_modules(model)``: a model's norms, gated MLPs, rotary embedding and loss, fused.
+
+Modules are recognised by structure and behaviour, not by class: a candidate (a module with a
+1-d ``weight`` and an epsilon attribute; one with ``gate_proj`` / ``up_proj`` / ``down_proj`` or
+``gate_up_proj`` / ``down_proj`` linears and an activation) is *probed*: it runs once on a small
+random input and its output is compared with each formula rtxdsl can fuse (RMSNorm scaled by ``w``
+or by ``1 + w``; the output dtype rule; SiLU, tanh-GELU or GELU gating). Only a module that matches
+one is replaced, by an rtxdsl module holding the *same* parameter objects under the same names
+(``state_dict`` keys, checkpoints and optimizers are unaffected). So Llama, Mistral, Qwen2/3,
+Gemma 1/2/3, Phi-3 and Mixtral norms are found without a table of their classes, and a model
+whose norm differs in a way the probe sees keeps its own module (and a warning says so).
+
+Hugging Face's rotary embedding is a free function (``apply_rotary_pos_emb``) in each model's
+module; it is replaced there by one kernel for q and k (the original still runs for inputs it
+does not cover, e.g. partial rotary). The causal-LM loss (``model.loss_function``) becomes
+``rx.cross_entropy`` over the logits as they are (no float32 copy of them).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import dsl
+from ..ops.elementwise import cast
+from ..ops.llm import cross_entropy, rope
+from ..runtime import Kernel, compile
+from .modules import GateUpMLP, GeGLU, LayerNorm, RMSNorm, SwiGLU, _GatedMLP
+
+#: attributes Hugging Face norms keep their epsilon in
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+_PROBE_ROWS = 3
+_TOL = 1e-4
+
+
+class Replaced(int):
+    """How many modules ``replace_modules`` swapped (an int), with ``by_kind``: kind -> count.
+
+    Kinds: ``layer_norm``, ``rms_norm``, ``mlp``, ``rope`` (attention modules whose rotary
+    embedding is fused), ``loss``.
+    """
+
+    by_kind: dict[str, int]
+
+    def __new__(cls, by_kind: dict[str, int]) -> Replaced:
+        obj = super().__new__(cls, sum(by_kind.values()))
+        obj.by_kind = {k: v for k, v in by_kind.items() if v}
+        return obj
+
+    def __repr__(self) -> str:
+        return f"Replaced({int(self)}, by_kind={self.by_kind})"
+
+
+def replace_modules(model: torch.nn.Module, *, rope: bool = True, loss: bool = True) -> Replaced:
+    """Swap ``model``'s norms, gated MLPs, rotary embedding and causal-LM loss for fused ones, in place.
+
+    Parameters stay the same objects under the same names. Returns the number swapped, an int
+    with ``.by_kind``; warns about norm- or MLP-like modules it left alone.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        >>> n = rx.nn.replace_modules(m)
+        >>> int(n), n.by_kind, type(m[1]).__module__
+        (1, {'layer_norm': 1}, 'rtxdsl.nn.modules')
+    """
+    counts = {"layer_norm": 0, "rms_norm": 0, "mlp": 0, "rope": 0, "loss": 0}
+    left: set[str] = set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            found = _replacement(child)
+            if found is not None:
+                kind, new = found
+                setattr(parent, name, new)
+                counts[kind] += 1
+            elif _looks_fusable(child):
+                left.add(type(child).__qualname__)
+    if rope:
+        counts["rope"] = _fuse_rotary(model)
+    if loss and _fuse_loss(model):
+        counts["loss"] = 1
+    if left:
+        warnings.warn(
+            f"rx.nn.replace_modules left {sorted(left)} alone: their output matched no formula rtxdsl fuses",
+            stacklevel=2,
+        )
+    return Replaced(counts)
+
+
+# ---- recognising modules --------------------------------------------------------------------------
+def _replacement(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    if isinstance(m, (LayerNorm, RMSNorm, _GatedMLP, GateUpMLP)):
+        return None  # already ours
+    if type(m) is torch.nn.LayerNorm:
+        return "layer_norm", _same_state(LayerNorm.__new__(LayerNorm), m)
+    if type(m) is torch.nn.RMSNorm:
+        new = _same_state(RMSNorm.__new__(RMSNorm), m, offset=0.0, promote=False)
+        return "rms_norm", new
+    for recognise in (_rms_norm_like, _gated_mlp_like):
+        found = recognise(m)
+        if found is not None:
+            return found
+    return None
+
+
+def _same_state(new: Any, m: torch.nn.Module, **options: Any) -> torch.nn.Module:
+    """``new`` with ``m``'s parameters, buffers, hooks and training flag (nothing copied)."""
+    new.__dict__.update(m.__dict__)
+    new.__dict__.update(options)
+    new._attach()
+    return new
+
+
+def _looks_fusable(m: torch.nn.Module) -> bool:
+    """Named like a norm or an MLP, and not ours or a torch norm we deliberately keep (several dims)."""
+    if isinstance(m, (LayerNorm, RMSNorm, _GatedMLP, GateUpMLP, torch.nn.LayerNorm, torch.nn.RMSNorm)):
+        return False
+    return type(m).__name__.lower().endswith(("rmsnorm", "layernorm", "mlp"))
+
+
+def _probe_input(p: torch.Tensor, *shape: int) -> torch.Tensor | None:
+    if p.device.type == "meta":
+        return None
+    gen = torch.Generator(device=p.device).manual_seed(0)
+    return torch.randn(*shape, generator=gen, device=p.device, dtype=torch.float32)
+
+
+def _rms_norm_like(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """A module whose only parameter is a 1-d ``weight``, with an epsilon, computing RMSNorm."""
+    params = dict(m.named_parameters(recurse=False))
+    w = params.get("weight")
+    eps = next((getattr(m, a) for a in _EPS_NAMES if isinstance(getattr(m, a, None), float)), None)
+    if set(params) != {"weight"} or w is None or w.dim() != 1 or eps is None or list(m.children()):
+        return None
+    x = _probe_input(w, _PROBE_ROWS, w.shape[0])
+    if x is None or not w.is_floating_point():
+        return None
+    with torch.no_grad():
+        try:
+            got = m(x)  # float32: close to the float64 formula whatever the weight's dtype
+            # an input narrower than the weight tells the dtype rule (Llama: weight * x.to(input dtype))
+            other = torch.float16 if w.dtype == torch.bfloat16 else torch.bfloat16
+            promoted = m(x.to(other)).dtype != other
+        except Exception:  # noqa: BLE001 - a module that is not a norm may reject the probe
+            return None
+        rstd = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+        for offset in (0.0, 1.0):  # Gemma scales by 1 + w
+            want = x.double() * rstd * (w.double() + offset)
+            if got.shape == want.shape and torch.allclose(got.double(), want, atol=_TOL * 10, rtol=_TOL * 10):
+                new = RMSNorm(w.shape[0], eps=eps, device="meta", offset=offset, promote=promoted)
+                new.weight = w  # the same parameter
+                new.train(m.training)
+                return "rms_norm", new
+    return None
+
+
+#: activations by probe: name -> torch function
+_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def _gated_mlp_like(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """``down(act(gate(x)) * up(x))`` with linears named as Llama's, or Phi-3's fused ``gate_up_proj``."""
+    lin = {n: c for n, c in m.named_children() if type(c) is torch.nn.Linear}
+    fused = "gate_up_proj" in lin
+    wanted = {"gate_up_proj", "down_proj"} if fused else {"gate_proj", "up_proj", "down_proj"}
+    if not wanted <= set(lin) or (set(dict(m.named_parameters(recurse=False)))):
+        return None
+    first = lin["gate_up_proj" if fused else "gate_proj"]
+    x = _probe_input(first.weight, _PROBE_ROWS, first.in_features)
+    if x is None:
+        return None
+    with torch.no_grad():
+        try:
+            x = x.to(first.weight.dtype)
+            got = m(x)
+            if fused:
+                gate, up = lin["gate_up_proj"](x).chunk(2, -1)
+            else:
+                gate, up = lin["gate_proj"](x), lin["up_proj"](x)
+        except Exception:  # noqa: BLE001 - the probe's input may not fit this module
+            return None
+        errors = {}
+        for name, act in _ACTS.items():  # the closest formula (tanh-GELU and GELU differ little)
+            want = lin["down_proj"](act(gate) * up)
+            if got.shape == want.shape:
+                errors[name] = (got.double() - want.double()).abs().max().item() / (1 + want.abs().max().item())
+    best = min(errors, key=errors.__getitem__, default=None)
+    if best is None or not errors[best] <= _TOL:
+        return None
+    return "mlp", _gated_module(m, best, lin, fused)
+
+
+def _gated_module(m: torch.nn.Module, act: str, lin: dict[str, torch.nn.Linear], fused: bool) -> torch.nn.Module:
+    if fused:
+        new: torch.nn.Module = GateUpMLP.__new__(GateUpMLP)
+        torch.nn.Module.__init__(new)
+        new.gate_up_proj, new.down_proj, new.activation = lin["gate_up_proj"], lin["down_proj"], act
+    else:
+        cls = SwiGLU if act == "silu" else GeGLU
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.gate_proj, new.up_proj, new.down_proj = lin["gate_proj"], lin["up_proj"], lin["down_proj"]
+        if cls is GeGLU:
+            new.approximate = "tanh" if act == "gelu_tanh" else "none"
+    new.train(m.training)
+    new._attach()  # type: ignore[attr-defined]
+    return new
+
+
+# ---- rotary embedding: the model module's free function ------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _rope_kernel() -> Kernel:
+    q, k, cos, sin = (dsl.var(n) for n in ("q", "k", "cos", "sin"))
+    return compile({"q": rope(q, cos, sin), "k": rope(k, cos, sin)})
+
+
+def _fused_rotary(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` as one kernel for q and k."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
+        unsqueeze_dim = kwargs.pop("unsqueeze_dim", 1) if not args else None
+        whole = all(type(t) is torch.Tensor for t in (q, k, cos, sin)) and cos.shape[-1] == q.shape[-1]
+        if args or kwargs or unsqueeze_dim is None or not whole or q.shape[-1] % 2:
+            return original(q, k, cos, sin, *args, **kwargs)
+        out = _rope_kernel()(q=q, k=k, cos=cos.unsqueeze(unsqueeze_dim), sin=sin.unsqueeze(unsqueeze_dim))
+        return out["q"], out["k"]
+
+    apply_rotary_pos_emb.__rtxdsl_original__ = original  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
+
+
+def _fuse_rotary(model: torch.nn.Module) -> int:
+    """Patch ``apply_rotary_pos_emb`` in the modules that define the model's attention classes;
+    the count is the attention modules that call it."""
+    patched: set[str] = set()
+    users = 0
+    for m in model.modules():
+        home = sys.modules.get(type(m).__module__)
+        fn = getattr(home, "apply_rotary_pos_emb", None) if isinstance(home, types.ModuleType) else None
+        if fn is None or not callable(fn) or "Attention" not in type(m).__name__:
+            continue
+        if not hasattr(fn, "__rtxdsl_original__"):
+            home.apply_rotary_pos_emb = _fused_rotary(fn)  # type: ignore[union-attr]
+        patched.add(home.__name__)  # type: ignore[union-attr]
+        users += 1
+    return users
+
+
+# ---- the causal-LM loss ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _loss_kernel(reduction: str, ignore_index: int) -> Kernel:
+    logits, target = dsl.var("logits"), dsl.var("target")
+    return compile(cast(cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction), torch.float32))
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss`` (labels shifted left, mean over non-ignored tokens, or a
+    sum divided by ``num_items_in_batch``) as one cross-entropy kernel over the logits in their own
+    dtype (no float32 copy); the loss is float32, as theirs.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> float(rx.nn.causal_lm_loss(torch.zeros(1, 3, 5), torch.tensor([[1, 2, 3]]), 5))  # log(5)
+        1.6094379425048828
+    """
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(logits.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = _loss_kernel(reduction, ignore_index)(logits=logits.reshape(-1, vocab_size), target=target)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def _fuse_loss(model: torch.nn.Module) -> bool:
+    """A Hugging Face causal LM (``...ForCausalLM`` with a ``loss_function``) gets ``causal_lm_loss``."""
+    if not type(model).__name__.endswith("ForCausalLM") or not hasattr(type(model), "loss_function"):
+        return False
+    model.loss_function = causal_lm_loss
+    return True

@@ -1,0 +1,180 @@
+"""Liger-Kernel's op set, declared once in the op table: KL divergence, generalized JSD, total
+variation distance, DyT, ReLU², PolyNorm — each against a float64 torch reference written from
+its definition, gradchecked, counted, and as an ``rx.nn`` module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FLOAT_TOLERANCES, assert_close
+
+import rtxdsl as rx
+
+x, a, b, lbl = rx.var("x"), rx.var("a"), rx.var("b"), rx.var("l")
+ROWS, V = 7, 13  # odd rows and classes
+
+
+def _dists(gen, dtype=torch.float64):
+    q = torch.randn(ROWS, V, generator=gen, dtype=torch.float64).log_softmax(-1).to(dtype)
+    p = torch.randn(ROWS, V, generator=gen, dtype=torch.float64).log_softmax(-1).to(dtype)
+    return q, p
+
+
+def _label(kind):
+    label = torch.tensor([1, -100, 3, 4, -100, 0, 2])  # two ignored rows
+    return {"none": None, "some": label, "all": torch.full((ROWS,), -100)}[kind]
+
+
+# ---- KL divergence ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean", "batchmean"])
+@pytest.mark.parametrize("log_target", [False, True])
+def test_kl_div_matches_torch_and_is_one_kernel(reduction, log_target, gen):
+    q, p = _dists(gen)
+    target = p if log_target else p.exp()
+    if not log_target:
+        target[0, 0] = 0.0  # a zero probability: 0 * log 0 is 0, as torch's xlogy
+    k = rx.compile(rx.kl_div(x, a, reduction, log_target))
+    assert_close(k(x=q, a=target), F.kl_div(q, target, reduction=reduction, log_target=log_target), 1e-12, 1e-12)
+    rx.reset_fusion_stats()
+    k(x=q, a=target)
+    assert rx.fusion_stats().kernels_launched == 1
+    qg = q.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: k(x=t, a=target), (qg,))
+    f = rx.Fusion()  # recorded by the lazy stream
+    got = F.kl_div(f.lazy(q), target, reduction=reduction, log_target=log_target)
+    assert got.is_pending
+    assert_close(got.torch(), F.kl_div(q, target, reduction=reduction, log_target=log_target), 1e-12, 1e-12)
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), FLOAT_TOLERANCES)
+def test_kl_div_loss_module(dtype, atol, rtol, gen):
+    q, p = _dists(gen, dtype)
+    for red in ("batchmean", "sum"):
+        got = rx.nn.KLDivLoss(reduction=red, log_target=True)(q, p)
+        want = F.kl_div(q.double(), p.double(), reduction=red, log_target=True)
+        assert_close(got, want, atol, rtol, red)
+
+
+# ---- JSD --------------------------------------------------------------------------------------------
+def _jsd_reference(log_q, log_p, beta, label=None, ignore_index=-100):
+    """Liger's test reference: beta * KL(P || M) + (1 - beta) * KL(Q || M), batchmean over rows."""
+    p, q = log_p.exp(), log_q.exp()
+    if beta == 0.0:
+        rows = (p * (log_p - log_q)).sum(-1)
+    elif beta == 1.0:
+        rows = (q * (log_q - log_p)).sum(-1)
+    else:
+        log_m = torch.log(beta * p + (1 - beta) * q)
+        rows = beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+    if label is None:
+        return rows.mean()
+    keep = label != ignore_index
+    return (rows * keep).sum() / keep.sum()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])  # 0 and 1: the KL ends
+@pytest.mark.parametrize("labels", ["none", "some"])
+def test_jsd_matches_the_reference_gradchecks_and_is_symmetric(beta, labels, gen):
+    q, p = _dists(gen)
+    label = _label(labels)
+    e = rx.jsd(x, a, None if label is None else lbl, beta=beta)
+    ins = {"x": q, "a": p} | ({"l": label} if label is not None else {})
+    k = rx.compile(e)
+    assert_close(k(**ins), _jsd_reference(q, p, beta, label), 1e-12, 1e-12, f"beta={beta}")
+    qg = q.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: k(**(ins | {"x": t})), (qg,))
+    if beta == 0.5:  # symmetric at 1/2
+        assert_close(k(**(ins | {"x": p, "a": q})), k(**ins), 1e-12, 1e-12, "symmetry")
+
+
+def test_jsd_module_and_bad_input(gen):
+    q, p = _dists(gen, torch.float32)
+    label = _label("some")
+    assert_close(rx.nn.JSD(beta=0.1)(q, p, label), _jsd_reference(q.double(), p.double(), 0.1, label), 1e-5, 1e-5)
+    with pytest.raises(rx.RtxError, match=r"jsd: beta must be in \[0, 1\]"):
+        rx.jsd(x, a, beta=1.5)
+    with pytest.raises(rx.RtxError, match="label must be int32 or int64"):
+        rx.compile(rx.jsd(x, a, lbl))(x=q, a=p, l=label.float())
+    with pytest.raises(rx.ShapeError, match=r"label has shape \[3\]; expected \[7\]"):
+        rx.compile(rx.jsd(x, a, lbl))(x=q, a=p, l=label[:3])
+
+
+# ---- TVD --------------------------------------------------------------------------------------------
+def _tvd_reference(p, q, reduction, label=None, ignore_index=-100):
+    """Liger's test reference."""
+    tvd = (p - q).abs() / 2.0
+    n = p.size(0)
+    if label is not None:
+        tvd = torch.where(label.unsqueeze(1) != ignore_index, tvd, torch.zeros_like(tvd))
+        n = int((label != ignore_index).sum())
+        if n == 0 and reduction in ("mean", "batchmean"):
+            return tvd.sum() * 0
+    return {"mean": lambda: tvd.sum() / (n * p.size(1)), "sum": tvd.sum, "none": lambda: tvd,
+            "batchmean": lambda: tvd.sum() / n}[reduction]()  # fmt: skip
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean", "batchmean"])
+@pytest.mark.parametrize("labels", ["none", "some", "all"])  # all ignored: 0, as Liger
+def test_tvd_matches_the_reference_and_gradchecks(reduction, labels, gen):
+    q, p = _dists(gen)
+    x_in, target = q.exp() + torch.randn(ROWS, V, generator=gen, dtype=torch.float64) * 0.1, p.exp()
+    label = _label(labels)
+    e = rx.tvd(x, a, None if label is None else lbl, reduction=reduction)
+    ins = {"x": x_in, "a": target} | ({"l": label} if label is not None else {})
+    k = rx.compile(e)
+    assert_close(k(**ins), _tvd_reference(x_in, target, reduction, label), 1e-12, 1e-12, reduction)
+    xg = x_in.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: k(**(ins | {"x": t})), (xg,))
+    assert_close(
+        rx.nn.TVDLoss(reduction)(x_in, target, label), _tvd_reference(x_in, target, reduction, label), 1e-12, 1e-12
+    )
+
+
+# ---- DyT, ReLU², PolyNorm -----------------------------------------------------------------------------
+@pytest.mark.parametrize("with_beta", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 1023), (3, 7, 33)])  # Liger's near-power-of-2 and prime shapes
+def test_dyt(with_beta, shape, gen):
+    xs = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+    alpha = torch.randn(1, generator=gen, dtype=torch.float64, requires_grad=True)
+    gamma = torch.randn(shape[-1], generator=gen, dtype=torch.float64, requires_grad=True)
+    beta = torch.randn(shape[-1], generator=gen, dtype=torch.float64, requires_grad=True)
+    k = rx.compile(rx.dyt(x, a, rx.var("g"), b if with_beta else None))
+    ins = {"x": xs, "a": alpha, "g": gamma} | ({"b": beta} if with_beta else {})
+    want = gamma * torch.tanh(alpha * xs) + (beta if with_beta else 0)
+    assert_close(k(**ins), want, 1e-9, 1e-9)  # the kernels' tanh is accurate to ~1e-10 (fp32's needs)
+    if shape[-1] < 100:
+        assert torch.autograd.gradcheck(lambda *t: k(**dict(zip(ins, t))), tuple(ins.values()))
+    m = rx.nn.DyT(shape[-1], beta=with_beta).double()
+    assert_close(m(xs), m.gamma * torch.tanh(m.alpha * xs) + (m.beta if with_beta else 0), 1e-9, 1e-9)
+
+
+def test_relu_squared(gen):
+    xs = torch.randn(5, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = rx.compile(rx.relu_squared(x))
+    assert_close(k(x=xs), torch.relu(xs) ** 2, 1e-12, 1e-12)
+    assert torch.autograd.gradcheck(lambda t: k(x=t), (xs,))
+    assert rx.relu2 is rx.relu_squared
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), FLOAT_TOLERANCES)
+@pytest.mark.parametrize("shape", [(2, 2, 8), (9, 7, 41)])  # Liger's functional-test shapes
+def test_poly_norm(dtype, atol, rtol, shape, gen):
+    xs = torch.randn(shape, generator=gen, dtype=torch.float64)
+    w = torch.tensor([0.3, 0.4, 0.3], dtype=torch.float64)
+    bias = torch.tensor(0.1, dtype=torch.float64)
+
+    def norm(u):
+        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    want = w[0] * norm(xs**3) + w[1] * norm(xs**2) + w[2] * norm(xs) + bias
+    k = rx.compile(rx.poly_norm(x, rx.var("w"), b))
+    rx.reset_fusion_stats()
+    got = k(x=xs.to(dtype), w=w.to(dtype), b=bias.to(dtype))
+    assert rx.fusion_stats().kernels_launched == 1 and got.dtype == dtype
+    assert_close(got, want, atol * 10, rtol * 10)
+    if dtype == torch.float64:
+        args = tuple(t.clone().requires_grad_() for t in (xs, w, bias))
+        assert torch.autograd.gradcheck(lambda *t: k(x=t[0], w=t[1], b=t[2]), args)
+    m = rx.nn.PolyNorm().double()
+    assert m(xs).shape == xs.shape
