@@ -44,7 +44,20 @@ CASES: list[tuple[str, Callable[[], Any], Callable[[int], dict[str, torch.Tensor
         lambda s: {"x": torch.randn(1024, 4096 // s).t(), "y": torch.randn(4096 // s, 1024)},
     ),
     ("bias grad (sum over rows) 8192x1024", lambda: rx.sum(x, axis=0), lambda s: {"x": torch.randn(8192 // s, 1024)}),
+    (
+        "gelu(x + b) backward: dx and db 4096x256",
+        lambda: _bias_gelu_backward(),
+        lambda s: {"x": torch.randn(4096 // s, 256), "b": torch.randn(256), "y": torch.randn(4096 // s, 256)},
+    ),
 ]
+
+
+def _bias_gelu_backward() -> dict[str, Any]:
+    """What ``rx.compile(rx.gelu(x + b))``'s backward kernel computes (``y`` the cotangent): dx
+    beside db, its column sum, in one kernel whose split partial pass stores dx."""
+    u = x + b
+    dx = y * (0.5 * (1.0 + rx.erf(u * 0.7071067811865476)) + u * 0.3989422804014327 * rx.exp(-0.5 * u * u))
+    return {"dx": dx, "db": rx.sum(dx, axis=0)}
 
 
 def row(name: str, kernel: rx.Kernel, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ import torch
 from . import torchsem
 from .config import FusionConfig, get_config
 from .dsl import var
+from .dtypes import SHORT_NAME
 from .errors import RtxError
 from .expr import Expr, as_expr, walk
 from .log import log
@@ -84,6 +85,7 @@ def _guarded_class(base: type) -> type:
             name = getattr(func, "__name__", "")
             if name == "__get__":  # a property (t.shape): the descriptor's name
                 name = getattr(getattr(func, "__self__", None), "__name__", name)
+            streams = {id(g[0]): g[0] for t in found if (g := _GUARDS.get(id(t))) is not None}
             if name not in METADATA:
                 level = READ if torchsem.writes(func, kwargs) or func in torchsem.VIEWS else WRITE
                 for t in found:
@@ -91,7 +93,14 @@ def _guarded_class(base: type) -> type:
                     if guard is not None and guard[1] >= level:
                         guard[0].flush(f"torch.{name} on a plain tensor the stream reads or writes")
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                if streams and func in torchsem.VIEWS:  # a new alias of a guarded tensor: guarded with it from now on
+                    for r in _tensors(out):
+                        for stream in streams.values():
+                            stream.fusion._remember(r)
+                            for t in found:
+                                stream.fusion._remember(t)
+            return out
 
         cls = _GUARDED[base] = type(
             f"Pending{base.__name__}", (base,), {"__torch_function__": classmethod(__torch_function__)}
@@ -131,6 +140,7 @@ class OperationStream:
         self.info: dict[int, Info] = {}  # types of the nodes recorded since the last flush
         self.keep: list[Expr] = []  # ... kept alive while their ids are keys above
         self.leaves: dict[int, tuple[torch.Tensor, Expr]] = {}  # id(tensor) -> (tensor, var)
+        self.versions: dict[int, int] = {}  # id(tensor) -> its version counter when first read
         self.read_storages: set[tuple[torch.device, int]] = set()  # storages the leaves live in
         self.holders: list[weakref.ref[LazyTensor]] = []
         # tensors written in place by pending values: id -> (tensor, writers in program order)
@@ -155,6 +165,7 @@ class OperationStream:
             return hit[1]
         v = var(f"t{len(self.leaves) + 1}")
         self.leaves[id(t)] = (t, v)
+        self.versions[id(t)] = t._version  # a write the guards cannot see still bumps it
         self.read_storages.add(_storage_key(t))
         self.info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
         self.keep.append(v)
@@ -245,6 +256,7 @@ class OperationStream:
     # flushing
     def flush(self, reason: str) -> None:
         self._unguard()
+        self._check_unchanged()
         writers = [w for _, ws in self.homes.values() for w in ws]
         held = [lt for lt in (r() for r in self.holders) if lt is not None]
         pending = {id(lt): lt for lt in held + writers if lt._expr is not None}
@@ -307,6 +319,22 @@ class OperationStream:
         log.info("flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(pending))
         self._reset()
 
+    def _check_unchanged(self) -> None:
+        """Every plain tensor the segment reads still holds what it held when it was read. A write
+        through an alias the guards never saw (a view made before the tensor was read) changes it
+        behind the stream's back: its old values are gone, so the segment cannot run as eager would.
+        That is a clear error at the flush, never a silently different result."""
+        stale = [t for t, _ in self.leaves.values() if t._version != self.versions.get(id(t), t._version)]
+        if not stale:
+            return
+        t = stale[0]
+        self._reset()
+        raise RtxError(
+            f"a tensor ({SHORT_NAME.get(t.dtype, t.dtype)}{list(t.shape)}) that pending lazy ops read was written "
+            "through a view the lazy stream never saw (made before the tensor was read); its old values are "
+            "gone. Call rx.sync() (or .torch()) before writing through that view"
+        )
+
     def _copy_record(self, t: torch.Tensor, eager: bool) -> None:
         """A copy the flush launches; ``eager``: eager torch launched its equivalent too."""
         nbytes = 2 * t.numel() * t.element_size()
@@ -316,6 +344,7 @@ class OperationStream:
         self.info.clear()
         self.keep.clear()
         self.leaves.clear()
+        self.versions.clear()
         self.read_storages.clear()
         self.holders.clear()
         self.homes.clear()

@@ -209,10 +209,11 @@ def test_issue_21_programs_agree_with_eager(case):
 
 FUZZ_PROGRAMS = int(os.environ.get("RTXDSL_LAZY_FUZZ_PROGRAMS", "100"))
 FUZZ_SEEDS = [("fixed", 21), ("commit", commit_seed("RTXDSL_LAZY_FUZZ_SEED"))]
-#: a ratchet, not the goal (every program agrees): the disagreements left when this test was
-#: written were 5% of programs (cross-entropy over a reduced value, a row reduction with a 0-dim
-#: operand, a few aliasing corners); lower it as they are fixed
-TOLERATED = 0.08
+#: a ratchet, not the goal (every program agrees): 5% disagreed when this test was written; after
+#: the kernel fixes, 400 of 400 programs agree (seeds 1 and 2 of tests/lazy_fuzz.py). One program
+#: in a hundred is tolerated so that a fresh commit seed that finds a new corner reports it
+#: (printed) without blocking every submission; a second one fails
+TOLERATED = 0.01
 
 
 @pytest.mark.parametrize("label,seed", FUZZ_SEEDS, ids=[s[0] for s in FUZZ_SEEDS])

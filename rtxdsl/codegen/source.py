@@ -10,11 +10,12 @@ across loop iterations, read off at the end.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
-from ..lower.schedule import is_reshape, levels, partial_states, reduce_dtype
+from ..lower.schedule import early_outputs, is_reshape, levels, partial_states, reduce_dtype
 from ..lower.spec import STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
@@ -289,9 +290,12 @@ class Writer:
         self.types[name] = rdt
         return name
 
-    def _pass(self, reductions: list[int]) -> None:
-        """One loop over the row's column blocks, advancing every reduction of this level."""
+    def _pass(self, reductions: list[int], stores: Sequence[int] = ()) -> None:
+        """One loop over the row's column blocks, advancing every reduction of this level (and
+        storing ``stores``, full outputs that need no reduction)."""
         loop = self._open_loop()
+        for k in stores:
+            self.store(k, loop, loop)
         finals = []
         for i in reductions:
             node = self.spec.nodes[i]
@@ -446,15 +450,16 @@ class Writer:
         elif self.spec.split == "tile":  # pointwise over a 2-D tile: one block of columns
             self._output_loop(full_outs)
         elif self.spec.split == "partial":
-            self._pass(sorted(levels(self.spec)))
+            self._pass(sorted(levels(self.spec)), early_outputs(self.spec))
         else:
+            early = early_outputs(self.spec)
             if self.spec.split == "finish":
                 self._merge_partials()
             else:
                 lv = levels(self.spec)
                 for level in range(1, max(lv.values(), default=0) + 1):
-                    self._pass([i for i, v in lv.items() if v == level])
-            self._output_loop(full_outs)
+                    self._pass([i for i, v in lv.items() if v == level], early if level == 1 else [])
+            self._output_loop([k for k in full_outs if k not in early])
             for k in row_outs:
                 self.store(k, self.top, self.top)
         return self._render(ROW, name)

@@ -21,7 +21,15 @@ from ..ops import REGISTRY, OpKind
 from .analyze import Group, Plan, Role, analyze, read_srcs
 from .bind import Info
 from .expand import Graph, expand
-from .schedule import Layout, contiguous_strides, input_reads, kernel_spec, partial_states, split_specs
+from .schedule import (
+    Layout,
+    contiguous_strides,
+    early_outputs,
+    input_reads,
+    kernel_spec,
+    partial_states,
+    split_specs,
+)
 from .spec import TAIL_CONSTEXPRS, Buffer, KernelCall, KernelSpec, Program
 from .target import GPU, INTERPRETER, Target, target_for
 
@@ -87,7 +95,7 @@ def program(
             flags = (n_inputs + len(buffers),)
             buffers.append(Buffer((len(spec.flags),), torch.int32, zero=True))
         in_bytes = [lay[id(i)].nbytes for i in g.inputs]
-        out_bytes = 0 if launch.empty else sum(lay[id(o)].nbytes for o in g.outputs)
+        out_bytes = [0 if launch.empty else lay[id(o)].nbytes for o in g.outputs]
         summary = f"{g.pattern}: {', '.join(g.ops)}"
         parts: tuple[int, ...] = ()
         part_bytes = 0
@@ -103,7 +111,13 @@ def program(
         for sp, ln, part_read, part_written in phases:
             reads = input_reads(sp)
             moved = sum(r * b for r, b in zip(reads, in_bytes)) + part_read + part_written
-            moved += out_bytes if sp.split != "partial" else 0
+            # a split row's partial kernel stores the full outputs that need no reduction, its
+            # finish kernel the rest
+            early = set(early_outputs(sp))
+            if sp.split in ("partial", "finish"):
+                moved += sum(b for k, b in enumerate(out_bytes) if (k in early) == (sp.split == "partial"))
+            else:
+                moved += sum(out_bytes)
             calls.append(
                 KernelCall(
                     spec=sp,

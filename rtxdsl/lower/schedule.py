@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
@@ -611,8 +611,8 @@ def is_reshape(spec: KernelSpec, i: int) -> bool:
     return role != "full"
 
 
-def levels(spec: KernelSpec) -> dict[int, int]:
-    """Reduction node -> its pass (1 + the passes of the reductions it depends on)."""
+def _depth(spec: KernelSpec) -> Callable[[tuple], int]:
+    """``depth(ref)``: how many reduction passes a value needs before it (0: none)."""
     memo: dict[int, int] = {}
 
     def depth(ref: tuple) -> int:
@@ -625,7 +625,23 @@ def levels(spec: KernelSpec) -> dict[int, int]:
             memo[i] = d + 1 if is_pass else d
         return memo[i]
 
+    return depth
+
+
+def levels(spec: KernelSpec) -> dict[int, int]:
+    """Reduction node -> its pass (1 + the passes of the reductions it depends on)."""
+    depth = _depth(spec)
     return {i: depth(("n", i)) for i in spec.reductions if not is_reshape(spec, i)}
+
+
+def early_outputs(spec: KernelSpec) -> list[int]:
+    """Full-size outputs of a looped row that need none of its reductions (``dx`` beside the
+    ``db`` column sum of a bias gradient): stored in the first pass (a split row's partial kernel),
+    so no later pass reads their inputs again."""
+    if spec.kind != "row" or not spec.looped or spec.split == "tile" or not levels(spec):
+        return []
+    depth = _depth(spec)
+    return [k for k, o in enumerate(spec.outputs) if o.role == "full" and depth(("n", o.node)) == 0]
 
 
 def input_scopes(spec: KernelSpec) -> list[set[Any]]:
@@ -659,8 +675,9 @@ def input_scopes(spec: KernelSpec) -> list[set[Any]]:
         for i in (i for i, v in lv.items() if v == level):
             for s in spec.nodes[i].srcs:
                 mark(s, level, set())
-    for o in spec.outputs:
-        mark(("n", o.node), "out" if o.role == "full" else "top", set())
+    early = early_outputs(spec)
+    for k, o in enumerate(spec.outputs):
+        mark(("n", o.node), 1 if k in early else "out" if o.role == "full" else "top", set())
     return reads
 
 
