@@ -43,6 +43,7 @@ from .expr import Expr  # noqa: E402
 from .lazy import Fusion, LazyTensor, OperationStream, lazy, sync  # noqa: E402
 from .library import Library, LibraryError, load_library  # noqa: E402
 from .ops import REGISTRY as _REGISTRY  # noqa: E402
+from .ops.llm import cross_entropy_outputs  # noqa: E402
 from .parse import parse  # noqa: E402
 from .runtime import Kernel, compile  # noqa: E402
 from .stats import FusionStatsSnapshot, fusion_stats, reset_fusion_stats  # noqa: E402
@@ -78,6 +79,7 @@ __all__ = [
     "Kernel",
     "LazyTensor",
     "Library",
+    "cross_entropy_outputs",
     "LibraryError",
     "MissingInputError",
     "OperationStream",

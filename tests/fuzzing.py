@@ -212,7 +212,7 @@ def _move(draw: Any, pool: list[Value], a: Value) -> tuple[str, Value] | None:
     ax = draw(st.integers(-r, r - 1))
     n = a.shape[ax]
     lead = (slice(None),) * (ax % r)
-    name = draw(st.sampled_from(["slice", "flip", "select", "cat", "arange"]))
+    name = draw(st.sampled_from(["slice", "flip", "select", "cat", "arange", "unsqueeze"]))
     if name == "slice":
         start, stop = draw(st.integers(-n - 1, n + 1)), draw(st.sampled_from([None, *range(-n - 1, n + 2)]))
         step = draw(st.integers(1, 3))
@@ -233,6 +233,8 @@ def _move(draw: Any, pool: list[Value], a: Value) -> tuple[str, Value] | None:
         b = draw(st.sampled_from(fits))
         shape = a.shape[: ax % r] + (n + b.shape[ax % r],) + a.shape[ax % r + 1 :]
         return name, Value(rx.cat([a.expr, b.expr], ax), shape, a.kind)
+    if name == "unsqueeze":  # a size-1 dim inserted: read by broadcasting through a view
+        return name, Value(a.expr[(*lead, None)], a.shape[: ax % r] + (1,) + a.shape[ax % r :], a.kind)
     if name == "arange" and a.kind != "bool":
         return name, Value(a.expr + rx.arange_like(a.expr, ax), a.shape, a.kind)
     return None

@@ -178,3 +178,30 @@ def test_poly_norm(dtype, atol, rtol, shape, gen):
         assert torch.autograd.gradcheck(lambda *t: k(x=t[0], w=t[1], b=t[2]), args)
     m = rx.nn.PolyNorm().double()
     assert m(xs).shape == xs.shape
+
+
+# ---- Qwen2-VL's multimodal RoPE ---------------------------------------------------------------------
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), FLOAT_TOLERANCES)
+@pytest.mark.parametrize("sections", [(2, 2, 2), (1, 3, 2)])  # equal and unequal channel blocks
+def test_mrope_matches_qwen2_vl_and_is_one_kernel(dtype, atol, rtol, sections, gen):
+    B, H, T, D = 2, 3, 5, 2 * sum(sections)
+    q = torch.randn(B, H, T, D, generator=gen, dtype=torch.float64)
+    cos, sin = (torch.randn(3, B, T, D, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    def reference(x, c, s):  # Qwen2-VL's: block i of sections * 2 takes table i % 3, then rotate-half
+        split = list(sections) * 2
+        c = torch.cat([m[i % 3] for i, m in enumerate(c.split(split, dim=-1))], dim=-1).unsqueeze(1)
+        s = torch.cat([m[i % 3] for i, m in enumerate(s.split(split, dim=-1))], dim=-1).unsqueeze(1)
+        half = x.shape[-1] // 2
+        return x * c + torch.cat((-x[..., half:], x[..., :half]), -1) * s
+
+    k = rx.compile(rx.mrope(x, a, b, sections))
+    rx.reset_fusion_stats()
+    got = k(x=q.to(dtype), a=cos.to(dtype), b=sin.to(dtype))
+    assert rx.fusion_stats().kernels_launched == 1  # the table selection is index arithmetic
+    assert_close(got, reference(q, cos, sin), atol * 10, rtol * 10)
+    if dtype == torch.float32:
+        qg = q.clone().requires_grad_()
+        assert torch.autograd.gradcheck(lambda t: k(x=t, a=cos, b=sin), (qg,))
+    with pytest.raises(rx.ShapeError, match="2 \\* sum\\(sections\\)"):
+        rx.compile(rx.mrope(x, a, b, (1, 1, 1)))(x=q, a=cos, b=sin)

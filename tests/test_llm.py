@@ -412,3 +412,29 @@ def test_bf16_results_and_gradients_are_no_less_accurate_than_torch(case):
         )  # fmt: skip
     for o, th in zip(ours, theirs):  # rounded once, at the store: at most torch's error (plus an ulp's slack)
         assert o <= th * 1.05 + 1e-6, (ours, theirs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", [(7, 5), (2, 5, 3)])  # [N, C] and [N, C, d] (class axis 1)
+def test_cross_entropy_outputs_z_loss_and_token_accuracy_in_one_kernel(reduction, shape, gen):
+    """Liger's extra outputs: the z-loss term and the token accuracy (argmax == target, ties to
+    the first index as torch.argmax, ignored tokens excluded), beside the loss, one kernel."""
+    logits = torch.randn(shape, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, 5, shape[:1] + shape[2:], generator=gen)
+    flat_t = target.view(-1)
+    flat_t[0] = -100  # an ignored token
+    if len(shape) == 2:
+        logits[1] = torch.tensor([1.0, 3.0, 3.0, 0.0, 0.0])  # a tie: argmax is class 1
+        target[1] = 2  # a tied class that is not the first: a miss, as in torch
+        target[2] = logits[2].argmax()  # a hit
+    outs = rx.compile(rx.cross_entropy_outputs(x, t, reduction=reduction, z_loss=0.01))
+    rx.reset_fusion_stats()
+    got = outs(x=logits, t=target)
+    assert rx.fusion_stats().kernels_launched == 1
+    valid = target != -100
+    zl = torch.where(valid, 0.01 * torch.logsumexp(logits, 1) ** 2, 0)
+    acc = torch.where(valid, (logits.argmax(1) == target).double(), 0)
+    red = {"none": lambda v: v, "sum": lambda v: v.sum(), "mean": lambda v: v.sum() / valid.sum()}[reduction]
+    assert_close(got["z_loss"], red(zl), 1e-12, 1e-12, "z_loss")
+    assert_close(got["accuracy"], red(acc), 0, 0, "accuracy")
+    assert_close(got["loss"], F.cross_entropy(logits, target, reduction=reduction) + red(zl), 1e-12, 1e-12, "loss")

@@ -684,8 +684,12 @@ def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
                     seen.add(id(s))
                     inputs.append(s)
         cone: dict[int, Expr] = {id(c): c for c in g.cone}
-        for m in g.nodes:
-            cone.update((id(c), c) for c in fl.cones.get(id(m), ()))
+        todo = [*g.nodes, *g.cone]
+        while todo:  # the cones of re-indexing nodes, and of those inside them (free nodes absorbed too)
+            for c in fl.cones.get(id(todo.pop()), ()):
+                if id(c) not in cone:
+                    cone[id(c)] = c
+                    todo.append(c)
         order = _order(graph)
         done.append(
             Group(

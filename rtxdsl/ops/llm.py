@@ -226,6 +226,142 @@ register(
 )
 
 
+# ---- cross-entropy's extra outputs: its z-loss term and the token accuracy ----------------------------
+def cross_entropy_outputs(
+    logits: ExprLike, target: ExprLike, weight: ExprLike | None = None, ignore_index: int = -100,
+    reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+) -> dict[str, Expr]:  # fmt: skip
+    """``rx.cross_entropy`` with Liger-Kernel's extra outputs, for ``rx.compile`` (one row kernel
+    computes all three): ``loss`` (z-loss included), ``z_loss`` (the z-loss term alone, reduced like
+    the loss: the mean over non-ignored tokens, their sum, or per token) and ``accuracy`` (the share
+    of non-ignored tokens whose target is the logits' argmax, ties going to the first index as
+    ``torch.argmax``; per token for ``reduction="none"``). Class indices only.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> sorted(rx.cross_entropy_outputs(rx.var("x"), rx.var("t"), z_loss=1e-4))
+        ['accuracy', 'loss', 'z_loss']
+    """
+    return {
+        "loss": cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss),
+        "z_loss": z_loss_term(logits, target, z_loss, ignore_index, reduction),
+        "accuracy": token_accuracy(logits, target, ignore_index, reduction),
+    }
+
+
+def _stat_args(op: str, ignore_index: int, reduction: str) -> dict[str, Any]:
+    if reduction not in REDUCTIONS:
+        raise RtxError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise RtxError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    return {"ignore_index": ignore_index, "reduction": reduction}
+
+
+def z_loss_term(
+    logits: ExprLike, target: ExprLike, z_loss: float = 1e-4, ignore_index: int = -100, reduction: str = "mean"
+) -> Expr:
+    """PaLM's z-loss term alone, ``z_loss * logsumexp(logits)**2`` per non-ignored token, reduced
+    as cross-entropy's (its mean over the non-ignored tokens, their sum, or per token).
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.z_loss_term(rx.var("x"), rx.var("t"))
+        z_loss_term(x, t, ignore_index=-100, reduction='mean', z_loss=0.0001)
+    """
+    z = scalar_arg(z_loss, "z_loss_term", "z_loss")
+    return node("z_loss_term", logits, target, z_loss=z, **_stat_args("z_loss_term", ignore_index, reduction))
+
+
+def token_accuracy(logits: ExprLike, target: ExprLike, ignore_index: int = -100, reduction: str = "mean") -> Expr:
+    """The share of non-ignored tokens whose target is the logits' argmax over the class axis
+    (ties to the first class, as ``torch.argmax``); per token for ``reduction="none"``.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.token_accuracy(rx.var("x"), rx.var("t"))
+        token_accuracy(x, t, ignore_index=-100, reduction='mean')
+    """
+    return node("token_accuracy", logits, target, **_stat_args("token_accuracy", ignore_index, reduction))
+
+
+def _rows_stat(per: Expr, valid: Expr, reduction: str) -> Expr:
+    """A per-token statistic reduced as cross-entropy's z-loss: mean over non-ignored, sum, or none."""
+    per = node("where", valid, per, 0.0)
+    if reduction == "none":
+        return per
+    total = node("sum", per, axis=None, keepdim=False)
+    if reduction == "sum":
+        return total
+    return node("div", total, node("sum", node("where", valid, 1.0, 0.0), axis=None, keepdim=False))
+
+
+def _z_loss_decompose(
+    x: Expr, t: Expr, *, z_loss: float, ignore_index: int, reduction: str, shapes: list, dtypes: list
+) -> Expr:
+    lse = node("logsumexp", x, axis=(_class_axis(len(shapes[0])),), keepdim=False)
+    return _rows_stat(node("mul", node("mul", lse, lse), z_loss), node("ne", t, ignore_index), reduction)
+
+
+def _accuracy_decompose(x: Expr, t: Expr, *, ignore_index: int, reduction: str, shapes: list, dtypes: list) -> Expr:
+    cls = _class_axis(len(shapes[0]))
+    # torch.argmax: the first class holding the row's max (two row reductions in one row kernel)
+    top = node("amax", x, axis=(cls,), keepdim=False)
+    ties = node("eq", x, node("unsqueeze", top, axes=(cls,)))
+    first = node(
+        "amin", node("where", ties, node("arange_like", x, axis=cls), shapes[0][cls]), axis=(cls,), keepdim=False
+    )
+    hit = node("cast", node("eq", first, t), dtype=dtypes[0])  # 1 or 0 in the logits' dtype
+    return _rows_stat(hit, node("ne", t, ignore_index), reduction)
+
+
+def _z_loss_ref(x: torch.Tensor, t: torch.Tensor, *, z_loss: float, ignore_index: int, reduction: str):
+    valid = t != ignore_index
+    per = torch.where(valid, z_loss * torch.logsumexp(x, _class_axis(x.ndim)) ** 2, 0)
+    return per if reduction == "none" else per.sum() if reduction == "sum" else per.sum() / valid.sum()
+
+
+def _accuracy_ref(x: torch.Tensor, t: torch.Tensor, *, ignore_index: int, reduction: str):
+    valid = t != ignore_index
+    per = torch.where(valid, (x.argmax(_class_axis(x.ndim)) == t).to(x.dtype), 0)
+    return per if reduction == "none" else per.sum() if reduction == "sum" else per.sum() / valid.sum()
+
+
+def _stat_shape(shapes: list[tuple[int, ...]], reduction: str, **_: Any) -> tuple[int, ...]:
+    x, t = shapes
+    rows = x[: _class_axis(len(x))] + x[_class_axis(len(x)) + 1 :] if x else ()
+    if not x or t != rows:
+        raise ShapeError(f"cross_entropy outputs: target has shape {list(t)}; expected {list(rows)} (class indices)")
+    return rows if reduction == "none" else ()
+
+
+def _stat_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
+    if dtypes[1] != torch.int64:
+        raise RtxError(f"cross_entropy outputs: the target must be int64 class indices, got {dtypes[1]}")
+    return dtypes[0]
+
+
+for _name, _fn, _ref, _decompose in (
+    ("z_loss_term", z_loss_term, _z_loss_ref, _z_loss_decompose),
+    ("token_accuracy", token_accuracy, _accuracy_ref, _accuracy_decompose),
+):
+    register(
+        OpDef(
+            name=_name,
+            kind=OpKind.COMPOSITE,
+            arity=2,
+            ref=_ref,
+            decompose=_decompose,
+            typed_decompose=True,
+            shape=_stat_shape,
+            result_dtype=_stat_dtype,
+            eager_launches=3,
+            pattern="CrossEntropy",
+            accepts=ANY,
+            front=Front(fn=_fn),
+        )
+    )
+
+
 # ---- rotary embeddings ------------------------------------------------------------------------------
 def rope(x: ExprLike, cos: ExprLike, sin: ExprLike, interleaved: bool = False) -> Expr:
     """Rotary position embedding on the last axis: ``x * cos + rotate(x) * sin``.
@@ -306,5 +442,77 @@ register(
         pattern="RoPE",
         accepts=FLOATING,
         front=Front(fn=rope),
+    )
+)
+
+
+# ---- multimodal rotary embedding (Qwen2-VL) ---------------------------------------------------------
+def mrope(
+    x: ExprLike, cos: ExprLike, sin: ExprLike, sections: tuple[int, ...] | list[int], unsqueeze_dim: int = 1
+) -> Expr:
+    """Qwen2-VL's multimodal RoPE (Liger's ``LigerQwen2VLMRoPE``): ``cos`` / ``sin`` hold one table
+    per position kind (``[3, B, T, D]``: time, height, width); channel block ``i`` of the split
+    ``sections + sections`` (which sums to ``D``) takes table ``i % 3``. The chosen tables get a
+    size-1 dim at ``unsqueeze_dim`` (the heads of ``[B, H, T, D]``), then rotate-half RoPE.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.mrope(rx.var("q"), rx.var("cos"), rx.var("sin"), (1, 1, 2))
+        mrope(q, cos, sin, sections=(1, 1, 2), unsqueeze_dim=1)
+    """
+    parts = tuple(int(s) for s in sections)
+    if not parts or any(s <= 0 for s in parts):
+        raise RtxError(f"mrope: sections must be positive ints, got {sections!r}")
+    return node("mrope", x, cos, sin, sections=parts, unsqueeze_dim=int(unsqueeze_dim))
+
+
+def _mrope_tables(t: Expr, sections: tuple[int, ...], unsqueeze_dim: int) -> Expr:
+    pieces, start = [], 0
+    for i, size in enumerate((*sections, *sections)):
+        table = node("select", t, axis=0, index=i % 3)
+        pieces.append(node("slice", table, axis=-1, start=start, stop=start + size, step=1))
+        start += size
+    return node("unsqueeze", node("cat", *pieces, axis=-1), axes=(unsqueeze_dim,))
+
+
+def _mrope_decompose(
+    x: Expr, cos: Expr, sin: Expr, *, sections: tuple[int, ...], unsqueeze_dim: int, shapes: list, dtypes: list
+) -> Expr:
+    c, s = (_mrope_tables(t, sections, unsqueeze_dim) for t in (cos, sin))
+    return node("rope", x, c, s, interleaved=False)
+
+
+def _mrope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sections: tuple, unsqueeze_dim: int):
+    split = list(sections) * 2
+    c = torch.cat([m[i % 3] for i, m in enumerate(cos.split(split, dim=-1))], dim=-1).unsqueeze(unsqueeze_dim)
+    s = torch.cat([m[i % 3] for i, m in enumerate(sin.split(split, dim=-1))], dim=-1).unsqueeze(unsqueeze_dim)
+    return _rope_ref(x, c, s, False)
+
+
+def _mrope_shape(shapes: list[tuple[int, ...]], sections: tuple[int, ...], unsqueeze_dim: int) -> tuple[int, ...]:
+    x, c = shapes[0], shapes[1]
+    if len(c) < 2 or c[0] != 3 or c != shapes[2]:
+        raise ShapeError(
+            f"mrope: cos and sin must be [3, ..., D] tables of one shape, got {list(c)}, {list(shapes[2])}"
+        )
+    if 2 * sum(sections) != c[-1] or not x or x[-1] != c[-1]:
+        raise ShapeError(f"mrope: 2 * sum(sections) = {2 * sum(sections)} must be the head dim of x and the tables")
+    return x
+
+
+register(
+    OpDef(
+        name="mrope",
+        kind=OpKind.COMPOSITE,
+        arity=3,
+        ref=_mrope_ref,
+        decompose=_mrope_decompose,
+        typed_decompose=True,
+        shape=_mrope_shape,
+        result_dtype=lambda dtypes, **_: torch.promote_types(torch.promote_types(dtypes[0], dtypes[1]), dtypes[2]),
+        eager_launches=9,  # HF: the two table cats, then rope's five
+        pattern="RoPE",
+        accepts=FLOATING,
+        front=Front(fn=mrope),
     )
 )
