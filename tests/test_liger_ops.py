@@ -205,3 +205,56 @@ def test_mrope_matches_qwen2_vl_and_is_one_kernel(dtype, atol, rtol, sections, g
         assert torch.autograd.gradcheck(lambda t: k(x=t, a=cos, b=sin), (qg,))
     with pytest.raises(rx.ShapeError, match="2 \\* sum\\(sections\\)"):
         rx.compile(rx.mrope(x, a, b, (1, 1, 1)))(x=q, a=cos, b=sin)
+
+
+# ---- group norm (and the reshape it reads through) ----------------------------------------------------
+@pytest.mark.parametrize(
+    ("shape", "groups"),
+    [
+        ((2, 6, 5), 3),
+        ((3, 4, 2, 3), 2),
+        ((2, 8), 4),
+        ((1, 6, 7), 6),
+        ((2, 6, 5), 1),
+    ],  # [N, C, *] of ranks 2-4; G = C and 1
+)
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm(shape, groups, affine, gen):
+    xs = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(shape[1], generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(shape[1], generator=gen, dtype=torch.float64, requires_grad=True)
+    e = rx.group_norm(x, groups, rx.var("w") if affine else None, b if affine else None)
+    k = rx.compile(e)
+    ins = {"x": xs} | ({"w": w, "b": bias} if affine else {})
+    want = F.group_norm(xs, groups, w if affine else None, bias if affine else None)
+    assert_close(k(**ins), want, 1e-12, 1e-12)
+    rx.reset_fusion_stats()
+    k(**{n: t.detach() for n, t in ins.items()})
+    assert rx.fusion_stats().kernels_launched == 2  # group statistics, then the output in x's layout
+    assert torch.autograd.gradcheck(lambda *t: k(**dict(zip(ins, t))), tuple(ins.values()))
+    f = rx.Fusion()
+    got = F.group_norm(f.lazy(xs.detach()), groups, *((w.detach(), bias.detach()) if affine else ()))
+    assert got.is_pending
+    assert_close(got.torch(), want.detach(), 1e-12, 1e-12)
+    m = rx.nn.GroupNorm(groups, shape[1], affine=affine).double()
+    assert_close(m(xs), torch.nn.GroupNorm(groups, shape[1], affine=affine).double()(xs), 1e-12, 1e-12)
+
+
+def test_group_norm_bad_input():
+    with pytest.raises(rx.ShapeError, match="6 channels do not split into 4 groups"):
+        rx.compile(rx.group_norm(x, 4))(x=torch.randn(2, 6, 5))
+    with pytest.raises(rx.RtxError, match="num_groups must be a positive int"):
+        rx.group_norm(x, 0)
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (4, -1), (24,), (3, 2, 4), (1, 24, 1)])  # -1; flat; more dims; size-1 dims
+def test_reshape_reads_in_place_and_differentiates(shape, gen):
+    xs = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = rx.compile(rx.softmax(rx.reshape(x, shape) * 2.0, -1))
+    assert_close(k(x=xs), torch.softmax(xs.reshape(shape) * 2.0, -1), 1e-12, 1e-12)
+    rx.reset_fusion_stats()
+    k(x=xs.detach())
+    assert rx.fusion_stats().kernels_launched == 1
+    assert torch.autograd.gradcheck(lambda t: k(x=t), (xs,))
+    with pytest.raises(rx.ShapeError, match="invalid for an input of 24 elements"):
+        rx.compile(rx.reshape(x, (5, 5)))(x=xs)

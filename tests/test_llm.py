@@ -438,3 +438,18 @@ def test_cross_entropy_outputs_z_loss_and_token_accuracy_in_one_kernel(reduction
     assert_close(got["z_loss"], red(zl), 1e-12, 1e-12, "z_loss")
     assert_close(got["accuracy"], red(acc), 0, 0, "accuracy")
     assert_close(got["loss"], F.cross_entropy(logits, target, reduction=reduction) + red(zl), 1e-12, 1e-12, "loss")
+
+
+def test_cross_entropy_loss_module_returns_liger_extra_outputs(gen):
+    logits = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    target = torch.tensor([0, 1, -100, 3, 4, 2])
+    valid = target != -100
+    zl = 0.01 * (torch.logsumexp(logits, 1)[valid] ** 2).mean()
+    acc = (logits.argmax(1) == target)[valid].double().mean()
+    loss, z, a = rx.nn.CrossEntropyLoss(z_loss=0.01, return_z_loss=True, return_token_accuracy=True)(logits, target)
+    assert_close(loss, F.cross_entropy(logits, target) + zl, 1e-12, 1e-12)
+    assert_close(z, zl, 1e-12, 1e-12)
+    assert_close(a, acc, 0, 0)
+    only_acc = rx.nn.CrossEntropyLoss(return_token_accuracy=True)(logits, target)
+    assert len(only_acc) == 2 and torch.equal(only_acc[1], a)
+    assert_close(rx.nn.CrossEntropyLoss(z_loss=0.01)(logits, target), loss, 1e-12, 1e-12)  # a tensor, as torch's

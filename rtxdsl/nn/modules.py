@@ -21,7 +21,7 @@ from ..expr import node
 from ..ops import REGISTRY
 from ..ops.composite import geglu, layer_norm, rms_norm
 from ..ops.elementwise import cast
-from ..ops.llm import cross_entropy
+from ..ops.llm import cross_entropy, cross_entropy_outputs
 from ..runtime import Kernel, compile
 
 _x, _w, _b, _t = dsl.var("x"), dsl.var("w"), dsl.var("b"), dsl.var("t")
@@ -133,27 +133,55 @@ class RMSNorm(_Fused, torch.nn.RMSNorm):
 class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
     """``torch.nn.CrossEntropyLoss`` as one row kernel (+ the mean), fused backward.
 
+    Liger-Kernel's options: ``z_loss`` (PaLM's ``z * lse**2``, added to the loss),
+    ``return_z_loss`` and ``return_token_accuracy`` (the forward then returns a tuple: the loss,
+    then the z-loss term and / or the token accuracy, all from the same kernel).
+
     Example:
         >>> import torch, rtxdsl as rx
         >>> rx.nn.CrossEntropyLoss()(torch.randn(4, 10), torch.tensor([1, 2, 3, 4])).shape
         torch.Size([])
+        >>> loss, acc = rx.nn.CrossEntropyLoss(return_token_accuracy=True)(torch.eye(3), torch.tensor([0, 1, 0]))
+        >>> round(float(acc), 4)
+        0.6667
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, z_loss: float = 0.0, return_z_loss: bool = False, return_token_accuracy: bool = False,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
+        self.z_loss, self.return_z_loss = float(z_loss), bool(return_z_loss)
+        self.return_token_accuracy = bool(return_token_accuracy)
         self._attach()
 
     def _make_kernel(self) -> Kernel:
-        return _ce_kernel(self.weight is not None, self.ignore_index, self.reduction, float(self.label_smoothing))
+        return _ce_kernel(
+            self.weight is not None, self.ignore_index, self.reduction, float(self.label_smoothing), self.z_loss,
+            (self.return_z_loss, self.return_token_accuracy),
+        )  # fmt: skip
 
-    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> Any:  # noqa: A002
         k = self._kernel
-        return k(input, target, self.weight) if self.weight is not None else k(input, target)
+        out = k(input, target, self.weight) if self.weight is not None else k(input, target)
+        if not isinstance(out, dict):
+            return out
+        extra = [
+            out[key] for key, on in (("z_loss", self.return_z_loss), ("accuracy", self.return_token_accuracy)) if on
+        ]
+        return (out["loss"], *extra)
 
 
 @functools.lru_cache(maxsize=64)
-def _ce_kernel(weight: bool, ignore_index: int, reduction: str, smoothing: float) -> Kernel:
-    return compile(cross_entropy(_x, _t, _w if weight else None, ignore_index, reduction, smoothing))
+def _ce_kernel(
+    weight: bool, ignore_index: int, reduction: str, smoothing: float, z: float = 0.0, extra: tuple = (False, False)
+) -> Kernel:
+    w = _w if weight else None
+    if not any(extra):
+        return compile(cross_entropy(_x, _t, w, ignore_index, reduction, smoothing, z))
+    outs = cross_entropy_outputs(_x, _t, w, ignore_index, reduction, smoothing, z)
+    wanted = {"loss"} | {key for key, on in zip(("z_loss", "accuracy"), extra) if on}
+    return compile({key: e for key, e in outs.items() if key in wanted})
 
 
 class _GatedMLP(_Fused, torch.nn.Module):
@@ -391,3 +419,30 @@ class TVDLoss(_LabelledLoss):
 
     def _options(self) -> tuple[Any, ...]:
         return (self.reduction, self.ignore_index)
+
+
+class GroupNorm(_Fused, torch.nn.GroupNorm):
+    """``torch.nn.GroupNorm``: statistics over each group of channels (a row of a reshape, read in
+    place), then the per-channel affine; fused backward.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.GroupNorm(2, 4)(torch.randn(3, 4, 5)).shape
+        torch.Size([3, 4, 5])
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _group_norm_kernel(self.num_groups, float(self.eps), self.affine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.weight, self.bias) if self.affine else self._kernel(x)
+
+
+@functools.lru_cache(maxsize=16)
+def _group_norm_kernel(groups: int, eps: float, affine: bool) -> Kernel:
+    f = REGISTRY.functions["group_norm"]
+    return compile(f(_x, groups, _w, _b, eps) if affine else f(_x, groups, None, None, eps))

@@ -244,7 +244,6 @@ def _fused_rotary(original: Callable[..., Any]) -> Callable[..., Any]:
 def _fuse_rotary(model: torch.nn.Module) -> int:
     """Patch ``apply_rotary_pos_emb`` in the modules that define the model's attention classes;
     the count is the attention modules that call it."""
-    patched: set[str] = set()
     users = 0
     for m in model.modules():
         home = sys.modules.get(type(m).__module__)
@@ -253,7 +252,6 @@ def _fuse_rotary(model: torch.nn.Module) -> int:
             continue
         if not hasattr(fn, "__rtxdsl_original__"):
             home.apply_rotary_pos_emb = _fused_rotary(fn)  # type: ignore[union-attr]
-        patched.add(home.__name__)  # type: ignore[union-attr]
         users += 1
     return users
 

@@ -531,3 +531,81 @@ _composite(
     eager_launches=13,
     front=Front(fn=poly_norm),
 )
+
+
+# ---- group norm ------------------------------------------------------------------------------------
+def group_norm(
+    x: ExprLike, num_groups: int, weight: ExprLike | None = None, bias: ExprLike | None = None, eps: float = 1e-5
+) -> Expr:
+    """``F.group_norm``: ``x`` of shape ``[N, C, *]`` normalized over each group of ``C //
+    num_groups`` channels (and all of ``*``), then ``* weight + bias`` per channel. One row
+    kernel: the groups are rows of a reshape (index arithmetic, nothing copied).
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.group_norm(rx.var("x"), 4, rx.var("w"), rx.var("b"))
+        group_norm(x, w, b, 1e-05, num_groups=4)
+    """
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
+        raise RtxError(f"group_norm: num_groups must be a positive int, got {num_groups!r}")
+    eps_ = scalar_arg(eps, "group_norm", "eps")
+    return node(
+        "group_norm", x, 1.0 if weight is None else weight, 0.0 if bias is None else bias, eps_, num_groups=num_groups
+    )
+
+
+def _group_norm_shape(shapes: list[tuple[int, ...]], num_groups: int) -> tuple[int, ...]:
+    x = shapes[0]
+    if len(x) < 2:
+        raise ShapeError(f"group_norm: the input must be [N, C, *], got {list(x)}")
+    if x[1] % num_groups:
+        raise ShapeError(f"group_norm: {x[1]} channels do not split into {num_groups} groups")
+    for s in shapes[1:]:
+        if s and s != (x[1],):
+            raise ShapeError(f"group_norm: weight / bias of shape {list(s)}; expected [{x[1]}]")
+    return x
+
+
+def _group_norm(x: Expr, w: Expr, b: Expr, eps: Expr, *, num_groups: int, shapes: list, dtypes: list) -> Expr:
+    shape = shapes[0]
+    rows = node("reshape", x, shape=(shape[0], num_groups, -1))
+    mu = mean_of(rows, (-1,), True)
+    var = node("div", node("m2", rows, axis=(-1,), keepdim=True), node("rcount", rows, axis=(-1,)))
+    y = node("reshape", node("mul", node("sub", rows, mu), node("rsqrt", node("add", var, eps))), shape=shape)
+    per_channel = tuple(range(1, len(shape) - 1))  # [C] -> [C, 1, ...] against [N, C, *]
+
+    def channel(v: Expr) -> Expr:
+        return node("unsqueeze", v, axes=per_channel) if per_channel and not _is_const(v) else v
+
+    return _affine(y, channel(w), channel(b))
+
+
+def _is_const(v: Expr) -> bool:
+    return v.op == "const"
+
+
+def _group_norm_ref(x: torch.Tensor, w: Any, b: Any, eps: float, num_groups: int) -> torch.Tensor:
+    y = F.group_norm(x, num_groups, _tensor_or_none(w), _tensor_or_none(b), eps)
+    return _scalar_affine_ref(y, w, b)
+
+
+def _torch_group_norm(a: Any, num_groups: int, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Expr:
+    return group_norm(a, num_groups, weight, bias, eps)
+
+
+register(
+    OpDef(
+        name="group_norm",
+        kind=OpKind.COMPOSITE,
+        arity=4,
+        ref=_group_norm_ref,
+        decompose=_group_norm,
+        typed_decompose=True,
+        shape=_group_norm_shape,
+        result_dtype=lambda dtypes, **_: dtypes[0],  # one-element probes cannot split channels
+        eager_launches=1,
+        pattern="LayerNorm",
+        accepts=FLOATING,
+        front=Front(fn=group_norm, torch=dict.fromkeys(torch_fns("group_norm"), _torch_group_norm)),
+    )
+)

@@ -418,6 +418,71 @@ _movement(
 )
 
 
+# ---- reshape ---------------------------------------------------------------------------------------
+def reshape(e: ExprLike, shape: tuple[int, ...] | list[int]) -> Expr:
+    """``e`` with the same elements in row-major order and a new ``shape`` (one dim may be -1), as
+    torch.reshape of a contiguous tensor; read in place (each output index is linearized, then
+    split over the input's sizes).
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.reshape(rx.var("x"), (2, -1))
+        reshape(x, shape=(2, -1))
+    """
+    return node("reshape", e, shape=tuple(int(d) for d in shape))
+
+
+def _reshape_shape(shapes: list[tuple[int, ...]], shape: tuple[int, ...]) -> tuple[int, ...]:
+    n = math.prod(shapes[0])
+    if sum(d == -1 for d in shape) > 1 or any(d < -1 for d in shape):
+        raise ShapeError(f"reshape: shape {list(shape)} may hold one -1 and no other negative size")
+    known = math.prod(d for d in shape if d != -1)
+    if -1 in shape:
+        if known == 0 or n % known:
+            raise ShapeError(f"reshape: shape {list(shape)} is invalid for {n} elements")
+        shape = tuple(n // known if d == -1 else d for d in shape)
+    if math.prod(shape) != n:
+        raise ShapeError(f"reshape: shape {list(shape)} is invalid for an input of {n} elements")
+    return shape
+
+
+def _reshape_remap(c: RemapCtx) -> str:
+    """Linearize the output index over the output's sizes, then split it over the input's."""
+    rank_out = len(c.out.idx)
+    outs, ins = c.args[:rank_out], c.args[rank_out:]
+    if not ins:
+        return c.value(0, Coords((), c.out.pred))
+    flat = c.out.idx[0] if rank_out else c.zero
+    for idx, size in zip(c.out.idx[1:], outs[1:]):
+        flat = f"({flat}) * {size} + ({idx})"
+    rest = c.tmp(flat)
+    src: list[str] = []
+    for size in reversed(ins[1:]):
+        src.append(c.tmp(f"{rest} % {size}"))
+        rest = c.tmp(f"{rest} // {size}")
+    src.append(rest)
+    return c.value(0, Coords(tuple(reversed(src)), c.out.pred))
+
+
+_movement(
+    "reshape",
+    1,
+    lambda x, shape: x.reshape(shape),
+    _reshape_shape,
+    _reshape_remap,
+    lambda d: (node("reshape", d.g, shape=d.src_shapes[0]),),
+    canonical=lambda shapes, shape: {"shape": _reshape_shape(shapes, shape)},
+    launch_attrs=("shape",),
+    launch_args=lambda shapes, out, shape: (*out, *shapes[0]),
+    front=Front(fn=reshape, methods={"reshape": lambda self, *shape: reshape(self, _shape_arg(shape))}),
+)
+
+
+def _shape_arg(shape: tuple[Any, ...]) -> tuple[int, ...]:
+    """``x.reshape(2, 3)`` and ``x.reshape((2, 3))`` alike."""
+    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+
+
 # ---- cat / stack --------------------------------------------------------------------------------
 def _cat_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
     live = [s for s in shapes if s != (0,)] or shapes[:1]  # torch skips legacy empty 1-d operands
