@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import rtxdsl as rx
 from benches.common import machine, markdown, save
+from rtxdsl.ops import REGISTRY
 from rtxdsl.workloads import rope_eager
 
 x, y, w, b, c, s, t, c3 = (rx.var(n) for n in ("x", "y", "w", "b", "c", "s", "t", "c3"))
@@ -25,36 +26,23 @@ CASES = {
     "geglu": (rx.geglu(x, y), lambda x, y: F.gelu(x) * y, ("x", "y")),
     "rope": (rx.rope(x, c, s), lambda x, c, s: rope_eager(x, c, s), ("x", "c", "s")),
     "cross_entropy": (rx.cross_entropy(x, t), lambda x, t: F.cross_entropy(x, t), ("x", "t")),
-    # Liger-Kernel's op set (the references from the definitions its tests use)
+    # Liger-Kernel's op set (eager: each op's torch reference from the registry)
     "kl_div": (
         rx.kl_div(x, y, "batchmean", True),
         lambda x, y: F.kl_div(x, y, reduction="batchmean", log_target=True),
         ("x", "y"),
     ),
-    "jsd": (rx.jsd(x, y, beta=0.3), lambda x, y: _jsd_eager(x, y, 0.3), ("x", "y")),
+    "jsd": (rx.jsd(x, y, beta=0.3), lambda x, y: REGISTRY["jsd"].ref(x, y, beta=0.3, ignore_index=-100), ("x", "y")),
     "tvd": (rx.tvd(x, y), lambda x, y: (x - y).abs().sum() / 2 / x.shape[0], ("x", "y")),
     "dyt": (rx.dyt(x, 0.5, w, b), lambda x, w, b: w * torch.tanh(0.5 * x) + b, ("x", "w", "b")),
     "relu_squared": (rx.relu_squared(x), lambda x: torch.relu(x) ** 2, ("x",)),
-    "poly_norm": (rx.poly_norm(x, c3, 0.1), lambda x, c3: _poly_norm_eager(x, c3, 0.1), ("x", "c3")),
+    "poly_norm": (rx.poly_norm(x, c3, 0.1), lambda x, c3: REGISTRY["poly_norm"].ref(x, c3, 0.1, 1e-6), ("x", "c3")),
     "dropout_residual_ln": (
         rx.layer_norm(rx.dropout(x, 0.1, seed=3) + y, w, b),
         None,  # Philox numbers differ from torch's generator: counts and memory only
         ("x", "y", "w", "b"),
     ),
 }
-
-
-def _jsd_eager(log_q: torch.Tensor, log_p: torch.Tensor, beta: float) -> torch.Tensor:
-    p, q = log_p.exp(), log_q.exp()
-    log_m = torch.log(beta * p + (1 - beta) * q)
-    return (beta * p * (log_p - log_m) + (1 - beta) * q * (log_q - log_m)).sum() / log_q.shape[0]
-
-
-def _poly_norm_eager(x: torch.Tensor, w: torch.Tensor, bias: float) -> torch.Tensor:
-    def norm(u: torch.Tensor) -> torch.Tensor:
-        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-    return w[0] * norm(x**3) + w[1] * norm(x**2) + w[2] * norm(x) + bias
 
 
 def saved_bytes(fn) -> tuple[int, object]:

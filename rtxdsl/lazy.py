@@ -85,7 +85,9 @@ def _guarded_class(base: type) -> type:
             name = getattr(func, "__name__", "")
             if name == "__get__":  # a property (t.shape): the descriptor's name
                 name = getattr(getattr(func, "__self__", None), "__name__", name)
-            streams = {id(g[0]): g[0] for t in found if (g := _GUARDS.get(id(t))) is not None}
+            # a view's guarding streams, taken before a flush below unguards everything
+            views = func in torchsem.VIEWS
+            streams = {id(g[0]): g[0] for t in found if (g := _GUARDS.get(id(t))) is not None} if views else {}
             if name not in METADATA:
                 level = READ if torchsem.writes(func, kwargs) or func in torchsem.VIEWS else WRITE
                 for t in found:
@@ -94,7 +96,7 @@ def _guarded_class(base: type) -> type:
                         guard[0].flush(f"torch.{name} on a plain tensor the stream reads or writes")
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
-                if streams and func in torchsem.VIEWS:  # a new alias of a guarded tensor: guarded with it from now on
+                if streams:  # a new alias of a guarded tensor: guarded with it from now on
                     for r in _tensors(out):
                         for stream in streams.values():
                             stream.fusion._remember(r)
