@@ -37,6 +37,7 @@ CASES = {
     "dyt": (rx.dyt(x, 0.5, w, b), lambda x, w, b: w * torch.tanh(0.5 * x) + b, ("x", "w", "b")),
     "relu_squared": (rx.relu_squared(x), lambda x: torch.relu(x) ** 2, ("x",)),
     "poly_norm": (rx.poly_norm(x, c3, 0.1), lambda x, c3: REGISTRY["poly_norm"].ref(x, c3, 0.1, 1e-6), ("x", "c3")),
+    "sparsemax": (rx.sparsemax(x), lambda x: REGISTRY["sparsemax"].ref(x, -1), ("x",)),
     "dropout_residual_ln": (
         rx.layer_norm(rx.dropout(x, 0.1, seed=3) + y, w, b),
         None,  # Philox numbers differ from torch's generator: counts and memory only

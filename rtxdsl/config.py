@@ -34,9 +34,10 @@ class FusionConfig(BaseModel):
     enabled: bool = True
     """Fuse at all; when False every op runs eagerly through torch, one kernel each."""
     min_fusion_ops: int = 1
-    """Groups with fewer ops than this are split into one kernel per op."""
+    """Groups with fewer ops than this are split into one kernel per op. Ops are counted as
+    written: a composite (softmax, cross_entropy, sparsemax) is one op and stays one kernel."""
     max_fusion_ops: int = 64
-    """No kernel fuses more ops than this."""
+    """No kernel fuses more ops than this (counted as written, as ``min_fusion_ops``)."""
     cache_size: int = 1024
     """Compiled kernels kept in memory (LRU)."""
     cache_dir: str | None = None

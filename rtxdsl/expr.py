@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import re
 import weakref
 from typing import Any
 
@@ -247,12 +248,62 @@ def _attr_text(value: Any) -> str:
     return repr(value)
 
 
+#: a shared subexpression whose text is longer than this is printed once, as a binding
+#: ``(_1 := ...)`` at its first use and by name after it (a DAG never prints as its tree)
+SHARED_TEXT = 12
+_HOLE = re.compile("\x00(\\d+)\x00")
+
+
 def format_expr(e: Expr) -> str:
-    """Readable text: infix where the op declares a symbol, calls elsewhere (parseable by rx.parse)."""
+    """Readable text: infix where the op declares a symbol, calls elsewhere (parseable by rx.parse).
+
+    A subexpression used more than once is bound to a name at its first use, with Python's
+    ``:=`` (``(_1 := exp(x - amax(x))) / sum(_1)``), so the text grows with the DAG, not with
+    the tree it unfolds to.
+    """
+    nodes = walk([e])
+    uses: dict[int, int] = {}
+    for n in nodes:
+        for s in n.srcs:
+            uses[id(s)] = uses.get(id(s), 0) + 1
     text: dict[int, tuple[str, int]] = {}
-    for n in walk([e]):
-        text[id(n)] = _format_one(n, [text[id(s)] for s in n.srcs])
-    return text[id(e)][0]
+    shared: list[str] = []  # the text of each named node, by its hole number
+    for n in nodes:
+        t, p = _format_one(n, [text[id(s)] for s in n.srcs])
+        if uses.get(id(n), 0) > 1 and n.op not in ("var", "const") and len(t) > SHARED_TEXT:
+            shared.append(t)
+            t, p = f"\x00{len(shared) - 1}\x00", 99
+        text[id(n)] = (t, p)
+    return _bind_shared(text[id(e)][0], shared, {v.attr("name") for v in nodes if v.op == "var"})
+
+
+def _bind_shared(root: str, shared: list[str], taken: set[str]) -> str:
+    """Fill the holes left to right: a binding at each named node's first use, its name after."""
+    names: dict[int, str] = {}
+    out: list[str] = []
+    stack = [enumerate(_HOLE.split(root))]  # split alternates literal text and hole numbers
+    while stack:
+        i, piece = next(stack[-1], (-1, ""))
+        if i < 0:
+            stack.pop()
+            out.append(")" if stack else "")
+        elif i % 2 == 0:
+            out.append(piece)
+        elif int(piece) in names:
+            out.append(names[int(piece)])
+        else:
+            name = _fresh_name(len(names) + 1, taken)
+            names[int(piece)] = name
+            out.append(f"({name} := ")
+            stack.append(enumerate(_HOLE.split(shared[int(piece)])))
+    return "".join(out)
+
+
+def _fresh_name(k: int, taken: set[str]) -> str:
+    name = f"_{k}"
+    while name in taken:
+        name = f"_{name}"
+    return name
 
 
 def _format_one(n: Expr, parts: list[tuple[str, int]]) -> tuple[str, int]:

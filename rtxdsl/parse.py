@@ -71,6 +71,8 @@ class _Reader:
     def __init__(self, text: str) -> None:
         self.text = text
         self.functions = functions()
+        self.bound: dict[str, Any] = {}  # names bound with ``:=`` (shared subexpressions)
+        self.inputs: set[str] = set()
 
     def fail(self, node: ast.AST, msg: str) -> ParseError:
         return ParseError(f"{msg} at line {node.lineno}, column {node.col_offset + 1} of {self.text!r}")
@@ -100,7 +102,18 @@ class _Reader:
     def read_Name(self, node: ast.Name, depth: int) -> Any:
         if node.id in DTYPES:
             return DTYPES[node.id]
+        if node.id in self.bound:
+            return self.bound[node.id]
+        self.inputs.add(node.id)
         return dsl.var(node.id)
+
+    def read_NamedExpr(self, node: ast.NamedExpr, depth: int) -> Any:
+        """``(name := expr)``: a shared subexpression, named at its first use (as ``repr`` prints)."""
+        name = node.target.id
+        if name in self.bound or name in self.inputs or name in DTYPES:
+            raise self.fail(node, f"{name!r} is already an input, a dtype or a bound name; bind a new name")
+        self.bound[name] = self.operand(node.value, depth)
+        return self.bound[name]
 
     def read_Constant(self, node: ast.Constant, depth: int) -> Any:
         if isinstance(node.value, (bool, int, float, str)):

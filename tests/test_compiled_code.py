@@ -28,6 +28,8 @@ SCRIPT = textwrap.dedent("""
         "rope": (rx.rope(x, y, w), dict(x=torch.empty(8, 16, 128), y=torch.empty(16, 128), w=torch.empty(16, 128))),
         "cross_entropy": (rx.cross_entropy(x, b, reduction="none"),
                           dict(x=torch.empty(64, 32000), b=torch.empty(64, dtype=torch.int64))),
+        # ~27 dependent row reductions (a bisection) in registers: still no spills
+        "sparsemax": (rx.sparsemax(x), dict(x=torch.empty(64, 4096))),
     }
     out = {}
     for name, (e, ins) in cases.items():
@@ -54,7 +56,7 @@ def facts(tmp_path_factory):
 
 
 def test_contiguous_path_uses_128_bit_loads_and_stores(facts):
-    for name in ("flat_fp32", "flat_bf16", "layer_norm", "long_rows", "rope"):
+    for name in ("flat_fp32", "flat_bf16", "layer_norm", "long_rows", "rope", "sparsemax"):
         assert facts[name]["v4_loads"] > 0, name
         assert facts[name]["v4_stores"] > 0, name
     assert facts["cross_entropy"]["v4_loads"] > 0  # the logits row; the loss is one scalar per row

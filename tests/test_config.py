@@ -122,3 +122,31 @@ def test_min_and_max_fusion_ops_split_groups():
     assert rx.compile(e, config=rx.FusionConfig(min_fusion_ops=3)).launches(x=t) == 1
     for cfg in (rx.FusionConfig(max_fusion_ops=2), rx.FusionConfig(min_fusion_ops=4, max_fusion_ops=8)):
         assert torch.allclose(rx.compile(e, config=cfg)(x=t), torch.relu(t * 2 + 1))
+
+
+@pytest.mark.parametrize(
+    "build, limits, kernels",
+    [
+        # ten pointwise ops under a cap of 4: 4 + 4 + 2
+        (lambda x: _chain(x, 10), {"max_fusion_ops": 4}, 3),
+        # a composite is one op however many primitives it lowers to (sparsemax: ~160)
+        (lambda x: rx.sparsemax(x) * 2.0, {"max_fusion_ops": 2}, 1),
+        (lambda x: rx.sparsemax(x) * 2.0 + 1.0, {"max_fusion_ops": 2}, 2),
+        # a small group is split one kernel per op written: softmax stays whole
+        (lambda x: rx.softmax(x), {"min_fusion_ops": 2}, 1),
+        (lambda x: rx.exp(x) + 1.0, {"min_fusion_ops": 3}, 2),
+        (lambda x: rx.softmax(x) + 1.0, {"min_fusion_ops": 3}, 2),
+        (lambda x: _chain(x, 3), {"min_fusion_ops": 3}, 1),
+    ],
+)
+def test_fusion_op_limits_count_the_ops_written(build, limits, kernels):
+    x = torch.randn(3, 9)
+    k = rx.compile(build(rx.var("x")), config=rx.FusionConfig(**limits))
+    assert k.summary(x=x).kernels == kernels
+    torch.testing.assert_close(k(x=x), rx.compile(build(rx.var("x")))(x=x))
+
+
+def _chain(x, n):
+    for i in range(n):
+        x = x * 1.5 if i % 2 else x + 0.25
+    return x

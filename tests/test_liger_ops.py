@@ -264,3 +264,121 @@ def test_reshape_reads_in_place_and_differentiates(shape, gen):
     assert _gradcheck(lambda t: k(x=t), (xs,))
     with pytest.raises(rx.ShapeError, match="invalid for an input of 24 elements"):
         rx.compile(rx.reshape(x, (5, 5)))(x=xs)
+
+
+# ---- sparsemax --------------------------------------------------------------------------------------
+def _sparsemax_pairwise(z, dim):
+    """The support test of the paper without a sort: element i is in the support iff
+    1 + #{j: z_j >= z_i} * z_i > sum{z_j: z_j >= z_i}."""
+    z = z.movedim(dim, -1)
+    above = (z[..., None, :] >= z[..., :, None]).to(z.dtype)  # [..., i, j]: z_j >= z_i
+    support = (1 + above.sum(-1) * z > (above * z[..., None, :]).sum(-1)).to(z.dtype)
+    tau = ((support * z).sum(-1, keepdim=True) - 1) / support.sum(-1, keepdim=True)
+    return torch.clamp(z - tau, min=0).movedim(-1, dim)
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), FLOAT_TOLERANCES)
+@pytest.mark.parametrize(
+    "shape, dim, scale, shift",
+    [
+        ((7, 13), -1, 1.0, 0.0),  # odd rows and columns
+        ((2, 9, 5), 1, 3.0, 0.0),  # a middle axis: rows are strided
+        ((3, 33), -1, 0.05, 0.0),  # close values: a wide support
+        ((3, 33), -1, 1.0, 1000.0),  # large values: the bisection's bracket at fp32's resolution
+        ((4, 1), -1, 1.0, 0.0),  # one column: all ones
+        ((0, 9), -1, 1.0, 0.0),  # no rows
+    ],
+)
+def test_sparsemax_matches_the_paper_and_is_one_kernel(dtype, atol, rtol, shape, dim, scale, shift, gen):
+    xs = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale + shift).to(dtype)
+    if xs.numel():
+        xs.view(-1)[1] = xs.view(-1)[0]  # a tie
+    k = rx.compile(rx.sparsemax(x, dim=dim))
+    rx.reset_fusion_stats()
+    got = k(x=xs)
+    assert rx.fusion_stats().kernels_launched == (1 if xs.numel() else 0)
+    want = _sparsemax_pairwise(xs.double(), dim)
+    # x - tau of values near ``shift`` is exact to fp32's resolution there (the compute dtype)
+    assert_close(got, want, atol + 8 * shift * torch.finfo(torch.float32).eps, rtol)
+    if xs.numel():
+        assert_close(got.double().sum(dim), torch.ones(()).expand(got.sum(dim).shape), atol * 40, 0, "rows sum to 1")
+    assert_close(rx.nn.Sparsemax(dim)(xs), got, 0, 0, "module")
+
+
+def test_sparsemax_gradient(gen):
+    xs = torch.randn(5, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = rx.compile(rx.sparsemax(x))
+    assert _gradcheck(lambda t: k(x=t), (xs,))
+    g = torch.randn(5, 11, generator=gen, dtype=torch.float64)
+    rx.reset_fusion_stats()
+    out = k(x=xs)  # the saving forward: its statistics are the composite's own nodes, one op, one kernel
+    assert rx.fusion_stats().kernels_launched == 1
+    (dx,) = torch.autograd.grad(out, xs, g)
+    mask = (_sparsemax_pairwise(xs.detach(), -1) > 0).double()  # the closed form: mask * (g - mean over the support)
+    want = mask * (g - (g * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True))
+    assert_close(dx, want, 1e-12, 1e-12)
+
+
+# ---- residual add + RMSNorm, and RMSNorm in place ----------------------------------------------------
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), FLOAT_TOLERANCES)
+def test_add_rms_norm_module_matches_torch_in_one_kernel(dtype, atol, rtol, gen):
+    h, r = (torch.randn(3, 5, 33, generator=gen, dtype=torch.float64) for _ in range(2))
+    m = rx.nn.AddRMSNorm(33, eps=1e-6, offset=1.0).to(dtype)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(33, generator=gen))
+    hs, rs = h.to(dtype).requires_grad_(), r.to(dtype).requires_grad_()
+    rx.reset_fusion_stats()
+    out, res = m(hs, rs)
+    assert rx.fusion_stats().kernels_launched == 1
+    hd, rd, wd = (t.detach().double().requires_grad_() for t in (hs, rs, m.weight))
+    s = hd + rd
+    want = F.rms_norm(s, (33,), 1 + wd, 1e-6)
+    assert_close(res, s, atol, rtol, "residual")
+    assert_close(out, want, atol * 4, rtol * 4, "out")
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (out.double() * g).sum().backward()
+    (want * g).sum().backward()
+    assert_close(hs.grad, hd.grad, atol * 8, rtol * 8, "d hidden")
+    assert_close(m.weight.grad, wd.grad, atol * 40, rtol * 8, "d weight")
+
+
+@pytest.mark.parametrize(
+    "width, layout",
+    [
+        (33, "contiguous"),  # written in place by the kernel
+        (5001, "contiguous"),  # a looped row: the sum is stored in the first pass, copied in after
+        (33, "transposed"),  # not contiguous: computed apart, copied in
+    ],
+)
+def test_add_rms_norm_in_place(width, layout, gen):
+    h, r = (torch.randn(7, width, generator=gen) for _ in range(2))
+    w = torch.randn(width, generator=gen)
+    if layout == "transposed":
+        h, r = h.t().contiguous().t(), r.t().contiguous().t()
+    s = h + r
+    want = F.rms_norm(s, (width,), w, None)  # eps=None: float32's, as torch
+    ptr, v = h.data_ptr(), h._version
+    out, res = rx.nn.add_rms_norm_(h, r, w)
+    assert out is h and res is r and h.data_ptr() == ptr and h._version > v
+    torch.testing.assert_close(r, s, atol=0, rtol=0)
+    torch.testing.assert_close(h, want)
+    x0 = torch.randn(7, width, generator=gen)
+    x1 = x0.clone()
+    assert rx.nn.rms_norm_(x1, w, 1e-5) is x1
+    torch.testing.assert_close(x1, F.rms_norm(x0, (width,), w, 1e-5))
+    m = rx.nn.AddRMSNorm(width, in_place=True)
+    a, b = torch.randn(2, width, generator=gen), torch.randn(2, width, generator=gen)
+    with torch.no_grad():
+        got = m(a, b)
+    assert got[0] is a and got[1] is b
+
+
+def test_in_place_rms_norm_refuses_autograd_and_aliasing():
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(rx.RtxError, match="'x' requires grad"):
+        rx.nn.rms_norm_(x)
+    y = torch.randn(3, 8)
+    with pytest.raises(rx.RtxError, match="share memory"):
+        rx.nn.add_rms_norm_(y, y)
+    with pytest.raises(rx.RtxError, match="x's shape and dtype"):
+        rx.nn.add_rms_norm_(y, torch.randn(3, 8, dtype=torch.float64))

@@ -10,6 +10,7 @@ from conftest import FLOAT_TOLERANCES, assert_close
 
 import rtxdsl as rx
 from rtxdsl.ops.llm import _ce_ref, _rope_ref
+from rtxdsl.workloads import rope_eager
 
 x, t, w, c, s, r = (rx.var(n) for n in ("x", "t", "w", "c", "s", "r"))
 
@@ -161,17 +162,25 @@ def test_cross_entropy_bad_input():
         rx.cross_entropy(x, t, label_smoothing=1.5)
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(
+    "interleaved, head_dim",
+    [
+        (False, 8),
+        (True, 8),
+        (False, 7),  # odd: Hugging Face's rotate_half splits at D // 2, the middle element goes second
+    ],
+)
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), FLOAT_TOLERANCES)
-def test_rope(interleaved, dtype, atol, rtol, gen):
-    q = torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64)  # [B, H, T, D]
-    cos = torch.randn(5, 8, generator=gen, dtype=torch.float64)  # [T, D]: broadcast over B and H
-    sin = torch.randn(5, 8, generator=gen, dtype=torch.float64)
+def test_rope(interleaved, head_dim, dtype, atol, rtol, gen):
+    q = torch.randn(2, 3, 5, head_dim, generator=gen, dtype=torch.float64)  # [B, H, T, D]
+    cos = torch.randn(5, head_dim, generator=gen, dtype=torch.float64)  # [T, D]: broadcast over B and H
+    sin = torch.randn(5, head_dim, generator=gen, dtype=torch.float64)
     k = rx.compile(rx.rope(x, c, s, interleaved))
     ins = {"x": q.to(dtype).requires_grad_(), "c": cos.to(dtype), "s": sin.to(dtype)}
     out = k(**ins)
     ref_q = q.to(dtype).double().requires_grad_()
-    ref = _rope_ref(ref_q, cos.to(dtype).double(), sin.to(dtype).double(), interleaved)
+    ref_of = (lambda *a: _rope_ref(*a, True)) if interleaved else rope_eager  # rope_eager: HF's own code
+    ref = ref_of(ref_q, cos.to(dtype).double(), sin.to(dtype).double())
     assert_close(out, ref, atol, rtol, "rope")
     g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     out.backward(g.to(dtype))
@@ -196,8 +205,8 @@ def test_rope_q_and_k_in_one_kernel_and_backward_in_one(gen):
 
 def test_rope_bad_input():
     k = rx.compile(rx.rope(x, c, s))
-    with pytest.raises(rx.RtxError, match="even size"):
-        k(x=torch.randn(2, 5), c=torch.randn(5), s=torch.randn(5))
+    with pytest.raises(rx.RtxError, match="interleaved pairs need an even last axis"):
+        rx.compile(rx.rope(x, c, s, interleaved=True))(x=torch.randn(2, 5), c=torch.randn(5), s=torch.randn(5))
     with pytest.raises(rx.RtxError, match="cos has shape"):
         k(x=torch.randn(2, 4), c=torch.randn(3, 4), s=torch.randn(4))
 

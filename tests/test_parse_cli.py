@@ -26,6 +26,25 @@ def test_parse_builds_the_same_interned_expression(text, built):
     assert rx.parse(text) is built(rx.var("x"), rx.var("w"))
 
 
+def test_shared_subexpressions_print_once_and_parse_back():
+    # an iteration that reuses its last value twice (a bisection) unfolds to a tree of 2**20
+    # nodes; its text names each shared value once and stays linear in the DAG
+    x = rx.var("x")
+    lo = rx.amax(x, -1, keepdim=True) - 1.0
+    for step in range(20):
+        mid = lo + 0.5**step
+        lo = rx.where(rx.sum(rx.relu(x - mid), -1, keepdim=True) >= 1.0, mid, lo)
+    text = repr(lo)
+    assert len(text) < 200 * 20
+    assert rx.parse(text) is lo
+    e = rx.exp(x - rx.amax(x))
+    assert (
+        repr(e / rx.sum(e)) == "(_1 := exp(x - amax(x, axis=None, keepdim=False))) / sum(_1, axis=None, keepdim=False)"
+    )
+    assert repr(rx.var("_1") + e / rx.sum(e)).startswith("_1 + (__1 := exp(")  # names never shadow inputs
+    assert repr(x * 2 + x * 2) == "x * 2 + x * 2"  # short shared text stays inline
+
+
 @pytest.mark.parametrize(
     "text, where",
     [
@@ -36,6 +55,8 @@ def test_parse_builds_the_same_interned_expression(text, built):
         ("x +", "invalid expression"),
         ("[x]", "unsupported syntax List"),
         ("gelu(x, approximate='fast')", "approximate must be"),
+        ("(s := x + 1) * (s := x)", "'s' is already an input, a dtype or a bound name"),
+        ("x * (x := w + 1)", "'x' is already an input"),
     ],
 )
 def test_parse_errors_name_the_position(text, where):

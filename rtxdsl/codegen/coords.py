@@ -189,14 +189,13 @@ class CoordWriter(Writer):
         self.types[name] = result
 
     # ---- stores -----------------------------------------------------------------------
-    def store(self, k: int, scope: _Scope, loop: _Scope) -> None:
+    def _store(self, k: int, loop: _Scope) -> str:
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
         full = o.role == "full"
         if not self.row:
-            scope.add(f"tl.store(out{k}_ptr + offs, {val}, mask=mask)")
-            return
+            return f"tl.store(out{k}_ptr + offs, {val}, mask=mask)"
         terms, on_rows, on_cols = [], False, False
         assert self.spec.domain is not None
         for d, (cls, idx, red) in enumerate(zip(o.rows, self._domain(full), self.spec.domain)):
@@ -209,7 +208,7 @@ class CoordWriter(Writer):
         if full and not on_cols:
             terms.append("cols * 0")
         mask = "mask" if full else self.row_store_mask
-        scope.add(f"tl.store(out{k}_ptr + {' + '.join(terms)}, {val}, mask={mask})")
+        return f"tl.store(out{k}_ptr + {' + '.join(terms)}, {val}, mask={mask})"
 
     def _begin(self, flat: str, prefix: str, size: str) -> None:
         self.named: set[tuple] = set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..lower.spec import KernelSpec
+from ..recursion import deep
 from .coords import CoordWriter
 from .source import MODULE, Writer
 from .template import render
@@ -12,6 +13,7 @@ def _writer(spec: KernelSpec) -> Writer:
     return Writer(spec) if spec.domain is None else CoordWriter(spec)
 
 
+@deep
 def kernel_source(spec: KernelSpec, name: str, signature: str, summary: str) -> str:
     """The whole generated module: imports and one ``@triton.jit`` kernel called ``name`` (and the
     function its last program runs, ``<name>_tail``, when the spec has a tail)."""

@@ -91,6 +91,10 @@ class _Scope:
     def add(self, line: str) -> None:
         self.lines.append(self.indent + line)
 
+    def add_all(self, lines: Sequence[str]) -> None:
+        for line in lines:
+            self.add(line)
+
 
 class Writer:
     def __init__(self, spec: KernelSpec) -> None:
@@ -294,8 +298,7 @@ class Writer:
         """One loop over the row's column blocks, advancing every reduction of this level (and
         storing ``stores``, full outputs that need no reduction)."""
         loop = self._open_loop()
-        for k in stores:
-            self.store(k, loop, loop)
+        stored = self.stores(stores, loop)
         finals = []
         for i in reductions:
             node = self.spec.nodes[i]
@@ -314,6 +317,7 @@ class Writer:
             for name, expr in zip(running, staged):
                 loop.add(f"{name} = {expr}")
             finals.append((i, red, top, running))
+        loop.add_all(stored)
         self._close_loop(loop)
         for i, red, top, running in finals:
             state = red.tile(top, running) if red.lanes else running
@@ -353,7 +357,13 @@ class Writer:
         """Where a per-row value is written: every program of a split row holds it, the first writes it."""
         return "rows < tl.where(split == 0, n_rows, 0)" if self.spec.split else "row_mask"
 
-    def store(self, k: int, scope: _Scope, loop: _Scope) -> None:
+    def stores(self, ks: Sequence[int], scope: _Scope) -> list[str]:
+        """The stores of outputs ``ks`` in ``scope``, every value computed first: the caller adds
+        them (:meth:`_Scope.add_all`) after all of the scope's loads, so an output written into
+        an input's memory (``into``) never lands before a load of that input."""
+        return [self._store(k, scope) for k in ks]
+
+    def _store(self, k: int, loop: _Scope) -> str:
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
@@ -367,7 +377,7 @@ class Writer:
             if full and all(c == "0" for c in o.cols):
                 pad.append("cols * 0")
             off = " + ".join([t for t in [off] if t] + pad)
-        scope.add(f"tl.store(out{k}_ptr + {off}, {val}, mask={mask})")
+        return f"tl.store(out{k}_ptr + {off}, {val}, mask={mask})"
 
     # ---- kernels ----------------------------------------------------------------------
     def _scalar_prelude(self) -> None:
@@ -425,8 +435,7 @@ class Writer:
 
     def pointwise(self, name: str) -> str:
         self._begin("offs", "i", "size")
-        for k in range(len(self.spec.outputs)):
-            self.store(k, self.top, self.top)
+        self.top.add_all(self.stores(range(len(self.spec.outputs)), self.top))
         return self._render(POINTWISE, name)
 
     def _col_setup(self, scope: _Scope, start: str | None) -> None:
@@ -445,8 +454,7 @@ class Writer:
         row_outs = [k for k in outs if self.spec.outputs[k].role != "full"]
         if not self.spec.looped:
             self._col_setup(self.top, None)
-            for k in full_outs + row_outs:
-                self.store(k, self.top, self.top)
+            self.top.add_all(self.stores(full_outs + row_outs, self.top))
         elif self.spec.split == "tile":  # pointwise over a 2-D tile: one block of columns
             self._output_loop(full_outs)
         elif self.spec.split == "partial":
@@ -460,15 +468,13 @@ class Writer:
                 for level in range(1, max(lv.values(), default=0) + 1):
                     self._pass([i for i, v in lv.items() if v == level], early if level == 1 else [])
             self._output_loop([k for k in full_outs if k not in early])
-            for k in row_outs:
-                self.store(k, self.top, self.top)
+            self.top.add_all(self.stores(row_outs, self.top))
         return self._render(ROW, name)
 
     def _output_loop(self, outs: list[int]) -> None:
         if outs:
             loop = self._open_loop()
-            for k in outs:
-                self.store(k, loop, loop)
+            loop.add_all(self.stores(outs, loop))
             self._close_loop(loop)
 
     def _open_loop(self) -> _Scope:

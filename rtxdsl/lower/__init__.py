@@ -18,6 +18,7 @@ import torch
 from ..config import FusionConfig
 from ..expr import Expr
 from ..ops import REGISTRY, OpKind
+from ..recursion import deep
 from .analyze import Group, Plan, Role, analyze, read_srcs
 from .bind import Info
 from .expand import Graph, expand
@@ -26,6 +27,7 @@ from .schedule import (
     contiguous_strides,
     early_outputs,
     input_reads,
+    input_scopes,
     kernel_spec,
     partial_states,
     split_specs,
@@ -37,6 +39,7 @@ from .target import GPU, INTERPRETER, Target, target_for
 InputMeta = Layout | bool | int | float
 
 
+@deep
 def lower(
     outputs: Sequence[tuple[str, Expr]],
     inputs: tuple[Expr, ...],
@@ -184,9 +187,21 @@ def _aliases(
         # pointwise, and no movement op reads it (one might read an element another program wrote;
         # shape-only operands, such as positions', read nothing)
         local = not any(REGISTRY[n.op].kind is OpKind.MOVEMENT and any(s is v for s in read_srcs(n)) for n in g.nodes)
-        if same and local and not g.is_row and not spec.split and launch.split <= 1:
+        if same and local and not spec.split and launch.split <= 1 and _read_before_written(g, spec, v, o):
             found[id(o)] = slots[id(v)]
     return found
+
+
+def _read_before_written(g: Group, spec: KernelSpec, v: Expr, o: Expr) -> bool:
+    """Every load of ``v`` comes before ``o`` is stored over it: a kernel computes a scope's
+    values before its stores (codegen), so this holds unless ``o`` is stored in a looped row's
+    first pass while a later pass or the output loop loads ``v`` again."""
+    if spec.kind != "row" or not spec.looped:
+        return True
+    k = next(k for k, x in enumerate(g.outputs) if x is o)
+    if k not in early_outputs(spec):
+        return True
+    return input_scopes(spec)[next(i for i, x in enumerate(g.inputs) if x is v)] <= {1}
 
 
 def can_be_tail(call: KernelCall) -> bool:

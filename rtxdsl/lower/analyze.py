@@ -109,7 +109,7 @@ def analyze(graph: Graph, config: FusionConfig) -> Plan:
     """Partition ``graph`` into fusion groups under ``config``'s limits."""
     fl = flow(graph)
     groups = partition(graph, fl, config, frozenset())
-    small = frozenset(id(n) for g in groups if len(g.nodes) < config.min_fusion_ops for n in g.nodes)
+    small = frozenset(id(n) for g in groups if graph.ops(g.nodes) < config.min_fusion_ops for n in g.nodes)
     if small:
         groups = partition(graph, fl, config, small)
     groups = merge_siblings(graph, fl, groups, config, small)
@@ -312,8 +312,15 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
         g.roles[id(n)] = role
         deps.put(g, n)
 
-    def closed(g: _Work) -> bool:
-        return len(g.nodes) >= cap or any(id(m) in solo for m in g.nodes)
+    def closed(g: _Work, n: Expr) -> bool:
+        """``n`` cannot join ``g``: ``g`` is full, or either is kept apart (``solo``) and they are
+        not parts of one op the user wrote (a composite in a small group stays one kernel)."""
+        if graph.ops([*g.nodes, n]) > cap:
+            return True
+        if id(n) not in solo and not any(id(m) in solo for m in g.nodes):
+            return False
+        op = graph.written.get(id(n))
+        return op is None or any(graph.written.get(id(m)) != op for m in g.nodes)
 
     def private_to(g: _Work, n: Expr) -> bool:
         """``g`` is pointwise, requested nowhere, and read only by itself and ``n``."""
@@ -382,21 +389,20 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
         shape = graph.of(n).shape
         target: _Work | None = None
         absorbed: list[_Work] = []
-        if id(n) not in solo:
-            for g in sorted(src_groups(n), key=lambda h: not h.is_row):  # row groups first
-                if closed(g):
-                    continue
-                per_row = _per_row_role(target, g, shape) if target is not None else None
-                if per_row is not None and can_join_rows(target, g):  # type: ignore[arg-type]
-                    for m in g.nodes:  # a pointwise group over the rows: one value per row here
-                        g.roles[id(m)] = per_row
-                    target = merge(target, g)  # type: ignore[arg-type]
-                    continue
-                role = role_in(g, n) if target is None else role_in(target, n, also=g)
-                if role is not None and (target is None or can_merge(target, g)):
-                    target = g if target is None else merge(target, g)
-                elif not g.is_row and g.shape != shape and _broadcasts(g.shape, shape) and private_to(g, n):
-                    absorbed.append(g)
+        for g in sorted(src_groups(n), key=lambda h: not h.is_row):  # row groups first
+            if closed(g, n):
+                continue
+            per_row = _per_row_role(target, g, shape) if target is not None else None
+            if per_row is not None and can_join_rows(target, g):  # type: ignore[arg-type]
+                for m in g.nodes:  # a pointwise group over the rows: one value per row here
+                    g.roles[id(m)] = per_row
+                target = merge(target, g)  # type: ignore[arg-type]
+                continue
+            role = role_in(g, n) if target is None else role_in(target, n, also=g)
+            if role is not None and (target is None or can_merge(target, g)):
+                target = g if target is None else merge(target, g)
+            elif not g.is_row and g.shape != shape and _broadcasts(g.shape, shape) and private_to(g, n):
+                absorbed.append(g)
         if target is not None:
             # a private producer that reads the target's outputs (through other kernels) stays apart
             absorbed = [g for g in absorbed if not deps.reaches(g, target)]
@@ -422,11 +428,11 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
         axes = n.attr("axis")
         role = Role.KEEP if n.attr("keepdim") else Role.DROP
         g = deps.home.get(id(u))
-        if g is not None and id(n) not in solo:
+        if g is not None and not closed(g, n):
             if g.is_row and g.role(u) is Role.KEEP and axes == g.axes and in_shape == g.keep_shape():
                 put(g, n, role)  # reducing a per-row value over its size-1 dims only reshapes it
                 return
-            if not closed(g) and g.shape == in_shape and g.role(u) is Role.FULL:
+            if g.shape == in_shape and g.role(u) is Role.FULL:
                 if not g.is_row:
                     g.axes = axes
                 if g.axes == axes:
@@ -503,7 +509,7 @@ def merge_siblings(
             if not alive[a]:
                 continue
             for b in members[k + 1 :]:
-                if not alive[b] or len(work[a].nodes) + len(work[b].nodes) > config.max_fusion_ops:
+                if not alive[b] or graph.ops(work[a].nodes + work[b].nodes) > config.max_fusion_ops:
                     continue
                 if _reaches(reads, a, b) or _reaches(reads, b, a):
                     continue
@@ -564,7 +570,7 @@ def absorb_per_row(
             return all(REGISTRY[c.op].view and _broadcasts(graph.of(c).shape, r.shape) for c in uses(r))
 
         if not readers or any(
-            not (plain(r) or through_views(r)) or len(r.nodes) + len(p.nodes) > cap for r in readers.values()
+            not (plain(r) or through_views(r)) or graph.ops(r.nodes + p.nodes) > cap for r in readers.values()
         ):
             continue
         for r in readers.values():
@@ -644,7 +650,7 @@ def recompute_elementwise(
                 if r1 is r2 or id(s) in {id(x) for x in r2.nodes}:
                     continue
                 chain = ancestry(s, r1, r2)
-                if chain is None or len(r2.nodes) + len(chain) > config.max_fusion_ops:
+                if chain is None or graph.ops(r2.nodes + list(chain)) > config.max_fusion_ops:
                     continue
                 for n in chain:
                     r2.roles[id(n)] = _per_row(r2, graph.of(n).shape)

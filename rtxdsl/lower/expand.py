@@ -37,12 +37,18 @@ class Graph:
     nodes: tuple[Expr, ...]  # primitives reachable from the outputs, operands first
     info: Mapping[int, Info]
     origin: Mapping[int, str]  # node id -> composite op it came from
+    written: Mapping[int, int]  # node id -> id of the outermost composite node it came from
     eager_launches: int
     eager_bytes: int
     keep: tuple[Expr, ...]  # every node whose id keys ``info``: kept alive with the graph
 
     def of(self, n: Expr) -> Info:
         return self.info[id(n)]
+
+    def ops(self, nodes: list[Expr]) -> int:
+        """How many ops the user wrote among ``nodes``: a composite (softmax, sparsemax) is one,
+        however many primitives it lowers to. ``FusionConfig``'s op limits count these."""
+        return len({self.written.get(id(n), id(n)) for n in nodes})
 
 
 def is_leaf(n: Expr, info: Mapping[int, Info]) -> bool:
@@ -73,8 +79,9 @@ def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tup
 
     memo: dict[int, Expr] = {}
     origin: dict[int, str] = {}
-    _lower_all(roots, info, keep, memo, origin)
-    prim = [(k, _fold_scalars(memo[id(e)], info, keep, origin)) for k, e in outputs]
+    written: dict[int, int] = {}
+    _lower_all(roots, info, keep, memo, origin, written)
+    prim = [(k, _fold_scalars(memo[id(e)], info, keep, origin, written)) for k, e in outputs]
     for k, p in prim:
         if info[id(p)].symbolic:
             raise RtxError(f"output {k!r} depends only on scalar inputs: compute it in python")
@@ -89,6 +96,7 @@ def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tup
         nodes=tuple(walk([p for _, p in prim])),
         info=MappingProxyType(info),
         origin=MappingProxyType(origin),
+        written=MappingProxyType(written),
         eager_launches=eager_launches,
         eager_bytes=eager_bytes,
         keep=tuple(keep),
@@ -96,7 +104,12 @@ def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tup
 
 
 def _lower_all(
-    roots: list[Expr], info: dict[int, Info], keep: list[Expr], memo: dict[int, Expr], origin: dict[int, str]
+    roots: list[Expr],
+    info: dict[int, Info],
+    keep: list[Expr],
+    memo: dict[int, Expr],
+    origin: dict[int, str],
+    written: dict[int, int],
 ) -> None:
     """Fill ``memo`` (node id -> its primitive form) for every node reachable from ``roots``."""
     for n in walk(roots):
@@ -114,12 +127,14 @@ def _lower_all(
             )
             d = opdef.decompose(*srcs, **n.attr_dict, **typed)
             infer_all([d], info, keep)
-            _lower_all([d], info, keep, memo, origin)
+            _lower_all([d], info, keep, memo, origin, written)
             p = memo[id(d)]
             if info[id(p)].dtype != me.dtype:
                 p = _typed(node("cast", p, dtype=me.dtype), info, keep)
             for m in keep[start:]:
                 origin.setdefault(id(m), n.op)
+            for m in _inside(p, srcs):  # its primitives, typed before too (interned: a saving plan's statistics)
+                written[id(m)] = id(n)  # outermost last: a composite inside another counts as that one
         else:
             attrs = n.attr_dict
             if opdef.canonical is not None and not me.is_scalar:
@@ -138,12 +153,31 @@ def _lower_all(
         memo[id(p)] = p
 
 
+def _inside(root: Expr, operands: tuple[Expr, ...]) -> list[Expr]:
+    """The nodes of a composite's decomposition ``root``: reachable from it without passing through
+    its ``operands`` (whose cones belong to the ops that made them)."""
+    stop = {id(m) for m in operands}
+    found: list[Expr] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen or id(m) in stop:
+            continue
+        seen.add(id(m))
+        found.append(m)
+        stack.extend(m.srcs)
+    return found
+
+
 def _typed(e: Expr, info: dict[int, Info], keep: list[Expr]) -> Expr:
     infer_all([e], info, keep)
     return e
 
 
-def _fold_scalars(root: Expr, info: dict[int, Info], keep: list[Expr], origin: dict[int, str]) -> Expr:
+def _fold_scalars(
+    root: Expr, info: dict[int, Info], keep: list[Expr], origin: dict[int, str], written: dict[int, int]
+) -> Expr:
     """Replace scalar-only subexpressions (constants, element counts) by constants of their value."""
     memo: dict[int, Expr] = {}
     for n in walk([root]):
@@ -158,6 +192,7 @@ def _fold_scalars(root: Expr, info: dict[int, Info], keep: list[Expr], origin: d
             keep.append(new)
         if id(n) in origin:
             origin.setdefault(id(new), origin[id(n)])
+            written.setdefault(id(new), written[id(n)])
         memo[id(n)] = new
     return memo[id(root)]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .modules import (
     JSD,
+    AddRMSNorm,
     CrossEntropyLoss,
     DyT,
     GateUpMLP,
@@ -20,13 +21,17 @@ from .modules import (
     LayerNorm,
     PolyNorm,
     RMSNorm,
+    Sparsemax,
     SwiGLU,
     TVDLoss,
+    add_rms_norm_,
+    rms_norm_,
 )
 from .swap import Replaced, causal_lm_loss, replace_modules
 
 __all__ = [
     "JSD",
+    "AddRMSNorm",
     "CrossEntropyLoss",
     "DyT",
     "GateUpMLP",
@@ -37,8 +42,11 @@ __all__ = [
     "PolyNorm",
     "RMSNorm",
     "Replaced",
+    "Sparsemax",
     "SwiGLU",
     "TVDLoss",
+    "add_rms_norm_",
     "causal_lm_loss",
     "replace_modules",
+    "rms_norm_",
 ]

@@ -43,6 +43,84 @@ def _norm_kernel(
     return compile(e if out is None else cast(e, out))
 
 
+@functools.lru_cache(maxsize=64)
+def _in_place_rms_kernel(eps: float | None, weight: bool, offset: float, residual: bool) -> Kernel:
+    """RMSNorm written over its input (``out`` into ``x``); with ``residual``, vLLM's fused add:
+    ``x + r`` written into ``r`` and its norm into ``x``."""
+    r = dsl.var("r")
+    s = _x + r if residual else _x
+    w = (_w + offset if offset else _w) if weight else 1.0
+    out = node("rms_norm", s, w, node("eps_of", s) if eps is None else eps)
+    if not residual:
+        return Kernel({"out": out}, into={"out": "x"})
+    return Kernel({"out": out, "residual": s}, into={"out": "x", "residual": "r"})
+
+
+def _write_over(kernel: Kernel, targets: dict[str, torch.Tensor], **inputs: torch.Tensor) -> None:
+    """Run ``kernel`` and leave output ``k`` in ``targets[k]``: written there by the kernel where
+    that is safe (a contiguous input, read before it is overwritten), else copied in after it."""
+    grads = [n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if torch.is_grad_enabled() and grads:
+        raise RtxError(
+            f"in-place rms_norm writes over its inputs, and {grads[0]!r} requires grad (autograd would "
+            "need the overwritten values): call it under torch.no_grad() / torch.inference_mode(), "
+            "or use the out-of-place module"
+        )
+    for name, t in targets.items():
+        if not isinstance(t, torch.Tensor) or t.shape != inputs["x"].shape or t.dtype != inputs["x"].dtype:
+            raise RtxError(f"in-place rms_norm: {name!r} must be a tensor of x's shape and dtype")
+    mems = [t.untyped_storage().data_ptr() for t in targets.values()]
+    if len(set(mems)) != len(mems):
+        raise RtxError("in-place add_rms_norm: x and residual share memory; they must be distinct tensors")
+    got = kernel(**inputs)
+    for key, t in targets.items():
+        if got[key].data_ptr() == t.data_ptr() and got[key].stride() == t.stride():
+            torch.autograd.graph.increment_version(t)
+        else:
+            t.copy_(got[key])
+
+
+def rms_norm_(
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None, offset: float = 0.0
+) -> torch.Tensor:
+    """RMSNorm over the last axis written over ``x`` (one kernel, no new tensor when ``x`` is
+    contiguous), for inference: returns ``x``. ``eps=None``: as ``torch.nn.RMSNorm``.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> x = torch.full((2, 4), 3.0)
+        >>> rx.nn.rms_norm_(x) is x, x[0, 0].item()
+        (True, 1.0)
+    """
+    kernel = _in_place_rms_kernel(None if eps is None else float(eps), weight is not None, float(offset), False)
+    extra = {} if weight is None else {"w": weight}
+    _write_over(kernel, {"out": x}, x=x, **extra)
+    return x
+
+
+def add_rms_norm_(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fused add + RMSNorm, in place and in one kernel: ``residual += x``, then ``x =
+    rms_norm(residual) * weight``. Returns ``(x, residual)``, the same tensors.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> x, r = torch.ones(2, 4), torch.full((2, 4), 2.0)
+        >>> out, res = rx.nn.add_rms_norm_(x, r)
+        >>> out is x, res[0, 0].item(), x[0, 0].item()
+        (True, 3.0, 1.0)
+    """
+    kernel = _in_place_rms_kernel(None if eps is None else float(eps), weight is not None, float(offset), True)
+    extra = {} if weight is None else {"w": weight}
+    _write_over(kernel, {"out": x, "residual": residual}, x=x, r=residual, **extra)
+    return x, residual
+
+
 class _Fused:
     """Holds the module's kernel, made when the module is (never inside a torch.compile trace)."""
 
@@ -128,6 +206,50 @@ class RMSNorm(_Fused, torch.nn.RMSNorm):
     def extra_repr(self) -> str:
         more = (f", offset={self.offset}" if self.offset else "") + (", promote=True" if self.promote else "")
         return super().extra_repr() + more
+
+
+@functools.lru_cache(maxsize=64)
+def _add_rms_kernel(eps: float | None, offset: float) -> Kernel:
+    r = dsl.var("r")
+    s = _x + r
+    w = _w + offset if offset else _w
+    return compile({"out": node("rms_norm", s, w, node("eps_of", s) if eps is None else eps), "residual": s})
+
+
+class AddRMSNorm(_Fused, torch.nn.Module):
+    """Liger's / vLLM's fused residual add + RMSNorm: ``forward(hidden_states, residual)`` returns
+    ``(rms_norm(hidden_states + residual) * w, hidden_states + residual)`` from one kernel (the
+    sum is read once), fused backward. ``offset=1.0``: Gemma's ``1 + w``. ``in_place=True``
+    (inference): the results are written over ``hidden_states`` and ``residual``
+    (:func:`add_rms_norm_`), no new tensors.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> out, res = rx.nn.AddRMSNorm(8)(torch.randn(2, 8), torch.randn(2, 8))
+        >>> out.shape, res.shape
+        (torch.Size([2, 8]), torch.Size([2, 8]))
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float | None = 1e-6, offset: float = 0.0, in_place: bool = False, **factory: Any
+    ) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, **factory))
+        self.eps = None if eps is None else float(eps)
+        self.offset, self.in_place = float(offset), bool(in_place)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _add_rms_kernel(self.eps, self.offset)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.in_place:
+            return add_rms_norm_(hidden_states, residual, self.weight, self.eps, self.offset)
+        got = self._kernel(x=hidden_states, r=residual, w=self.weight)
+        return got["out"], got["residual"]
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, in_place={self.in_place}"
 
 
 class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
@@ -286,6 +408,8 @@ def _liger_kernel(kind: str, *options: Any) -> Kernel:
         return compile(f["dyt"](x, a, g, b if options[0] else None))
     if kind == "poly_norm":
         return compile(f["poly_norm"](x, g, b, options[0]))
+    if kind == "sparsemax":
+        return compile(f["sparsemax"](x, options[0]))
     if kind == "kl_div":
         return compile(f["kl_div"](x, a, *options))
     label = lbl if options[0] else None
@@ -339,6 +463,30 @@ class PolyNorm(_Fused, torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x=x, g=self.weight, b=self.bias)
+
+
+class Sparsemax(_Fused, torch.nn.Module):
+    """Sparsemax over ``dim`` (Liger's ``LigerSparsemax``): one row kernel, fused backward.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.nn.Sparsemax()(torch.tensor([[2.0, 1.0, -1.0]]))
+        tensor([[1., 0., 0.]])
+    """
+
+    def __init__(self, dim: int = -1) -> None:
+        super().__init__()
+        self.dim = int(dim)
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _liger_kernel("sparsemax", self.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x=x)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
 
 
 class KLDivLoss(_Fused, torch.nn.KLDivLoss):

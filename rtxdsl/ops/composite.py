@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import compute_dtype
 from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import FLOATING, NUMERIC, Front, OpDef, OpKind, Unsupported, register
@@ -607,5 +608,68 @@ register(
         pattern="LayerNorm",
         accepts=FLOATING,
         front=Front(fn=group_norm, torch=dict.fromkeys(torch_fns("group_norm"), _torch_group_norm)),
+    )
+)
+
+
+# ---- sparsemax ----------------------------------------------------------------------------------------
+def sparsemax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
+    """Sparsemax (Martins & Astudillo, 2016) over ``axis``: the Euclidean projection of ``x`` onto
+    the probability simplex, ``relu(x - tau)`` with ``tau`` the threshold where the row sums to 1.
+
+    One row kernel, no sort: ``tau`` is found by bisection on ``[max - 1, max]`` (``sum(relu(x -
+    t))`` falls as ``t`` rises), one step per mantissa bit of the compute dtype, then computed
+    exactly from the support it found, ``(sum of x over the support - 1) / its size``. The
+    gradient follows from that last step: ``mask * (g - mean of g over the support)``.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.sparsemax(rx.var("x"))
+        sparsemax(x, axis=-1)
+    """
+    return node("sparsemax", x, axis=int_axis(axis, dim, "sparsemax"))
+
+
+def _sparsemax(x: Expr, axis: int, shapes: list, dtypes: list) -> Expr:
+    ax = (axis,)
+    z = node("detach", x)
+    lo = node("sub", node("amax", z, axis=ax, keepdim=True), 1.0)
+    bits = 53 if compute_dtype(dtypes[0]) == torch.float64 else 24  # the mantissa, implicit bit included
+    for step in range(1, bits + 2):
+        mid = node("add", lo, 0.5**step)
+        mass = node("sum", node("relu", node("sub", z, mid)), axis=ax, keepdim=True)
+        lo = node("where", node("ge", mass, 1.0), mid, lo)  # tau >= mid while the mass is >= 1
+    support = node("gt", z, lo)
+    size = node("sum", node("where", support, 1.0, 0.0), axis=ax, keepdim=True)
+    total = node("sum", node("where", support, x, 0.0), axis=ax, keepdim=True)
+    return node("relu", node("sub", x, node("div", node("sub", total, 1.0), size)))
+
+
+def _sparsemax_ref(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """The sorting algorithm of the paper (as Liger's reference)."""
+    if x.numel() == 0:
+        return x.clone()
+    z = x.movedim(axis, -1)
+    srt = z.sort(-1, descending=True).values
+    csum = srt.cumsum(-1) - 1
+    k = torch.arange(1, z.shape[-1] + 1, dtype=z.dtype, device=z.device)
+    size = (k * srt > csum).sum(-1, keepdim=True)
+    tau = csum.gather(-1, size - 1) / size.to(z.dtype)
+    return torch.clamp(z - tau, min=0).movedim(-1, axis)
+
+
+register(
+    OpDef(
+        name="sparsemax",
+        kind=OpKind.COMPOSITE,
+        arity=1,
+        ref=_sparsemax_ref,
+        decompose=_sparsemax,
+        typed_decompose=True,
+        shape=_same_as_first,
+        eager_launches=9,  # sort, cumsum, sub, mul, gt, sum, gather, div, clamp
+        pattern="Softmax",
+        accepts=FLOATING,
+        front=Front(fn=sparsemax),
     )
 )

@@ -366,9 +366,10 @@ for _name, _fn, _ref, _decompose in (
 def rope(x: ExprLike, cos: ExprLike, sin: ExprLike, interleaved: bool = False) -> Expr:
     """Rotary position embedding on the last axis: ``x * cos + rotate(x) * sin``.
 
-    ``rotate`` is Hugging Face Llama's rotate-half (``cat(-x2, x1)`` of the two halves) or, with
-    ``interleaved``, GPT-J's pairs (``(-x1, x0), (-x3, x2), ...``). ``cos`` and ``sin`` have
-    the full last axis and broadcast against ``x`` (e.g. ``[T, D]`` against ``[B, H, T, D]``).
+    ``rotate`` is Hugging Face Llama's rotate-half (``cat(-x2, x1)`` of the two halves, split at
+    ``D // 2``: an odd head dimension works as there) or, with ``interleaved``, GPT-J's pairs
+    (``(-x1, x0), (-x3, x2), ...``). ``cos`` and ``sin`` have the full last axis and broadcast
+    against ``x`` (e.g. ``[T, D]`` against ``[B, H, T, D]``).
     q and k in one kernel: ``rx.compile({"q": rx.rope(q, c, s), "k": rx.rope(k, c, s)})``.
 
     Example:
@@ -403,8 +404,8 @@ def _rotate(x: Expr, interleaved: bool, last: int) -> Expr:
 
 def _rope_shape(shapes: list[tuple[int, ...]], interleaved: bool) -> tuple[int, ...]:
     x = shapes[0]
-    if not x or x[-1] % 2:
-        raise ShapeError(f"rope: the last axis of x must have an even size, got shape {list(x)}")
+    if not x or (interleaved and x[-1] % 2):
+        raise ShapeError(f"rope: interleaved pairs need an even last axis, got shape {list(x)}")
     for name, s in zip(("cos", "sin"), shapes[1:]):
         pad = len(x) - len(s)
         if pad < 0 or not s or s[-1] != x[-1] or any(a not in (1, b) for a, b in zip(s, x[pad:])):
@@ -415,9 +416,9 @@ def _rope_shape(shapes: list[tuple[int, ...]], interleaved: bool) -> tuple[int, 
 def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     if interleaved:
         rot = torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
-    else:
-        x1, x2 = x.chunk(2, -1)
-        rot = torch.cat((-x2, x1), -1)
+    else:  # Hugging Face's rotate_half: an odd last axis puts its middle element in the second half
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), -1)
     return x * cos + rot * sin
 
 

@@ -39,7 +39,7 @@ def pointwise_lt_where_gt_mul_SIG(
     v12 = tl.where(s1, v11, v10)
     v13 = v12 * s4
     v14 = tl.where(v0, v13, v12)
-    tl.store(out0_ptr + offs, tl.where(v14 != v14, v14, ((v14.to(tl.uint32, bitcast=True) + 0x7FFF + ((v14.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
     v15 = tl.where(v4, v5, x1)
+    tl.store(out0_ptr + offs, tl.where(v14 != v14, v14, ((v14.to(tl.uint32, bitcast=True) + 0x7FFF + ((v14.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
     tl.store(out1_ptr + offs, tl.where(v15 != v15, v15, ((v15.to(tl.uint32, bitcast=True) + 0x7FFF + ((v15.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 

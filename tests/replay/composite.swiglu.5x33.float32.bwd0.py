@@ -28,8 +28,8 @@ def pointwise_mul_sigmoid_sub_add_SIG(
     v4 = s0 + v3
     v5 = v1 * v4
     v6 = v0 * v5
-    tl.store(out0_ptr + offs, v6, mask=mask)
     v7 = x2 / (1.0 + tl.exp(-x2))
     v8 = x0 * v7
+    tl.store(out0_ptr + offs, v6, mask=mask)
     tl.store(out1_ptr + offs, v8, mask=mask)
 

@@ -37,7 +37,6 @@ def pointwise_neg_mul_add_div_SIG(
     v1 = v0 * s0
     v2 = v1 * s1
     v3 = x0 + v2
-    tl.store(out0_ptr + offs, v3, mask=mask)
     x3 = tl.load(in3_ptr + offs, mask=mask, other=0)
     x1 = tl.load(in1_ptr + offs, mask=mask, other=0)
     v4 = s2 * x1
@@ -52,7 +51,6 @@ def pointwise_neg_mul_add_div_SIG(
     v12 = v11 / s6
     v13 = x3 + v12
     v14 = v13 * s7
-    tl.store(out1_ptr + offs, v14, mask=mask)
     x5 = tl.load(in5_ptr + offs, mask=mask, other=0)
     x4 = tl.load(in4_ptr + offs, mask=mask, other=0)
     v15 = s7 * x4
@@ -73,7 +71,9 @@ def pointwise_neg_mul_add_div_SIG(
     v30 = v27 + v29
     v31 = v13 * s8
     v32 = v30 + v31
-    tl.store(out2_ptr + offs, v32, mask=mask)
     v33 = v26 * s2
+    tl.store(out0_ptr + offs, v3, mask=mask)
+    tl.store(out1_ptr + offs, v14, mask=mask)
+    tl.store(out2_ptr + offs, v32, mask=mask)
     tl.store(out3_ptr + offs, v33, mask=mask)
 

@@ -33,13 +33,11 @@ def pointwise_mul_add_div_sqrt_SIG(
     x1 = tl.load(in1_ptr + offs, mask=mask, other=0)
     v1 = s1 * x1
     v2 = v0 + v1
-    tl.store(out0_ptr + offs, v2, mask=mask)
     x2 = tl.load(in2_ptr + offs, mask=mask, other=0)
     v4 = s3 * x2
     v5 = s4 * x1
     v6 = v5 * x1
     v7 = v4 + v6
-    tl.store(out1_ptr + offs, v7, mask=mask)
     x3 = tl.load(in3_ptr + offs, mask=mask, other=0)
     v3 = v2 / s2
     v8 = v7 / s5
@@ -50,5 +48,7 @@ def pointwise_mul_add_div_sqrt_SIG(
     v13 = v11 + v12
     v14 = s8 * v13
     v15 = x3 - v14
+    tl.store(out0_ptr + offs, v2, mask=mask)
+    tl.store(out1_ptr + offs, v7, mask=mask)
     tl.store(out2_ptr + offs, v15, mask=mask)
 

@@ -31,7 +31,6 @@ def row_add_mul_sum_div_SIG(
     x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
     x1 = tl.load(in1_ptr + rows * in1_row_stride0 + cols, mask=mask, other=0)
     v0 = x0 + x1
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v0, mask=mask)
     v1 = v0 * v0
     t0 = tl.where(mask, v1, 0)
     v2 = tl.sum(t0, axis=1)[:, None]
@@ -41,5 +40,6 @@ def row_add_mul_sum_div_SIG(
     v6 = v0 * v5
     x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
     v7 = v6 * x2
+    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v0, mask=mask)
     tl.store(out1_ptr + rows * out1_row_stride0 + cols, v7, mask=mask)
 

@@ -45,8 +45,8 @@ def row_add_mul_erf_exp_SIG(
     v9 = v0 * v8
     v10 = v4 + v9
     v11 = x2 * v10
-    tl.store(out0_ptr + rows + cols * out0_col_stride0, v11, mask=mask)
     t0 = tl.where(mask, v11, 0)
     v12 = tl.sum(t0, axis=1)[:, None]
+    tl.store(out0_ptr + rows + cols * out0_col_stride0, v11, mask=mask)
     tl.store(out1_ptr + rows, v12, mask=row_mask)
 

@@ -54,8 +54,8 @@ def row_add_mul_tanh_sub_SIG(
     v16 = v9 * v15
     v17 = v8 + v16
     v18 = x2 * v17
-    tl.store(out0_ptr + rows + cols * out0_col_stride0, tl.where(v18 != v18, v18, ((v18.to(tl.uint32, bitcast=True) + 0x7FFF + ((v18.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
     t2 = tl.where(mask, v18, 0)
     v19 = tl.sum(t2, axis=1)[:, None]
+    tl.store(out0_ptr + rows + cols * out0_col_stride0, tl.where(v18 != v18, v18, ((v18.to(tl.uint32, bitcast=True) + 0x7FFF + ((v18.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
     tl.store(out1_ptr + rows, tl.where(v19 != v19, v19, ((v19.to(tl.uint32, bitcast=True) + 0x7FFF + ((v19.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
 

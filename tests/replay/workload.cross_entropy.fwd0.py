@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_ne_logsumexp_where_unsqueeze_be48f915_tail(
+def row_ne_logsumexp_where_unsqueeze_d360d346_tail(
     in0_ptr,
     in1_ptr,
     out0_ptr,
@@ -93,12 +93,12 @@ def row_ne_logsumexp_where_unsqueeze_SIG(
     v14 = v13 * s4
     v15 = v10 + v14
     v16 = tl.where(v0, v15, s5)
-    tl.store(out0_ptr + rows, v16, mask=row_mask)
     v17 = tl.where(v0, s6, s5)
+    tl.store(out0_ptr + rows, v16, mask=row_mask)
     tl.store(out1_ptr + rows, v17, mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_ne_logsumexp_where_unsqueeze_be48f915_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, T_ROWS, T_BLOCK_SIZE)
+        row_ne_logsumexp_where_unsqueeze_d360d346_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

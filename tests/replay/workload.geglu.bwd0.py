@@ -46,11 +46,11 @@ def pointwise_mul_add_tanh_sub_SIG(
     v16 = v9 * v15
     v17 = v8 + v16
     v18 = v0 * v17
-    tl.store(out0_ptr + offs, v18, mask=mask)
     t2 = 0.7978845608028654 * (x2 + 0.044715 * x2 * x2 * x2)
     t3 = tl.exp(-2.0 * tl.abs(t2))
     t4 = t2 * t2
     v19 = 0.5 * x2 * (1.0 + tl.where(tl.abs(t2) < 0.125, t2 * (1.0 + t4 * (-1.0 / 3.0 + t4 * (2.0 / 15.0 + t4 * (-17.0 / 315.0)))), tl.where(t2 < 0, -1.0, 1.0) * ((1.0 - t3) / (1.0 + t3))))
     v20 = x0 * v19
+    tl.store(out0_ptr + offs, v18, mask=mask)
     tl.store(out1_ptr + offs, v20, mask=mask)
 

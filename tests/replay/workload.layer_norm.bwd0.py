@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_sub_sum_402e0d18_tail(
+def row_mul_div_sub_sum_dc68e510_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -40,9 +40,9 @@ def row_mul_div_sub_sum_402e0d18_tail(
     v6 = x3 * v5
     t0 = tl.where(mask, v6, 0)
     v7 = tl.sum(t0, axis=1)[:, None]
-    tl.store(out0_ptr + rows, v7, mask=row_mask)
     t1 = tl.where(mask, x3, 0)
     v8 = tl.sum(t1, axis=1)[:, None]
+    tl.store(out0_ptr + rows, v7, mask=row_mask)
     tl.store(out1_ptr + rows, v8, mask=row_mask)
 
 
@@ -119,6 +119,6 @@ def row_mul_div_sub_sum_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_sub_sum_402e0d18_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in1_col_stride0, t_in3_col_stride0, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_sub_sum_dc68e510_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in1_col_stride0, t_in3_col_stride0, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -28,7 +28,7 @@ def pointwise_mul_add_le_where_SIG(
     x2 = tl.load(in2_ptr + offs, mask=mask, other=0)
     v3 = tl.where(v2, s2, x2)
     v4 = v3 * x1
-    tl.store(out0_ptr + offs, v4, mask=mask)
     v5 = v3 * x0
+    tl.store(out0_ptr + offs, v4, mask=mask)
     tl.store(out1_ptr + offs, v5, mask=mask)
 

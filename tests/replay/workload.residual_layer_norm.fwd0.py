@@ -32,7 +32,6 @@ def row_add_sum_div_sub_SIG(
     x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
     x1 = tl.load(in1_ptr + rows * in1_row_stride0 + cols, mask=mask, other=0)
     v0 = x0 + x1
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v0, mask=mask)
     t0 = tl.where(mask, v0, 0)
     v1 = tl.sum(t0, axis=1)[:, None]
     v2 = v1 / s0
@@ -51,5 +50,6 @@ def row_add_sum_div_sub_SIG(
     v9 = v8 * x2
     x3 = tl.load(in3_ptr + cols, mask=mask, other=0)
     v10 = v9 + x3
+    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v0, mask=mask)
     tl.store(out1_ptr + rows * out1_row_stride0 + cols, v10, mask=mask)
 

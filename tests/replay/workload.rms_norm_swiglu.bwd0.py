@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_add_rsqrt_7c5905d1_tail(
+def row_mul_div_add_rsqrt_7f20afbf_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -128,13 +128,13 @@ def row_mul_div_add_rsqrt_SIG(
     v21 = v20 * x3
     v22 = v13 + v21
     v23 = v22 + v21
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v23, mask=mask)
     v25 = v5 / (1.0 + tl.exp(-v5))
     v26 = x0 * v25
+    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v23, mask=mask)
     tl.store(out1_ptr + rows * out1_row_stride0 + cols, v26, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_add_rsqrt_7c5905d1_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_col_stride0, t_in1_col_stride0, t_in3_col_stride0, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_add_rsqrt_7f20afbf_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_col_stride0, t_in1_col_stride0, t_in3_col_stride0, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

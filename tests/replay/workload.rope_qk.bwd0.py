@@ -85,14 +85,12 @@ def pointwise_mul_slice_unslice_neg_SIG(
     x2_16 = tl.load(in2_ptr + (i0) * in2_stride0 + (i1) + offs * 0, mask=mask, other=0)
     v7 = x0_15 * x2_16
     v8 = v6 + v7
-    tl.store(out0_ptr + offs, v8, mask=mask)
     x3_17 = tl.load(in3_ptr + (i0) * in3_stride0 + (i1) + offs * 0, mask=mask, other=0)
     x4_18 = tl.load(in4_ptr + (i0) * in4_stride0 + (i1) + offs * 0, mask=mask, other=0)
     v9 = x3_17 * x4_18
     x5_19 = tl.load(in5_ptr + (i0) * in5_stride0 + (i1) + offs * 0, mask=mask, other=0)
     v10 = x0_15 * x5_19
     v11 = v9 + v10
-    tl.store(out1_ptr + offs, v11, mask=mask)
     x4_22 = tl.load(in4_ptr + (i0) * in4_stride0 + ((m12_0 + m12_1 * i1)) + offs * 0, mask=mask & (i1 < m15_0), other=0)
     v12_21 = (x4_22).to(tl.float32)
     v13_20 = -v12_21
@@ -108,7 +106,6 @@ def pointwise_mul_slice_unslice_neg_SIG(
     v20 = (tl.where(i1 < m20_0, v18_25, v19_28)).to(tl.float32)
     v21 = x0_15 * v20
     v22 = v16 + v21
-    tl.store(out2_ptr + offs, v22, mask=mask)
     t30 = i1 - m25_0
     t31 = t30 // m25_1
     t32 = (t30 >= 0) & (t30 % m25_1 == 0) & (t31 < m25_2)
@@ -129,5 +126,8 @@ def pointwise_mul_slice_unslice_neg_SIG(
     v29 = v25 + v28
     v30 = x3_17 * x2_16
     v31 = v29 + v30
+    tl.store(out0_ptr + offs, v8, mask=mask)
+    tl.store(out1_ptr + offs, v11, mask=mask)
+    tl.store(out2_ptr + offs, v22, mask=mask)
     tl.store(out3_ptr + offs, v31, mask=mask)
 

@@ -49,7 +49,6 @@ def pointwise_mul_slice_neg_cat_SIG(
     x2_7 = tl.load(in2_ptr + (i0) * in2_stride0 + (i1) + offs * 0, mask=mask, other=0)
     v5 = v4 * x2_7
     v6 = v0 + v5
-    tl.store(out0_ptr + offs, v6, mask=mask)
     x3_8 = tl.load(in3_ptr + (i0) * in3_stride0 + (i1) + offs * 0, mask=mask, other=0)
     v7 = x3_8 * x1_1
     x3_11 = tl.load(in3_ptr + (i0) * in3_stride0 + ((m8_0 + m8_1 * i1)) + offs * 0, mask=mask & (i1 < m11_0), other=0)
@@ -60,5 +59,6 @@ def pointwise_mul_slice_neg_cat_SIG(
     v11 = (tl.where(i1 < m11_0, v9_9, v10_12)).to(tl.float32)
     v12 = v11 * x2_7
     v13 = v7 + v12
+    tl.store(out0_ptr + offs, v6, mask=mask)
     tl.store(out1_ptr + offs, v13, mask=mask)
 

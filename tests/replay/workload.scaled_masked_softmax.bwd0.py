@@ -50,7 +50,7 @@ def row_mul_add_sub_exp_SIG(
     v13 = tl.exp(v12)
     v14 = v11 * v13
     v15 = v6 + v14
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v15, mask=mask)
     v16 = v15 * s0
+    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v15, mask=mask)
     tl.store(out1_ptr + rows * out1_row_stride0 + cols, v16, mask=mask)
 
