@@ -73,6 +73,16 @@ def cases() -> dict[str, tuple[rx.Kernel, dict[str, Any]]]:
                     k,
                     _inputs(kinds, k.inputs, rows, hidden, dtype),
                 )
+    # a contraction with its epilogue: the GEMM family's forward and backward (dx, and dW summed over batches)
+    x, w, b = rx.var("x"), rx.var("w"), rx.var("b")
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        ins = {"x": torch.randn(2, 7, 33, generator=gen), "w": torch.randn(17, 33, generator=gen)}
+        ins = {**{n: t.to(dtype) for n, t in ins.items()}, "b": torch.randn(17, generator=gen).to(dtype)}
+        out[f"contraction.linear_bias_gelu.2x7x33.{str(dtype).removeprefix('torch.')}"] = (
+            rx.compile(rx.gelu(rx.linear(x, w, b))),
+            ins,
+        )
     return out
 
 

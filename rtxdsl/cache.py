@@ -25,9 +25,12 @@ from typing import Any
 
 import triton
 
+from . import interpret
 from .log import log
 from .lower.spec import KernelSpec
 from .lru import LRU
+
+interpret.install()  # Triton's interpreter multiplies bf16 bits in tl.dot: converted first
 
 FORMAT_VERSION = 2
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
 from .errors import ConfigError
 
@@ -53,6 +53,9 @@ class FusionConfig(BaseModel):
     check_indices: bool = True
     """Gathered indices are checked: out of range raises RtxError (one flag read after the launch).
     False skips the check; an out-of-range index then reads 0 (its load is masked)."""
+    allow_tf32: StrictBool | None = None
+    """fp32 contractions multiply on tensor cores in TF32 (10-bit mantissas, fp32 sums); None follows
+    ``torch.backends.cuda.matmul.allow_tf32`` as it is when a plan is made (torch's default: False)."""
     autotune: bool = False
     """Time each kernel's launch options (warps, stages, a pointwise block) on its first launch and
     keep the fastest, stored under ``cache_dir/tuned`` per signature, device and Triton version.
@@ -152,8 +155,11 @@ def env_overrides() -> dict[str, Any]:
         raw = os.environ.get(f"RTXDSL_{name.upper()}")
         if raw is None:
             continue
-        if info.annotation is bool:
+        if info.annotation in (bool, StrictBool | None):
             low = raw.strip().lower()
+            if low in ("", "none") and info.annotation is not bool:
+                out[name] = None  # an optional switch: unset follows its default source
+                continue
             if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ConfigError(f"environment variable RTXDSL_{name.upper()}={raw!r} is not a boolean")
             out[name] = low in ("1", "true", "yes", "on")

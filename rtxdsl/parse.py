@@ -30,6 +30,7 @@ _BINOPS = {
     ast.FloorDiv: "floordiv",
     ast.Mod: "mod",
     ast.Pow: "pow",
+    ast.MatMult: "matmul",
     ast.BitAnd: "and",
     ast.BitOr: "or",
     ast.BitXor: "xor",

@@ -27,6 +27,7 @@ class OpKind(enum.Enum):
     REDUCTION = "reduction"
     MOVEMENT = "movement"  # re-indexes its first operand; evaluated inside the consuming kernel
     COMPOSITE = "composite"  # defined by a decomposition into other ops
+    CONTRACTION = "contraction"  # a product summed over a shared axis (GEMM): a tiled kernel of its own
 
 
 class DtypeRule(enum.Enum):

@@ -269,12 +269,26 @@ def _compiled(spec: Any, summary: str, config: FusionConfig) -> CompiledKernel:
 
 @dataclass(frozen=True)
 class GradPlan:
-    """Forward (outputs + saved statistics) and backward kernels for one input layout."""
+    """Forward (outputs + saved statistics) and backward kernels for one input layout.
+
+    ``passthrough``: gradients that are a cotangent as it is (a residual add's), handed on
+    without a kernel, as torch's ``AddBackward`` does (gradient key -> the cotangent's name);
+    ``backward`` computes the rest (None when nothing is left)."""
 
     forward: Kernel
-    backward: Kernel
+    backward: Kernel | None
     grads: Gradients
     input_names: tuple[str, ...]
+    passthrough: tuple[tuple[str, str], ...] = ()
+
+    def gradients(self, feed: Mapping[str, Any], clone: bool = False) -> dict[str, Any]:
+        """Every gradient by key: the backward kernel's, and the passed-through cotangents (cloned
+        with ``clone``: a custom op's outputs must not alias its inputs)."""
+        b = self.backward
+        outs = dict(b(**{name: feed[name] for name in b.inputs})) if b is not None else {}
+        for key, name in self.passthrough:
+            outs[key] = feed[name].clone() if clone else feed[name]
+        return outs
 
 
 class Kernel:
@@ -517,11 +531,14 @@ class Kernel:
         if mode and needs == tuple(v.attr("name") == self._in_forward for v in self._vars):
             return self._plan_in_forward(program, needs, mode == "reuse")
         grads = differentiate(program.plan.graph, self._outputs, needs)
+        passthrough = tuple((k, e.attr("name")) for k, e in grads.backward if e.op == "var")
+        computed = {k: e for k, e in grads.backward if e.op != "var"}
         return GradPlan(
             forward=Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False),
-            backward=Kernel(dict(grads.backward), self._config, stats=self._stats, draw_seeds=False),
+            backward=Kernel(computed, self._config, stats=self._stats, draw_seeds=False) if computed else None,
             grads=grads,
             input_names=tuple(v.attr("name") for v in self._vars),
+            passthrough=passthrough,
         )
 
     def _plan_in_forward(self, program: Program, needs: tuple[bool, ...], reuse: bool) -> GradPlan:
@@ -760,7 +777,7 @@ class _Apply(torch.autograd.Function):
         feed = dict(zip(plan.input_names, inputs))
         feed.update(zip(g.saved_keys, saved))
         feed.update({f"_g{k}": gr for k, (gr, f) in enumerate(zip(grads, g.float_outputs)) if f})
-        outs = plan.backward(**{name: feed[name] for name in plan.backward.inputs})
+        outs = plan.gradients(feed)
         grad_of = dict(g.grad_of)
         grads_in = []
         for name, t in zip(plan.input_names, inputs):
@@ -913,7 +930,11 @@ def _launch_shape(call: Any) -> str:
     programs = 1
     for d in call.grid:
         programs *= d
-    if spec.kind != "row":
+    if spec.gemm is not None:
+        g = spec.gemm
+        mode = f"GEMM tiles of {g.block_m} x {g.block_n}, K in slices of {g.block_k}, {g.num_stages} stage(s)"
+        mode += ", the batch dims summed in each program" if g.sum_batch else ""
+    elif spec.kind != "row":
         mode = f"flat blocks of {meta['BLOCK_SIZE']}"
     elif spec.split == "tile":
         mode = f"2-D tiles of {spec.rows_per_program} x {spec.block} (operands laid out differently)"

@@ -222,7 +222,12 @@ def backward_of(plan: Any, inputs: list[Tensor], stats: list[Tensor], grads: lis
     # custom ops' autograd hands zeros for an output nothing read (grads are materialized)
     feed.update((f"_g{i}", grad) for i, (grad, floating) in enumerate(zip(grads, g.float_outputs)) if floating)
     backward = plan.backward
-    got = dict(zip(backward.outputs, kernel_op(backward._op_key, [feed[n] for n in backward.inputs])))
+    got = (
+        {}
+        if backward is None
+        else dict(zip(backward.outputs, kernel_op(backward._op_key, [feed[n] for n in backward.inputs])))
+    )
+    got.update((key, feed[name].clone()) for key, name in plan.passthrough)  # never an alias of an input
     grad_of = dict(g.grad_of)
     return [got[grad_of[n]].expand(t.shape) if n in grad_of else None for n, t in zip(plan.input_names, inputs)]
 

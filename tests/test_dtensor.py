@@ -45,6 +45,25 @@ SHARDINGS = [
     ({"o": rx.dropout(x, 0.5, seed=3)}, {"x": (4, 9)}, []),
     # a size-1 axis broadcasts, never shards
     ({"o": x * b}, {"x": (1, 6), "b": (6,)}, [((1,), (1, 0))]),
+    # a product: A's rows, B's columns, or the contracted axis as partial sums of the output
+    ({"o": x @ w}, {"x": (4, 6), "w": (6, 5)}, [((0,), (0, None)), ((1,), (None, 1)), ((PARTIAL,), (1, 0))]),
+    # ... whose epilogue reads the sum (gelu): the contracted axis stays whole
+    (
+        {"o": rx.gelu(rx.linear(x, w, b))},
+        {"x": (4, 6), "w": (5, 6), "b": (5,)},
+        [((0,), (0, None, None)), ((1,), (None, 0, 0))],
+    ),
+    # batch dims shard alike (a size-1 one broadcasts); a weight gradient's batch is summed too
+    (
+        {"o": x @ w},
+        {"x": (3, 4, 6), "w": (1, 6, 5)},
+        [((0,), (0, None)), ((1,), (1, None)), ((PARTIAL,), (2, 1)), ((2,), (None, 2))],
+    ),
+    (
+        {"o": rx.contract(x, w, ta=True, sum_batch=True)},
+        {"x": (3, 4, 6), "w": (3, 4, 5)},
+        [((PARTIAL,), (0, 0)), ((PARTIAL,), (1, 1)), ((0,), (2, None)), ((1,), (None, 2))],
+    ),
 ]
 
 
@@ -55,6 +74,7 @@ def test_sharding_ways_of_named_kernels(outputs, shapes, want):
     found, names = _ways(outputs, **{n: torch.empty(s, dtype=F64) for n, s in shapes.items()})
     assert names == tuple(shapes)
     assert sorted(found.ways, key=repr) == sorted(want, key=repr)
+    _assemble(outputs, {n: torch.randn(s, dtype=F64) for n, s in shapes.items()})
 
 
 def test_cross_entropy_mean_keeps_everything_whole_and_says_why():
@@ -79,9 +99,13 @@ def test_every_claimed_sharding_gives_the_pieces_of_the_full_result(p):
     """A differential check of the analysis: cut each input as a way says, run each piece alone
     (torch, op by op, in float64), and the pieces must be the full result's pieces (exactly for
     integers; floats within 1e-12: torch's CPU exp2 rounds by an ulp differently at other sizes)."""
+    _assemble(p.outputs, {n: v.double() if v.is_floating_point() else v for n, v in p.inputs.items()})
+
+
+def _assemble(outputs: dict, inputs: dict) -> None:
+    """Every way the analysis claims, checked: cut, run each piece alone, put the pieces together."""
     reference = rx.FusionConfig(backend="torch")
-    inputs = {n: v.double() if v.is_floating_point() else v for n, v in p.inputs.items()}
-    k = rx.compile(p.outputs, config=reference)
+    k = rx.compile(outputs, config=reference)
     try:
         full = k(**inputs)
         found = sharding(k.program(**inputs).plan.graph)

@@ -4,7 +4,8 @@ For each op_db entry below and each dtype torch supports among fp32, fp16, bf16,
 bool, every sample of ``reference_inputs`` is run through torch and through a compiled
 rtxdsl kernel: same dtype, same shape, same values (per-dtype tolerances, NaN where torch has
 NaN), and where torch raises, rtxdsl raises an RtxError. Samples using arguments outside
-rtxdsl's API (``out=``, ``dtype=``, ``rounding_mode='trunc'``, multi-axis norms) are skipped
+rtxdsl's API (``out=``, ``dtype=``, ``rounding_mode='trunc'``, multi-axis norms, integer
+contractions) are skipped
 and counted, never silently: the terminal summary prints agreed / tried / skipped.
 ``RTXDSL_OPINFO_STRIDE=k`` runs every k-th sample (1, all of them, by default).
 """
@@ -30,6 +31,9 @@ STRIDE = int(os.environ.get("RTXDSL_OPINFO_STRIDE", "1"))
 TOL = {torch.float32: (1e-5, 1.3e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 #: per-op looser tolerances: transcendental functions computed in fp32 by formula, not libm
 LOOSE = {"tan": 1e-4, "pow": 1e-4, "nn.functional.gelu": 1e-4, "logsumexp": 1e-4, "std": 1e-4, "var": 1e-4}
+#: contractions: fp32 sums in another order than torch's BLAS; integer operands are outside the API
+CONTRACTIONS = ("matmul", "mm", "bmm", "addmm", "nn.functional.linear")
+LOOSE.update(dict.fromkeys(CONTRACTIONS, 1e-4))
 
 
 class Skip(Exception):
@@ -148,6 +152,29 @@ def _norm(name: str) -> Callable[..., Any]:
     return build
 
 
+def _product(x: Any, args: tuple, kwargs: dict) -> Any:
+    if kwargs or len(args) != 1:
+        raise Skip("arguments")
+    return rx.matmul(x, args[0])
+
+
+def _addmm(x: Any, args: tuple, kwargs: dict) -> Any:
+    kw = dict(kwargs)
+    beta, alpha = kw.pop("beta", 1), kw.pop("alpha", 1)
+    if kw or len(args) != 2:
+        raise Skip("arguments")
+    return x * beta + rx.matmul(args[0], args[1]) * alpha
+
+
+def _linear(x: Any, args: tuple, kwargs: dict) -> Any:
+    kw = dict(kwargs)
+    weight = kw.pop("weight", args[0] if args else None)
+    bias = kw.pop("bias", args[1] if len(args) > 1 else None)
+    if kw or len(args) > 2:
+        raise Skip("arguments")
+    return rx.linear(x, weight, bias)
+
+
 def _clamp(x: Any, args: tuple, kwargs: dict) -> Any:
     kw = dict(kwargs)
     lo = kw.pop("min", args[0] if args else None)
@@ -237,6 +264,9 @@ MAPPED: dict[tuple[str, str], Callable[..., Any]] = {
     ("log_softmax", ""): _softmax("log_softmax"),
     ("nn.functional.layer_norm", ""): _norm("layer_norm"),
     ("nn.functional.rms_norm", ""): _norm("rms_norm"),
+    **{(n, ""): _product for n in ("matmul", "mm", "bmm")},
+    ("addmm", ""): _addmm,
+    ("nn.functional.linear", ""): _linear,
 }
 
 
@@ -265,6 +295,8 @@ def _as_vars(sample: Any) -> tuple[Any, dict[str, torch.Tensor], tuple, dict]:
 
 def _check(name: str, dtype: torch.dtype, sample: Any, op: Any) -> str:
     """'agree' or 'skip'; raises AssertionError on a disagreement."""
+    if name in CONTRACTIONS and not dtype.is_floating_point:
+        return "skip"  # integer contractions are refused with an RtxError (test_contraction.py)
     try:
         x, tensors, args, kwargs = _as_vars(sample)
         expr = MAPPED[(name, op.variant_test_name)](x, args, kwargs)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from ..lower.spec import KernelSpec
 from ..recursion import deep
 from .coords import CoordWriter
+from .gemm import GemmWriter
 from .source import MODULE, Writer
 from .template import render
 
 
 def _writer(spec: KernelSpec) -> Writer:
+    if spec.kind == "gemm":
+        return GemmWriter(spec)
     return Writer(spec) if spec.domain is None else CoordWriter(spec)
 
 
@@ -25,7 +28,10 @@ def kernel_source(spec: KernelSpec, name: str, signature: str, summary: str) -> 
         helpers[f"{name}_tail"] = t.row_kernel(f"{name}_tail").rstrip("\n")
         helpers.update(t.helpers)
         w.tail = (f"{name}_tail", t.params)
-    kernel = w.row_kernel(name) if spec.kind == "row" else w.pointwise(name)
+    if isinstance(w, GemmWriter):
+        kernel = w.gemm(name)
+    else:
+        kernel = w.row_kernel(name) if spec.kind == "row" else w.pointwise(name)
     helpers.update(w.helpers)
     return render(
         MODULE,

@@ -22,6 +22,7 @@ from ..recursion import deep
 from .analyze import Group, Plan, Role, analyze, read_srcs
 from .bind import Info
 from .expand import Graph, expand
+from .gemm import gemm_spec
 from .schedule import (
     Layout,
     contiguous_strides,
@@ -53,11 +54,16 @@ def lower(
     outputs written into an input's own memory, where that is safe (see :func:`program`)."""
     infos = tuple(Info.tensor(m.shape, m.dtype) if isinstance(m, Layout) else Info.scalar_input(m) for m in metas)
     graph = expand(list(outputs), inputs, infos)
-    return program(analyze(graph, config), metas, target, into or {})
+    tf32 = torch.backends.cuda.matmul.allow_tf32 if config.allow_tf32 is None else config.allow_tf32
+    return program(analyze(graph, config), metas, target, into or {}, tf32=tf32)
 
 
 def program(
-    plan: Plan, metas: tuple[InputMeta, ...], target: Target = GPU, into: Mapping[str, str] | None = None
+    plan: Plan,
+    metas: tuple[InputMeta, ...],
+    target: Target = GPU,
+    into: Mapping[str, str] | None = None,
+    tf32: bool = False,
 ) -> Program:
     """Buffers, kernel calls and results of ``plan`` for inputs described by ``metas``, on ``target``.
 
@@ -79,7 +85,10 @@ def program(
             info = graph.of(o)
             dtype = info.dtype if id(o) in requested else intermediate_dtype(g, info)
             lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), dtype)
-    scheduled = [kernel_spec(g, graph, lay, target) for g in plan.groups]
+    scheduled = [
+        gemm_spec(g, graph, lay, target, tf32) if g.contraction is not None else kernel_spec(g, graph, lay, target)
+        for g in plan.groups
+    ]
     aliases = _aliases(plan, scheduled, lay, slots, into or {})
     buffers: list[Buffer] = []
     for g in plan.groups:
@@ -195,7 +204,10 @@ def _aliases(
 def _read_before_written(g: Group, spec: KernelSpec, v: Expr, o: Expr) -> bool:
     """Every load of ``v`` comes before ``o`` is stored over it: a kernel computes a scope's
     values before its stores (codegen), so this holds unless ``o`` is stored in a looped row's
-    first pass while a later pass or the output loop loads ``v`` again."""
+    first pass while a later pass or the output loop loads ``v`` again, or ``v`` is a GEMM's
+    operand (every program reads whole rows and columns of it)."""
+    if g.contraction is not None:  # other programs read the operands' rows and columns
+        return all(v is not s for s in g.contraction.srcs)
     if spec.kind != "row" or not spec.looped:
         return True
     k = next(k for k, x in enumerate(g.outputs) if x is o)

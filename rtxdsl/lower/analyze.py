@@ -47,6 +47,7 @@ class Role(enum.Enum):
 
 
 PATTERN_PRIORITY = (
+    "Contraction",
     "CrossEntropy",
     "LayerNorm",
     "RMSNorm",
@@ -80,6 +81,11 @@ class Group:
     @property
     def is_row(self) -> bool:
         return bool(self.axes)
+
+    @property
+    def contraction(self) -> Expr | None:
+        """The contraction a GEMM kernel computes (the rest of its nodes are its epilogue)."""
+        return contraction_of(self.nodes)
 
     def keep_shape(self) -> tuple[int, ...]:
         return tuple(1 if d in self.axes else s for d, s in enumerate(self.shape))
@@ -116,6 +122,10 @@ def analyze(graph: Graph, config: FusionConfig) -> Plan:
     groups = absorb_per_row(graph, fl, groups, config, small)
     groups = recompute_elementwise(graph, fl, groups, config, small)
     return finish(graph, fl, groups)
+
+
+def contraction_of(nodes: list[Expr] | tuple[Expr, ...]) -> Expr | None:
+    return next((n for n in nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION), None)
 
 
 # ---- data flow through movement ops -------------------------------------------------------------
@@ -178,7 +188,7 @@ def flow(graph: Graph) -> Flow:
             if id(s) in seen:
                 return
             seen.add(id(s))
-            if id(s) in leaf or REGISTRY[s.op].kind is OpKind.REDUCTION:
+            if id(s) in leaf or REGISTRY[s.op].kind in (OpKind.REDUCTION, OpKind.CONTRACTION):
                 bounds.append(s)
                 return
             for x in read_srcs(s):
@@ -221,6 +231,10 @@ class _Work:
 
     def role(self, n: Expr) -> Role:
         return self.roles[id(n)]
+
+    @property
+    def contraction(self) -> Expr | None:
+        return contraction_of(self.nodes)
 
 
 def _order(graph: Graph) -> dict[int, int]:
@@ -341,6 +355,10 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
                 return Role.KEEP
             return Role.DROP if g.is_row and shape == g.drop_shape() else None
         view = REGISTRY[n.op].kind is OpKind.MOVEMENT
+        if (g.contraction is not None or (also is not None and also.contraction is not None)) and (
+            view or shape != g.shape
+        ):
+            return None  # a GEMM's epilogue is pointwise at the product's own tile coordinates
         if not g.is_row:
             if view and any(deps.home.get(id(s)) in (g, also) for s in n.srcs):
                 return None  # reindexing a value computed in this kernel: it must be written first
@@ -359,13 +377,13 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
         return None
 
     def can_join_rows(a: _Work, b: _Work) -> bool:
-        if len(a.nodes) + len(b.nodes) > cap:
+        if len(a.nodes) + len(b.nodes) > cap or not _contractions_fit(a, b):
             return False
         return not deps.reaches(a, b) and not deps.reaches(b, a)
 
     def can_merge(a: _Work, b: _Work) -> bool:
         same = a.shape == b.shape and (a.axes == b.axes or not a.is_row or not b.is_row)
-        if not same or len(a.nodes) + len(b.nodes) > cap:
+        if not same or len(a.nodes) + len(b.nodes) > cap or not _contractions_fit(a, b):
             return False
         return not deps.reaches(a, b) and not deps.reaches(b, a)
 
@@ -389,7 +407,12 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
         shape = graph.of(n).shape
         target: _Work | None = None
         absorbed: list[_Work] = []
-        for g in sorted(src_groups(n), key=lambda h: not h.is_row):  # row groups first
+        srcs = src_groups(n)
+
+        def upstream(h: _Work) -> int:  # how many other candidates ``h`` reads from: join downstream first
+            return -sum(deps.reaches(h, o) for o in srcs if o is not h)
+
+        for g in sorted(srcs, key=lambda h: (not h.is_row, upstream(h))):  # row groups first
             if closed(g, n):
                 continue
             per_row = _per_row_role(target, g, shape) if target is not None else None
@@ -401,7 +424,13 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
             role = role_in(g, n) if target is None else role_in(target, n, also=g)
             if role is not None and (target is None or can_merge(target, g)):
                 target = g if target is None else merge(target, g)
-            elif not g.is_row and g.shape != shape and _broadcasts(g.shape, shape) and private_to(g, n):
+            elif (
+                not g.is_row
+                and g.contraction is None
+                and g.shape != shape
+                and _broadcasts(g.shape, shape)
+                and private_to(g, n)
+            ):
                 absorbed.append(g)
         if target is not None:
             # a private producer that reads the target's outputs (through other kernels) stays apart
@@ -432,7 +461,7 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
             if g.is_row and g.role(u) is Role.KEEP and axes == g.axes and in_shape == g.keep_shape():
                 put(g, n, role)  # reducing a per-row value over its size-1 dims only reshapes it
                 return
-            if g.shape == in_shape and g.role(u) is Role.FULL:
+            if g.shape == in_shape and g.role(u) is Role.FULL and g.contraction is None:
                 if not g.is_row:
                     g.axes = axes
                 if g.axes == axes:
@@ -443,12 +472,27 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
     for n in graph.nodes:
         if is_leaf(n, graph.info) or id(n) in fl.free:
             continue
-        if REGISTRY[n.op].kind is OpKind.REDUCTION:
+        kind = REGISTRY[n.op].kind
+        if kind is OpKind.REDUCTION:
             add_reduction(n)
+        elif kind is OpKind.CONTRACTION:  # its operands are read from memory (written by other kernels)
+            new(n, graph.of(n).shape, (), Role.FULL)
         else:
             add_elementwise(n)
     order = _order(graph)
     return tuple(g.freeze(order) for g in groups)
+
+
+def _contractions_fit(a: _Work, b: _Work) -> bool:
+    """One kernel holds at most one contraction, and a GEMM merges only with pointwise groups that
+    re-index nothing (its epilogue)."""
+    ca, cb = a.contraction, b.contraction
+    if ca is None and cb is None:
+        return True
+    if ca is not None and cb is not None:
+        return False
+    other = b if ca is not None else a
+    return not other.is_row and not other.free and not any(reindexes(m) for m in other.nodes)
 
 
 def _per_row_role(target: _Work, g: _Work, consumer: tuple[int, ...]) -> Role | None:
@@ -511,6 +555,8 @@ def merge_siblings(
             for b in members[k + 1 :]:
                 if not alive[b] or graph.ops(work[a].nodes + work[b].nodes) > config.max_fusion_ops:
                     continue
+                if not _contractions_fit(work[a], work[b]):
+                    continue
                 if _reaches(reads, a, b) or _reaches(reads, b, a):
                     continue
                 work[a].nodes.extend(work[b].nodes)
@@ -544,8 +590,8 @@ def absorb_per_row(
     work = [_Work.of(g) for g in groups]
     alive = [True] * len(work)
     for pi, p in enumerate(work):
-        if p.is_row or any(id(m) in requested or id(m) in solo for m in p.nodes):
-            continue
+        if p.is_row or p.contraction is not None or any(id(m) in requested or id(m) in solo for m in p.nodes):
+            continue  # a GEMM is never recomputed
         homes = _homes([w for w, ok in zip(work, alive) if ok])
         live = [w for w, ok in zip(work, alive) if ok]
         members = {id(m) for m in p.nodes}
@@ -569,8 +615,12 @@ def absorb_per_row(
         def through_views(r: _Work) -> bool:  # read through size-1 dims inserted: free nodes of ``r``
             return all(REGISTRY[c.op].view and _broadcasts(graph.of(c).shape, r.shape) for c in uses(r))
 
+        def gemm_operand(r: _Work) -> bool:  # a GEMM reads its operands from memory
+            return r.contraction is not None and (not plain(r) or any(c is r.contraction for c in uses(r)))
+
         if not readers or any(
-            not (plain(r) or through_views(r)) or graph.ops(r.nodes + p.nodes) > cap for r in readers.values()
+            not (plain(r) or through_views(r)) or gemm_operand(r) or graph.ops(r.nodes + p.nodes) > cap
+            for r in readers.values()
         ):
             continue
         for r in readers.values():
@@ -641,8 +691,8 @@ def recompute_elementwise(
 
     for r2 in work:
         for m in list(r2.nodes):
-            if REGISTRY[m.op].view:  # a view of the value is not the value broadcast: read it back
-                continue
+            if REGISTRY[m.op].view or REGISTRY[m.op].kind is OpKind.CONTRACTION:
+                continue  # a view of the value is not the value broadcast; a GEMM loads its operands
             for s in fl.reads[id(m)]:
                 if id(s) not in homes:
                     continue

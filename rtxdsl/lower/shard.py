@@ -104,6 +104,36 @@ def _reduce(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims,
     return tuple(d for a, d in enumerate(dims) if a not in axes)
 
 
+def _contract(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims, tuple[int, ...]]]) -> Dims:
+    """``A @ B``: batch dims line up (broadcast), A's rows and B's columns pass through, and the
+    contracted axis (with the batch dims under ``sum_batch``) is *summed*: split, each piece's
+    product is a partial sum of the whole (Partial(sum) where it is an output)."""
+    (a, sa), (b, sb) = srcs
+    am, ak = (a[-1], a[-2]) if n.attr("ta") else (a[-2], a[-1])
+    bk, bn = (b[-1], b[-2]) if n.attr("tb") else (b[-2], b[-1])
+    k = lb.join(ak, bk)
+    lb.summed.append((k, n))
+    rank = max(len(sa), len(sb)) - 2
+    batch = []
+    for j in range(rank):
+        back = rank - j
+        labels = [dims[len(sh) - 2 - back] for dims, sh in ((a, sa), (b, sb)) if len(sh) - 2 - back >= 0]
+        sizes = [sh[len(sh) - 2 - back] for _, sh in ((a, sa), (b, sb)) if len(sh) - 2 - back >= 0]
+        big = [lab for lab, size in zip(labels, sizes) if size > 1]
+        label = big[0] if big else labels[0]
+        for other in big[1:]:
+            label = lb.join(label, other)
+        for lab, size in zip(labels, sizes):
+            if size <= 1 and big:
+                lb.mark(lab, "broadcast against a longer batch dim")
+        batch.append(label)
+    if n.attr("sum_batch"):
+        for label in batch:
+            lb.summed.append((label, n))
+        return (am, bn)
+    return (*batch, am, bn)
+
+
 def _along_axis(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims, tuple[int, ...]]]) -> Dims:
     """slice, unslice, flip, cat, select: the named axis is re-indexed, the others pass through."""
     why = f"re-indexed by {n.op}"
@@ -197,6 +227,8 @@ def sharding(graph: Graph) -> Sharding:
             dims[id(n)] = _reduce(lb, n, info.shape, srcs)
         elif kind is OpKind.MOVEMENT:
             dims[id(n)] = MOVEMENT.get(n.op, _opaque)(lb, n, info.shape, srcs)
+        elif kind is OpKind.CONTRACTION:
+            dims[id(n)] = _contract(lb, n, info.shape, srcs)
         else:
             dims[id(n)] = _broadcast(lb, n, info.shape, srcs)
     partial = _partial_outputs(graph, lb)

@@ -50,8 +50,29 @@ class OutSpec:
 
 
 @dataclass(frozen=True)
+class GemmTile:
+    """A contraction kernel's tile and pipeline, and which inputs are its operands."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # row blocks side by side in the program order (they share B's columns in L2)
+    num_warps: int
+    num_stages: int
+    a: int = -1  # input index of the left operand
+    b: int = -1  # input index of the right operand
+    batch: int = 0  # batch dims (broadcast over the operands)
+    sum_batch: bool = False  # the batch dims are contracted too (a weight gradient)
+    #: stride classes of A's (m, k) and B's (k, n) strides: a unit stride is no argument and no
+    #: multiply, so the loads along it vectorize
+    a_classes: tuple[str, str] = (STRIDED, STRIDED)
+    b_classes: tuple[str, str] = (STRIDED, STRIDED)
+    precision: str = "ieee"  # fp32 operands: "ieee" (exact products) or "tf32" (FusionConfig.allow_tf32)
+
+
+@dataclass(frozen=True)
 class KernelSpec:
-    kind: str  # "pointwise" | "row"
+    kind: str  # "pointwise" | "row" | "gemm"
     in_dtypes: tuple[torch.dtype, ...]
     loads: tuple[LoadSpec, ...]
     nodes: tuple[NodeSpec, ...]
@@ -71,6 +92,8 @@ class KernelSpec:
     split: str = ""
     #: a one-program row kernel the last program to finish runs (reading what every program stored)
     tail: KernelSpec | None = None
+    #: a contraction kernel's tile (kind "gemm"): its nodes are the contraction and its epilogue
+    gemm: GemmTile | None = None
 
 
 #: a tail's own constexprs, passed to the kernel that runs it as ``T_<name>``

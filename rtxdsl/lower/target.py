@@ -31,6 +31,9 @@ class Target:
     split_min: int = 0  # the fewest elements (all rows) a reduction needs to be split (0: never split)
     #: rows x columns of a 2-D pointwise tile for operands laid out differently (None: flat blocks)
     tile: tuple[int, int] | None = (32, 64)
+    #: a contraction's tile for 16-bit operands (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
+    #: num_stages); 4-byte operands halve BLOCK_K
+    gemm: tuple[int, int, int, int, int, int] = (128, 128, 64, 8, 8, 3)
 
     @property
     def waves(self) -> int:
@@ -51,6 +54,7 @@ INTERPRETER = Target(
     max_row_block=16384,
     loop_block=4096,
     tile=None,
+    gemm=(64, 64, 64, 1, 4, 1),  # few, wide programs; no pipeline to fill
 )
 
 

@@ -105,7 +105,8 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
                 continue
             accumulate(s, sum_to(c, typed(c).shape, si.shape))
 
-    reductions = [n for n in graph.nodes if REGISTRY[n.op].kind is OpKind.REDUCTION]
+    # the forward saves its row statistics and its contractions' products (a GEMM is not recomputed)
+    reductions = [n for n in graph.nodes if REGISTRY[n.op].kind in (OpKind.REDUCTION, OpKind.CONTRACTION)]
     saved = {id(r): Expr("var", (), {"name": f"{SAVED}{k}", "dtype": None}) for k, r in enumerate(reductions)}
     backward: list[tuple[str, Expr]] = []
     grad_of: list[tuple[str, str]] = []
@@ -126,7 +127,8 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     for k, r in enumerate(reductions):
         if id(saved[id(r)]) in used:
             dt = graph.of(r).dtype
-            stat = r if compute_dtype(dt) == dt else node("cast", r, dtype=compute_dtype(dt))
+            full = REGISTRY[r.op].kind is OpKind.CONTRACTION  # saved in its own dtype, as eager autograd
+            stat = r if full or compute_dtype(dt) == dt else node("cast", r, dtype=compute_dtype(dt))
             forward.append((f"{SAVED}{k}", stat))
             saved_keys.append(f"{SAVED}{k}")
     return Gradients(

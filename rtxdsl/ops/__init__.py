@@ -32,7 +32,7 @@ from ..registry import (
     category,
     register,
 )
-from . import composite, divergence, elementwise, leaf, llm, movement, random, reduction  # noqa: F401  (fill the registry)
+from . import composite, contraction, divergence, elementwise, leaf, llm, movement, random, reduction  # noqa: F401  (fill the registry)
 
 __all__ = [
     "ANY",

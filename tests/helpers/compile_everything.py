@@ -110,8 +110,40 @@ for name, e, ins in [
             "s": torch.empty(16, 128, dtype=torch.bfloat16),
         },
     ),
+    # contractions: a GEMM with its epilogue, transposed and batched operands, every float dtype
+    (
+        "gemm_linear_gelu_bf16",
+        rx.gelu(rx.linear(x, y, rx.var("b"))),
+        {
+            "x": torch.empty(300, 520, dtype=torch.bfloat16),
+            "y": torch.empty(260, 520, dtype=torch.bfloat16),
+            "b": torch.empty(260, dtype=torch.bfloat16),
+        },
+    ),
+    (
+        "gemm_batched_mT_f16",
+        x @ rx.permute(y, (0, 2, 1)),
+        {"x": torch.empty(4, 100, 64, dtype=torch.float16), "y": torch.empty(4, 96, 64, dtype=torch.float16)},
+    ),
+    (
+        "gemm_f32_residual",
+        x @ y + rx.var("r"),
+        {"x": torch.empty(70, 90), "y": torch.empty(90, 50), "r": torch.empty(70, 50)},
+    ),
+    ("gemm_f64", x @ y, {"x": torch.empty(33, 17, dtype=torch.float64), "y": torch.empty(17, 9, dtype=torch.float64)}),
 ]:
     tryc(name, rx.compile(e), ins)
+# a linear layer's backward: gelu'(h) * g with the bias's column sum, dx, and dW with the batch summed
+lin = rx.compile(rx.gelu(rx.linear(x, y, rx.var("b"))))
+lin_in = {"x": torch.empty(4, 64, 96, dtype=torch.bfloat16), "y": torch.empty(80, 96, dtype=torch.bfloat16)}
+lin_in["b"] = torch.empty(80, dtype=torch.bfloat16)
+lin_plan = lin.grad_plan(**lin_in)
+lin_feed = {
+    **lin_in,
+    "_g0": torch.empty(4, 64, 80, dtype=torch.bfloat16),
+    "_s0": torch.empty(4, 64, 80, dtype=torch.bfloat16),
+}
+tryc("bwd-linear-gelu-bf16", lin_plan.backward, {n_: lin_feed[n_] for n_ in lin_plan.backward.inputs})
 # backward kernels
 for name, (expr, make) in CASES.items():
     k = rx.compile(expr)

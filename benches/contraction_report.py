@@ -1,0 +1,129 @@
+"""Contractions with their epilogues fused: kernels and bytes against eager torch, forward and backward.
+
+Plans only (``Kernel.summary``: nothing runs), so Llama-7B projection sizes cost nothing here:
+4096 tokens, hidden 4096, intermediate 11008, bf16. Bytes are the traffic model's (each operand
+of a GEMM charged once, as eager's; the memory trace counts real loads). The backward is the
+fused gradient plan's kernel, fed the forward's saved products. Eager launches are counted, not
+modelled: the aten ops eager torch runs forward and in autograd's backward (views excluded), on
+small tensors of the same ranks; eager bytes charge each op of the gradient expression once.
+
+    python -m benches.contraction_report [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import rtxdsl as rx
+from benches.common import machine, markdown, save
+
+x, w, b, r, wg, wu, wd = (rx.var(n) for n in ("x", "w", "b", "r", "wg", "wu", "wd"))
+
+
+def cases(tokens: int, hidden: int, inter: int, dtype: torch.dtype) -> dict:
+    def t(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype)
+
+    return {
+        "linear + bias + GELU": (
+            rx.gelu(rx.linear(x, w, b)),
+            lambda x, w, b: F.gelu(F.linear(x, w, b)),
+            {"x": t(tokens, hidden), "w": t(inter, hidden), "b": t(inter)},
+        ),
+        "linear + bias + residual": (
+            rx.linear(x, w, b) + r,
+            lambda x, w, b, r: F.linear(x, w, b) + r,
+            {"x": t(tokens, inter), "w": t(hidden, inter), "b": t(hidden), "r": t(tokens, hidden)},
+        ),
+        "Llama MLP: down(silu(gate(x)) * up(x))": (
+            rx.linear(rx.swiglu(rx.linear(x, wg), rx.linear(x, wu)), wd),
+            lambda x, wg, wu, wd: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd),
+            {"x": t(tokens, hidden), "wg": t(inter, hidden), "wu": t(inter, hidden), "wd": t(hidden, inter)},
+        ),
+    }
+
+
+#: aten ops that launch nothing (views and metadata)
+_FREE = {"view", "t", "transpose", "expand", "_unsafe_view", "reshape", "detach", "alias", "as_strided",
+         "permute", "unsqueeze", "squeeze", "select", "slice", "_to_copy_noop", "empty_like", "ones_like"}  # fmt: skip
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the aten ops eager torch runs (each one kernel launch on a GPU), views excluded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func.overloadpacket.__name__ not in _FREE:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def eager_launches(fn: Callable[..., torch.Tensor], ins: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """Eager torch's launches, forward and backward (autograd), on small tensors of the same ranks."""
+    small = {n: torch.randn([min(s, 8) for s in v.shape], requires_grad=True) for n, v in ins.items()}
+    with _Launches() as fwd:
+        out = fn(**small)
+    with _Launches() as bwd:
+        out.backward(torch.ones_like(out))
+    return fwd.count, bwd.count
+
+
+def measure(name: str, expr: rx.Expr, eager: Callable[..., torch.Tensor], ins: dict[str, torch.Tensor]) -> dict:
+    k = rx.compile(expr)
+    eager_fwd, eager_bwd = eager_launches(eager, ins)
+    fwd = k.summary(**ins)
+    needs = {n: v.requires_grad_() for n, v in ins.items()}
+    plan = k.grad_plan(**needs)
+    saving = plan.forward.summary(**ins)
+    feed = dict(ins)
+    for key in plan.grads.saved_keys:  # the saved products: the forward's contractions, in the input dtype
+        root = dict(plan.grads.forward)[key]
+        feed[key] = _like(root, ins)
+    for i, key in enumerate(plan.grads.user_keys):
+        feed[f"_g{i}"] = _like(dict(plan.grads.forward)[key], ins)
+    bwd = plan.backward.summary(**{n: feed[n] for n in plan.backward.inputs})
+    return {
+        "case": name,
+        "forward kernels": fwd.kernels,
+        "eager forward": eager_fwd,
+        "forward MB": round(fwd.bytes_moved / 1e6, 1),
+        "eager forward MB": round(fwd.bytes_eager / 1e6, 1),
+        "saving forward MB": round(saving.bytes_moved / 1e6, 1),
+        "backward kernels": bwd.kernels,
+        "eager backward (autograd)": eager_bwd,
+        "backward MB": round(bwd.bytes_moved / 1e6, 1),
+        "eager backward MB (per op)": round(bwd.bytes_eager / 1e6, 1),
+    }
+
+
+def _like(root: rx.Expr, ins: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An empty tensor with the shape and dtype ``root`` has for ``ins`` (from its own reference on meta tensors)."""
+    metas = {n: torch.empty(v.shape, dtype=v.dtype, device="meta") for n, v in ins.items()}
+    one = rx.compile(root)
+    out = one.reference_on(tuple(metas[n] for n in one.inputs))
+    return torch.empty(out.shape, dtype=out.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    sizes = (64, 32, 48, torch.float32) if args.quick else (4096, 4096, 11008, torch.bfloat16)
+    table = [measure(name, e, eager, ins) for name, (e, eager, ins) in cases(*sizes).items()]
+    print(f"## Contractions with fused epilogues ({machine()}; python -m benches.contraction_report)\n")
+    print(f"tokens {sizes[0]}, hidden {sizes[1]}, intermediate {sizes[2]}, {str(sizes[3]).removeprefix('torch.')}\n")
+    print(markdown(table, list(table[0])))
+    if not args.quick:
+        print(f"\nwrote {save('contraction-cpu', {'contraction': table})}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The spec and launch of a contraction group: a tiled GEMM whose epilogue is the group's other nodes.
+
+Programs tile the product ``[M, N]`` in ``BLOCK_M x BLOCK_N`` blocks, in grouped order (``GROUP_M``
+row blocks side by side share their B columns in L2), one grid column per batch; each runs the K
+loop over ``BLOCK_K`` slices with ``tl.dot`` into an fp32 accumulator, then the epilogue at the
+tile's coordinates. Operands are read through their strides (a transpose is two strides swapped),
+batch dims broadcast by a zero stride. With ``sum_batch`` the batch loop runs inside the program
+and one accumulator sums every batch's product (a weight gradient).
+
+The traffic model charges each operand once, as it charges eager torch's GEMM: re-reads of A
+and B across tiles are L2 hits when the grouped order works (the memory trace counts the loads).
+
+Launch arguments, in parameter order: ``M, N, K``, the batch sizes, then per load (operands and
+epilogue inputs, in load order) and per output its batch strides and its two matrix strides, then
+the scalars.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+
+from ..errors import RtxError
+from .analyze import Group
+from .expand import Graph
+from .schedule import Launch, Layout, _scalar_args, body, stride_class
+from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
+from .target import Target
+
+MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
+
+
+def gemm_tile(target: Target, m: int, n: int, dtype: torch.dtype) -> GemmTile:
+    """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)."""
+    bm, bn, bk, group_m, warps, stages = target.gemm
+    if dtype in (torch.float32, torch.float64):
+        bk //= 2  # 4- and 8-byte elements: the same bytes per K slice
+    bm, bn = min(bm, _pow2(max(m, 16))), min(bn, _pow2(max(n, 16)))
+    return GemmTile(bm, bn, bk, group_m, warps, stages)
+
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def epilogue_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
+    """The loads the epilogue reads (the operands are read by the K loop, through their own strides)."""
+    used = {i for nd in nodes if nd.op != "contract" for kind, i in nd.srcs if kind == "l"}
+    return sorted(used)
+
+
+def gemm_spec(
+    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target, tf32: bool = False
+) -> tuple[KernelSpec, Launch]:
+    """Spec and launch of a contraction group; ``tf32``: fp32 operands multiply in TF32."""
+    c = group.contraction
+    assert c is not None
+    ta, tb, sum_batch = c.attr("ta"), c.attr("tb"), c.attr("sum_batch")
+    a, b = (layouts[id(s)] for s in c.srcs)
+    m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
+    n = b.shape[-2] if tb else b.shape[-1]
+    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    domain = (m, n) if sum_batch else (*batch, m, n)
+    tile = gemm_tile(target, m, n, a.dtype)
+    bd = body(group, graph)
+    sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
+    sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
+    epilogue = epilogue_loads(bd.nodes)
+    classes = {
+        i: _matrix_classes(layouts[id(group.inputs[j])], domain) if i in epilogue else ((), ())
+        for i, (j, _, _) in enumerate(bd.loads)
+    }
+    a_in, b_in = (next(j for j, s in enumerate(group.inputs) if s is x) for x in c.srcs)
+    spec = KernelSpec(
+        kind="gemm",
+        in_dtypes=tuple(layouts[id(s)].dtype for s in group.inputs),
+        loads=tuple(LoadSpec(j, role.value, *classes[i]) for i, (j, role, _) in enumerate(bd.loads)),
+        nodes=bd.nodes,
+        outputs=tuple(
+            OutSpec(bd.index[id(o)], layouts[id(o)].dtype, "full", (STRIDED,), (UNIT,)) for o in group.outputs
+        ),
+        scalars=(),
+        reductions=(),
+        block=0,
+        rows_per_program=0,
+        looped=False,
+        big=_int64_needed([a, b, *(layouts[id(i)] for i in group.inputs)], math.prod(domain)),
+        num_warps=tile.num_warps,
+        gemm=replace(
+            tile,
+            a=a_in,
+            b=b_in,
+            batch=len(batch),
+            sum_batch=sum_batch,
+            a_classes=(_unit(sa[0], sa[1]), _unit(sa[1], sa[0])),
+            b_classes=(_unit(sb[0], sb[1]), _unit(sb[1], sb[0])),
+            precision="tf32" if tf32 and a.dtype == torch.float32 else "ieee",
+        ),
+    )
+    ints = [m, n, k, *batch]
+    for lay, st, cls in ((a, sa, spec.gemm.a_classes), (b, sb, spec.gemm.b_classes)):
+        ints += [*_broadcast_strides(lay, batch, 2), *(v for v, c in zip(st, cls) if c == STRIDED)]
+    for i in epilogue:
+        lay = layouts[id(group.inputs[bd.loads[i][0]])]
+        full = _broadcast_strides(lay, domain, 0)
+        ld = spec.loads[i]
+        ints += [*full[:-2], *(v for v, c in zip(full[-2:], (*ld.rows, *ld.cols)) if c == STRIDED)]
+    for o in group.outputs:
+        ints += _contiguous(graph.of(o).shape)[:-1]  # the columns' stride is 1
+    kinds, vals = _scalar_args(bd.slots, graph, torch.float64 if a.dtype == torch.float64 else torch.float32)
+    spec = replace(spec, scalars=tuple(kinds))
+    position = {id(v): i for i, v in enumerate(graph.inputs)}
+    scalar_inputs = tuple(
+        (len(ints) + i, position[id(s)], kind) for i, (s, kind) in enumerate(zip(bd.slots, kinds)) if s.op == "var"
+    )
+    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    batches = 1 if sum_batch else math.prod(batch)
+    if batches > MAX_BATCH_GRID:
+        raise RtxError(f"matmul: {batches} batches exceed the grid's limit of {MAX_BATCH_GRID}; fold the batch dims")
+    meta = (
+        ("BLOCK_M", tile.block_m),
+        ("BLOCK_N", tile.block_n),
+        ("BLOCK_K", tile.block_k),
+        ("GROUP_M", tile.group_m),
+        ("num_warps", tile.num_warps),
+        ("num_stages", tile.num_stages),
+    )
+    empty = math.prod(domain) == 0
+    return spec, Launch(tuple(ints), tuple(vals), (max(1, tiles), max(1, batches)), meta, empty, scalar_inputs)
+
+
+def _unit(stride: int, other: int) -> str:
+    """A matrix dim's stride class: unit only where the other dim is not unit too (a one-element
+    dim can have stride 1 beside a real unit stride: the real one gets it)."""
+    return UNIT if stride == 1 and other != 1 else STRIDED
+
+
+def _matrix_classes(lay: Layout, domain: tuple[int, ...]) -> tuple[tuple[str], tuple[str]]:
+    """An epilogue input's (rows, cols) stride classes over the product's last two dims."""
+    m, n = _broadcast_strides(lay, domain, 0)[-2:]
+    return (stride_class(m),), (stride_class(n),)
+
+
+def _contiguous(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for size in reversed(shape):
+        out.append(acc)
+        acc *= max(size, 1)
+    return out[::-1]
+
+
+def _broadcast_strides(lay: Layout, domain: tuple[int, ...], inner: int) -> list[int]:
+    """``lay``'s strides over ``domain`` without its last ``inner`` dims (right-aligned broadcasting:
+    absent or size-1 dims read stride 0)."""
+    shape, strides = lay.shape[: len(lay.shape) - inner], lay.strides[: len(lay.shape) - inner]
+    pad = len(domain) - len(shape)
+    out = [0] * pad
+    for size, st, want in zip(shape, strides, domain[pad:]):
+        out.append(0 if size == 1 and want != 1 else st)
+    return out
+
+
+def _int64_needed(layouts: list[Layout], numel: int) -> bool:
+    spans = [sum((s - 1) * abs(st) for s, st in zip(lay.shape, lay.strides)) + 1 for lay in layouts]
+    return max([numel, *spans]) >= 2**31

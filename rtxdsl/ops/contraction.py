@@ -1,0 +1,286 @@
+"""Contractions: ``rx.matmul`` / ``@`` and ``rx.linear``, over one primitive, ``contract``.
+
+``contract(a, b, ta, tb)`` is ``A @ B`` for ``A = a.mT if ta else a`` and ``B = b.mT if tb else
+b``: both operands at least 2-D, their batch dims (all but the last two) broadcast as
+torch.matmul's, fp32 accumulation. The transposes are flags, not copies: a kernel reads the
+operand through swapped strides (a linear's weight, the backward's ``g @ B.mT``). With
+``sum_batch`` the batch dims are contracted too (a weight gradient: ``sum_b A_b @ B_b``), so the
+product of a batched input with an unbatched weight never materializes per batch.
+
+``matmul`` decomposes by rank: a 1-D operand makes a matrix-vector or dot product, which is a
+row (or column) reduction (memory-bound: a GEMM tile would be one row); everything else is one
+``contract``. ``linear(x, w, b)`` is ``contract(x, w, tb=True) + b``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import DtypeMismatchError, RtxError, ShapeError
+from ..expr import Expr, node
+from ..registry import FLOATING, Front, OpDef, OpKind, Unsupported, register
+from .helpers import D, ExprLike, torch_fns
+
+
+def _batch(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[:-2]
+
+
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...], what: str) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        raise ShapeError(f"{what}: batch dims {list(a)} and {list(b)} do not broadcast") from None
+
+
+def _matrix(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
+    r, c = shape[-2], shape[-1]
+    return (c, r) if transposed else (r, c)
+
+
+def _contract_shape(
+    shapes: list[tuple[int, ...]], ta: bool = False, tb: bool = False, sum_batch: bool = False
+) -> tuple[int, ...]:
+    a, b = shapes
+    if len(a) < 2 or len(b) < 2:
+        raise ShapeError(f"contract: operands must be at least 2-D, got shapes {list(a)} and {list(b)}")
+    (m, k), (k2, n) = _matrix(a, ta), _matrix(b, tb)
+    if k != k2:
+        sa, sb = ("a.mT" if ta else "a"), ("b.mT" if tb else "b")
+        raise ShapeError(
+            f"matmul: a of shape {list(a)} and b of shape {list(b)} cannot be multiplied "
+            f"({sa} has {k} columns, {sb} has {k2} rows)"
+        )
+    batch = _broadcast(_batch(a), _batch(b), "matmul")
+    return (m, n) if sum_batch else (*batch, m, n)
+
+
+def _contract_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
+    a, b = dtypes
+    if a != b:
+        raise DtypeMismatchError(f"matmul: a is {a} and b is {b}; torch.matmul needs one dtype (cast one of them)")
+    if not a.is_floating_point:
+        raise RtxError(f"matmul: {a} operands are not supported (fp32, fp16, bf16 or fp64)")
+    return a
+
+
+def _contract_ref(a: torch.Tensor, b: torch.Tensor, ta: bool, tb: bool, sum_batch: bool) -> torch.Tensor:
+    out = torch.matmul(a.mT if ta else a, b.mT if tb else b)
+    return out.sum(tuple(range(out.dim() - 2))) if sum_batch else out
+
+
+def contract(a: ExprLike, b: ExprLike, ta: bool = False, tb: bool = False, sum_batch: bool = False) -> Expr:
+    """The primitive contraction (see the module's docstring); prefer :func:`matmul` / :func:`linear`.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.contract(rx.var("g"), rx.var("w"), tb=True)
+        contract(g, w, sum_batch=False, ta=False, tb=True)
+    """
+    return node("contract", a, b, ta=bool(ta), tb=bool(tb), sum_batch=bool(sum_batch))
+
+
+def _contract_grad(d: D) -> tuple[Expr, Expr]:
+    """``dA = g @ B.mT`` and ``dB = A.mT @ g`` (as stored: transposed back where an operand was
+    read transposed); an operand with no batch dims of its own takes the batch-summed product."""
+    ta, tb = d.n.attr("ta"), d.n.attr("tb")
+    a_rank, b_rank = (len(s) for s in d.src_shapes)
+    out_batched = d.n_ndim > 2
+
+    def own(rank: int) -> bool:  # a 2-D operand of a batched product: contract the batch dims too
+        return rank == 2 and out_batched
+
+    if not ta:
+        da = contract(d.g, d.b, tb=not tb, sum_batch=own(a_rank))
+    else:
+        da = contract(d.b, d.g, ta=tb, tb=True, sum_batch=own(a_rank))
+    if not tb:
+        db = contract(d.a, d.g, ta=not ta, sum_batch=own(b_rank))
+    else:
+        db = contract(d.g, d.a, ta=True, tb=ta, sum_batch=own(b_rank))
+    return da, db
+
+
+register(
+    OpDef(
+        name="contract",
+        kind=OpKind.CONTRACTION,
+        arity=2,
+        ref=_contract_ref,
+        eager_launches=1,
+        shape=_contract_shape,
+        result_dtype=_contract_dtype,
+        accepts=FLOATING,
+        derivative=_contract_grad,
+        pattern="Contraction",
+        front=Front(fn=contract),
+    )
+)
+
+
+# ---- matmul ----------------------------------------------------------------------------------------
+def matmul(a: ExprLike, b: ExprLike) -> Expr:
+    """``torch.matmul``: 1-D, 2-D and batched operands (batch dims broadcast); also ``a @ b``.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.var("x") @ rx.var("w")
+        matmul(x, w)
+    """
+    return node("matmul", a, b)
+
+
+def _peel(e: Expr, rank: int) -> tuple[Expr, bool]:
+    """An operand that is a transpose of its last two dims: (what it transposes, True)."""
+    if e.op == "permute" and rank >= 2:
+        dims = tuple(d % rank for d in e.attr("dims"))
+        if dims == (*range(rank - 2), rank - 1, rank - 2):
+            return e.srcs[0], True
+    return e, False
+
+
+def _matmul_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    a, b = shapes
+    if not a or not b:
+        raise ShapeError(f"matmul: both operands need at least one dim, got shapes {list(a)} and {list(b)}")
+    k_a, k_b = a[-1], (b[0] if len(b) == 1 else b[-2])
+    if k_a != k_b:
+        raise ShapeError(f"matmul: a of shape {list(a)} and b of shape {list(b)} cannot be multiplied ({k_a} != {k_b})")
+    if len(a) == 1 and len(b) == 1:
+        return ()
+    if len(b) == 1:
+        return a[:-1]
+    if len(a) == 1:
+        return (*b[:-2], b[-1])
+    return (*_broadcast(_batch(a), _batch(b), "matmul"), a[-2], b[-1])
+
+
+def _matmul_decompose(a: Expr, b: Expr, shapes: list, dtypes: list) -> Expr:
+    _contract_dtype(list(dtypes))
+    sa, sb = shapes
+    if len(sa) == 1 and len(sb) == 1:  # a dot product
+        return node("sum", node("mul", a, b), axis=(0,), keepdim=False)
+    if len(sb) == 1:  # matrix-vector: a row reduction over a's last dim
+        return node("sum", node("mul", a, b), axis=(len(sa) - 1,), keepdim=False)
+    if len(sa) == 1:  # vector-matrix: a reduction over b's rows
+        col = node("unsqueeze", a, axes=(1,))  # [K, 1] against b's [..., K, N]
+        return node("sum", node("mul", col, b), axis=(len(sb) - 2,), keepdim=False)
+    pa, ta = _peel(a, len(sa))
+    pb, tb = _peel(b, len(sb))
+    return node("contract", pa, pb, ta=ta, tb=tb, sum_batch=False)
+
+
+def _torch_matmul(a: Any, b: Any, *, out: Any = None) -> Expr:
+    if out is not None:
+        raise Unsupported
+    return matmul(a, b)
+
+
+def _torch_mm(a: Any, b: Any, *, out: Any = None, **kwargs: Any) -> Expr:
+    if out is not None or kwargs:
+        raise Unsupported
+    return matmul(a, b)
+
+
+def _torch_addmm(
+    bias: Any, a: Any, b: Any, *, beta: float = 1, alpha: float = 1, out: Any = None, **kwargs: Any
+) -> Expr:
+    if out is not None or kwargs:
+        raise Unsupported
+    product = matmul(a, b)
+    product = product if alpha == 1 else product * alpha
+    return product + (bias if beta == 1 else bias * beta)
+
+
+register(
+    OpDef(
+        name="matmul",
+        kind=OpKind.COMPOSITE,
+        arity=2,
+        ref=lambda a, b: torch.matmul(a, b),
+        decompose=_matmul_decompose,
+        typed_decompose=True,
+        shape=_matmul_shape,
+        result_dtype=_contract_dtype,
+        eager_launches=1,
+        accepts=FLOATING,
+        pattern="Contraction",
+        front=Front(
+            fn=matmul,
+            operators=("__matmul__", "__rmatmul__"),
+            methods={"matmul": None},
+            torch={
+                **dict.fromkeys(torch_fns("matmul"), _torch_matmul),
+                **dict.fromkeys((torch.Tensor.__matmul__, torch.Tensor.__rmatmul__), _torch_matmul),
+                **dict.fromkeys(torch_fns("mm", "bmm"), _torch_mm),
+                **dict.fromkeys(torch_fns("addmm"), _torch_addmm),
+            },
+        ),
+    )
+)
+
+
+# ---- linear ----------------------------------------------------------------------------------------
+def linear(x: ExprLike, weight: ExprLike, bias: ExprLike | None = None) -> Expr:
+    """``F.linear``: ``x @ weight.mT + bias``; the weight (``[out, in]``) is read transposed in
+    place, and the bias add runs in the product's kernel.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.linear(rx.var("x"), rx.var("w"), rx.var("b"))
+        linear(x, w, b)
+    """
+    return node("linear", x, weight, 0.0 if bias is None else bias)
+
+
+def _linear_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    x, w = shapes[0], shapes[1]
+    b = shapes[2] if len(shapes) > 2 else ()
+    if len(w) != 2:
+        raise ShapeError(f"linear: weight must be 2-D [out, in], got shape {list(w)}")
+    if not x or x[-1] != w[1]:
+        raise ShapeError(f"linear: x of shape {list(x)} and weight of shape {list(w)} do not match (in = {w[1]})")
+    out = (*x[:-1], w[0])
+    if b and b not in ((w[0],), (1,)):
+        raise ShapeError(f"linear: bias of shape {list(b)}; expected [{w[0]}]")
+    return out
+
+
+def _linear_decompose(x: Expr, w: Expr, b: Expr, shapes: list, dtypes: list) -> Expr:
+    _contract_dtype(list(dtypes[:2]))
+    if len(shapes) > 2 and shapes[2] and dtypes[2] != dtypes[0]:
+        raise DtypeMismatchError(f"linear: bias is {dtypes[2]} and x is {dtypes[0]}; torch needs one dtype")
+    if len(shapes[0]) == 1:
+        y = node("sum", node("mul", x, w), axis=(1,), keepdim=False)
+    else:
+        y = node("contract", x, w, ta=False, tb=True, sum_batch=False)
+    return y if b.op == "const" and b.attr("value") == 0.0 else node("add", y, b)
+
+
+def _linear_ref(x: torch.Tensor, w: torch.Tensor, b: Any) -> torch.Tensor:
+    return F.linear(x, w, b if isinstance(b, torch.Tensor) else None) + (0 if isinstance(b, torch.Tensor) else b)
+
+
+def _torch_linear(x: Any, weight: Any, bias: Any = None) -> Expr:
+    return linear(x, weight, bias)
+
+
+register(
+    OpDef(
+        name="linear",
+        kind=OpKind.COMPOSITE,
+        arity=3,
+        ref=_linear_ref,
+        decompose=_linear_decompose,
+        typed_decompose=True,
+        shape=_linear_shape,
+        result_dtype=lambda dtypes, **_: _contract_dtype(list(dtypes[:2])),
+        eager_launches=1,
+        accepts=FLOATING,
+        pattern="Contraction",
+        front=Front(fn=linear, torch=dict.fromkeys(torch_fns("linear"), _torch_linear)),
+    )
+)

@@ -1,0 +1,243 @@
+"""Contractions: rx.matmul / @ / rx.linear as a generated tiled GEMM with its epilogue fused,
+against float64 torch, gradchecked, counted; recorded by the lazy stream."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close
+
+import rtxdsl as rx
+
+x, w, b, r = rx.var("x"), rx.var("w"), rx.var("b"), rx.var("r")
+
+#: (dtype, atol per sqrt(K), rtol): fp32 accumulation, one rounding at the store
+TOLERANCES = [
+    (torch.float32, 2e-6, 1e-5),
+    (torch.float16, 1e-3, 2e-3),
+    (torch.bfloat16, 8e-3, 1.6e-2),
+]
+
+
+def _close(got, want, dtype, atol, rtol, k, what=""):
+    assert_close(got, want, atol * math.sqrt(max(k, 1)), rtol, what)
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+@pytest.mark.parametrize(
+    "m, n, k",
+    [
+        (1, 1, 1),  # one element: every tile edge masked
+        (7, 33, 129),  # odd sizes, K longer than one K slice
+        (33, 7, 1),  # K of one
+        (129, 257, 33),  # several tiles each way (grouped program order)
+        (7, 9, 0),  # K = 0: zeros, and the epilogue still runs
+        (0, 5, 3),  # no rows: nothing launched
+    ],
+)
+def test_matmul_matches_float64_torch(dtype, atol, rtol, m, n, k, gen):
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    bb = torch.randn(k, n, generator=gen).to(dtype)
+    rx.reset_fusion_stats()
+    got = rx.compile(x @ w)(x=a, w=bb)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert rx.fusion_stats().kernels_launched == (0 if m * n == 0 else 1)
+    _close(got, a.double() @ bb.double(), dtype, atol, rtol, k)
+
+
+@pytest.mark.parametrize(
+    "sa, sb",
+    [
+        ((2, 1, 7, 33), (3, 33, 5)),  # batch dims broadcast both ways
+        ((7, 33), (4, 33, 5)),  # an unbatched left operand
+        ((4, 7, 33), (33, 5)),  # an unbatched weight
+        ((33,), (4, 33, 5)),  # vector @ batched matrices: a reduction, not a GEMM
+        ((4, 7, 33), (33,)),  # batched matrices @ vector
+        ((33,), (33,)),  # a dot product
+    ],
+)
+def test_matmul_ranks_and_broadcast_batch_dims(sa, sb, gen):
+    a, bb = torch.randn(sa, generator=gen), torch.randn(sb, generator=gen)
+    got = rx.compile(rx.matmul(x, w))(x=a, w=bb)
+    _close(got, torch.matmul(a.double(), bb.double()), torch.float32, 2e-6, 1e-5, 33)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "transposed",  # a.mT and b.mT views: read through swapped strides
+        "sliced",  # every other column and row: strides of 2
+        "expanded",  # a batch dim expanded with stride 0
+    ],
+)
+def test_operands_are_read_through_their_strides(layout, gen):
+    a0, b0 = torch.randn(4, 33, 7, generator=gen), torch.randn(4, 9, 33, generator=gen)
+    if layout == "transposed":
+        a, bb = a0.mT, b0.mT
+    elif layout == "sliced":
+        a, bb = torch.randn(4, 14, 66, generator=gen)[:, ::2, ::2], torch.randn(4, 66, 9, generator=gen)[:, ::2]
+    else:
+        a, bb = torch.randn(1, 7, 33, generator=gen).expand(4, 7, 33), b0.mT
+    k = rx.compile(x @ w)
+    got = k(x=a, w=bb)
+    _close(got, a.double() @ bb.double(), torch.float32, 2e-6, 1e-5, 33)
+    assert k.summary(x=a, w=bb).bytes_moved <= sum(t.untyped_storage().nbytes() for t in (a, bb)) * 2 + got.nbytes
+
+
+def test_linear_bias_activation_and_residual_are_one_kernel(gen):
+    xs, ws, bs = (
+        torch.randn(2, 5, 33, generator=gen),
+        torch.randn(17, 33, generator=gen),
+        torch.randn(17, generator=gen),
+    )
+    res = torch.randn(2, 5, 17, generator=gen)
+    cases = {
+        "linear + bias + gelu": (rx.gelu(rx.linear(x, w, b)), lambda: F.gelu(F.linear(xs, ws, bs))),
+        "linear + bias + residual": (rx.linear(x, w, b) + r, lambda: F.linear(xs, ws, bs) + res),
+        "x @ w.mT scaled, cast": (rx.cast((x @ rx.permute(w, (1, 0))) * 0.5, torch.bfloat16), None),
+    }
+    for what, (e, eager) in cases.items():
+        k = rx.compile(e)
+        ins = {n: t for n, t in {"x": xs, "w": ws, "b": bs, "r": res}.items() if n in k.inputs}
+        rx.reset_fusion_stats()
+        got = k(**ins)
+        assert rx.fusion_stats().kernels_launched == 1, what
+        want = eager() if eager else ((xs.double() @ ws.double().mT) * 0.5).to(torch.bfloat16)
+        assert_close(got, want, 1e-5 if eager else 8e-3, 1e-5 if eager else 1.6e-2, what)
+    # the pre-activation and the activation from one product (the backward needs one of them)
+    h = rx.linear(x, w, b)
+    both = rx.compile({"h": h, "y": rx.silu(h)})
+    out = both(x=xs, w=ws, b=bs)
+    assert both.launches(x=xs, w=ws, b=bs) == 1
+    assert_close(out["y"], F.silu(F.linear(xs, ws, bs)), 1e-5, 1e-5)
+
+
+def test_gradients_are_contractions_with_the_epilogue_backward_fused(gen):
+    xs = torch.randn(2, 5, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    ws = torch.randn(7, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    bs = torch.randn(7, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = rx.compile(rx.gelu(rx.linear(x, w, b)))
+    assert torch.autograd.gradcheck(lambda *t: k(x=t[0], w=t[1], b=t[2]), (xs, ws, bs), fast_mode=True)
+    rx.reset_fusion_stats()
+    out = k(x=xs, w=ws, b=bs)  # the forward saves the product: the backward runs no forward GEMM
+    assert rx.fusion_stats().kernels_launched == 1
+    rx.reset_fusion_stats()
+    out.backward(torch.ones_like(out))
+    # gelu'(h) * g with the bias gradient's column sum, then dx and dW (batch dims summed in-kernel)
+    assert rx.fusion_stats().kernels_launched == 3
+    a = torch.randn(3, 1, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    km = rx.compile(x @ w)
+    assert torch.autograd.gradcheck(lambda p, q: km(x=p, w=q), (a, c), fast_mode=True)
+
+
+def test_bad_operands_are_refused_before_launch():
+    k = rx.compile(x @ w)
+    with pytest.raises(rx.RtxError, match=r"a of shape \[3, 4\] and b of shape \[5, 2\] cannot be multiplied"):
+        k(x=torch.randn(3, 4), w=torch.randn(5, 2))
+    with pytest.raises(rx.RtxError, match="batch dims"):
+        k(x=torch.randn(2, 3, 4), w=torch.randn(3, 4, 2))
+    with pytest.raises(rx.RtxError, match="torch.matmul needs one dtype"):
+        k(x=torch.randn(3, 4), w=torch.randn(4, 2, dtype=torch.float64))
+    with pytest.raises(rx.RtxError, match="matmul"):
+        k(x=torch.ones(3, 4, dtype=torch.int64), w=torch.ones(4, 2, dtype=torch.int64))
+    with pytest.raises(rx.RtxError, match="at least one dim"):
+        k(x=torch.tensor(2.0), w=torch.randn(4))
+    with pytest.raises(rx.RtxError, match=r"linear: weight must be 2-D"):
+        rx.compile(rx.linear(x, w))(x=torch.randn(3, 4), w=torch.randn(4))
+
+
+def test_parse_and_the_operator():
+    assert rx.parse("x @ w") is x @ w
+    assert rx.parse("linear(x, w, b)") is rx.linear(x, w, b)
+    assert repr(rx.gelu(rx.linear(x, w))) == "gelu(linear(x, w, 0.0), approximate='none')"
+
+
+def test_lazy_stream_records_linear_and_matmul(gen):
+    torch.manual_seed(0)
+    ln, l1, l2 = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+    xs = torch.randn(8, 32, generator=gen)
+
+    def block(t):
+        h = l2(F.gelu(l1(ln(t))))
+        return torch.softmax(h + t, dim=-1) @ torch.ones(32, 3)
+
+    f = rx.Fusion()
+    with torch.no_grad():
+        want = block(xs)
+        got = block(f.lazy(xs))
+        assert got.is_pending  # linear, @ and the epilogues were recorded, not synced
+        got = got.torch()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    s = f.stats()
+    assert s.kernels_launched + s.kernel_launches_saved == 7  # eager: ln, 2 x (addmm, act/add), softmax, mm
+    # layer_norm; GEMM + bias + gelu; GEMM + bias + residual; softmax; GEMM
+    assert s.kernels_launched == 5
+
+
+def test_a_residual_gradient_is_the_cotangent_itself(gen):
+    """As torch's AddBackward: the residual's gradient is handed on, no copy kernel."""
+    xs = torch.randn(2, 5, 11, generator=gen, requires_grad=True)
+    ws = torch.randn(7, 11, generator=gen, requires_grad=True)
+    bs = torch.randn(7, generator=gen, requires_grad=True)
+    res = torch.randn(2, 5, 7, generator=gen, requires_grad=True)
+    k = rx.compile(rx.linear(x, w, b) + r)
+    out = k(x=xs, w=ws, b=bs, r=res)
+    g = torch.randn(out.shape, generator=gen)
+    rx.reset_fusion_stats()
+    out.backward(g)
+    assert rx.fusion_stats().kernels_launched == 3  # dx, dW (batch summed), db
+    assert torch.equal(res.grad, g)
+    assert_close(ws.grad, torch.einsum("btn,btk->nk", g.double(), xs.double()), 1e-5, 1e-5)
+    plan = k.grad_plan(x=xs, w=ws, b=bs, r=res)
+    assert [name for _, name in plan.passthrough] == ["_g0"]
+    # only the residual needs a gradient: nothing to launch
+    rs = res.detach().requires_grad_()
+    out = k(x=xs.detach(), w=ws.detach(), b=bs.detach(), r=rs)
+    rx.reset_fusion_stats()
+    out.backward(g)
+    assert rx.fusion_stats().kernels_launched == 0 and torch.equal(rs.grad, g)
+
+
+def test_tf32_follows_the_config_then_torch(gen):
+    a, c = torch.randn(9, 17, generator=gen), torch.randn(17, 5, generator=gen)
+    default = rx.compile(x @ w).sources(x=a, w=c)[0]
+    assert 'input_precision="ieee"' in default  # torch.backends.cuda.matmul.allow_tf32 is False by default
+    tf32 = rx.compile(x @ w, config=rx.FusionConfig(allow_tf32=True))
+    assert 'input_precision="tf32"' in tf32.sources(x=a, w=c)[0]
+    half = rx.compile(x @ w, config=rx.FusionConfig(allow_tf32=True)).sources(x=a.half(), w=c.half())[0]
+    assert "input_precision" not in half  # 16-bit operands: tensor cores either way
+    with pytest.raises(rx.ConfigError, match="allow_tf32"):
+        rx.FusionConfig(allow_tf32="yes")  # a strict bool: nothing is coerced
+
+
+def test_tf32_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RTXDSL_ALLOW_TF32", "on")
+    assert rx.FusionConfig.from_env().allow_tf32 is True
+    monkeypatch.setenv("RTXDSL_ALLOW_TF32", "none")
+    assert rx.FusionConfig.from_env().allow_tf32 is None
+    monkeypatch.setenv("RTXDSL_ALLOW_TF32", "maybe")
+    with pytest.raises(rx.ConfigError, match="RTXDSL_ALLOW_TF32"):
+        rx.FusionConfig.from_env()
+
+
+def test_memory_trace_of_a_gemm_matches_its_tiling(gen):
+    """On the sm_90 configuration (128 x 128 tiles): A is read once per column of tiles, B once per
+    row of tiles, every sector it fetches fully used, the epilogue's output written once."""
+    m, n, k = 300, 260, 96  # ragged edges: 3 x 3 tiles
+    xs, ws, bs = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    kernel = rx.compile(rx.gelu(rx.linear(x, w, b)))
+    t = rx.memory_trace(kernel, x=xs, w=ws, b=bs)
+    (launch,) = t.launches
+    a, bw, _, out = launch.tensors
+    tiles_m, tiles_n = -(-m // 128), -(-n // 128)
+    assert launch.programs == tiles_m * tiles_n
+    assert a.issued == a.nbytes * tiles_n and bw.issued == bw.nbytes * tiles_m
+    assert a.unique == a.nbytes and bw.unique == bw.nbytes
+    assert a.sectors * 32 >= 0.9 * a.issued and bw.sectors * 32 >= 0.9 * bw.issued
+    assert out.stored == out.nbytes == m * n * 4 and out.loaded == 0
+    assert launch.model_bytes == sum(tt.nbytes for tt in launch.tensors)  # each operand charged once
+    torch.testing.assert_close(t.result, F.gelu(F.linear(xs, ws, bs)), atol=1e-4, rtol=1e-5)
