@@ -23,10 +23,10 @@ def install() -> None:
     """Patch the interpreter's ``create_dot`` once per process (idempotent)."""
     from triton.runtime import interpreter
 
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "__rtxdsl__", False):
-        return
-    original = builder.create_dot
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or not hasattr(interpreter, "TensorHandle") or getattr(original, "__rtxdsl__", False):
+        return  # another Triton's interpreter (or patched already): left as it is
 
     @functools.wraps(original)
     def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any, **kwargs: Any) -> Any:
@@ -36,4 +36,4 @@ def install() -> None:
         return original(self, a, b, d, *args, **kwargs)
 
     create_dot.__rtxdsl__ = True  # type: ignore[attr-defined]
-    builder.create_dot = create_dot
+    builder.create_dot = create_dot  # type: ignore[union-attr]

@@ -1,7 +1,8 @@
 """Fused optimizers: ``rx.optim.AdamW`` is ``torch.optim.AdamW`` (same arguments, param groups, state
 and state_dict, so either loads the other's checkpoint and LR schedulers work) whose step runs one
-fused multi-output kernel per parameter. Learning rate, betas, bias corrections and weight decay
-are scalar kernel arguments: a schedule compiles nothing.
+fused multi-output kernel per parameter, which writes the parameter and its state in place (no
+per-step copies). Learning rate, betas, bias corrections and weight decay are scalar kernel
+arguments: a schedule compiles nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from . import dsl
+from .dtensor import is_dtensor
 from .ops import REGISTRY
 from .runtime import Kernel
 
@@ -19,8 +21,10 @@ _maximum, _sqrt = REGISTRY.functions["maximum"], REGISTRY.functions["sqrt"]
 
 
 @functools.lru_cache(maxsize=4)
-def _adamw_kernel(amsgrad: bool) -> Kernel:
-    """p, m, v (and the running max of v) after one AdamW step, torch's formula step for step."""
+def _adamw_kernel(amsgrad: bool, in_place: bool) -> Kernel:
+    """p, m, v (and the running max of v) after one AdamW step, torch's formula step for step;
+    ``in_place``: each written over its own tensor where that is safe (not for DTensors, whose
+    kernels run as functional torch ops)."""
     p, g, m, v, vmax = (dsl.var(n) for n in ("p", "g", "m", "v", "vmax"))
     lr, b1, b2, eps, wd, c1, c2 = (dsl.var(n) for n in ("lr", "b1", "b2", "eps", "wd", "c1", "c2"))
     decayed = p * (1 - lr * wd)
@@ -34,7 +38,7 @@ def _adamw_kernel(amsgrad: bool) -> Kernel:
     denom = _sqrt(second) / _sqrt(c2) + eps
     outs["p"] = decayed - (lr / c1) * m2 / denom
     names = ("p", "g", "m", "v", *(("vmax",) if amsgrad else ()), "lr", "b1", "b2", "eps", "wd", "c1", "c2")
-    return Kernel(outs, inputs=names)
+    return Kernel(outs, inputs=names, into={k: k for k in outs} if in_place else None)
 
 
 class AdamW(torch.optim.AdamW):
@@ -63,7 +67,6 @@ class AdamW(torch.optim.AdamW):
         for group in self.param_groups:
             b1, b2 = group["betas"]
             amsgrad = group["amsgrad"]
-            kernel = _adamw_kernel(amsgrad)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -82,10 +85,15 @@ class AdamW(torch.optim.AdamW):
                 args = [p.detach(), g, state["exp_avg"], state["exp_avg_sq"]]
                 args += [state["max_exp_avg_sq"]] if amsgrad else []
                 scalars = [float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"])]
+                in_place = not is_dtensor(p)  # a DTensor's data_ptr says nothing about its pieces
+                kernel = _adamw_kernel(amsgrad, in_place)
                 out = kernel(*args, *scalars, 1 - b1**step, 1 - b2**step)
-                p.copy_(out["p"])
-                state["exp_avg"].copy_(out["m"])
-                state["exp_avg_sq"].copy_(out["v"])
+                targets = {"p": p, "m": state["exp_avg"], "v": state["exp_avg_sq"]}
                 if amsgrad:
-                    state["max_exp_avg_sq"].copy_(out["vmax"])
+                    targets["vmax"] = state["max_exp_avg_sq"]
+                for key, target in targets.items():
+                    if in_place and out[key].data_ptr() == target.data_ptr():  # written in place by the kernel
+                        torch.autograd.graph.increment_version(target)
+                    else:  # another layout: computed apart, copied in
+                        target.copy_(out[key])
         return loss

@@ -533,7 +533,7 @@ def lazy_programs(draw: Any, max_steps: int = 10) -> tuple[list[torch.Tensor], l
             steps.append(("view", i, name))
             shapes.append(tuple(LAZY_VIEWS[name](torch.empty(shapes[i])).shape))
         elif kind == 8 and two_d:
-            steps.append(("matmul", i))  # x @ x.t(): a sync point
+            steps.append(("matmul", i))  # x @ x.t(): a GEMM recorded with the rest (a sync point once)
             shapes.append((shapes[i][0], shapes[i][0]))
         elif kind == 9:
             steps.append(("access", i))

@@ -241,3 +241,21 @@ def test_memory_trace_of_a_gemm_matches_its_tiling(gen):
     assert out.stored == out.nbytes == m * n * 4 and out.loaded == 0
     assert launch.model_bytes == sum(tt.nbytes for tt in launch.tensors)  # each operand charged once
     torch.testing.assert_close(t.result, F.gelu(F.linear(xs, ws, bs)), atol=1e-4, rtol=1e-5)
+
+
+def test_mm_and_bmm_keep_their_stricter_ranks(gen):
+    """torch.mm takes matrices only and torch.bmm equal batches: the lazy stream raises where torch does."""
+    f = rx.Fusion()
+    v, m3 = torch.randn(4, generator=gen), torch.randn(2, 3, 4, generator=gen)
+    for call, a in ((lambda t: torch.mm(t, t), v), (lambda t: torch.bmm(t, t.mT[:1]), m3)):
+        with pytest.raises(RuntimeError):
+            call(a)
+        with pytest.raises((RuntimeError, rx.RtxError)):
+            call(f.lazy(a) * 1.0)
+    with pytest.raises(rx.RtxError, match="mm: self must be a 2-D tensor"):
+        rx.compile(rx.matmul(x, w, rank=2))(x=v, w=v)
+    got = torch.bmm(f.lazy(m3) * 2, m3.mT)
+    assert got.is_pending
+    torch.testing.assert_close(got.torch(), torch.bmm(m3 * 2, m3.mT))
+    with pytest.raises(rx.RtxError, match="rank must be"):
+        rx.matmul(x, w, rank=4)

@@ -140,7 +140,8 @@ def ranks(tmp_path_factory):
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("this torch has no torch.distributed with the gloo backend")
-    out = tmp_path_factory.getbasetemp().parent / "dtensor-ranks"
+    base = tmp_path_factory.getbasetemp()  # under xdist, its parent is this session's: shared by the workers
+    out = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "dtensor-ranks"
     out.mkdir(exist_ok=True)
     with FileLock(str(out / "lock")):
         if not (out / "rank1.pkl").exists():

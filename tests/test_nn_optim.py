@@ -183,3 +183,33 @@ def test_fused_modules_deepcopy_and_pickle(make):
     for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
         assert type(clone) is type(m) and clone.state_dict().keys() == m.state_dict().keys()
         torch.testing.assert_close(clone(*args), want)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamw_step_writes_parameters_and_state_in_place(amsgrad):
+    """One kernel per parameter, each result written over its own tensor: no per-step copies (a
+    copy_ would be a second launch and a second pass over the tensor)."""
+    w = torch.nn.Parameter(torch.randn(33, 7))
+    ws = torch.nn.Parameter(torch.randn(9, 5).t())  # non-contiguous: computed apart, copied in
+    opt = rx.optim.AdamW([w, ws], lr=1e-2, amsgrad=amsgrad)
+    ref = torch.optim.AdamW([w2 := torch.nn.Parameter(w.detach().clone())], lr=1e-2, amsgrad=amsgrad)
+    for step in range(3):
+        for p in (w, ws, w2):
+            p.grad = torch.full_like(p, 0.1 * (step + 1))
+        pointers = [w.data_ptr(), *(v.data_ptr() for k, v in opt.state[w].items() if k != "step")] if step else []
+        version = w._version
+        rx.reset_fusion_stats()
+        calls = []
+        real_copy = torch.Tensor.copy_
+        torch.Tensor.copy_ = lambda self, src, *a, **k: calls.append(self.shape) or real_copy(self, src, *a, **k)
+        try:
+            opt.step()
+        finally:
+            torch.Tensor.copy_ = real_copy
+        ref.step()
+        assert rx.fusion_stats().kernels_launched == 2  # one per parameter
+        assert all(s == ws.shape for s in calls)  # only the non-contiguous parameter (and its state) copied
+        if step:
+            assert pointers == [w.data_ptr(), *(v.data_ptr() for k, v in opt.state[w].items() if k != "step")]
+        assert w._version > version  # autograd sees the write
+        torch.testing.assert_close(w, w2)

@@ -346,6 +346,9 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
     def role_in(g: _Work, n: Expr, also: _Work | None = None) -> Role | None:
         """The role ``n`` would have in ``g`` (merged with ``also``), or None if it cannot join."""
         shape = graph.of(n).shape
+        gemm = g.contraction is not None or (also is not None and also.contraction is not None)
+        if gemm and (REGISTRY[n.op].kind is OpKind.MOVEMENT or shape != g.shape):
+            return None  # a GEMM's epilogue is pointwise at the product's own tile coordinates
         if reindexes(n):  # its cone's boundaries are read from memory: written by other kernels first
             if any(deps.home.get(id(s)) in (g, also) for s in fl.reads[id(n)]):
                 return None
@@ -355,10 +358,6 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
                 return Role.KEEP
             return Role.DROP if g.is_row and shape == g.drop_shape() else None
         view = REGISTRY[n.op].kind is OpKind.MOVEMENT
-        if (g.contraction is not None or (also is not None and also.contraction is not None)) and (
-            view or shape != g.shape
-        ):
-            return None  # a GEMM's epilogue is pointwise at the product's own tile coordinates
         if not g.is_row:
             if view and any(deps.home.get(id(s)) in (g, also) for s in n.srcs):
                 return None  # reindexing a value computed in this kernel: it must be written first
@@ -434,7 +433,11 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
                 absorbed.append(g)
         if target is not None:
             # a private producer that reads the target's outputs (through other kernels) stays apart
-            absorbed = [g for g in absorbed if not deps.reaches(g, target)]
+            absorbed = [
+                g
+                for g in absorbed
+                if not deps.reaches(g, target) and (target.contraction is None or not _re_indexes(g))
+            ]
             others = {id(h): h for s in fl.reads[id(n)] if (h := deps.home.get(id(s))) is not None and h is not target}
             if any(deps.reaches(h, target) for h in others.values() if h not in absorbed):
                 target = None
@@ -483,6 +486,12 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
     return tuple(g.freeze(order) for g in groups)
 
 
+def _re_indexes(g: _Work) -> bool:
+    """Does ``g`` hold movement ops (or recompute values at re-indexed coordinates)? A GEMM's
+    epilogue cannot: it computes at the product's own tile coordinates."""
+    return bool(g.free) or any(REGISTRY[m.op].kind is OpKind.MOVEMENT for m in g.nodes)
+
+
 def _contractions_fit(a: _Work, b: _Work) -> bool:
     """One kernel holds at most one contraction, and a GEMM merges only with pointwise groups that
     re-index nothing (its epilogue)."""
@@ -492,7 +501,7 @@ def _contractions_fit(a: _Work, b: _Work) -> bool:
     if ca is not None and cb is not None:
         return False
     other = b if ca is not None else a
-    return not other.is_row and not other.free and not any(reindexes(m) for m in other.nodes)
+    return not other.is_row and not _re_indexes(other)
 
 
 def _per_row_role(target: _Work, g: _Work, consumer: tuple[int, ...]) -> Role | None:
@@ -615,8 +624,10 @@ def absorb_per_row(
         def through_views(r: _Work) -> bool:  # read through size-1 dims inserted: free nodes of ``r``
             return all(REGISTRY[c.op].view and _broadcasts(graph.of(c).shape, r.shape) for c in uses(r))
 
-        def gemm_operand(r: _Work) -> bool:  # a GEMM reads its operands from memory
-            return r.contraction is not None and (not plain(r) or any(c is r.contraction for c in uses(r)))
+        def gemm_operand(r: _Work) -> bool:  # a GEMM reads its operands from memory, re-indexes nothing
+            if r.contraction is None:
+                return False
+            return _re_indexes(p) or not plain(r) or any(c is r.contraction for c in uses(r))
 
         if not readers or any(
             not (plain(r) or through_views(r)) or gemm_operand(r) or graph.ops(r.nodes + p.nodes) > cap

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import dsl
+from ..dtensor import is_dtensor
 from ..errors import RtxError
 from ..expr import node
 from ..ops import REGISTRY
@@ -74,7 +75,7 @@ def _write_over(kernel: Kernel, targets: dict[str, torch.Tensor], **inputs: torc
         raise RtxError("in-place add_rms_norm: x and residual share memory; they must be distinct tensors")
     got = kernel(**inputs)
     for key, t in targets.items():
-        if got[key].data_ptr() == t.data_ptr() and got[key].stride() == t.stride():
+        if not is_dtensor(t) and got[key].data_ptr() == t.data_ptr() and got[key].stride() == t.stride():
             torch.autograd.graph.increment_version(t)
         else:
             t.copy_(got[key])

@@ -122,15 +122,19 @@ register(
 
 
 # ---- matmul ----------------------------------------------------------------------------------------
-def matmul(a: ExprLike, b: ExprLike) -> Expr:
+def matmul(a: ExprLike, b: ExprLike, *, rank: int | None = None) -> Expr:
     """``torch.matmul``: 1-D, 2-D and batched operands (batch dims broadcast); also ``a @ b``.
+    ``rank=2`` is ``torch.mm`` and ``rank=3`` ``torch.bmm``: both operands exactly that rank (and,
+    for bmm, the same batch), as those functions require.
 
     Example:
         >>> import rtxdsl as rx
         >>> rx.var("x") @ rx.var("w")
         matmul(x, w)
     """
-    return node("matmul", a, b)
+    if rank not in (None, 2, 3):
+        raise RtxError(f"matmul: rank must be None, 2 (mm) or 3 (bmm), got {rank!r}")
+    return node("matmul", a, b) if rank is None else node("matmul", a, b, rank=rank)
 
 
 def _peel(e: Expr, rank: int) -> tuple[Expr, bool]:
@@ -142,8 +146,15 @@ def _peel(e: Expr, rank: int) -> tuple[Expr, bool]:
     return e, False
 
 
-def _matmul_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+def _matmul_shape(shapes: list[tuple[int, ...]], rank: int | None = None) -> tuple[int, ...]:
     a, b = shapes
+    if rank is not None:
+        what = {2: "mm", 3: "bmm"}[rank]
+        for name, s in (("self", a), ("mat2", b)):
+            if len(s) != rank:
+                raise ShapeError(f"{what}: {name} must be a {rank}-D tensor, got shape {list(s)}")
+        if rank == 3 and a[0] != b[0]:
+            raise ShapeError(f"bmm: batch sizes differ, {a[0]} and {b[0]} (shapes {list(a)} and {list(b)})")
     if not a or not b:
         raise ShapeError(f"matmul: both operands need at least one dim, got shapes {list(a)} and {list(b)}")
     k_a, k_b = a[-1], (b[0] if len(b) == 1 else b[-2])
@@ -158,7 +169,7 @@ def _matmul_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return (*_broadcast(_batch(a), _batch(b), "matmul"), a[-2], b[-1])
 
 
-def _matmul_decompose(a: Expr, b: Expr, shapes: list, dtypes: list) -> Expr:
+def _matmul_decompose(a: Expr, b: Expr, shapes: list, dtypes: list, rank: int | None = None) -> Expr:
     _contract_dtype(list(dtypes))
     sa, sb = shapes
     if len(sa) == 1 and len(sb) == 1:  # a dot product
@@ -179,10 +190,13 @@ def _torch_matmul(a: Any, b: Any, *, out: Any = None) -> Expr:
     return matmul(a, b)
 
 
-def _torch_mm(a: Any, b: Any, *, out: Any = None, **kwargs: Any) -> Expr:
-    if out is not None or kwargs:
-        raise Unsupported
-    return matmul(a, b)
+def _torch_mm(rank: int) -> Any:
+    def build(a: Any, b: Any, *, out: Any = None, **kwargs: Any) -> Expr:
+        if out is not None or kwargs:
+            raise Unsupported
+        return matmul(a, b, rank=rank)
+
+    return build
 
 
 def _torch_addmm(
@@ -190,7 +204,7 @@ def _torch_addmm(
 ) -> Expr:
     if out is not None or kwargs:
         raise Unsupported
-    product = matmul(a, b)
+    product = matmul(a, b, rank=2)
     product = product if alpha == 1 else product * alpha
     return product + (bias if beta == 1 else bias * beta)
 
@@ -200,7 +214,9 @@ register(
         name="matmul",
         kind=OpKind.COMPOSITE,
         arity=2,
-        ref=lambda a, b: torch.matmul(a, b),
+        ref=lambda a, b, rank=None: (
+            torch.matmul(a, b) if rank is None else (torch.mm if rank == 2 else torch.bmm)(a, b)
+        ),
         decompose=_matmul_decompose,
         typed_decompose=True,
         shape=_matmul_shape,
@@ -215,7 +231,8 @@ register(
             torch={
                 **dict.fromkeys(torch_fns("matmul"), _torch_matmul),
                 **dict.fromkeys((torch.Tensor.__matmul__, torch.Tensor.__rmatmul__), _torch_matmul),
-                **dict.fromkeys(torch_fns("mm", "bmm"), _torch_mm),
+                **dict.fromkeys(torch_fns("mm"), _torch_mm(2)),
+                **dict.fromkeys(torch_fns("bmm"), _torch_mm(3)),
                 **dict.fromkeys(torch_fns("addmm"), _torch_addmm),
             },
         ),
