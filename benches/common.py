@@ -100,3 +100,17 @@ def save(name: str, payload: dict[str, Any], also: str | None = None) -> Path:
         Path(also).mkdir(parents=True, exist_ok=True)
         (Path(also) / path.name).write_text(text)
     return path
+
+
+def backward_feed(plan: Any, ins: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inputs of a gradient plan's backward kernel for ``ins``: the saved values and the
+    cotangents as empty tensors, shaped as the saving forward makes them (planned, nothing runs)."""
+    feed = dict(ins)
+    graph = plan.forward.program(**{n: ins[n] for n in plan.forward.inputs}).plan.graph
+    for key, root in graph.outputs:
+        info = graph.of(root)
+        if key in plan.grads.saved_keys:
+            feed[key] = torch.empty(info.shape, dtype=info.dtype)
+        elif key in plan.grads.user_keys:
+            feed[f"_g{plan.grads.user_keys.index(key)}"] = torch.empty(info.shape, dtype=info.dtype)
+    return {n: feed[n] for n in plan.backward.inputs}

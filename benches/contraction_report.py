@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rtxdsl as rx
-from benches.common import machine, markdown, save
+from benches.common import backward_feed, machine, markdown, save
 
 x, w, b, r, wg, wu, wd = (rx.var(n) for n in ("x", "w", "b", "r", "wg", "wu", "wd"))
 
@@ -50,7 +50,7 @@ def cases(tokens: int, hidden: int, inter: int, dtype: torch.dtype) -> dict:
 
 #: aten ops that launch nothing (views and metadata)
 _FREE = {"view", "t", "transpose", "expand", "_unsafe_view", "reshape", "detach", "alias", "as_strided",
-         "permute", "unsqueeze", "squeeze", "select", "slice", "_to_copy_noop", "empty_like", "ones_like"}  # fmt: skip
+         "permute", "unsqueeze", "squeeze", "select", "slice", "empty_like"}  # fmt: skip
 
 
 class _Launches(TorchDispatchMode):
@@ -71,8 +71,9 @@ def eager_launches(fn: Callable[..., torch.Tensor], ins: dict[str, torch.Tensor]
     small = {n: torch.randn([min(s, 8) for s in v.shape], requires_grad=True) for n, v in ins.items()}
     with _Launches() as fwd:
         out = fn(**small)
+    cotangent = torch.ones_like(out)  # made before counting: not part of autograd's backward
     with _Launches() as bwd:
-        out.backward(torch.ones_like(out))
+        out.backward(cotangent)
     return fwd.count, bwd.count
 
 
@@ -83,13 +84,7 @@ def measure(name: str, expr: rx.Expr, eager: Callable[..., torch.Tensor], ins: d
     needs = {n: v.requires_grad_() for n, v in ins.items()}
     plan = k.grad_plan(**needs)
     saving = plan.forward.summary(**ins)
-    feed = dict(ins)
-    for key in plan.grads.saved_keys:  # the saved products: the forward's contractions, in the input dtype
-        root = dict(plan.grads.forward)[key]
-        feed[key] = _like(root, ins)
-    for i, key in enumerate(plan.grads.user_keys):
-        feed[f"_g{i}"] = _like(dict(plan.grads.forward)[key], ins)
-    bwd = plan.backward.summary(**{n: feed[n] for n in plan.backward.inputs})
+    bwd = plan.backward.summary(**backward_feed(plan, ins))
     return {
         "case": name,
         "forward kernels": fwd.kernels,
@@ -102,14 +97,6 @@ def measure(name: str, expr: rx.Expr, eager: Callable[..., torch.Tensor], ins: d
         "backward MB": round(bwd.bytes_moved / 1e6, 1),
         "eager backward MB (per op)": round(bwd.bytes_eager / 1e6, 1),
     }
-
-
-def _like(root: rx.Expr, ins: dict[str, torch.Tensor]) -> torch.Tensor:
-    """An empty tensor with the shape and dtype ``root`` has for ``ins`` (from its own reference on meta tensors)."""
-    metas = {n: torch.empty(v.shape, dtype=v.dtype, device="meta") for n, v in ins.items()}
-    one = rx.compile(root)
-    out = one.reference_on(tuple(metas[n] for n in one.inputs))
-    return torch.empty(out.shape, dtype=out.dtype)
 
 
 def main() -> None:

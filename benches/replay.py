@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import rtxdsl as rx
+from benches.common import backward_feed
 from rtxdsl.build import prepare
 from rtxdsl.lower import GPU
 from rtxdsl.workloads import WORKLOADS
@@ -94,16 +95,7 @@ def replay() -> dict[str, str]:
             files[f"{name}.fwd{i}.py"] = src
         if any(t.dtype.is_floating_point for t in ins.values()):
             plan = k.grad_plan(**ins)
-            feed = dict(ins)
-            fwd = plan.forward.program(**{n: feed[n] for n in plan.forward.inputs})
-            graph = fwd.plan.graph
-            for key, root in graph.outputs:  # saved statistics and cotangents, shaped as the forward makes them
-                info = graph.of(root)
-                if key in plan.grads.saved_keys:
-                    feed[key] = torch.empty(info.shape, dtype=info.dtype)
-                elif key in plan.grads.user_keys:
-                    feed[f"_g{plan.grads.user_keys.index(key)}"] = torch.empty(info.shape, dtype=info.dtype)
-            for i, src in enumerate(_sources(plan.backward, {n: feed[n] for n in plan.backward.inputs})):
+            for i, src in enumerate(_sources(plan.backward, backward_feed(plan, ins))):
                 files[f"{name}.bwd{i}.py"] = src
     return files
 

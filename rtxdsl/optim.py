@@ -15,7 +15,7 @@ import torch
 from . import dsl
 from .dtensor import is_dtensor
 from .ops import REGISTRY
-from .runtime import Kernel
+from .runtime import Kernel, land
 
 _maximum, _sqrt = REGISTRY.functions["maximum"], REGISTRY.functions["sqrt"]
 
@@ -85,15 +85,11 @@ class AdamW(torch.optim.AdamW):
                 args = [p.detach(), g, state["exp_avg"], state["exp_avg_sq"]]
                 args += [state["max_exp_avg_sq"]] if amsgrad else []
                 scalars = [float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"])]
-                in_place = not is_dtensor(p)  # a DTensor's data_ptr says nothing about its pieces
-                kernel = _adamw_kernel(amsgrad, in_place)
+                kernel = _adamw_kernel(amsgrad, not is_dtensor(p))
                 out = kernel(*args, *scalars, 1 - b1**step, 1 - b2**step)
                 targets = {"p": p, "m": state["exp_avg"], "v": state["exp_avg_sq"]}
                 if amsgrad:
                     targets["vmax"] = state["max_exp_avg_sq"]
                 for key, target in targets.items():
-                    if in_place and out[key].data_ptr() == target.data_ptr():  # written in place by the kernel
-                        torch.autograd.graph.increment_version(target)
-                    else:  # another layout: computed apart, copied in
-                        target.copy_(out[key])
+                    land(out[key], target)
         return loss

@@ -281,13 +281,11 @@ class GradPlan:
     input_names: tuple[str, ...]
     passthrough: tuple[tuple[str, str], ...] = ()
 
-    def gradients(self, feed: Mapping[str, Any], clone: bool = False) -> dict[str, Any]:
-        """Every gradient by key: the backward kernel's, and the passed-through cotangents (cloned
-        with ``clone``: a custom op's outputs must not alias its inputs)."""
+    def gradients(self, feed: Mapping[str, Any]) -> dict[str, Any]:
+        """Every gradient by key: the backward kernel's, and the passed-through cotangents."""
         b = self.backward
         outs = dict(b(**{name: feed[name] for name in b.inputs})) if b is not None else {}
-        for key, name in self.passthrough:
-            outs[key] = feed[name].clone() if clone else feed[name]
+        outs.update((key, feed[name]) for key, name in self.passthrough)
         return outs
 
 
@@ -805,6 +803,16 @@ class _InForward:
 
 
 _ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def land(result: torch.Tensor, target: torch.Tensor) -> None:
+    """Leave a kernel's ``result`` in ``target``: where the kernel wrote it there itself (``into``)
+    only autograd is told (the version counter), otherwise it is copied in. A DTensor's kernel runs
+    as a functional op, and its wrapper's ``data_ptr`` says nothing about its pieces: always copied."""
+    if not is_dtensor(target) and result.data_ptr() == target.data_ptr() and result.stride() == target.stride():
+        torch.autograd.graph.increment_version(target)
+    else:
+        target.copy_(result)
 
 
 def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:

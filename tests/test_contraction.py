@@ -259,3 +259,12 @@ def test_mm_and_bmm_keep_their_stricter_ranks(gen):
     torch.testing.assert_close(got.torch(), torch.bmm(m3 * 2, m3.mT))
     with pytest.raises(rx.RtxError, match="rank must be"):
         rx.matmul(x, w, rank=4)
+
+
+def test_a_plain_tensor_times_a_lazy_one_keeps_the_order(gen):
+    """``plain @ lazy`` and ``Tensor.__rmatmul__`` are recorded, multiplying in the written order."""
+    a, c = torch.randn(3, 4, generator=gen), torch.randn(4, 5, generator=gen)
+    for product in (lambda lc: a @ lc, lambda lc: torch.Tensor.__rmatmul__(lc, a)):
+        got = product(rx.Fusion().lazy(c))
+        assert got.is_pending
+        torch.testing.assert_close(got.torch(), a @ c)

@@ -12,6 +12,7 @@ import torch
 from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.gemm import epilogue_loads
 from ..lower.spec import STRIDED, UNIT
+from ..ops import REGISTRY, OpKind
 from ..ops.elementwise import to_storage
 from .source import Writer, _Scope
 from .template import render
@@ -93,15 +94,14 @@ class GemmWriter(Writer):
             top.add_all(["offs_m = offs_m.to(tl.int64)", "offs_n = offs_n.to(tl.int64)"])
         acc_dtype = torch.float64 if self.spec.in_dtypes[g.a] == torch.float64 else torch.float32
         top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
-        idx = [f"b{d}" for d in range(self.nb)]
         loop = top
         if g.sum_batch and self.nb:  # every batch's product into one accumulator
             top.add(f"for batch in range(0, {' * '.join(f'bsize{d}' for d in range(self.nb))}):")
             loop = _Scope(indent="    ")
-        self._batch_index(loop, idx)
+        idx = self._decompose(loop, "batch", "b", "bsize", self.nb)  # the batch's coordinates
         bases = {
-            "a": "".join(f"b{d} * a_stride_b{d} + " for d in range(self.nb)),
-            "b": "".join(f"b{d} * b_stride_b{d} + " for d in range(self.nb)),
+            "a": "".join(f"{i} * a_stride_b{d} + " for d, i in enumerate(idx)),
+            "b": "".join(f"{i} * b_stride_b{d} + " for d, i in enumerate(idx)),
         }
         precision = f', input_precision="{g.precision}"' if self.spec.in_dtypes[g.a] == torch.float32 else ""
         k_loop = render(
@@ -117,21 +117,11 @@ class GemmWriter(Writer):
             top.lines.extend(loop.lines)
         self.out_idx = [] if g.sum_batch else idx
         top.add_all(["rows = offs_m[:, None]", "cols = offs_n[None, :]", "mask = (rows < M) & (cols < N)"])
-        contraction = next(i for i, nd in enumerate(self.spec.nodes) if nd.op == "contract")
+        contraction = next(i for i, nd in enumerate(self.spec.nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
         top.memo[("n", contraction)] = "acc"
         self.types["acc"] = acc_dtype
         top.add_all(self.stores(range(len(self.spec.outputs)), top))
         return render(GEMM, name=name, params="\n".join(f"{p}," for p in self.params), body="\n".join(self.top.lines))
-
-    def _batch_index(self, scope: _Scope, names: list[str]) -> None:
-        """The batch coordinates of ``batch`` (the grid's second dim, or the batch loop's counter)."""
-        rem = "batch"
-        for d in range(self.nb - 1, 0, -1):
-            scope.add(f"{names[d]} = {rem} % bsize{d}")
-            scope.add(f"brem = {rem} // bsize{d}")
-            rem = "brem"
-        if self.nb:
-            scope.add(f"{names[0]} = {rem}")
 
     def _tile_offset(self, prefix: str, classes: tuple[str, str]) -> str:
         """An epilogue tensor's offset at the tile: its batch strides, then rows and columns."""

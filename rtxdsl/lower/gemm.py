@@ -24,9 +24,19 @@ from dataclasses import replace
 import torch
 
 from ..errors import RtxError
+from ..ops import REGISTRY, OpKind
 from .analyze import Group
 from .expand import Graph
-from .schedule import Launch, Layout, _scalar_args, body, stride_class
+from .schedule import (
+    INT32_LIMIT,
+    Launch,
+    Layout,
+    _scalar_args,
+    body,
+    contiguous_strides,
+    expand_strides,
+    stride_class,
+)
 from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
 from .target import Target
 
@@ -48,7 +58,7 @@ def _pow2(x: int) -> int:
 
 def epilogue_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
     """The loads the epilogue reads (the operands are read by the K loop, through their own strides)."""
-    used = {i for nd in nodes if nd.op != "contract" for kind, i in nd.srcs if kind == "l"}
+    used = {i for nd in nodes if REGISTRY[nd.op].kind is not OpKind.CONTRACTION for kind, i in nd.srcs if kind == "l"}
     return sorted(used)
 
 
@@ -102,14 +112,14 @@ def gemm_spec(
     )
     ints = [m, n, k, *batch]
     for lay, st, cls in ((a, sa, spec.gemm.a_classes), (b, sb, spec.gemm.b_classes)):
-        ints += [*_broadcast_strides(lay, batch, 2), *(v for v, c in zip(st, cls) if c == STRIDED)]
+        ints += [*_batch_strides(lay, batch), *(v for v, c in zip(st, cls) if c == STRIDED)]
     for i in epilogue:
         lay = layouts[id(group.inputs[bd.loads[i][0]])]
-        full = _broadcast_strides(lay, domain, 0)
+        full = expand_strides(lay, domain)
         ld = spec.loads[i]
         ints += [*full[:-2], *(v for v, c in zip(full[-2:], (*ld.rows, *ld.cols)) if c == STRIDED)]
     for o in group.outputs:
-        ints += _contiguous(graph.of(o).shape)[:-1]  # the columns' stride is 1
+        ints += contiguous_strides(graph.of(o).shape)[:-1]  # the columns' stride is 1
     kinds, vals = _scalar_args(bd.slots, graph, torch.float64 if a.dtype == torch.float64 else torch.float32)
     spec = replace(spec, scalars=tuple(kinds))
     position = {id(v): i for i, v in enumerate(graph.inputs)}
@@ -140,29 +150,15 @@ def _unit(stride: int, other: int) -> str:
 
 def _matrix_classes(lay: Layout, domain: tuple[int, ...]) -> tuple[tuple[str], tuple[str]]:
     """An epilogue input's (rows, cols) stride classes over the product's last two dims."""
-    m, n = _broadcast_strides(lay, domain, 0)[-2:]
+    m, n = expand_strides(lay, domain)[-2:]
     return (stride_class(m),), (stride_class(n),)
 
 
-def _contiguous(shape: tuple[int, ...]) -> list[int]:
-    out, acc = [], 1
-    for size in reversed(shape):
-        out.append(acc)
-        acc *= max(size, 1)
-    return out[::-1]
-
-
-def _broadcast_strides(lay: Layout, domain: tuple[int, ...], inner: int) -> list[int]:
-    """``lay``'s strides over ``domain`` without its last ``inner`` dims (right-aligned broadcasting:
-    absent or size-1 dims read stride 0)."""
-    shape, strides = lay.shape[: len(lay.shape) - inner], lay.strides[: len(lay.shape) - inner]
-    pad = len(domain) - len(shape)
-    out = [0] * pad
-    for size, st, want in zip(shape, strides, domain[pad:]):
-        out.append(0 if size == 1 and want != 1 else st)
-    return out
+def _batch_strides(lay: Layout, batch: tuple[int, ...]) -> tuple[int, ...]:
+    """An operand's strides over the product's batch dims (0 where it broadcasts)."""
+    return expand_strides(Layout(lay.shape[:-2], lay.strides[:-2], lay.dtype), batch)
 
 
 def _int64_needed(layouts: list[Layout], numel: int) -> bool:
     spans = [sum((s - 1) * abs(st) for s, st in zip(lay.shape, lay.strides)) + 1 for lay in layouts]
-    return max([numel, *spans]) >= 2**31
+    return max([numel, *spans]) >= INT32_LIMIT

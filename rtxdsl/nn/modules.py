@@ -16,14 +16,13 @@ from typing import Any
 import torch
 
 from .. import dsl
-from ..dtensor import is_dtensor
 from ..errors import RtxError
 from ..expr import node
 from ..ops import REGISTRY
 from ..ops.composite import geglu, layer_norm, rms_norm
 from ..ops.elementwise import cast
 from ..ops.llm import cross_entropy, cross_entropy_outputs
-from ..runtime import Kernel, compile
+from ..runtime import Kernel, compile, land
 
 _x, _w, _b, _t = dsl.var("x"), dsl.var("w"), dsl.var("b"), dsl.var("t")
 
@@ -45,16 +44,17 @@ def _norm_kernel(
 
 
 @functools.lru_cache(maxsize=64)
-def _in_place_rms_kernel(eps: float | None, weight: bool, offset: float, residual: bool) -> Kernel:
-    """RMSNorm written over its input (``out`` into ``x``); with ``residual``, vLLM's fused add:
-    ``x + r`` written into ``r`` and its norm into ``x``."""
-    r = dsl.var("r")
-    s = _x + r if residual else _x
+def _rms_kernel(eps: float | None, weight: bool, offset: float, residual: bool, in_place: bool) -> Kernel:
+    """RMSNorm (``eps=None``: torch's epsilon of the compute dtype), of ``x + r`` with ``residual``
+    (then the sum is an output too: ``out`` and ``residual``); ``in_place``: ``out`` written over
+    ``x`` and the sum over ``r`` (vLLM's fused add) where that is safe."""
+    s = _x + dsl.var("r") if residual else _x
     w = (_w + offset if offset else _w) if weight else 1.0
-    out = node("rms_norm", s, w, node("eps_of", s) if eps is None else eps)
-    if not residual:
-        return Kernel({"out": out}, into={"out": "x"})
-    return Kernel({"out": out, "residual": s}, into={"out": "x", "residual": "r"})
+    outs = {"out": node("rms_norm", s, w, node("eps_of", s) if eps is None else eps)}
+    if residual:
+        outs["residual"] = s
+    into = {"out": "x", "residual": "r"} if in_place else {}
+    return Kernel(outs, into={k: v for k, v in into.items() if k in outs})
 
 
 def _write_over(kernel: Kernel, targets: dict[str, torch.Tensor], **inputs: torch.Tensor) -> None:
@@ -75,10 +75,7 @@ def _write_over(kernel: Kernel, targets: dict[str, torch.Tensor], **inputs: torc
         raise RtxError("in-place add_rms_norm: x and residual share memory; they must be distinct tensors")
     got = kernel(**inputs)
     for key, t in targets.items():
-        if not is_dtensor(t) and got[key].data_ptr() == t.data_ptr() and got[key].stride() == t.stride():
-            torch.autograd.graph.increment_version(t)
-        else:
-            t.copy_(got[key])
+        land(got[key], t)
 
 
 def rms_norm_(
@@ -93,7 +90,7 @@ def rms_norm_(
         >>> rx.nn.rms_norm_(x) is x, x[0, 0].item()
         (True, 1.0)
     """
-    kernel = _in_place_rms_kernel(None if eps is None else float(eps), weight is not None, float(offset), False)
+    kernel = _rms_kernel(None if eps is None else float(eps), weight is not None, float(offset), False, True)
     extra = {} if weight is None else {"w": weight}
     _write_over(kernel, {"out": x}, x=x, **extra)
     return x
@@ -116,7 +113,7 @@ def add_rms_norm_(
         >>> out is x, res[0, 0].item(), x[0, 0].item()
         (True, 3.0, 1.0)
     """
-    kernel = _in_place_rms_kernel(None if eps is None else float(eps), weight is not None, float(offset), True)
+    kernel = _rms_kernel(None if eps is None else float(eps), weight is not None, float(offset), True, True)
     extra = {} if weight is None else {"w": weight}
     _write_over(kernel, {"out": x, "residual": residual}, x=x, r=residual, **extra)
     return x, residual
@@ -209,14 +206,6 @@ class RMSNorm(_Fused, torch.nn.RMSNorm):
         return super().extra_repr() + more
 
 
-@functools.lru_cache(maxsize=64)
-def _add_rms_kernel(eps: float | None, offset: float) -> Kernel:
-    r = dsl.var("r")
-    s = _x + r
-    w = _w + offset if offset else _w
-    return compile({"out": node("rms_norm", s, w, node("eps_of", s) if eps is None else eps), "residual": s})
-
-
 class AddRMSNorm(_Fused, torch.nn.Module):
     """Liger's / vLLM's fused residual add + RMSNorm: ``forward(hidden_states, residual)`` returns
     ``(rms_norm(hidden_states + residual) * w, hidden_states + residual)`` from one kernel (the
@@ -241,7 +230,7 @@ class AddRMSNorm(_Fused, torch.nn.Module):
         self._attach()
 
     def _make_kernel(self) -> Kernel:
-        return _add_rms_kernel(self.eps, self.offset)
+        return _rms_kernel(self.eps, True, self.offset, True, False)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.in_place:

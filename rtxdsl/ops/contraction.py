@@ -184,13 +184,9 @@ def _matmul_decompose(a: Expr, b: Expr, shapes: list, dtypes: list, rank: int | 
     return node("contract", pa, pb, ta=ta, tb=tb, sum_batch=False)
 
 
-def _torch_matmul(a: Any, b: Any, *, out: Any = None) -> Expr:
-    if out is not None:
-        raise Unsupported
-    return matmul(a, b)
+def _torch_product(rank: int | None) -> Any:
+    """``torch.matmul`` (rank None), ``torch.mm`` (2) or ``torch.bmm`` (3) as it is called."""
 
-
-def _torch_mm(rank: int) -> Any:
     def build(a: Any, b: Any, *, out: Any = None, **kwargs: Any) -> Expr:
         if out is not None or kwargs:
             raise Unsupported
@@ -229,10 +225,10 @@ register(
             operators=("__matmul__", "__rmatmul__"),
             methods={"matmul": None},
             torch={
-                **dict.fromkeys(torch_fns("matmul"), _torch_matmul),
-                **dict.fromkeys((torch.Tensor.__matmul__, torch.Tensor.__rmatmul__), _torch_matmul),
-                **dict.fromkeys(torch_fns("mm"), _torch_mm(2)),
-                **dict.fromkeys(torch_fns("bmm"), _torch_mm(3)),
+                **dict.fromkeys((*torch_fns("matmul"), torch.Tensor.__matmul__), _torch_product(None)),
+                torch.Tensor.__rmatmul__: lambda a, b: matmul(b, a),
+                **dict.fromkeys(torch_fns("mm"), _torch_product(2)),
+                **dict.fromkeys(torch_fns("bmm"), _torch_product(3)),
                 **dict.fromkeys(torch_fns("addmm"), _torch_addmm),
             },
         ),

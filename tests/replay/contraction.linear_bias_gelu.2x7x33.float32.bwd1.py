@@ -38,16 +38,15 @@ def gemm_contract_SIG(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b0 = batch
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + offs_k
         a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
-        a = tl.load(in0_ptr + b0 * a_stride_b0 + offs_m[:, None] * a_stride_m + ks[None, :], mask=a_mask, other=0)
+        a = tl.load(in0_ptr + batch * a_stride_b0 + offs_m[:, None] * a_stride_m + ks[None, :], mask=a_mask, other=0)
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
-        b = tl.load(in1_ptr + b0 * b_stride_b0 + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
+        b = tl.load(in1_ptr + batch * b_stride_b0 + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
         acc = tl.dot(a, b, acc, input_precision="ieee")
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
-    tl.store(out0_ptr + b0 * out0_stride0 + rows * out0_stride1 + cols, acc, mask=mask)
+    tl.store(out0_ptr + batch * out0_stride0 + rows * out0_stride1 + cols, acc, mask=mask)
 
