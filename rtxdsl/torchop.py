@@ -33,8 +33,34 @@ from .errors import RtxError
 
 _OPS: dict[str, Any] = {}  # op name -> the registered op (a structure registers once per process)
 
-#: kernels by their structural key: what ``rtxdsl::kernel`` (the op torch.compile traces) calls
-KERNELS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+class _LiveKernels:
+    """Kernels by their structural key: what ``rtxdsl::kernel`` (the op torch.compile traces) calls.
+
+    Several live kernels can share a key (the same expression compiled twice); any of them serves,
+    and one dying leaves the others reachable (a weak dict holding the last one registered would
+    forget the key while the first is still in use)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[str, list[weakref.ref]] = {}
+
+    def add(self, key: str, kernel: Any) -> None:
+        refs = [r for r in self._refs.get(key, ()) if r() is not None]
+        refs.append(weakref.ref(kernel, lambda _, key=key: self._prune(key)))
+        self._refs[key] = refs
+
+    def _prune(self, key: str) -> None:
+        refs = [r for r in self._refs.get(key, ()) if r() is not None]
+        if refs:
+            self._refs[key] = refs
+        else:
+            self._refs.pop(key, None)
+
+    def get(self, key: str) -> Any | None:
+        return next((k for r in reversed(self._refs.get(key, ())) if (k := r()) is not None), None)
+
+
+KERNELS = _LiveKernels()
 
 
 def register_kernel(kernel: Any, into: Any = (), seeds: bool = False) -> str:
@@ -44,7 +70,7 @@ def register_kernel(kernel: Any, into: Any = (), seeds: bool = False) -> str:
     key = op_name(kernel.expressions, kernel.inputs, kernel.config, kernel.returns_tensor)
     if into or seeds:
         key += "_" + hashlib.sha256(repr((sorted(dict(into).items()), seeds)).encode()).hexdigest()[:8]
-    KERNELS[key] = kernel
+    KERNELS.add(key, kernel)
     return key
 
 

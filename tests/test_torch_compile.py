@@ -366,3 +366,21 @@ def test_compiled_graphs_name_kernels_by_structure_the_same_in_every_process():
     assert other == k._op_key
     with pytest.raises(rx.RtxError, match="which this process has not built"):
         kernel_op("k_0000000000000000", [torch.ones(2)])
+
+
+def test_a_kernel_stays_callable_when_another_of_its_structure_dies():
+    """Two kernels of one structure share a key: the second one dying (garbage collected while the
+    first is still in use) must leave the key reachable. It was forgotten, and the first kernel's
+    calls inside torch.compile failed with "not built" (order-dependent: it hit CI once)."""
+    import gc
+
+    first = rx.compile(rx.softmax(x * 3.0))
+    second = rx.compile(rx.softmax(x * 3.0))
+    assert first is not second and first._op_key == second._op_key
+    del second
+    gc.collect()
+    t = torch.randn(5, 8, requires_grad=True)
+    compiled = torch.compile(lambda a: first(x=a), fullgraph=True, backend="eager", dynamic=True)
+    out = compiled(t)
+    out.sum().backward()
+    torch.testing.assert_close(out, torch.softmax(t.detach() * 3.0, -1))
