@@ -201,6 +201,10 @@ class OpDef:
     index_operand: int | None = None
     #: derivative rule (see ops/helpers.D); None: not differentiable yet
     derivative: Callable[..., Any] | None = None
+    #: ALU ops per element a kernel spends on it: what recomputing it costs in the traffic model
+    #: (1: plain arithmetic; 4: transcendental math, a special-function unit at a quarter of the
+    #: FMA rate or a short instruction sequence)
+    cost: int = 1
     #: FusionPattern a group containing this op is labelled with
     pattern: str | None = None
     #: infix operator for printing (``+``) and its precedence

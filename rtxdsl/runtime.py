@@ -983,6 +983,7 @@ def _explain(kernel: Kernel, launch: Launch) -> str:
         reads = ", ".join(f"{n} {stored(v)}" for n, v in zip(in_names, g.inputs))
         writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {stored(n)}" for n in g.outputs)
         lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
+        lines.extend(f"  {note}" for note in g.notes)
         for call in (c for c in p.kernels if c.group == i or c.tail and c.tail.group == i):
             if call.group != i:  # this group runs inside another group's launch
                 lines.append(f"  run by the last program of group {call.group}'s kernel, as its tail (no launch)")

@@ -35,6 +35,12 @@ SCRIPT = textwrap.dedent("""
                            w=torch.empty(4096, 4096, dtype=torch.bfloat16), b=torch.empty(4096, dtype=torch.bfloat16))),
         "gemm_fp16_mT": (x @ rx.permute(w, (1, 0)), dict(x=torch.empty(512, 1024, dtype=torch.float16),
                          w=torch.empty(768, 1024, dtype=torch.float16))),
+        # prologues: an fp32 activation cast to bf16 at load (A), and a scaled weight (B, transposed)
+        "gemm_prologue_cast": (rx.linear(rx.cast(x, torch.bfloat16), w), dict(x=torch.empty(4096, 4096),
+                               w=torch.empty(4096, 4096, dtype=torch.bfloat16))),
+        "gemm_prologue_swiglu": (rx.linear(rx.silu(x) * y, w), dict(x=torch.empty(4096, 1024, dtype=torch.bfloat16),
+                                 y=torch.empty(4096, 1024, dtype=torch.bfloat16),
+                                 w=torch.empty(128, 1024, dtype=torch.bfloat16))),
     }
     out = {}
     for name, (e, ins) in cases.items():
@@ -68,7 +74,7 @@ def test_contiguous_path_uses_128_bit_loads_and_stores(facts):
 
 
 def test_contractions_use_hopper_warpgroup_mma(facts):
-    for name in ("gemm_bf16_gelu", "gemm_fp16_mT"):
+    for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu"):
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0
 

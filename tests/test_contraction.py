@@ -126,8 +126,13 @@ def test_gradients_are_contractions_with_the_epilogue_backward_fused(gen):
     assert rx.fusion_stats().kernels_launched == 1
     rx.reset_fusion_stats()
     out.backward(torch.ones_like(out))
-    # gelu'(h) * g with the bias gradient's column sum, then dx and dW (batch dims summed in-kernel)
+    # the bias gradient's column sum of gelu'(h) * g, then dx and dW (batch dims summed in-kernel),
+    # each recomputing gelu'(h) * g at load (their prologue): it is never written
     assert rx.fusion_stats().kernels_launched == 3
+    plan = k.grad_plan(x=xs, w=ws, b=bs)
+    feed = {"_g0": torch.ones(2, 5, 7, dtype=torch.float64), "_s0": out.detach(), "x": xs, "w": ws, "b": bs}
+    text = plan.backward.explain(**{n: feed[n].detach() for n in plan.backward.inputs})
+    assert text.count("recomputed at load") == 2 and "intermediate" not in text, text
     a = torch.randn(3, 1, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
     c = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     km = rx.compile(x @ w)
@@ -268,3 +273,83 @@ def test_a_plain_tensor_times_a_lazy_one_keeps_the_order(gen):
         got = product(rx.Fusion().lazy(c))
         assert got.is_pending
         torch.testing.assert_close(got.torch(), a @ c)
+
+
+g_, u_ = rx.var("g"), rx.var("u")
+
+#: prologues: an operand's elementwise producer applied at load time, per (name, expression, eager)
+PROLOGUES = {
+    # SwiGLU feeding a down projection (A), at sizes where recomputing per tile is cheap
+    "swiglu -> linear": (rx.linear(rx.silu(g_) * u_, w), lambda t: F.linear(F.silu(t["g"]) * t["u"], t["w"])),
+    # a weight scaled and read transposed (B through swapped strides)
+    "linear of a scaled weight": (rx.linear(g_, w * 0.5), lambda t: F.linear(t["g"], t["w"] * 0.5)),
+    # a per-row factor [M, 1] and a per-K weight [K] (RMSNorm's rstd and w)
+    "per-row and per-K factors": (rx.linear(g_ * u_ * b, w), lambda t: F.linear(t["g"] * t["u"] * t["b"], t["w"])),
+    # zeros in the masked K tail would give inf: the tile is zeroed outside the mask, not computed
+    "1 / x": (rx.linear(1.0 / g_, w), lambda t: F.linear(1.0 / t["g"], t["w"])),
+}
+
+
+def _prologue_inputs(name, m, n, k, dtype, gen):
+    t = {
+        "g": torch.randn(m, k, generator=gen).to(dtype),
+        "u": torch.randn(m, 1 if "per-row" in name else k, generator=gen).to(dtype),
+        "b": torch.randn(k, generator=gen).to(dtype),
+        "w": torch.randn(n, k, generator=gen).to(dtype),
+    }
+    return t
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+@pytest.mark.parametrize("name", PROLOGUES)
+@pytest.mark.parametrize(
+    "m, n, k",
+    [
+        (7, 33, 129),  # odd sizes, K longer than one K slice (a masked K tail)
+        (1, 1, 1),  # one element
+        (33, 7, 0),  # K = 0: the prologue runs on nothing
+    ],
+)
+def test_prologues_are_applied_at_load(name, m, n, k, dtype, atol, rtol, gen):
+    e, eager = PROLOGUES[name]
+    kernel = rx.compile(e)
+    t = _prologue_inputs(name, m, n, k, dtype, gen)
+    ins = {v: t[v] for v in kernel.inputs}
+    assert kernel.launches(**ins) == 1
+    assert "recomputed at load" in kernel.explain(**ins)
+    got = kernel(**ins)
+    # eager rounds the operand to its dtype before the GEMM, as the prologue does
+    want = eager({v: x.double() for v, x in t.items()}) if dtype == torch.float32 else eager(t).double()
+    _close(got, want, dtype, atol, rtol, k, name)
+
+
+def test_prologues_in_batched_and_transposed_operands(gen):
+    """Batch dims broadcast into the prologue's loads, and an operand read transposed (``x.mT``)
+    computed at its tile through the swapped strides."""
+    a = torch.randn(2, 1, 33, 7, generator=gen)
+    c = torch.randn(3, 33, 5, generator=gen)
+    s_ = torch.randn(33, 1, generator=gen)
+    kernel = rx.compile(rx.matmul(rx.permute(rx.exp(g_) * u_, (0, 1, 3, 2)), w))
+    assert kernel.launches(g=a, u=s_, w=c) == 1
+    want = torch.matmul((torch.exp(a.double()) * s_.double()).mT, c.double())
+    _close(kernel(g=a, u=s_, w=c), want, torch.float32, 2e-6, 1e-5, 33)
+    gs = torch.randn(6, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    us = torch.randn(6, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    ws = torch.randn(5, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    k2 = rx.compile(rx.linear(rx.silu(g_) * u_, w))
+    assert torch.autograd.gradcheck(lambda p, q, r_: k2(g=p, u=q, w=r_), (gs, us, ws), fast_mode=True)
+
+
+def test_the_traffic_model_keeps_a_costly_prologue_apart():
+    """Llama-7B's down projection: silu(gate) * up recomputed by each of 32 tile columns costs more
+    than writing it and reading it back; a cast of the activation to bf16 costs less."""
+    big = torch.empty(1, 1, dtype=torch.bfloat16)
+    gate = up = big.expand(4096, 11008)
+    swiglu = rx.compile(rx.linear(rx.silu(g_) * u_, w))
+    text = swiglu.explain(g=gate, u=up, w=big.expand(4096, 11008))
+    assert swiglu.launches(g=gate, u=up, w=big.expand(4096, 11008)) == 2
+    assert "loaded by 32 tile(s): written and read back" in text, text
+    cast = rx.compile(rx.linear(rx.cast(g_, torch.bfloat16), w))
+    ins = dict(g=torch.empty(1, 1).expand(4096, 4096), w=big.expand(4096, 4096))
+    assert cast.launches(**ins) == 1
+    assert "loaded by 32 tile(s): recomputed at load" in cast.explain(**ins)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
-from ..lower.gemm import epilogue_loads
-from ..lower.spec import STRIDED, UNIT
+from ..lower.gemm import tile_loads
+from ..lower.spec import BCAST, STRIDED, UNIT
 from ..ops import REGISTRY, OpKind
 from ..ops.elementwise import to_storage
 from .source import Writer, _Scope
@@ -43,14 +43,19 @@ def ${name}(
 """
 
 #: one batch's K loop: A [BLOCK_M, BLOCK_K] and B [BLOCK_K, BLOCK_N] tiles, masked at the edges
+#: (an operand with a prologue is computed from its own loads instead, zero outside the mask)
 K_LOOP = """\
 for k_start in range(0, K, BLOCK_K):
     ks = k_start + offs_k
     a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
-    a = tl.load(${a_ptr} + ${a_offset}, mask=a_mask, other=0)
     b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
-    b = tl.load(${b_ptr} + ${b_offset}, mask=b_mask, other=0)
-    acc = tl.dot(a, b, acc${precision})"""
+"""
+
+#: where each operand's tile lies: its (row, column) index vectors, dims and mask
+OPERAND_TILE = {
+    "a": (("offs_m[:, None]", "ks[None, :]"), "mk", "a_mask"),
+    "b": (("ks[:, None]", "offs_n[None, :]"), "kn", "b_mask"),
+}
 
 
 def _matrix_offset(op: str, idx: tuple[str, str], dims: str, classes: tuple[str, str]) -> str:
@@ -71,16 +76,17 @@ class GemmWriter(Writer):
         self.params += [f"in{j}_ptr" for j in range(len(s.in_dtypes))]
         self.params += [f"out{k}_ptr" for k in range(len(s.outputs))]
         self.params += ["M", "N", "K", *(f"bsize{d}" for d in range(self.nb))]
-        for op, dims, classes in (("a", "mk", g.a_classes), ("b", "kn", g.b_classes)):
-            self.params += [f"{op}_stride_b{d}" for d in range(self.nb)]
-            self.params += [f"{op}_stride_{dim}" for dim, c in zip(dims, classes) if c == STRIDED]
-        nb = self.out_dims - 2
-        for k in epilogue_loads(s.nodes):
+        for op, dims, classes, j in (("a", "mk", g.a_classes, g.a), ("b", "kn", g.b_classes, g.b)):
+            if j >= 0:  # read from memory (a prologue reads its own loads)
+                self.params += [f"{op}_stride_b{d}" for d in range(self.nb)]
+                self.params += [f"{op}_stride_{dim}" for dim, c in zip(dims, classes) if c == STRIDED]
+        for k in tile_loads(s.nodes):
             ld, name = s.loads[k], self.load_names[k]
+            nb = self.nb if ld.role in OPERAND_TILE else self.out_dims - 2
             self.params += [f"{name}_stride{d}" for d in range(nb)]
             self.params += [f"{name}_stride{nb + i}" for i, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
         for k in range(len(s.outputs)):
-            self.params += [f"out{k}_stride{d}" for d in range(nb + 1)]  # columns: stride 1
+            self.params += [f"out{k}_stride{d}" for d in range(self.out_dims - 1)]  # columns: stride 1
         self.params += [f"s{k}" for k in range(len(s.scalars))]
 
     def gemm(self, name: str) -> str:
@@ -92,36 +98,51 @@ class GemmWriter(Writer):
         top = self.top
         if self.spec.big:
             top.add_all(["offs_m = offs_m.to(tl.int64)", "offs_n = offs_n.to(tl.int64)"])
-        acc_dtype = torch.float64 if self.spec.in_dtypes[g.a] == torch.float64 else torch.float32
+        contraction = next(i for i, nd in enumerate(self.spec.nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
+        operand_dtype = self.spec.nodes[contraction].dtype
+        acc_dtype = torch.float64 if operand_dtype == torch.float64 else torch.float32
         top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
         loop = top
         if g.sum_batch and self.nb:  # every batch's product into one accumulator
             top.add(f"for batch in range(0, {' * '.join(f'bsize{d}' for d in range(self.nb))}):")
             loop = _Scope(indent="    ")
-        idx = self._decompose(loop, "batch", "b", "bsize", self.nb)  # the batch's coordinates
-        bases = {
-            "a": "".join(f"{i} * a_stride_b{d} + " for d, i in enumerate(idx)),
-            "b": "".join(f"{i} * b_stride_b{d} + " for d, i in enumerate(idx)),
-        }
-        precision = f', input_precision="{g.precision}"' if self.spec.in_dtypes[g.a] == torch.float32 else ""
-        k_loop = render(
-            K_LOOP,
-            a_ptr=f"in{g.a}_ptr",
-            b_ptr=f"in{g.b}_ptr",
-            a_offset=bases["a"] + _matrix_offset("a", ("offs_m[:, None]", "ks[None, :]"), "mk", g.a_classes),
-            b_offset=bases["b"] + _matrix_offset("b", ("ks[:, None]", "offs_n[None, :]"), "kn", g.b_classes),
-            precision=precision,
-        )
-        loop.add_all(k_loop.rstrip("\n").splitlines())
+        self.batch_idx = self._decompose(loop, "batch", "b", "bsize", self.nb)  # the batch's coordinates
+        loop.add_all(K_LOOP.rstrip("\n").splitlines())
+        k_scope = _Scope(indent=loop.indent + "    ")
+        srcs = self.spec.nodes[contraction].srcs
+        tiles = [self._operand(op, j, ref, operand_dtype, k_scope) for op, j, ref in zip("ab", (g.a, g.b), srcs)]
+        precision = f', input_precision="{g.precision}"' if operand_dtype == torch.float32 else ""
+        k_scope.add(f"acc = tl.dot({tiles[0]}, {tiles[1]}, acc{precision})")
+        loop.lines.extend(k_scope.lines)
         if loop is not top:
             top.lines.extend(loop.lines)
+        idx = self.batch_idx
         self.out_idx = [] if g.sum_batch else idx
         top.add_all(["rows = offs_m[:, None]", "cols = offs_n[None, :]", "mask = (rows < M) & (cols < N)"])
-        contraction = next(i for i, nd in enumerate(self.spec.nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
         top.memo[("n", contraction)] = "acc"
         self.types["acc"] = acc_dtype
         top.add_all(self.stores(range(len(self.spec.outputs)), top))
         return render(GEMM, name=name, params="\n".join(f"{p}," for p in self.params), body="\n".join(self.top.lines))
+
+    def _operand(self, op: str, j: int, ref: tuple, dtype: torch.dtype, scope: _Scope) -> str:
+        """Operand ``op``'s tile in the K loop: loaded through its strides, or its prologue computed
+        from loads at the tile (cast to the operand's dtype, as the unfused kernel would store it;
+        zero outside the mask, where the prologue of zeros need not be zero)."""
+        (r, c), dims, mask = OPERAND_TILE[op]
+        g = self.spec.gemm
+        assert g is not None
+        if j >= 0:
+            base = "".join(f"{i} * {op}_stride_b{d} + " for d, i in enumerate(self.batch_idx))
+            offset = base + _matrix_offset(op, (r, c), dims, g.a_classes if op == "a" else g.b_classes)
+            scope.add(f"{op} = tl.load(in{j}_ptr + {offset}, mask={mask}, other=0)")
+            return op
+        v = self.value(ref, scope)
+        scope.add(f"{op} = tl.where({mask}, {to_storage(v, self.types[v], dtype)}, 0)")
+        return op
+
+    def _scope_of(self, role: str, loop: _Scope) -> _Scope:
+        """Every value at a tile: the epilogue's at the product's, a prologue's in the K loop."""
+        return self.top if role == "scalar" else loop
 
     def _tile_offset(self, prefix: str, classes: tuple[str, str]) -> str:
         """An epilogue tensor's offset at the tile: its batch strides, then rows and columns."""
@@ -137,8 +158,17 @@ class GemmWriter(Writer):
     def _emit_load(self, k: int, scope: _Scope) -> str:
         ld = self.spec.loads[k]
         dtype = self.spec.in_dtypes[ld.input]
-        offset = self._tile_offset(self.load_names[k], (*ld.rows, *ld.cols))
-        text = f"tl.load(in{ld.input}_ptr + {offset}, mask=mask, other=0)"
+        if ld.role in OPERAND_TILE:  # a prologue's load, at the operand's tile in the K loop
+            (r, c), _, mask = OPERAND_TILE[ld.role]
+            name = self.load_names[k]
+            terms = [f"{b} * {name}_stride{d}" for d, b in enumerate(self.batch_idx)]
+            for i, (index, cls) in enumerate(zip((r, c), (*ld.rows, *ld.cols))):
+                if cls != BCAST:
+                    terms.append(index if cls == UNIT else f"{index} * {name}_stride{self.nb + i}")
+            offset = " + ".join(t for t in terms if t) or f"({r} * 0 + {c} * 0)"
+        else:
+            offset, mask = self._tile_offset(self.load_names[k], (*ld.rows, *ld.cols)), "mask"
+        text = f"tl.load(in{ld.input}_ptr + {offset}, mask={mask}, other=0)"
         cdt = compute_dtype(dtype)
         if cdt != dtype:
             text += f".to({TRITON_TYPE[cdt]})"

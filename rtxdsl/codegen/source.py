@@ -189,10 +189,7 @@ class Writer:
         kind, i = ref
         if kind == "s":
             return f"s{i}"
-        if kind == "l":
-            scope = loop if self.spec.loads[i].role == "full" else self.top
-        else:
-            scope = loop if self.spec.nodes[i].role == "full" else self.top
+        scope = self._scope_of(self.spec.loads[i].role if kind == "l" else self.spec.nodes[i].role, loop)
         if ref in scope.memo:
             return scope.memo[ref]
         if kind == "l":
@@ -209,6 +206,10 @@ class Writer:
                 name = self._emit_node(node, f"v{i}", scope, loop)
         scope.memo[ref] = name
         return name
+
+    def _scope_of(self, role: str, loop: _Scope) -> _Scope:
+        """Where a value of ``role`` is computed: full-size values in the loop, per-row ones once."""
+        return loop if role == "full" else self.top
 
     def _emit_load(self, k: int, scope: _Scope) -> str:
         ld = self.spec.loads[k]

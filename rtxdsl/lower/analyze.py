@@ -17,7 +17,9 @@ The analysis is a sequence of passes, each a function from (graph, groups) to ne
 3. ``absorb_per_row``: math on leaves only is recomputed in every kernel that reads it.
 4. ``recompute_elementwise``: a kernel reading another kernel's elementwise value recomputes
    it from leaves instead of reading it back.
-5. ``finish``: what each kernel reads and writes (a value is written only when requested or
+5. ``absorb_prologues``: a GEMM recomputes an elementwise operand at load time (its prologue)
+   where the traffic model says that is cheaper than writing the operand and reading it back.
+6. ``finish``: what each kernel reads and writes (a value is written only when requested or
    read by a kernel that does not compute it), its pattern, and a launch order.
 
 Movement ops that re-index (slices, ``cat``, ``flip``, ``gather``) are evaluated inside the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import graphlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -38,12 +41,16 @@ from ..config import FusionConfig
 from ..expr import Expr
 from ..ops import REGISTRY, OpKind
 from .expand import Graph, is_leaf
+from .prologue import Operand, choose, reloads
 
 
 class Role(enum.Enum):
     FULL = "full"
     KEEP = "keep"
     DROP = "drop"
+    #: a GEMM's prologue: recomputed at the tiles of its left (A) or right (B) operand
+    A = "a"
+    B = "b"
 
 
 PATTERN_PRIORITY = (
@@ -72,6 +79,7 @@ class Group:
     outputs: tuple[Expr, ...] = ()
     pattern: str = "Single"
     cone: tuple[Expr, ...] = ()  # free nodes its movement ops evaluate at remapped coordinates
+    notes: tuple[str, ...] = ()  # the analyzer's choices for this kernel, with their figures (explain)
 
     @property
     def remaps(self) -> bool:
@@ -121,6 +129,7 @@ def analyze(graph: Graph, config: FusionConfig) -> Plan:
     groups = merge_siblings(graph, fl, groups, config, small)
     groups = absorb_per_row(graph, fl, groups, config, small)
     groups = recompute_elementwise(graph, fl, groups, config, small)
+    groups = absorb_prologues(graph, fl, groups, config, small)
     return finish(graph, fl, groups)
 
 
@@ -209,15 +218,17 @@ class _Work:
     nodes: list[Expr] = field(default_factory=list)
     roles: dict[int, Role] = field(default_factory=dict)
     free: list[Expr] = field(default_factory=list)  # recomputed where views of them are read
+    notes: list[str] = field(default_factory=list)
 
     @staticmethod
     def of(g: Group) -> _Work:
-        return _Work(g.shape, g.axes, list(g.nodes), dict(g.roles), list(g.cone))
+        return _Work(g.shape, g.axes, list(g.nodes), dict(g.roles), list(g.cone), list(g.notes))
 
     def freeze(self, order: Mapping[int, int]) -> Group:
         nodes = tuple(sorted(self.nodes, key=lambda m: order[id(m)]))
         cone = tuple(sorted(self.free, key=lambda m: order[id(m)]))
-        return Group(self.shape, self.axes, nodes, MappingProxyType(dict(self.roles)), cone=cone)
+        roles = MappingProxyType(dict(self.roles))
+        return Group(self.shape, self.axes, nodes, roles, cone=cone, notes=tuple(self.notes))
 
     @property
     def is_row(self) -> bool:
@@ -720,7 +731,113 @@ def recompute_elementwise(
     return tuple(g.freeze(order) for g in work)
 
 
-# ---- pass 5: outputs, inputs, pattern, launch order ---------------------------------------------
+# ---- pass 5: GEMM prologues ----------------------------------------------------------------------
+def absorb_prologues(
+    graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
+) -> tuple[Group, ...]:
+    """A GEMM recomputes an elementwise operand at load time, per tile (its prologue).
+
+    The operand's elementwise cone inside the kernel that computes it (over that kernel's inputs:
+    no reduction, no movement op) is copied into every GEMM reading the operand, when the traffic
+    model (:mod:`rtxdsl.lower.prologue`) says recomputing it per tile costs less than writing it
+    and reading it back. Its home kernel then stops writing it, and disappears if nothing else of
+    it is needed. Each candidate's choice is a note on the GEMM's group (``explain()``).
+    """
+    requested = {id(e) for _, e in graph.outputs}
+    consumers = _consumers(graph, fl)
+    work = [_Work.of(g) for g in groups]
+    homes = _homes(work)
+    gemms = [w for w in work if w.contraction is not None]
+    readers: dict[int, list[tuple[_Work, str]]] = {}  # operand id -> the GEMMs reading it, as A or B
+    for w in gemms:
+        c = w.contraction
+        assert c is not None
+        if c.srcs[0] is c.srcs[1]:
+            continue
+        for side, s in zip("AB", c.srcs):
+            if id(s) in homes and work[homes[id(s)]] is not w:
+                readers.setdefault(id(s), []).append((w, side))
+    taken: dict[int, set[int]] = {id(w): set() for w in gemms}  # nodes already in a GEMM's prologues
+    emptied: list[_Work] = []  # kernels that computed an operand now recomputed: still needed?
+    for s in (n for n in graph.nodes if id(n) in readers):
+        home = work[homes[id(s)]]
+        chain = _elementwise_cone(s, home, homes, work, graph, solo)
+        gemm_readers = readers[id(s)]
+        if chain is None or any(
+            taken[id(w)] & {id(m) for m in chain} or graph.ops(w.nodes + chain) > config.max_fusion_ops
+            for w, _ in gemm_readers
+        ):
+            continue
+        inside = {id(m) for m in home.nodes}
+        gemm_nodes = {id(w.contraction) for w, _ in gemm_readers}
+        outside = [c for c in consumers.get(id(s), ()) if id(c) not in gemm_nodes]
+        written = id(s) in requested or any(id(c) not in inside for c in outside)
+        members = {id(m) for m in chain}
+        computed = written or any(id(c) in inside and id(c) not in members for c in outside)
+        info = graph.of(s)
+        choice = choose(
+            _label(s, graph),
+            sum(REGISTRY[m.op].cost for m in chain),
+            math.prod(info.shape),
+            info.dtype.itemsize,
+            [
+                Operand(side, reloads(side, graph.of(w.contraction).shape, info.shape, w.contraction.attr("sum_batch")))
+                for w, side in gemm_readers
+            ],
+            computed,
+            written,
+        )
+        for w, side in gemm_readers:
+            w.notes.append(choice.note)
+            if choice.fuse:
+                for m in chain:
+                    w.roles[id(m)] = Role.A if side == "A" else Role.B
+                w.nodes[:0] = chain
+                taken[id(w)] |= members
+        if choice.fuse:
+            emptied.append(home)
+    dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
+    order = _order(graph)
+    return tuple(g.freeze(order) for g in work if id(g) not in dead)
+
+
+def _elementwise_cone(
+    s: Expr, home: _Work, homes: dict[int, int], work: list[_Work], graph: Graph, solo: frozenset[int]
+) -> list[Expr] | None:
+    """``s`` and the nodes of its home kernel it is computed from, if all are elementwise (not
+    per-row DROP values, none kept apart by ``solo``); None otherwise."""
+    out: list[Expr] = []
+    stack, seen = [s], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if id(n) in solo or REGISTRY[n.op].kind is not OpKind.ELEMENTWISE or home.role(n) is Role.DROP:
+            return None
+        out.append(n)
+        stack.extend(x for x in n.srcs if id(x) in homes and work[homes[id(x)]] is home)
+    return out
+
+
+def _writes(g: _Work, work: list[_Work], requested: set[int], consumers: dict[int, list[Expr]]) -> bool:
+    """Does ``g`` still write anything: a value requested, or read by a kernel that does not compute it?"""
+    members = [{id(m) for m in w.nodes} for w in work]
+    for m in g.nodes:
+        if id(m) in requested:
+            return True
+        for c in consumers.get(id(m), ()):
+            if any(id(c) in ms and id(m) not in ms for ms in members):
+                return True
+    return False
+
+
+def _label(n: Expr, graph: Graph) -> str:
+    """A value's name in a note: its op and shape."""
+    return f"{n.op}[{', '.join(map(str, graph.of(n).shape))}]"
+
+
+# ---- pass 6: outputs, inputs, pattern, launch order ---------------------------------------------
 def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
     requested = {id(e) for _, e in graph.outputs}
     consumers = _consumers(graph, fl)
@@ -768,6 +885,7 @@ def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
                 outputs,
                 _pattern(g, graph),
                 tuple(sorted(cone.values(), key=lambda c: order[id(c)])),
+                g.notes,
             ),
         )
     return Plan(_topo(done, homes), graph)
@@ -780,8 +898,8 @@ def _writers(graph: Graph, groups: tuple[Group, ...]) -> dict[int, int]:
     for i in reversed(range(len(groups))):
         g = groups[i]
         exact = {Role.FULL: g.shape, Role.KEEP: g.keep_shape(), Role.DROP: g.drop_shape()}
-        for m in g.nodes:
-            if graph.of(m).shape == exact[g.role(m)]:
+        for m in g.nodes:  # a GEMM's prologue is never written by it
+            if graph.of(m).shape == exact.get(g.role(m)):
                 out[id(m)] = i
     return out
 

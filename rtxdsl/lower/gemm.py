@@ -24,8 +24,9 @@ from dataclasses import replace
 import torch
 
 from ..errors import RtxError
+from ..expr import Expr
 from ..ops import REGISTRY, OpKind
-from .analyze import Group
+from .analyze import Group, Role
 from .expand import Graph
 from .schedule import (
     INT32_LIMIT,
@@ -56,10 +57,19 @@ def _pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
-def epilogue_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
-    """The loads the epilogue reads (the operands are read by the K loop, through their own strides)."""
+def tile_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
+    """The loads the epilogue and the prologues read, each at its own tile (its role: "full" at the
+    product's, "a" / "b" at an operand's). A plain operand is read by the K loop through its own strides."""
     used = {i for nd in nodes if REGISTRY[nd.op].kind is not OpKind.CONTRACTION for kind, i in nd.srcs if kind == "l"}
     return sorted(used)
+
+
+def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:
+    """A contraction operand's layout: read from memory, or (a prologue) computed at load time."""
+    if id(s) in layouts:
+        return layouts[id(s)]
+    info = graph.of(s)
+    return Layout(info.shape, contiguous_strides(info.shape), info.dtype)
 
 
 def gemm_spec(
@@ -69,7 +79,7 @@ def gemm_spec(
     c = group.contraction
     assert c is not None
     ta, tb, sum_batch = c.attr("ta"), c.attr("tb"), c.attr("sum_batch")
-    a, b = (layouts[id(s)] for s in c.srcs)
+    a, b = (operand_layout(s, graph, layouts) for s in c.srcs)
     m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
     n = b.shape[-2] if tb else b.shape[-1]
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
@@ -78,16 +88,21 @@ def gemm_spec(
     bd = body(group, graph)
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
-    epilogue = epilogue_loads(bd.nodes)
-    classes = {
-        i: _matrix_classes(layouts[id(group.inputs[j])], domain) if i in epilogue else ((), ())
-        for i, (j, _, _) in enumerate(bd.loads)
-    }
-    a_in, b_in = (next(j for j, s in enumerate(group.inputs) if s is x) for x in c.srcs)
+    at_tiles = tile_loads(bd.nodes)
+    operand = {Role.A: (a, ta, batch), Role.B: (b, tb, batch)}
+    strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]] = {}  # load -> batch strides, tile strides
+    for i, (j, role, _) in enumerate(bd.loads):
+        if i in at_tiles:
+            lay = layouts[id(group.inputs[j])]
+            strides[i] = _operand_strides(lay, *operand[role]) if role in operand else _tile_strides(lay, domain)
+    a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(
         kind="gemm",
         in_dtypes=tuple(layouts[id(s)].dtype for s in group.inputs),
-        loads=tuple(LoadSpec(j, role.value, *classes[i]) for i, (j, role, _) in enumerate(bd.loads)),
+        loads=tuple(
+            LoadSpec(j, role.value, *_classes(strides[i][1]) if i in strides else ((), ()))
+            for i, (j, role, _) in enumerate(bd.loads)
+        ),
         nodes=bd.nodes,
         outputs=tuple(
             OutSpec(bd.index[id(o)], layouts[id(o)].dtype, "full", (STRIDED,), (UNIT,)) for o in group.outputs
@@ -111,13 +126,12 @@ def gemm_spec(
         ),
     )
     ints = [m, n, k, *batch]
-    for lay, st, cls in ((a, sa, spec.gemm.a_classes), (b, sb, spec.gemm.b_classes)):
-        ints += [*_batch_strides(lay, batch), *(v for v, c in zip(st, cls) if c == STRIDED)]
-    for i in epilogue:
-        lay = layouts[id(group.inputs[bd.loads[i][0]])]
-        full = expand_strides(lay, domain)
-        ld = spec.loads[i]
-        ints += [*full[:-2], *(v for v, c in zip(full[-2:], (*ld.rows, *ld.cols)) if c == STRIDED)]
+    for lay, st, cls, j in ((a, sa, spec.gemm.a_classes, a_in), (b, sb, spec.gemm.b_classes, b_in)):
+        if j >= 0:  # a prologue's strides are its loads'
+            ints += [*_batch_strides(lay, batch), *(v for v, c in zip(st, cls) if c == STRIDED)]
+    for i in at_tiles:
+        over_batch, tile_strides = strides[i]
+        ints += [*over_batch, *(v for v in tile_strides if stride_class(v) == STRIDED)]
     for o in group.outputs:
         ints += contiguous_strides(graph.of(o).shape)[:-1]  # the columns' stride is 1
     kinds, vals = _scalar_args(bd.slots, graph, torch.float64 if a.dtype == torch.float64 else torch.float32)
@@ -148,10 +162,24 @@ def _unit(stride: int, other: int) -> str:
     return UNIT if stride == 1 and other != 1 else STRIDED
 
 
-def _matrix_classes(lay: Layout, domain: tuple[int, ...]) -> tuple[tuple[str], tuple[str]]:
-    """An epilogue input's (rows, cols) stride classes over the product's last two dims."""
-    m, n = expand_strides(lay, domain)[-2:]
-    return (stride_class(m),), (stride_class(n),)
+def _tile_strides(lay: Layout, domain: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """An epilogue input's strides over the product's batch dims and its (rows, cols)."""
+    full = expand_strides(lay, domain)
+    return full[:-2], (full[-2], full[-1])
+
+
+def _operand_strides(
+    lay: Layout, operand: Layout, transposed: bool, batch: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """A prologue input's strides over the product's batch dims and the operand's tile: (m, k) for
+    A, (k, n) for B (an operand read transposed swaps its last two dims)."""
+    full = expand_strides(lay, operand.shape)
+    r, c = full[-2:]
+    return _batch_strides(Layout(operand.shape, full, lay.dtype), batch), ((c, r) if transposed else (r, c))
+
+
+def _classes(tile: tuple[int, int]) -> tuple[tuple[str], tuple[str]]:
+    return (stride_class(tile[0]),), (stride_class(tile[1]),)
 
 
 def _batch_strides(lay: Layout, batch: tuple[int, ...]) -> tuple[int, ...]:

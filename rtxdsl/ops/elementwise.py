@@ -51,11 +51,13 @@ def _ew(
     precedence: int = 10,
     pattern: str | None = None,
     eager_launches: int = 1,
+    cost: int = 1,
 ) -> OpDef:
     return register(
         OpDef(
             name=name,
             kind=OpKind.ELEMENTWISE,
+            cost=cost,
             arity=arity,
             ref=ref,
             emit=emit,
@@ -533,6 +535,7 @@ def _math(
     accepts=ANY,
     pattern: str | None = None,
     functional: bool = False,
+    cost: int = 4,
 ) -> OpDef:
     torch_names = torch_fns(name) if not functional else [getattr(F, name)]
     inplace = getattr(torch.Tensor, f"{name}_", None)
@@ -544,6 +547,7 @@ def _math(
         derivative,
         accepts=accepts,
         pattern=pattern,
+        cost=cost,
         front=Front(
             fn=unary_fn(name, text),
             methods={name: None},
@@ -553,9 +557,15 @@ def _math(
     )
 
 
-_math("floor", lambda c, a: _float_only(c, a, f"tl.floor({a})"), _zero, "round down")
-_math("ceil", lambda c, a: _float_only(c, a, f"tl.ceil({a})"), _zero, "round up")
-_math("trunc", lambda c, a: _float_only(c, a, f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))"), _zero, "toward 0")
+_math("floor", lambda c, a: _float_only(c, a, f"tl.floor({a})"), _zero, "round down", cost=1)
+_math("ceil", lambda c, a: _float_only(c, a, f"tl.ceil({a})"), _zero, "round up", cost=1)
+_math(
+    "trunc",
+    lambda c, a: _float_only(c, a, f"tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))"),
+    _zero,
+    "toward 0",
+    cost=1,
+)
 _ew(
     "round",
     1,
@@ -626,6 +636,7 @@ _math(
     lambda d: (node("where", node("le", d.a, 0), 0.0, d.g),),
     "max(x, 0), NaN kept",
     pattern="Activation",
+    cost=1,
 )
 
 
@@ -689,6 +700,7 @@ _ew(
     _gelu_derivative,
     accepts=FLOATING,
     pattern="Activation",
+    cost=8,  # erf (or tanh) and four multiplies
     front=Front(fn=gelu, methods={"gelu": None}, torch={F.gelu: gelu}),
 )
 

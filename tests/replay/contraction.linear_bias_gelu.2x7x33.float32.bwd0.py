@@ -10,12 +10,10 @@ def row_add_mul_erf_exp_SIG(
     in1_ptr,
     in2_ptr,
     out0_ptr,
-    out1_ptr,
     n_rows,
     n_cols,
     in0_col_stride0,
     in2_col_stride0,
-    out0_col_stride0,
     s0,
     s1,
     s2,
@@ -47,6 +45,5 @@ def row_add_mul_erf_exp_SIG(
     v11 = x2 * v10
     t0 = tl.where(mask, v11, 0)
     v12 = tl.sum(t0, axis=1)[:, None]
-    tl.store(out0_ptr + rows + cols * out0_col_stride0, v11, mask=mask)
-    tl.store(out1_ptr + rows, v12, mask=row_mask)
+    tl.store(out0_ptr + rows, v12, mask=row_mask)
 

@@ -43,8 +43,8 @@ def gemm_contract_add_gelu_SIG(
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + offs_k
         a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
-        a = tl.load(in0_ptr + batch * a_stride_b0 + offs_m[:, None] * a_stride_m + ks[None, :], mask=a_mask, other=0)
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
+        a = tl.load(in0_ptr + batch * a_stride_b0 + offs_m[:, None] * a_stride_m + ks[None, :], mask=a_mask, other=0)
         b = tl.load(in1_ptr + batch * b_stride_b0 + ks[:, None] + offs_n[None, :] * b_stride_n, mask=b_mask, other=0)
         acc = tl.dot(a, b, acc, input_precision="ieee")
     rows = offs_m[:, None]
