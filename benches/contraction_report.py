@@ -40,6 +40,18 @@ def cases(tokens: int, hidden: int, inter: int, dtype: torch.dtype) -> dict:
             lambda x, w, b, r: F.linear(x, w, b) + r,
             {"x": t(tokens, inter), "w": t(hidden, inter), "b": t(hidden), "r": t(tokens, hidden)},
         ),
+        # prologues: the traffic model recomputes a cast at load at any size; gelu'(h) * g in both
+        # gradient GEMMs (and the bias gradient in dW's K loop) only where few tiles reload it
+        "fp32 activations cast at load -> linear": (
+            rx.linear(rx.cast(x, dtype), w),
+            lambda x, w: F.linear(x.to(dtype), w),
+            {"x": torch.empty(tokens, hidden), "w": t(hidden, hidden)},
+        ),
+        "narrow input (128): linear + bias + GELU": (
+            rx.gelu(rx.linear(x, w, b)),
+            lambda x, w, b: F.gelu(F.linear(x, w, b)),
+            {"x": t(tokens, 128), "w": t(inter, 128), "b": t(inter)},
+        ),
         "Llama MLP: down(silu(gate(x)) * up(x))": (
             rx.linear(rx.swiglu(rx.linear(x, wg), rx.linear(x, wu)), wd),
             lambda x, wg, wu, wd: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd),
@@ -68,7 +80,7 @@ class _Launches(TorchDispatchMode):
 
 def eager_launches(fn: Callable[..., torch.Tensor], ins: dict[str, torch.Tensor]) -> tuple[int, int]:
     """Eager torch's launches, forward and backward (autograd), on small tensors of the same ranks."""
-    small = {n: torch.randn([min(s, 8) for s in v.shape], requires_grad=True) for n, v in ins.items()}
+    small = {n: torch.randn([min(s, 8) for s in v.shape], dtype=v.dtype, requires_grad=True) for n, v in ins.items()}
     with _Launches() as fwd:
         out = fn(**small)
     cotangent = torch.ones_like(out)  # made before counting: not part of autograd's backward

@@ -42,9 +42,20 @@ SCRIPT = textwrap.dedent("""
                                  y=torch.empty(4096, 1024, dtype=torch.bfloat16),
                                  w=torch.empty(128, 1024, dtype=torch.bfloat16))),
     }
+    # the backward of linear + bias + gelu from a narrow input (128 features, where the traffic
+    # model recomputes gelu'(h) * g at load): two GEMMs, the second with the bias gradient merged
+    # in its K loop
+    bf = dict(dtype=torch.bfloat16)
+    bwd = rx.compile(rx.gelu(rx.linear(x, w, b))).grad_plan(
+        x=torch.empty(4096, 128, **bf), w=torch.empty(1024, 128, **bf), b=torch.empty(1024, **bf)).backward
+    shapes = dict(_g0=(4096, 1024), _s0=(4096, 1024), x=(4096, 128), w=(1024, 128), b=(1024,))
+    feed = {n: torch.empty(shapes[n], **bf) for n in bwd.inputs}
+    assert [k.summary.endswith("contract, sum") for k in bwd.program(**feed).kernels] == [False, True]
+    kernels = {name: (rx.compile(e), ins, 0) for name, (e, ins) in cases.items()}
+    kernels["gemm_bwd_bias_sum"] = (bwd, feed, -1)
     out = {}
-    for name, (e, ins) in cases.items():
-        f = compile_kernel(rx.compile(e), ins)[0]
+    for name, (kernel, ins, which) in kernels.items():
+        f = compile_kernel(kernel, ins)[which]
         out[name] = dict(v4_loads=f.v4_loads, v4_stores=f.v4_stores, regs=f.registers, spills=f.spill_bytes,
                          stores=f.ptx.count("st.global"), wgmma=f.ptx.count("wgmma.mma_async"))
     print(json.dumps(out))
@@ -74,7 +85,7 @@ def test_contiguous_path_uses_128_bit_loads_and_stores(facts):
 
 
 def test_contractions_use_hopper_warpgroup_mma(facts):
-    for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu"):
+    for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu", "gemm_bwd_bias_sum"):
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0
 

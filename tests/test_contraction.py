@@ -126,13 +126,14 @@ def test_gradients_are_contractions_with_the_epilogue_backward_fused(gen):
     assert rx.fusion_stats().kernels_launched == 1
     rx.reset_fusion_stats()
     out.backward(torch.ones_like(out))
-    # the bias gradient's column sum of gelu'(h) * g, then dx and dW (batch dims summed in-kernel),
-    # each recomputing gelu'(h) * g at load (their prologue): it is never written
-    assert rx.fusion_stats().kernels_launched == 3
+    # dx and dW (batch dims summed in-kernel), each recomputing gelu'(h) * g at load (their
+    # prologue): it is never written; the bias gradient, its column sum, merged in dW's K loop
+    assert rx.fusion_stats().kernels_launched == 2
     plan = k.grad_plan(x=xs, w=ws, b=bs)
     feed = {"_g0": torch.ones(2, 5, 7, dtype=torch.float64), "_s0": out.detach(), "x": xs, "w": ws, "b": bs}
     text = plan.backward.explain(**{n: feed[n].detach() for n in plan.backward.inputs})
     assert text.count("recomputed at load") == 2 and "intermediate" not in text, text
+    assert "sum of A over its contracted dims, merged in the K loop" in text, text
     a = torch.randn(3, 1, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
     c = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     km = rx.compile(x @ w)
@@ -353,3 +354,56 @@ def test_the_traffic_model_keeps_a_costly_prologue_apart():
     ins = dict(g=torch.empty(1, 1).expand(4096, 4096), w=big.expand(4096, 4096))
     assert cast.launches(**ins) == 1
     assert "loaded by 32 tile(s): recomputed at load" in cast.explain(**ins)
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+def test_a_bias_gradient_is_merged_in_the_weight_gradients_k_loop(dtype, atol, rtol, gen):
+    """linear + bias + gelu's backward: two GEMMs, the bias gradient (a column sum of gelu'(h) * g
+    over the tokens, which the dW GEMM contracts) merged in dW's K loop, written by the first column
+    of tiles only. Sizes span several tiles both ways (130 out features, 70 in features)."""
+    xs = torch.randn(37, 70, generator=gen).to(dtype).requires_grad_()
+    ws = torch.randn(130, 70, generator=gen).to(dtype).requires_grad_()
+    bs = torch.randn(130, generator=gen).to(dtype).requires_grad_()
+    k = rx.compile(rx.gelu(rx.linear(x, w, b)))
+    out = k(x=xs, w=ws, b=bs)
+    cot = torch.randn(out.shape, generator=gen).to(dtype)
+    rx.reset_fusion_stats()
+    out.backward(cot)
+    assert rx.fusion_stats().kernels_launched == 2
+    ref = [t.detach().double().requires_grad_() for t in (xs, ws, bs)]
+    F.gelu(F.linear(*ref)).backward(cot.double())
+    for name, got, want in zip(("dx", "dw", "db"), (xs.grad, ws.grad, bs.grad), (t.grad for t in ref)):
+        _close(got, want, dtype, atol * 4, rtol * 4, 37, name)  # gelu' in fp32 of a rounded product
+
+
+def test_any_mergeable_reduction_of_A_over_the_contracted_axis_joins_the_gemm(gen):
+    """Not only sums: a max and a logsumexp of the prologue operand over the axis the GEMM
+    contracts are merged tile by tile in the K loop (their registry states), in one kernel. The
+    values are negative: a masked lane (K = 33 is not a multiple of the K slice) must hold the
+    max's identity, not the zero the loads fill in."""
+    gs, ws = torch.randn(33, 9, generator=gen), torch.randn(33, 70, generator=gen)
+    e = rx.exp(g_) * -0.5
+    kernel = rx.compile({"y": rx.matmul(rx.permute(e, (1, 0)), w), "mx": rx.amax(e, 0), "lse": rx.logsumexp(e, 0)})
+    assert kernel.launches(g=gs, w=ws) == 1
+    got = kernel(g=gs, w=ws)
+    ed = torch.exp(gs.double()) * -0.5
+    assert_close(got["y"], ed.mT @ ws.double(), 1e-5, 1e-5, "y")
+    assert_close(got["mx"], ed.amax(0), 1e-6, 1e-6, "amax")
+    assert_close(got["lse"], torch.logsumexp(ed, 0), 1e-6, 1e-6, "logsumexp")
+
+
+def test_memory_trace_of_the_fused_backward_writes_only_the_gradients(gen):
+    """linear + bias + gelu's backward on the sm_90 configuration: gelu'(h) * g is never stored
+    (each GEMM recomputes it at load), each gradient is stored once (the bias gradient by the
+    first column of tiles only), and dh's inputs are read once per column of tiles, as A is."""
+    m, n, k = 300, 260, 96  # ragged edges
+    kernel = rx.compile(rx.gelu(rx.linear(x, w, b)))
+    plan = kernel.grad_plan(x=torch.empty(m, k), w=torch.empty(n, k), b=torch.empty(n))
+    shapes = {"_g0": (m, n), "_s0": (m, n), "b": (n,), "w": (n, k), "x": (m, k)}
+    feed = {name: torch.randn(shapes[name], generator=gen) for name in plan.backward.inputs}
+    t = rx.memory_trace(plan.backward, **feed)
+    assert len(t.launches) == 2
+    stored = sum(tt.stored for launch in t.launches for tt in launch.tensors)
+    assert stored == (m * k + n * k + n) * 4  # dx, dW, db: nothing else
+    for launch in t.launches:
+        assert all(tt.stored in (0, tt.nbytes) for tt in launch.tensors)

@@ -11,8 +11,9 @@ import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.gemm import tile_loads
-from ..lower.spec import BCAST, STRIDED, UNIT
-from ..ops import REGISTRY, OpKind
+from ..lower.schedule import reduce_dtype
+from ..lower.spec import BCAST, STRIDED, UNIT, KernelSpec
+from ..ops import REGISTRY, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from .source import Writer, _Scope
 from .template import render
@@ -68,6 +69,11 @@ class GemmWriter(Writer):
     strides (batch dims, then ``m, k`` / ``k, n``), each epilogue load's and output's strides over
     the product's dims, the scalars (the order :func:`rtxdsl.lower.gemm.gemm_spec` passes them)."""
 
+    def __init__(self, spec: KernelSpec) -> None:
+        super().__init__(spec)
+        #: reductions of A merged in the K loop: (node, its reduction, context, running state)
+        self.k_reductions: list[tuple[int, ReduceSpec, EmitCtx, tuple[str, ...]]] = []
+
     def build_params(self) -> None:
         s, g = self.spec, self.spec.gemm
         assert g is not None
@@ -85,8 +91,9 @@ class GemmWriter(Writer):
             nb = self.nb if ld.role in OPERAND_TILE else self.out_dims - 2
             self.params += [f"{name}_stride{d}" for d in range(nb)]
             self.params += [f"{name}_stride{nb + i}" for i, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
-        for k in range(len(s.outputs)):
-            self.params += [f"out{k}_stride{d}" for d in range(self.out_dims - 1)]  # columns: stride 1
+        for k, o in enumerate(s.outputs):
+            if o.role == "full":  # a reduction of A is contiguous: one value per row of the product
+                self.params += [f"out{k}_stride{d}" for d in range(self.out_dims - 1)]  # columns: stride 1
         self.params += [f"s{k}" for k in range(len(s.scalars))]
 
     def gemm(self, name: str) -> str:
@@ -102,20 +109,20 @@ class GemmWriter(Writer):
         operand_dtype = self.spec.nodes[contraction].dtype
         acc_dtype = torch.float64 if operand_dtype == torch.float64 else torch.float32
         top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
-        loop = top
-        if g.sum_batch and self.nb:  # every batch's product into one accumulator
-            top.add(f"for batch in range(0, {' * '.join(f'bsize{d}' for d in range(self.nb))}):")
-            loop = _Scope(indent="    ")
-        self.batch_idx = self._decompose(loop, "batch", "b", "bsize", self.nb)  # the batch's coordinates
-        loop.add_all(K_LOOP.rstrip("\n").splitlines())
-        k_scope = _Scope(indent=loop.indent + "    ")
+        batches = _Scope(indent="    ") if g.sum_batch and self.nb else top  # every batch into one accumulator
+        self.batch_idx = self._decompose(batches, "batch", "b", "bsize", self.nb)  # the batch's coordinates
+        k_scope = _Scope(indent=batches.indent + "    ")
         srcs = self.spec.nodes[contraction].srcs
         tiles = [self._operand(op, j, ref, operand_dtype, k_scope) for op, j, ref in zip("ab", (g.a, g.b), srcs)]
         precision = f', input_precision="{g.precision}"' if operand_dtype == torch.float32 else ""
         k_scope.add(f"acc = tl.dot({tiles[0]}, {tiles[1]}, acc{precision})")
-        loop.lines.extend(k_scope.lines)
-        if loop is not top:
-            top.lines.extend(loop.lines)
+        batches.add_all(K_LOOP.rstrip("\n").splitlines())
+        batches.lines.extend(k_scope.lines)
+        if batches is not top:
+            top.add(f"for batch in range(0, {' * '.join(f'bsize{d}' for d in range(self.nb))}):")
+            top.lines.extend(batches.lines)
+        for i, red, ctx, running in self.k_reductions:
+            self._finish_reduction(i, red, ctx, running)
         idx = self.batch_idx
         self.out_idx = [] if g.sum_batch else idx
         top.add_all(["rows = offs_m[:, None]", "cols = offs_n[None, :]", "mask = (rows < M) & (cols < N)"])
@@ -138,7 +145,26 @@ class GemmWriter(Writer):
             return op
         v = self.value(ref, scope)
         scope.add(f"{op} = tl.where({mask}, {to_storage(v, self.types[v], dtype)}, 0)")
+        for i, node in enumerate(self.spec.nodes):
+            if REGISTRY[node.op].kind is OpKind.REDUCTION and node.srcs[0] == ref:
+                self._k_reduction(i, v, mask, scope)
         return op
+
+    def _k_reduction(self, i: int, v: str, mask: str, scope: _Scope) -> None:
+        """Reduction ``i`` of A over its contracted dims: each K tile's states merged into one
+        running state per row of the tile (initialized before the loops, finished after them)."""
+        node = self.spec.nodes[i]
+        red = REGISTRY[node.op].reduce
+        rdt = reduce_dtype(node)
+        running = tuple(f"{c}{i}" for c in red.state)
+        for name, ident in zip(running, red.identity(rdt)):
+            self.top.add(f"{name} = tl.full([BLOCK_M, 1], {ident}, dtype={TRITON_TYPE[rdt]})")
+        ctx = self._ctx(node, scope, rdt)
+        x = self.cast(v, rdt)
+        lifted = tuple(ctx.tmp(f"tl.where({mask}, {c}, {e})") for c, e in zip(red.lift(ctx, x), red.identity(rdt)))
+        staged = [ctx.tmp(expr) for expr in red.merge(ctx, running, red.tile(ctx, lifted))]
+        scope.add_all([f"{name} = {expr}" for name, expr in zip(running, staged)])
+        self.k_reductions.append((i, red, self._ctx(node, self.top, rdt), running))
 
     def _scope_of(self, role: str, loop: _Scope) -> _Scope:
         """Every value at a tile: the epilogue's at the product's, a prologue's in the K loop."""
@@ -181,5 +207,7 @@ class GemmWriter(Writer):
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
+        if o.role != "full":  # a reduction of A, one value per row: the first column of tiles writes it
+            return f"tl.store(out{k}_ptr + rows, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
         offset = self._tile_offset(f"out{k}", (STRIDED, UNIT))
         return f"tl.store(out{k}_ptr + {offset}, {val}, mask=mask)"

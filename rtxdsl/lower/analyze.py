@@ -796,9 +796,50 @@ def absorb_prologues(
                 taken[id(w)] |= members
         if choice.fuse:
             emptied.append(home)
+            for w, side in gemm_readers:  # once every reader recomputes it
+                if side == "A":
+                    emptied += _reduce_in_k_loop(w, s, work, graph, consumers, requested)
     dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
     order = _order(graph)
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
+
+
+def _reduce_in_k_loop(
+    w: _Work, s: Expr, work: list[_Work], graph: Graph, consumers: dict[int, list[Expr]], requested: set[int]
+) -> list[_Work]:
+    """A mergeable reduction of the prologue operand ``s`` (A) over exactly its contracted dims (the
+    K axis, and the batch dims a ``sum_batch`` GEMM sums) moves into ``w``: each program merges
+    its A tiles' states in the K loop (a bias gradient's column sum in the weight-gradient GEMM).
+    Only when its own kernel then has nothing left to write (a pass over the inputs saved)."""
+    c = w.contraction
+    assert c is not None
+    nd = len(graph.of(s).shape)
+    k_axis = nd - 2 if c.attr("ta") else nd - 1
+    if nd > 2 and not c.attr("sum_batch"):
+        return []  # the product has batch dims: the sum over them crosses programs
+    contracted = tuple(sorted({*range(nd - 2), k_axis}))
+    by_home: dict[int, tuple[_Work, list[Expr]]] = {}
+    for r in consumers.get(id(s), ()):
+        op = REGISTRY[r.op]
+        if op.kind is not OpKind.REDUCTION or op.reduce is None or tuple(sorted(r.attr("axis"))) != contracted:
+            continue
+        home = next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)
+        if home is None or any(any(m is x for m in home.nodes) for x in consumers.get(id(r), ())):
+            continue  # its own kernel reads it: it stays there
+        by_home.setdefault(id(home), (home, []))[1].append(r)
+    moved = []
+    for home, reductions in by_home.values():
+        kept = home.nodes
+        home.nodes = [m for m in kept if not any(m is r for r in reductions)]
+        if _writes(home, work, requested, consumers):
+            home.nodes = kept  # the kernel stays for other values: nothing saved
+            continue
+        for r in reductions:
+            w.nodes.append(r)
+            w.roles[id(r)] = Role.A
+            w.notes.append(f"{_label(r, graph)}: {r.op} of A over its contracted dims, merged in the K loop")
+        moved.append(home)
+    return moved
 
 
 def _elementwise_cone(

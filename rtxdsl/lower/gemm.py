@@ -104,9 +104,7 @@ def gemm_spec(
             for i, (j, role, _) in enumerate(bd.loads)
         ),
         nodes=bd.nodes,
-        outputs=tuple(
-            OutSpec(bd.index[id(o)], layouts[id(o)].dtype, "full", (STRIDED,), (UNIT,)) for o in group.outputs
-        ),
+        outputs=tuple(_out_spec(bd.index[id(o)], layouts[id(o)].dtype, group.role(o)) for o in group.outputs),
         scalars=(),
         reductions=(),
         block=0,
@@ -133,7 +131,8 @@ def gemm_spec(
         over_batch, tile_strides = strides[i]
         ints += [*over_batch, *(v for v in tile_strides if stride_class(v) == STRIDED)]
     for o in group.outputs:
-        ints += contiguous_strides(graph.of(o).shape)[:-1]  # the columns' stride is 1
+        if group.role(o) is Role.FULL:  # a reduction of A is one contiguous value per row of the product
+            ints += contiguous_strides(graph.of(o).shape)[:-1]  # the columns' stride is 1
     kinds, vals = _scalar_args(bd.slots, graph, torch.float64 if a.dtype == torch.float64 else torch.float32)
     spec = replace(spec, scalars=tuple(kinds))
     position = {id(v): i for i, v in enumerate(graph.inputs)}
@@ -154,6 +153,15 @@ def gemm_spec(
     )
     empty = math.prod(domain) == 0
     return spec, Launch(tuple(ints), tuple(vals), (max(1, tiles), max(1, batches)), meta, empty, scalar_inputs)
+
+
+def _out_spec(node: int, dtype: torch.dtype, role: Role) -> OutSpec:
+    """The product's tile (rows strided, columns unit), or a reduction of A: one value per row."""
+    return (
+        OutSpec(node, dtype, role.value, (STRIDED,), (UNIT,))
+        if role is Role.FULL
+        else OutSpec(node, dtype, role.value, (UNIT,), ())
+    )
 
 
 def _unit(stride: int, other: int) -> str:
