@@ -193,12 +193,11 @@ def _checking(config: FusionConfig, device: torch.device) -> bool:
 def _tuned(fn: Any, interpret: bool, call: Any, signature: str, config: FusionConfig, device: torch.device) -> Tuned:
     """A launcher that times its family's launch options on first use (or reads the stored winner)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
-    numel = call.args[0] if call.spec.kind == "pointwise" else 0
 
     def launch_for(grid: tuple[int, ...]) -> Any:
         return _Interpreted(fn, grid) if interpret else fn[grid]
 
-    options = candidates(call.spec, call.meta, call.grid, numel)
+    options = candidates(call.spec, call.meta, call.grid, call.args)
     return Tuned(launch_for, options, tuned_path(config.resolved_cache_dir, signature, name), name)
 
 

@@ -3,6 +3,7 @@ against float64 torch, gradchecked, counted; recorded by the lazy stream."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -407,3 +408,29 @@ def test_memory_trace_of_the_fused_backward_writes_only_the_gradients(gen):
     assert stored == (m * k + n * k + n) * 4  # dx, dW, db: nothing else
     for launch in t.launches:
         assert all(tt.stored in (0, tt.nbytes) for tt in launch.tensors)
+
+
+def test_autotune_times_gemm_tiles_and_keeps_the_winner(tmp_path, gen):
+    """FusionConfig(autotune=True): a GEMM times its tile candidates (the grid follows each tile),
+    keeps the one the (injected) clock says is fastest, and computes the same product with it."""
+    from rtxdsl import tune
+
+    timed: list[int] = []
+
+    def timer(launch) -> float:  # the last candidate wins
+        launch()
+        timed.append(1)
+        return 10.0 - len(timed)
+
+    cfg = rx.FusionConfig(autotune=True, cache_dir=str(tmp_path))
+    xs, ws, bs = torch.randn(150, 33, generator=gen), torch.randn(70, 33, generator=gen), torch.randn(70, generator=gen)
+    tune.set_timer(timer)
+    try:
+        out = rx.compile(rx.gelu(rx.linear(x, w, b)), config=cfg)(x=xs, w=ws, b=bs)
+    finally:
+        tune.set_timer(None)
+    assert len(timed) >= 3  # several distinct tiles at this size
+    (stored,) = (tmp_path / "tuned").glob("*.json")
+    record = json.loads(stored.read_text())
+    assert record["ms"].index(min(record["ms"])) == len(timed) - 1
+    assert_close(out, F.gelu(F.linear(xs.double(), ws.double(), bs.double())), 1e-5, 1e-5)

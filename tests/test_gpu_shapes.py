@@ -217,20 +217,25 @@ def test_trace_agrees_with_the_traffic_model(gen):
 def test_every_family_has_tunable_launch_options():
     from rtxdsl.lower.schedule import TUNABLE, candidates, family
 
+    bf16 = torch.bfloat16
     kernels = {
         "pointwise": (rx.relu(x) + 1.0, {"x": torch.empty(5000)}),
         "row": (rx.softmax(x), {"x": torch.empty(64, 1000)}),
         "looped": (rx.softmax(x), {"x": torch.empty(512, 70001)}),  # enough rows: no split
         "split": (rx.sum(x), {"x": torch.empty(1 << 20)}),
         "tile": (x + y, {"x": torch.empty(64, 64).t(), "y": torch.empty(64, 64)}),
+        "gemm": (rx.linear(x, y), {"x": torch.empty(300, 64, dtype=bf16), "y": torch.empty(40, 64, dtype=bf16)}),
     }
     for name, (expr, inputs) in kernels.items():
         call = rx.compile(expr).lower_for(GPU, **inputs).launched[0]
         assert family(call.spec) == name
-        options = candidates(call.spec, call.meta, call.grid, call.args[0])
-        assert options[0] == (dict(call.meta), call.grid) and len(options) > len(TUNABLE[name]) // 2
+        options = candidates(call.spec, call.meta, call.grid, call.args)
+        assert options[0] == (dict(call.meta), call.grid) and len(options) > len(TUNABLE[name]) // 2, name
         if name == "pointwise":  # a new block resizes the grid
             assert all(g == (-(-5000 // m["BLOCK_SIZE"]),) for m, g in options)
+        if name == "gemm":  # a tile narrowed to the 40 columns (64 wide at most), the grid follows it
+            for m, g in options:
+                assert m["BLOCK_N"] <= 64 and g == (-(-300 // m["BLOCK_M"]) * -(-40 // m["BLOCK_N"]), 1)
 
 
 def test_autotune_times_once_stores_the_winner_and_the_next_process_reads_it(tmp_path, gen):

@@ -36,6 +36,7 @@ from .schedule import (
     body,
     contiguous_strides,
     expand_strides,
+    gemm_block,
     stride_class,
 )
 from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
@@ -47,14 +48,7 @@ MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
 def gemm_tile(target: Target, m: int, n: int, dtype: torch.dtype) -> GemmTile:
     """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)."""
     bm, bn, bk, group_m, warps, stages = target.gemm
-    if dtype in (torch.float32, torch.float64):
-        bk //= 2  # 4- and 8-byte elements: the same bytes per K slice
-    bm, bn = min(bm, _pow2(max(m, 16))), min(bn, _pow2(max(n, 16)))
-    return GemmTile(bm, bn, bk, group_m, warps, stages)
-
-
-def _pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
+    return GemmTile(*gemm_block(bm, bn, bk, m, n, dtype), group_m, warps, stages)
 
 
 def tile_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:

@@ -113,8 +113,8 @@ def split_count(programs: int, n_rows: int, n_cols: int, block: int, target: Tar
 
 def family(spec: KernelSpec) -> str:
     """A kernel's family: which heuristics shaped its launch and which options autotune may try."""
-    if spec.kind == "pointwise":
-        return "pointwise"
+    if spec.kind in ("pointwise", "gemm"):
+        return spec.kind
     if spec.split:
         return "tile" if spec.split == "tile" else "split"
     return "looped" if spec.looped else "row"
@@ -122,7 +122,9 @@ def family(spec: KernelSpec) -> str:
 
 #: per family, the launch options autotune times on first use (the heuristic's own choice is
 #: always a candidate too). Only options that leave the generated source as it is: the warps and
-#: pipeline stages, and a pointwise kernel's block (its grid follows).
+#: pipeline stages, a pointwise kernel's block, a GEMM's tile (their grids follow). The GEMM's
+#: are Triton tutorial 03's Hopper-sized tiles for 16-bit operands (BLOCK_K halves for 4-byte
+#: ones, as the heuristic's does; tiles narrow to small products).
 TUNABLE: Mapping[str, tuple[Mapping[str, int], ...]] = MappingProxyType(
     {
         "pointwise": tuple({"BLOCK_SIZE": bl, "num_warps": w} for bl, w in ((512, 4), (1024, 4), (2048, 8), (4096, 8))),
@@ -130,20 +132,55 @@ TUNABLE: Mapping[str, tuple[Mapping[str, int], ...]] = MappingProxyType(
         "looped": tuple({"num_warps": w, "num_stages": st} for w in (4, 8, 16) for st in (2, 3)),
         "split": tuple({"num_warps": w, "num_stages": st} for w in (4, 8) for st in (2, 3)),
         "tile": tuple({"num_warps": w} for w in (2, 4, 8)),
+        "gemm": tuple(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w, "num_stages": st}
+            for bm, bn, bk, w, st in (
+                (128, 256, 64, 8, 3),
+                (256, 128, 64, 8, 3),
+                (128, 128, 64, 4, 4),
+                (128, 64, 64, 4, 4),
+                (64, 128, 64, 4, 4),
+                (128, 128, 32, 8, 4),
+                (64, 64, 64, 4, 5),
+            )
+        ),
     }
 )
 
 
-def candidates(spec: KernelSpec, meta: tuple[tuple[str, int], ...], grid: tuple[int, ...], numel: int) -> list:
-    """(meta, grid) pairs autotune may launch ``spec`` with: the heuristic's first."""
+def candidates(spec: KernelSpec, meta: tuple[tuple[str, int], ...], grid: tuple[int, ...], args: tuple) -> list:
+    """(meta, grid) pairs autotune may launch ``spec`` with (``args``: the launch's arguments, whose
+    sizes a new block or tile resizes the grid by): the heuristic's first."""
     base = dict(meta)
     out = [(base, grid)]
     for opts in TUNABLE[family(spec)]:
         m = {**base, **opts}
-        g = (max(1, -(-numel // m["BLOCK_SIZE"])),) if spec.kind == "pointwise" else grid
+        if spec.kind == "pointwise":
+            g = (max(1, -(-args[0] // m["BLOCK_SIZE"])),)
+        elif spec.kind == "gemm":
+            m, g = _gemm_candidate(spec, m, args[0], args[1], grid)
+        else:
+            g = grid
         if (m, g) not in out:
             out.append((m, g))
     return out
+
+
+def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple[int, ...]) -> tuple[dict, tuple]:
+    """A GEMM tile candidate for an ``rows x cols`` product, narrowed as the heuristic's tile is."""
+    dtype = next(nd.dtype for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
+    bm, bn, bk = gemm_block(m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_K"], rows, cols, dtype)
+    m = {**m, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    return m, (max(1, -(-rows // bm) * -(-cols // bn)), *grid[1:])
+
+
+def gemm_block(bm: int, bn: int, bk: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """A GEMM tile for 16-bit operands adapted to ``dtype`` (4- and 8-byte elements halve BLOCK_K:
+    the same bytes per K slice) and narrowed to a small ``rows x cols`` product (a power of two
+    >= 16: ``tl.dot``'s minimum)."""
+    if dtype.itemsize >= 4:
+        bk //= 2
+    return min(bm, _pow2(max(rows, 16))), min(bn, _pow2(max(cols, 16))), bk
 
 
 # ---- layouts ----------------------------------------------------------------------------------
