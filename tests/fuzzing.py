@@ -281,7 +281,7 @@ def _step(draw: Any, pool: list[Value], steps: list[str], new_input: Callable[[t
             pool.append(moved[1])
             steps.append(moved[0])
             return
-    choice = draw(st.integers(0, 9))
+    choice = draw(st.integers(0, 11))
     floats = [v for v in pool if v.kind == "float"]
     if a.kind == "bool" and choice < 7:
         other = draw(st.sampled_from(pool))
@@ -364,9 +364,29 @@ def _step(draw: Any, pool: list[Value], steps: list[str], new_input: Callable[[t
         w = draw(st.sampled_from(weights)).expr if weights and draw(st.booleans()) else None
         e = rx.layer_norm(a.expr, w, None) if name == "layer_norm" else rx.rms_norm(a.expr, w)
         pool.append(Value(e, a.shape, "float"))
+    elif choice >= 10 and a.shape and a.kind == "float":
+        name = _contraction(draw, pool, a, new_input)
     else:
         return
     steps.append(name)
+
+
+def _contraction(draw: Any, pool: list[Value], a: Value, new_input: Callable[[torch.Tensor], Any]) -> str:
+    """``a`` cast to a float dtype (what computed it, and the cast: a prologue the GEMM may apply
+    at load; kept in the pool, so later steps may reduce it over the contracted axis) times a new
+    weight: ``linear`` (the weight read transposed) or ``matmul`` (1-D ``a``: a reduction)."""
+    dtype = draw(st.sampled_from(FLOATS))
+    k, n = a.shape[-1], draw(st.sampled_from(DIMS))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 99)))
+    operand = rx.cast(a.expr, dtype)
+    pool.append(Value(operand, a.shape, "float"))
+    name = draw(st.sampled_from(["linear", "matmul"]))
+    shape = (k, n) if name == "matmul" else (n, k)
+    # the weight cast too (a prologue of B): the float64 reference feeds every input as float64
+    w = rx.cast(new_input(torch.randn(shape, generator=gen).to(dtype)), dtype)
+    product = rx.linear(operand, w) if name == "linear" else rx.matmul(operand, w)
+    pool.append(Value(product, (*a.shape[:-1], n), "float"))
+    return name
 
 
 @st.composite

@@ -434,3 +434,31 @@ def test_autotune_times_gemm_tiles_and_keeps_the_winner(tmp_path, gen):
     record = json.loads(stored.read_text())
     assert record["ms"].index(min(record["ms"])) == len(timed) - 1
     assert_close(out, F.gelu(F.linear(xs.double(), ws.double(), bs.double())), 1e-5, 1e-5)
+
+
+def test_a_half_products_cotangent_through_fp32_statistics_is_cast_to_its_dtype(gen):
+    """From the widened fuzzer: layer_norm of an fp16 product saves fp32 statistics, so the
+    product's cotangent is computed in fp32; the backward GEMMs take it in the product's dtype
+    (as eager autograd's cotangent is), not a dtype mismatch."""
+    xs = torch.randn(5, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    ws = torch.randn(7, 9, generator=gen, dtype=torch.float64)
+    h = rx.linear(rx.cast(x, torch.float16), rx.cast(w, torch.float16))
+    k = rx.compile({"h": h, "n": rx.layer_norm(h)})
+    out = k(x=xs, w=ws)
+    g_h, g_n = torch.randn(5, 7, generator=gen).half(), torch.randn(5, 7, generator=gen).half()
+    (got,) = torch.autograd.grad([out["h"], out["n"]], [xs], [g_h, g_n])
+    ref = xs.detach().clone().requires_grad_()
+    hr = F.linear(ref.half(), ws.half())
+    (want,) = torch.autograd.grad([hr, F.layer_norm(hr, (7,))], [ref], [g_h, g_n])
+    assert_close(got, want, 2e-2, 2e-2)
+
+
+def test_an_epilogue_in_float64_gets_float64_constants(gen):
+    """From the widened fuzzer: a float32 GEMM whose epilogue computes in float64 (a float64
+    input) passes its constants as float64 (they were float32 python floats the kernel could not
+    convert)."""
+    xs, ws = torch.randn(5, 9, generator=gen), torch.randn(7, 9, generator=gen)
+    ys = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    k = rx.compile(rx.linear(x, w) + rx.clamp(r, -0.5, 0.5))
+    assert k.launches(x=xs, w=ws, r=ys) == 1
+    assert_close(k(x=xs, w=ws, r=ys), F.linear(xs, ws).double() + ys.clamp(-0.5, 0.5), 1e-5, 1e-5)

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import RtxError
 from ..expr import Expr, node, walk
-from ..ops import REGISTRY, OpKind
+from ..ops import REGISTRY, DtypeRule, OpKind
 from ..ops.reduction import SINGLE
 from .bind import Info, infer_all
 
@@ -145,6 +145,8 @@ def _lower_all(
                 p = _typed(single(srcs[0]), info, keep) if single is not None else srcs[0]
                 if info[id(p)].dtype != me.dtype:
                     p = _typed(node("cast", p, dtype=me.dtype), info, keep)
+            elif opdef.rule is DtypeRule.CAST and info[id(srcs[0])].dtype == me.dtype:
+                p = srcs[0]  # a cast to the dtype it has: nothing to compute
             elif all(a is b for a, b in zip(srcs, n.srcs)) and attrs == n.attr_dict:
                 p = n
             else:

@@ -27,7 +27,7 @@ from ..errors import RtxError
 from ..expr import Expr
 from ..ops import REGISTRY, OpKind
 from .analyze import Group, Role
-from .expand import Graph
+from .expand import Graph, float_dtype_of
 from .schedule import (
     INT32_LIMIT,
     Launch,
@@ -127,7 +127,7 @@ def gemm_spec(
     for o in group.outputs:
         if group.role(o) is Role.FULL:  # a reduction of A is one contiguous value per row of the product
             ints += contiguous_strides(graph.of(o).shape)[:-1]  # the columns' stride is 1
-    kinds, vals = _scalar_args(bd.slots, graph, torch.float64 if a.dtype == torch.float64 else torch.float32)
+    kinds, vals = _scalar_args(bd.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = replace(spec, scalars=tuple(kinds))
     position = {id(v): i for i, v in enumerate(graph.inputs)}
     scalar_inputs = tuple(

@@ -91,6 +91,11 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
             g, y = node("unsqueeze", g, axes=axes), node("unsqueeze", n, axes=axes)
         elif opdef.kind is OpKind.MOVEMENT and typed(g).shape != info[id(n)].shape:
             g = node("expand", g, shape=info[id(n)].shape)  # re-indexing needs the cotangent at every element
+        elif opdef.kind is OpKind.CONTRACTION:
+            # a GEMM's operands share one dtype: the cotangent is the product's, as eager autograd's
+            # (always written: saved statistics replace reductions in wider dtypes after this
+            # typing; a cast to the dtype a value already has is dropped when the backward expands)
+            g = node("cast", g, dtype=info[id(n)].dtype)
         rule_in = D(
             n,
             g,
