@@ -254,7 +254,10 @@ def _differ(want: Any, got: Any, coarse: torch.dtype | None = None) -> str | Non
                 return d
         return None
     if isinstance(want, float) and isinstance(got, float):
-        return None if abs(want - got) <= 1e-4 * (1 + abs(want)) or want != want and got != got else f"{got} vs {want}"
+        # a python float read off a half tensor carries its rounding: ours rounds once (fp16
+        # cross_entropy: 5.14453 correctly rounded from 5.14628, eager's 5.14844)
+        atol, rtol = max((1e-4, 1e-4), TOL.get(coarse, (0, 0)))
+        return None if abs(want - got) <= atol + rtol * abs(want) or want != want and got != got else f"{got} vs {want}"
     if isinstance(want, (int, bool, torch.Size, tuple)) and want != got:
         return f"{got!r} vs eager {want!r}"
     return None

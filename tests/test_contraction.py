@@ -462,3 +462,21 @@ def test_an_epilogue_in_float64_gets_float64_constants(gen):
     k = rx.compile(rx.linear(x, w) + rx.clamp(r, -0.5, 0.5))
     assert k.launches(x=xs, w=ws, r=ys) == 1
     assert_close(k(x=xs, w=ws, r=ys), F.linear(xs, ws).double() + ys.clamp(-0.5, 0.5), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+def test_a_row_kernels_normalized_output_is_recomputed_at_load(dtype, atol, rtol, gen):
+    """RMSNorm feeding a projection: the row kernel writes only its per-row rstd ([M, 1]) and the
+    GEMM computes x * rstd * w as it loads A, where few tiles reload it; at Llama-7B sizes the
+    traffic model keeps the normalized activations written."""
+    xs, ws = torch.randn(37, 70, generator=gen).to(dtype), torch.randn(70, generator=gen).to(dtype)
+    wp = torch.randn(20, 70, generator=gen).to(dtype)
+    kernel = rx.compile(rx.linear(rx.rms_norm(x, w), b))
+    text = kernel.explain(x=xs, w=ws, b=wp)
+    assert kernel.launches(x=xs, w=ws, b=wp) == 2
+    assert "recomputed at load" in text and "writes intermediate float32[37, 1]" in text, text
+    want = F.linear(F.rms_norm(xs.double(), (70,), ws.double(), 1e-6).to(dtype).double(), wp.double())
+    _close(kernel(x=xs, w=ws, b=wp), want, dtype, atol * 2, rtol * 2, 70)
+    big = torch.empty(1, 1, dtype=torch.bfloat16)
+    llama = dict(x=big.expand(4096, 4096), w=big[0].expand(4096), b=big.expand(4096, 4096))
+    assert "written and read back" in kernel.explain(**llama)

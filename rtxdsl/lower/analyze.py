@@ -761,9 +761,10 @@ def absorb_prologues(
     emptied: list[_Work] = []  # kernels that computed an operand now recomputed: still needed?
     for s in (n for n in graph.nodes if id(n) in readers):
         home = work[homes[id(s)]]
-        chain = _elementwise_cone(s, home, homes, work, graph, solo)
+        cone = _elementwise_cone(s, home, homes, work, graph, solo)
         gemm_readers = readers[id(s)]
-        if chain is None or any(
+        chain, bounds = cone if cone is not None else ([], [])
+        if cone is None or any(
             taken[id(w)] & {id(m) for m in chain} or graph.ops(w.nodes + chain) > config.max_fusion_ops
             for w, _ in gemm_readers
         ):
@@ -786,6 +787,7 @@ def absorb_prologues(
             ],
             computed,
             written,
+            sum(graph.of(m).nbytes for m in bounds),
         )
         for w, side in gemm_readers:
             w.notes.append(choice.note)
@@ -796,6 +798,9 @@ def absorb_prologues(
                 taken[id(w)] |= members
         if choice.fuse:
             emptied.append(home)
+            if not computed:  # its own kernel no longer computes what only the GEMMs read
+                kept = _still_needed(chain, home, members, consumers)
+                home.nodes = [m for m in home.nodes if id(m) not in members or id(m) in kept]
             for w, side in gemm_readers:  # once every reader recomputes it
                 if side == "A":
                     emptied += _reduce_in_k_loop(w, s, work, graph, consumers, requested)
@@ -844,21 +849,42 @@ def _reduce_in_k_loop(
 
 def _elementwise_cone(
     s: Expr, home: _Work, homes: dict[int, int], work: list[_Work], graph: Graph, solo: frozenset[int]
-) -> list[Expr] | None:
-    """``s`` and the nodes of its home kernel it is computed from, if all are elementwise (not
-    per-row DROP values, none kept apart by ``solo``); None otherwise."""
+) -> tuple[list[Expr], list[Expr]] | None:
+    """``s`` and the nodes of its home kernel it is computed from, if all are elementwise (none
+    kept apart by ``solo``), and the per-row values of a row kernel it reads (RMSNorm's ``rstd``:
+    KEEP values, which broadcast against the operand; written by the row kernel, loaded at each
+    tile). None where it needs anything else."""
     out: list[Expr] = []
+    bounds: list[Expr] = []
     stack, seen = [s], set()
     while stack:
         n = stack.pop()
         if id(n) in seen:
             continue
         seen.add(id(n))
-        if id(n) in solo or REGISTRY[n.op].kind is not OpKind.ELEMENTWISE or home.role(n) is Role.DROP:
+        role = home.role(n)
+        if n is not s and role is Role.KEEP:
+            bounds.append(n)
+            continue
+        if id(n) in solo or REGISTRY[n.op].kind is not OpKind.ELEMENTWISE or role is not Role.FULL:
             return None
         out.append(n)
         stack.extend(x for x in n.srcs if id(x) in homes and work[homes[id(x)]] is home)
-    return out
+    return out, bounds
+
+
+def _still_needed(chain: list[Expr], home: _Work, members: set[int], consumers: dict[int, list[Expr]]) -> set[int]:
+    """The nodes of a prologue's ``chain`` its home kernel still computes: those read by its other
+    nodes, and what they are computed from."""
+    others = {id(x) for x in home.nodes} - members
+    kept = {id(m) for m in chain if any(id(c) in others for c in consumers.get(id(m), ()))}
+    stack = [m for m in chain if id(m) in kept]
+    while stack:
+        for x in stack.pop().srcs:
+            if id(x) in members and id(x) not in kept:
+                kept.add(id(x))
+                stack.append(x)
+    return kept
 
 
 def _writes(g: _Work, work: list[_Work], requested: set[int], consumers: dict[int, list[Expr]]) -> bool:

@@ -50,14 +50,22 @@ class Choice:
 
 
 def choose(
-    name: str, ops: int, numel: int, itemsize: int, readers: list[Operand], computed_anyway: bool, written_anyway: bool
+    name: str,
+    ops: int,
+    numel: int,
+    itemsize: int,
+    readers: list[Operand],
+    computed_anyway: bool,
+    written_anyway: bool,
+    row_bytes: int = 0,
 ) -> Choice:
     """Recompute ``name`` (``ops`` elementwise ops per element, ``numel`` elements of ``itemsize``
     bytes) in each GEMM of ``readers``? ``computed_anyway``: its home kernel computes it all the
     same (another value there needs it); ``written_anyway``: it is written all the same (requested,
-    or read by a kernel that is not a GEMM)."""
+    or read by a kernel that is not a GEMM); ``row_bytes``: the per-row values it reads from its
+    row kernel (RMSNorm's ``rstd``), written instead and read by each GEMM."""
     nbytes = numel * itemsize
-    saved = nbytes * (len(readers) + (0 if written_anyway else 1))
+    saved = nbytes * (len(readers) + (0 if written_anyway else 1)) - row_bytes * (len(readers) + 1)
     loads = sum(r.reloads for r in readers) - (0 if computed_anyway else 1)
     extra = ops * numel * loads
     budget = OPS_PER_BYTE * saved
