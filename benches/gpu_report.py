@@ -2,7 +2,7 @@
 
 One command for a CUDA machine (see ../shared/gpu/README.md for the wheels to bring):
 
-    python -m benches.gpu_report            # < 6 minutes on an H200; writes benches/results/gpu-*.json
+    python -m benches.gpu_report            # < 8 minutes on an H200 (contractions last); writes benches/results/gpu-*.json
     python -m benches.gpu_report --quick    # two sizes, no torch.compile
 
 Method: every workload is first checked against eager torch; then each implementation is
@@ -24,11 +24,13 @@ from typing import Any
 import torch
 
 import rtxdsl as rx
+from benches import gemm_gpu
 from benches.common import GPU_SIZES, host_us, machine, markdown, save
 from rtxdsl.workloads import WORKLOADS, Workload, max_error, tolerance
 
 L2_BYTES = 50 * 2**20
 BUDGET_S = 330  # leave room under the 6-minute target
+GEMM_BUDGET_S = 90  # the contraction section, after the memory-bound workloads
 
 
 def check(dev: torch.device, sizes: list[tuple[int, int]]) -> list[dict]:
@@ -200,7 +202,9 @@ def main() -> None:
         print("no CUDA device: running the correctness checks only (Triton interpreter, small sizes)")
         rows = check(torch.device("cpu"), [(3, 100), (1, 257)])
         print(markdown(rows, ["workload", "shape", "max error", "ok", "kernels", "eager kernels"]))
-        bad = [r for r in rows if not r["ok"]]
+        gemms = gemm_gpu.check(torch.device("cpu"), [(33, 20, 17), (1, 7, 129)])
+        print(markdown(gemms, ["case", "shape", "dtype", "max error", "ok", "kernels"]))
+        bad = [r for r in rows + gemms if not r["ok"]]
         raise SystemExit(1 if bad else 0)
 
     print(f"GPU report on {machine()}, torch {torch.__version__}")
@@ -249,11 +253,23 @@ def main() -> None:
         if not args.quick:
             impls["torch.compile"] = torch.compile(w.eager, dynamic=False)
         timings += time_workload(w, 0, 0, impls, copy_gbs)
+    gemm_checks = gemm_gpu.check(torch.device("cuda"), [(37, 781, 129), (512, 1024, 768)])
+    print(markdown(gemm_checks, ["case", "shape", "dtype", "max error", "ok", "kernels"]))
+    if all(r["ok"] for r in gemm_checks):
+        gemms = gemm_gpu.time_gemms(time.perf_counter() + GEMM_BUDGET_S, args.quick)
+        mlp = gemm_gpu.time_mlp(args.quick)
+    else:
+        gemms, mlp = [], []
+        print("  contractions: not timed (a correctness check failed)")
     print("\n## Kernel time (do_bench median), achieved GB/s and fraction of copy bandwidth\n")
     print(markdown(timings, ["workload", "shape", "dtype", "impl", "us", "GB/s", "of copy", "kernels"]))
     print("\n## Whole-call time of a cached call on a 1x64 tensor (host clock, synchronized)\n")
     print(markdown(overheads, ["workload", "impl", "whole call us"]))
-    path = save(name, payload(), args.out)
+    print(f"\n## Contractions: TFLOP/s and fraction of the {gemm_gpu.PEAK_TFLOPS:.0f} TFLOP/s 16-bit peak\n")
+    print(markdown(gemms, ["case", "shape", "dtype", "impl", "us", "TFLOP/s", "of peak"]))
+    print("\n## The Llama MLP block, bf16, forward and forward + backward\n")
+    print(markdown(mlp, ["block", "shape", "impl", "forward us", "forward + backward us"]))
+    path = save(name, {**payload(), "gemm_checks": gemm_checks, "gemms": gemms, "mlp": mlp}, args.out)
     print(f"\nwrote {path} in {time.perf_counter() - start:.0f} s")
 
 

@@ -1,0 +1,144 @@
+"""The GPU report's contraction section: a GEMM with its epilogue fused against cuBLAS.
+
+At Llama-7B / Llama-3-8B projection sizes, fp16 and bf16, each case is timed as rtxdsl's one
+kernel, cuBLAS's GEMM alone (``F.linear``: the floor a fused epilogue should stay near), cuBLAS
+plus the eager epilogue (what the fusion replaces) and ``torch.compile`` of the same; TFLOP/s
+counts ``2 M N K`` and is shown as a fraction of the device's dense 16-bit tensor-core peak. The
+Llama MLP block is timed forward and backward. Every case is first checked against eager torch
+(on CPU: only that, at small sizes, under Triton's interpreter).
+
+    python -m benches.gpu_report     # runs this section after the memory-bound workloads
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import rtxdsl as rx
+
+_x, _w, _b, _r, _wg, _wu, _wd = (rx.var(n) for n in ("x", "w", "b", "r", "wg", "wu", "wd"))
+
+#: dense fp16 / bf16 tensor-core peak of an H100 / H200 SXM (TFLOP/s, no sparsity)
+PEAK_TFLOPS = 989.0
+
+#: (tokens, out features, in features): Llama-7B q/k/v/o, up/gate, down; Llama-3-8B up/gate
+SIZES = [(4096, 4096, 4096), (4096, 11008, 4096), (4096, 4096, 11008), (8192, 14336, 4096)]
+
+
+def _cases() -> dict[str, tuple[rx.Expr, Callable[..., Any], Callable[..., Any]]]:
+    """name -> (rtxdsl expression, eager with its epilogue, cuBLAS's GEMM alone)."""
+    alone = lambda x, w, **_: F.linear(x, w)  # noqa: E731
+    return {
+        "linear": (rx.linear(_x, _w), lambda x, w: F.linear(x, w), alone),
+        "linear + bias + gelu": (
+            rx.gelu(rx.linear(_x, _w, _b)),
+            lambda x, w, b: F.gelu(F.linear(x, w, b)),
+            alone,
+        ),
+        "linear + bias + residual": (
+            rx.linear(_x, _w, _b) + _r,
+            lambda x, w, b, r: F.linear(x, w, b) + r,
+            alone,
+        ),
+    }
+
+
+def _inputs(name: str, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    ins = {"x": t(m, k), "w": t(n, k, scale=k**-0.5)}
+    if "bias" in name:
+        ins["b"] = t(n)
+    if "residual" in name:
+        ins["r"] = t(m, n)
+    return ins
+
+
+def check(device: torch.device, sizes: list[tuple[int, int, int]]) -> list[dict]:
+    """Every case against eager torch in float64 (fp32 accumulation: a per-sqrt(K) tolerance)."""
+    rows = []
+    for name, (expr, eager, _) in _cases().items():
+        kernel = rx.compile(expr)
+        for m, n, k in sizes:
+            for dtype in (torch.float16, torch.bfloat16):
+                ins = _inputs(name, m, n, k, dtype, device, 1)
+                got = kernel(**ins).double()
+                want = eager(**{v: t.double() for v, t in ins.items()})
+                err = (got - want).abs().max().item() if got.numel() else 0.0
+                tol = (1e-2 if dtype == torch.float16 else 6e-2) * max(1.0, want.abs().max().item())
+                rows.append({"case": name, "shape": f"{m}x{n}x{k}", "dtype": str(dtype)[6:], "max error": err,
+                             "ok": err <= tol, "kernels": kernel.launches(**ins)})  # fmt: skip
+    return rows
+
+
+def _ms(fn: Callable[[], Any]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_gemms(deadline: float, quick: bool) -> list[dict]:
+    """TFLOP/s of each case and implementation (stops at ``deadline``, a perf_counter time)."""
+    rows = []
+    dev = torch.device("cuda")
+    for name, (expr, eager, alone) in _cases().items():
+        kernel = rx.compile(expr)
+        impls: dict[str, Callable[..., Any]] = {"rtxdsl": lambda kk=kernel, **ins: kk(**ins)}
+        impls["cuBLAS GEMM alone"] = alone
+        if name != "linear":
+            impls["cuBLAS + eager epilogue"] = eager
+        if not quick:
+            impls["torch.compile"] = torch.compile(eager, dynamic=False)
+        for m, n, k in SIZES[:2] if quick else SIZES:
+            for dtype in (torch.float16, torch.bfloat16):
+                if time.perf_counter() > deadline:
+                    print(f"  {name} {m}x{n}x{k}: skipped, over the time budget")
+                    return rows
+                ins = _inputs(name, m, n, k, dtype, dev, 2)
+                for impl, fn in impls.items():
+                    try:
+                        ms = _ms(lambda fn=fn: fn(**ins))
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  {name} {m}x{n}x{k} {impl}: {type(exc).__name__}: {exc}")
+                        continue
+                    tflops = 2 * m * n * k / (ms * 1e-3) / 1e12
+                    shape, dt = f"{m}x{n}x{k}", str(dtype)[6:]
+                    rows.append({"case": name, "shape": shape, "dtype": dt, "impl": impl, "us": ms * 1e3,
+                                 "TFLOP/s": tflops, "of peak": round(tflops / PEAK_TFLOPS, 3)})  # fmt: skip
+    return rows
+
+
+def time_mlp(quick: bool) -> list[dict]:
+    """The Llama MLP block ``down(silu(gate(x)) * up(x))``, forward and backward, bf16."""
+    tokens, hidden, inter = (2048 if quick else 4096), 4096, 11008
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+
+    def t(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * shape[-1] ** -0.5).to(device=dev, dtype=dtype).requires_grad_()
+
+    ins = {"x": t(tokens, hidden), "wg": t(inter, hidden), "wu": t(inter, hidden), "wd": t(hidden, inter)}
+    kernel = rx.compile(rx.linear(rx.swiglu(rx.linear(_x, _wg), rx.linear(_x, _wu)), _wd))
+
+    def eager(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    impls = {"rtxdsl": lambda **v: kernel(**v), "eager": eager}
+    if not quick:
+        impls["torch.compile"] = torch.compile(eager, dynamic=False)
+    cot = torch.randn(tokens, hidden, generator=gen).to(device=dev, dtype=dtype)
+    rows = []
+    for impl, fn in impls.items():
+        fwd = _ms(lambda fn=fn: fn(**ins))
+        both = _ms(lambda fn=fn: torch.autograd.grad(fn(**ins), list(ins.values()), cot))
+        rows.append({"block": "Llama MLP", "shape": f"{tokens}x{hidden}x{inter}", "impl": impl,
+                     "forward us": fwd * 1e3, "forward + backward us": both * 1e3})  # fmt: skip
+    return rows
