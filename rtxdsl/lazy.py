@@ -958,6 +958,9 @@ def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
                 view = stream.record(expr) if isinstance(expr, Expr) and base.is_pending else None
             except (Unsupported, RtxError):
                 view = None
+            if view is not None and _agrees(view, meta) and not meta._is_view():
+                view._strides = _strides_of(meta)  # eager copies (a reshape of another layout): a value of its own
+                return view
             if view is not None and _agrees(view, meta):
                 view._base = base._base if base._base is not None else base
                 view._chain = (*base._chain, (func, args[1:], kwargs))

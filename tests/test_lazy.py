@@ -313,3 +313,48 @@ def test_rtxdsl_kernels_join_the_lazy_segment(f, gen):
     torch.testing.assert_close(out["b"].torch(), t * 2)
     y = norm(f.lazy(t))  # the weight requires grad: the kernel runs eagerly, autograd intact
     assert not y.is_pending and y.torch().requires_grad
+
+
+def test_views_of_pending_values_stay_in_the_segment(f, gen):
+    """``view`` / ``reshape`` / ``transpose`` / ``permute`` / ``t`` / ``.mT`` of a pending value are
+    recorded (a causal LM's ``logits.view(-1, V)`` before its loss, attention's ``view(...)
+    .transpose(1, 2)``): one segment, values as eager's."""
+    x, w = torch.randn(2, 5, 8, generator=gen), torch.randn(11, 8, generator=gen)
+    t = torch.randint(0, 11, (10,), generator=gen)
+    h = f.lazy(x)
+    logits = F.linear(h, w)
+    loss = F.cross_entropy(logits.view(-1, 11), t)
+    heads = (h * 2).view(2, 5, 2, 4).transpose(1, 2).permute(0, 1, 3, 2).reshape(2, 2, 20)
+    flat = (h + 1).reshape(10, 8).t() @ torch.ones(10, 3)
+    mt = (h - 1).mT.sum(-1)
+    want = {
+        "loss": F.cross_entropy(F.linear(x, w).view(-1, 11), t),
+        "heads": (x * 2).view(2, 5, 2, 4).transpose(1, 2).permute(0, 1, 3, 2).reshape(2, 2, 20),
+        "flat": (x + 1).reshape(10, 8).t() @ torch.ones(10, 3),
+        "mt": (x - 1).mT.sum(-1),
+    }
+    got = {"loss": loss, "heads": heads, "flat": flat, "mt": mt}
+    assert all(v.is_pending for v in got.values())
+    f.sync()
+    assert f.stats().calls == 1  # one segment: no view closed it
+    for k, v in want.items():
+        torch.testing.assert_close(got[k].torch(), v, atol=1e-5, rtol=1e-5, msg=k)
+
+
+def test_a_reshape_eager_copies_is_a_value_of_its_own(f, gen):
+    """``reshape`` of a value whose eager layout is not contiguous copies in eager: writing into
+    the copy leaves the value alone (a view of the same layout would write through); ``view``
+    of it raises in torch, and so it does here."""
+    x = torch.randn(4, 6, generator=gen)
+    a = f.lazy(x)
+    y = a.mT * 2  # eager keeps the transposed layout
+    r = y.reshape(-1)
+    r.add_(100.0)
+    torch.testing.assert_close(y.torch(), x.mT * 2)
+    torch.testing.assert_close(r.torch(), (x.mT * 2).reshape(-1) + 100.0)
+    z = f.lazy(x) * 3  # contiguous: the reshape is a view, a write goes through
+    v = z.view(-1)
+    v.add_(1.0)
+    torch.testing.assert_close(z.torch(), x * 3 + 1.0)
+    with pytest.raises(RuntimeError):
+        (f.lazy(x).mT * 2).view(-1)

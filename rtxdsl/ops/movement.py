@@ -406,6 +406,15 @@ def _permute_back(d: D) -> tuple[Any, ...]:
     return (node("permute", d.g, dims=tuple(sorted(range(len(dims)), key=dims.__getitem__))),)
 
 
+def _ints(values: tuple[Any, ...]) -> tuple[int, ...]:
+    """Dims or sizes as torch's view calls take them (``x.view(2, 3)`` or ``x.view((2, 3))``): ints,
+    else no fused form (``x.view(torch.float16)`` reinterprets bytes; symbolic sizes)."""
+    out = _shape_arg(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
+        raise Unsupported
+    return out
+
+
 _movement(
     "permute",
     1,
@@ -414,7 +423,52 @@ _movement(
     _permute_remap,
     _permute_back,
     canonical=lambda shapes, dims: {"dims": _permute_dims(shapes, dims)},
-    front=Front(fn=permute),
+    front=Front(fn=permute, torch=dict.fromkeys(torch_fns("permute"), lambda a, *dims: permute(a, _ints(dims)))),
+)
+
+
+def transpose(e: ExprLike, dim0: int, dim1: int) -> Expr:
+    """``torch.transpose``: dims ``dim0`` and ``dim1`` swapped (a permute, resolved at binding).
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.transpose(rx.var("x"), 0, -1)
+        transpose(x, dim0=0, dim1=-1)
+    """
+    return node("transpose", e, dim0=dim0, dim1=dim1)
+
+
+def _transposed(rank: int, dim0: int, dim1: int) -> tuple[int, ...]:
+    a, b = (_axis(d, max(rank, 1), "transpose") for d in (dim0, dim1))
+    dims = list(range(rank))
+    if rank:
+        dims[a], dims[b] = dims[b], dims[a]
+    return tuple(dims)
+
+
+def _torch_transpose(a: Any, dim0: Any, dim1: Any) -> Expr:
+    (d0, d1) = _ints((dim0, dim1))
+    return transpose(a, d0, d1)
+
+
+register(
+    OpDef(
+        name="transpose",
+        kind=OpKind.COMPOSITE,
+        arity=1,
+        ref=lambda x, dim0, dim1: x.transpose(dim0, dim1),
+        decompose=lambda x, dim0, dim1, shapes, dtypes: permute(x, _transposed(len(shapes[0]), dim0, dim1)),
+        typed_decompose=True,
+        shape=lambda shapes, dim0, dim1: tuple(shapes[0][k] for k in _transposed(len(shapes[0]), dim0, dim1)),
+        result_dtype=lambda dtypes, **attrs: dtypes[0],
+        eager_launches=0,
+        accepts=ANY,
+        front=Front(
+            fn=transpose,
+            torch=dict.fromkeys(torch_fns("transpose", "swapaxes", "swapdims"), _torch_transpose)
+            | dict.fromkeys(torch_fns("t"), lambda a: transpose(a, 0, -1)),
+        ),
+    )
 )
 
 
@@ -474,7 +528,12 @@ _movement(
     canonical=lambda shapes, shape: {"shape": _reshape_shape(shapes, shape)},
     launch_attrs=("shape",),
     launch_args=lambda shapes, out, shape: (*out, *shapes[0]),
-    front=Front(fn=reshape, methods={"reshape": lambda self, *shape: reshape(self, _shape_arg(shape))}),
+    front=Front(
+        fn=reshape,
+        methods={"reshape": lambda self, *shape: reshape(self, _shape_arg(shape))},
+        # a view is the reshape of the same layout (the lazy stream checks eager's layout agrees)
+        torch=dict.fromkeys([*torch_fns("reshape"), torch.Tensor.view], lambda a, *shape: reshape(a, _ints(shape))),
+    ),
 )
 
 
