@@ -2,7 +2,7 @@
 
 One command for a CUDA machine (see ../shared/gpu/README.md for the wheels to bring):
 
-    python -m benches.gpu_report            # < 8 minutes on an H200 (contractions last); writes benches/results/gpu-*.json
+    python -m benches.gpu_report            # < 8 minutes on an H200; writes benches/results/gpu-*.json
     python -m benches.gpu_report --quick    # two sizes, no torch.compile
 
 Method: every workload is first checked against eager torch; then each implementation is
