@@ -641,13 +641,19 @@ class LazyTensor:
 
     def stride(self, dim: int | None = None) -> Any:
         """Eager's strides, known without running anything (a pending value's are tracked)."""
-        if self._value is not None:
-            strides = tuple(self._value.stride())
-        elif self._strides is not None:
-            strides = self._strides
-        else:
-            strides = tuple(torch.empty(self._info.shape, device="meta").stride())
+        strides = self._eager_strides()
         return strides if dim is None else strides[dim]
+
+    def _eager_strides(self) -> tuple[int, ...]:
+        """The strides eager's tensor has: the real one's; a pending in-place write's, its home's
+        (exactly: size-1 dims keep theirs); else the tracked layout, or contiguous."""
+        real = self._value if self._value is not None else self._home
+        if real is not None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return tuple(real.stride())
+        if self._strides is not None:
+            return self._strides
+        return tuple(torch.empty(self._info.shape, device="meta").stride())
 
     def __rtxdsl_record__(self, kernel: Kernel, values: tuple) -> Any:
         """``kernel(...)`` with lazy operands: its expressions, bound to the operands', are recorded
@@ -831,8 +837,7 @@ _META: LRU[tuple, Any] = LRU(4096)
 
 def _meta_of(x: Any) -> Any:
     if isinstance(x, LazyTensor):
-        stride = x._strides if x._strides is not None else torch.empty(x._info.shape, device="meta").stride()
-        return torch.empty_strided(x._info.shape, stride, dtype=x.dtype, device="meta")
+        return torch.empty_strided(x._info.shape, x._eager_strides(), dtype=x.dtype, device="meta")
     if isinstance(x, torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
@@ -842,10 +847,12 @@ def _meta_of(x: Any) -> Any:
 
 
 def _sig(x: Any) -> Any:
+    """A call argument as the meta probe sees it (exact strides: size-1 dims keep theirs)."""
     if isinstance(x, LazyTensor):
-        return ("L", x.dtype, x._info.shape, x._strides)
+        return ("L", x.dtype, x._info.shape, x._eager_strides())
     if isinstance(x, torch.Tensor):
-        return ("T", x.dtype, tuple(x.shape), _contiguous_strides(x))
+        with torch._C.DisableTorchFunctionSubclass():
+            return ("T", x.dtype, tuple(x.shape), tuple(x.stride()))
     if isinstance(x, (list, tuple)):
         return (type(x).__name__, *(_sig(v) for v in x))
     # numbers by value: dims are ints, and a float can decide identity (dropout's p=0 returns self)
@@ -958,7 +965,7 @@ def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
                 view = stream.record(expr) if isinstance(expr, Expr) and base.is_pending else None
             except (Unsupported, RtxError):
                 view = None
-            if view is not None and _agrees(view, meta) and not meta._is_view():
+            if view is not None and _agrees(view, meta) and func in torchsem.LAYOUT_SENSITIVE and not meta._is_view():
                 view._strides = _strides_of(meta)  # eager copies (a reshape of another layout): a value of its own
                 return view
             if view is not None and _agrees(view, meta):

@@ -358,3 +358,32 @@ def test_a_reshape_eager_copies_is_a_value_of_its_own(f, gen):
     torch.testing.assert_close(z.torch(), x * 3 + 1.0)
     with pytest.raises(RuntimeError):
         (f.lazy(x).mT * 2).view(-1)
+
+
+def test_writes_through_detached_and_reshaped_aliases_reach_the_value(f, gen):
+    """``v.detach()`` and ``v.detach().reshape(-1)`` of a pending value share its memory, as in
+    eager: writes through them change ``v`` (a detach is not a copy although torch does not call
+    it a view). From the commit-seeded lazy fuzzer."""
+    x = torch.randn(2, 7, generator=gen)
+
+    def prog(t):
+        v = t.sign()
+        d = v.detach()
+        r = d.reshape(-1)
+        r.neg_()
+        d -= 0.5
+        return v
+
+    torch.testing.assert_close(prog(f.lazy(x.clone())).torch(), prog(x.clone()))
+
+
+def test_an_in_place_result_reports_its_tensors_strides(f):
+    """A pending in-place write lands in its tensor: ``stride()`` is that tensor's exactly (a
+    size-1 dim keeps its stride), before and after the flush. From the lazy fuzzer, seed 13."""
+    t = torch.zeros(1, 4).t()  # [4, 1] with strides (1, 4)
+    a = f.lazy(t)
+    a.abs_()
+    assert a.stride() == (1, 4)
+    a.abs_()
+    f.sync()
+    assert a.stride() == (1, 4)
