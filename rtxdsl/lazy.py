@@ -1036,6 +1036,9 @@ def _inplace(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
         return _eager_write(func, args, kwargs, fusion, plain)
     if stream.has_views(target):
         stream.flush("in-place write to a value with views")
+    lands = target._home if target.is_pending else target._value
+    if lands is not None and _shared_storage(lands):  # a view made before the stream saw it reads it
+        return _eager_write(func, args, kwargs, fusion, plain)
     if not target.is_pending:
         # operands partly overlapping the target, or a target whose elements share memory
         # (an expanded view: torch refuses to write it): torch decides, eagerly
@@ -1058,6 +1061,17 @@ def _inplace(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
         target._home, target._strides = home, _contiguous_strides(home)
         stream.write_home(home, target)
     return plain if plain is not None else target
+
+
+def _shared_storage(t: torch.Tensor) -> bool:
+    """Does another tensor hold ``t``'s memory (a view made before the stream met ``t``, or after
+    ``.torch()`` handed it out)? A pending write into ``t`` would leave reads through it stale,
+    and plain reads cannot be intercepted: such a write runs eagerly. (torch counts the holders
+    of a storage; the probe's own reference is one of them.)"""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    with torch._C.DisableTorchFunctionSubclass():
+        storage = t.untyped_storage()
+    return count is None or count(storage._cdata) > 2
 
 
 def _internal_overlap(t: torch.Tensor) -> bool:

@@ -387,3 +387,19 @@ def test_an_in_place_result_reports_its_tensors_strides(f):
     a.abs_()
     f.sync()
     assert a.stride() == (1, 4)
+
+
+def test_a_write_into_a_tensor_with_views_the_stream_never_saw_runs_eagerly(f, gen):
+    """A plain view made before the stream met its tensor cannot be intercepted when read: a
+    write landing in that memory runs eagerly, so the view reads the new values (it read the old
+    ones, silently: lazy fuzzer seed 13). A tensor nothing else holds still takes recorded writes."""
+    p = torch.full((2, 7), 1.5)
+    before = torch.flatten(p)  # a plain view, made before any lazy op touched p
+    x = f.lazy(torch.randn(2, 7, generator=gen))
+    p.add_(x.sign())
+    torch.testing.assert_close(before + before, (p + p).flatten())
+    lone = torch.zeros(3)
+    a = f.lazy(lone)
+    a.add_(f.lazy(torch.ones(3)) * 2)
+    assert a.is_pending  # recorded: nothing else shares its memory
+    torch.testing.assert_close(lone, torch.full((3,), 2.0))
