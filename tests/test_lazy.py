@@ -349,8 +349,10 @@ def test_a_reshape_eager_copies_is_a_value_of_its_own(f, gen):
     a = f.lazy(x)
     y = a.mT * 2  # eager keeps the transposed layout
     r = y.reshape(-1)
+    y.add_(1.0)  # no view of y exists (r is a copy): the write is recorded, nothing flushes
     r.add_(100.0)
-    torch.testing.assert_close(y.torch(), x.mT * 2)
+    assert y.is_pending and r.is_pending and f.stats().calls == 0
+    torch.testing.assert_close(y.torch(), x.mT * 2 + 1.0)
     torch.testing.assert_close(r.torch(), (x.mT * 2).reshape(-1) + 100.0)
     z = f.lazy(x) * 3  # contiguous: the reshape is a view, a write goes through
     v = z.view(-1)

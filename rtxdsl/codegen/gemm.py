@@ -12,10 +12,10 @@ import torch
 from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.gemm import tile_loads
 from ..lower.schedule import reduce_dtype
-from ..lower.spec import BCAST, STRIDED, UNIT, KernelSpec
+from ..lower.spec import STRIDED, UNIT, KernelSpec
 from ..ops import REGISTRY, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
-from .source import Writer, _Scope
+from .source import Writer, _Scope, _state_name
 from .template import render
 
 GEMM = """\
@@ -123,8 +123,7 @@ class GemmWriter(Writer):
             top.lines.extend(batches.lines)
         for i, red, ctx, running in self.k_reductions:
             self._finish_reduction(i, red, ctx, running)
-        idx = self.batch_idx
-        self.out_idx = [] if g.sum_batch else idx
+        self.out_idx = [] if g.sum_batch else self.batch_idx
         top.add_all(["rows = offs_m[:, None]", "cols = offs_n[None, :]", "mask = (rows < M) & (cols < N)"])
         top.memo[("n", contraction)] = "acc"
         self.types["acc"] = acc_dtype
@@ -156,12 +155,11 @@ class GemmWriter(Writer):
         node = self.spec.nodes[i]
         red = REGISTRY[node.op].reduce
         rdt = reduce_dtype(node)
-        running = tuple(f"{c}{i}" for c in red.state)
+        running = tuple(_state_name(c, i) for c in red.state)
         for name, ident in zip(running, red.identity(rdt)):
             self.top.add(f"{name} = tl.full([BLOCK_M, 1], {ident}, dtype={TRITON_TYPE[rdt]})")
         ctx = self._ctx(node, scope, rdt)
-        x = self.cast(v, rdt)
-        lifted = tuple(ctx.tmp(f"tl.where({mask}, {c}, {e})") for c, e in zip(red.lift(ctx, x), red.identity(rdt)))
+        lifted = self._lifted(ctx, node, rdt, self.cast(v, rdt), mask)
         staged = [ctx.tmp(expr) for expr in red.merge(ctx, running, red.tile(ctx, lifted))]
         scope.add_all([f"{name} = {expr}" for name, expr in zip(running, staged)])
         self.k_reductions.append((i, red, self._ctx(node, self.top, rdt), running))
@@ -170,30 +168,28 @@ class GemmWriter(Writer):
         """Every value at a tile: the epilogue's at the product's, a prologue's in the K loop."""
         return self.top if role == "scalar" else loop
 
-    def _tile_offset(self, prefix: str, classes: tuple[str, str]) -> str:
-        """An epilogue tensor's offset at the tile: its batch strides, then rows and columns."""
-        nb = len(self.out_idx)
-        terms = [f"{b} * {prefix}_stride{d}" for d, b in enumerate(self.out_idx)]
-        for i, (idx, c) in enumerate(zip(("rows", "cols"), classes)):
+    def _tile_offset(
+        self, prefix: str, classes: tuple[str, ...], batch: list[str], index: tuple[str, str] = ("rows", "cols")
+    ) -> str:
+        """A tensor's offset at a tile: its strides over ``batch``'s coordinates, then the tile's
+        two ``index`` vectors (the product's rows and columns, or an operand's)."""
+        terms = [f"{b} * {prefix}_stride{d}" for d, b in enumerate(batch)]
+        for i, (idx, c) in enumerate(zip(index, classes)):
             if c == UNIT:
                 terms.append(idx)
             elif c == STRIDED:
-                terms.append(f"{idx} * {prefix}_stride{nb + i}")
-        return " + ".join(terms) or "(rows * 0 + cols * 0)"
+                terms.append(f"{idx} * {prefix}_stride{len(batch) + i}")
+        return " + ".join(terms) or f"({index[0]} * 0 + {index[1]} * 0)"
 
     def _emit_load(self, k: int, scope: _Scope) -> str:
         ld = self.spec.loads[k]
         dtype = self.spec.in_dtypes[ld.input]
+        classes = (*ld.rows, *ld.cols)
         if ld.role in OPERAND_TILE:  # a prologue's load, at the operand's tile in the K loop
-            (r, c), _, mask = OPERAND_TILE[ld.role]
-            name = self.load_names[k]
-            terms = [f"{b} * {name}_stride{d}" for d, b in enumerate(self.batch_idx)]
-            for i, (index, cls) in enumerate(zip((r, c), (*ld.rows, *ld.cols))):
-                if cls != BCAST:
-                    terms.append(index if cls == UNIT else f"{index} * {name}_stride{self.nb + i}")
-            offset = " + ".join(t for t in terms if t) or f"({r} * 0 + {c} * 0)"
+            index, _, mask = OPERAND_TILE[ld.role]
+            offset = self._tile_offset(self.load_names[k], classes, self.batch_idx, index)
         else:
-            offset, mask = self._tile_offset(self.load_names[k], (*ld.rows, *ld.cols)), "mask"
+            offset, mask = self._tile_offset(self.load_names[k], classes, self.out_idx), "mask"
         text = f"tl.load(in{ld.input}_ptr + {offset}, mask={mask}, other=0)"
         cdt = compute_dtype(dtype)
         if cdt != dtype:
@@ -209,5 +205,5 @@ class GemmWriter(Writer):
         val = to_storage(v, self.types[v], o.dtype)
         if o.role != "full":  # a reduction of A, one value per row: the first column of tiles writes it
             return f"tl.store(out{k}_ptr + rows, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
-        offset = self._tile_offset(f"out{k}", (STRIDED, UNIT))
+        offset = self._tile_offset(f"out{k}", (STRIDED, UNIT), self.out_idx)
         return f"tl.store(out{k}_ptr + {offset}, {val}, mask=mask)"

@@ -274,10 +274,11 @@ class Writer:
         x = self.cast(self.value(node.srcs[0], loop), rdt)
         return node, rdt, self._ctx(node, scope, rdt), x
 
-    def _lifted(self, ctx: EmitCtx, node: NodeSpec, rdt: torch.dtype, x: str) -> tuple[str, ...]:
+    def _lifted(self, ctx: EmitCtx, node: NodeSpec, rdt: torch.dtype, x: str, mask: str = "mask") -> tuple[str, ...]:
         """One element's state per lane, the identity where the lane is masked."""
         red = REGISTRY[node.op].reduce
-        return tuple(ctx.tmp(f"tl.where(mask, {c}, {ident})") for c, ident in zip(red.lift(ctx, x), red.identity(rdt)))
+        states = zip(red.lift(ctx, x), red.identity(rdt))
+        return tuple(ctx.tmp(f"tl.where({mask}, {c}, {ident})") for c, ident in states)
 
     def _emit_single(self, node: NodeSpec, name: str, scope: _Scope, loop: _Scope) -> str:
         rdt = reduce_dtype(node)

@@ -748,13 +748,13 @@ def absorb_prologues(
     work = [_Work.of(g) for g in groups]
     homes = _homes(work)
     gemms = [w for w in work if w.contraction is not None]
-    readers: dict[int, list[tuple[_Work, str]]] = {}  # operand id -> the GEMMs reading it, as A or B
+    readers: dict[int, list[tuple[_Work, Role]]] = {}  # operand id -> the GEMMs reading it, as A or B
     for w in gemms:
         c = w.contraction
         assert c is not None
         if c.srcs[0] is c.srcs[1]:
             continue
-        for side, s in zip("AB", c.srcs):
+        for side, s in zip((Role.A, Role.B), c.srcs):
             if id(s) in homes and work[homes[id(s)]] is not w:
                 readers.setdefault(id(s), []).append((w, side))
     taken: dict[int, set[int]] = {id(w): set() for w in gemms}  # nodes already in a GEMM's prologues
@@ -781,10 +781,7 @@ def absorb_prologues(
             sum(REGISTRY[m.op].cost for m in chain),
             math.prod(info.shape),
             info.dtype.itemsize,
-            [
-                Operand(side, reloads(side, graph.of(w.contraction).shape, info.shape, w.contraction.attr("sum_batch")))
-                for w, side in gemm_readers
-            ],
+            [_operand(w, side, info.shape, graph) for w, side in gemm_readers],
             computed,
             written,
             sum(graph.of(m).nbytes for m in bounds),
@@ -793,7 +790,7 @@ def absorb_prologues(
             w.notes.append(choice.note)
             if choice.fuse:
                 for m in chain:
-                    w.roles[id(m)] = Role.A if side == "A" else Role.B
+                    w.roles[id(m)] = side
                 w.nodes[:0] = chain
                 taken[id(w)] |= members
         if choice.fuse:
@@ -802,11 +799,18 @@ def absorb_prologues(
                 kept = _still_needed(chain, home, members, consumers)
                 home.nodes = [m for m in home.nodes if id(m) not in members or id(m) in kept]
             for w, side in gemm_readers:  # once every reader recomputes it
-                if side == "A":
+                if side is Role.A:
                     emptied += _reduce_in_k_loop(w, s, work, graph, consumers, requested)
     dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
     order = _order(graph)
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
+
+
+def _operand(w: _Work, side: Role, shape: tuple[int, ...], graph: Graph) -> Operand:
+    """GEMM ``w`` reading an operand of ``shape`` as A or B, for the traffic model."""
+    c = w.contraction
+    assert c is not None
+    return Operand(side.name, reloads(side.name, graph.of(c).shape, shape, c.attr("sum_batch")))
 
 
 def _reduce_in_k_loop(

@@ -48,7 +48,7 @@ def gemm_add_mul_erf_exp_SIG(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc13 = tl.full([BLOCK_M, 1], 0, dtype=tl.float32)
+    acc_13 = tl.full([BLOCK_M, 1], 0, dtype=tl.float32)
     for batch in range(0, bsize0):
         for k_start in range(0, K, BLOCK_K):
             ks = k_start + offs_k
@@ -71,11 +71,11 @@ def gemm_add_mul_erf_exp_SIG(
             v11 = x2 * v10
             a = tl.where(a_mask, v11, 0)
             t0 = tl.where(a_mask, v11, 0)
-            t1 = acc13 + tl.sum(t0, axis=1)[:, None]
-            acc13 = t1
+            t1 = acc_13 + tl.sum(t0, axis=1)[:, None]
+            acc_13 = t1
             b = tl.load(in3_ptr + batch * b_stride_b0 + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
             acc = tl.dot(a, b, acc, input_precision="ieee")
-    v13 = acc13
+    v13 = acc_13
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)

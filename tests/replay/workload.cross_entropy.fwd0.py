@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_ne_logsumexp_where_unsqueeze_3c3739d1_tail(
+def row_ne_logsumexp_where_unsqueeze_cfe89b32_tail(
     in0_ptr,
     in1_ptr,
     out0_ptr,
@@ -99,6 +99,6 @@ def row_ne_logsumexp_where_unsqueeze_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_ne_logsumexp_where_unsqueeze_3c3739d1_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, T_ROWS, T_BLOCK_SIZE)
+        row_ne_logsumexp_where_unsqueeze_cfe89b32_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 
