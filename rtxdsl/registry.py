@@ -187,7 +187,8 @@ class OpDef:
     remap: Callable[[RemapCtx], str] | None = None
     #: movement ops: attributes whose values are launch arguments, not part of the signature
     launch_attrs: tuple[str, ...] = ()
-    #: movement ops: int launch arguments from (operand shapes, output shape, **attrs)
+    #: movement ops (and a contraction inside a row kernel: its contracted size): int launch
+    #: arguments from (operand shapes, output shape, **attrs)
     launch_args: Callable[..., tuple[int, ...]] | None = None
     #: movement ops that only insert size-1 dims: flat kernels address them in place
     view: bool = False

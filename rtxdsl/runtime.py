@@ -937,7 +937,13 @@ def _launch_shape(call: Any) -> str:
     programs = 1
     for d in call.grid:
         programs *= d
-    if spec.gemm is not None:
+    if spec.gemm is not None and spec.kind == "row":
+        g = spec.gemm
+        mode = (
+            f"product tiles of {spec.rows_per_program} row(s) x {spec.block} computed in a loop over the row, "
+            f"K in slices of {g.block_k}"
+        )
+    elif spec.gemm is not None:
         g = spec.gemm
         mode = f"GEMM tiles of {g.block_m} x {g.block_n}, K in slices of {g.block_k}, {g.num_stages} stage(s)"
         mode += ", the batch dims summed in each program" if g.sum_batch else ""

@@ -22,6 +22,11 @@ from ..ops.elementwise import to_storage
 from .source import Writer, _Scope
 
 
+def _accumulator(operand: torch.dtype) -> torch.dtype:
+    """A product's accumulator: fp32, or fp64 for fp64 operands."""
+    return torch.float64 if operand == torch.float64 else torch.float32
+
+
 class CoordWriter(Writer):
     """The writer for KernelSpecs with a ``domain`` (see the module docstring)."""
 
@@ -123,6 +128,9 @@ class CoordWriter(Writer):
             self.named.add(("n", i))
             if REGISTRY[node.op].kind is OpKind.MOVEMENT:
                 self._remap(i, name, c, scope, full)
+            elif REGISTRY[node.op].kind is OpKind.CONTRACTION:
+                assert c == self._default(i), "a product is computed at its own tile only"
+                self._product(i, name, c, scope)
             else:
                 operands = [self._value_at(r, self._adjust(c, self._ones(r)), scope, full) for r in node.srcs]
                 self._emit_with(node, name, scope, operands)
@@ -187,6 +195,46 @@ class CoordWriter(Writer):
         expr = f"({expr}) != 0" if result is torch.bool else f"({expr}).to({TRITON_TYPE[result]})"
         scope.add(f"{name} = {expr}")
         self.types[name] = result
+
+    def _product(self, i: int, name: str, c: Coords, scope: _Scope) -> None:
+        """A contraction's ``[ROWS, BLOCK_SIZE]`` tile at the row block and column block ``c``: Triton
+        tutorial 03's K loop over ``BLOCK_K`` slices into an fp32 accumulator (the row kernel's
+        values then read it as they would read a loaded tile). The left operand is read at the
+        tile's rows (its batch dims at the rows' batch coordinates), the right one (no batch dims)
+        at the tile's columns."""
+        node, tile = self.spec.nodes[i], self.spec.gemm
+        assert tile is not None
+        (_, ja), (_, jb) = node.srcs
+        attrs = dict(node.attrs)
+        size = f"m{i}_0"  # the contracted extent
+        a_idx = [*c.idx[:-1], "ks[None, :]"]  # A's (..., m, k) at the tile's rows
+        a_idx[-2:] = a_idx[-2:][::-1] if attrs["ta"] else a_idx[-2:]
+        b_idx = ["ks[:, None]", c.idx[-1]][:: -1 if attrs["tb"] else 1]
+        operand = compute_dtype(node.cdt)
+        acc = f"acc{i}"
+        precision = f', input_precision="{tile.precision}"' if operand == torch.float32 else ""
+        scope.add(f"{acc} = tl.zeros((ROWS, BLOCK_SIZE), dtype={TRITON_TYPE[_accumulator(operand)]})")
+        scope.add(f"for k_start in range(0, {size}, BLOCK_K):")
+        a_mask, b_mask = f"row_mask & (ks[None, :] < {size})", f"(ks[:, None] < {size}) & col_mask"
+        body = [
+            "ks = k_start + tl.arange(0, BLOCK_K)",
+            f"a = tl.load(in{ja}_ptr + {self._operand_offset(ja, a_idx)}, mask={a_mask}, other=0)",
+            f"b = tl.load(in{jb}_ptr + {self._operand_offset(jb, b_idx)}, mask={b_mask}, other=0)",
+            f"{acc} = tl.dot(a, b, {acc}{precision})",
+        ]
+        scope.add_all([f"    {line}" for line in body])
+        scope.add(f"{name} = {acc}")
+        self.types[name] = _accumulator(operand)
+
+    def _operand_offset(self, j: int, idx: list[str]) -> str:
+        """A contraction operand's offset at index vectors ``idx`` (aligned to its trailing dims)."""
+        classes = self.spec.loads[j].rows
+        terms = []
+        for d, (cls, ix) in enumerate(zip(classes, idx[len(idx) - len(classes) :])):
+            if cls == BCAST or ix == "0":
+                continue
+            terms.append(ix if cls == UNIT else f"{ix} * in{j}_stride{d}")
+        return " + ".join(terms) or "0"
 
     # ---- stores -----------------------------------------------------------------------
     def _store(self, k: int, loop: _Scope) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
-from ..lower.gemm import tile_loads
+from ..lower.gemm import inner_products, tile_loads
 from ..lower.schedule import reduce_dtype
 from ..lower.spec import STRIDED, UNIT, KernelSpec
-from ..ops import REGISTRY, EmitCtx, OpKind, ReduceSpec
+from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
 from .source import Writer, _Scope, _state_name
 from .template import render
@@ -94,6 +94,12 @@ class GemmWriter(Writer):
         for k, o in enumerate(s.outputs):
             if o.role == "full":  # a reduction of A is contiguous: one value per row of the product
                 self.params += [f"out{k}_stride{d}" for d in range(self.out_dims - 1)]  # columns: stride 1
+        for i in inner_products(s.nodes):  # a recomputed product: its contracted size, its operands' strides
+            self.params.append(f"K{i}")
+            for _, k in s.nodes[i].srcs:
+                ld, name = s.loads[k], self.load_names[k]
+                self.params += [f"{name}_stride_b{d}" for d in range(self.nb)]
+                self.params += [f"{name}_stride{d}" for d, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
         self.params += [f"s{k}" for k in range(len(s.scalars))]
 
     def gemm(self, name: str) -> str:
@@ -105,7 +111,15 @@ class GemmWriter(Writer):
         top = self.top
         if self.spec.big:
             top.add_all(["offs_m = offs_m.to(tl.int64)", "offs_n = offs_n.to(tl.int64)"])
-        contraction = next(i for i, nd in enumerate(self.spec.nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
+        contraction = next(
+            i
+            for i, nd in enumerate(self.spec.nodes)
+            if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role == "full"
+        )
+        self.swapped = {
+            "a": dict(self.spec.nodes[contraction].attrs)["ta"],
+            "b": dict(self.spec.nodes[contraction].attrs)["tb"],
+        }
         operand_dtype = self.spec.nodes[contraction].dtype
         acc_dtype = torch.float64 if operand_dtype == torch.float64 else torch.float32
         top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
@@ -148,6 +162,98 @@ class GemmWriter(Writer):
             if REGISTRY[node.op].kind is OpKind.REDUCTION and node.srcs[0] == ref:
                 self._k_reduction(i, v, mask, scope)
         return op
+
+    # ---- a prologue's own values at the operand's tile ------------------------------------------
+    def value(self, ref: tuple, loop: _Scope) -> str:
+        """As the Writer's, plus what only a prologue holds: a product recomputed at the operand's
+        tile, and positions (indices along a dim) there."""
+        kind, i = ref
+        node = self.spec.nodes[i] if kind == "n" else None
+        if node is None or node.role not in OPERAND_TILE:
+            return super().value(ref, loop)
+        op = REGISTRY[node.op]
+        if op.kind is not OpKind.CONTRACTION and (op.kind is not OpKind.MOVEMENT or op.view):
+            return super().value(ref, loop)
+        if ref not in loop.memo:
+            loop.memo[ref] = self._inner_product(i, loop) if op.kind is OpKind.CONTRACTION else self._positions(i, loop)
+        return loop.memo[ref]
+
+    def _tile_index(self, role: str, rank: int) -> list[str]:
+        """The index (source text) of each dim of a value of ``rank`` dims at operand ``role``'s tile:
+        its batch dims at the batch's coordinates, its matrix dims along the tile's rows and columns
+        (swapped when the kernel reads the operand transposed)."""
+        (r, c), _, _ = OPERAND_TILE[role]
+        matrix = [c, r] if self.swapped[role] else [r, c]
+        batch = ["0"] * max(0, rank - 2 - self.nb) + list(self.batch_idx)[max(0, self.nb - (rank - 2)) :]
+        return (batch + matrix)[-rank:] if rank else []
+
+    def _positions(self, i: int, scope: _Scope) -> str:
+        """An index-only movement op (positions along a dim) at the operand's tile, by its own remap."""
+        node = self.spec.nodes[i]
+        idx = [("0" if one else ix) for ix, one in zip(self._tile_index(node.role, len(node.ones)), node.ones)]
+
+        def unread(*_: object) -> str:
+            raise AssertionError(f"{node.op} reads no operand")
+
+        ctx = RemapCtx(Coords(tuple(idx)), dict(node.attrs), (), (), unread, unread, unread, "0")  # type: ignore[arg-type]
+        name = f"v{i}"
+        scope.add(f"{name} = ({REGISTRY[node.op].remap(ctx)}).to({TRITON_TYPE[compute_dtype(node.dtype)]})")  # type: ignore[misc]
+        self.types[name] = compute_dtype(node.dtype)
+        return name
+
+    def _inner_product(self, i: int, scope: _Scope) -> str:
+        """A product no kernel writes, at the operand's ``[rows, cols]`` tile: a K loop of its own
+        over ``BLOCK_K`` slices. Element ``(m, n)`` of the product sits at the tile's ``(m, n)``, or
+        at ``(n, m)`` when the kernel reads the operand transposed: then the product's right operand
+        gives the tile's rows and its left one the columns."""
+        node = self.spec.nodes[i]
+        attrs = dict(node.attrs)
+        role = node.role
+        (rows, cols), _, _ = OPERAND_TILE[role]
+        rv, cv = rows.split("[")[0], cols.split("[")[0]  # the tile's index vectors
+        extent = {"offs_m": "M", "offs_n": "N", "ks": "K"}
+        (_, la), (_, lb) = node.srcs
+        size = f"K{i}"
+        # each operand's stored (-2, -1) dims, named: the product's rows "m", columns "n", the sum "k"
+        a_dims = ("k", "m") if attrs["ta"] else ("m", "k")
+        b_dims = ("n", "k") if attrs["tb"] else ("k", "n")
+        if not self.swapped[role]:  # rows are the product's m, columns its n
+            left, right = (
+                (la, a_dims, {"m": f"{rv}[:, None]", "k": "kk[None, :]"}),
+                (lb, b_dims, {"k": "kk[:, None]", "n": f"{cv}[None, :]"}),
+            )
+        else:  # rows are the product's n, columns its m
+            left, right = (
+                (lb, b_dims, {"n": f"{rv}[:, None]", "k": "kk[None, :]"}),
+                (la, a_dims, {"m": f"{cv}[None, :]", "k": "kk[:, None]"}),
+            )
+        shape = {"a": "(BLOCK_M, BLOCK_K)", "b": "(BLOCK_K, BLOCK_N)"}[role]
+        acc = f"p{i}"
+        scope.add(f"{acc} = tl.zeros({shape}, dtype=tl.float32)")
+        scope.add(f"for kk_start in range(0, {size}, BLOCK_K):")
+        body = ["kk = kk_start + tl.arange(0, BLOCK_K)"]
+        masks = (
+            f"({rv}[:, None] < {extent[rv]}) & (kk[None, :] < {size})",
+            f"(kk[:, None] < {size}) & ({cv}[None, :] < {extent[cv]})",
+        )
+        for name, (k, dims, at), mask in zip(("pl", "pr"), (left, right), masks):
+            ptr = f"in{self.spec.loads[k].input}_ptr"
+            body.append(f"{name} = tl.load({ptr} + {self._stored_offset(k, dims, at)}, mask={mask}, other=0)")
+        g = self.spec.gemm
+        assert g is not None
+        precision = f', input_precision="{g.precision}"' if node.cdt == torch.float32 else ""
+        body.append(f"{acc} = tl.dot(pl, pr, {acc}{precision})")
+        scope.add_all([f"    {line}" for line in body])
+        self.types[acc] = torch.float32
+        return acc
+
+    def _stored_offset(self, k: int, dims: tuple[str, str], at: dict[str, str]) -> str:
+        """A recomputed product's operand ``k`` at index vectors ``at`` of its named stored dims."""
+        ld, name = self.spec.loads[k], self.load_names[k]
+        terms = [f"{b} * {name}_stride_b{d}" for d, b in enumerate(self.batch_idx)]
+        for d, (dim, c) in enumerate(zip(dims, (*ld.rows, *ld.cols))):
+            terms.append(at[dim] if c == UNIT else f"{at[dim]} * {name}_stride{d}")
+        return " + ".join(terms)
 
     def _k_reduction(self, i: int, v: str, mask: str, scope: _Scope) -> None:
         """Reduction ``i`` of A over its contracted dims: each K tile's states merged into one

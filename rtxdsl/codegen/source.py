@@ -39,7 +39,7 @@ def ${name}(
     ${params}
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    ${split_block}
+    ${constexprs}
 ):
     pid = ${program}
     ${split}
@@ -423,7 +423,7 @@ class Writer:
             parts = "n_part = n_rows * n_split" if self.spec.split in ("partial", "finish") else ""
             extra = {
                 "split": render(SPLIT, split_idx=split_idx, parts=parts).rstrip("\n") if self.spec.split else "",
-                "split_block": "SPLIT_BLOCK: tl.constexpr," if self.spec.split == "finish" else "",
+                "constexprs": "\n".join(f"{c}: tl.constexpr," for c in self._row_constexprs()),
             }
         return render(
             template,
@@ -434,6 +434,11 @@ class Writer:
             body="\n".join(self.top.lines),
             **extra,
         )
+
+    def _row_constexprs(self) -> list[str]:
+        """A row kernel's constexprs beyond ``ROWS`` and ``BLOCK_SIZE``: a split row's finish lanes,
+        a product's K slice."""
+        return (["SPLIT_BLOCK"] if self.spec.split == "finish" else []) + (["BLOCK_K"] if self.spec.gemm else [])
 
     def pointwise(self, name: str) -> str:
         self._begin("offs", "i", "size")

@@ -86,7 +86,9 @@ def program(
             dtype = info.dtype if id(o) in requested else intermediate_dtype(g, info)
             lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), dtype)
     scheduled = [
-        gemm_spec(g, graph, lay, target, tf32) if g.contraction is not None else kernel_spec(g, graph, lay, target)
+        gemm_spec(g, graph, lay, target, tf32)
+        if g.contraction is not None and not g.is_row
+        else kernel_spec(g, graph, lay, target, tf32)
         for g in plan.groups
     ]
     aliases = _aliases(plan, scheduled, lay, slots, into or {})

@@ -17,9 +17,11 @@ The analysis is a sequence of passes, each a function from (graph, groups) to ne
 3. ``absorb_per_row``: math on leaves only is recomputed in every kernel that reads it.
 4. ``recompute_elementwise``: a kernel reading another kernel's elementwise value recomputes
    it from leaves instead of reading it back.
-5. ``absorb_prologues``: a GEMM recomputes an elementwise operand at load time (its prologue)
+5. ``fuse_product_rows``: a row kernel reducing a GEMM's product over its last axis computes the
+   product tile by tile itself (the product is never written: linear cross-entropy).
+6. ``absorb_prologues``: a GEMM recomputes an elementwise operand at load time (its prologue)
    where the traffic model says that is cheaper than writing the operand and reading it back.
-6. ``finish``: what each kernel reads and writes (a value is written only when requested or
+7. ``finish``: what each kernel reads and writes (a value is written only when requested or
    read by a kernel that does not compute it), its pattern, and a launch order.
 
 Movement ops that re-index (slices, ``cat``, ``flip``, ``gather``) are evaluated inside the
@@ -83,8 +85,14 @@ class Group:
 
     @property
     def remaps(self) -> bool:
-        """Does the kernel evaluate values at re-indexed coordinates (a coordinate-mode kernel)?"""
-        return bool(self.cone) or any(reindexes(n) for n in self.nodes)
+        """Does the kernel evaluate values at coordinates of their own (a coordinate-mode kernel):
+        re-indexed ones, or the operands' of a product it computes in tiles?"""
+        return bool(self.cone) or any(reindexes(n) for n in self.nodes) or self.product_rows
+
+    @property
+    def product_rows(self) -> bool:
+        """A row kernel computing a contraction's product tile by tile (see ``fuse_product_rows``)."""
+        return self.is_row and self.contraction is not None
 
     @property
     def is_row(self) -> bool:
@@ -92,8 +100,9 @@ class Group:
 
     @property
     def contraction(self) -> Expr | None:
-        """The contraction a GEMM kernel computes (the rest of its nodes are its epilogue)."""
-        return contraction_of(self.nodes)
+        """The contraction a GEMM kernel computes (the rest of its nodes are its epilogue and its
+        prologues, which may recompute a product of their own)."""
+        return contraction_of(self.nodes, self.roles)
 
     def keep_shape(self) -> tuple[int, ...]:
         return tuple(1 if d in self.axes else s for d, s in enumerate(self.shape))
@@ -129,12 +138,15 @@ def analyze(graph: Graph, config: FusionConfig) -> Plan:
     groups = merge_siblings(graph, fl, groups, config, small)
     groups = absorb_per_row(graph, fl, groups, config, small)
     groups = recompute_elementwise(graph, fl, groups, config, small)
+    groups = fuse_product_rows(graph, fl, groups, small)
     groups = absorb_prologues(graph, fl, groups, config, small)
     return finish(graph, fl, groups)
 
 
-def contraction_of(nodes: list[Expr] | tuple[Expr, ...]) -> Expr | None:
-    return next((n for n in nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION), None)
+def contraction_of(nodes: list[Expr] | tuple[Expr, ...], roles: Mapping[int, Role]) -> Expr | None:
+    """The kernel's own contraction: not one a prologue recomputes at an operand's tiles."""
+    own = (n for n in nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION and roles[id(n)] not in (Role.A, Role.B))
+    return next(own, None)
 
 
 # ---- data flow through movement ops -------------------------------------------------------------
@@ -245,7 +257,7 @@ class _Work:
 
     @property
     def contraction(self) -> Expr | None:
-        return contraction_of(self.nodes)
+        return contraction_of(self.nodes, self.roles)
 
 
 def _order(graph: Graph) -> dict[int, int]:
@@ -731,7 +743,104 @@ def recompute_elementwise(
     return tuple(g.freeze(order) for g in work)
 
 
-# ---- pass 5: GEMM prologues ----------------------------------------------------------------------
+# ---- pass 5: reductions over a product ----------------------------------------------------------
+def fuse_product_rows(graph: Graph, fl: Flow, groups: tuple[Group, ...], solo: frozenset[int]) -> tuple[Group, ...]:
+    """A GEMM whose every output only a row kernel reads, reducing them over the product's last
+    axis, moves into that row kernel: it computes each ``[rows, block]`` tile of the product with
+    ``tl.dot`` where it would have loaded it, so the product is never written (linear
+    cross-entropy: a tokens x vocabulary product reduced to a logsumexp and a target logit).
+
+    Only when nothing of the product's size is written (the row kernel's outputs are per row),
+    the product's right operand has no batch dims of its own (one ``B`` tile serves every row of a
+    tile) and the product is read at its own coordinates (no movement op re-indexes it)."""
+    requested = {id(e) for _, e in graph.outputs}
+    consumers = _consumers(graph, fl)
+    work = [_Work.of(g) for g in groups]
+    dead: set[int] = set()
+    for r in work:
+        if not r.is_row or r.contraction is not None or r.axes != (len(r.shape) - 1,):
+            continue
+        gemm = _product_of(r, work, graph, fl, consumers, requested, solo)
+        if gemm is None:
+            continue
+        c = gemm.contraction
+        assert c is not None
+        for m in gemm.nodes:
+            r.roles[id(m)] = Role.FULL
+        r.nodes[:0] = gemm.nodes
+        info = graph.of(c)
+        r.notes.append(
+            f"{_label(c, graph)}: the product is computed tile by tile in this row kernel and never "
+            f"written ({info.nbytes} bytes not stored or read back)"
+        )
+        dead.add(id(gemm))
+    order = _order(graph)
+    return tuple(g.freeze(order) for g in work if id(g) not in dead)
+
+
+def reduced_in_rows(graph: Graph, c: Expr) -> bool:
+    """Is contraction ``c``'s product only reduced over its last axis, through elementwise ops of
+    its shape, and never requested? A row kernel then computes it in tiles
+    (:func:`fuse_product_rows`) and a backward recomputes it rather than the forward saving it."""
+    shape = graph.of(c).shape
+    if c.attr("sum_batch") or len(graph.of(c.srcs[1]).shape) != 2:
+        return False
+    requested = {id(e) for _, e in graph.outputs}
+    readers: dict[int, list[Expr]] = {}
+    for n in graph.nodes:
+        for s in read_srcs(n):
+            readers.setdefault(id(s), []).append(n)
+    stack, seen = [c], {id(c)}
+    while stack:
+        n = stack.pop()
+        if id(n) in requested:
+            return False
+        for r in readers.get(id(n), ()):
+            kind = REGISTRY[r.op].kind
+            if kind is OpKind.REDUCTION and tuple(r.attr("axis")) == (len(shape) - 1,):
+                continue
+            if kind is not OpKind.ELEMENTWISE or graph.of(r).shape != shape:
+                return False
+            if id(r) not in seen:
+                seen.add(id(r))
+                stack.append(r)
+    return True
+
+
+def _product_of(
+    r: _Work,
+    work: list[_Work],
+    graph: Graph,
+    fl: Flow,
+    consumers: dict[int, list[Expr]],
+    requested: set[int],
+    solo: frozenset[int],
+) -> _Work | None:
+    """The GEMM kernel row kernel ``r`` can compute inside itself (see :func:`fuse_product_rows`)."""
+    members = {id(m) for m in r.nodes}
+    full = [m for m in r.nodes if r.role(m) is Role.FULL]
+    if any(id(m) in requested or any(id(x) not in members for x in consumers.get(id(m), ())) for m in full):
+        return None  # it writes a value of the product's size: the product would be computed twice
+    homes = _homes(work)
+    read = {homes[id(s)] for m in r.nodes for s in fl.reads[id(m)] if id(s) in homes and id(s) not in members}
+    for h in read:
+        gemm = work[h]
+        c = gemm.contraction
+        if c is None or gemm.is_row or gemm.shape != r.shape or c.attr("sum_batch"):
+            continue
+        if len(graph.of(c.srcs[1]).shape) != 2 or any(id(m) in solo for m in gemm.nodes):
+            continue
+        inside = {id(m) for m in gemm.nodes}
+        if any(gemm.role(m) is not Role.FULL or id(m) in requested for m in gemm.nodes):
+            continue
+        readers = [x for m in gemm.nodes for x in consumers.get(id(m), ()) if id(x) not in inside]
+        if any(id(x) not in members or reindexes(x) for x in readers):
+            continue
+        return gemm
+    return None
+
+
+# ---- pass 6: GEMM prologues ----------------------------------------------------------------------
 def absorb_prologues(
     graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
 ) -> tuple[Group, ...]:
@@ -747,7 +856,7 @@ def absorb_prologues(
     consumers = _consumers(graph, fl)
     work = [_Work.of(g) for g in groups]
     homes = _homes(work)
-    gemms = [w for w in work if w.contraction is not None]
+    gemms = [w for w in work if w.contraction is not None and not w.is_row]
     readers: dict[int, list[tuple[_Work, Role]]] = {}  # operand id -> the GEMMs reading it, as A or B
     for w in gemms:
         c = w.contraction
@@ -761,6 +870,10 @@ def absorb_prologues(
     emptied: list[_Work] = []  # kernels that computed an operand now recomputed: still needed?
     for s in (n for n in graph.nodes if id(n) in readers):
         home = work[homes[id(s)]]
+        tiled = _tiled_cone(s, graph)
+        if tiled is not None:  # a product no kernel writes: every reader computes it in its K loop
+            emptied += _recompute_in_prologues(s, tiled, readers[id(s)], work, graph, consumers, requested)
+            continue
         cone = _elementwise_cone(s, home, homes, work, graph, solo)
         gemm_readers = readers[id(s)]
         chain, bounds = cone if cone is not None else ([], [])
@@ -804,6 +917,72 @@ def absorb_prologues(
     dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
     order = _order(graph)
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
+
+
+def _tiled_cone(s: Expr, graph: Graph) -> list[Expr] | None:
+    """``s`` and what it is computed from, down to the graph's leaves, when that includes a product
+    marked ``recompute`` (one the forward never wrote): elementwise ops, views of leaves and of
+    0-dim values, index-only movement ops (positions) and the product itself, read from leaves.
+    None when ``s`` computes no such product or needs anything else (a reduction, a re-indexing)."""
+    out: list[Expr] = []
+    seen: set[int] = set()
+    stack, found = [s], False
+    while stack:
+        n = stack.pop()
+        if id(n) in seen or is_leaf(n, graph.info):
+            continue
+        seen.add(id(n))
+        op = REGISTRY[n.op]
+        if op.kind is OpKind.CONTRACTION:
+            if not n.attr_dict.get("recompute") or not all(is_leaf(x, graph.info) for x in n.srcs):
+                return None
+            found = True
+            out.append(n)
+            continue
+        if op.kind is OpKind.MOVEMENT:
+            # a view of a leaf is a load through its strides; a view of a 0-dim value broadcasts
+            # as it is; positions read nothing: anything else would need coordinates of its own
+            views_ok = op.view and all(is_leaf(x, graph.info) or not graph.of(x).shape for x in n.srcs)
+            if not views_ok and read_srcs(n):
+                return None
+        elif op.kind is not OpKind.ELEMENTWISE:
+            return None
+        out.append(n)
+        stack.extend(read_srcs(n))
+    return out if found else None
+
+
+def _recompute_in_prologues(
+    s: Expr,
+    chain: list[Expr],
+    gemm_readers: list[tuple[_Work, Role]],
+    work: list[_Work],
+    graph: Graph,
+    consumers: dict[int, list[Expr]],
+    requested: set[int],
+) -> list[_Work]:
+    """Operand ``s`` of ``gemm_readers``, computed from a product no kernel writes (``chain``, see
+    :func:`_tiled_cone`), becomes each reader's prologue whatever the traffic model would say:
+    keeping a tokens x vocabulary buffer unwritten is the point. The kernels that computed parts
+    of it keep only what their other nodes need; those left with nothing to write are returned."""
+    members = {id(m) for m in chain}
+    for w, side in gemm_readers:
+        for m in chain:
+            w.roles[id(m)] = side
+        w.nodes[:0] = [m for m in chain if not any(m is x for x in w.nodes)]
+        w.notes.append(
+            f"{_label(s, graph)}: computed from a product the forward never wrote, recomputed in tiles "
+            f"in the K loop ({graph.of(s).nbytes} bytes not written)"
+        )
+    homes = {id(h): h for h in work for m in h.nodes if id(m) in members and all(h is not w for w, _ in gemm_readers)}
+    for home in homes.values():
+        kept = _still_needed([m for m in home.nodes if id(m) in members], home, members, consumers)
+        home.nodes = [m for m in home.nodes if id(m) not in members or id(m) in kept]
+    emptied = list(homes.values())
+    for w, side in gemm_readers:
+        if side is Role.A:
+            emptied += _reduce_in_k_loop(w, s, work, graph, consumers, requested)
+    return emptied
 
 
 def _operand(w: _Work, side: Role, shape: tuple[int, ...], graph: Graph) -> Operand:
@@ -908,7 +1087,7 @@ def _label(n: Expr, graph: Graph) -> str:
     return f"{n.op}[{', '.join(map(str, graph.of(n).shape))}]"
 
 
-# ---- pass 6: outputs, inputs, pattern, launch order ---------------------------------------------
+# ---- pass 7: outputs, inputs, pattern, launch order ---------------------------------------------
 def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
     requested = {id(e) for _, e in graph.outputs}
     consumers = _consumers(graph, fl)
@@ -983,6 +1162,7 @@ def _pattern(g: Group, graph: Graph) -> str:
     names.add("Single")
     if g.is_row:
         names.discard("Activation")
+        names.discard("Contraction")  # a product reduced in tiles: named by what it reduces to
     return next(p for p in PATTERN_PRIORITY if p in names)
 
 

@@ -38,6 +38,7 @@ from .schedule import (
     expand_strides,
     gemm_block,
     stride_class,
+    viewed,
 )
 from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
 from .target import Target
@@ -56,6 +57,11 @@ def tile_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
     product's, "a" / "b" at an operand's). A plain operand is read by the K loop through its own strides."""
     used = {i for nd in nodes if REGISTRY[nd.op].kind is not OpKind.CONTRACTION for kind, i in nd.srcs if kind == "l"}
     return sorted(used)
+
+
+def inner_products(nodes: tuple[NodeSpec, ...]) -> list[int]:
+    """The products a prologue recomputes at an operand's tiles (each with a K loop of its own)."""
+    return [i for i, nd in enumerate(nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role != "full"]
 
 
 def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:
@@ -83,18 +89,21 @@ def gemm_spec(
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
     at_tiles = tile_loads(bd.nodes)
+    inner = inner_products(bd.nodes)
     operand = {Role.A: (a, ta, batch), Role.B: (b, tb, batch)}
     strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]] = {}  # load -> batch strides, tile strides
-    for i, (j, role, _) in enumerate(bd.loads):
+    for i, (j, role, view) in enumerate(bd.loads):
+        lay = viewed(layouts[id(group.inputs[j])], view)
         if i in at_tiles:
-            lay = layouts[id(group.inputs[j])]
             strides[i] = _operand_strides(lay, *operand[role]) if role in operand else _tile_strides(lay, domain)
+        elif any(("l", i) in bd.nodes[p].srcs for p in inner):  # a recomputed product's operand: as stored
+            strides[i] = _batch_strides(lay, batch), (lay.strides[-2], lay.strides[-1])
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(
         kind="gemm",
         in_dtypes=tuple(layouts[id(s)].dtype for s in group.inputs),
         loads=tuple(
-            LoadSpec(j, role.value, *_classes(strides[i][1]) if i in strides else ((), ()))
+            LoadSpec(j, role.value, *_load_classes(strides[i][1], i in at_tiles) if i in strides else ((), ()))
             for i, (j, role, _) in enumerate(bd.loads)
         ),
         nodes=bd.nodes,
@@ -127,6 +136,12 @@ def gemm_spec(
     for o in group.outputs:
         if group.role(o) is Role.FULL:  # a reduction of A is one contiguous value per row of the product
             ints += contiguous_strides(graph.of(o).shape)[:-1]  # the columns' stride is 1
+    for p in group.nodes:  # each recomputed product: its contracted size, its operands' strides
+        if bd.index.get(id(p)) in inner:
+            ints.append(graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1])
+            for _, i in bd.nodes[bd.index[id(p)]].srcs:
+                over_batch, (r, cl) = strides[i]
+                ints += [*over_batch, *(v for v, c in zip((r, cl), (_unit(r, cl), _unit(cl, r))) if c == STRIDED)]
     kinds, vals = _scalar_args(bd.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = replace(spec, scalars=tuple(kinds))
     position = {id(v): i for i, v in enumerate(graph.inputs)}
@@ -180,8 +195,12 @@ def _operand_strides(
     return _batch_strides(Layout(operand.shape, full, lay.dtype), batch), ((c, r) if transposed else (r, c))
 
 
-def _classes(tile: tuple[int, int]) -> tuple[tuple[str], tuple[str]]:
-    return (stride_class(tile[0]),), (stride_class(tile[1]),)
+def _load_classes(tile: tuple[int, int], at_tile: bool) -> tuple[tuple[str], tuple[str]]:
+    """A load's stride classes: at a tile, of its (rows, cols) strides; a recomputed product's
+    operand, of its two matrix dims (unit as :func:`_unit` says)."""
+    if at_tile:
+        return (stride_class(tile[0]),), (stride_class(tile[1]),)
+    return (_unit(tile[0], tile[1]),), (_unit(tile[1], tile[0]),)
 
 
 def _batch_strides(lay: Layout, batch: tuple[int, ...]) -> tuple[int, ...]:

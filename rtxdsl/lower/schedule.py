@@ -22,7 +22,7 @@ from ..expr import Expr
 from ..ops import REGISTRY, DtypeRule, OpKind
 from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
-from .spec import BCAST, STRIDED, UNIT, KernelSpec, LoadSpec, NodeSpec, OutSpec
+from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
 from .target import GPU, Target
 
 INT32_LIMIT = 2**31
@@ -267,7 +267,10 @@ def body(group: Group, graph: Graph) -> Body:
         return ("l", loads.index(key))
 
     def add(n: Expr, srcs: tuple, role: str) -> tuple:
-        specs.append(NodeSpec(n.op, n.attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role))
+        op = REGISTRY[n.op]
+        # positions (a movement op reading nothing) are indices at the tile: which dims have size 1
+        ones = tuple(d == 1 for d in graph.of(n).shape) if op.kind is OpKind.MOVEMENT and not op.view else ()
+        specs.append(NodeSpec(n.op, n.attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role, ones))
         index[id(n)] = len(specs) - 1
         return ("n", index[id(n)])
 
@@ -275,7 +278,7 @@ def body(group: Group, graph: Graph) -> Body:
         role = group.role(n)
         kind = REGISTRY[n.op].kind
         load_role = Role.FULL if kind is OpKind.REDUCTION else role
-        view = tuple(sorted(n.attr("axes"))) if kind is OpKind.MOVEMENT else None
+        view = tuple(sorted(n.attr("axes"))) if REGISTRY[n.op].view else None
         add(n, tuple(ref(s, load_role, view) for s in n.srcs), role.value)
     return Body(tuple(specs), MappingProxyType(index), tuple(loads), tuple(slots))
 
@@ -294,6 +297,18 @@ def _compute_dtype(n: Expr, graph: Graph) -> torch.dtype:
 
 
 # ---- operands over the domain ----------------------------------------------------------------------
+def viewed(lay: Layout, view: tuple[int, ...] | None) -> Layout:
+    """A load's layout through the view it is read by: an unsqueezed operand is the same memory
+    with size-1 dims inserted at ``view``'s axes."""
+    if view is None:
+        return lay
+    shape, strides = list(lay.shape), list(lay.strides)
+    for ax in view:
+        shape.insert(ax, 1)
+        strides.insert(ax, 0)
+    return Layout(tuple(shape), tuple(strides), lay.dtype)
+
+
 def operand_strides(group: Group, graph: Graph, layouts: Mapping[int, Layout], b: Body) -> list[tuple[int, ...]]:
     """Strides of every load and then every output over the group's domain (0 on reduced dims
     for per-row operands, 0 where broadcast)."""
@@ -308,13 +323,7 @@ def operand_strides(group: Group, graph: Graph, layouts: Mapping[int, Layout], b
     target = {Role.FULL: domain, Role.KEEP: group.keep_shape(), Role.DROP: group.drop_shape()}
     out: list[tuple[int, ...]] = []
     for j, role, view in b.loads:
-        lay = layouts[id(group.inputs[j])]
-        if view is not None:  # an unsqueezed operand: the same memory with size-1 dims inserted
-            shape, strides = list(lay.shape), list(lay.strides)
-            for ax in view:
-                shape.insert(ax, 1)
-                strides.insert(ax, 0)
-            lay = Layout(tuple(shape), tuple(strides), lay.dtype)
+        lay = viewed(layouts[id(group.inputs[j])], view)
         out.append(over_domain(expand_strides(lay, target[role]), role))
     for o in group.outputs:
         role = group.role(o)
@@ -361,11 +370,12 @@ def _scalar_args(slots: tuple[Expr, ...], graph: Graph, kernel_float: torch.dtyp
 
 # ---- the whole spec ----------------------------------------------------------------------------------
 def kernel_spec(
-    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU
+    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU, tf32: bool = False
 ) -> tuple[KernelSpec, Launch]:
-    """Spec and launch arguments for ``group`` on ``target``; ``layouts`` maps id(input node) -> its layout."""
+    """Spec and launch arguments for ``group`` on ``target``; ``layouts`` maps id(input node) -> its
+    layout; ``tf32``: a product computed in the kernel multiplies fp32 operands in TF32."""
     if group.remaps:
-        return coordinate_spec(group, graph, layouts, target)
+        return coordinate_spec(group, graph, layouts, target, tf32)
     b = body(group, graph)
     strides = operand_strides(group, graph, layouts, b)
     tile_shape = target.tile
@@ -508,7 +518,7 @@ def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Lau
 
 # ---- coordinate kernels: movement ops inside ----------------------------------------------------
 def coordinate_spec(
-    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU
+    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU, tf32: bool = False
 ) -> tuple[KernelSpec, Launch]:
     """A kernel whose values are read at re-indexed coordinates (slices, ``cat``, ``gather``).
 
@@ -516,6 +526,10 @@ def coordinate_spec(
     its own dims, and each movement op maps coordinates to its operands' coordinates with its
     launch arguments (offsets, sizes). Free nodes (cones of movement ops) are in the body with
     role "free": evaluated only where a movement op asks for them.
+
+    A row kernel that computes a contraction's product (``Group.product_rows``) reads its operands
+    at the tile's rows and a ``BLOCK_K`` slice of the contracted axis: its tile is the GEMM's
+    (``ROWS`` = ``BLOCK_M`` rows by ``BLOCK_SIZE`` = ``BLOCK_N`` columns, looped over the row).
     """
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     members = {id(m) for m in group.nodes}
@@ -582,7 +596,17 @@ def coordinate_spec(
     rows = [domain[d] for d in range(len(domain)) if not reduced[d]]
     cols = [domain[d] for d in range(len(domain)) if reduced[d]]
     n_rows, n_cols = math.prod(rows), math.prod(cols)
-    cfg = row_config(n_rows, n_cols, target) if group.is_row else Config(0, 1, False, 0)
+    c = group.contraction
+    tile = None
+    if c is not None:  # the product's tile: rows by a block of its columns, looped
+        dtype = graph.of(c.srcs[0]).dtype
+        bm, bn, bk, _, warps, stages = target.gemm
+        bm, bn, bk = gemm_block(bm, bn, bk, n_rows, n_cols, dtype)
+        precision = "tf32" if tf32 and dtype == torch.float32 else "ieee"
+        tile = GemmTile(bm, bn, bk, 1, warps, stages, precision=precision)
+        cfg = Config(bn, bm, True, warps)
+    else:
+        cfg = row_config(n_rows, n_cols, target) if group.is_row else Config(0, 1, False, 0)
     kinds, vals = _scalar_args(tuple(slots), graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = KernelSpec(
         kind="row" if group.is_row else "pointwise",
@@ -599,14 +623,20 @@ def coordinate_spec(
         num_warps=cfg.num_warps,
         domain=reduced,
         flags=tuple(i for i, n in enumerate(specs) if REGISTRY[n.op].index_operand is not None),
+        gemm=tile,
     )
     n_split = 1
     if group.is_row:
         head = [n_rows, n_cols] + (rows if len(rows) > 1 else []) + (cols if len(cols) > 1 else [])
-        spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
+        if tile is None:
+            spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
+        else:  # a product's row is reduced by one program (its tiles are not split across programs)
+            programs = -(-n_rows // cfg.rows_per_program)
         head += [n_split, chunk] if n_split > 1 else []
         grid = (max(1, programs * n_split),)
         meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
+        if tile is not None:
+            meta += (("BLOCK_K", tile.block_k), ("num_stages", tile.num_stages))
     else:
         numel = math.prod(domain)
         head = [numel] + (list(domain) if len(domain) > 1 else [])

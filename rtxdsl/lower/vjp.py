@@ -19,6 +19,7 @@ from ..errors import RtxError
 from ..expr import Expr, node, walk
 from ..ops import REGISTRY, OpKind
 from ..ops.helpers import D
+from .analyze import reduced_in_rows
 from .bind import Info, infer_all
 from .expand import Graph, is_leaf
 
@@ -110,8 +111,13 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
                 continue
             accumulate(s, sum_to(c, typed(c).shape, si.shape))
 
-    # the forward saves its row statistics and its contractions' products (a GEMM is not recomputed)
-    reductions = [n for n in graph.nodes if REGISTRY[n.op].kind in (OpKind.REDUCTION, OpKind.CONTRACTION)]
+    # the forward saves its row statistics and its contractions' products (a GEMM is not
+    # recomputed), but for products it only reduces over their rows and never writes: those the
+    # backward recomputes in tiles (marked ``recompute``), never a tokens x vocabulary buffer
+    tiled = {id(n) for n in graph.nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION and reduced_in_rows(graph, n)}
+    reductions = [
+        n for n in graph.nodes if REGISTRY[n.op].kind in (OpKind.REDUCTION, OpKind.CONTRACTION) and id(n) not in tiled
+    ]
     saved = {id(r): Expr("var", (), {"name": f"{SAVED}{k}", "dtype": None}) for k, r in enumerate(reductions)}
     backward: list[tuple[str, Expr]] = []
     grad_of: list[tuple[str, str]] = []
@@ -123,7 +129,7 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
             e = node("cast", e, dtype=graph.of(v).dtype)
         key = f"{GRADIENT}{len(backward)}"
         grad_of.append((v.attr("name"), key))
-        backward.append((key, _substitute(e, saved)))
+        backward.append((key, _substitute(e, saved, tiled)))
     if not backward:
         raise RtxError("no input that requires grad reaches a floating-point output")
     used = {id(n) for _, e in backward for n in walk([e])}
@@ -146,11 +152,14 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     )
 
 
-def _substitute(e: Expr, repl: dict[int, Expr]) -> Expr:
+def _substitute(e: Expr, repl: dict[int, Expr], recompute: set[int]) -> Expr:
+    """``e`` with the nodes in ``repl`` replaced (saved values) and those in ``recompute`` marked."""
     memo: dict[int, Expr] = {}
     for n in walk([e]):
         if id(n) in repl:
             memo[id(n)] = repl[id(n)]
+        elif id(n) in recompute:
+            memo[id(n)] = Expr(n.op, tuple(memo[id(s)] for s in n.srcs), {**n.attr_dict, "recompute": True})
         elif n.srcs:
             srcs = tuple(memo[id(s)] for s in n.srcs)
             memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)

@@ -7,6 +7,10 @@ operand through swapped strides (a linear's weight, the backward's ``g @ B.mT``)
 ``sum_batch`` the batch dims are contracted too (a weight gradient: ``sum_b A_b @ B_b``), so the
 product of a batched input with an unbatched weight never materializes per batch.
 
+A backward marks a product its forward never wrote (one reduced in tiles inside a row kernel)
+``recompute=True``: the kernels that read it compute its tiles where they need them, and nothing
+writes it (linear cross-entropy's logits, forward and backward).
+
 ``matmul`` decomposes by rank: a 1-D operand makes a matrix-vector or dot product, which is a
 row (or column) reduction (memory-bound: a GEMM tile would be one row); everything else is one
 ``contract``. ``linear(x, w, b)`` is ``contract(x, w, tb=True) + b``.
@@ -42,7 +46,7 @@ def _matrix(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
 
 
 def _contract_shape(
-    shapes: list[tuple[int, ...]], ta: bool = False, tb: bool = False, sum_batch: bool = False
+    shapes: list[tuple[int, ...]], ta: bool = False, tb: bool = False, sum_batch: bool = False, recompute: bool = False
 ) -> tuple[int, ...]:
     a, b = shapes
     if len(a) < 2 or len(b) < 2:
@@ -67,7 +71,9 @@ def _contract_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
     return a
 
 
-def _contract_ref(a: torch.Tensor, b: torch.Tensor, ta: bool, tb: bool, sum_batch: bool) -> torch.Tensor:
+def _contract_ref(
+    a: torch.Tensor, b: torch.Tensor, ta: bool, tb: bool, sum_batch: bool, recompute: bool = False
+) -> torch.Tensor:
     out = torch.matmul(a.mT if ta else a, b.mT if tb else b)
     return out.sum(tuple(range(out.dim() - 2))) if sum_batch else out
 
@@ -115,6 +121,7 @@ register(
         result_dtype=_contract_dtype,
         accepts=FLOATING,
         derivative=_contract_grad,
+        launch_args=lambda shapes, out, ta, **_: (_matrix(shapes[0], ta)[1],),
         pattern="Contraction",
         front=Front(fn=contract),
     )

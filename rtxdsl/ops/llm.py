@@ -1,4 +1,4 @@
-"""The LLM kernels, as composites of primitives: cross-entropy (``gather`` + ``logsumexp``) and
+"""The LLM kernels, as composites of primitives: cross-entropy (``logsumexp`` and masked sums) and
 rotary embeddings (slices and ``cat``). Forward and backward are derived, not hand-written:
 the VJP pass differentiates the decomposition, and the analyzer fuses both directions.
 """
@@ -148,34 +148,45 @@ def _ce_decompose(
     cls = _class_axis(rank)
     n_classes = shapes[0][cls]
     eps = label_smoothing
-    lse = node("logsumexp", x, axis=(cls,), keepdim=False)
+    # every per-row value keeps its class axis (size 1) until the end: what the backward computes at
+    # the logits' coordinates then only broadcasts (a kernel recomputing it per tile needs no re-indexing)
+    keep = {"axis": (cls,), "keepdim": True}
+    lse = node("logsumexp", x, **keep)
     # weight along the class axis, broadcast against the logits
     wb = node("unsqueeze", w[0], axes=(0, *range(2, rank))) if w and rank >= 2 else (w[0] if w else None)
     if dtypes[1].is_floating_point:  # class probabilities (smoothed toward uniform)
         p = node("add", node("mul", t, 1.0 - eps), eps / n_classes) if eps else t
         if wb is not None:
             p = node("mul", p, wb)
-        neg_logp = node("sub", node("unsqueeze", lse, axes=(cls,)), x)
-        per = node("sum", node("mul", p, neg_logp), axis=(cls,), keepdim=False)
+        per = node("sum", node("mul", p, node("sub", lse, x)), **keep)
         if z_loss:
             per = node("add", per, node("mul", node("mul", lse, lse), z_loss))
+        per = node("sum", per, axis=(cls,), keepdim=False)  # drops the size-1 class axis
         if reduction == "none":
             return per
         total = node("sum", per, axis=None, keepdim=False)
         return node("div", total, max(1, math.prod(shapes[0]) // max(n_classes, 1))) if reduction == "mean" else total
-    valid = node("ne", t, ignore_index)
-    safe = node("where", valid, t, 0)  # ignored rows gather class 0, then count nothing
-    at = node("unsqueeze", safe, axes=(cls,))
-    picked = node("select", node("gather", x, at, axis=cls), axis=cls, index=0)
+    target = node("unsqueeze", t, axes=(cls,))
+    valid = node("ne", target, ignore_index)
+    safe = node("where", valid, target, 0)  # ignored rows pick class 0, then count nothing
+    positions = node("arange_like", x, axis=cls)
+    hit = node("eq", positions, safe)
+    # one element per row as a masked sum over the class axis, not a gather of the logits: a row
+    # reduction like the others, so it is merged tile by tile where the logits are never written
+    picked = node("sum", node("where", hit, x, 0.0), **keep)
     tw = None
     if wb is not None:
-        tw = node("select", node("gather", node("expand", wb, shape=shapes[0]), at, axis=cls), axis=cls, index=0)
+        tw = node("sum", node("where", hit, node("expand", wb, shape=shapes[0]), 0.0), **keep)
+    # the target's class, range-checked: a gather of positions (the class itself, or a clear error)
+    checked = node("gather", node("expand", positions, shape=shapes[0]), safe, axis=cls)
     # torch takes log_softmax first: a row whose logsumexp is +-inf (a +inf logit, or every logit
-    # -inf) is NaN there; lse - lse is NaN exactly then, and 0 otherwise (no gradient flows through it)
-    nll = node("add", node("sub", lse, picked), node("detach", node("sub", lse, lse)))
+    # -inf) is NaN there; lse - lse is NaN exactly then, and 0 otherwise (no gradient flows through
+    # it, nor through the range check, which the backward need not repeat)
+    nan_or_zero = node("add", node("sub", lse, lse), node("mul", checked, 0))
+    nll = node("add", node("sub", lse, picked), node("detach", nan_or_zero))
     per = node("mul", nll, tw) if tw is not None else nll
     if eps:
-        summed = node("sum", node("mul", x, wb) if wb is not None else x, axis=(cls,), keepdim=False)
+        summed = node("sum", node("mul", x, wb) if wb is not None else x, **keep)
         mass = node("sum", w[0], axis=None, keepdim=False) if w else float(n_classes)
         smooth = node("sub", node("mul", lse, mass), summed)  # -sum_c w_c log p_c
         per = node("add", node("mul", per, 1.0 - eps), node("mul", smooth, eps / n_classes))
@@ -185,18 +196,21 @@ def _ce_decompose(
     if reduction != "mean" or tw is None:
         per = node("add", per, z) if z is not None else per
         z = None
-    per = node("where", valid, per, 0.0)
+    def rows(v: Expr) -> Expr:  # a per-row value without its size-1 class axis (a reshape in the row kernel)
+        return node("sum", node("where", valid, v, 0.0), axis=(cls,), keepdim=False)
+
+    per = rows(per)
     if reduction == "none":
         return per
     total = node("sum", per, axis=None, keepdim=False)
     if reduction == "sum":
         return total
-    count = node("where", valid, tw if tw is not None else 1.0, 0.0)
-    mean = node("div", total, node("sum", count, axis=None, keepdim=False))
+    ones = node("where", node("ne", t, ignore_index), 1.0, 0.0)  # per token: does it count?
+    mean = node("div", total, node("sum", rows(tw) if tw is not None else ones, axis=None, keepdim=False))
     if z is None:
         return mean
-    tokens = node("sum", node("where", valid, 1.0, 0.0), axis=None, keepdim=False)
-    return node("add", mean, node("div", node("sum", node("where", valid, z, 0.0), axis=None, keepdim=False), tokens))
+    tokens = node("sum", ones, axis=None, keepdim=False)
+    return node("add", mean, node("div", node("sum", rows(z), axis=None, keepdim=False), tokens))
 
 
 def _torch_cross_entropy(
