@@ -53,6 +53,19 @@ SCRIPT = textwrap.dedent("""
     assert [k.summary.endswith("contract, sum") for k in bwd.program(**feed).kernels] == [False, True]
     kernels = {name: (rx.compile(e), ins, 0) for name, (e, ins) in cases.items()}
     kernels["gemm_bwd_bias_sum"] = (bwd, feed, -1)
+    # linear cross-entropy at 4096 tokens x 32000 vocabulary x 1024 hidden: the forward computes the
+    # logit tiles in its row loop, the backward's two GEMMs recompute them in their K loops
+    lce_in = dict(h=torch.empty(4096, 1024, **bf), w=torch.empty(32000, 1024, **bf),
+                  t=torch.empty(4096, dtype=torch.int64), b=torch.empty(32000, **bf))
+    lce = rx.compile(rx.linear_cross_entropy(x, w, y, b)).grad_plan(x=lce_in["h"], w=lce_in["w"], y=lce_in["t"],
+                                                                    b=lce_in["b"])
+    lce_in = dict(x=lce_in["h"], w=lce_in["w"], y=lce_in["t"], b=lce_in["b"])
+    stats = dict(_g0=torch.empty((), **bf), _s0=torch.empty(4096, 1))
+    lce_feed = {n: lce_in[n] if n in lce_in else stats.get(n, torch.empty(())) for n in lce.backward.inputs}
+    assert lce.backward.program(**lce_feed).kernels_launched == 2
+    kernels["gemm_lce_forward"] = (lce.forward, lce_in, 0)
+    kernels["gemm_lce_dh"] = (lce.backward, lce_feed, 0)
+    kernels["gemm_lce_dw"] = (lce.backward, lce_feed, 1)
     out = {}
     for name, (kernel, ins, which) in kernels.items():
         f = compile_kernel(kernel, ins)[which]
@@ -86,6 +99,8 @@ def test_contiguous_path_uses_128_bit_loads_and_stores(facts):
 
 def test_contractions_use_hopper_warpgroup_mma(facts):
     for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu", "gemm_bwd_bias_sum"):
+        assert facts[name]["wgmma"] > 0, name
+    for name in ("gemm_lce_forward", "gemm_lce_dh", "gemm_lce_dw"):  # every product tile, recomputed too
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0
 

@@ -124,7 +124,9 @@ class CoordWriter(Writer):
             name = self._load_at(i, c, scope, full)
         else:
             node = self.spec.nodes[i]
-            name = f"v{i}" if c == self._default(i) and ("n", i) not in self.named else f"v{i}_{next(self.tmp_ids)}"
+            placed = node.role != "full" or bool(self.cidx) or not self.row  # its default coordinates exist
+            own = ("n", i) not in self.named and placed and c == self._default(i)
+            name = f"v{i}" if own else f"v{i}_{next(self.tmp_ids)}"
             self.named.add(("n", i))
             if REGISTRY[node.op].kind is OpKind.MOVEMENT:
                 self._remap(i, name, c, scope, full)

@@ -158,9 +158,9 @@ class GemmWriter(Writer):
             return op
         v = self.value(ref, scope)
         scope.add(f"{op} = tl.where({mask}, {to_storage(v, self.types[v], dtype)}, 0)")
-        for i, node in enumerate(self.spec.nodes):
-            if REGISTRY[node.op].kind is OpKind.REDUCTION and node.srcs[0] == ref:
-                self._k_reduction(i, v, mask, scope)
+        for i, node in enumerate(self.spec.nodes):  # reductions of the prologue's values over K
+            if REGISTRY[node.op].kind is OpKind.REDUCTION and node.role == op:
+                self._k_reduction(i, self.value(node.srcs[0], scope), mask, scope)
         return op
 
     # ---- a prologue's own values at the operand's tile ------------------------------------------
@@ -195,7 +195,9 @@ class GemmWriter(Writer):
         def unread(*_: object) -> str:
             raise AssertionError(f"{node.op} reads no operand")
 
-        ctx = RemapCtx(Coords(tuple(idx)), dict(node.attrs), (), (), unread, unread, unread, "0")  # type: ignore[arg-type]
+        (r, c), _, _ = OPERAND_TILE[node.role]
+        zero = f"({r} * 0 + {c} * 0)"  # the tile's shape, even where every index is 0
+        ctx = RemapCtx(Coords(tuple(idx)), dict(node.attrs), (), (), unread, unread, unread, zero)  # type: ignore[arg-type]
         name = f"v{i}"
         scope.add(f"{name} = ({REGISTRY[node.op].remap(ctx)}).to({TRITON_TYPE[compute_dtype(node.dtype)]})")  # type: ignore[misc]
         self.types[name] = compute_dtype(node.dtype)
@@ -229,7 +231,8 @@ class GemmWriter(Writer):
             )
         shape = {"a": "(BLOCK_M, BLOCK_K)", "b": "(BLOCK_K, BLOCK_N)"}[role]
         acc = f"p{i}"
-        scope.add(f"{acc} = tl.zeros({shape}, dtype=tl.float32)")
+        acc_dtype = torch.float64 if node.cdt == torch.float64 else torch.float32
+        scope.add(f"{acc} = tl.zeros({shape}, dtype={TRITON_TYPE[acc_dtype]})")
         scope.add(f"for kk_start in range(0, {size}, BLOCK_K):")
         body = ["kk = kk_start + tl.arange(0, BLOCK_K)"]
         masks = (
@@ -244,7 +247,7 @@ class GemmWriter(Writer):
         precision = f', input_precision="{g.precision}"' if node.cdt == torch.float32 else ""
         body.append(f"{acc} = tl.dot(pl, pr, {acc}{precision})")
         scope.add_all([f"    {line}" for line in body])
-        self.types[acc] = torch.float32
+        self.types[acc] = acc_dtype
         return acc
 
     def _stored_offset(self, k: int, dims: tuple[str, str], at: dict[str, str]) -> str:
@@ -280,12 +283,14 @@ class GemmWriter(Writer):
         """A tensor's offset at a tile: its strides over ``batch``'s coordinates, then the tile's
         two ``index`` vectors (the product's rows and columns, or an operand's)."""
         terms = [f"{b} * {prefix}_stride{d}" for d, b in enumerate(batch)]
+        tile = []
         for i, (idx, c) in enumerate(zip(index, classes)):
             if c == UNIT:
-                terms.append(idx)
+                tile.append(idx)
             elif c == STRIDED:
-                terms.append(f"{idx} * {prefix}_stride{len(batch) + i}")
-        return " + ".join(terms) or f"({index[0]} * 0 + {index[1]} * 0)"
+                tile.append(f"{idx} * {prefix}_stride{len(batch) + i}")
+        # a block pointer even where the tensor is one element (per batch) broadcast over the tile
+        return " + ".join(terms + (tile or [f"({index[0]} * 0 + {index[1]} * 0)"]))
 
     def _emit_load(self, k: int, scope: _Scope) -> str:
         ld = self.spec.loads[k]

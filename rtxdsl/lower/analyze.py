@@ -56,6 +56,7 @@ class Role(enum.Enum):
 
 
 PATTERN_PRIORITY = (
+    "LinearCrossEntropy",
     "Contraction",
     "CrossEntropy",
     "LayerNorm",
@@ -913,7 +914,7 @@ def absorb_prologues(
                 home.nodes = [m for m in home.nodes if id(m) not in members or id(m) in kept]
             for w, side in gemm_readers:  # once every reader recomputes it
                 if side is Role.A:
-                    emptied += _reduce_in_k_loop(w, s, work, graph, consumers, requested)
+                    emptied += _reduce_in_k_loop(w, [s], work, graph, consumers, requested)
     dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
     order = _order(graph)
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
@@ -922,7 +923,7 @@ def absorb_prologues(
 def _tiled_cone(s: Expr, graph: Graph) -> list[Expr] | None:
     """``s`` and what it is computed from, down to the graph's leaves, when that includes a product
     marked ``recompute`` (one the forward never wrote): elementwise ops, views of leaves and of
-    0-dim values, index-only movement ops (positions) and the product itself, read from leaves.
+    one-element values, index-only movement ops (positions) and the product itself, read from leaves.
     None when ``s`` computes no such product or needs anything else (a reduction, a re-indexing)."""
     out: list[Expr] = []
     seen: set[int] = set()
@@ -940,9 +941,9 @@ def _tiled_cone(s: Expr, graph: Graph) -> list[Expr] | None:
             out.append(n)
             continue
         if op.kind is OpKind.MOVEMENT:
-            # a view of a leaf is a load through its strides; a view of a 0-dim value broadcasts
-            # as it is; positions read nothing: anything else would need coordinates of its own
-            views_ok = op.view and all(is_leaf(x, graph.info) or not graph.of(x).shape for x in n.srcs)
+            # a view of a leaf is a load through its strides; a view of one element broadcasts as
+            # it is; positions read nothing: anything else would need coordinates of its own
+            views_ok = op.view and all(is_leaf(x, graph.info) or graph.of(x).numel == 1 for x in n.srcs)
             if not views_ok and read_srcs(n):
                 return None
         elif op.kind is not OpKind.ELEMENTWISE:
@@ -981,7 +982,7 @@ def _recompute_in_prologues(
     emptied = list(homes.values())
     for w, side in gemm_readers:
         if side is Role.A:
-            emptied += _reduce_in_k_loop(w, s, work, graph, consumers, requested)
+            emptied += _reduce_in_k_loop(w, [s, *chain], work, graph, consumers, requested)
     return emptied
 
 
@@ -993,41 +994,77 @@ def _operand(w: _Work, side: Role, shape: tuple[int, ...], graph: Graph) -> Oper
 
 
 def _reduce_in_k_loop(
-    w: _Work, s: Expr, work: list[_Work], graph: Graph, consumers: dict[int, list[Expr]], requested: set[int]
+    w: _Work,
+    values: list[Expr],
+    work: list[_Work],
+    graph: Graph,
+    consumers: dict[int, list[Expr]],
+    requested: set[int],
 ) -> list[_Work]:
-    """A mergeable reduction of the prologue operand ``s`` (A) over exactly its contracted dims (the
-    K axis, and the batch dims a ``sum_batch`` GEMM sums) moves into ``w``: each program merges
-    its A tiles' states in the K loop (a bias gradient's column sum in the weight-gradient GEMM).
-    Only when its own kernel then has nothing left to write (a pass over the inputs saved)."""
+    """A mergeable reduction of a prologue value of the operand's shape (``values``: the A operand,
+    and what its prologue computes it from) over exactly its contracted dims (the K axis, and the
+    batch dims a ``sum_batch`` GEMM sums) moves into ``w``: each program merges its A tiles'
+    states in the K loop (a bias gradient's column sum in the weight-gradient GEMM), with the
+    per-row math on its result (a cast to the bias's dtype). Only when its own kernel then has
+    nothing left to write (a pass over the inputs saved)."""
     c = w.contraction
     assert c is not None
-    nd = len(graph.of(s).shape)
+    shape = graph.of(values[0]).shape
+    nd = len(shape)
     k_axis = nd - 2 if c.attr("ta") else nd - 1
     if nd > 2 and not c.attr("sum_batch"):
         return []  # the product has batch dims: the sum over them crosses programs
     contracted = tuple(sorted({*range(nd - 2), k_axis}))
     by_home: dict[int, tuple[_Work, list[Expr]]] = {}
-    for r in consumers.get(id(s), ()):
-        op = REGISTRY[r.op]
-        if op.kind is not OpKind.REDUCTION or op.reduce is None or tuple(sorted(r.attr("axis"))) != contracted:
-            continue
-        home = next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)
-        if home is None or any(any(m is x for m in home.nodes) for x in consumers.get(id(r), ())):
-            continue  # its own kernel reads it: it stays there
-        by_home.setdefault(id(home), (home, []))[1].append(r)
+    for v in (v for v in values if graph.of(v).shape == shape):
+        for r in consumers.get(id(v), ()):
+            op = REGISTRY[r.op]
+            if op.kind is not OpKind.REDUCTION or op.reduce is None or tuple(sorted(r.attr("axis"))) != contracted:
+                continue
+            home = next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)
+            if home is not None:
+                by_home.setdefault(id(home), (home, []))[1].append(r)
     moved = []
     for home, reductions in by_home.values():
+        after = _per_row_after(home, reductions, graph, consumers)
+        if after is None:
+            continue  # its own kernel reads it otherwise: it stays there
+        taken = {id(m) for m in (*reductions, *after)}
         kept = home.nodes
-        home.nodes = [m for m in kept if not any(m is r for r in reductions)]
+        home.nodes = [m for m in kept if id(m) not in taken]
         if _writes(home, work, requested, consumers):
             home.nodes = kept  # the kernel stays for other values: nothing saved
             continue
-        for r in reductions:
+        for r in (*reductions, *after):
             w.nodes.append(r)
             w.roles[id(r)] = Role.A
+        for r in reductions:
             w.notes.append(f"{_label(r, graph)}: {r.op} of A over its contracted dims, merged in the K loop")
         moved.append(home)
     return moved
+
+
+def _per_row_after(
+    home: _Work, reductions: list[Expr], graph: Graph, consumers: dict[int, list[Expr]]
+) -> list[Expr] | None:
+    """The elementwise nodes of ``home`` computed from ``reductions`` alone (and scalars): their
+    per-row math, which moves with them. None when another node of ``home`` reads them."""
+    members = {id(m) for m in home.nodes}
+    done = {id(r) for r in reductions}
+    after: list[Expr] = []
+    stack = list(reductions)
+    while stack:
+        for x in consumers.get(id(stack.pop()), ()):
+            if id(x) not in members or id(x) in done:
+                continue
+            if REGISTRY[x.op].kind is not OpKind.ELEMENTWISE:
+                return None
+            if not all(id(y) in done or is_leaf(y, graph.info) for y in x.srcs):
+                return None
+            done.add(id(x))
+            after.append(x)
+            stack.append(x)
+    return after
 
 
 def _elementwise_cone(

@@ -46,10 +46,12 @@ from .target import Target
 MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
 
 
-def gemm_tile(target: Target, m: int, n: int, dtype: torch.dtype) -> GemmTile:
-    """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)."""
+def gemm_tile(target: Target, m: int, n: int, dtype: torch.dtype, inner: bool = False) -> GemmTile:
+    """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum).
+    ``inner``: a prologue recomputes a product of its own, whose accumulator (an operand tile of
+    fp32) lives beside the kernel's: the rows halve, so both fit in registers without spills."""
     bm, bn, bk, group_m, warps, stages = target.gemm
-    return GemmTile(*gemm_block(bm, bn, bk, m, n, dtype), group_m, warps, stages)
+    return GemmTile(*gemm_block(bm // 2 if inner else bm, bn, bk, m, n, dtype), group_m, warps, stages)
 
 
 def tile_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
@@ -84,8 +86,8 @@ def gemm_spec(
     n = b.shape[-2] if tb else b.shape[-1]
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     domain = (m, n) if sum_batch else (*batch, m, n)
-    tile = gemm_tile(target, m, n, a.dtype)
     bd = body(group, graph)
+    tile = gemm_tile(target, m, n, a.dtype, inner=bool(inner_products(bd.nodes)))
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
     at_tiles = tile_loads(bd.nodes)

@@ -664,7 +664,18 @@ def _check_message(n: Expr, graph: Graph) -> str:
     data, idx = n.srcs[0], n.srcs[op.index_operand]
     shape = graph.of(data).shape
     size = shape[n.attr("axis")] if shape else 1
+    if _positions_only(data):  # a range check (cross-entropy's target): the positions are no one's tensor
+        return f"{n.op}: an index in {idx!r} is out of range [0, {size})"
     return f"{n.op}: an index in {idx!r} is out of range for axis {n.attr('axis')} of {data!r} (size {size})"
+
+
+def _positions_only(n: Expr) -> bool:
+    """Is ``n`` made of positions alone (movement ops over an index-only op, no value read)?"""
+    op = REGISTRY[n.op]
+    if op.kind is not OpKind.MOVEMENT:
+        return False
+    reads = [s for k, s in enumerate(n.srcs) if k not in op.shape_only]
+    return all(_positions_only(s) for s in reads[:1]) and len(reads) <= 1
 
 
 # ---- passes over the inputs (the honest traffic model) ---------------------------------------------

@@ -150,12 +150,17 @@ def _along_axis(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[D
 
 
 def _gather(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims, tuple[int, ...]]]) -> Dims:
-    """torch.gather: the output is shaped like the index; other axes line up where sizes agree."""
+    """torch.gather: the output is shaped like the index; other axes line up where sizes agree.
+    Along the gathered axis the input is read whole and the index's elements are independent: the
+    index (and the output) may be split there."""
     (xd, xs), (idx, _) = srcs
     axis = n.attr("axis") % max(len(xs), 1)
     out = []
     for j, size in enumerate(shape):
-        if j == axis or xs[j] != size:
+        if j == axis:
+            lb.mark(xd[j], f"re-indexed by {n.op}")
+            out.append(idx[j])
+        elif xs[j] != size:
             lb.mark(xd[j], f"re-indexed by {n.op}")
             lb.mark(idx[j], f"re-indexed by {n.op}")
             out.append(lb.fresh(size, f"re-indexed by {n.op}"))

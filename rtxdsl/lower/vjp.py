@@ -12,6 +12,7 @@ Derivative rules live with each op's declaration (``OpDef.derivative``).
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
 
 from ..dtypes import compute_dtype
@@ -152,7 +153,7 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     )
 
 
-def _substitute(e: Expr, repl: dict[int, Expr], recompute: set[int]) -> Expr:
+def _substitute(e: Expr, repl: dict[int, Expr], recompute: Set[int] = frozenset()) -> Expr:
     """``e`` with the nodes in ``repl`` replaced (saved values) and those in ``recompute`` marked."""
     memo: dict[int, Expr] = {}
     for n in walk([e]):

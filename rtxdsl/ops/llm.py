@@ -145,7 +145,17 @@ def _ce_decompose(
             shapes=[(1, *shapes[0]), (1,), *shapes[2:]], dtypes=dtypes,
         )  # fmt: skip
         return node("select", one, axis=0, index=0) if reduction == "none" else one
-    cls = _class_axis(rank)
+    options = {"ignore_index": ignore_index, "reduction": reduction, "label_smoothing": label_smoothing}
+    return _ce_rows(x, t, w[0] if w else None, _class_axis(rank), shapes, dtypes, z_loss=z_loss, **options)
+
+
+def _ce_rows(
+    x: Expr, t: Expr, weight: Expr | None, cls: int, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], *,
+    ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
+) -> Expr:  # fmt: skip
+    """Cross-entropy over class axis ``cls`` of ``x`` (the shapes and dtypes of ``x, t[, weight]``)."""
+    rank = len(shapes[0])
+    w = (weight,) if weight is not None else ()
     n_classes = shapes[0][cls]
     eps = label_smoothing
     # every per-row value keeps its class axis (size 1) until the end: what the backward computes at
@@ -153,7 +163,8 @@ def _ce_decompose(
     keep = {"axis": (cls,), "keepdim": True}
     lse = node("logsumexp", x, **keep)
     # weight along the class axis, broadcast against the logits
-    wb = node("unsqueeze", w[0], axes=(0, *range(2, rank))) if w and rank >= 2 else (w[0] if w else None)
+    others = tuple(d for d in range(rank) if d != cls)
+    wb = node("unsqueeze", w[0], axes=others) if w and others else (w[0] if w else None)
     if dtypes[1].is_floating_point:  # class probabilities (smoothed toward uniform)
         p = node("add", node("mul", t, 1.0 - eps), eps / n_classes) if eps else t
         if wb is not None:
@@ -177,8 +188,7 @@ def _ce_decompose(
     tw = None
     if wb is not None:
         tw = node("sum", node("where", hit, node("expand", wb, shape=shapes[0]), 0.0), **keep)
-    # the target's class, range-checked: a gather of positions (the class itself, or a clear error)
-    checked = node("gather", node("expand", positions, shape=shapes[0]), safe, axis=cls)
+    checked = _checked_class(positions, t, safe, ignore_index, cls, shapes[0])
     # torch takes log_softmax first: a row whose logsumexp is +-inf (a +inf logit, or every logit
     # -inf) is NaN there; lse - lse is NaN exactly then, and 0 otherwise (no gradient flows through
     # it, nor through the range check, which the backward need not repeat)
@@ -196,6 +206,7 @@ def _ce_decompose(
     if reduction != "mean" or tw is None:
         per = node("add", per, z) if z is not None else per
         z = None
+
     def rows(v: Expr) -> Expr:  # a per-row value without its size-1 class axis (a reshape in the row kernel)
         return node("sum", node("where", valid, v, 0.0), axis=(cls,), keepdim=False)
 
@@ -211,6 +222,18 @@ def _ce_decompose(
         return mean
     tokens = node("sum", ones, axis=None, keepdim=False)
     return node("add", mean, node("div", node("sum", rows(z), axis=None, keepdim=False), tokens))
+
+
+def _checked_class(positions: Expr, t: Expr, safe: Expr, ignore_index: int, cls: int, shape: tuple[int, ...]) -> Expr:
+    """The target's class, range-checked: a gather of the class positions (the class itself, or a
+    clear error naming the target). On ``[rows, classes]`` logits a 1-d gather of the positions
+    at each row's target, which keeps the rows free (a DTensor shards them); otherwise the
+    positions broadcast to the logits' shape first."""
+    if len(shape) == 2:
+        row = node("select", positions, axis=0, index=0)
+        rows = node("where", node("ne", t, ignore_index), t, 0)
+        return node("unsqueeze", node("gather", row, rows, axis=0), axes=(1,))
+    return node("gather", node("expand", positions, shape=shape), safe, axis=cls)
 
 
 def _torch_cross_entropy(
@@ -236,6 +259,119 @@ register(
         pattern="CrossEntropy",
         accepts=ANY,
         front=Front(fn=cross_entropy, torch=dict.fromkeys(torch_fns("cross_entropy"), _torch_cross_entropy)),
+    )
+)
+
+
+# ---- linear cross-entropy: the logits never written -------------------------------------------------
+def linear_cross_entropy(
+    h: ExprLike,
+    w: ExprLike,
+    target: ExprLike,
+    bias: ExprLike | None = None,
+    weight: ExprLike | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    grad_in_forward: bool = False,
+) -> Expr:
+    """Cross-entropy of the logits ``h @ w.T (+ bias)`` over their last axis (the vocabulary),
+    optionally soft-capped (``softcap * tanh(logits / softcap)``), without writing the logits.
+
+    ``h`` is ``[..., hidden]``, ``w`` ``[vocab, hidden]``, ``target`` int64 class indices shaped
+    like ``h`` without its last axis; the options are :func:`cross_entropy`'s. The analyzer finds
+    the logsumexp, the target logit and the other per-row sums over the product and computes them
+    tile by tile inside one kernel (Apple's Cut Cross-Entropy, derived): no tokens x vocabulary
+    buffer is written, forward or backward, and the backward (two GEMMs) recomputes the logit
+    tiles from the saved per-row logsumexp. ``rx.cross_entropy(rx.linear(h, w), t)`` on 2-D ``h``
+    gets the same kernels.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> e = rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t"), softcap=30.0)
+        >>> e.op, e.attr("softcap"), e.attr("reduction")
+        ('linear_cross_entropy', 30.0, 'mean')
+    """
+    ce = cross_entropy(0.0, 0, None, ignore_index, reduction, label_smoothing, z_loss, grad_in_forward)  # checks
+    cap = None if softcap is None else scalar_arg(softcap, "linear_cross_entropy", "softcap")
+    if cap is not None and not cap > 0:
+        raise RtxError(f"linear_cross_entropy: softcap must be positive, got {softcap!r}")
+    operands = (h, w, target, 0.0 if bias is None else bias) + (() if weight is None else (weight,))
+    options = {k: v for k, v in ce.attrs if k != "grad_in_forward"}
+    return node("linear_cross_entropy", *operands, softcap=cap, grad_in_forward=grad_in_forward, **options)
+
+
+def _lce_shape(shapes: list[tuple[int, ...]], reduction: str, **_: Any) -> tuple[int, ...]:
+    h, w, t = shapes[:3]
+    if len(h) < 1 or len(w) != 2 or h[-1] != w[-1]:
+        raise ShapeError(
+            f"linear_cross_entropy: hidden states of shape {list(h)} and weight of shape {list(w)} do not "
+            f"match (the weight must be [vocab, {h[-1] if h else 'hidden'}])"
+        )
+    if t != h[:-1]:
+        raise ShapeError(f"linear_cross_entropy: target has shape {list(t)}; expected {list(h[:-1])}")
+    for extra in shapes[3:]:  # the bias (a tensor one) and the class weight, each one per class
+        if extra not in ((), (1,), (w[0],)):
+            raise ShapeError(
+                f"linear_cross_entropy: a bias or class weight of shape {list(extra)}; "
+                f"expected [{w[0]}] (the vocabulary)"
+            )
+    return h[:-1] if reduction == "none" else ()
+
+
+def _lce_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
+    h, w, t = dtypes[:3]
+    if h != w:
+        raise DtypeMismatchError(f"linear_cross_entropy: hidden states are {h} and the weight is {w}; they must match")
+    if t != torch.int64:
+        raise RtxError(f"linear_cross_entropy: target must be int64 class indices, got {t}")
+    return h
+
+
+def _lce_logits(h: Any, w: Any, b: Any, softcap: float | None) -> Any:
+    logits = F.linear(h, w) + b
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def _lce_ref(
+    h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, b: Any, *cw: torch.Tensor, softcap: float | None,
+    grad_in_forward: bool = False, **options: Any,
+) -> torch.Tensor:  # fmt: skip
+    logits = _lce_logits(h, w, b, softcap).reshape(-1, w.shape[0])
+    loss = _ce_ref(logits, t.reshape(-1), *cw, **options)
+    return loss.reshape(t.shape) if options["reduction"] == "none" else loss
+
+
+def _lce_decompose(
+    h: Expr, w: Expr, t: Expr, b: Expr, *cw: Expr, softcap: float | None, shapes: list, dtypes: list,
+    grad_in_forward: bool = False, z_loss: float, **options: Any,
+) -> Expr:  # fmt: skip
+    logits = node("linear", h, w, b)
+    if softcap is not None:
+        logits = node("mul", node("tanh", node("div", logits, softcap)), softcap)
+    x_shape = (*shapes[0][:-1], shapes[1][0])
+    ce_shapes = [x_shape, shapes[2], *shapes[4:]]
+    rank = len(x_shape)
+    weight = cw[0] if cw else None
+    return _ce_rows(logits, t, weight, rank - 1, ce_shapes, [dtypes[0], dtypes[2]], z_loss=z_loss, **options)
+
+
+register(
+    OpDef(
+        name="linear_cross_entropy",
+        kind=OpKind.COMPOSITE,
+        arity=None,
+        ref=_lce_ref,
+        decompose=_lce_decompose,
+        typed_decompose=True,
+        shape=_lce_shape,
+        result_dtype=_lce_dtype,
+        eager_launches=3,  # the logits' GEMM, log_softmax, nll_loss
+        pattern="LinearCrossEntropy",
+        accepts=ANY,
+        front=Front(fn=linear_cross_entropy),
     )
 )
 

@@ -1,0 +1,198 @@
+"""Linear cross-entropy without logits: a row reduction over a contraction's product computed tile by
+tile inside one kernel (forward), the backward's two GEMMs recomputing the product's tiles. Checked
+against float64 torch on odd sizes and every option; the memory and launch figures are counted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close
+
+import rtxdsl as rx
+from rtxdsl.errors import RtxError, ShapeError
+
+h, w, t, b, cw = (rx.var(n) for n in ("h", "w", "t", "b", "cw"))
+
+# (dtype, atol, rtol) of the loss and gradients: the product accumulates in fp32 (fp64 for fp64
+# inputs) and the row statistics are fp32, so half-type error is the inputs' and outputs' rounding
+TOLERANCES = [
+    (torch.float64, 1e-10, 1e-10),
+    (torch.float32, 2e-5, 2e-5),
+    (torch.bfloat16, 2e-2, 2e-2),
+]
+
+# (tokens, vocabulary, hidden): why each is there
+SIZES = [
+    ((37,), 31, 33),  # odd everything: masked rows, columns and K slices
+    ((1,), 1000, 8),  # one token, a vocabulary of many column tiles
+    ((257,), 2, 8),  # rows spanning programs, a two-class vocabulary
+    ((37,), 1, 33),  # one class: the softmax is 1, the gradient 0
+    ((3, 13), 31, 33),  # batched hidden states: rows decomposed over (batch, token)
+]
+
+# each exercises one option of rx.cross_entropy (plus the logit softcap)
+OPTIONS = [
+    {},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-2},
+    {"softcap": 5.0},
+    {"ignore_index": 3},  # an ignore index that is a valid class
+]
+
+
+def _inputs(gen, shape, vocab, hidden, dtype, bias=False, weight=False, ignore=-100):
+    hs = torch.randn(*shape, hidden, generator=gen, dtype=torch.float64).to(dtype)
+    ws = (torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) / hidden**0.5).to(dtype)
+    ts = torch.randint(0, vocab, shape, generator=gen)
+    if ts.numel() > 2:
+        ts.view(-1)[1] = ignore  # an ignored token
+    ins = {"h": hs, "w": ws, "t": ts}
+    if bias:
+        ins["b"] = torch.randn(vocab, generator=gen, dtype=torch.float64).to(dtype)
+    if weight:
+        ins["cw"] = (torch.rand(vocab, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
+    return ins
+
+
+def _reference(ins, options):
+    """float64 torch: the logits written, then F.cross_entropy over them flattened (+ the z-loss)."""
+    opts = {"ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0} | options
+    z, cap = opts.pop("z_loss", 0.0), opts.pop("softcap", None)
+    hs, ws = ins["h"], ins["w"]
+    logits = F.linear(hs, ws, ins.get("b"))
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    flat, target = logits.reshape(-1, ws.shape[0]), ins["t"].reshape(-1)
+    loss = F.cross_entropy(flat, target, ins.get("cw"), **opts)
+    if z:
+        valid = target != opts["ignore_index"]
+        zl = torch.where(valid, z * torch.logsumexp(flat, -1) ** 2, 0)
+        loss = loss + (
+            zl if opts["reduction"] == "none" else zl.sum() / valid.sum() if opts["reduction"] == "mean" else zl.sum()
+        )
+    return loss.reshape(ins["t"].shape) if opts["reduction"] == "none" else loss
+
+
+def _expr(bias, weight, options):
+    return rx.linear_cross_entropy(h, w, t, b if bias else None, cw if weight else None, **options)
+
+
+def _check(gen, shape, vocab, hidden, options, dtype, atol, rtol, bias, weight):
+    ins = _inputs(gen, shape, vocab, hidden, dtype, bias, weight, options.get("ignore_index", -100))
+    k = rx.compile(_expr(bias, weight, options))
+    leaves = {n: v.clone().requires_grad_() for n, v in ins.items() if v.dtype.is_floating_point and n != "cw"}
+    out = k(**(ins | leaves))
+    ref_leaves = {n: v.double().requires_grad_() for n, v in leaves.items()}
+    ref = _reference(
+        {n: (v.double() if v.dtype.is_floating_point else v) for n, v in ins.items()} | ref_leaves, options
+    )
+    assert_close(out, ref, atol * 10, rtol, f"loss {options}")
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, list(leaves.values()), g.to(out.dtype))
+    want = torch.autograd.grad(ref, list(ref_leaves.values()), g)
+    for name, a, e in zip(leaves, got, want):
+        assert_close(a, e, atol * 10, rtol * 10, f"d{name} {options}")
+
+
+@pytest.mark.parametrize(("shape", "vocab", "hidden"), SIZES)
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+def test_sizes_against_float64(shape, vocab, hidden, dtype, atol, rtol, gen):
+    _check(gen, shape, vocab, hidden, {}, dtype, atol, rtol, bias=vocab > 2, weight=False)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+def test_options_against_float64(options, dtype, atol, rtol, gen):
+    """Every option with a bias and class weights (the weighted mean, the weighted smoothing sum)."""
+    _check(gen, (37,), 31, 33, options, dtype, atol, rtol, bias=True, weight=True)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_options_over_batched_hidden_states(options, gen):
+    """[batch, tokens, hidden]: the product has a batch dim (the weight broadcasts over it)."""
+    _check(gen, (3, 13), 31, 33, options, torch.float32, 2e-5, 2e-5, bias=False, weight=False)
+
+
+def test_cross_entropy_of_linear_is_the_same_kernels(gen):
+    ins = _inputs(gen, (37,), 31, 33, torch.float32, bias=True)
+    named = rx.compile(rx.linear_cross_entropy(h, w, t, b)).program(**ins)
+    found = rx.compile(rx.cross_entropy(rx.linear(h, w, b), t)).program(**ins)
+    assert named.kernels_launched == found.kernels_launched == 1
+    assert [k.spec for k in named.launched] == [k.spec for k in found.launched]
+
+
+def test_gradcheck(gen):
+    ins = _inputs(gen, (5,), 7, 4, torch.float64, bias=True, weight=True)
+    k = rx.compile(_expr(True, True, {"label_smoothing": 0.1, "z_loss": 0.01, "softcap": 3.0}))
+    args = (ins["h"].requires_grad_(), ins["w"].requires_grad_(), ins["b"].requires_grad_())
+    assert torch.autograd.gradcheck(lambda x, y, z: k(h=x, w=y, t=ins["t"], b=z, cw=ins["cw"]), args)
+
+
+# ---- memory and launches: no tokens x vocabulary buffer, forward or backward -----------------------
+def _programs(kernel, ins):
+    """The forward and backward programs autograd runs (every float input requiring grad)."""
+    plan = kernel.grad_plan(**ins)
+    fwd = plan.forward.program(**ins)
+    saved = plan.forward(**ins)
+    feed = ins | dict(saved) | {"_g0": torch.ones(saved["out"].shape, dtype=saved["out"].dtype)}
+    bwd = plan.backward.program(**{n: feed[n] for n in plan.backward.inputs})
+    return fwd, bwd
+
+
+def _scratch_bytes(program) -> list[int]:
+    """Bytes of every buffer a program allocates that is not one of its results (loss, gradients)."""
+    results = {slot for _, slot in program.outputs if slot is not None}
+    return [
+        math.prod(buf.shape) * buf.dtype.itemsize
+        for i, buf in enumerate(program.buffers)
+        if program.n_inputs + i not in results
+    ]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_no_logits_buffer_and_launch_counts(bias, gen):
+    tokens, vocab, hidden = 128, 4099, 32  # the interpreter's size of the 4096 x 32000 x 1024 case
+    ins = _inputs(gen, (tokens,), vocab, hidden, torch.float32, bias=bias)
+    fwd, bwd = _programs(rx.compile(_expr(bias, False, {})), ins)
+    logits = tokens * vocab * 4
+    for p in (fwd, bwd):
+        assert sum(_scratch_bytes(p)) <= logits // 100  # beyond inputs and results: under 1% of the logits
+        assert all(math.prod(buf.shape) < tokens * vocab for buf in p.buffers)  # no tokens x vocabulary tensor
+    assert fwd.kernels_launched == 1  # the product's tiles, logsumexp, target logit; the mean as a tail
+    assert bwd.kernels_launched == 2  # dh and dw (db in dw's K loop), each recomputing the logit tiles
+
+
+# ---- bad input, determinism ----------------------------------------------------------------------
+def test_mismatched_hidden_sizes_name_both_shapes_before_any_launch(gen):
+    k = rx.compile(rx.linear_cross_entropy(h, w, t))
+    rx.reset_fusion_stats()
+    with pytest.raises(ShapeError, match=r"\[4, 8\].*\[5, 9\]"):
+        k(h=torch.randn(4, 8), w=torch.randn(5, 9), t=torch.zeros(4, dtype=torch.int64))
+    assert rx.fusion_stats().kernels_launched == 0
+
+
+def test_a_target_out_of_range_is_the_error_cross_entropy_gives(gen):
+    ins = _inputs(gen, (6,), 5, 8, torch.float32)
+    ins["t"][3] = 5
+    with pytest.raises(RtxError, match="out of range") as lce:
+        rx.compile(rx.linear_cross_entropy(h, w, t))(**ins)
+    with pytest.raises(RtxError, match="out of range") as ce:
+        rx.compile(rx.cross_entropy(h, t))(h=ins["h"] @ ins["w"].T, t=ins["t"])
+    assert str(lce.value) == str(ce.value) == "gather: an index in where(t != -100, t, 0) is out of range [0, 5)"
+
+
+def test_reruns_are_bit_identical(gen):
+    """No atomics: each dh / dw element is summed by one program in a fixed order."""
+    ins = _inputs(gen, (37,), 31, 33, torch.float32, bias=True)
+    k = rx.compile(rx.linear_cross_entropy(h, w, t, b))
+    runs = []
+    for _ in range(2):
+        leaves = {n: ins[n].clone().requires_grad_() for n in ("h", "w", "b")}
+        loss = k(**(ins | leaves))
+        runs.append([loss, *torch.autograd.grad(loss, list(leaves.values()))])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
