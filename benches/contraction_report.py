@@ -7,13 +7,19 @@ fused gradient plan's kernel, fed the forward's saved products. Eager launches a
 modelled: the aten ops eager torch runs forward and in autograd's backward (views excluded), on
 small tensors of the same ranks; eager bytes charge each op of the gradient expression once.
 
+The second table is linear cross-entropy's memory: the buffers rtxdsl's forward and backward
+allocate beyond their inputs and results, every tokens x vocabulary tensor eager torch makes
+(``F.linear`` + ``F.cross_entropy``, forward and backward), and Liger-Kernel's logits chunk.
+
     python -m benches.contraction_report [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +117,66 @@ def measure(name: str, expr: rx.Expr, eager: Callable[..., torch.Tensor], ins: d
     }
 
 
+# ---- linear cross-entropy: memory beside the logits ---------------------------------------------------
+def _scratch(program: Any) -> int:
+    """Bytes a program allocates beyond its inputs and its results (loss, gradients)."""
+    results = {slot for _, slot in program.outputs if slot is not None}
+    return sum(
+        math.prod(buf.shape) * buf.dtype.itemsize
+        for i, buf in enumerate(program.buffers)
+        if program.n_inputs + i not in results
+    )
+
+
+class _Sized(TorchDispatchMode):
+    """Bytes of every tensor of at least ``numel`` elements eager torch makes (on meta tensors)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.bytes = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel and func.overloadpacket.__name__ not in _FREE:
+                self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def liger_chunk(tokens: int, vocab: int, hidden: int) -> int:
+    """Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` token chunk: the logits of ``chunk`` tokens
+    exist at a time (``next_power_of_2(cdiv(BT, cdiv(V, H)))``, its fused_linear_cross_entropy.py)."""
+    inc = -(-vocab // hidden)
+    return 1 << max(0, (-(-tokens // inc) - 1).bit_length())
+
+
+def linear_ce(tokens: int, vocab: int, hidden: int, dtype: torch.dtype) -> dict:
+    """Kernels and memory of ``rx.linear_cross_entropy`` (planned), eager's logits (counted on meta
+    tensors: every tokens x vocabulary tensor forward and backward makes) and Liger's chunk."""
+    h, wv, t = rx.var("h"), rx.var("w"), rx.var("t")
+    ins = {"h": torch.empty(tokens, hidden, dtype=dtype), "w": torch.empty(vocab, hidden, dtype=dtype),
+           "t": torch.zeros(tokens, dtype=torch.int64)}  # fmt: skip
+    k = rx.compile(rx.linear_cross_entropy(h, wv, t))
+    plan = k.grad_plan(h=ins["h"].requires_grad_(), w=ins["w"].requires_grad_(), t=ins["t"])
+    fwd = plan.forward.program(**ins)
+    bwd = plan.backward.program(**backward_feed(plan, ins))
+    meta = {n: torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=v.dtype.is_floating_point)
+            for n, v in ins.items()}  # fmt: skip
+    with _Sized(tokens * vocab) as eager:
+        F.cross_entropy(F.linear(meta["h"], meta["w"]), meta["t"]).backward()
+    logits = tokens * vocab * dtype.itemsize
+    chunk = liger_chunk(tokens, vocab, hidden)
+    return {
+        "tokens x vocab x hidden": f"{tokens} x {vocab} x {hidden}",
+        "logits MB": round(logits / 1e6, 1),
+        "rtxdsl kernels fwd / bwd": f"{fwd.kernels_launched} / {bwd.kernels_launched}",
+        "rtxdsl extra MB fwd / bwd": f"{_scratch(fwd) / 1e6:.3f} / {_scratch(bwd) / 1e6:.3f}",
+        "rtxdsl extra / logits": f"{max(_scratch(fwd), _scratch(bwd)) / logits:.2%}",
+        "eager tokens x vocab MB (fwd + bwd)": round(eager.bytes / 1e6, 1),
+        "Liger chunk (tokens) / its logits MB": f"{chunk} / {chunk * vocab * dtype.itemsize / 1e6:.1f}",
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -120,8 +186,13 @@ def main() -> None:
     print(f"## Contractions with fused epilogues ({machine()}; python -m benches.contraction_report)\n")
     print(f"tokens {sizes[0]}, hidden {sizes[1]}, intermediate {sizes[2]}, {str(sizes[3]).removeprefix('torch.')}\n")
     print(markdown(table, list(table[0])))
+    lce_sizes = [(128, 4099, 32, torch.float32)] if args.quick else [
+        (4096, 32000, 1024, torch.bfloat16), (8192, 128256, 4096, torch.bfloat16)]  # fmt: skip
+    lce = [linear_ce(*size) for size in lce_sizes]
+    print("\n## Linear cross-entropy: memory beside the logits (planned; eager counted on meta tensors)\n")
+    print(markdown(lce, list(lce[0])))
     if not args.quick:
-        print(f"\nwrote {save('contraction-cpu', {'contraction': table})}")
+        print(f"\nwrote {save('contraction-cpu', {'contraction': table, 'linear_cross_entropy': lce})}")
 
 
 if __name__ == "__main__":

@@ -142,3 +142,94 @@ def time_mlp(quick: bool) -> list[dict]:
         rows.append({"block": "Llama MLP", "shape": f"{tokens}x{hidden}x{inter}", "impl": impl,
                      "forward us": fwd * 1e3, "forward + backward us": both * 1e3})  # fmt: skip
     return rows
+
+
+# ---- linear cross-entropy: the logits never written ------------------------------------------------
+#: (tokens, hidden, vocabulary): the issue's sizes (Llama-2's and Llama-3's vocabularies)
+LCE_SIZES = [(8192, 4096, 32000), (8192, 4096, 128256)]
+
+
+def _lce_inputs(tokens: int, hidden: int, vocab: int, device: torch.device, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
+    w = (torch.randn(vocab, hidden, generator=gen) * hidden**-0.5).to(device=device, dtype=torch.bfloat16)
+    t = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    t[1::7] = -100  # some ignored tokens
+    return {"h": h, "w": w, "t": t}
+
+
+def _lce_impls(quick: bool) -> dict[str, Callable[..., Any]]:
+    """rtxdsl, eager (``F.linear`` + ``F.cross_entropy``), torch.compile of it, and Liger-Kernel's and
+    Apple's Cut Cross-Entropy kernels where they are installed."""
+    kernel = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t")))
+
+    def eager(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(F.linear(h, w).float(), t)
+
+    impls: dict[str, Callable[..., Any]] = {"rtxdsl": lambda **v: kernel(**v), "eager": eager}
+    if not quick:
+        impls["torch.compile"] = torch.compile(eager, dynamic=False)
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        impls["liger (chunked)"] = lambda h, w, t: liger(w, h, t)
+    except ImportError:
+        print("  linear cross-entropy: liger_kernel not installed, not compared")
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        impls["cut cross-entropy"] = lambda h, w, t: cce(h, w, t)
+    except ImportError:
+        print("  linear cross-entropy: cut_cross_entropy not installed, not compared")
+    return impls
+
+
+def check_linear_ce(device: torch.device, sizes: list[tuple[int, int, int]]) -> list[dict]:
+    """rtxdsl's loss and gradients against float64 torch (bf16 inputs)."""
+    kernel = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t")))
+    rows = []
+    for tokens, hidden, vocab in sizes:
+        ins = _lce_inputs(tokens, hidden, vocab, device, 4)
+        leaves = {n: ins[n].clone().requires_grad_() for n in ("h", "w")}
+        loss = kernel(**ins | leaves)
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        wide = {n: ins[n].double().requires_grad_() for n in ("h", "w")}
+        want = F.cross_entropy(F.linear(wide["h"], wide["w"]), ins["t"])
+        want_grads = torch.autograd.grad(want, list(wide.values()))
+        relative = [((g.double() - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+                    for g, e in zip(grads, want_grads)]  # fmt: skip
+        err = max([(loss.double() - want).abs().item(), *relative])
+        rows.append({"case": "linear cross-entropy", "shape": f"{tokens}x{hidden}x{vocab}", "dtype": "bfloat16",
+                     "max error": err, "ok": err <= 3e-2, "kernels": kernel.launches(**ins)})  # fmt: skip
+    return rows
+
+
+def time_linear_ce(quick: bool) -> list[dict]:
+    """Forward + backward time and peak memory beyond the inputs, bf16, each implementation."""
+    dev = torch.device("cuda")
+    rows = []
+    for tokens, hidden, vocab in LCE_SIZES[:1] if quick else LCE_SIZES:
+        ins = _lce_inputs(tokens, hidden, vocab, dev, 5)
+        leaves = {n: ins[n].requires_grad_() for n in ("h", "w")}
+        for impl, fn in _lce_impls(quick).items():
+
+            def step(fn: Callable[..., Any] = fn) -> None:
+                torch.autograd.grad(fn(**ins), list(leaves.values()))
+
+            try:
+                step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base
+                ms = _ms(step)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  linear cross-entropy {tokens}x{hidden}x{vocab} {impl}: {type(exc).__name__}: {exc}")
+                continue
+            rows.append({"case": "linear cross-entropy", "shape": f"{tokens}x{hidden}x{vocab}", "impl": impl,
+                         "forward + backward us": ms * 1e3, "peak extra MB": round(peak / 1e6, 1),
+                         "logits MB": round(tokens * vocab * 2 / 1e6, 1)})  # fmt: skip
+    return rows

@@ -203,6 +203,7 @@ def main() -> None:
         rows = check(torch.device("cpu"), [(3, 100), (1, 257)])
         print(markdown(rows, ["workload", "shape", "max error", "ok", "kernels", "eager kernels"]))
         gemms = gemm_gpu.check(torch.device("cpu"), [(33, 20, 17), (1, 7, 129)])
+        gemms += gemm_gpu.check_linear_ce(torch.device("cpu"), [(37, 33, 31), (1, 8, 1000)])
         print(markdown(gemms, ["case", "shape", "dtype", "max error", "ok", "kernels"]))
         bad = [r for r in rows + gemms if not r["ok"]]
         raise SystemExit(1 if bad else 0)
@@ -254,12 +255,14 @@ def main() -> None:
             impls["torch.compile"] = torch.compile(w.eager, dynamic=False)
         timings += time_workload(w, 0, 0, impls, copy_gbs)
     gemm_checks = gemm_gpu.check(torch.device("cuda"), [(37, 781, 129), (512, 1024, 768)])
+    gemm_checks += gemm_gpu.check_linear_ce(torch.device("cuda"), [(257, 1024, 32000)])
     print(markdown(gemm_checks, ["case", "shape", "dtype", "max error", "ok", "kernels"]))
     if all(r["ok"] for r in gemm_checks):
         gemms = gemm_gpu.time_gemms(time.perf_counter() + GEMM_BUDGET_S, args.quick)
         mlp = gemm_gpu.time_mlp(args.quick)
+        lce = gemm_gpu.time_linear_ce(args.quick)
     else:
-        gemms, mlp = [], []
+        gemms, mlp, lce = [], [], []
         print("  contractions: not timed (a correctness check failed)")
     print("\n## Kernel time (do_bench median), achieved GB/s and fraction of copy bandwidth\n")
     print(markdown(timings, ["workload", "shape", "dtype", "impl", "us", "GB/s", "of copy", "kernels"]))
@@ -269,7 +272,9 @@ def main() -> None:
     print(markdown(gemms, ["case", "shape", "dtype", "impl", "us", "TFLOP/s", "of peak"]))
     print("\n## The Llama MLP block, bf16, forward and forward + backward\n")
     print(markdown(mlp, ["block", "shape", "impl", "forward us", "forward + backward us"]))
-    path = save(name, {**payload(), "gemm_checks": gemm_checks, "gemms": gemms, "mlp": mlp}, args.out)
+    print("\n## Linear cross-entropy, bf16, forward + backward: time and peak memory beyond the inputs\n")
+    print(markdown(lce, ["case", "shape", "impl", "forward + backward us", "peak extra MB", "logits MB"]))
+    path = save(name, {**payload(), "gemm_checks": gemm_checks, "gemms": gemms, "mlp": mlp, "lce": lce}, args.out)
     print(f"\nwrote {path} in {time.perf_counter() - start:.0f} s")
 
 

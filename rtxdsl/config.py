@@ -56,6 +56,11 @@ class FusionConfig(BaseModel):
     allow_tf32: StrictBool | None = None
     """fp32 contractions multiply on tensor cores in TF32 (10-bit mantissas, fp32 sums); None follows
     ``torch.backends.cuda.matmul.allow_tf32`` as it is when a plan is made (torch's default: False)."""
+    deterministic: StrictBool = True
+    """Bit-identical reruns: no kernel sums floats with atomics (each element of a reduction or a
+    product is summed by one program, in a fixed order). Every kernel rtxdsl generates is
+    deterministic today (linear cross-entropy's backward recomputes logit tiles instead of adding
+    partial gradients atomically); False only permits atomics where a later kernel is faster with them."""
     autotune: bool = False
     """Time each kernel's launch options (warps, stages, a pointwise block) on its first launch and
     keep the fastest, stored under ``cache_dir/tuned`` per signature, device and Triton version.

@@ -356,7 +356,7 @@ class Kernel:
         # its name for rtxdsl::kernel (torch.compile): structural, the same in every process
         self._op_key = register_kernel(self, self._into, bool(self._seeds))
         self._traced_plans: dict[tuple, GradPlan] = {}  # saving plans compiled graphs name (one per layout)
-        self._in_forward = _gradient_in_forward(self._outputs)  # cross_entropy(..., grad_in_forward=True)
+        self._in_forward = _gradient_in_forward(self._outputs)  # a loss(..., grad_in_forward=True)
 
     @property
     def config(self) -> FusionConfig:
@@ -525,7 +525,7 @@ class Kernel:
         return dict(zip(plan.grads.user_keys, results))
 
     def _grad_plan(self, program: Program, needs: tuple[bool, ...], mode: str = "") -> GradPlan:
-        if mode and needs == tuple(v.attr("name") == self._in_forward for v in self._vars):
+        if mode:
             return self._plan_in_forward(program, needs, mode == "reuse")
         grads = differentiate(program.plan.graph, self._outputs, needs)
         passthrough = tuple((k, e.attr("name")) for k, e in grads.backward if e.op == "var")
@@ -539,29 +539,35 @@ class Kernel:
         )
 
     def _plan_in_forward(self, program: Program, needs: tuple[bool, ...], reuse: bool) -> GradPlan:
-        """cross_entropy(..., grad_in_forward=True): the forward runs the loss kernel (saving the
-        row statistics), then the fused backward kernel with a unit cotangent, writing the
-        logits' gradient into the logits (a new tensor when ``reuse`` is off: a leaf's .grad
-        must not alias it); the backward only scales that gradient, in place, by the cotangent."""
+        """A loss marked ``grad_in_forward=True``: the forward runs the loss kernel (saving the row
+        statistics), then the fused backward kernels with a unit cotangent, keeping only the
+        gradients (cross-entropy's logits gradient written into the logits where that is safe and
+        ``reuse`` is on: a leaf's .grad must not alias it); the backward only scales each gradient,
+        in place, by the cotangent."""
         name = self._in_forward
         grads = differentiate(program.plan.graph, self._outputs, needs)
-        ((key, unit),) = grads.backward
-        dtype = _dtype_of(program, name)
-        unit = unit if unit.op == "cast" and unit.attr("dtype") == dtype else node("cast", unit, dtype=dtype)
+        input_of = {key: v for v, key in grads.grad_of}
+        units, scaled, kept, grad_of = {}, {}, {}, []
+        for k, (key, unit) in enumerate(grads.backward):
+            dtype = _dtype_of(program, input_of[key])
+            units[key] = unit if unit.op == "cast" and unit.attr("dtype") == dtype else node("cast", unit, dtype=dtype)
+            kept[key] = f"_j{k}"
+            scaled[f"_d{k}"] = node("cast", node("mul", _var(f"_j{k}"), _var(f"{COTANGENT}0")), dtype=dtype)
+            grad_of.append((input_of[key], f"_d{k}"))
         stats = Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False)
-        into = {key: name} if reuse else None
-        gradient = Kernel({key: unit}, self._config, stats=self._stats, draw_seeds=False, into=into)
-        scaled = node("cast", node("mul", _var("_j"), _var(f"{COTANGENT}0")), dtype=dtype)
-        backward = Kernel({"_d0": scaled}, self._config, stats=self._stats, draw_seeds=False, into={"_d0": "_j"})
+        into = {key: name for key in units if input_of[key] == name} if reuse else None
+        gradient = Kernel(units, self._config, stats=self._stats, draw_seeds=False, into=into)
+        in_place = {d: j for d, j in zip(scaled, kept.values())}
+        backward = Kernel(scaled, self._config, stats=self._stats, draw_seeds=False, into=in_place)
         plan = Gradients(
-            forward=(*grads.forward, ("_j", unit)),
-            backward=(("_d0", scaled),),
+            forward=(*grads.forward, *((kept[key], u) for key, u in units.items())),
+            backward=tuple(scaled.items()),
             user_keys=grads.user_keys,
-            saved_keys=("_j",),
-            grad_of=((name, "_d0"),),
+            saved_keys=tuple(kept.values()),
+            grad_of=tuple(grad_of),
             float_outputs=grads.float_outputs,
         )
-        forward = _InForward(stats, gradient, key, grads.saved_keys, name)
+        forward = _InForward(stats, gradient, kept, grads.saved_keys, name)
         return GradPlan(forward, backward, plan, tuple(v.attr("name") for v in self._vars))  # type: ignore[arg-type]
 
     def grad_plan(self, *args: Any, **kwargs: Any) -> GradPlan:
@@ -784,21 +790,26 @@ class _Apply(torch.autograd.Function):
 
 
 class _InForward:
-    """The forward of ``cross_entropy(..., grad_in_forward=True)``: the loss kernel, then the
-    gradient kernel fed the loss's row statistics and a unit cotangent."""
+    """The forward of a loss marked ``grad_in_forward=True``: the loss kernel, then the gradient
+    kernels fed the loss's row statistics and a unit cotangent (``kept``: gradient key -> the name
+    it is saved under)."""
 
-    def __init__(self, stats: Kernel, gradient: Kernel, key: str, saved: tuple[str, ...], logits: str) -> None:
-        self.stats, self.gradient, self.key, self.saved, self.logits = stats, gradient, key, saved, logits
+    def __init__(
+        self, stats: Kernel, gradient: Kernel, kept: dict[str, str], saved: tuple[str, ...], first: str
+    ) -> None:
+        self.stats, self.gradient, self.kept, self.saved, self.first = stats, gradient, kept, saved, first
         self.inputs = stats.inputs
 
     def __call__(self, **feed: Any) -> dict[str, Any]:
         outs = self.stats(**feed)
         loss = outs["out"]
         feed = {**feed, **{k: outs[k] for k in self.saved}, f"{COTANGENT}0": _one(loss.dtype, loss.device)}
-        grad = self.gradient(**{n: feed[n] for n in self.gradient.inputs})[self.key]
-        if grad is feed[self.logits]:  # the logits' memory holds the gradient now: autograd must know
-            torch.autograd.graph.increment_version(grad)
-        return {"out": loss, "_j": grad}
+        grads = self.gradient(**{n: feed[n] for n in self.gradient.inputs})
+        grads = grads if isinstance(grads, dict) else {next(iter(self.kept)): grads}
+        for g in grads.values():
+            if g is feed[self.first]:  # the input's memory holds its gradient now: autograd must know
+                torch.autograd.graph.increment_version(g)
+        return {"out": loss, **{j: grads[key] for key, j in self.kept.items()}}
 
 
 _ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -832,12 +843,13 @@ def _var(name: str) -> Expr:
 
 
 def _gradient_in_forward(outputs: tuple[tuple[str, Expr], ...]) -> str | None:
-    """The logits input's name when the kernel's one output is ``cross_entropy(logits_var, ...,
-    grad_in_forward=True)`` (a scalar loss, the leaf of the graph)."""
+    """The first input's name when the kernel's one output is a loss marked ``grad_in_forward=True``
+    over input tensors (``cross_entropy(logits, ...)``: the logits, whose memory may then hold their
+    gradient; ``linear_cross_entropy(h, w, ...)``: the hidden states)."""
     if len(outputs) != 1:
         return None
     root = outputs[0][1]
-    if root.op != "cross_entropy" or not root.attr("grad_in_forward") or root.srcs[0].op != "var":
+    if not root.attr("grad_in_forward") or root.srcs[0].op != "var":
         return None
     return root.srcs[0].attr("name")
 
@@ -846,14 +858,14 @@ def _warn_if_grad_in_forward_ignored(kernel: Kernel) -> None:
     """``grad_in_forward=True`` anywhere but as the one output over an input's logits has no
     effect (the ordinary fused backward runs): say so, and why."""
     outputs = kernel.expressions
-    asked = [n for n in walk([e for _, e in outputs]) if n.op == "cross_entropy" and n.attr("grad_in_forward")]
+    asked = [n for n in walk([e for _, e in outputs]) if n.attr("grad_in_forward")]
     if not asked or kernel._in_forward is not None:
         return
     root = outputs[0][1]
     one = len(outputs) == 1 and len(asked) == 1 and root is asked[0]
     why = "the kernel has other outputs" if not one else "its logits are computed in the kernel (e.g. softcapped)"
     warnings.warn(
-        f"cross_entropy(..., grad_in_forward=True) has no effect here: {why}; the fused backward runs as usual",
+        f"{asked[0].op}(..., grad_in_forward=True) has no effect here: {why}; the fused backward runs as usual",
         stacklevel=3,
     )
 

@@ -68,3 +68,45 @@ def test_replaced_models_copy_and_pickle():
         want = fused(input_ids=ids).logits
         for clone in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
             torch.testing.assert_close(clone(input_ids=ids).logits, want)
+
+
+class _ShapesSeen(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor shape an aten op returns while the mode is on (our kernels' buffers included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2"])
+def test_training_without_logits_never_makes_a_tokens_by_vocabulary_tensor(family):
+    """``replace_modules(model, logits=False)``: the loss from the hidden states (Gemma 2's logit
+    softcap included), the same loss and gradients as the unmodified model, and no tensor of
+    tokens x vocabulary anywhere in the forward and backward."""
+    model = tiny_model(family)
+    fused = copy.deepcopy(model)
+    assert rx.nn.replace_modules(fused, logits=False).by_kind["loss"] == 1
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    out0 = model(input_ids=ids, labels=ids)
+    out0.loss.backward()
+    vocab, tokens = out0.logits.shape[-1], ids.numel()
+    with _ShapesSeen() as seen:
+        out1 = fused(input_ids=ids, labels=ids)
+        out1.loss.backward()
+    assert out1.logits is None
+    big = [s for s in seen.shapes if s and s[-1] == vocab and torch.Size(s).numel() >= tokens * vocab // 2]
+    assert not big, f"tensors of the logits' size were made: {big[:3]}"
+    torch.testing.assert_close(out1.loss, out0.loss, atol=2e-6, rtol=2e-6)
+    for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(p1.grad, p0.grad, atol=2e-6, rtol=2e-5, msg=name)
+    with torch.no_grad():  # without labels: the logits, as before
+        torch.testing.assert_close(fused(input_ids=ids).logits, model(input_ids=ids).logits, atol=2e-6, rtol=2e-6)
+    clone = pickle.loads(pickle.dumps(fused))
+    assert clone(input_ids=ids, labels=ids).logits is None

@@ -196,3 +196,61 @@ def test_reruns_are_bit_identical(gen):
         loss = k(**(ins | leaves))
         runs.append([loss, *torch.autograd.grad(loss, list(leaves.values()))])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+# ---- front ends ------------------------------------------------------------------------------------
+def test_module_form_matches_the_function(gen):
+    ins = _inputs(gen, (37,), 31, 33, torch.float32, bias=True, weight=True)
+    options = {"label_smoothing": 0.1, "softcap": 5.0}
+    loss = rx.nn.LinearCrossEntropyLoss(weight=ins["cw"], **options)
+    want = rx.compile(_expr(True, True, options))(**ins)
+    torch.testing.assert_close(loss(ins["h"], ins["w"], ins["t"], ins["b"]), want, atol=0, rtol=0)
+    assert "softcap=5.0" in repr(loss)
+
+
+def test_the_lazy_stream_finds_linear_then_cross_entropy(gen):
+    """``F.cross_entropy(F.linear(h, w), y)`` run lazily: one kernel, the logits never written."""
+    ins = _inputs(gen, (37,), 31, 33, torch.float32)
+    f = rx.Fusion()
+    with torch.no_grad():
+        got = F.cross_entropy(F.linear(f.lazy(ins["h"]), f.lazy(ins["w"])), f.lazy(ins["t"]))
+        assert got.is_pending
+        got = got.torch()
+    torch.testing.assert_close(got, F.cross_entropy(F.linear(ins["h"], ins["w"]), ins["t"]))
+    s = f.stats()
+    assert s.kernels_launched == 1 and s.bytes_moved < 37 * 31 * 4 * 3  # inputs once, no logits
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grad_in_forward_keeps_only_the_gradients(bias, gen):
+    """The forward runs the loss and the two gradient GEMMs with a unit cotangent; the backward only
+    scales dh, dw (and db) by the loss's cotangent: the same gradients as the ordinary backward."""
+    ins = _inputs(gen, (37,), 31, 33, torch.float32, bias=bias)
+    names = ("h", "w", "b") if bias else ("h", "w")
+    want_leaves = {n: ins[n].clone().requires_grad_() for n in names}
+    want = rx.compile(_expr(bias, False, {}))(**(ins | want_leaves))
+    want_grads = torch.autograd.grad(want * 3.0, list(want_leaves.values()))
+    k = rx.compile(rx.linear_cross_entropy(h, w, t, b if bias else None, grad_in_forward=True))
+    leaves = {n: ins[n].clone().requires_grad_() for n in names}
+    rx.reset_fusion_stats()
+    loss = k(**(ins | leaves))
+    assert rx.fusion_stats().kernels_launched == 3  # the loss, then dh and dw with a unit cotangent
+    got = torch.autograd.grad(loss * 3.0, list(leaves.values()))
+    torch.testing.assert_close(loss, want, atol=0, rtol=0)
+    for a, e in zip(got, want_grads):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-6)
+
+
+def test_the_lazy_stream_fuses_a_causal_lm_loss_over_flattened_logits(gen):
+    """``lm_head(h)`` on ``[batch, tokens, hidden]``, then ``.float().view(-1, V)`` and cross-entropy
+    (what causal-LM losses do): the flatten regroups the product's rows, so the product is the
+    flattened hidden states' (a free view) and one kernel reduces it; nobody holds the logits."""
+    head = torch.nn.Linear(33, 31)
+    hs, ys = torch.randn(2, 5, 33, generator=gen), torch.randint(0, 31, (2, 5), generator=gen)
+    f = rx.Fusion()
+    with torch.no_grad():
+        loss = F.cross_entropy(head(f.lazy(hs)).float().view(-1, 31), f.lazy(ys).view(-1)).torch()
+        want = F.cross_entropy(head(hs).view(-1, 31), ys.view(-1))
+    torch.testing.assert_close(loss, want)
+    s = f.stats()
+    assert s.kernels_launched == 1 and s.bytes_moved < 10 * 31 * 4 + (10 * 33 + 31 * 34 + 10) * 4 + 64

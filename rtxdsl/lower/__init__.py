@@ -85,8 +85,11 @@ def program(
             info = graph.of(o)
             dtype = info.dtype if id(o) in requested else intermediate_dtype(g, info)
             lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), dtype)
+    views = _views(plan, lay, slots, requested)
     scheduled = [
-        gemm_spec(g, graph, lay, target, tf32)
+        None
+        if id(g) in views
+        else gemm_spec(g, graph, lay, target, tf32)
         if g.contraction is not None and not g.is_row
         else kernel_spec(g, graph, lay, target, tf32)
         for g in plan.groups
@@ -94,6 +97,9 @@ def program(
     aliases = _aliases(plan, scheduled, lay, slots, into or {})
     buffers: list[Buffer] = []
     for g in plan.groups:
+        if id(g) in views:  # a reshape of a contiguous input: the input's own memory, no kernel
+            slots[id(g.outputs[0])] = views[id(g)]
+            continue
         for o in g.outputs:
             if id(o) in aliases:
                 slots[id(o)] = aliases[id(o)]
@@ -101,7 +107,10 @@ def program(
             slots[id(o)] = n_inputs + len(buffers)
             buffers.append(Buffer(lay[id(o)].shape, lay[id(o)].dtype))
     calls = []
-    for gi, (g, (spec, launch)) in enumerate(zip(plan.groups, scheduled)):
+    for gi, (g, sched) in enumerate(zip(plan.groups, scheduled)):
+        if sched is None:
+            continue
+        spec, launch = sched
         in_slots = tuple(slots[id(i)] for i in g.inputs)
         out_slots = tuple(slots[id(o)] for o in g.outputs)
         flags: tuple[int, ...] = ()
@@ -176,6 +185,23 @@ def program(
     )
 
 
+def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested: set[int]) -> dict[int, int]:
+    """id(group) -> an input slot, for groups that only reshape a contiguous input into an
+    intermediate (a flattened ``[batch, tokens, hidden]`` GEMM operand): torch's view, no copy."""
+    found = {}
+    for g in plan.groups:
+        if len(g.nodes) != 1 or g.outputs != g.nodes or id(g.nodes[0]) in requested:
+            continue
+        n = g.nodes[0]
+        src = n.srcs[0]
+        if n.op != "reshape" or id(src) not in slots or src.op != "var":
+            continue
+        have, want = lay[id(src)], lay[id(n)]
+        if have.strides == contiguous_strides(have.shape) and have.dtype == want.dtype:
+            found[id(g)] = slots[id(src)]
+    return found
+
+
 def _aliases(
     plan: Plan, scheduled: list, lay: dict[int, Layout], slots: dict[int, int], into: Mapping[str, str]
 ) -> dict[int, int]:
@@ -191,6 +217,8 @@ def _aliases(
         writer = [k for k, g in enumerate(plan.groups) if any(x is o for x in g.outputs)]
         readers = [k for k, g in enumerate(plan.groups) if any(x is v for x in g.inputs)]
         if len(writer) != 1 or readers != writer:
+            continue
+        if scheduled[writer[0]] is None:
             continue
         g, (spec, launch) = plan.groups[writer[0]], scheduled[writer[0]]
         src, out = lay[id(v)], lay[id(o)]

@@ -923,7 +923,8 @@ def absorb_prologues(
 def _tiled_cone(s: Expr, graph: Graph) -> list[Expr] | None:
     """``s`` and what it is computed from, down to the graph's leaves, when that includes a product
     marked ``recompute`` (one the forward never wrote): elementwise ops, views of leaves and of
-    one-element values, index-only movement ops (positions) and the product itself, read from leaves.
+    one-element values, index-only movement ops (positions) and the product itself (its operands
+    read from memory).
     None when ``s`` computes no such product or needs anything else (a reduction, a re-indexing)."""
     out: list[Expr] = []
     seen: set[int] = set()
@@ -934,8 +935,8 @@ def _tiled_cone(s: Expr, graph: Graph) -> list[Expr] | None:
             continue
         seen.add(id(n))
         op = REGISTRY[n.op]
-        if op.kind is OpKind.CONTRACTION:
-            if not n.attr_dict.get("recompute") or not all(is_leaf(x, graph.info) for x in n.srcs):
+        if op.kind is OpKind.CONTRACTION:  # its operands are read from memory, as a GEMM's are
+            if not n.attr_dict.get("recompute"):
                 return None
             found = True
             out.append(n)

@@ -151,8 +151,44 @@ def _lower_all(
                 p = n
             else:
                 p = _typed(Expr(n.op, srcs, attrs), info, keep)
+            if n.op == "reshape" and not me.is_scalar:
+                p = _flatten_rows_of_product(p, info, keep)
         memo[id(n)] = p
         memo[id(p)] = p
+
+
+def _flatten_rows_of_product(p: Expr, info: dict[int, Info], keep: list[Expr]) -> Expr:
+    """``reshape(f(a @ b), (..., n))`` that only regroups the product's rows, ``b`` a matrix and ``f``
+    elementwise over the product (with scalars and per-column operands): ``f(reshape(a) @ b)``.
+
+    The flattened logits of a causal LM's loss (``logits.view(-1, vocab)``) are then the product
+    of the flattened hidden states (a free view of them), which a row kernel can reduce tile by
+    tile without ever writing it; eager values are the same."""
+    (x,) = p.srcs
+    shape, have = info[id(p)].shape, info[id(x)].shape
+    if not shape or not have or shape[-1] != have[-1] or shape == have:
+        return p
+    chain: list[Expr] = []
+    c = x
+    while REGISTRY[c.op].kind is OpKind.ELEMENTWISE:
+        tensors = [s for s in c.srcs if not info[id(s)].is_scalar and info[id(s)].shape == have]
+        narrow = [s for s in c.srcs if not info[id(s)].is_scalar and info[id(s)].shape != have]
+        if len(tensors) != 1 or any(len(info[id(s)].shape) > 1 for s in narrow):
+            return p
+        chain.append(c)
+        c = tensors[0]
+    if REGISTRY[c.op].kind is not OpKind.CONTRACTION or c.attr("sum_batch") or c.attr("ta"):
+        return p
+    a, b = c.srcs
+    if len(info[id(b)].shape) != 2 or info[id(c)].shape != have:
+        return p
+    k = info[id(a)].shape[-1]
+    flat = _typed(node("reshape", a, shape=(*shape[:-1], k)), info, keep)
+    out = _typed(Expr(c.op, (flat, b), c.attr_dict), info, keep)
+    for e in reversed(chain):  # rebuild f over the new product
+        srcs = tuple(out if info[id(s)].shape == have and not info[id(s)].is_scalar else s for s in e.srcs)
+        out = _typed(Expr(e.op, srcs, e.attr_dict), info, keep)
+    return out
 
 
 def _inside(root: Expr, operands: tuple[Expr, ...]) -> list[Expr]:

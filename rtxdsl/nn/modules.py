@@ -21,7 +21,7 @@ from ..expr import node
 from ..ops import REGISTRY
 from ..ops.composite import geglu, layer_norm, rms_norm
 from ..ops.elementwise import cast
-from ..ops.llm import cross_entropy, cross_entropy_outputs
+from ..ops.llm import cross_entropy, cross_entropy_outputs, linear_cross_entropy
 from ..runtime import Kernel, compile, land
 
 _x, _w, _b, _t = dsl.var("x"), dsl.var("w"), dsl.var("b"), dsl.var("t")
@@ -294,6 +294,55 @@ def _ce_kernel(
     outs = cross_entropy_outputs(_x, _t, w, ignore_index, reduction, smoothing, z)
     wanted = {"loss"} | {key for key, on in zip(("z_loss", "accuracy"), extra) if on}
     return compile({key: e for key, e in outs.items() if key in wanted})
+
+
+class LinearCrossEntropyLoss(_Fused, torch.nn.Module):
+    """``forward(h, w, target, bias=None)``: cross-entropy of the logits ``h @ w.T (+ bias)`` without
+    ever writing them (:func:`rtxdsl.linear_cross_entropy`): one forward kernel, two backward
+    GEMMs that recompute the logit tiles. Options as :func:`rtxdsl.linear_cross_entropy`'s; the
+    class ``weight`` is a constructor argument, as in ``torch.nn.CrossEntropyLoss``.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> loss = rx.nn.LinearCrossEntropyLoss(softcap=30.0)
+        >>> h, w = torch.randn(6, 8), torch.randn(11, 8)
+        >>> loss(h, w, torch.tensor([1, 2, 3, 4, 5, -100])).shape
+        torch.Size([])
+    """
+
+    def __init__(
+        self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+        label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+        grad_in_forward: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.options = {
+            "ignore_index": ignore_index, "reduction": reduction, "label_smoothing": float(label_smoothing),
+            "z_loss": float(z_loss), "softcap": None if softcap is None else float(softcap),
+            "grad_in_forward": grad_in_forward,
+        }  # fmt: skip
+        self._attach()
+
+    def _make_kernel(self) -> Kernel:
+        return _lce_kernel(False, self.weight is not None, tuple(sorted(self.options.items())))
+
+    def forward(
+        self, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        ins = {"h": h, "w": w, "t": target} | ({"cw": self.weight} if self.weight is not None else {})
+        if bias is None:
+            return self._kernel(**ins)
+        return _lce_kernel(True, self.weight is not None, tuple(sorted(self.options.items())))(**ins, b=bias)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+@functools.lru_cache(maxsize=64)
+def _lce_kernel(bias: bool, weight: bool, options: tuple[tuple[str, Any], ...]) -> Kernel:
+    b, cw = (dsl.var("b") if bias else None), (dsl.var("cw") if weight else None)
+    return compile(linear_cross_entropy(dsl.var("h"), _w, _t, b, cw, **dict(options)))
 
 
 class _GatedMLP(_Fused, torch.nn.Module):

@@ -13,7 +13,8 @@ whose norm differs in a way the probe sees keeps its own module (and a warning s
 Hugging Face's rotary embedding is a free function (``apply_rotary_pos_emb``) in each model's
 module; it is replaced there by one kernel for q and k (the original still runs for inputs it
 does not cover, e.g. partial rotary). The causal-LM loss (``model.loss_function``) becomes
-``rx.cross_entropy`` over the logits as they are (no float32 copy of them).
+``rx.cross_entropy`` over the logits as they are (no float32 copy of them); with
+``logits=False`` it is taken from the hidden states without ever making the logits.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import dsl
+from ..expr import node
+from ..ops.contraction import linear
 from ..ops.elementwise import cast
 from ..ops.llm import cross_entropy, rope
 from ..runtime import Kernel, compile
@@ -58,11 +61,16 @@ class Replaced(int):
         return f"Replaced({int(self)}, by_kind={self.by_kind})"
 
 
-def replace_modules(model: torch.nn.Module, *, rope: bool = True, loss: bool = True) -> Replaced:
+def replace_modules(model: torch.nn.Module, *, rope: bool = True, loss: bool = True, logits: bool = True) -> Replaced:
     """Swap ``model``'s norms, gated MLPs, rotary embedding and causal-LM loss for fused ones, in place.
 
     Parameters stay the same objects under the same names. Returns the number swapped, an int
     with ``.by_kind``; warns about norm- or MLP-like modules it left alone.
+
+    ``logits=False`` (training a Hugging Face causal LM): called with ``labels``, the model
+    computes its loss from the last hidden states and the output embedding's weight in
+    :func:`rtxdsl.linear_cross_entropy`'s kernels and returns ``logits=None``: no tokens x
+    vocabulary tensor is made, forward or backward. Without labels it returns its logits as before.
 
     Example:
         >>> import torch, rtxdsl as rx
@@ -84,7 +92,7 @@ def replace_modules(model: torch.nn.Module, *, rope: bool = True, loss: bool = T
                 left.add(type(child).__qualname__)
     if rope:
         counts["rope"] = _fuse_rotary(model)
-    if loss and _fuse_loss(model):
+    if loss and _fuse_loss(model, logits):
         counts["loss"] = 1
     if left:
         warnings.warn(
@@ -293,9 +301,83 @@ def causal_lm_loss(
     return loss
 
 
-def _fuse_loss(model: torch.nn.Module) -> bool:
-    """A Hugging Face causal LM (``...ForCausalLM`` with a ``loss_function``) gets ``causal_lm_loss``."""
+def _fuse_loss(model: torch.nn.Module, logits: bool = True) -> bool:
+    """A Hugging Face causal LM (``...ForCausalLM`` with a ``loss_function``) gets ``causal_lm_loss``;
+    with ``logits=False`` and an output embedding, a forward that never makes the logits for a loss."""
     if not type(model).__name__.endswith("ForCausalLM") or not hasattr(type(model), "loss_function"):
         return False
     model.loss_function = causal_lm_loss
+    if not logits and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+        model.forward = _LossFromHidden(model)
     return True
+
+
+class _Hidden(torch.nn.Module):
+    """Stands in for the output embedding during a loss forward: it keeps the hidden states it is
+    given (what the model does to its "logits" after it, a softcap, is redone on the real ones)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.hidden = hidden
+        return hidden
+
+
+@functools.lru_cache(maxsize=16)
+def _hidden_loss_kernel(reduction: str, ignore_index: int, bias: bool, softcap: float | None) -> Kernel:
+    """Hugging Face's causal-LM cross-entropy from hidden states: the logits (soft-capped where the
+    model caps them, then float32 as ``ForCausalLMLoss`` makes them) only ever exist as tiles."""
+    h, w = dsl.var("h"), dsl.var("w")
+    logits = linear(h, w, dsl.var("b") if bias else None)
+    if softcap is not None:
+        logits = node("tanh", logits / softcap) * softcap
+    return compile(cross_entropy(cast(logits, torch.float32), dsl.var("target"), None, ignore_index, reduction))
+
+
+class _LossFromHidden:
+    """A causal LM's forward that, given ``labels``, runs the model with its output embedding set
+    aside (the "logits" it computes are the hidden states) and takes the loss from the hidden states
+    and the embedding's weight (``replace_modules(model, logits=False)``); without labels, the
+    model's own forward. Picklable: it holds the model, whose class holds the forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        model = self.model
+        forward = type(model).forward
+        if labels is None:
+            return forward(model, *args, **kwargs)
+        head, seen = model.lm_head, _Hidden()
+        object.__setattr__(model, "lm_head", seen)  # not a registered child: state_dict untouched
+        try:
+            out = forward(model, *args, **kwargs)
+        finally:
+            object.__delattr__(model, "lm_head")
+        hidden = seen.hidden
+        cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+        out.loss = _loss_from_hidden(hidden, head, labels, cap, **kwargs)
+        out.logits = None
+        return out
+
+
+def _loss_from_hidden(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    labels: torch.Tensor,
+    softcap: float | None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **_: Any,
+) -> torch.Tensor:
+    """:func:`causal_lm_loss` from the hidden states (``num_items_in_batch``: a sum divided by it)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    kernel = _hidden_loss_kernel(reduction, ignore_index, head.bias is not None, softcap)
+    ins = {"h": hidden.reshape(-1, hidden.shape[-1]), "w": head.weight, "target": shift_labels.reshape(-1)}
+    loss = kernel(**ins, **({"b": head.bias} if head.bias is not None else {}))
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss

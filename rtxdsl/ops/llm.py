@@ -286,7 +286,9 @@ def linear_cross_entropy(
     tile by tile inside one kernel (Apple's Cut Cross-Entropy, derived): no tokens x vocabulary
     buffer is written, forward or backward, and the backward (two GEMMs) recomputes the logit
     tiles from the saved per-row logsumexp. ``rx.cross_entropy(rx.linear(h, w), t)`` on 2-D ``h``
-    gets the same kernels.
+    gets the same kernels. ``grad_in_forward=True`` (a scalar loss): the forward also runs the
+    gradient kernels with a unit cotangent and keeps only ``dh``, ``dw`` (``db``); the backward
+    scales them by the loss's cotangent.
 
     Example:
         >>> import rtxdsl as rx
