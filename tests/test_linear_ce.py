@@ -254,3 +254,21 @@ def test_the_lazy_stream_fuses_a_causal_lm_loss_over_flattened_logits(gen):
     torch.testing.assert_close(loss, want)
     s = f.stats()
     assert s.kernels_launched == 1 and s.bytes_moved < 10 * 31 * 4 + (10 * 33 + 31 * 34 + 10) * 4 + 64
+
+
+def test_memory_trace_on_the_sm90_configuration_stores_no_logits(gen):
+    """The kernels as an H200 would run them (128-row tiles), traced: every tensor a launch loads or
+    stores is far smaller than the logits, and stored once, forward and backward."""
+    tokens, vocab, hidden = 130, 4000, 32
+    ins = _inputs(gen, (tokens,), vocab, hidden, torch.bfloat16, bias=True)
+    plan = rx.compile(_expr(True, False, {})).grad_plan(**ins)
+    forward = rx.memory_trace(plan.forward, **ins)
+    saved = {k: forward.result[k] for k in plan.grads.saved_keys}
+    feed = ins | saved | {"_g0": torch.ones((), dtype=torch.bfloat16)}
+    backward = rx.memory_trace(plan.backward, **{n: feed[n] for n in plan.backward.inputs})
+    logits = tokens * vocab * 2
+    launches = [*forward.launches, *backward.launches]
+    assert len(forward.launches) == 1 and len(backward.launches) == 2
+    for launch in launches:  # the largest tensors are w and dw (vocabulary x hidden), each written once
+        for t in launch.tensors:
+            assert t.nbytes < logits // 2 and t.stored <= t.nbytes, (launch.summary, t)
