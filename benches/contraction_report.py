@@ -17,9 +17,7 @@ allocate beyond their inputs and results, every tokens x vocabulary tensor eager
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,16 +116,6 @@ def measure(name: str, expr: rx.Expr, eager: Callable[..., torch.Tensor], ins: d
 
 
 # ---- linear cross-entropy: memory beside the logits ---------------------------------------------------
-def _scratch(program: Any) -> int:
-    """Bytes a program allocates beyond its inputs and its results (loss, gradients)."""
-    results = {slot for _, slot in program.outputs if slot is not None}
-    return sum(
-        math.prod(buf.shape) * buf.dtype.itemsize
-        for i, buf in enumerate(program.buffers)
-        if program.n_inputs + i not in results
-    )
-
-
 class _Sized(TorchDispatchMode):
     """Bytes of every tensor of at least ``numel`` elements eager torch makes (on meta tensors)."""
 
@@ -170,8 +158,8 @@ def linear_ce(tokens: int, vocab: int, hidden: int, dtype: torch.dtype) -> dict:
         "tokens x vocab x hidden": f"{tokens} x {vocab} x {hidden}",
         "logits MB": round(logits / 1e6, 1),
         "rtxdsl kernels fwd / bwd": f"{fwd.kernels_launched} / {bwd.kernels_launched}",
-        "rtxdsl extra MB fwd / bwd": f"{_scratch(fwd) / 1e6:.3f} / {_scratch(bwd) / 1e6:.3f}",
-        "rtxdsl extra / logits": f"{max(_scratch(fwd), _scratch(bwd)) / logits:.2%}",
+        "rtxdsl extra MB fwd / bwd": f"{fwd.scratch_bytes / 1e6:.3f} / {bwd.scratch_bytes / 1e6:.3f}",
+        "rtxdsl extra / logits": f"{max(fwd.scratch_bytes, bwd.scratch_bytes) / logits:.2%}",
         "eager tokens x vocab MB (fwd + bwd)": round(eager.bytes / 1e6, 1),
         "Liger chunk (tokens) / its logits MB": f"{chunk} / {chunk * vocab * dtype.itemsize / 1e6:.1f}",
     }

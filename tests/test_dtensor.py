@@ -212,6 +212,14 @@ def test_llm_kernels_rope_sharded_cross_entropy_gathered_dropout_replicated(rank
     assert result["dropout"] == ("Replicate()", 0.0)  # the same mask as one process with the same seed
 
 
+def test_linear_cross_entropy_shards_tokens_and_gathers_a_sharded_vocabulary(ranks):
+    result = _ran(ranks, "linear_ce")
+    assert result["rows"][0] == "Shard(dim=0)" and result["rows"][1] < 1e-12 and result["rows"][2] == []
+    placement, err, warnings_ = result["vocab"]
+    assert err < 1e-12 and warnings_ == 1  # the vocabulary axis is reduced: gathered once, with a warning
+    assert result["dh"] < 1e-12 and result["dw"][1] < 1e-12
+
+
 def test_bad_input_mixed_and_mismatched_meshes_raise_naming_inputs_and_placements(ranks):
     result = _ran(ranks, "bad_input")
     assert "input 'y' is a plain torch.Tensor" in result["mixed"] and "Shard(dim=0)" in result["mixed"]

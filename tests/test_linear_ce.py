@@ -144,16 +144,6 @@ def _programs(kernel, ins):
     return fwd, bwd
 
 
-def _scratch_bytes(program) -> list[int]:
-    """Bytes of every buffer a program allocates that is not one of its results (loss, gradients)."""
-    results = {slot for _, slot in program.outputs if slot is not None}
-    return [
-        math.prod(buf.shape) * buf.dtype.itemsize
-        for i, buf in enumerate(program.buffers)
-        if program.n_inputs + i not in results
-    ]
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_no_logits_buffer_and_launch_counts(bias, gen):
     tokens, vocab, hidden = 128, 4099, 32  # the interpreter's size of the 4096 x 32000 x 1024 case
@@ -161,7 +151,7 @@ def test_no_logits_buffer_and_launch_counts(bias, gen):
     fwd, bwd = _programs(rx.compile(_expr(bias, False, {})), ins)
     logits = tokens * vocab * 4
     for p in (fwd, bwd):
-        assert sum(_scratch_bytes(p)) <= logits // 100  # beyond inputs and results: under 1% of the logits
+        assert p.scratch_bytes <= logits // 100  # beyond inputs and results: under 1% of the logits
         assert all(math.prod(buf.shape) < tokens * vocab for buf in p.buffers)  # no tokens x vocabulary tensor
     assert fwd.kernels_launched == 1  # the product's tiles, logsumexp, target logit; the mean as a tail
     assert bwd.kernels_launched == 2  # dh and dw (db in dw's K loop), each recomputing the logit tiles

@@ -834,6 +834,8 @@ def _product_of(
         inside = {id(m) for m in gemm.nodes}
         if any(gemm.role(m) is not Role.FULL or id(m) in requested for m in gemm.nodes):
             continue
+        if any(id(s) in inside or id(s) in members for s in c.srcs):
+            continue  # an operand computed beside the product: its tiles would need a prologue
         readers = [x for m in gemm.nodes for x in consumers.get(id(m), ()) if id(x) not in inside]
         if any(id(x) not in members or reindexes(x) for x in readers):
             continue

@@ -601,7 +601,9 @@ def coordinate_spec(
     if c is not None:  # the product's tile: rows by a block of its columns, looped
         dtype = graph.of(c.srcs[0]).dtype
         bm, bn, bk, _, warps, stages = target.gemm
-        bm, bn, bk = gemm_block(bm, bn, bk, n_rows, n_cols, dtype)
+        # half the GEMM's columns: the reductions' states and per-tile temporaries live beside
+        # the accumulator (at sm_90's 128 x 128 a cross-entropy's forward spilled)
+        bm, bn, bk = gemm_block(bm, max(16, bn // 2), bk, n_rows, n_cols, dtype)
         precision = "tf32" if tf32 and dtype == torch.float32 else "ieee"
         tile = GemmTile(bm, bn, bk, 1, warps, stages, precision=precision)
         cfg = Config(bn, bm, True, warps)

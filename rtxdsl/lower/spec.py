@@ -8,6 +8,7 @@ compile serves every batch size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -179,3 +180,14 @@ class Program:
     @property
     def bytes_moved(self) -> int:
         return sum(k.bytes for k in self.launched)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes the call allocates beyond its inputs and its results (intermediates, statistics,
+        flags): what running it costs in memory besides what it returns."""
+        results = {slot for _, slot in self.outputs if slot is not None}
+        return sum(
+            math.prod(b.shape) * b.dtype.itemsize
+            for i, b in enumerate(self.buffers)
+            if self.n_inputs + i not in results
+        )

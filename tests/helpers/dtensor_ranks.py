@@ -151,6 +151,33 @@ def llm(mesh: Any) -> dict[str, Any]:
 
 
 @scenario
+def linear_ce(mesh: Any) -> dict[str, Any]:
+    """Linear cross-entropy: tokens sharded (the weight replicated) keep per-token losses sharded;
+    a vocabulary-sharded weight is gathered (correct, not yet vocabulary-parallel); gradients too."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    h, w = _data(6, 8), _data(11, 8, seed=1) / 3
+    t = torch.randint(0, 11, (6,), generator=torch.Generator().manual_seed(4))
+    per_token = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t"), reduction="none"))
+    placed = [distribute_tensor(h, mesh, [Shard(0)]), distribute_tensor(w, mesh, [Replicate()])]
+    got_rows, w1 = _call(per_token, *placed, distribute_tensor(t, mesh, [Shard(0)]))
+    mean = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t")))
+    dh = distribute_tensor(h, mesh, [Replicate()]).requires_grad_()
+    dw = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    got, w2 = _call(mean, dh, dw, distribute_tensor(t, mesh, [Replicate()]))
+    got.backward()
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = F.cross_entropy(F.linear(hr, wr), t)
+    want.backward()
+    return {
+        "rows": (_placed(got_rows), _err(got_rows, F.cross_entropy(F.linear(h, w), t, reduction="none")), w1),
+        "vocab": (_placed(got), _err(got, want.detach()), len(w2)),
+        "dh": _err(dh.grad, hr.grad),
+        "dw": (_placed(dw.grad), _err(dw.grad, wr.grad)),
+    }
+
+
+@scenario
 def bad_input(mesh: Any) -> dict[str, Any]:
     """A plain tensor next to a DTensor, and DTensors on two different meshes."""
     from torch.distributed.device_mesh import DeviceMesh
