@@ -523,3 +523,19 @@ def test_a_per_row_value_first_made_for_the_whole_tile_is_not_stored_as_per_row(
     F.cross_entropy(ref, target, reduction="sum").backward()
     torch.testing.assert_close(out["grad"], ref.grad)
     torch.testing.assert_close(out["loss"], F.cross_entropy(logits, target))
+
+
+@pytest.mark.parametrize("producer", ["exp", "flip"])
+def test_a_value_every_kernel_computes_broadcast_gets_a_kernel_of_its_own(producer):
+    """The fuzzer at 400 examples (seed 77): a one-element value (``exp(clamp(x))`` or ``flip(x)``
+    of a ``[1]`` input) feeding both a matrix-vector product (a row kernel over ``[2, 1]``, which
+    recomputes it broadcast) and an unbatched cross-entropy was written by that row kernel at a
+    shape not its domain's (the launch failed). Now it gets a pointwise kernel of its own."""
+    x, w, t = rx.var("x"), rx.var("w"), rx.var("t")
+    f = rx.exp(rx.clamp(x, -6.0, 6.0)) if producer == "exp" else rx.flip(x, 0)
+    k = rx.compile({"o0": rx.flip(rx.linear(f, w), 0), "o1": rx.cross_entropy(f, t, reduction="none")})
+    ins = {"x": torch.tensor([-0.5]), "w": torch.tensor([[1.5410], [-0.2934]]), "t": torch.tensor(0)}
+    got = k(**ins)
+    v = ins["x"].clamp(-6, 6).exp() if producer == "exp" else ins["x"].flip(0)
+    torch.testing.assert_close(got["o0"], F.linear(v, ins["w"]).flip(0))
+    torch.testing.assert_close(got["o1"], F.cross_entropy(v, ins["t"], reduction="none"))

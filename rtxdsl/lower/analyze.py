@@ -1131,6 +1131,7 @@ def _label(n: Expr, graph: Graph) -> str:
 def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
     requested = {id(e) for _, e in graph.outputs}
     consumers = _consumers(graph, fl)
+    groups = _own_kernels_for_broadcast_values(graph, groups, requested, consumers)
     homes = _writers(graph, groups)
     members = [{id(m) for m in g.nodes} for g in groups]
     containing: dict[int, list[int]] = {}
@@ -1179,6 +1180,51 @@ def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
             ),
         )
     return Plan(_topo(done, homes), graph)
+
+
+def _own_kernels_for_broadcast_values(
+    graph: Graph, groups: tuple[Group, ...], requested: set[int], consumers: dict[int, list[Expr]]
+) -> tuple[Group, ...]:
+    """A value that must be written (requested, or read by a kernel that does not compute it) but
+    that every kernel computing it computes broadcast (a smaller elementwise or movement value
+    recomputed at a row kernel's larger shape) gets a pointwise kernel of its own, recomputing it
+    from what that kernel read: a kernel writes only values of its own domain."""
+    order = _order(graph)
+    members = [{id(m) for m in g.nodes} for g in groups]
+    extra: list[Group] = []
+    for g in groups:
+        for m in g.nodes:
+            exact = {Role.FULL: g.shape, Role.KEEP: g.keep_shape(), Role.DROP: g.drop_shape()}
+            if graph.of(m).shape == exact.get(g.role(m)) or REGISTRY[m.op].kind not in _POINTWISE:
+                continue
+            homes = [i for i, ms in enumerate(members) if id(m) in ms]
+            if any(graph.of(m).shape == _exact_shape(groups[i], m) for i in homes):
+                continue
+            readers = consumers.get(id(m), ())
+            needed = id(m) in requested or any(all(id(c) not in members[i] for i in homes) for c in readers)
+            if not needed or any(any(x is m for x in e.nodes) for e in extra):
+                continue
+            cone = [m]  # its elementwise producers in this kernel, recomputed beside it
+            stack = list(m.srcs)
+            while stack:
+                x = stack.pop()
+                if id(x) in members[groups.index(g)] and all(x is not c for c in cone):
+                    if REGISTRY[x.op].kind not in _POINTWISE:
+                        break
+                    cone.append(x)
+                    stack.extend(x.srcs)
+            else:
+                nodes = tuple(sorted(cone, key=lambda n: order[id(n)]))
+                roles = MappingProxyType({id(n): Role.FULL for n in nodes})
+                extra.append(Group(graph.of(m).shape, (), nodes, roles, pattern="ElementwiseChain"))
+    return (*groups, *extra)
+
+
+_POINTWISE = (OpKind.ELEMENTWISE, OpKind.MOVEMENT)
+
+
+def _exact_shape(g: Group, m: Expr) -> tuple[int, ...] | None:
+    return {Role.FULL: g.shape, Role.KEEP: g.keep_shape(), Role.DROP: g.drop_shape()}.get(g.role(m))
 
 
 def _writers(graph: Graph, groups: tuple[Group, ...]) -> dict[int, int]:
