@@ -374,7 +374,8 @@ def _step(draw: Any, pool: list[Value], steps: list[str], new_input: Callable[[t
 def _contraction(draw: Any, pool: list[Value], a: Value, new_input: Callable[[torch.Tensor], Any]) -> str:
     """``a`` cast to a float dtype (what computed it, and the cast: a prologue the GEMM may apply
     at load; kept in the pool, so later steps may reduce it over the contracted axis) times a new
-    weight: ``linear`` (the weight read transposed) or ``matmul`` (1-D ``a``: a reduction)."""
+    weight: ``linear`` (the weight read transposed) or ``matmul`` (1-D ``a``: a reduction); now
+    and then a linear cross-entropy of the same product too (its logits never written)."""
     dtype = draw(st.sampled_from(FLOATS))
     k, n = a.shape[-1], draw(st.sampled_from(DIMS))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 99)))
@@ -386,6 +387,21 @@ def _contraction(draw: Any, pool: list[Value], a: Value, new_input: Callable[[to
     w = rx.cast(new_input(torch.randn(shape, generator=gen).to(dtype)), dtype)
     product = rx.linear(operand, w) if name == "linear" else rx.matmul(operand, w)
     pool.append(Value(product, (*a.shape[:-1], n), "float"))
+    rows = a.shape[:-1]
+    if name == "linear" and n and all(rows) and draw(st.integers(0, 2)) == 0:
+        # a cross-entropy of the product over its last axis, never written (one row kernel)
+        target = torch.randint(0, n, rows, generator=gen)
+        if target.numel() > 1:
+            target.view(-1)[1] = -100  # an ignored token
+        reduction = draw(st.sampled_from(["none", "mean", "sum"]))
+        options = {
+            "label_smoothing": draw(st.sampled_from([0.0, 0.1])),
+            "z_loss": draw(st.sampled_from([0.0, 1e-2])),
+            "softcap": draw(st.sampled_from([None, 5.0])),
+        }
+        e = rx.linear_cross_entropy(operand, w, new_input(target), reduction=reduction, **options)
+        pool.append(Value(e, rows if reduction == "none" else (), "float"))
+        return "linear_cross_entropy"
     return name
 
 
