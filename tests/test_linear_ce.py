@@ -262,3 +262,30 @@ def test_memory_trace_on_the_sm90_configuration_stores_no_logits(gen):
     for launch in launches:  # the largest tensors are w and dw (vocabulary x hidden), each written once
         for t in launch.tensors:
             assert t.nbytes < logits // 2 and t.stored <= t.nbytes, (launch.summary, t)
+
+
+# (expression, float64 reference over the logits): why each is there
+PRODUCT_REDUCTIONS = {
+    # softmax's normalizer
+    "logsumexp": (lambda: rx.logsumexp(rx.linear(h, w), -1), lambda z: torch.logsumexp(z, -1)),
+    # its max, through a transposed view
+    "amax": (lambda: rx.amax(rx.matmul(h, rx.transpose(w, 0, 1)), -1), lambda z: z.amax(-1)),
+    "sum_exp": (  # an elementwise op on the product, the per-row value kept 2-d
+        lambda: rx.sum(rx.exp(rx.linear(h, w) - 1.0), -1, keepdim=True),
+        lambda z: (z - 1.0).exp().sum(-1, keepdim=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PRODUCT_REDUCTIONS))
+def test_other_row_reductions_of_a_product_are_one_kernel(case, gen):
+    """Not only cross-entropy: any mergeable row reduction over a product's last axis is computed
+    in its tiles (the statistics of ``softmax(h @ w.T)``), with its gradient, never the product."""
+    build, reference = PRODUCT_REDUCTIONS[case]
+    ins = {n: v for n, v in _inputs(gen, (37,), 31, 33, torch.float64).items() if n != "t"}
+    k = rx.compile(build())
+    p = k.program(**ins)
+    assert p.kernels_launched == 1 and all(math.prod(b.shape) < 37 * 31 for b in p.buffers)
+    assert_close(k(**ins), reference(ins["h"] @ ins["w"].T), 1e-10, 1e-10, case)
+    small = (ins["h"][:5].clone().requires_grad_(), ins["w"].clone().requires_grad_())
+    assert torch.autograd.gradcheck(lambda a, b: k(h=a, w=b), small)
