@@ -249,7 +249,7 @@ def test_the_lazy_stream_fuses_a_causal_lm_loss_over_flattened_logits(gen):
 def test_memory_trace_on_the_sm90_configuration_stores_no_logits(gen):
     """The kernels as an H200 would run them (128-row tiles), traced: every tensor a launch loads or
     stores is far smaller than the logits, and stored once, forward and backward."""
-    tokens, vocab, hidden = 130, 4000, 32
+    tokens, vocab, hidden = 130, 2000, 32
     ins = _inputs(gen, (tokens,), vocab, hidden, torch.bfloat16, bias=True)
     plan = rx.compile(_expr(True, False, {})).grad_plan(**ins)
     forward = rx.memory_trace(plan.forward, **ins)
@@ -287,5 +287,5 @@ def test_other_row_reductions_of_a_product_are_one_kernel(case, gen):
     p = k.program(**ins)
     assert p.kernels_launched == 1 and all(math.prod(b.shape) < 37 * 31 for b in p.buffers)
     assert_close(k(**ins), reference(ins["h"] @ ins["w"].T), 1e-10, 1e-10, case)
-    small = (ins["h"][:5].clone().requires_grad_(), ins["w"].clone().requires_grad_())
-    assert torch.autograd.gradcheck(lambda a, b: k(h=a, w=b), small)
+    small = (ins["h"][:3, :8].clone().requires_grad_(), ins["w"][:5, :8].clone().requires_grad_())
+    assert torch.autograd.gradcheck(lambda a, b: k(h=a, w=b), small)  # a few elements: a launch each
