@@ -37,6 +37,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def accumulator(operand: torch.dtype) -> torch.dtype:
+    """A product's accumulator for ``operand`` tiles: fp32, or fp64 for fp64 operands."""
+    return torch.float64 if operand == torch.float64 else torch.float32
+
+
 def is_float(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point
 

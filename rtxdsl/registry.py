@@ -192,6 +192,9 @@ class OpDef:
     launch_args: Callable[..., tuple[int, ...]] | None = None
     #: movement ops that only insert size-1 dims: flat kernels address them in place
     view: bool = False
+    #: movement ops that keep the elements in order and only regroup the dims (``reshape``): of
+    #: contiguous memory, a view; of a product, the product of its left operand regrouped
+    regroups: bool = False
     #: operand positions read for their shape only (``arange_like``): never loaded
     shape_only: tuple[int, ...] = ()
     #: result dtype from operand dtypes and attributes, where probing torch cannot tell (an op

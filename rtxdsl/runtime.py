@@ -804,8 +804,7 @@ class _InForward:
         outs = self.stats(**feed)
         loss = outs["out"]
         feed = {**feed, **{k: outs[k] for k in self.saved}, f"{COTANGENT}0": _one(loss.dtype, loss.device)}
-        grads = self.gradient(**{n: feed[n] for n in self.gradient.inputs})
-        grads = grads if isinstance(grads, dict) else {next(iter(self.kept)): grads}
+        grads = self.gradient(**{n: feed[n] for n in self.gradient.inputs})  # a dict: the kernel's outputs
         for g in grads.values():
             if g is feed[self.first]:  # the input's memory holds its gradient now: autograd must know
                 torch.autograd.graph.increment_version(g)

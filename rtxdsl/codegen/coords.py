@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ..dtypes import TRITON_TYPE, compute_dtype
+from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.schedule import partial_states
 from ..lower.spec import BCAST, STRIDED, UNIT
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
 from ..ops.elementwise import to_storage
+from .dot import k_loop
 from .source import Writer, _Scope
-
-
-def _accumulator(operand: torch.dtype) -> torch.dtype:
-    """A product's accumulator: fp32, or fp64 for fp64 operands."""
-    return torch.float64 if operand == torch.float64 else torch.float32
 
 
 class CoordWriter(Writer):
@@ -213,20 +209,10 @@ class CoordWriter(Writer):
         a_idx[-2:] = a_idx[-2:][::-1] if attrs["ta"] else a_idx[-2:]
         b_idx = ["ks[:, None]", c.idx[-1]][:: -1 if attrs["tb"] else 1]
         operand = compute_dtype(node.cdt)
-        acc = f"acc{i}"
-        precision = f', input_precision="{tile.precision}"' if operand == torch.float32 else ""
-        scope.add(f"{acc} = tl.zeros((ROWS, BLOCK_SIZE), dtype={TRITON_TYPE[_accumulator(operand)]})")
-        scope.add(f"for k_start in range(0, {size}, BLOCK_K):")
-        a_mask, b_mask = f"row_mask & (ks[None, :] < {size})", f"(ks[:, None] < {size}) & col_mask"
-        body = [
-            "ks = k_start + tl.arange(0, BLOCK_K)",
-            f"a = tl.load(in{ja}_ptr + {self._operand_offset(ja, a_idx)}, mask={a_mask}, other=0)",
-            f"b = tl.load(in{jb}_ptr + {self._operand_offset(jb, b_idx)}, mask={b_mask}, other=0)",
-            f"{acc} = tl.dot(a, b, {acc}{precision})",
-        ]
-        scope.add_all([f"    {line}" for line in body])
-        scope.add(f"{name} = {acc}")
-        self.types[name] = _accumulator(operand)
+        left = (f"in{ja}_ptr + {self._operand_offset(ja, a_idx)}", f"row_mask & (ks[None, :] < {size})")
+        right = (f"in{jb}_ptr + {self._operand_offset(jb, b_idx)}", f"(ks[:, None] < {size}) & col_mask")
+        scope.add_all(k_loop(name, "(ROWS, BLOCK_SIZE)", operand, size, "ks", left, right, tile.precision))
+        self.types[name] = accumulator(operand)
 
     def _operand_offset(self, j: int, idx: list[str]) -> str:
         """A contraction operand's offset at index vectors ``idx`` (aligned to its trailing dims)."""

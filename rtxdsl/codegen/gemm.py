@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from ..dtypes import TRITON_TYPE, compute_dtype
+from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.gemm import inner_products, tile_loads
 from ..lower.schedule import reduce_dtype
 from ..lower.spec import STRIDED, UNIT, KernelSpec
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
+from .dot import k_loop
 from .source import Writer, _Scope, _state_name
 from .template import render
 
@@ -52,10 +53,13 @@ for k_start in range(0, K, BLOCK_K):
     b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
 """
 
-#: where each operand's tile lies: its (row, column) index vectors, dims and mask
+#: the index vectors along an operand tile's rows and columns, with the extents that mask them
+TILE_VECTORS = {"a": (("offs_m", "M"), ("ks", "K")), "b": (("ks", "K"), ("offs_n", "N"))}
+
+#: where each operand's tile lies: its (row, column) index vectors as a tile's, dims and mask
 OPERAND_TILE = {
-    "a": (("offs_m[:, None]", "ks[None, :]"), "mk", "a_mask"),
-    "b": (("ks[:, None]", "offs_n[None, :]"), "kn", "b_mask"),
+    op: ((f"{rows}[:, None]", f"{cols}[None, :]"), dims, f"{op}_mask")
+    for (op, ((rows, _), (cols, _))), dims in zip(TILE_VECTORS.items(), ("mk", "kn"))
 }
 
 
@@ -116,12 +120,10 @@ class GemmWriter(Writer):
             for i, nd in enumerate(self.spec.nodes)
             if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role == "full"
         )
-        self.swapped = {
-            "a": dict(self.spec.nodes[contraction].attrs)["ta"],
-            "b": dict(self.spec.nodes[contraction].attrs)["tb"],
-        }
+        attrs = dict(self.spec.nodes[contraction].attrs)
+        self.swapped = {"a": attrs["ta"], "b": attrs["tb"]}  # is the operand read transposed?
         operand_dtype = self.spec.nodes[contraction].dtype
-        acc_dtype = torch.float64 if operand_dtype == torch.float64 else torch.float32
+        acc_dtype = accumulator(operand_dtype)
         top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
         batches = _Scope(indent="    ") if g.sum_batch and self.nb else top  # every batch into one accumulator
         self.batch_idx = self._decompose(batches, "batch", "b", "bsize", self.nb)  # the batch's coordinates
@@ -211,9 +213,7 @@ class GemmWriter(Writer):
         node = self.spec.nodes[i]
         attrs = dict(node.attrs)
         role = node.role
-        (rows, cols), _, _ = OPERAND_TILE[role]
-        rv, cv = rows.split("[")[0], cols.split("[")[0]  # the tile's index vectors
-        extent = {"offs_m": "M", "offs_n": "N", "ks": "K"}
+        (rv, r_size), (cv, c_size) = TILE_VECTORS[role]
         (_, la), (_, lb) = node.srcs
         size = f"K{i}"
         # each operand's stored (-2, -1) dims, named: the product's rows "m", columns "n", the sum "k"
@@ -230,24 +230,19 @@ class GemmWriter(Writer):
                 (la, a_dims, {"m": f"{cv}[None, :]", "k": "kk[:, None]"}),
             )
         shape = {"a": "(BLOCK_M, BLOCK_K)", "b": "(BLOCK_K, BLOCK_N)"}[role]
-        acc = f"p{i}"
-        acc_dtype = torch.float64 if node.cdt == torch.float64 else torch.float32
-        scope.add(f"{acc} = tl.zeros({shape}, dtype={TRITON_TYPE[acc_dtype]})")
-        scope.add(f"for kk_start in range(0, {size}, BLOCK_K):")
-        body = ["kk = kk_start + tl.arange(0, BLOCK_K)"]
         masks = (
-            f"({rv}[:, None] < {extent[rv]}) & (kk[None, :] < {size})",
-            f"(kk[:, None] < {size}) & ({cv}[None, :] < {extent[cv]})",
+            f"({rv}[:, None] < {r_size}) & (kk[None, :] < {size})",
+            f"(kk[:, None] < {size}) & ({cv}[None, :] < {c_size})",
         )
-        for name, (k, dims, at), mask in zip(("pl", "pr"), (left, right), masks):
-            ptr = f"in{self.spec.loads[k].input}_ptr"
-            body.append(f"{name} = tl.load({ptr} + {self._stored_offset(k, dims, at)}, mask={mask}, other=0)")
+        loads = [
+            (f"in{self.spec.loads[k].input}_ptr + {self._stored_offset(k, dims, at)}", mask)
+            for (k, dims, at), mask in zip((left, right), masks)
+        ]
         g = self.spec.gemm
         assert g is not None
-        precision = f', input_precision="{g.precision}"' if node.cdt == torch.float32 else ""
-        body.append(f"{acc} = tl.dot(pl, pr, {acc}{precision})")
-        scope.add_all([f"    {line}" for line in body])
-        self.types[acc] = acc_dtype
+        acc = f"p{i}"
+        scope.add_all(k_loop(acc, shape, node.cdt, size, "kk", loads[0], loads[1], g.precision))
+        self.types[acc] = accumulator(node.cdt)
         return acc
 
     def _stored_offset(self, k: int, dims: tuple[str, str], at: dict[str, str]) -> str:

@@ -194,7 +194,7 @@ def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested:
             continue
         n = g.nodes[0]
         src = n.srcs[0]
-        if n.op != "reshape" or id(src) not in slots or src.op != "var":
+        if not REGISTRY[n.op].regroups or id(src) not in slots or src.op != "var":
             continue
         have, want = lay[id(src)], lay[id(n)]
         if have.strides == contiguous_strides(have.shape) and have.dtype == want.dtype:

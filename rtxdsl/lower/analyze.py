@@ -751,9 +751,9 @@ def fuse_product_rows(graph: Graph, fl: Flow, groups: tuple[Group, ...], solo: f
     ``tl.dot`` where it would have loaded it, so the product is never written (linear
     cross-entropy: a tokens x vocabulary product reduced to a logsumexp and a target logit).
 
-    Only when nothing of the product's size is written (the row kernel's outputs are per row),
-    the product's right operand has no batch dims of its own (one ``B`` tile serves every row of a
-    tile) and the product is read at its own coordinates (no movement op re-indexes it)."""
+    Only for a product :func:`reduced_in_rows` (the backward recomputes exactly those), when nothing
+    of the product's size is written (the row kernel's outputs are per row) and the product is read
+    at its own coordinates (no movement op re-indexes it)."""
     requested = {id(e) for _, e in graph.outputs}
     consumers = _consumers(graph, fl)
     work = [_Work.of(g) for g in groups]
@@ -827,9 +827,9 @@ def _product_of(
     for h in read:
         gemm = work[h]
         c = gemm.contraction
-        if c is None or gemm.is_row or gemm.shape != r.shape or c.attr("sum_batch"):
+        if c is None or gemm.is_row or gemm.shape != r.shape or any(id(m) in solo for m in gemm.nodes):
             continue
-        if len(graph.of(c.srcs[1]).shape) != 2 or any(id(m) in solo for m in gemm.nodes):
+        if not reduced_in_rows(graph, c):  # as the backward decides not to save it
             continue
         inside = {id(m) for m in gemm.nodes}
         if any(gemm.role(m) is not Role.FULL or id(m) in requested for m in gemm.nodes):
@@ -1192,10 +1192,9 @@ def _own_kernels_for_broadcast_values(
     order = _order(graph)
     members = [{id(m) for m in g.nodes} for g in groups]
     extra: list[Group] = []
-    for g in groups:
+    for gi, g in enumerate(groups):
         for m in g.nodes:
-            exact = {Role.FULL: g.shape, Role.KEEP: g.keep_shape(), Role.DROP: g.drop_shape()}
-            if graph.of(m).shape == exact.get(g.role(m)) or REGISTRY[m.op].kind not in _POINTWISE:
+            if graph.of(m).shape == _exact_shape(g, m) or REGISTRY[m.op].kind not in _POINTWISE:
                 continue
             homes = [i for i, ms in enumerate(members) if id(m) in ms]
             if any(graph.of(m).shape == _exact_shape(groups[i], m) for i in homes):
@@ -1208,7 +1207,7 @@ def _own_kernels_for_broadcast_values(
             stack = list(m.srcs)
             while stack:
                 x = stack.pop()
-                if id(x) in members[groups.index(g)] and all(x is not c for c in cone):
+                if id(x) in members[gi] and all(x is not c for c in cone):
                     if REGISTRY[x.op].kind not in _POINTWISE:
                         break
                     cone.append(x)
@@ -1224,6 +1223,8 @@ _POINTWISE = (OpKind.ELEMENTWISE, OpKind.MOVEMENT)
 
 
 def _exact_shape(g: Group, m: Expr) -> tuple[int, ...] | None:
+    """The shape ``m`` has in ``g`` when ``g`` computes it at its own coordinates (by its role);
+    None for a prologue's values (at an operand's tiles)."""
     return {Role.FULL: g.shape, Role.KEEP: g.keep_shape(), Role.DROP: g.drop_shape()}.get(g.role(m))
 
 
@@ -1232,10 +1233,8 @@ def _writers(graph: Graph, groups: tuple[Group, ...]) -> dict[int, int]:
     recomputed in another kernel may be broadcast there), else the first containing it."""
     out = _homes(groups)
     for i in reversed(range(len(groups))):
-        g = groups[i]
-        exact = {Role.FULL: g.shape, Role.KEEP: g.keep_shape(), Role.DROP: g.drop_shape()}
-        for m in g.nodes:  # a GEMM's prologue is never written by it
-            if graph.of(m).shape == exact.get(g.role(m)):
+        for m in groups[i].nodes:  # a GEMM's prologue is never written by it
+            if graph.of(m).shape == _exact_shape(groups[i], m):
                 out[id(m)] = i
     return out
 

@@ -151,7 +151,7 @@ def _lower_all(
                 p = n
             else:
                 p = _typed(Expr(n.op, srcs, attrs), info, keep)
-            if n.op == "reshape" and not me.is_scalar:
+            if opdef.regroups and not me.is_scalar:
                 p = _flatten_rows_of_product(p, info, keep)
         memo[id(n)] = p
         memo[id(p)] = p
@@ -183,7 +183,7 @@ def _flatten_rows_of_product(p: Expr, info: dict[int, Info], keep: list[Expr]) -
     if len(info[id(b)].shape) != 2 or info[id(c)].shape != have:
         return p
     k = info[id(a)].shape[-1]
-    flat = _typed(node("reshape", a, shape=(*shape[:-1], k)), info, keep)
+    flat = _typed(Expr(p.op, (a,), {**p.attr_dict, "shape": (*shape[:-1], k)}), info, keep)
     out = _typed(Expr(c.op, (flat, b), c.attr_dict), info, keep)
     for e in reversed(chain):  # rebuild f over the new product
         srcs = tuple(out if info[id(s)].shape == have and not info[id(s)].is_scalar else s for s in e.srcs)

@@ -87,11 +87,11 @@ def gemm_spec(
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     domain = (m, n) if sum_batch else (*batch, m, n)
     bd = body(group, graph)
-    tile = gemm_tile(target, m, n, a.dtype, inner=bool(inner_products(bd.nodes)))
+    inner = inner_products(bd.nodes)
+    tile = gemm_tile(target, m, n, a.dtype, inner=bool(inner))
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
     at_tiles = tile_loads(bd.nodes)
-    inner = inner_products(bd.nodes)
     operand = {Role.A: (a, ta, batch), Role.B: (b, tb, batch)}
     strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]] = {}  # load -> batch strides, tile strides
     for i, (j, role, view) in enumerate(bd.loads):

@@ -20,7 +20,7 @@ import torch
 from ..dtypes import compute_dtype
 from ..expr import Expr
 from ..ops import REGISTRY, DtypeRule, OpKind
-from .analyze import Group, Role
+from .analyze import Group, Role, read_srcs
 from .expand import Graph, float_dtype_of
 from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
 from .target import GPU, Target
@@ -676,8 +676,8 @@ def _positions_only(n: Expr) -> bool:
     op = REGISTRY[n.op]
     if op.kind is not OpKind.MOVEMENT:
         return False
-    reads = [s for k, s in enumerate(n.srcs) if k not in op.shape_only]
-    return all(_positions_only(s) for s in reads[:1]) and len(reads) <= 1
+    reads = read_srcs(n)
+    return len(reads) <= 1 and all(_positions_only(s) for s in reads)
 
 
 # ---- passes over the inputs (the honest traffic model) ---------------------------------------------

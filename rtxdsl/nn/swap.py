@@ -30,10 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import dsl
-from ..expr import node
-from ..ops.contraction import linear
 from ..ops.elementwise import cast
-from ..ops.llm import cross_entropy, rope
+from ..ops.llm import capped_logits, cross_entropy, rope
 from ..runtime import Kernel, compile
 from .modules import GateUpMLP, GeGLU, LayerNorm, RMSNorm, SwiGLU, _GatedMLP
 
@@ -289,11 +287,27 @@ def causal_lm_loss(
         >>> float(rx.nn.causal_lm_loss(torch.zeros(1, 3, 5), torch.tensor([[1, 2, 3]]), 5))  # log(5)
         1.6094379425048828
     """
+
+    def run(reduction: str, target: torch.Tensor) -> torch.Tensor:
+        return _loss_kernel(reduction, ignore_index)(logits=logits.reshape(-1, vocab_size), target=target)
+
+    return _shifted_loss(run, labels, logits.device, num_items_in_batch, ignore_index, shift_labels)
+
+
+def _shifted_loss(
+    run: Callable[[str, torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    device: torch.device,
+    num_items_in_batch: torch.Tensor | int | None,
+    ignore_index: int,
+    shift_labels: torch.Tensor | None,
+) -> torch.Tensor:
+    """``ForCausalLMLoss``'s frame around a cross-entropy ``run(reduction, flat target)``: labels
+    shifted left (unless given shifted), the mean over non-ignored tokens, or a sum divided by
+    ``num_items_in_batch``."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    target = shift_labels.reshape(-1).to(logits.device)
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = _loss_kernel(reduction, ignore_index)(logits=logits.reshape(-1, vocab_size), target=target)
+    loss = run("mean" if num_items_in_batch is None else "sum", shift_labels.reshape(-1).to(device))
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -325,10 +339,7 @@ class _Hidden(torch.nn.Module):
 def _hidden_loss_kernel(reduction: str, ignore_index: int, bias: bool, softcap: float | None) -> Kernel:
     """Hugging Face's causal-LM cross-entropy from hidden states: the logits (soft-capped where the
     model caps them, then float32 as ``ForCausalLMLoss`` makes them) only ever exist as tiles."""
-    h, w = dsl.var("h"), dsl.var("w")
-    logits = linear(h, w, dsl.var("b") if bias else None)
-    if softcap is not None:
-        logits = node("tanh", logits / softcap) * softcap
+    logits = capped_logits(dsl.var("h"), dsl.var("w"), dsl.var("b") if bias else None, softcap)
     return compile(cross_entropy(cast(logits, torch.float32), dsl.var("target"), None, ignore_index, reduction))
 
 
@@ -369,15 +380,11 @@ def _loss_from_hidden(
     shift_labels: torch.Tensor | None = None,
     **_: Any,
 ) -> torch.Tensor:
-    """:func:`causal_lm_loss` from the hidden states (``num_items_in_batch``: a sum divided by it)."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    kernel = _hidden_loss_kernel(reduction, ignore_index, head.bias is not None, softcap)
-    ins = {"h": hidden.reshape(-1, hidden.shape[-1]), "w": head.weight, "target": shift_labels.reshape(-1)}
-    loss = kernel(**ins, **({"b": head.bias} if head.bias is not None else {}))
-    if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+    """:func:`causal_lm_loss` from the hidden states and the output embedding."""
+    bias = {"b": head.bias} if head.bias is not None else {}
+
+    def run(reduction: str, target: torch.Tensor) -> torch.Tensor:
+        kernel = _hidden_loss_kernel(reduction, ignore_index, bool(bias), softcap)
+        return kernel(h=hidden.reshape(-1, hidden.shape[-1]), w=head.weight, target=target, **bias)
+
+    return _shifted_loss(run, labels, hidden.device, num_items_in_batch, ignore_index, shift_labels)

@@ -332,6 +332,12 @@ def _lce_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
     return h
 
 
+def capped_logits(h: ExprLike, w: ExprLike, b: ExprLike | None, softcap: float | None) -> Expr:
+    """The logits ``h @ w.T (+ b)``, soft-capped to ``softcap * tanh(logits / softcap)`` (Gemma 2)."""
+    logits = node("linear", h, w, 0.0 if b is None else b)
+    return logits if softcap is None else node("mul", node("tanh", node("div", logits, softcap)), softcap)
+
+
 def _lce_logits(h: Any, w: Any, b: Any, softcap: float | None) -> Any:
     logits = F.linear(h, w) + b
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
@@ -350,9 +356,7 @@ def _lce_decompose(
     h: Expr, w: Expr, t: Expr, b: Expr, *cw: Expr, softcap: float | None, shapes: list, dtypes: list,
     grad_in_forward: bool = False, z_loss: float, **options: Any,
 ) -> Expr:  # fmt: skip
-    logits = node("linear", h, w, b)
-    if softcap is not None:
-        logits = node("mul", node("tanh", node("div", logits, softcap)), softcap)
+    logits = capped_logits(h, w, b, softcap)
     x_shape = (*shapes[0][:-1], shapes[1][0])
     ce_shapes = [x_shape, shapes[2], *shapes[4:]]
     rank = len(x_shape)

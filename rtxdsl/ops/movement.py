@@ -528,6 +528,7 @@ _movement(
     canonical=lambda shapes, shape: {"shape": _reshape_shape(shapes, shape)},
     launch_attrs=("shape",),
     launch_args=lambda shapes, out, shape: (*out, *shapes[0]),
+    regroups=True,
     front=Front(
         fn=reshape,
         methods={"reshape": lambda self, *shape: reshape(self, _shape_arg(shape))},
