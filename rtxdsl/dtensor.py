@@ -14,6 +14,7 @@ Kernels that draw random numbers keep every axis whole (values depend on positio
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 import weakref
@@ -24,7 +25,8 @@ import torch
 from .errors import RtxError
 from .lower import Program
 from .lower.bind import Info
-from .lower.expand import expand
+from .lower.expand import Graph, expand
+from .lower.pieces import Pieces, pieces
 from .lower.shard import PARTIAL, Sharding, sharding
 from .lru import LRU
 from .torchop import kinds_of, make_op
@@ -70,27 +72,140 @@ def check_inputs(names: tuple[str, ...], values: tuple[Any, ...]) -> None:
 
 
 class DistributedLaunch:
-    """A prepared call for DTensor inputs of one layout: the kernel's op, run by DTensor."""
+    """A prepared call for DTensor inputs of one layout: the kernel's op, run by DTensor; or, where
+    an input is sharded along an axis the kernel reduces and the graph runs in pieces along it
+    (``lower.pieces``), a piece kernel per rank, an all-gather of its reductions' values, and a
+    merge kernel (vocabulary-parallel cross-entropy)."""
 
-    __slots__ = ("program", "any_grad", "run")
+    __slots__ = ("program", "any_grad", "run", "arity", "in_pieces", "kernel", "graph", "shards")
 
     def __init__(self, kernel: Any, program: Program, tensors: tuple[Any, ...]) -> None:
         arity = len(kernel.inputs)
         check_inputs(kernel.inputs, tensors[:arity])
-        self.program = program
+        self.program, self.kernel, self.arity = program, kernel, arity
         self.any_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         op = make_op(kernel, kinds_of(tensors[:arity]))
         _register_sharding(kernel, op)
         outputs, single = kernel.outputs, kernel.returns_tensor
-        shards = sharding(program.plan.graph)
+        self.graph = program.plan.graph
+        self.shards = shards = sharding(self.graph)
+        self.in_pieces: dict[tuple, PiecesLaunch | None] = {}  # per placements of the inputs
 
         def run(ts: tuple[Any, ...]) -> Any:
+            values = ts[:arity]
+            launch = self.pieces_for(values)
+            if launch is not None:
+                result = launch.run(values)
+                return result[outputs[0]] if single else {n: result[n] for n in outputs}
             if kernel not in _WARNED:
-                _warn_gathers(kernel, shards, ts[:arity])
-            result = op(*ts[:arity])  # hidden seeds are drawn by the kernel on each rank
+                _warn_gathers(kernel, shards, values)
+            result = op(*values)  # hidden seeds are drawn by the kernel on each rank
             return result if single else dict(zip(outputs, result))
 
         self.run = run
+
+    def pieces_for(self, values: tuple[Any, ...]) -> PiecesLaunch | None:
+        """The call in pieces for inputs of these placements, if it runs in pieces."""
+        values = values[: self.arity]
+        key = tuple(tuple(getattr(v, "placements", ())) for v in values)
+        if key not in self.in_pieces:
+            self.in_pieces[key] = _in_pieces(self.kernel, self.graph, self.shards, values)
+        return self.in_pieces[key]
+
+    def differentiates(self, tensors: tuple[Any, ...]) -> bool:
+        """Does ``run`` record its own autograd graph for these inputs (a call in pieces: torch
+        differentiates its kernels and collectives), so the kernel's gradient plan is not used?"""
+        return self.pieces_for(tensors) is not None
+
+
+def _in_pieces(kernel: Any, graph: Graph, shards: Sharding, values: tuple[Any, ...]) -> PiecesLaunch | None:
+    """Run in pieces when an input is sharded (on a 1-d mesh) along an axis the kernel reduces and
+    the graph runs in pieces along it; None: DTensor's sharding propagation, as for any other op."""
+    from torch.distributed.tensor import Shard
+
+    if kernel.draws_seeds:
+        return None
+    for k, (v, whole) in enumerate(zip(values, shards.whole)):
+        mesh = getattr(v, "device_mesh", None)
+        if mesh is None or mesh.ndim != 1 or not isinstance(v.placements[0], Shard):
+            continue
+        dim = v.placements[0].dim
+        if whole[dim]:
+            found = pieces(graph, k, dim)
+            return PiecesLaunch(kernel, found, mesh, values) if isinstance(found, Pieces) else None
+    return None
+
+
+class PiecesLaunch:
+    """A call run in pieces across the ranks of a 1-d mesh: each rank's piece kernel on its shard
+    (positions offset by where the shard starts), the values of the reductions over the sharded
+    axis all-gathered, and the merge kernel on the stacks (the same on every rank).
+
+    Gradients: the merge kernel's are the same on every rank, so the all-gather's backward keeps
+    this rank's slice; a replicated input read by the piece kernel gets each rank's part of its
+    gradient (``Partial``), summed by DTensor where it is used."""
+
+    def __init__(self, kernel: Any, found: Pieces, mesh: Any, values: tuple[Any, ...]) -> None:
+        held = next(k for k, d in enumerate(found.dims) if d is not None)
+        full = values[held].shape[found.dims[held]]
+        self.rank, self.world = mesh.get_local_rank(), mesh.size()
+        chunk = -(-full // self.world)  # DTensor's Shard: torch.chunk's pieces
+        self.offset = min(full, self.rank * chunk)
+        size = max(0, min(full, self.offset + chunk) - self.offset)
+        self.found, self.mesh, self.names = found, mesh, kernel.inputs
+        self.piece = kernel.derived(found.piece(size))
+        self.merge = kernel.derived(found.merge()) if found.merged else None
+
+    def run(self, values: tuple[Any, ...]) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        found, mesh = self.found, self.mesh
+        piece_in: dict[str, Any] = {found.offset: self.offset}
+        merge_in: dict[str, Any] = {}
+        for name, v, d in zip(self.names, values, found.dims):
+            if not is_dtensor(v):
+                piece_in[name] = merge_in[name] = v
+            elif d is not None:
+                piece_in[name] = v.redistribute(mesh, [Shard(d)]).to_local()
+            else:
+                whole = v.redistribute(mesh, [Replicate()])
+                piece_in[name] = whole.to_local(grad_placements=[Partial()])
+                merge_in[name] = whole.to_local()
+        local = self.piece(**{n: piece_in[n] for n in self.piece.inputs})
+        group = mesh.get_group()
+        for s in found.stacks:
+            merge_in[s.name] = _Stack.apply(local[s.name], group, self.rank, self.world)
+        device = next(t.device for t in merge_in.values() if isinstance(t, torch.Tensor))
+        for s in found.stand_ins:
+            merge_in[s.name] = torch.empty((), dtype=s.dtype, device=device).expand(s.shape)
+        out: dict[str, Any] = {}
+        if self.merge is not None:
+            merged = self.merge(**{n: merge_in[n] for n in self.merge.inputs})
+            out |= {n: DTensor.from_local(merged[n], mesh, [Replicate()], run_check=False) for n in found.merged}
+        roots = dict(found.graph.outputs)
+        for name, d in found.local:
+            shape = found.graph.of(roots[name]).shape
+            stride = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))
+            out[name] = DTensor.from_local(local[name], mesh, [Shard(d)], run_check=False, shape=shape, stride=stride)
+        return out
+
+
+class _Stack(torch.autograd.Function):
+    """Every rank's tensor stacked along a new first axis (an all-gather). Used by a computation
+    replicated on every rank, whose gradient is the same on each: the backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, group: Any, rank: int, world: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(value) for _ in range(world)]
+        dist.all_gather(parts, value.contiguous(), group=group)
+        ctx.rank = rank
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad[ctx.rank], None, None, None
 
 
 def _warn_gathers(kernel: Any, shards: Sharding, values: tuple[Any, ...]) -> None:

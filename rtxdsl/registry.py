@@ -81,6 +81,9 @@ class ReduceSpec:
     of one element (a per-row value reduced over its size-1 dims). With ``lanes`` a looped row
     keeps one state per lane and reduces the tile once at the end (cheap merges: sum, max);
     otherwise each block is reduced and merged into one state per row (logsumexp, Welford).
+    ``of_values``: the reduction of the values of pieces is the value of the whole (a sum of
+    sums, a max of maxima, a logsumexp of logsumexps; not Welford's sum of squared deviations),
+    so pieces computed apart (on different devices) merge by the same op.
     """
 
     state: tuple[str, ...]  # component names, e.g. ("acc",), ("m", "s"), ("n", "mean", "m2")
@@ -91,6 +94,7 @@ class ReduceSpec:
     value: Callable[[EmitCtx, tuple[str, ...]], str]
     single: Callable[[EmitCtx, str], str]
     lanes: bool = False
+    of_values: bool = True
 
 
 @dataclass(frozen=True)

@@ -362,6 +362,18 @@ class Kernel:
     def config(self) -> FusionConfig:
         return self._config or get_config()
 
+    def derived(self, outputs: Mapping[str, Expr]) -> Kernel:
+        """A kernel of other outputs with this one's configuration and statistics (the pieces
+        of a call run in pieces across ranks: ``rtxdsl.dtensor``).
+
+        Example:
+            >>> import rtxdsl as rx
+            >>> k = rx.compile(rx.var("x") + 1.0, rx.FusionConfig(max_fusion_ops=8))
+            >>> k.derived({"y": rx.var("x") * 2.0}).config.max_fusion_ops
+            8
+        """
+        return Kernel(dict(outputs), self._config, stats=self._stats)
+
     @property
     def outputs(self) -> tuple[str, ...]:
         return tuple(k for k, _ in self._outputs)
@@ -416,7 +428,8 @@ class Kernel:
                 self._launches.put(key, launch)
             self._last = (key, launch)
         if launch.any_grad and torch.is_grad_enabled():
-            return self._grad_call(tensors, launch, key)
+            if not (isinstance(launch, DistributedLaunch) and launch.differentiates(tensors)):
+                return self._grad_call(tensors, launch, key)
         return launch.run(tensors)
 
     @property

@@ -16,6 +16,7 @@ from fuzzing import EXAMPLES, programs
 from hypothesis import HealthCheck, given, settings
 
 import rtxdsl as rx
+from rtxdsl.lower.pieces import pieces
 from rtxdsl.lower.shard import PARTIAL, sharding
 
 x, w, b, t = rx.var("x"), rx.var("w"), rx.var("b"), rx.var("t")
@@ -140,6 +141,107 @@ def _assemble(outputs: dict, inputs: dict) -> None:
                 torch.testing.assert_close(g, want, equal_nan=True, **tol)
 
 
+# ---- in pieces: reductions over a sharded axis merged after (no processes) -------------------------
+def _in_pieces(outputs: dict, inputs: dict, name: str, dim: int, n: int, config: rx.FusionConfig | None = None):
+    """Run ``outputs`` in ``n`` pieces along ``dim`` of input ``name`` as the ranks would (each piece's
+    kernel on its part, with its offset; the reductions' values stacked; the merge kernel), or the
+    reason it cannot be."""
+    k = rx.compile(outputs, config=config)
+    graph = k.program(**inputs).plan.graph
+    found = pieces(graph, k.inputs.index(name), dim)
+    if isinstance(found, str):
+        return found
+    axis = next(d for d in found.dims if d is not None)
+    size = inputs[name].shape[dim]
+    cut = {v: list(torch.tensor_split(inputs[v], n, d)) for v, d in zip(k.inputs, found.dims) if d is not None}
+    stacks: dict[str, list] = {s.name: [] for s in found.stacks}
+    local: dict[str, list] = {o: [] for o, _ in found.local}
+    start = 0
+    for i in range(n):
+        part = {v: cut[v][i] if v in cut else inputs[v] for v in k.inputs}
+        length = next(iter(cut.values()))[i].shape[axis] if cut else size
+        piece = k.derived(found.piece(length))
+        out = piece(**{v: ({found.offset: start} | part)[v] for v in piece.inputs})
+        for key, vals in (*stacks.items(), *local.items()):
+            vals.append(out[key])
+        start += length
+    merged = {s.name: torch.stack(stacks[s.name]) for s in found.stacks}
+    merged |= {s.name: torch.empty((), dtype=s.dtype).expand(s.shape) for s in found.stand_ins}
+    result = {o: torch.cat(vals, d) for (o, d), vals in zip(found.local, local.values())}
+    if found.merged:
+        merge = k.derived(found.merge())
+        result |= merge(**{v: (merged | inputs)[v] for v in merge.inputs})
+    return result
+
+
+#: (outputs, inputs, the input and dim split, None: runs in pieces, else why it cannot)
+IN_PIECES = [
+    # Megatron's vocabulary-parallel cross-entropy, every option: the vocabulary (w, bias, class weights) split
+    (
+        {"o": rx.linear_cross_entropy(x, w, t, b, rx.var("cw"), label_smoothing=0.1, z_loss=1e-3, softcap=3.0)},
+        {"x": (7, 5), "w": (11, 5), "t": (7,), "b": (11,), "cw": (11,)},
+        ("w", 0),
+        None,
+    ),
+    # per-token losses (an output without the axis) from a split vocabulary; tokens split too
+    ({"o": rx.linear_cross_entropy(x, w, t, reduction="none")}, {"x": (7, 5), "w": (11, 5), "t": (7,)}, ("w", 0), None),
+    # cross-entropy's mean over split tokens: partial sums of losses and of counted tokens
+    ({"o": rx.cross_entropy(x, t)}, {"x": (7, 11), "t": (7,)}, ("x", 0), None),
+    # class-split logits, and a split-row output beside a merged one
+    ({"o": rx.cross_entropy(x, t), "m": rx.amax(x, 0)}, {"x": (7, 11), "t": (7,)}, ("x", 1), None),
+    # softmax over the split axis needs the merged logsumexp back in each piece: three passes, not two
+    ({"o": rx.softmax(x)}, {"x": (5, 6)}, ("x", 1), "a value of the whole axis"),
+    # Welford's sum of squared deviations does not merge from the pieces' values alone
+    ({"o": rx.std(x, -1)}, {"x": (5, 6)}, ("x", 1), "does not merge"),
+    # a reversal along the split axis re-indexes it
+    ({"o": rx.sum(rx.flip(x, -1) * b, -1)}, {"x": (5, 6), "b": (6,)}, ("x", 1), "re-indexes the axis"),
+]
+
+
+@pytest.mark.parametrize("outputs, shapes, split, why", IN_PIECES, ids=[w or repr(o)[:40] for o, _, _, w in IN_PIECES])
+def test_a_graph_runs_in_pieces_along_a_reduced_axis_or_says_why(outputs, shapes, split, why, gen):
+    inputs = {n: torch.randn(s, dtype=F64, generator=gen) for n, s in shapes.items() if n != "t"}
+    if "t" in shapes:
+        inputs["t"] = torch.randint(0, 11, shapes["t"], generator=gen)
+        inputs["t"][1] = -100  # an ignored token
+    if "cw" in inputs:
+        inputs["cw"] = inputs["cw"].abs() + 0.5
+    got = _in_pieces(outputs, inputs, *split, n=3)
+    if why is not None:
+        assert isinstance(got, str) and why in got
+        return
+    want = rx.compile(outputs)(**inputs)
+    want = want if isinstance(want, dict) else {"o": want}
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-12, rtol=1e-12)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(p=programs())
+def test_every_graph_that_runs_in_pieces_gives_the_full_result(p):
+    """A differential check: every input axis the sharding keeps whole, run in two pieces where
+    ``lower.pieces`` says it can (torch, op by op, float64), equals the whole."""
+    reference = rx.FusionConfig(backend="torch")
+    inputs = {n: v.double() if v.is_floating_point() else v for n, v in p.inputs.items()}
+    k = rx.compile(p.outputs, config=reference)
+    try:
+        full = k(**inputs)
+        found = sharding(k.program(**inputs).plan.graph)
+    except (RuntimeError, rx.RtxError):
+        return
+    full = full if isinstance(full, dict) else {"out": full}
+    for name, whole in zip(k.inputs, found.whole):
+        for dim, why in enumerate(whole):
+            if not why or inputs[name].shape[dim] < 2:
+                continue
+            got = _in_pieces(p.outputs, inputs, name, dim, 2, reference)
+            if isinstance(got, str):
+                continue
+            for key, want in full.items():
+                tol = PIECE_TOLERANCE[want.dtype] if want.is_floating_point() else {"atol": 0, "rtol": 0}
+                torch.testing.assert_close(got[key], want, equal_nan=True, **tol)
+
+
 # ---- two ranks -----------------------------------------------------------------------------------
 HELPER = Path(__file__).parent / "helpers" / "dtensor_ranks.py"
 
@@ -205,19 +307,24 @@ def test_grads_stay_sharded_through_the_fused_backward(ranks):
     assert result["warned"] == []
 
 
-def test_llm_kernels_rope_sharded_cross_entropy_gathered_dropout_replicated(ranks):
+def test_llm_kernels_rope_sharded_cross_entropy_in_pieces_dropout_replicated(ranks):
     result = _ran(ranks, "llm")
     assert result["rope"] == ("Shard(dim=0)", 0.0, [])
-    assert result["ce"][0] == "Replicate()" and result["ce"][1] < 1e-14 and result["ce"][2] == 1
+    # a mean over row-sharded tokens: each rank's partial sums, all-gathered and merged (no gather)
+    assert result["ce"][0] == "Replicate()" and result["ce"][1] < 1e-14 and result["ce"][2] == 0
     assert result["dropout"] == ("Replicate()", 0.0)  # the same mask as one process with the same seed
 
 
-def test_linear_cross_entropy_shards_tokens_and_gathers_a_sharded_vocabulary(ranks):
+def test_linear_cross_entropy_shards_tokens_and_runs_a_sharded_vocabulary_in_parallel(ranks):
     result = _ran(ranks, "linear_ce")
     assert result["rows"][0] == "Shard(dim=0)" and result["rows"][1] < 1e-12 and result["rows"][2] == []
-    placement, err, warnings_ = result["vocab"]
-    assert err < 1e-12 and warnings_ == 1  # the vocabulary axis is reduced: gathered once, with a warning
-    assert result["dh"] < 1e-12 and result["dw"][1] < 1e-12
+    for name in ("mean", "none", "all", "sum"):  # every option; nothing gathered (no warning)
+        placement, err, warned = result[name]["loss"]
+        assert placement == "Replicate()" and err < 1e-12 and warned == [], name
+        (dh, dh_err), *rest = result[name]["grads"]
+        assert dh_err < 1e-12, name  # each rank's part of dh, summed across ranks
+        assert all(p == "Shard(dim=0)" and e < 1e-12 for p, e in rest), name  # dw, db, dcw stay sharded
+    assert ranks[1]["linear_ce"]["all"] == result["all"]
 
 
 def test_bad_input_mixed_and_mismatched_meshes_raise_naming_inputs_and_placements(ranks):

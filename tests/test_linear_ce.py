@@ -13,6 +13,7 @@ from conftest import assert_close
 
 import rtxdsl as rx
 from rtxdsl.errors import RtxError, ShapeError
+from rtxdsl.expr import node
 
 h, w, t, b, cw = (rx.var(n) for n in ("h", "w", "t", "b", "cw"))
 
@@ -289,3 +290,36 @@ def test_other_row_reductions_of_a_product_are_one_kernel(case, gen):
     assert_close(k(**ins), reference(ins["h"] @ ins["w"].T), 1e-10, 1e-10, case)
     small = (ins["h"][:3, :8].clone().requires_grad_(), ins["w"][:5, :8].clone().requires_grad_())
     assert torch.autograd.gradcheck(lambda a, b: k(h=a, w=b), small)  # a few elements: a launch each
+
+
+def test_per_row_sums_over_a_product_as_separate_outputs_with_a_weight_gradient(gen):
+    F64 = torch.float64
+    """What a vocabulary piece computes (``lower.pieces``): the logsumexp and the class-weighted
+    target sum as separate outputs, each with its own cotangent. The class weights' gradient, a
+    column sum of positions and cotangents, is merged in the weight-gradient GEMM's K loop beside
+    the bias gradient, so no kernel reads the recomputed product's tiles from another (a GEMM
+    writes no operand tile: it once stored one as a per-row value and failed)."""
+    h, w = torch.randn(6, 8, dtype=F64, generator=gen), torch.randn(9, 8, dtype=F64, generator=gen)
+    b, cw = torch.randn(9, dtype=F64, generator=gen), torch.rand(9, dtype=F64, generator=gen) + 0.5
+    t = torch.randint(0, 9, (6,), generator=gen)
+    logits = rx.linear(rx.var("h"), rx.var("w"), rx.var("b"))
+    hit = rx.arange_like(logits, -1) == node("unsqueeze", rx.var("t"), axes=(1,))
+    weights = node("expand", node("unsqueeze", rx.var("cw"), axes=(0,)), shape=(6, 9))  # as the decomposition
+    picked = rx.sum(rx.where(hit, weights, 0.0), -1, keepdim=True)
+    k = rx.compile({"lse": rx.logsumexp(logits, -1, keepdim=True), "tw": picked})
+    leaves = [v.clone().requires_grad_() for v in (h, w, b, cw)]
+    out = k(h=leaves[0], w=leaves[1], b=leaves[2], cw=leaves[3], t=t)
+    g0, g1 = torch.randn(6, 1, dtype=F64, generator=gen), torch.randn(6, 1, dtype=F64, generator=gen)
+    (out["lse"] * g0 + out["tw"] * g1).sum().backward()
+    refs = [v.clone().requires_grad_() for v in (h, w, b, cw)]
+    ref_logits = F.linear(refs[0], refs[1], refs[2])
+    ref_hit = torch.arange(9)[None, :] == t[:, None]
+    ref_tw = torch.where(ref_hit, refs[3][None, :].expand(6, 9), 0.0).sum(-1, keepdim=True)
+    (torch.logsumexp(ref_logits, -1, keepdim=True) * g0 + ref_tw * g1).sum().backward()
+    for got, want in zip(leaves, refs):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-12, rtol=1e-12)
+    plan = k.grad_plan(h=h, w=w, b=b, cw=cw, t=t)
+    saved = plan.forward(h=h, w=w, b=b, cw=cw, t=t)
+    feed = {"h": h, "w": w, "b": b, "cw": cw, "t": t, "_g0": g0, "_g1": g1} | saved
+    backward = plan.backward.program(**{n: feed[n] for n in plan.backward.inputs})
+    assert backward.kernels_launched == 2 and all(tuple(x.shape) != (6, 9) for x in backward.buffers)

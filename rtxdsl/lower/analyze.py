@@ -163,6 +163,14 @@ def read_srcs(n: Expr) -> tuple[Expr, ...]:
     return tuple(s for k, s in enumerate(n.srcs) if k not in skip) if skip else n.srcs
 
 
+def positions_only(n: Expr) -> bool:
+    """Is ``n`` made of positions alone (movement ops over an index-only op, no value read)?"""
+    if REGISTRY[n.op].kind is not OpKind.MOVEMENT:
+        return False
+    reads = read_srcs(n)
+    return len(reads) <= 1 and all(positions_only(s) for s in reads)
+
+
 @dataclass(frozen=True)
 class Flow:
     """What each grouped node needs, seen through movement ops.
@@ -875,8 +883,13 @@ def absorb_prologues(
         home = work[homes[id(s)]]
         tiled = _tiled_cone(s, graph)
         if tiled is not None:  # a product no kernel writes: every reader computes it in its K loop
-            emptied += _recompute_in_prologues(s, tiled, readers[id(s)], work, graph, consumers, requested)
-            continue
+            before = [(w.nodes[:], dict(w.roles), w.notes[:]) for w in work]
+            found = _recompute_in_prologues(s, tiled, readers[id(s)], work, graph, consumers, requested)
+            if not _leaks(tiled, readers[id(s)], work, requested, consumers):
+                emptied += found
+                continue
+            for w, (nodes, roles, notes) in zip(work, before):  # written after all: as it was
+                w.nodes, w.roles, w.notes = nodes, roles, notes
         cone = _elementwise_cone(s, home, homes, work, graph, solo)
         gemm_readers = readers[id(s)]
         chain, bounds = cone if cone is not None else ([], [])
@@ -922,12 +935,13 @@ def absorb_prologues(
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
 
 
-def _tiled_cone(s: Expr, graph: Graph) -> list[Expr] | None:
+def _tiled_cone(s: Expr, graph: Graph, needs_product: bool = True) -> list[Expr] | None:
     """``s`` and what it is computed from, down to the graph's leaves, when that includes a product
     marked ``recompute`` (one the forward never wrote): elementwise ops, views of leaves and of
     one-element values, index-only movement ops (positions) and the product itself (its operands
     read from memory).
-    None when ``s`` computes no such product or needs anything else (a reduction, a re-indexing)."""
+    None when ``s`` computes no such product (unless not ``needs_product``) or needs anything else
+    (a reduction, a re-indexing)."""
     out: list[Expr] = []
     seen: set[int] = set()
     stack, found = [s], False
@@ -953,7 +967,7 @@ def _tiled_cone(s: Expr, graph: Graph) -> list[Expr] | None:
             return None
         out.append(n)
         stack.extend(read_srcs(n))
-    return out if found else None
+    return out if found or not needs_product else None
 
 
 def _recompute_in_prologues(
@@ -987,6 +1001,30 @@ def _recompute_in_prologues(
         if side is Role.A:
             emptied += _reduce_in_k_loop(w, [s, *chain], work, graph, consumers, requested)
     return emptied
+
+
+def _leaks(
+    chain: list[Expr],
+    gemm_readers: list[tuple[_Work, Role]],
+    work: list[_Work],
+    requested: set[int],
+    consumers: dict[int, list[Expr]],
+) -> bool:
+    """Would a value of a recomputed ``chain`` still be read by a kernel that writes something, other
+    than the GEMMs recomputing it (or be an output)? A GEMM writes no operand tile, so the product
+    is then computed and written as usual."""
+    members = {id(m) for m in chain}
+    if members & requested:
+        return True
+    readers = {id(w) for w, _ in gemm_readers}
+    for h in work:
+        if id(h) in readers:
+            continue
+        own = {id(m) for m in h.nodes}
+        if any(id(x) in members and id(x) not in own for m in h.nodes for x in m.srcs):
+            if _writes(h, work, requested, consumers):
+                return True
+    return False
 
 
 def _operand(w: _Work, side: Role, shape: tuple[int, ...], graph: Graph) -> Operand:
@@ -1029,6 +1067,8 @@ def _reduce_in_k_loop(
                 by_home.setdefault(id(home), (home, []))[1].append(r)
     moved = []
     for home, reductions in by_home.values():
+        cones = _tiled_reductions(home, reductions, contracted, shape, graph)
+        reductions = reductions + list(cones)
         after = _per_row_after(home, reductions, graph, consumers)
         if after is None:
             continue  # its own kernel reads it otherwise: it stays there
@@ -1038,6 +1078,11 @@ def _reduce_in_k_loop(
         if _writes(home, work, requested, consumers):
             home.nodes = kept  # the kernel stays for other values: nothing saved
             continue
+        computed = {id(m) for m in w.nodes}
+        for m in (m for cone in cones.values() for m in reversed(cone) if id(m) not in computed):
+            computed.add(id(m))
+            w.nodes.insert(0, m)
+            w.roles[id(m)] = Role.A
         for r in (*reductions, *after):
             w.nodes.append(r)
             w.roles[id(r)] = Role.A
@@ -1047,11 +1092,41 @@ def _reduce_in_k_loop(
     return moved
 
 
+def _over_size_one(n: Expr, graph: Graph) -> bool:
+    """A reduction over size-1 dims only: the value itself, reshaped."""
+    if REGISTRY[n.op].kind is not OpKind.REDUCTION:
+        return False
+    shape = graph.of(n.srcs[0]).shape
+    return all(shape[a] == 1 for a in n.attr("axis"))
+
+
+def _tiled_reductions(
+    home: _Work, reductions: list[Expr], contracted: tuple[int, ...], shape: tuple[int, ...], graph: Graph
+) -> dict[Expr, list[Expr]]:
+    """The other reductions of ``home`` over the same dims of a value of the operand's shape that a
+    tile computes from its leaves alone (elementwise math, positions, views of leaves, a product
+    recomputed): each with that cone, which the K loop computes too (a class weight's gradient
+    beside the bias gradient: both merged, so no kernel reads the recomputed product's tiles)."""
+    found: dict[Expr, list[Expr]] = {}
+    for r in home.nodes:
+        op = REGISTRY[r.op]
+        if op.kind is not OpKind.REDUCTION or op.reduce is None or any(r is x for x in reductions):
+            continue
+        src = r.srcs[0]
+        if graph.of(src).shape != shape or tuple(sorted(r.attr("axis"))) != contracted:
+            continue
+        cone = _tiled_cone(src, graph, needs_product=False)
+        if cone is not None:
+            found[r] = cone
+    return found
+
+
 def _per_row_after(
     home: _Work, reductions: list[Expr], graph: Graph, consumers: dict[int, list[Expr]]
 ) -> list[Expr] | None:
-    """The elementwise nodes of ``home`` computed from ``reductions`` alone (and scalars): their
-    per-row math, which moves with them. None when another node of ``home`` reads them."""
+    """The elementwise nodes of ``home`` computed from ``reductions`` alone (and scalars), and
+    reductions of them over size-1 dims: their per-row math, which moves with them. None when
+    another node of ``home`` reads them."""
     members = {id(m) for m in home.nodes}
     done = {id(r) for r in reductions}
     after: list[Expr] = []
@@ -1060,7 +1135,7 @@ def _per_row_after(
         for x in consumers.get(id(stack.pop()), ()):
             if id(x) not in members or id(x) in done:
                 continue
-            if REGISTRY[x.op].kind is not OpKind.ELEMENTWISE:
+            if REGISTRY[x.op].kind is not OpKind.ELEMENTWISE and not _over_size_one(x, graph):
                 return None
             if not all(id(y) in done or is_leaf(y, graph.info) for y in x.srcs):
                 return None

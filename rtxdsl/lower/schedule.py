@@ -20,7 +20,7 @@ import torch
 from ..dtypes import compute_dtype
 from ..expr import Expr
 from ..ops import REGISTRY, DtypeRule, OpKind
-from .analyze import Group, Role, read_srcs
+from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
 from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
 from .target import GPU, Target
@@ -666,18 +666,9 @@ def _check_message(n: Expr, graph: Graph) -> str:
     data, idx = n.srcs[0], n.srcs[op.index_operand]
     shape = graph.of(data).shape
     size = shape[n.attr("axis")] if shape else 1
-    if _positions_only(data):  # a range check (cross-entropy's target): the positions are no one's tensor
+    if positions_only(data):  # a range check (cross-entropy's target): the positions are no one's tensor
         return f"{n.op}: an index in {idx!r} is out of range [0, {size})"
     return f"{n.op}: an index in {idx!r} is out of range for axis {n.attr('axis')} of {data!r} (size {size})"
-
-
-def _positions_only(n: Expr) -> bool:
-    """Is ``n`` made of positions alone (movement ops over an index-only op, no value read)?"""
-    op = REGISTRY[n.op]
-    if op.kind is not OpKind.MOVEMENT:
-        return False
-    reads = read_srcs(n)
-    return len(reads) <= 1 and all(_positions_only(s) for s in reads)
 
 
 # ---- passes over the inputs (the honest traffic model) ---------------------------------------------

@@ -70,7 +70,7 @@ class Sharding:
     whole: tuple[tuple[str, ...], ...]  # per input, per dimension
 
 
-def _axes(n: Expr, rank: int) -> tuple[int, ...]:
+def axes_of(n: Expr, rank: int) -> tuple[int, ...]:
     axis = n.attr("axis")
     if axis is None:
         return tuple(range(rank))
@@ -93,7 +93,7 @@ def _broadcast(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Di
 
 def _reduce(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims, tuple[int, ...]]]) -> Dims:
     dims, sshape = srcs[0]
-    axes = _axes(n, len(sshape))
+    axes = axes_of(n, len(sshape))
     for a in axes:
         if n.op == "sum":
             lb.summed.append((dims[a], n))
@@ -138,7 +138,7 @@ def _along_axis(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[D
     """slice, unslice, flip, cat, select: the named axis is re-indexed, the others pass through."""
     why = f"re-indexed by {n.op}"
     rank = len(srcs[0][1])
-    axes = _axes(n, rank)
+    axes = axes_of(n, rank)
     kept = [a for a in range(rank) if a not in axes or len(shape) == rank]
     out = [lb.fresh(shape[j], why if kept[j] in axes else "") for j in range(len(shape))]
     for dims, _ in srcs:
@@ -208,8 +208,10 @@ def _opaque(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims,
     return tuple(lb.fresh(size, f"re-indexed by {n.op}") for size in shape)
 
 
-def sharding(graph: Graph) -> Sharding:
-    """The shardable axes of ``graph`` (typed for the full, unsharded inputs)."""
+def axis_labels(graph: Graph, follow_positions: bool = False) -> tuple[_Labels, dict[int, Dims]]:
+    """Each node's axis labels (by node id). ``follow_positions``: positions and ``expand`` line
+    up with their operand's axes (a piece of them is the positions or sizes of a piece, given its
+    offset): what running a graph in pieces along an axis asks (``lower.pieces``)."""
     lb = _Labels()
     dims: dict[int, Dims] = {}
     for v in graph.inputs:
@@ -223,7 +225,7 @@ def sharding(graph: Graph) -> Sharding:
         srcs = [(dims[id(s)], graph.of(s).shape) for s in n.srcs if not graph.of(s).is_scalar]
         if kind is OpKind.SCALAR:  # a count of reduced elements: those axes stay whole
             if srcs:
-                for a in _axes(n, len(srcs[0][1])):
+                for a in axes_of(n, len(srcs[0][1])):
                     lb.mark(srcs[0][0][a], f"counted by {n.op}")
             dims[id(n)] = ()
         elif info.is_scalar or kind is OpKind.LEAF:
@@ -231,11 +233,20 @@ def sharding(graph: Graph) -> Sharding:
         elif kind is OpKind.REDUCTION:
             dims[id(n)] = _reduce(lb, n, info.shape, srcs)
         elif kind is OpKind.MOVEMENT:
-            dims[id(n)] = MOVEMENT.get(n.op, _opaque)(lb, n, info.shape, srcs)
+            rule = MOVEMENT.get(n.op, _opaque)
+            if follow_positions and rule is _positions and srcs:
+                rule = _broadcast
+            dims[id(n)] = rule(lb, n, info.shape, srcs)
         elif kind is OpKind.CONTRACTION:
             dims[id(n)] = _contract(lb, n, info.shape, srcs)
         else:
             dims[id(n)] = _broadcast(lb, n, info.shape, srcs)
+    return lb, dims
+
+
+def sharding(graph: Graph) -> Sharding:
+    """The shardable axes of ``graph`` (typed for the full, unsharded inputs)."""
+    lb, dims = axis_labels(graph)
     partial = _partial_outputs(graph, lb)
     ins = [tuple(lb.find(d) for d in dims[id(v)]) for v in graph.inputs]
     outs = [tuple(lb.find(d) for d in dims[id(p)]) for _, p in graph.outputs]

@@ -160,6 +160,7 @@ M2 = ReduceSpec(
     merge=_m2_merge,
     value=lambda c, st: st[2],
     single=lambda c, x: f"({x} - {x}) * ({x} - {x})",
+    of_values=False,
 )
 
 

@@ -153,28 +153,49 @@ def llm(mesh: Any) -> dict[str, Any]:
 @scenario
 def linear_ce(mesh: Any) -> dict[str, Any]:
     """Linear cross-entropy: tokens sharded (the weight replicated) keep per-token losses sharded;
-    a vocabulary-sharded weight is gathered (correct, not yet vocabulary-parallel); gradients too."""
+    a vocabulary-sharded weight (and bias, class weights) runs vocabulary-parallel: each rank's
+    per-token logsumexp and target logit over its shard, all-gathered and merged; gradients too."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     h, w = _data(6, 8), _data(11, 8, seed=1) / 3
+    b, cw = _data(11, seed=2), _data(11, seed=3).abs() + 0.5
     t = torch.randint(0, 11, (6,), generator=torch.Generator().manual_seed(4))
+    t[3] = -100
     per_token = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t"), reduction="none"))
     placed = [distribute_tensor(h, mesh, [Shard(0)]), distribute_tensor(w, mesh, [Replicate()])]
     got_rows, w1 = _call(per_token, *placed, distribute_tensor(t, mesh, [Shard(0)]))
-    mean = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t")))
-    dh = distribute_tensor(h, mesh, [Replicate()]).requires_grad_()
-    dw = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
-    got, w2 = _call(mean, dh, dw, distribute_tensor(t, mesh, [Replicate()]))
-    got.backward()
-    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
-    want = F.cross_entropy(F.linear(hr, wr), t)
-    want.backward()
-    return {
-        "rows": (_placed(got_rows), _err(got_rows, F.cross_entropy(F.linear(h, w), t, reduction="none")), w1),
-        "vocab": (_placed(got), _err(got, want.detach()), len(w2)),
-        "dh": _err(dh.grad, hr.grad),
-        "dw": (_placed(dw.grad), _err(dw.grad, wr.grad)),
+    out = {"rows": (_placed(got_rows), _err(got_rows, F.cross_entropy(F.linear(h, w), t, reduction="none")), w1)}
+    options = {
+        "mean": {},
+        "none": {"reduction": "none"},
+        "all": {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 2.0, "bias": True, "weight": True},
+        "sum": {"reduction": "sum", "weight": True},
     }
+    for name, opts in options.items():
+        opts = dict(opts)
+        extra = {k: opts.pop(k) for k in ("bias", "weight") if k in opts}
+        kernel = rx.compile(
+            rx.linear_cross_entropy(
+                rx.var("h"), rx.var("w"), rx.var("t"), rx.var("b") if "bias" in extra else None,
+                rx.var("cw") if "weight" in extra else None, **opts,
+            )
+        )  # fmt: skip
+        leaves = [h, w] + [b] * ("bias" in extra) + [cw] * ("weight" in extra)
+        places = [Replicate(), Shard(0), Shard(0), Shard(0)]  # the vocabulary sharded
+        dts = [distribute_tensor(x, mesh, [p]).requires_grad_() for x, p in zip(leaves, places)]
+        got, warned = _call(kernel, *dts[:2], distribute_tensor(t, mesh, [Replicate()]), *dts[2:])
+        got.sum().backward()
+        refs = [x.clone().requires_grad_() for x in leaves]
+        # the same kernel in one process (checked against float64 torch in test_linear_ce.py)
+        want = kernel(*refs[:2], t, *refs[2:])
+        if name == "mean":
+            assert _err(want, F.cross_entropy(F.linear(h, w), t)) < 1e-12
+        want.sum().backward()
+        out[name] = {
+            "loss": (_placed(got), _err(got, want.detach()), warned),
+            "grads": [(_placed(d.grad), _err(d.grad, r.grad)) for d, r in zip(dts, refs)],
+        }
+    return out
 
 
 @scenario

@@ -1,0 +1,241 @@
+"""Pieces: a graph run piece by piece along one axis, its reductions over that axis merged after.
+
+A kernel whose input is split along an axis that the kernel reduces (a sum, max, min or
+logsumexp over it: the vocabulary of a cross-entropy, the tokens of its mean) need not gather
+that axis. Each piece computes those reductions over its own part, with positions along the axis
+offset by where the piece starts; the pieces' values are stacked; a second kernel reduces each
+stack by the same op (a sum of sums, a logsumexp of logsumexps) and computes the rest. This is
+Megatron's vocabulary-parallel cross-entropy, derived for any graph of that shape;
+``rtxdsl.dtensor`` runs it across ranks with an all-gather of the per-row values in between.
+
+A graph runs in pieces when every node holding the axis is one a piece computes alone
+(elementwise math, reductions over other axes, products that do not contract it, size-1
+insertions, ``expand`` to the piece's size, positions, movement along other axes) and nothing
+after a reduction over the axis holds it again: a softmax over it would need the merged value
+back in the piece (three passes, not two). Positions along the axis read after the merge (the
+range check of cross-entropy's target) are taken from a stand-in of the full shape, never loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..expr import Expr, node
+from ..ops import REGISTRY, OpKind
+from .analyze import positions_only, read_srcs
+from .expand import Graph
+from .shard import axes_of, axis_labels
+
+#: movement ops a piece computes alone, and how: "axis" (it re-indexes its ``axis`` attribute,
+#: which must not be the split one), "offset" (positions: shifted by the piece's start along the
+#: split axis), "resize" (``expand``: to the piece's size), "view" (only size-1 dims inserted)
+PIECEWISE = {
+    "unsqueeze": "view",
+    "slice": "axis",
+    "unslice": "axis",
+    "flip": "axis",
+    "cat": "axis",
+    "select": "axis",
+    "gather": "axis",
+    "arange_like": "offset",
+    "expand": "resize",
+}
+
+
+@dataclass(frozen=True)
+class Stand:
+    """An input of the merge kernel: a stack of the pieces' values of a reduction, or a stand-in
+    of a split node's full shape (its positions are read, no value)."""
+
+    name: str
+    shape: tuple[int, ...]  # a stack's shape without its leading pieces axis
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """How ``graph`` runs in pieces along one axis (see the module docstring).
+
+    ``dims``: per input, its dimension on the axis (None: the input does not hold it; each piece
+    reads it whole). ``local``: the outputs each piece computes (its part of them), with their
+    dimension on the axis; ``merged``: the outputs the merge kernel computes from the stacks.
+    """
+
+    graph: Graph
+    dims: tuple[int | None, ...]
+    local: tuple[tuple[str, int], ...]
+    merged: tuple[str, ...]
+    offset: str  # the piece kernel's input holding where its piece starts along the axis
+    stacks: tuple[Stand, ...]  # per reduction over the axis, in ``cuts`` order
+    stand_ins: tuple[Stand, ...]
+    cuts: tuple[Expr, ...]
+    held: dict[int, int]  # node id -> its dimension on the axis, for every node holding it
+    shape_of: dict[int, str]  # node id -> the stand-in standing for it in the merge kernel
+
+    def piece(self, size: int) -> dict[str, Expr]:
+        """The outputs of the kernel computing a piece ``size`` long along the axis: each
+        reduction over the axis (named as its stack) and the local outputs."""
+        offset = node("var", name=self.offset, dtype=None)
+        built: dict[int, Expr] = {}
+        for n in self.graph.nodes:  # operands first
+            attrs = n.attr_dict
+            how, d = PIECEWISE.get(n.op), self.held.get(id(n))
+            if how == "resize" and d is not None:
+                attrs["shape"] = tuple(size if k == d else s for k, s in enumerate(attrs["shape"]))
+            got = Expr(n.op, tuple(built[id(s)] for s in n.srcs), attrs)
+            built[id(n)] = node("add", got, offset) if how == "offset" and d is not None else got
+        roots = dict(self.graph.outputs)
+        return {s.name: built[id(c)] for s, c in zip(self.stacks, self.cuts)} | {
+            name: built[id(roots[name])] for name, _ in self.local
+        }
+
+    def merge(self) -> dict[str, Expr]:
+        """The outputs of the kernel merging the stacks (inputs: the stacks, the stand-ins and the
+        kernel's inputs that do not hold the axis)."""
+        stacks = {id(c): s.name for s, c in zip(self.stacks, self.cuts)}
+        built: dict[int, Expr] = {}
+        for n in self.graph.nodes:
+            if id(n) in stacks:
+                built[id(n)] = node(n.op, node("var", name=stacks[id(n)], dtype=None), axis=(0,), keepdim=False)
+                continue
+            skip = REGISTRY[n.op].shape_only
+            srcs = tuple(
+                node("var", name=self.shape_of[id(s)], dtype=None) if j in skip and id(s) in self.shape_of
+                else built[id(s)]
+                for j, s in enumerate(n.srcs)
+            )  # fmt: skip
+            built[id(n)] = Expr(n.op, srcs, n.attr_dict)
+        roots = dict(self.graph.outputs)
+        return {name: built[id(roots[name])] for name in self.merged}
+
+
+def pieces(graph: Graph, k: int, dim: int) -> Pieces | str:
+    """``graph`` run in pieces along dimension ``dim`` of its input ``k``, or why it cannot be."""
+    lb, dims = axis_labels(graph, follow_positions=True)
+    axis = lb.find(dims[id(graph.inputs[k])][dim])
+    held = {}
+    for n in graph.nodes:
+        found = [d for d, lab in enumerate(dims.get(id(n), ())) if lb.find(lab) == axis]
+        if len(found) > 1:
+            return f"{n.op} holds the axis twice"
+        if found:
+            held[id(n)] = found[0]
+    cuts = [n for n in graph.nodes if _reduces(n, held, graph)]
+    for c in cuts:
+        spec = REGISTRY[c.op].reduce
+        if spec is None or not spec.of_values:
+            return f"{c.op} over the axis does not merge from its pieces' values"
+    why = _piece_side(graph, held, set(map(id, cuts)))
+    if why:
+        return why
+    shape_of: dict[int, str] = {}
+    why = _merge_side(graph, held, set(map(id, cuts)), shape_of)
+    if why:
+        return why
+    taken = {v.attr("name") for v in graph.inputs}
+    offset = _fresh("offset", taken)
+    stacks = tuple(Stand(_fresh(f"part{j}", taken), graph.of(c).shape, graph.of(c).dtype) for j, c in enumerate(cuts))
+    stand_ins = []
+    for n in graph.nodes:
+        if id(n) in shape_of:
+            shape_of[id(n)] = _fresh(f"shape{len(stand_ins)}", taken)
+            stand_ins.append(Stand(shape_of[id(n)], graph.of(n).shape, graph.of(n).dtype))
+    local = tuple((name, held[id(root)]) for name, root in graph.outputs if id(root) in held)
+    merged = tuple(name for name, root in graph.outputs if id(root) not in held)
+    return Pieces(
+        graph=graph,
+        dims=tuple(held.get(id(v)) for v in graph.inputs),
+        local=local,
+        merged=merged,
+        offset=offset,
+        stacks=stacks,
+        stand_ins=tuple(stand_ins),
+        cuts=tuple(cuts),
+        held=held,
+        shape_of=shape_of,
+    )
+
+
+def _reduces(n: Expr, held: dict[int, int], graph: Graph) -> bool:
+    """Is ``n`` a reduction over the axis (its operand holds it there)?"""
+    if REGISTRY[n.op].kind is not OpKind.REDUCTION or id(n.srcs[0]) not in held:
+        return False
+    return held[id(n.srcs[0])] in axes_of(n, len(graph.of(n.srcs[0]).shape))
+
+
+def _piece_side(graph: Graph, held: dict[int, int], cuts: set[int]) -> str:
+    """Why a piece cannot compute the reductions over the axis and the outputs holding it ("": it can)."""
+    roots = [n for n in graph.nodes if id(n) in cuts] + [r for _, r in graph.outputs if id(r) in held]
+    seen: set[int] = set()
+    stack = [s for r in roots for s in (r.srcs if id(r) in cuts else (r,))]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if id(n) in cuts:
+            return f"a value of the whole axis ({n.op} over it) is needed inside a piece"
+        why = _piecewise(n, held, graph) if id(n) in held else _reads_held(n, held)
+        if why:
+            return why
+        stack.extend(n.srcs)
+    return ""
+
+
+def _piecewise(n: Expr, held: dict[int, int], graph: Graph) -> str:
+    """Why ``n``, holding the axis, is not computed by a piece alone ("": it is)."""
+    op = REGISTRY[n.op]
+    if op.kind is OpKind.MOVEMENT:
+        how = PIECEWISE.get(n.op)
+        if how is None:
+            return f"{n.op} along the axis"
+        if how == "axis" and any(
+            id(s) in held and held[id(s)] in axes_of(n, len(graph.of(s).shape)) for s in read_srcs(n)[:1]
+        ):
+            return f"{n.op} re-indexes the axis"
+    elif op.kind is OpKind.CONTRACTION:
+        a = n.srcs[0]
+        k_dim = len(graph.of(a).shape) - (2 if n.attr("ta") else 1)
+        if held.get(id(a)) == k_dim:
+            return f"{n.op} contracts the axis"
+    elif op.kind is OpKind.SCALAR:
+        return f"{n.op} counts the axis"
+    return ""
+
+
+def _reads_held(n: Expr, held: dict[int, int]) -> str:
+    """A node without the axis computed in a piece may take only a shape from one holding it."""
+    if any(id(s) in held for s in read_srcs(n)):
+        return f"{n.op} reads along the axis without keeping it"
+    return ""
+
+
+def _merge_side(graph: Graph, held: dict[int, int], cuts: set[int], shape_of: dict[int, str]) -> str:
+    """Why the merge kernel cannot compute the outputs without the axis ("": it can); fills
+    ``shape_of`` with the nodes holding the axis whose shape (positions) it reads."""
+    seen: set[int] = set()
+    stack = [r for _, r in graph.outputs if id(r) not in held]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen or id(n) in cuts:
+            continue
+        seen.add(id(n))
+        if id(n) in held and not positions_only(n):
+            return f"{n.op} needs the whole axis after its reductions"
+        skip = REGISTRY[n.op].shape_only
+        for j, s in enumerate(n.srcs):
+            if j in skip and id(s) in held:
+                shape_of[id(s)] = ""
+            else:
+                stack.append(s)
+    return ""
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    name = base
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
