@@ -68,6 +68,35 @@ def lazy_ms(n: int, repeats: int = 3) -> float:
     return best * 1e3
 
 
+def new_size_ms(name: str, repeats: int = 5) -> float:
+    """Host time of a known kernel's first call at a new batch size (dry run: nothing launches):
+    binding, analysis and scheduling for a layout whose structure is already planned."""
+    x, w, t = rx.var("x"), rx.var("w"), rx.var("t")
+    exprs = {
+        "softmax": (rx.softmax(x), lambda r: {"x": torch.empty(r, 512)}),
+        "layer_norm + gelu": (
+            rx.gelu(rx.layer_norm(x, w)),
+            lambda r: {"x": torch.empty(r, 512), "w": torch.empty(512)},
+        ),
+        "linear cross-entropy": (
+            rx.linear_cross_entropy(x, w, t),
+            lambda r: {"x": torch.empty(r, 64), "w": torch.empty(1000, 64), "t": torch.zeros(r, dtype=torch.long)},
+        ),
+    }
+    e, make = exprs[name]
+    best = float("inf")
+    for r in range(repeats):
+        k = rx.compile(e, rx.FusionConfig(dry_run=True))
+        k(**make(64))
+        start = time.perf_counter()
+        k(**make(96 + r))  # a batch size this kernel has not seen
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+NEW_SIZE = ("softmax", "layer_norm + gelu", "linear cross-entropy")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -84,8 +113,11 @@ def main() -> None:
         rows.append({"what": "lazy segment (first flush)", "nodes": n, "plan ms": ms, "us per node": 1e3 * ms / n})
     print(f"## Planning time ({machine()}; python -m benches.planning_report)\n")
     print(markdown(rows, ["what", "nodes", "plan ms", "us per node"]))
+    again = [{"kernel": n, "first call at a new size, host ms": new_size_ms(n)} for n in NEW_SIZE]
+    print("\n## A known kernel's first call at a new batch size (dry run)\n")
+    print(markdown(again, ["kernel", "first call at a new size, host ms"]))
     if not args.quick:
-        print(f"\nwrote {save('planning-cpu', {'planning': rows})}")
+        print(f"\nwrote {save('planning-cpu', {'planning': rows, 'new_size': again})}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from . import interpret
 from .log import log
 from .lower.spec import KernelSpec
 from .lru import LRU
+from .ops import REGISTRY, DtypeRule
 
 interpret.install()  # Triton's interpreter multiplies bf16 bits in tl.dot: converted first
 
@@ -95,7 +96,7 @@ def signature_of(spec: KernelSpec) -> str:
 def kernel_name(spec: KernelSpec, signature: str) -> str:
     ops: list[str] = []
     for n in spec.nodes:
-        if n.op not in ops and n.op != "cast":
+        if n.op not in ops and REGISTRY[n.op].rule is not DtypeRule.CAST:
             ops.append(n.op)
     words = "_".join(ops[:4]) or "copy"
     return f"{spec.kind}_{words}_{signature[:8]}"

@@ -23,16 +23,17 @@ from typing import Any
 import torch
 
 from .errors import RtxError
+from .handle import KernelHandle
 from .lower import Program
 from .lower.bind import Info
 from .lower.expand import Graph, expand
 from .lower.pieces import Pieces, pieces
 from .lower.shard import PARTIAL, Sharding, sharding
 from .lru import LRU
-from .torchop import kinds_of, make_op
+from .torchop import kinds_of, make_op, own_op_name
 
 _SHARDED: set[str] = set()  # op names whose sharding rule is registered
-_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()  # kernels that warned about a gathered axis
+_WARNED: weakref.WeakSet[KernelHandle] = weakref.WeakSet()  # kernels that warned about a gathered axis
 
 
 def is_dtensor(value: Any) -> bool:
@@ -79,13 +80,14 @@ class DistributedLaunch:
 
     __slots__ = ("program", "any_grad", "run", "arity", "in_pieces", "kernel", "graph", "shards")
 
-    def __init__(self, kernel: Any, program: Program, tensors: tuple[Any, ...]) -> None:
+    def __init__(self, kernel: KernelHandle, program: Program, tensors: tuple[Any, ...]) -> None:
         arity = len(kernel.inputs)
         check_inputs(kernel.inputs, tensors[:arity])
         self.program, self.kernel, self.arity = program, kernel, arity
         self.any_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-        op = make_op(kernel, kinds_of(tensors[:arity]))
-        _register_sharding(kernel, op)
+        kinds = kinds_of(tensors[:arity])
+        op = make_op(kernel, kinds)
+        _register_sharding(kernel, kinds)
         outputs, single = kernel.outputs, kernel.returns_tensor
         self.graph = program.plan.graph
         self.shards = shards = sharding(self.graph)
@@ -118,7 +120,7 @@ class DistributedLaunch:
         return self.pieces_for(tensors) is not None
 
 
-def _in_pieces(kernel: Any, graph: Graph, shards: Sharding, values: tuple[Any, ...]) -> PiecesLaunch | None:
+def _in_pieces(kernel: KernelHandle, graph: Graph, shards: Sharding, values: tuple[Any, ...]) -> PiecesLaunch | None:
     """Run in pieces when an input is sharded (on a 1-d mesh) along an axis the kernel reduces and
     the graph runs in pieces along it; None: DTensor's sharding propagation, as for any other op."""
     from torch.distributed.tensor import Shard
@@ -145,7 +147,7 @@ class PiecesLaunch:
     this rank's slice; a replicated input read by the piece kernel gets each rank's part of its
     gradient (``Partial``), summed by DTensor where it is used."""
 
-    def __init__(self, kernel: Any, found: Pieces, mesh: Any, values: tuple[Any, ...]) -> None:
+    def __init__(self, kernel: KernelHandle, found: Pieces, mesh: Any, values: tuple[Any, ...]) -> None:
         held = next(k for k, d in enumerate(found.dims) if d is not None)
         full = values[held].shape[found.dims[held]]
         self.rank, self.world = mesh.get_local_rank(), mesh.size()
@@ -208,7 +210,7 @@ class _Stack(torch.autograd.Function):
         return grad[ctx.rank], None, None, None
 
 
-def _warn_gathers(kernel: Any, shards: Sharding, values: tuple[Any, ...]) -> None:
+def _warn_gathers(kernel: KernelHandle, shards: Sharding, values: tuple[Any, ...]) -> None:
     """Warn (once per kernel) when an input is sharded along an axis the kernel needs whole."""
     from torch.distributed.tensor import Shard
 
@@ -225,15 +227,16 @@ def _warn_gathers(kernel: Any, shards: Sharding, values: tuple[Any, ...]) -> Non
                 return
 
 
-def offer_sharding(kernel: Any, op: Any) -> None:
-    """Register ``op``'s sharding rule now if DTensor is loaded (a DTensor call registers it anyway)."""
+def offer_sharding(kernel: KernelHandle) -> None:
+    """Register the kernel's op's sharding rule now if DTensor is loaded (a DTensor call registers
+    it anyway)."""
     if "torch.distributed.tensor" in sys.modules:
-        _register_sharding(kernel, op)
+        _register_sharding(kernel)
 
 
-def _register_sharding(kernel: Any, op: Any) -> None:
-    """Tell DTensor how ``op`` may be sharded (once per op)."""
-    name = op._name
+def _register_sharding(kernel: KernelHandle, kinds: tuple[str, ...] | None = None) -> None:
+    """Tell DTensor how the kernel's op (for inputs of ``kinds``) may be sharded (once per op)."""
+    name = own_op_name(kernel, kinds)
     if name in _SHARDED:
         return
     from torch.distributed.tensor.experimental import register_sharding
@@ -253,7 +256,7 @@ def _register_sharding(kernel: Any, op: Any) -> None:
     _SHARDED.add(name)
 
 
-def _strategies(kernel: Any, args: tuple[Any, ...]) -> list:
+def _strategies(kernel: KernelHandle, args: tuple[Any, ...]) -> list:
     """(output placements, input placements) for one mesh dimension: replicate, then each exact way."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 

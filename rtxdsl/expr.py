@@ -97,6 +97,16 @@ class Expr:
         return default
 
     @property
+    def is_var(self) -> bool:
+        """A named input (``rx.var``)."""
+        return self.op == "var"
+
+    @property
+    def is_const(self) -> bool:
+        """A python number written in the expression."""
+        return self.op == "const"
+
+    @property
     def attr_dict(self) -> dict[str, Any]:
         return dict(self.attrs)
 
@@ -229,7 +239,7 @@ def variables(roots: list[Expr]) -> tuple[Expr, ...]:
     """The ``var`` leaves of ``roots`` in first-appearance order (left to right, depth first)."""
     found: dict[str, Expr] = {}
     for n in walk(roots):
-        if n.op == "var":
+        if n.is_var:
             name = n.attr("name")
             prev = found.get(name)
             if prev is not None and prev is not n:
@@ -270,11 +280,11 @@ def format_expr(e: Expr) -> str:
     shared: list[str] = []  # the text of each named node, by its hole number
     for n in nodes:
         t, p = _format_one(n, [text[id(s)] for s in n.srcs])
-        if uses.get(id(n), 0) > 1 and n.op not in ("var", "const") and len(t) > SHARED_TEXT:
+        if uses.get(id(n), 0) > 1 and not (n.is_var or n.is_const) and len(t) > SHARED_TEXT:
             shared.append(t)
             t, p = f"\x00{len(shared) - 1}\x00", 99
         text[id(n)] = (t, p)
-    return _bind_shared(text[id(e)][0], shared, {v.attr("name") for v in nodes if v.op == "var"})
+    return _bind_shared(text[id(e)][0], shared, {v.attr("name") for v in nodes if v.is_var})
 
 
 def _bind_shared(root: str, shared: list[str], taken: set[str]) -> str:
@@ -307,9 +317,9 @@ def _fresh_name(k: int, taken: set[str]) -> str:
 
 
 def _format_one(n: Expr, parts: list[tuple[str, int]]) -> tuple[str, int]:
-    if n.op == "var":
+    if n.is_var:
         return n.attr("name"), 99
-    if n.op == "const":
+    if n.is_const:
         return repr(n.attr("value")), 99
     opdef: OpDef = REGISTRY[n.op]
     sym, prec = opdef.symbol, opdef.precedence

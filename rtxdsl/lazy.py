@@ -182,7 +182,7 @@ class OperationStream:
             for s in expr.srcs:  # the common case: one new node over known operands and constants
                 i = info.get(id(s))
                 if i is None:
-                    if s.op != "const":
+                    if not s.is_const:
                         break
                     i = Info(s.attrs[0][1])
                 srcs.append(i)
@@ -272,7 +272,7 @@ class OperationStream:
             return
         firsts: dict[int, LazyTensor] = {}  # one kernel output per distinct expression
         for lt in computed:
-            if lt._expr.op != "var" and id(lt._expr) not in firsts:  # type: ignore[union-attr]
+            if not lt._expr.is_var and id(lt._expr) not in firsts:  # type: ignore[union-attr]
                 firsts[id(lt._expr)] = lt
         kernel = None
         if firsts:
@@ -377,7 +377,7 @@ def canonical(roots: tuple[Expr, ...]) -> tuple[tuple[Expr, ...], tuple[Expr, ..
     params: list[Expr] = []
     for n in walk(list(roots)):
         value = n.attr("value")
-        if n.op == "var" or n.op == "const" and (type(value).__name__, repr(value)) not in STRUCTURAL:
+        if n.is_var or n.is_const and (type(value).__name__, repr(value)) not in STRUCTURAL:
             memo[id(n)] = _arg(len(params))
             params.append(n)
         elif n.srcs:
@@ -492,7 +492,7 @@ class Fusion:
             self._canon.put(key, hit)
         canon, params = hit
         tensor_of = {id(v): t for t, v in stream.leaves.values()}
-        args = [tensor_of[id(p)] if p.op == "var" else p.attr("value") for p in params]
+        args = [tensor_of[id(p)] if p.is_var else p.attr("value") for p in params]
         slot = {id(t): k for k, t in enumerate(args) if isinstance(t, torch.Tensor)}
         targets = tuple((f"o{r}", f"a{slot[id(t)]}") for r, t in into.items() if id(t) in slot)
         kernel = self._plans.get((canon, targets))
@@ -524,7 +524,7 @@ def _bind(roots: list[Expr], values: dict[str, Expr]) -> list[Expr]:
     """``roots`` with each variable replaced by ``values[name]``."""
     memo: dict[int, Expr] = {}
     for n in walk(roots):
-        if n.op == "var":
+        if n.is_var:
             memo[id(n)] = values[n.attr("name")]
         elif n.srcs:
             srcs = tuple(memo[id(s)] for s in n.srcs)

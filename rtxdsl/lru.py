@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -64,14 +64,6 @@ class LRU(Generic[K, V]):
             while len(self._data) > self.capacity:
                 self._data.popitem(last=False)
                 self.evictions += 1
-
-    def get_or_build(self, key: K, build: Callable[[], V]) -> V:
-        """The cached value, or ``build()`` stored under ``key`` (built outside the lock)."""
-        value = self.get(key)
-        if value is None:
-            value = build()
-            self.put(key, value)
-        return value
 
     def resize(self, capacity: int) -> None:
         with self._lock:

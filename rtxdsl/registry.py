@@ -40,6 +40,19 @@ class DtypeRule(enum.Enum):
     KEEP = "keep"  # movement: the data operand keeps its dtype, index operands stay integers
 
 
+class AxisRule(enum.Enum):
+    """What a movement op does to its operand's axes: how the sharding analysis labels them
+    (``lower.shard``) and how a piece of an axis computes it (``lower.pieces``)."""
+
+    OPAQUE = "opaque"  # every axis re-indexed (reshape, permute, a plugin): nothing lines up
+    VIEW = "view"  # only size-1 dims inserted (unsqueeze)
+    ALONG_AXIS = "along_axis"  # the ``axis`` attribute re-indexed, the others passed through
+    GATHER = "gather"  # shaped like the index; read whole along ``axis``
+    POSITIONS = "positions"  # positions along ``axis``: a piece's are offset by its start
+    RANDOM = "random"  # numbers tied to every position: nothing splits
+    SIZES = "sizes"  # sizes baked in (expand): a piece's are its own
+
+
 class Unsupported(Exception):
     """Raised by a torch-function builder: these arguments have no fused form (run eagerly)."""
 
@@ -95,6 +108,9 @@ class ReduceSpec:
     single: Callable[[EmitCtx, str], str]
     lanes: bool = False
     of_values: bool = True
+    #: the reduce op of DTensor's ``Partial`` placement holding pieces' values not yet merged (a
+    #: sum's "sum"), where a sharded output may stay so; None: the pieces are merged in the kernel
+    partial: str | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +217,8 @@ class OpDef:
     regroups: bool = False
     #: operand positions read for their shape only (``arange_like``): never loaded
     shape_only: tuple[int, ...] = ()
+    #: movement ops: what they do to their operand's axes (sharding, pieces)
+    axes: AxisRule = AxisRule.OPAQUE
     #: result dtype from operand dtypes and attributes, where probing torch cannot tell (an op
     #: whose reference reads index values); None: torch's answer on one-element probes
     result_dtype: Callable[..., torch.dtype] | None = None
@@ -219,7 +237,6 @@ class OpDef:
     symbol: str | None = None
     precedence: int = 10
     front: Front = field(default_factory=Front)
-    doc: str = ""
 
     @property
     def public(self) -> tuple[str, ...]:

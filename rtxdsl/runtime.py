@@ -114,58 +114,9 @@ def _generate_run(
     if n:
         lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
     names = [f"t{i}" for i in range(n)]
-    for k, b in enumerate(program.buffers):
-        if b.persistent and not graph:  # a tail's counter: zeroed once (per CUDA stream), left at zero
-            device = _device_of(tensors)
-            if device.type == "cuda":
-                scope[f"KEPT{k}"] = _PerStream(b.shape, b.dtype, device)
-                lines.append(f"    b{k} = KEPT{k}()")
-            else:  # launches are serialized (the interpreter's lock): one is enough
-                scope[f"KEPT{k}"] = torch.zeros(b.shape, dtype=b.dtype, device=device)
-                lines.append(f"    b{k} = KEPT{k}")
-            names.append(f"b{k}")
-            continue
-        if b.zero or b.persistent:  # index-check flags; a tail's counter in a graph
-            scope[f"SHAPE{k}"], scope[f"DT{k}"], scope["zeros"] = b.shape, b.dtype, torch.zeros
-            lines.append(f"    b{k} = zeros(SHAPE{k}, dtype=DT{k}, device=DEV)")
-            names.append(f"b{k}")
-            continue
-        same = next(
-            (i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and tuple(t.shape) == b.shape
-             and t.dtype == b.dtype and t.is_contiguous()),
-            None,
-        )  # fmt: skip
-        if same is not None:  # empty_like of a matching contiguous input is the cheapest allocation
-            lines.append(f"    b{k} = empty_like(t{same})")
-        else:
-            scope[f"SHAPE{k}"], scope[f"DT{k}"] = b.shape, b.dtype
-            lines.append(f"    b{k} = empty(SHAPE{k}, dtype=DT{k}, device=DEV)")
-        names.append(f"b{k}")
+    lines += _buffer_lines(program, tensors, graph, scope, names)
     if not config.dry_run:
-        for j, call in enumerate(program.launched):
-            compiled = _compiled(call.spec, call.summary, config)
-            fn = compiled.function(interpret)
-            # a kernel writing into an input cannot be timed by running it again: never tuned
-            in_place = any(slot < program.n_inputs for slot in call.out_slots)
-            if graph:
-                scope[f"L{j}"] = _Interpreted(fn, call.grid) if interpret else wrap_triton(fn)[call.grid]
-            elif config.autotune and not in_place:
-                scope[f"L{j}"] = _tuned(fn, interpret, call, compiled.signature, config, scope["DEV"])
-            else:
-                scope[f"L{j}"] = _Interpreted(fn, call.grid) if interpret else fn[call.grid]
-            scope[f"META{j}"] = dict(call.meta)
-            operands = ", ".join(names[i] for i in call.buffers)
-            if call.scalar_inputs:
-                scope[f"ARGS{j}"] = _ArgFill(call.args, call.scalar_inputs)
-                args = f"*ARGS{j}(tensors)"
-            else:
-                scope[f"ARGS{j}"] = call.args
-                args = f"*ARGS{j}"
-            lines.append(f"    L{j}({operands}, {args}, **META{j})")
-        for j, call in enumerate(program.launched):
-            if call.checks and _checking(config, scope["DEV"]):  # one flag read after the launch
-                scope[f"CHECK{j}"] = _IndexCheck(call.checks)
-                lines.append(f"    CHECK{j}({names[call.flags_slot]})")
+        lines += _launch_lines(program, config, interpret, graph, scope, names)
         if not graph:
             p = program
             scope["record"] = kernel._stats.record
@@ -185,6 +136,71 @@ def _generate_run(
     return scope["run"], source
 
 
+def _buffer_lines(
+    program: Program, tensors: tuple[Any, ...], graph: bool, scope: dict[str, Any], names: list[str]
+) -> list[str]:
+    """The run's allocations, one line per buffer (its name appended to ``names``)."""
+    lines = []
+    for k, b in enumerate(program.buffers):
+        names.append(f"b{k}")
+        if b.persistent and not graph:  # a tail's counter: zeroed once (per CUDA stream), left at zero
+            device = _device_of(tensors)
+            if device.type == "cuda":
+                scope[f"KEPT{k}"] = _PerStream(b.shape, b.dtype, device)
+                lines.append(f"    b{k} = KEPT{k}()")
+            else:  # launches are serialized (the interpreter's lock): one is enough
+                scope[f"KEPT{k}"] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                lines.append(f"    b{k} = KEPT{k}")
+            continue
+        if b.zero or b.persistent:  # index-check flags; a tail's counter in a graph
+            scope[f"SHAPE{k}"], scope[f"DT{k}"], scope["zeros"] = b.shape, b.dtype, torch.zeros
+            lines.append(f"    b{k} = zeros(SHAPE{k}, dtype=DT{k}, device=DEV)")
+            continue
+        same = next(
+            (i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and tuple(t.shape) == b.shape
+             and t.dtype == b.dtype and t.is_contiguous()),
+            None,
+        )  # fmt: skip
+        if same is not None:  # empty_like of a matching contiguous input is the cheapest allocation
+            lines.append(f"    b{k} = empty_like(t{same})")
+        else:
+            scope[f"SHAPE{k}"], scope[f"DT{k}"] = b.shape, b.dtype
+            lines.append(f"    b{k} = empty(SHAPE{k}, dtype=DT{k}, device=DEV)")
+    return lines
+
+
+def _launch_lines(
+    program: Program, config: FusionConfig, interpret: bool, graph: bool, scope: dict[str, Any], names: list[str]
+) -> list[str]:
+    """The run's launches, then the index checks read after them."""
+    lines = []
+    for j, call in enumerate(program.launched):
+        compiled = _compiled(call.spec, call.summary, config)
+        fn = compiled.function(interpret)
+        # a kernel writing into an input cannot be timed by running it again: never tuned
+        in_place = any(slot < program.n_inputs for slot in call.out_slots)
+        if graph:
+            scope[f"L{j}"] = Interpreted(fn, call.grid) if interpret else wrap_triton(fn)[call.grid]
+        elif config.autotune and not in_place:
+            scope[f"L{j}"] = _tuned(fn, interpret, call, compiled.signature, config, scope["DEV"])
+        else:
+            scope[f"L{j}"] = Interpreted(fn, call.grid) if interpret else fn[call.grid]
+        scope[f"META{j}"] = dict(call.meta)
+        operands = ", ".join(names[i] for i in call.buffers)
+        if call.scalar_inputs:
+            scope[f"ARGS{j}"] = _ArgFill(call.args, call.scalar_inputs)
+            args = f"*ARGS{j}(tensors)"
+        else:
+            scope[f"ARGS{j}"] = call.args
+            args = f"*ARGS{j}"
+        lines.append(f"    L{j}({operands}, {args}, **META{j})")
+    for j, call in enumerate(program.launched):
+        if call.checks and _checking(config, scope["DEV"]):  # one flag read after the launch
+            scope[f"CHECK{j}"] = _IndexCheck(call.checks)
+            lines.append(f"    CHECK{j}({names[call.flags_slot]})")
+    return lines
+
+
 def _checking(config: FusionConfig, device: torch.device) -> bool:
     """Are gathers' index-check flags read after the launch (always on CPU; on CUDA unless turned off)?"""
     return config.check_indices or device.type == "cpu"
@@ -195,7 +211,7 @@ def _tuned(fn: Any, interpret: bool, call: Any, signature: str, config: FusionCo
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
 
     def launch_for(grid: tuple[int, ...]) -> Any:
-        return _Interpreted(fn, grid) if interpret else fn[grid]
+        return Interpreted(fn, grid) if interpret else fn[grid]
 
     options = candidates(call.spec, call.meta, call.grid, call.args)
     return Tuned(launch_for, options, tuned_path(config.resolved_cache_dir, signature, name), name)
@@ -248,7 +264,7 @@ class _ArgFill:
         return out
 
 
-class _Interpreted:
+class Interpreted:
     """An interpreted kernel launch: serialized, numpy's floating-point warnings silenced
     (masked lanes compute e.g. log(0))."""
 
@@ -354,7 +370,7 @@ class Kernel:
         self._op: Any = None  # the kernel's own torch.library op, made on first use
         self._into = dict(into or {})  # output key -> input name it may be written into (internal)
         # its name for rtxdsl::kernel (torch.compile): structural, the same in every process
-        self._op_key = register_kernel(self, self._into, bool(self._seeds))
+        self.op_key: str = register_kernel(self, self._into, bool(self._seeds))
         self._traced_plans: dict[tuple, GradPlan] = {}  # saving plans compiled graphs name (one per layout)
         self._in_forward = _gradient_in_forward(self._outputs)  # a loss(..., grad_in_forward=True)
 
@@ -447,7 +463,7 @@ class Kernel:
         """
         if self._op is None:
             self._op = make_op(self)
-            offer_sharding(self, self._op)
+            offer_sharding(self)
         return self._op
 
     def graph_run(self, tensors: tuple[Any, ...]) -> Any | None:
@@ -491,9 +507,9 @@ class Kernel:
         values = self._collect_given(args, kwargs)
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in values)
         if torch.is_grad_enabled() and any(needs) and self._saves(values):
-            result = saving_op(self._op_key, "".join("01"[n] for n in needs), list(values))
+            result = saving_op(self.op_key, "".join("01"[n] for n in needs), list(values))
         else:
-            result = kernel_op(self._op_key, list(values))
+            result = kernel_op(self.op_key, list(values))
         return result[0] if self._single else dict(zip(self.outputs, result))
 
     def _saves(self, values: tuple[Any, ...]) -> bool:
@@ -541,8 +557,8 @@ class Kernel:
         if mode:
             return self._plan_in_forward(program, needs, mode == "reuse")
         grads = differentiate(program.plan.graph, self._outputs, needs)
-        passthrough = tuple((k, e.attr("name")) for k, e in grads.backward if e.op == "var")
-        computed = {k: e for k, e in grads.backward if e.op != "var"}
+        passthrough = tuple((k, e.attr("name")) for k, e in grads.backward if e.is_var)
+        computed = {k: e for k, e in grads.backward if not e.is_var}
         return GradPlan(
             forward=Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False),
             backward=Kernel(computed, self._config, stats=self._stats, draw_seeds=False) if computed else None,
@@ -563,7 +579,7 @@ class Kernel:
         units, scaled, kept, grad_of = {}, {}, {}, []
         for k, (key, unit) in enumerate(grads.backward):
             dtype = _dtype_of(program, input_of[key])
-            units[key] = unit if unit.op == "cast" and unit.attr("dtype") == dtype else node("cast", unit, dtype=dtype)
+            units[key] = node("cast", unit, dtype=dtype)  # expand drops a cast to the dtype it has
             kept[key] = f"_j{k}"
             scaled[f"_d{k}"] = node("cast", node("mul", _var(f"_j{k}"), _var(f"{COTANGENT}0")), dtype=dtype)
             grad_of.append((input_of[key], f"_d{k}"))
@@ -593,14 +609,21 @@ class Kernel:
             >>> g.backward.inputs, g.grads.saved_keys
             (('_g0', 'x', '_s0'), ('_s0',))
         """
-        tensors = self._collect(args, kwargs)
+        tensors = self.collect(args, kwargs)
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         if not any(needs):
             needs = tuple(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in tensors)
         return self._grad_plan(self.program(*tensors), needs)
 
-    def _collect(self, args: tuple, kwargs: dict) -> tuple:
-        """The call's inputs in variable order, with fresh seeds for the hidden ones."""
+    def collect(self, args: tuple, kwargs: dict) -> tuple:
+        """A call's inputs (positional or by name) in variable order, with fresh seeds for the hidden
+        ones: what ``memory_trace`` and the inspection methods bind.
+
+        Example:
+            >>> import rtxdsl as rx
+            >>> rx.compile(rx.var("x") + rx.var("y")).collect((), {"y": 2.0, "x": 1.0})
+            (1.0, 2.0)
+        """
         tensors = self._collect_given(args, kwargs)
         return (*tensors, *[draw_seed() for _ in range(self._seeds)]) if self._seeds else tensors
 
@@ -670,14 +693,14 @@ class Kernel:
     # ---- preparing ----------------------------------------------------------------------
     def program(self, *args: Any, **kwargs: Any) -> Program:
         """The lowered program a call with these inputs runs (nothing is launched or compiled)."""
-        tensors = self._collect(args, kwargs)
+        tensors = self.collect(args, kwargs)
         self._validate(tensors, self.config)
         return self._lower(tensors, self.config)
 
     def lower_for(self, target: Target, *args: Any, **kwargs: Any) -> Program:
         """The program for these inputs with launch configurations shaped for ``target`` (e.g. the
         GPU's, to trace or count a GPU-shaped launch on a CPU machine)."""
-        tensors = self._collect(args, kwargs)
+        tensors = self.collect(args, kwargs)
         self._validate(tensors, self.config)
         return self._lower(tensors, self.config, target)
 
@@ -704,7 +727,7 @@ class Kernel:
         for n in walk([e for _, e in self._outputs]):
             if id(n) in vals:
                 continue
-            if n.op == "const":
+            if n.is_const:
                 vals[id(n)] = n.attr("value")
                 continue
             vals[id(n)] = apply_ref(REGISTRY[n.op], [vals[id(s)] for s in n.srcs], n.attr_dict)
@@ -714,7 +737,7 @@ class Kernel:
             r = vals[id(e)]
             if not isinstance(r, torch.Tensor):
                 r = torch.tensor(r, device=device)
-            elif e.op == "var":
+            elif e.is_var:
                 r = r.clone()
             res[k] = r
         return res["out"] if self._single else res
@@ -722,7 +745,7 @@ class Kernel:
     # ---- inspection ---------------------------------------------------------------------
     def _launch_for(self, args: tuple, kwargs: dict) -> Launch:
         cfg = self.config
-        tensors = self._collect(args, kwargs)
+        tensors = self.collect(args, kwargs)
         self._validate(tensors, cfg)
         return Launch(self, self._lower(tensors, cfg), cfg, tensors)
 
@@ -750,7 +773,7 @@ class Kernel:
             (1, 1, True)
         """
         cfg = self.config
-        tensors = self._collect(args, kwargs)
+        tensors = self.collect(args, kwargs)
         device = self._validate(tensors, cfg)
         p = self._lower(tensors, cfg)
         backend, _ = _backend_for(cfg, device)
@@ -861,7 +884,7 @@ def _gradient_in_forward(outputs: tuple[tuple[str, Expr], ...]) -> str | None:
     if len(outputs) != 1:
         return None
     root = outputs[0][1]
-    if not root.attr("grad_in_forward") or root.srcs[0].op != "var":
+    if not root.attr("grad_in_forward") or not root.srcs[0].is_var:
         return None
     return root.srcs[0].attr("name")
 

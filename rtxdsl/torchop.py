@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from .errors import RtxError
+from .handle import KernelHandle
 
 _OPS: dict[str, Any] = {}  # op name -> the registered op (a structure registers once per process)
 
@@ -42,9 +43,9 @@ class _LiveKernels:
     forget the key while the first is still in use)."""
 
     def __init__(self) -> None:
-        self._refs: dict[str, list[weakref.ref]] = {}
+        self._refs: dict[str, list[weakref.ref[KernelHandle]]] = {}
 
-    def add(self, key: str, kernel: Any) -> None:
+    def add(self, key: str, kernel: KernelHandle) -> None:
         refs = [r for r in self._refs.get(key, ()) if r() is not None]
         refs.append(weakref.ref(kernel, lambda _, key=key: self._prune(key)))
         self._refs[key] = refs
@@ -56,14 +57,14 @@ class _LiveKernels:
         else:
             self._refs.pop(key, None)
 
-    def get(self, key: str) -> Any | None:
+    def get(self, key: str) -> KernelHandle | None:
         return next((k for r in reversed(self._refs.get(key, ())) if (k := r()) is not None), None)
 
 
 KERNELS = _LiveKernels()
 
 
-def register_kernel(kernel: Any, into: Any = (), seeds: bool = False) -> str:
+def register_kernel(kernel: KernelHandle, into: Any = (), seeds: bool = False) -> str:
     """``kernel``'s key in ``KERNELS``: a hash of its structure (expressions, input order, config,
     return form, inputs it writes into, random seeds), so a graph torch saved in its on-disk
     compile cache names the same kernel in any process (cheap: no custom op is registered)."""
@@ -86,7 +87,7 @@ def kernel_of(key: str) -> Any:
     return kernel
 
 
-def _as_list(kernel: Any, result: Any) -> list[Tensor]:
+def _as_list(kernel: KernelHandle, result: Any) -> list[Tensor]:
     return [result] if kernel.returns_tensor else [result[k] for k in kernel.outputs]
 
 
@@ -173,7 +174,7 @@ def expose_launches(op: Any, unpack: Callable[[tuple], tuple[Any, tuple, Callabl
 
 
 def _launches_or_opaque(
-    mode: Any, func: Any, types: Any, args: tuple, kwargs: dict, kernel: Any, values: tuple, pack: Callable
+    mode: Any, func: Any, types: Any, args: tuple, kwargs: dict, kernel: KernelHandle, values: tuple, pack: Callable
 ) -> Any:
     """Under functionalization: the call's launches (:meth:`Kernel.graph_run`), else the op whole."""
     run = kernel.graph_run(values) if _decomposable(types) else None
@@ -251,7 +252,7 @@ def backward_of(plan: Any, inputs: list[Tensor], stats: list[Tensor], grads: lis
     got = (
         {}
         if backward is None
-        else dict(zip(backward.outputs, kernel_op(backward._op_key, [feed[n] for n in backward.inputs])))
+        else dict(zip(backward.outputs, kernel_op(backward.op_key, [feed[n] for n in backward.inputs])))
     )
     got.update((key, feed[name].clone()) for key, name in plan.passthrough)  # never an alias of an input
     grad_of = dict(g.grad_of)
@@ -276,7 +277,7 @@ def _saving_in_graph(mode: Any, func: Any, types: Any, args: tuple, kwargs: dict
 saving_op.register_torch_dispatch(FunctionalTensorMode, _saving_in_graph)
 
 
-def _recompute_grads(kernel: Any, run: Callable[..., Any], saved: tuple[Tensor, ...], grads: Any) -> tuple:
+def _recompute_grads(kernel: KernelHandle, run: Callable[..., Any], saved: tuple[Tensor, ...], grads: Any) -> tuple:
     """Input gradients: the fused forward again with grad, then rtxdsl's fused backward."""
     if kernel.draws_seeds:
         raise RtxError("this kernel draws random seeds per call: differentiate it outside torch.compile")
@@ -307,13 +308,20 @@ def kinds_of(values: tuple[Any, ...]) -> tuple[str, ...]:
     return tuple("Tensor" if isinstance(v, Tensor) else KINDS[type(v)] for v in values)
 
 
-def make_op(kernel: Any, kinds: tuple[str, ...] | None = None) -> Any:
+def own_op_name(kernel: KernelHandle, kinds: tuple[str, ...] | None = None) -> str:
+    """The name of the kernel's own op in the ``rtxdsl`` namespace: ``k_<hash>``, or with ``kinds``
+    (some inputs python numbers) ``k_<hash>_<kinds>``."""
+    name = op_name(kernel.expressions, kernel.inputs, kernel.config, kernel.returns_tensor)
+    if kinds and set(kinds) != {"Tensor"}:
+        name += "_" + "".join(k[0].lower() for k in kinds)
+    return name
+
+
+def make_op(kernel: KernelHandle, kinds: tuple[str, ...] | None = None) -> Any:
     """Register (once per structure) and return the kernel's own op, ``rtxdsl::k_<hash>``: every
     input a tensor, or with ``kinds`` some of them python numbers (``k_<hash>_<kinds>``)."""
     kinds = kinds or ("Tensor",) * len(kernel.inputs)
-    name = op_name(kernel.expressions, kernel.inputs, kernel.config, kernel.returns_tensor)
-    if set(kinds) != {"Tensor"}:
-        name += "_" + "".join(k[0].lower() for k in kinds)
+    name = own_op_name(kernel, kinds)
     if name in _OPS:
         return _OPS[name]
     inputs, outputs, run = kernel.inputs, kernel.outputs, kernel
@@ -337,7 +345,7 @@ def make_op(kernel: Any, kinds: tuple[str, ...] | None = None) -> Any:
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         if not ctx.numbers:  # through rtxdsl::kernel_grad: an op, so AOT autograd does not trace into it
             saved = list(ctx.saved_tensors)
-            got = kernel_grad_op(kernel._op_key, saved, list(grads))
+            got = kernel_grad_op(kernel.op_key, saved, list(grads))
             return tuple(g if t.is_floating_point() else None for g, t in zip(got, saved))
         saved = iter(ctx.saved_tensors)
         values = tuple(ctx.numbers[i] if i in ctx.numbers else next(saved) for i in range(len(inputs)))

@@ -32,7 +32,7 @@ import torch
 from triton.runtime import interpreter as _interp
 
 from .lower import GPU, Target
-from .runtime import Kernel, Launch, _Interpreted
+from .runtime import Interpreted, Kernel, Launch
 
 SECTOR = 32
 
@@ -252,7 +252,7 @@ def memory_trace(
         >>> torch.allclose(t.result, x.sum(0), atol=1e-5)
         True
     """
-    tensors = kernel._collect(args, kwargs)
+    tensors = kernel.collect(args, kwargs)
     program = kernel.lower_for(target, *args, **kwargs)
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
@@ -261,9 +261,9 @@ def memory_trace(
     recorder = _Recorder(reuse_bytes)
     calls = iter(program.launched)
     traces: list[LaunchTrace] = []
-    real_call = _Interpreted.__call__
+    real_call = Interpreted.__call__
 
-    def call(self: _Interpreted, *a: Any, **kw: Any) -> Any:
+    def call(self: Interpreted, *a: Any, **kw: Any) -> Any:
         spec_call = next(calls)
         names = _pointer_names(spec_call)
         ptrs = [x for x in a if isinstance(x, torch.Tensor)]
@@ -280,12 +280,12 @@ def memory_trace(
         )
         return out
 
-    _Interpreted.__call__ = call  # type: ignore[method-assign]
+    Interpreted.__call__ = call  # type: ignore[method-assign]
     try:
         with _instrumented(recorder):
             result = launch.run(tensors)
     finally:
-        _Interpreted.__call__ = real_call  # type: ignore[method-assign]
+        Interpreted.__call__ = real_call  # type: ignore[method-assign]
     return Trace(tuple(traces), result)
 
 

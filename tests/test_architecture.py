@@ -25,7 +25,7 @@ LAYERS = [
     {"lower"},
     {"codegen"},
     {"cache", "tune"},
-    {"torchop", "dtensor"},
+    {"torchop", "dtensor", "handle"},
     {"runtime"},
     {"dsl", "build", "trace", "parse", "lazy", "library", "nn", "optim"},
     {"cli", "commands", "workloads", "__init__", "__main__"},
@@ -94,6 +94,101 @@ def test_module_graph_has_no_cycles_and_runs_one_way():
     for mod, deps in graph.items():
         for d in deps:
             assert _layer(d) <= _layer(mod), f"{mod} (layer {_layer(mod)}) imports {d} (layer {_layer(d)})"
+
+
+def _trees() -> dict[Path, ast.Module]:
+    return {path: ast.parse(path.read_text()) for path in sorted(ROOT.rglob("*.py"))}
+
+
+def _defines(tree: ast.Module) -> set[str]:
+    """Private names a module defines: functions, classes, attributes it assigns, slot names."""
+    names: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            names.add(n.attr)
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            names.add(n.target.id)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier():
+            names.add(n.value)  # __slots__
+    return {x for x in names if x.startswith("_") and not x.startswith("__")}
+
+
+def test_no_module_reads_another_modules_private_attribute():
+    """``x._name`` where ``_name`` belongs to another rtxdsl module (its class's private field or
+    method): the modules talk through public names (``Kernel.collect``, ``op_key``, ``attach``)."""
+    trees = _trees()
+    defined = {path: _defines(tree) for path, tree in trees.items()}
+    found = []
+    for path, tree in trees.items():
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and n.attr in _defines_any(defined)):
+                continue
+            if isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") or n.attr in defined[path]:
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{n.lineno} {ast.unparse(n)}")
+        for n in ast.walk(tree):  # nor imports one
+            if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("rtxdsl")):
+                private = [a.name for a in n.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private:
+                    found.append(f"{path.relative_to(ROOT)}:{n.lineno} imports {private} from {n.module}")
+    assert not found, found
+
+
+def _defines_any(defined: dict[Path, set[str]]) -> set[str]:
+    return set().union(*defined.values())
+
+
+def test_no_op_name_string_comparison_outside_ops():
+    """Behaviour keyed by an op is declared in its ``OpDef`` (kind, dtype rule, axis rule, reduce
+    spec), not by comparing names: ``n.op == "sum"`` outside ``rtxdsl/ops`` is a second place to
+    update when an op is added. (``Expr.is_var`` / ``is_const`` name the two leaves.)"""
+    found = []
+    for path, tree in _trees().items():
+        if path.parent.name == "ops" or path.name == "expr.py":
+            continue
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Compare):
+                continue
+            sides = [n.left, *n.comparators]
+            names_op = any(isinstance(x, ast.Attribute) and x.attr == "op" for x in sides)
+            strings = any(
+                isinstance(x, ast.Constant)
+                and isinstance(x.value, str)
+                or isinstance(x, (ast.Tuple, ast.Set, ast.List))
+                and any(isinstance(e, ast.Constant) for e in x.elts)
+                for x in sides
+            )
+            if names_op and strings:
+                found.append(f"{path.relative_to(ROOT)}:{n.lineno} {ast.unparse(n)}")
+    assert not found, found
+
+
+def test_no_function_over_80_lines_in_lower_codegen_and_runtime():
+    """The planner, the code generators and the runtime read in pieces of one job each."""
+    long = []
+    for path, tree in _trees().items():
+        rel = path.relative_to(ROOT).as_posix()
+        if not (rel.startswith(("lower/", "codegen/")) or rel.startswith("runtime")):
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80:
+                long.append(f"{rel}:{n.name} ({n.end_lineno - n.lineno + 1} lines)")
+    assert not long, long
+
+
+def test_modules_below_runtime_hold_kernels_as_a_typed_handle():
+    """``torchop`` and ``dtensor`` take kernels as ``handle.KernelHandle`` (the protocol of what
+    they may ask), never as ``Any``."""
+    found = []
+    for name in ("torchop.py", "dtensor.py"):
+        tree = ast.parse((ROOT / name).read_text())
+        for n in ast.walk(tree):
+            if isinstance(n, ast.arg) and n.arg in ("kernel", "forward", "backward", "k"):
+                if n.annotation is None or ast.unparse(n.annotation) == "Any":
+                    found.append(f"{name}:{n.lineno} {n.arg}")
+    assert not found, found
 
 
 NEW_OP = textwrap.dedent('''

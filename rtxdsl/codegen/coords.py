@@ -20,7 +20,7 @@ from ..lower.spec import BCAST, STRIDED, UNIT
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop
-from .source import Writer, _Scope
+from .source import Scope, Writer
 
 
 class CoordWriter(Writer):
@@ -89,7 +89,7 @@ class CoordWriter(Writer):
         return " & ".join([base, *(f"({p})" for p in c.pred)])
 
     # ---- values -----------------------------------------------------------------------
-    def value(self, ref: tuple, loop: _Scope) -> str:
+    def value(self, ref: tuple, loop: Scope) -> str:
         kind, i = ref
         if kind == "s":
             return f"s{i}"
@@ -101,7 +101,7 @@ class CoordWriter(Writer):
         full = node.role == "full"
         return self._value_at(ref, self._default(i), loop if full else self.top, full)
 
-    def _value_at(self, ref: tuple, c: Coords, scope: _Scope, full: bool) -> str:
+    def _value_at(self, ref: tuple, c: Coords, scope: Scope, full: bool) -> str:
         kind, i = ref
         if kind == "s":
             return f"s{i}"
@@ -135,7 +135,7 @@ class CoordWriter(Writer):
         scope.memo[(ref, c, full)] = name
         return name
 
-    def _load_at(self, j: int, c: Coords, scope: _Scope, full: bool) -> str:
+    def _load_at(self, j: int, c: Coords, scope: Scope, full: bool) -> str:
         ld = self.spec.loads[j]
         terms = []
         for d, (cls, idx) in enumerate(zip(ld.rows, c.idx)):
@@ -155,7 +155,7 @@ class CoordWriter(Writer):
         self.types[name] = cdt
         return name
 
-    def _remap(self, i: int, name: str, c: Coords, scope: _Scope, full: bool) -> None:
+    def _remap(self, i: int, name: str, c: Coords, scope: Scope, full: bool) -> None:
         node = self.spec.nodes[i]
         op = REGISTRY[node.op]
 
@@ -194,7 +194,7 @@ class CoordWriter(Writer):
         scope.add(f"{name} = {expr}")
         self.types[name] = result
 
-    def _product(self, i: int, name: str, c: Coords, scope: _Scope) -> None:
+    def _product(self, i: int, name: str, c: Coords, scope: Scope) -> None:
         """A contraction's ``[ROWS, BLOCK_SIZE]`` tile at the row block and column block ``c``: Triton
         tutorial 03's K loop over ``BLOCK_K`` slices into an fp32 accumulator (the row kernel's
         values then read it as they would read a loaded tile). The left operand is read at the
@@ -225,7 +225,7 @@ class CoordWriter(Writer):
         return " + ".join(terms) or "0"
 
     # ---- stores -----------------------------------------------------------------------
-    def _store(self, k: int, loop: _Scope) -> str:
+    def _store(self, k: int, loop: Scope) -> str:
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)

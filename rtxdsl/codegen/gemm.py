@@ -16,7 +16,7 @@ from ..lower.spec import STRIDED, UNIT, KernelSpec
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop
-from .source import Writer, _Scope, _state_name
+from .source import Scope, Writer, state_name
 from .template import render
 
 GEMM = """\
@@ -110,7 +110,7 @@ class GemmWriter(Writer):
         g = self.spec.gemm
         assert g is not None
         self.build_params()
-        self.top = _Scope()
+        self.top = Scope()
         self._scalar_prelude()
         top = self.top
         if self.spec.big:
@@ -125,9 +125,9 @@ class GemmWriter(Writer):
         operand_dtype = self.spec.nodes[contraction].dtype
         acc_dtype = accumulator(operand_dtype)
         top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
-        batches = _Scope(indent="    ") if g.sum_batch and self.nb else top  # every batch into one accumulator
+        batches = Scope(indent="    ") if g.sum_batch and self.nb else top  # every batch into one accumulator
         self.batch_idx = self._decompose(batches, "batch", "b", "bsize", self.nb)  # the batch's coordinates
-        k_scope = _Scope(indent=batches.indent + "    ")
+        k_scope = Scope(indent=batches.indent + "    ")
         srcs = self.spec.nodes[contraction].srcs
         tiles = [self._operand(op, j, ref, operand_dtype, k_scope) for op, j, ref in zip("ab", (g.a, g.b), srcs)]
         precision = f', input_precision="{g.precision}"' if operand_dtype == torch.float32 else ""
@@ -146,7 +146,7 @@ class GemmWriter(Writer):
         top.add_all(self.stores(range(len(self.spec.outputs)), top))
         return render(GEMM, name=name, params="\n".join(f"{p}," for p in self.params), body="\n".join(self.top.lines))
 
-    def _operand(self, op: str, j: int, ref: tuple, dtype: torch.dtype, scope: _Scope) -> str:
+    def _operand(self, op: str, j: int, ref: tuple, dtype: torch.dtype, scope: Scope) -> str:
         """Operand ``op``'s tile in the K loop: loaded through its strides, or its prologue computed
         from loads at the tile (cast to the operand's dtype, as the unfused kernel would store it;
         zero outside the mask, where the prologue of zeros need not be zero)."""
@@ -166,7 +166,7 @@ class GemmWriter(Writer):
         return op
 
     # ---- a prologue's own values at the operand's tile ------------------------------------------
-    def value(self, ref: tuple, loop: _Scope) -> str:
+    def value(self, ref: tuple, loop: Scope) -> str:
         """As the Writer's, plus what only a prologue holds: a product recomputed at the operand's
         tile, and positions (indices along a dim) there."""
         kind, i = ref
@@ -189,7 +189,7 @@ class GemmWriter(Writer):
         batch = ["0"] * max(0, rank - 2 - self.nb) + list(self.batch_idx)[max(0, self.nb - (rank - 2)) :]
         return (batch + matrix)[-rank:] if rank else []
 
-    def _positions(self, i: int, scope: _Scope) -> str:
+    def _positions(self, i: int, scope: Scope) -> str:
         """An index-only movement op (positions along a dim) at the operand's tile, by its own remap."""
         node = self.spec.nodes[i]
         idx = [("0" if one else ix) for ix, one in zip(self._tile_index(node.role, len(node.ones)), node.ones)]
@@ -205,7 +205,7 @@ class GemmWriter(Writer):
         self.types[name] = compute_dtype(node.dtype)
         return name
 
-    def _inner_product(self, i: int, scope: _Scope) -> str:
+    def _inner_product(self, i: int, scope: Scope) -> str:
         """A product no kernel writes, at the operand's ``[rows, cols]`` tile: a K loop of its own
         over ``BLOCK_K`` slices. Element ``(m, n)`` of the product sits at the tile's ``(m, n)``, or
         at ``(n, m)`` when the kernel reads the operand transposed: then the product's right operand
@@ -253,13 +253,13 @@ class GemmWriter(Writer):
             terms.append(at[dim] if c == UNIT else f"{at[dim]} * {name}_stride{d}")
         return " + ".join(terms)
 
-    def _k_reduction(self, i: int, v: str, mask: str, scope: _Scope) -> None:
+    def _k_reduction(self, i: int, v: str, mask: str, scope: Scope) -> None:
         """Reduction ``i`` of A over its contracted dims: each K tile's states merged into one
         running state per row of the tile (initialized before the loops, finished after them)."""
         node = self.spec.nodes[i]
         red = REGISTRY[node.op].reduce
         rdt = reduce_dtype(node)
-        running = tuple(_state_name(c, i) for c in red.state)
+        running = tuple(state_name(c, i) for c in red.state)
         for name, ident in zip(running, red.identity(rdt)):
             self.top.add(f"{name} = tl.full([BLOCK_M, 1], {ident}, dtype={TRITON_TYPE[rdt]})")
         ctx = self._ctx(node, scope, rdt)
@@ -268,7 +268,7 @@ class GemmWriter(Writer):
         scope.add_all([f"{name} = {expr}" for name, expr in zip(running, staged)])
         self.k_reductions.append((i, red, self._ctx(node, self.top, rdt), running))
 
-    def _scope_of(self, role: str, loop: _Scope) -> _Scope:
+    def _scope_of(self, role: str, loop: Scope) -> Scope:
         """Every value at a tile: the epilogue's at the product's, a prologue's in the K loop."""
         return self.top if role == "scalar" else loop
 
@@ -287,7 +287,7 @@ class GemmWriter(Writer):
         # a block pointer even where the tensor is one element (per batch) broadcast over the tile
         return " + ".join(terms + (tile or [f"({index[0]} * 0 + {index[1]} * 0)"]))
 
-    def _emit_load(self, k: int, scope: _Scope) -> str:
+    def _emit_load(self, k: int, scope: Scope) -> str:
         ld = self.spec.loads[k]
         dtype = self.spec.in_dtypes[ld.input]
         classes = (*ld.rows, *ld.cols)
@@ -305,7 +305,7 @@ class GemmWriter(Writer):
         self.types[name] = cdt
         return name
 
-    def _store(self, k: int, loop: _Scope) -> str:
+    def _store(self, k: int, loop: Scope) -> str:
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)

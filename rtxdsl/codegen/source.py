@@ -77,12 +77,12 @@ ${helpers}
 ${kernel}"""
 
 
-def _state_name(component: str, node: int) -> str:
+def state_name(component: str, node: int) -> str:
     """A reduction state's variable: ``s_3`` never shadows the scalar argument ``s3``."""
     return f"{component}_{node}"
 
 
-class _Scope:
+class Scope:
     def __init__(self, indent: str = "") -> None:
         self.lines: list[str] = []
         self.memo: dict[tuple, str] = {}
@@ -146,7 +146,7 @@ class Writer:
         self.params += [f"s{k}" for k in range(len(s.scalars))]
 
     # ---- indexing ---------------------------------------------------------------------
-    def _decompose(self, scope: _Scope, flat: str, prefix: str, size: str, n: int) -> list[str]:
+    def _decompose(self, scope: Scope, flat: str, prefix: str, size: str, n: int) -> list[str]:
         if n == 0:
             return []
         if n == 1:
@@ -185,7 +185,7 @@ class Writer:
             return f"({name} != 0)"
         return f"{name}.to({TRITON_TYPE[want]})"
 
-    def value(self, ref: tuple, loop: _Scope) -> str:
+    def value(self, ref: tuple, loop: Scope) -> str:
         kind, i = ref
         if kind == "s":
             return f"s{i}"
@@ -207,11 +207,11 @@ class Writer:
         scope.memo[ref] = name
         return name
 
-    def _scope_of(self, role: str, loop: _Scope) -> _Scope:
+    def _scope_of(self, role: str, loop: Scope) -> Scope:
         """Where a value of ``role`` is computed: full-size values in the loop, per-row ones once."""
         return loop if role == "full" else self.top
 
-    def _emit_load(self, k: int, scope: _Scope) -> str:
+    def _emit_load(self, k: int, scope: Scope) -> str:
         ld = self.spec.loads[k]
         dtype = self.spec.in_dtypes[ld.input]
         full = ld.role == "full"
@@ -232,7 +232,7 @@ class Writer:
         self.types[name] = cdt
         return name
 
-    def _ctx(self, node: NodeSpec, scope: _Scope, cdt: torch.dtype) -> EmitCtx:
+    def _ctx(self, node: NodeSpec, scope: Scope, cdt: torch.dtype) -> EmitCtx:
         def tmp(expr: str) -> str:
             t = f"t{next(self.tmp_ids)}"
             scope.add(f"{t} = {expr}")
@@ -254,10 +254,10 @@ class Writer:
             wants[0] = torch.bool
         return [self.cast(n, w) for n, w in zip(names, wants)]
 
-    def _emit_node(self, node: NodeSpec, name: str, scope: _Scope, loop: _Scope) -> str:
+    def _emit_node(self, node: NodeSpec, name: str, scope: Scope, loop: Scope) -> str:
         return self._emit_with(node, name, scope, [self.value(r, loop) for r in node.srcs])
 
-    def _emit_with(self, node: NodeSpec, name: str, scope: _Scope, operands: list[str]) -> str:
+    def _emit_with(self, node: NodeSpec, name: str, scope: Scope, operands: list[str]) -> str:
         args = self._operands(node, operands)
         expr = REGISTRY[node.op].emit(self._ctx(node, scope, node.cdt), *args)
         result = compute_dtype(node.dtype)
@@ -268,7 +268,7 @@ class Writer:
         return name
 
     # ---- reductions ------------------------------------------------------------------------
-    def _reduce_input(self, i: int, scope: _Scope, loop: _Scope) -> tuple[NodeSpec, torch.dtype, EmitCtx, str]:
+    def _reduce_input(self, i: int, scope: Scope, loop: Scope) -> tuple[NodeSpec, torch.dtype, EmitCtx, str]:
         node = self.spec.nodes[i]
         rdt = reduce_dtype(node)
         x = self.cast(self.value(node.srcs[0], loop), rdt)
@@ -280,14 +280,14 @@ class Writer:
         states = zip(red.lift(ctx, x), red.identity(rdt))
         return tuple(ctx.tmp(f"tl.where({mask}, {c}, {ident})") for c, ident in states)
 
-    def _emit_single(self, node: NodeSpec, name: str, scope: _Scope, loop: _Scope) -> str:
+    def _emit_single(self, node: NodeSpec, name: str, scope: Scope, loop: Scope) -> str:
         rdt = reduce_dtype(node)
         x = self.cast(self.value(node.srcs[0], loop), rdt)
         scope.add(f"{name} = {REGISTRY[node.op].reduce.single(self._ctx(node, scope, rdt), x)}")
         self.types[name] = rdt
         return name
 
-    def _emit_reduction_whole(self, i: int, scope: _Scope) -> str:
+    def _emit_reduction_whole(self, i: int, scope: Scope) -> str:
         node, rdt, ctx, x = self._reduce_input(i, scope, scope)
         red = REGISTRY[node.op].reduce
         state = red.tile(ctx, self._lifted(ctx, node, rdt, x))
@@ -309,7 +309,7 @@ class Writer:
             tt = TRITON_TYPE[rdt]
             top = self._ctx(node, self.top, rdt)
             shape = "[ROWS, BLOCK_SIZE]" if red.lanes else "[ROWS, 1]"
-            running = tuple(_state_name(c, i) for c in red.state)
+            running = tuple(state_name(c, i) for c in red.state)
             for name, ident in zip(running, red.identity(rdt)):
                 self.top.add(f"{name} = tl.full({shape}, {ident}, dtype={tt})")
             _, _, ctx, x = self._reduce_input(i, loop, loop)
@@ -348,7 +348,7 @@ class Writer:
             lanes = []
             for k, (comp, ident) in enumerate(zip(red.state, red.identity(rdt))):
                 off = f"{k} * n_part + rows * n_split + parts"
-                name = _state_name(comp, i)
+                name = state_name(comp, i)
                 self.top.add(f"{name} = tl.load(part{i}_ptr + {off}, mask=part_mask, other={ident})")
                 lanes.append(name)
             self._finish_reduction(i, red, ctx, red.tile(ctx, tuple(lanes)))
@@ -359,13 +359,13 @@ class Writer:
         """Where a per-row value is written: every program of a split row holds it, the first writes it."""
         return "rows < tl.where(split == 0, n_rows, 0)" if self.spec.split else "row_mask"
 
-    def stores(self, ks: Sequence[int], scope: _Scope) -> list[str]:
+    def stores(self, ks: Sequence[int], scope: Scope) -> list[str]:
         """The stores of outputs ``ks`` in ``scope``, every value computed first: the caller adds
-        them (:meth:`_Scope.add_all`) after all of the scope's loads, so an output written into
+        them (:meth:`Scope.add_all`) after all of the scope's loads, so an output written into
         an input's memory (``into``) never lands before a load of that input."""
         return [self._store(k, scope) for k in ks]
 
-    def _store(self, k: int, loop: _Scope) -> str:
+    def _store(self, k: int, loop: Scope) -> str:
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
@@ -395,7 +395,7 @@ class Writer:
     def _begin(self, flat: str, prefix: str, size: str) -> None:
         """Parameters, the kernel's top scope, scalar arguments and the row (or flat) index."""
         self.build_params()
-        self.top = _Scope()
+        self.top = Scope()
         self._scalar_prelude()
         self.ridx = self._decompose(self.top, flat, prefix, size, self.nr)
 
@@ -445,7 +445,7 @@ class Writer:
         self.top.add_all(self.stores(range(len(self.spec.outputs)), self.top))
         return self._render(POINTWISE, name)
 
-    def _col_setup(self, scope: _Scope, start: str | None) -> None:
+    def _col_setup(self, scope: Scope, start: str | None) -> None:
         base = "tl.arange(0, BLOCK_SIZE)[None, :]"
         scope.add(f"cols = {start} + {base}" if start else f"cols = {base}")
         if self.spec.big:
@@ -484,12 +484,12 @@ class Writer:
             loop.add_all(self.stores(outs, loop))
             self._close_loop(loop)
 
-    def _open_loop(self) -> _Scope:
-        loop = _Scope(indent="    ")
+    def _open_loop(self) -> Scope:
+        loop = Scope(indent="    ")
         self._col_setup(loop, "col_start")
         return loop
 
-    def _close_loop(self, loop: _Scope) -> None:
+    def _close_loop(self, loop: Scope) -> None:
         span = "col_lo, col_hi" if self.spec.split else "0, n_cols"
         self.top.add(f"for col_start in range({span}, BLOCK_SIZE):")
         self.top.lines.extend(loop.lines)

@@ -24,6 +24,7 @@ from .bind import Info
 from .expand import Graph, expand
 from .gemm import gemm_spec
 from .schedule import (
+    Launch,
     Layout,
     contiguous_strides,
     early_outputs,
@@ -106,59 +107,12 @@ def program(
                 continue
             slots[id(o)] = n_inputs + len(buffers)
             buffers.append(Buffer(lay[id(o)].shape, lay[id(o)].dtype))
-    calls = []
-    for gi, (g, sched) in enumerate(zip(plan.groups, scheduled)):
-        if sched is None:
-            continue
-        spec, launch = sched
-        in_slots = tuple(slots[id(i)] for i in g.inputs)
-        out_slots = tuple(slots[id(o)] for o in g.outputs)
-        flags: tuple[int, ...] = ()
-        if spec.flags:  # index checks: an int32 flag per gathering op, zeroed per call
-            flags = (n_inputs + len(buffers),)
-            buffers.append(Buffer((len(spec.flags),), torch.int32, zero=True))
-        in_bytes = [lay[id(i)].nbytes for i in g.inputs]
-        out_bytes = [0 if launch.empty else lay[id(o)].nbytes for o in g.outputs]
-        summary = f"{g.pattern}: {', '.join(g.ops)}"
-        parts: tuple[int, ...] = ()
-        part_bytes = 0
-        if launch.split > 1:  # partial states of every reduction, one buffer each
-            for _, n_state, dtype in partial_states(spec):
-                parts += (n_inputs + len(buffers),)
-                buffers.append(Buffer((n_state, launch.rows * launch.split), dtype))
-                part_bytes += n_state * launch.rows * launch.split * dtype.itemsize
-            (partial, p_launch), (finish, f_launch) = split_specs(spec, launch)
-            phases = [(partial, p_launch, 0, part_bytes), (finish, f_launch, part_bytes, 0)]
-        else:
-            phases = [(spec, launch, 0, 0)]
-        for sp, ln, part_read, part_written in phases:
-            reads = input_reads(sp)
-            moved = sum(r * b for r, b in zip(reads, in_bytes)) + part_read + part_written
-            # a split row's partial kernel stores the full outputs that need no reduction, its
-            # finish kernel the rest
-            early = set(early_outputs(sp))
-            if sp.split in ("partial", "finish"):
-                moved += sum(b for k, b in enumerate(out_bytes) if (k in early) == (sp.split == "partial"))
-            else:
-                moved += sum(out_bytes)
-            calls.append(
-                KernelCall(
-                    spec=sp,
-                    summary=summary,
-                    grid=ln.grid,
-                    buffers=in_slots + out_slots + parts + flags,
-                    args=(*ln.ints, *ln.scalars),
-                    meta=ln.meta,
-                    ops=len(g.nodes),
-                    bytes=0 if ln.empty else moved,
-                    passes=max(reads, default=1),
-                    empty=ln.empty,
-                    scalar_inputs=ln.scalar_inputs,
-                    checks=ln.checks,
-                    group=gi,
-                    reads=tuple(reads),
-                )
-            )
+    calls = [
+        call
+        for gi, (g, sched) in enumerate(zip(plan.groups, scheduled))
+        if sched is not None
+        for call in _calls(gi, g, *sched, slots, lay, buffers, n_inputs)
+    ]
     calls = _with_tails(calls, buffers, n_inputs)
     outputs: list[tuple[str, int | None]] = []
     scalars = {}
@@ -185,6 +139,69 @@ def program(
     )
 
 
+def _calls(
+    gi: int,
+    g: Group,
+    spec: KernelSpec,
+    launch: Launch,
+    slots: dict[int, int],
+    lay: dict[int, Layout],
+    buffers: list[Buffer],
+    n_inputs: int,
+) -> list[KernelCall]:
+    """Group ``gi``'s kernel calls (a split row's partial and finish kernels), with the buffers they
+    add (index-check flags, partial states) appended to ``buffers``."""
+    in_slots = tuple(slots[id(i)] for i in g.inputs)
+    out_slots = tuple(slots[id(o)] for o in g.outputs)
+    flags: tuple[int, ...] = ()
+    if spec.flags:  # index checks: an int32 flag per gathering op, zeroed per call
+        flags = (n_inputs + len(buffers),)
+        buffers.append(Buffer((len(spec.flags),), torch.int32, zero=True))
+    in_bytes = [lay[id(i)].nbytes for i in g.inputs]
+    out_bytes = [0 if launch.empty else lay[id(o)].nbytes for o in g.outputs]
+    parts: tuple[int, ...] = ()
+    part_bytes = 0
+    if launch.split > 1:  # partial states of every reduction, one buffer each
+        for _, n_state, dtype in partial_states(spec):
+            parts += (n_inputs + len(buffers),)
+            buffers.append(Buffer((n_state, launch.rows * launch.split), dtype))
+            part_bytes += n_state * launch.rows * launch.split * dtype.itemsize
+        (partial, p_launch), (finish, f_launch) = split_specs(spec, launch)
+        phases = [(partial, p_launch, 0, part_bytes), (finish, f_launch, part_bytes, 0)]
+    else:
+        phases = [(spec, launch, 0, 0)]
+    calls = []
+    for sp, ln, part_read, part_written in phases:
+        reads = input_reads(sp)
+        moved = sum(r * b for r, b in zip(reads, in_bytes)) + part_read + part_written
+        # a split row's partial kernel stores the full outputs that need no reduction, its finish
+        # kernel the rest
+        early = set(early_outputs(sp))
+        if sp.split in ("partial", "finish"):
+            moved += sum(b for k, b in enumerate(out_bytes) if (k in early) == (sp.split == "partial"))
+        else:
+            moved += sum(out_bytes)
+        calls.append(
+            KernelCall(
+                spec=sp,
+                summary=f"{g.pattern}: {', '.join(g.ops)}",
+                grid=ln.grid,
+                buffers=in_slots + out_slots + parts + flags,
+                args=(*ln.ints, *ln.scalars),
+                meta=ln.meta,
+                ops=len(g.nodes),
+                bytes=0 if ln.empty else moved,
+                passes=max(reads, default=1),
+                empty=ln.empty,
+                scalar_inputs=ln.scalar_inputs,
+                checks=ln.checks,
+                group=gi,
+                reads=tuple(reads),
+            )
+        )
+    return calls
+
+
 def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested: set[int]) -> dict[int, int]:
     """id(group) -> an input slot, for groups that only reshape a contiguous input into an
     intermediate (a flattened ``[batch, tokens, hidden]`` GEMM operand): torch's view, no copy."""
@@ -194,7 +211,7 @@ def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested:
             continue
         n = g.nodes[0]
         src = n.srcs[0]
-        if not REGISTRY[n.op].regroups or id(src) not in slots or src.op != "var":
+        if not REGISTRY[n.op].regroups or id(src) not in slots or not src.is_var:
             continue
         have, want = lay[id(src)], lay[id(n)]
         if have.strides == contiguous_strides(have.shape) and have.dtype == want.dtype:

@@ -338,51 +338,54 @@ class _Deps:
 
 
 # ---- pass 1: greedy partition ----------------------------------------------------------------
-def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]) -> tuple[Group, ...]:
-    """Groups built in topological order; nodes in ``solo`` get a kernel of their own."""
-    cap = config.max_fusion_ops
-    requested = {id(e) for _, e in graph.outputs}
-    consumers = _consumers(graph, fl)
-    groups: list[_Work] = []
-    deps = _Deps(fl)
+class _Partitioner:
+    """The groups of :func:`partition`, built node by node in topological order."""
 
-    def new(n: Expr, shape: tuple[int, ...], axes: tuple[int, ...], role: Role) -> _Work:
+    def __init__(self, graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]) -> None:
+        self.graph, self.fl, self.solo = graph, fl, solo
+        self.cap = config.max_fusion_ops
+        self.requested = {id(e) for _, e in graph.outputs}
+        self.consumers = _consumers(graph, fl)
+        self.groups: list[_Work] = []
+        self.deps = _Deps(fl)
+
+    def new(self, n: Expr, shape: tuple[int, ...], axes: tuple[int, ...], role: Role) -> _Work:
         g = _Work(tuple(shape), tuple(axes))
-        groups.append(g)
-        deps.add_group(g)
-        put(g, n, role)
+        self.groups.append(g)
+        self.deps.add_group(g)
+        self.put(g, n, role)
         return g
 
-    def put(g: _Work, n: Expr, role: Role) -> None:
+    def put(self, g: _Work, n: Expr, role: Role) -> None:
         g.nodes.append(n)
         g.roles[id(n)] = role
-        deps.put(g, n)
+        self.deps.put(g, n)
 
-    def closed(g: _Work, n: Expr) -> bool:
+    def closed(self, g: _Work, n: Expr) -> bool:
         """``n`` cannot join ``g``: ``g`` is full, or either is kept apart (``solo``) and they are
         not parts of one op the user wrote (a composite in a small group stays one kernel)."""
-        if graph.ops([*g.nodes, n]) > cap:
+        if self.graph.ops([*g.nodes, n]) > self.cap:
             return True
-        if id(n) not in solo and not any(id(m) in solo for m in g.nodes):
+        if id(n) not in self.solo and not any(id(m) in self.solo for m in g.nodes):
             return False
-        op = graph.written.get(id(n))
-        return op is None or any(graph.written.get(id(m)) != op for m in g.nodes)
+        op = self.graph.written.get(id(n))
+        return op is None or any(self.graph.written.get(id(m)) != op for m in g.nodes)
 
-    def private_to(g: _Work, n: Expr) -> bool:
+    def private_to(self, g: _Work, n: Expr) -> bool:
         """``g`` is pointwise, requested nowhere, and read only by itself and ``n``."""
-        if g.is_row or any(id(m) in requested for m in g.nodes):
+        if g.is_row or any(id(m) in self.requested for m in g.nodes):
             return False
         members = {id(m) for m in g.nodes} | {id(n)}
-        return all(id(c) in members for m in g.nodes for c in consumers.get(id(m), ()))
+        return all(id(c) in members for m in g.nodes for c in self.consumers.get(id(m), ()))
 
-    def role_in(g: _Work, n: Expr, also: _Work | None = None) -> Role | None:
+    def role_in(self, g: _Work, n: Expr, also: _Work | None = None) -> Role | None:
         """The role ``n`` would have in ``g`` (merged with ``also``), or None if it cannot join."""
-        shape = graph.of(n).shape
+        shape = self.graph.of(n).shape
         gemm = g.contraction is not None or (also is not None and also.contraction is not None)
         if gemm and (REGISTRY[n.op].kind is OpKind.MOVEMENT or shape != g.shape):
             return None  # a GEMM's epilogue is pointwise at the product's own tile coordinates
         if reindexes(n):  # its cone's boundaries are read from memory: written by other kernels first
-            if any(deps.home.get(id(s)) in (g, also) for s in fl.reads[id(n)]):
+            if any(self.deps.home.get(id(s)) in (g, also) for s in self.fl.reads[id(n)]):
                 return None
             if shape == g.shape:
                 return Role.FULL
@@ -391,11 +394,11 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
             return Role.DROP if g.is_row and shape == g.drop_shape() else None
         view = REGISTRY[n.op].kind is OpKind.MOVEMENT
         if not g.is_row:
-            if view and any(deps.home.get(id(s)) in (g, also) for s in n.srcs):
+            if view and any(self.deps.home.get(id(s)) in (g, also) for s in n.srcs):
                 return None  # reindexing a value computed in this kernel: it must be written first
             return Role.FULL if shape == g.shape else None
         homes = [h for h in (g, also) if h is not None]
-        inner = [h.role(s) for s in n.srcs for h in homes if deps.home.get(id(s)) is h]
+        inner = [h.role(s) for s in n.srcs for h in homes if self.deps.home.get(id(s)) is h]
         if view and inner:  # a per-row value regains its reduced dims
             ok = inner == [Role.DROP] and tuple(sorted(n.attr("axes"))) == g.axes and shape == g.keep_shape()
             return Role.KEEP if ok else None
@@ -407,60 +410,60 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
             return Role.KEEP
         return None
 
-    def can_join_rows(a: _Work, b: _Work) -> bool:
-        if len(a.nodes) + len(b.nodes) > cap or not _contractions_fit(a, b):
+    def can_join_rows(self, a: _Work, b: _Work) -> bool:
+        if len(a.nodes) + len(b.nodes) > self.cap or not _contractions_fit(a, b):
             return False
-        return not deps.reaches(a, b) and not deps.reaches(b, a)
+        return not self.deps.reaches(a, b) and not self.deps.reaches(b, a)
 
-    def can_merge(a: _Work, b: _Work) -> bool:
+    def can_merge(self, a: _Work, b: _Work) -> bool:
         same = a.shape == b.shape and (a.axes == b.axes or not a.is_row or not b.is_row)
-        if not same or len(a.nodes) + len(b.nodes) > cap or not _contractions_fit(a, b):
+        if not same or len(a.nodes) + len(b.nodes) > self.cap or not _contractions_fit(a, b):
             return False
-        return not deps.reaches(a, b) and not deps.reaches(b, a)
+        return not self.deps.reaches(a, b) and not self.deps.reaches(b, a)
 
-    def merge(a: _Work, b: _Work) -> _Work:
+    def merge(self, a: _Work, b: _Work) -> _Work:
         a.nodes.extend(b.nodes)
         a.roles.update(b.roles)
         a.axes = a.axes or b.axes  # a pointwise group merged with a row group becomes its prologue
-        deps.merge(a, b)
-        groups.remove(b)
+        self.deps.merge(a, b)
+        self.groups.remove(b)
         return a
 
-    def src_groups(n: Expr) -> list[_Work]:
+    def src_groups(self, n: Expr) -> list[_Work]:
         out: list[_Work] = []
-        for s in fl.reads[id(n)]:
-            g = deps.home.get(id(s))
+        for s in self.fl.reads[id(n)]:
+            g = self.deps.home.get(id(s))
             if g is not None and all(g is not o for o in out):
                 out.append(g)
         return out
 
-    def add_elementwise(n: Expr) -> None:
-        shape = graph.of(n).shape
+    def add_elementwise(self, n: Expr) -> None:
+        shape = self.graph.of(n).shape
         target: _Work | None = None
         absorbed: list[_Work] = []
-        srcs = src_groups(n)
+        srcs = self.src_groups(n)
 
         def upstream(h: _Work) -> int:  # how many other candidates ``h`` reads from: join downstream first
-            return -sum(deps.reaches(h, o) for o in srcs if o is not h)
+            return -sum(self.deps.reaches(h, o) for o in srcs if o is not h)
 
         for g in sorted(srcs, key=lambda h: (not h.is_row, upstream(h))):  # row groups first
-            if closed(g, n):
+            if self.closed(g, n):
                 continue
             per_row = _per_row_role(target, g, shape) if target is not None else None
-            if per_row is not None and can_join_rows(target, g):  # type: ignore[arg-type]
+            if per_row is not None and self.can_join_rows(target, g):  # type: ignore[arg-type]
                 for m in g.nodes:  # a pointwise group over the rows: one value per row here
                     g.roles[id(m)] = per_row
-                target = merge(target, g)  # type: ignore[arg-type]
+                target = self.merge(target, g)  # type: ignore[arg-type]
                 continue
-            role = role_in(g, n) if target is None else role_in(target, n, also=g)
-            if role is not None and (target is None or can_merge(target, g)):
-                target = g if target is None else merge(target, g)
+            role = self.role_in(g, n) if target is None else self.role_in(target, n, also=g)
+            if role is not None and (target is None or self.can_merge(target, g)):
+                target = g if target is None else self.merge(target, g)
             elif (
                 not g.is_row
                 and g.contraction is None
                 and g.shape != shape
                 and _broadcasts(g.shape, shape)
-                and private_to(g, n)
+                and self.private_to(g, n)
             ):
                 absorbed.append(g)
         if target is not None:
@@ -468,54 +471,59 @@ def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]
             absorbed = [
                 g
                 for g in absorbed
-                if not deps.reaches(g, target) and (target.contraction is None or not _re_indexes(g))
+                if not self.deps.reaches(g, target) and (target.contraction is None or not _re_indexes(g))
             ]
-            others = {id(h): h for s in fl.reads[id(n)] if (h := deps.home.get(id(s))) is not None and h is not target}
-            if any(deps.reaches(h, target) for h in others.values() if h not in absorbed):
+            homes = (self.deps.home.get(id(s)) for s in self.fl.reads[id(n)])
+            others = {id(h): h for h in homes if h is not None and h is not target}
+            if any(self.deps.reaches(h, target) for h in others.values() if h not in absorbed):
                 target = None
         if target is None:
-            target = new(n, shape, (), Role.FULL)
+            target = self.new(n, shape, (), Role.FULL)
         else:
-            role = role_in(target, n)
+            role = self.role_in(target, n)
             assert role is not None
-            put(target, n, role)
+            self.put(target, n, role)
         for g in absorbed:
-            if g not in groups:
+            if g not in self.groups:
                 continue
             for m in g.nodes:  # recomputed where ``n`` is: per row when ``n`` is a per-row value
                 g.roles[id(m)] = target.role(n)
-            merge(target, g)
+            self.merge(target, g)
 
-    def add_reduction(n: Expr) -> None:
+    def add_reduction(self, n: Expr) -> None:
         (u,) = n.srcs
-        in_shape = graph.of(u).shape
+        in_shape = self.graph.of(u).shape
         axes = n.attr("axis")
         role = Role.KEEP if n.attr("keepdim") else Role.DROP
-        g = deps.home.get(id(u))
-        if g is not None and not closed(g, n):
+        g = self.deps.home.get(id(u))
+        if g is not None and not self.closed(g, n):
             if g.is_row and g.role(u) is Role.KEEP and axes == g.axes and in_shape == g.keep_shape():
-                put(g, n, role)  # reducing a per-row value over its size-1 dims only reshapes it
+                self.put(g, n, role)  # reducing a per-row value over its size-1 dims only reshapes it
                 return
             if g.shape == in_shape and g.role(u) is Role.FULL and g.contraction is None:
                 if not g.is_row:
                     g.axes = axes
                 if g.axes == axes:
-                    put(g, n, role)
+                    self.put(g, n, role)
                     return
-        new(n, in_shape, axes, role)
+        self.new(n, in_shape, axes, role)
 
+
+def partition(graph: Graph, fl: Flow, config: FusionConfig, solo: frozenset[int]) -> tuple[Group, ...]:
+    """Groups built in topological order; nodes in ``solo`` get a kernel of their own."""
+    parts = _Partitioner(graph, fl, config, solo)
     for n in graph.nodes:
         if is_leaf(n, graph.info) or id(n) in fl.free:
             continue
         kind = REGISTRY[n.op].kind
         if kind is OpKind.REDUCTION:
-            add_reduction(n)
+            parts.add_reduction(n)
         elif kind is OpKind.CONTRACTION:  # its operands are read from memory (written by other kernels)
-            new(n, graph.of(n).shape, (), Role.FULL)
+            parts.new(n, graph.of(n).shape, (), Role.FULL)
         else:
-            add_elementwise(n)
+            parts.add_elementwise(n)
     order = _order(graph)
-    return tuple(g.freeze(order) for g in groups)
+    return tuple(g.freeze(order) for g in parts.groups)
 
 
 def _re_indexes(g: _Work) -> bool:
@@ -883,13 +891,10 @@ def absorb_prologues(
         home = work[homes[id(s)]]
         tiled = _tiled_cone(s, graph)
         if tiled is not None:  # a product no kernel writes: every reader computes it in its K loop
-            before = [(w.nodes[:], dict(w.roles), w.notes[:]) for w in work]
-            found = _recompute_in_prologues(s, tiled, readers[id(s)], work, graph, consumers, requested)
-            if not _leaks(tiled, readers[id(s)], work, requested, consumers):
+            found = _recompute_unless_read_elsewhere(s, tiled, readers[id(s)], work, graph, consumers, requested)
+            if found is not None:
                 emptied += found
                 continue
-            for w, (nodes, roles, notes) in zip(work, before):  # written after all: as it was
-                w.nodes, w.roles, w.notes = nodes, roles, notes
         cone = _elementwise_cone(s, home, homes, work, graph, solo)
         gemm_readers = readers[id(s)]
         chain, bounds = cone if cone is not None else ([], [])
@@ -968,6 +973,26 @@ def _tiled_cone(s: Expr, graph: Graph, needs_product: bool = True) -> list[Expr]
         out.append(n)
         stack.extend(read_srcs(n))
     return out if found or not needs_product else None
+
+
+def _recompute_unless_read_elsewhere(
+    s: Expr,
+    chain: list[Expr],
+    gemm_readers: list[tuple[_Work, Role]],
+    work: list[_Work],
+    graph: Graph,
+    consumers: dict[int, list[Expr]],
+    requested: set[int],
+) -> list[_Work] | None:
+    """:func:`_recompute_in_prologues`, undone (None) when a value of ``chain`` would still be read
+    by a kernel other than the GEMMs (:func:`_leaks`): the product is then written as usual."""
+    before = [(w.nodes[:], dict(w.roles), w.notes[:]) for w in work]
+    found = _recompute_in_prologues(s, chain, gemm_readers, work, graph, consumers, requested)
+    if not _leaks(chain, gemm_readers, work, requested, consumers):
+        return found
+    for w, (nodes, roles, notes) in zip(work, before):
+        w.nodes, w.roles, w.notes = nodes, roles, notes
+    return None
 
 
 def _recompute_in_prologues(
@@ -1229,7 +1254,7 @@ def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
         inputs: list[Expr] = []
         for m in (*g.cone, *g.nodes):
             for s in fl.reads[id(m)]:
-                tensor = not graph.of(s).is_scalar and (s.op == "var" or not is_leaf(s, graph.info))
+                tensor = not graph.of(s).is_scalar and (s.is_var or not is_leaf(s, graph.info))
                 if tensor and id(s) not in members[i] and id(s) not in seen:
                     seen.add(id(s))
                     inputs.append(s)

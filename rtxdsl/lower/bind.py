@@ -83,10 +83,6 @@ class Shaped:
         return len(self.shape)
 
 
-def describe(n: Expr) -> str:
-    return f"input {n.attr('name')!r}" if n.op == "var" else f"op {n.op!r}"
-
-
 def broadcast_shapes(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     """torch's broadcasting rule (torch.broadcast_shapes imports sympy on first use: a second)."""
     ndim = max((len(s) for s in shapes), default=0)
@@ -146,7 +142,7 @@ _TYPED: LRU[tuple, Info] = LRU(16384)
 
 def infer(n: Expr, srcs: list[Info]) -> Info:
     """Type one node from its operands' infos."""
-    if n.op == "const":
+    if n.is_const:
         return Info(n.attr("value"))
     parts = []
     tensor = False

@@ -54,11 +54,7 @@ class Graph:
 def is_leaf(n: Expr, info: Mapping[int, Info]) -> bool:
     """Loaded or passed, never computed by a fusion group: vars, constants, scalar-valued nodes
     (math on scalar inputs is recomputed by each kernel that reads it)."""
-    return n.op in ("var", "const") or info[id(n)].is_scalar
-
-
-def is_tensor(n: Expr, info: Mapping[int, Info]) -> bool:
-    return not info[id(n)].is_scalar
+    return (n.is_var or n.is_const) or info[id(n)].is_scalar
 
 
 def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tuple[Info, ...]) -> Graph:
@@ -86,7 +82,7 @@ def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tup
         if info[id(p)].symbolic:
             raise RtxError(f"output {k!r} depends only on scalar inputs: compute it in python")
     for i, (k, p) in enumerate(prim):
-        if p.op == "var":  # outputs that are leaves still need a kernel producing a fresh tensor
+        if p.is_var:  # outputs that are leaves still need a kernel producing a fresh tensor
             c = node("cast", p, dtype=info[id(p)].dtype)
             infer_all([c], info, keep)
             prim[i] = (k, c)
@@ -220,7 +216,7 @@ def _fold_scalars(
     memo: dict[int, Expr] = {}
     for n in walk([root]):
         i = info[id(n)]
-        if i.is_scalar and not i.symbolic and n.op != "const":
+        if i.is_scalar and not i.symbolic and not n.is_const:
             new = Expr("const", (), {"value": i.value})
         else:
             srcs = tuple(memo[id(s)] for s in n.srcs)

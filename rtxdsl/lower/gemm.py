@@ -30,13 +30,15 @@ from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
 from .schedule import (
     INT32_LIMIT,
+    Body,
     Launch,
     Layout,
-    _scalar_args,
     body,
     contiguous_strides,
     expand_strides,
     gemm_block,
+    scalar_args,
+    scalar_positions,
     stride_class,
     viewed,
 )
@@ -128,10 +130,55 @@ def gemm_spec(
             precision="tf32" if tf32 and a.dtype == torch.float32 else "ieee",
         ),
     )
-    ints = [m, n, k, *batch]
-    for lay, st, cls, j in ((a, sa, spec.gemm.a_classes, a_in), (b, sb, spec.gemm.b_classes, b_in)):
-        if j >= 0:  # a prologue's strides are its loads'
+    ints = [m, n, k, *batch, *_operand_ints(spec, (a, b), (sa, sb), batch)]
+    ints += _tile_ints(group, graph, bd, strides, at_tiles, inner)
+    kinds, vals = scalar_args(bd.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
+    spec = replace(spec, scalars=tuple(kinds))
+    scalar_inputs = scalar_positions(bd.slots, kinds, graph, len(ints))
+    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    batches = 1 if sum_batch else math.prod(batch)
+    if batches > MAX_BATCH_GRID:
+        raise RtxError(f"matmul: {batches} batches exceed the grid's limit of {MAX_BATCH_GRID}; fold the batch dims")
+    meta = tuple((name, getattr(tile, attr)) for name, attr in TILE_META)
+    empty = math.prod(domain) == 0
+    return spec, Launch(tuple(ints), tuple(vals), (max(1, tiles), max(1, batches)), meta, empty, scalar_inputs)
+
+
+#: a GEMM launch's meta-parameters: (name, GemmTile field)
+TILE_META = (
+    ("BLOCK_M", "block_m"),
+    ("BLOCK_N", "block_n"),
+    ("BLOCK_K", "block_k"),
+    ("GROUP_M", "group_m"),
+    ("num_warps", "num_warps"),
+    ("num_stages", "num_stages"),
+)
+
+
+def _operand_ints(
+    spec: KernelSpec, layouts: tuple[Layout, Layout], strides: tuple[tuple[int, int], tuple[int, int]], batch: tuple
+) -> list[int]:
+    """The strides of the operands read from memory (a prologue's strides are its loads')."""
+    g = spec.gemm
+    assert g is not None
+    ints: list[int] = []
+    for lay, st, cls, j in zip(layouts, strides, (g.a_classes, g.b_classes), (g.a, g.b)):
+        if j >= 0:
             ints += [*_batch_strides(lay, batch), *(v for v, c in zip(st, cls) if c == STRIDED)]
+    return ints
+
+
+def _tile_ints(
+    group: Group,
+    graph: Graph,
+    bd: Body,
+    strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]],
+    at_tiles: list[int],
+    inner: list[int],
+) -> list[int]:
+    """The launch's other integer arguments: loads at tiles (their strides), the outputs' row
+    strides, and each recomputed product's contracted size and operand strides."""
+    ints: list[int] = []
     for i in at_tiles:
         over_batch, tile_strides = strides[i]
         ints += [*over_batch, *(v for v in tile_strides if stride_class(v) == STRIDED)]
@@ -144,26 +191,7 @@ def gemm_spec(
             for _, i in bd.nodes[bd.index[id(p)]].srcs:
                 over_batch, (r, cl) = strides[i]
                 ints += [*over_batch, *(v for v, c in zip((r, cl), (_unit(r, cl), _unit(cl, r))) if c == STRIDED)]
-    kinds, vals = _scalar_args(bd.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
-    spec = replace(spec, scalars=tuple(kinds))
-    position = {id(v): i for i, v in enumerate(graph.inputs)}
-    scalar_inputs = tuple(
-        (len(ints) + i, position[id(s)], kind) for i, (s, kind) in enumerate(zip(bd.slots, kinds)) if s.op == "var"
-    )
-    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
-    batches = 1 if sum_batch else math.prod(batch)
-    if batches > MAX_BATCH_GRID:
-        raise RtxError(f"matmul: {batches} batches exceed the grid's limit of {MAX_BATCH_GRID}; fold the batch dims")
-    meta = (
-        ("BLOCK_M", tile.block_m),
-        ("BLOCK_N", tile.block_n),
-        ("BLOCK_K", tile.block_k),
-        ("GROUP_M", tile.group_m),
-        ("num_warps", tile.num_warps),
-        ("num_stages", tile.num_stages),
-    )
-    empty = math.prod(domain) == 0
-    return spec, Launch(tuple(ints), tuple(vals), (max(1, tiles), max(1, batches)), meta, empty, scalar_inputs)
+    return ints
 
 
 def _out_spec(node: int, dtype: torch.dtype, role: Role) -> OutSpec:

@@ -23,25 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from ..expr import Expr, node
-from ..ops import REGISTRY, OpKind
+from ..ops import REGISTRY, AxisRule, OpKind
 from .analyze import positions_only, read_srcs
 from .expand import Graph
 from .shard import axes_of, axis_labels
 
-#: movement ops a piece computes alone, and how: "axis" (it re-indexes its ``axis`` attribute,
-#: which must not be the split one), "offset" (positions: shifted by the piece's start along the
-#: split axis), "resize" (``expand``: to the piece's size), "view" (only size-1 dims inserted)
-PIECEWISE = {
-    "unsqueeze": "view",
-    "slice": "axis",
-    "unslice": "axis",
-    "flip": "axis",
-    "cat": "axis",
-    "select": "axis",
-    "gather": "axis",
-    "arange_like": "offset",
-    "expand": "resize",
-}
+#: movement ops a piece computes alone (``OpDef.axes``): views; ops re-indexing their ``axis``
+#: attribute, which must not be the split one; positions (shifted by the piece's start along the
+#: split axis); ``expand`` (to the piece's size). Random numbers and opaque re-indexing are not.
+PIECEWISE = (AxisRule.VIEW, AxisRule.ALONG_AXIS, AxisRule.GATHER, AxisRule.POSITIONS, AxisRule.SIZES)
 
 
 @dataclass(frozen=True)
@@ -81,11 +71,11 @@ class Pieces:
         built: dict[int, Expr] = {}
         for n in self.graph.nodes:  # operands first
             attrs = n.attr_dict
-            how, d = PIECEWISE.get(n.op), self.held.get(id(n))
-            if how == "resize" and d is not None:
+            how, d = REGISTRY[n.op].axes, self.held.get(id(n))
+            if how is AxisRule.SIZES and d is not None:
                 attrs["shape"] = tuple(size if k == d else s for k, s in enumerate(attrs["shape"]))
             got = Expr(n.op, tuple(built[id(s)] for s in n.srcs), attrs)
-            built[id(n)] = node("add", got, offset) if how == "offset" and d is not None else got
+            built[id(n)] = node("add", got, offset) if how is AxisRule.POSITIONS and d is not None else got
         roots = dict(self.graph.outputs)
         return {s.name: built[id(c)] for s, c in zip(self.stacks, self.cuts)} | {
             name: built[id(roots[name])] for name, _ in self.local
@@ -188,10 +178,9 @@ def _piecewise(n: Expr, held: dict[int, int], graph: Graph) -> str:
     """Why ``n``, holding the axis, is not computed by a piece alone ("": it is)."""
     op = REGISTRY[n.op]
     if op.kind is OpKind.MOVEMENT:
-        how = PIECEWISE.get(n.op)
-        if how is None:
+        if op.axes not in PIECEWISE:
             return f"{n.op} along the axis"
-        if how == "axis" and any(
+        if op.axes in (AxisRule.ALONG_AXIS, AxisRule.GATHER) and any(
             id(s) in held and held[id(s)] in axes_of(n, len(graph.of(s).shape)) for s in read_srcs(n)[:1]
         ):
             return f"{n.op} re-indexes the axis"

@@ -252,7 +252,7 @@ def body(group: Group, graph: Graph) -> Body:
         if id(s) in index:
             return ("n", index[id(s)])
         info = graph.of(s)
-        if info.is_scalar and s.op not in ("const", "var"):
+        if info.is_scalar and not (s.is_var or s.is_const):
             srcs = tuple(ref(x, Role.FULL, None) for x in s.srcs)
             return add(s, srcs, "scalar")
         if info.is_scalar:
@@ -362,7 +362,7 @@ def encode_scalar(v: Any, kind: str) -> Any:
     return float(v)
 
 
-def _scalar_args(slots: tuple[Expr, ...], graph: Graph, kernel_float: torch.dtype) -> tuple[list[str], list[Any]]:
+def scalar_args(slots: tuple[Expr, ...], graph: Graph, kernel_float: torch.dtype) -> tuple[list[str], list[Any]]:
     """Constant values (and scalar inputs' placeholders) as kernel arguments."""
     kinds = [scalar_kind(graph.of(s).value, kernel_float) for s in slots]
     return kinds, [encode_scalar(graph.of(s).value, k) for s, k in zip(slots, kinds)]
@@ -382,18 +382,8 @@ def kernel_spec(
     tile = None if group.is_row or tile_shape is None else _tile_axis(group, b, strides)
     if tile is not None:  # a 2-D tile: the row kernel's code with a kept axis of rows, no reductions
         group = replace(group, axes=(tile,))
-    domain = group.shape
-    row_dims = [d for d in range(len(domain)) if d not in group.axes]
-    col_dims = list(group.axes)
-    row_sizes, row_strides = coalesce([domain[d] for d in row_dims], [tuple(s[d] for d in row_dims) for s in strides])
-    if group.is_row:
-        col_sizes, col_strides = coalesce(
-            [domain[d] for d in col_dims], [tuple(s[d] for d in col_dims) for s in strides]
-        )
-        n_rows, n_cols = math.prod(group.drop_shape()), math.prod(domain[d] for d in col_dims)
-    else:
-        col_sizes, col_strides = [], [[] for _ in strides]
-        n_rows, n_cols = math.prod(domain), 1
+    row_sizes, row_strides, col_sizes, col_strides = _coalesced(group, strides)
+    n_rows, n_cols = math.prod(row_sizes), math.prod(col_sizes)
     numel = n_rows * n_cols
     big = _int64_needed(numel, [row_sizes, col_sizes], [row_strides, col_strides])
 
@@ -412,10 +402,13 @@ def kernel_spec(
 
     if tile is not None and tile_shape is not None:
         cfg = Config(tile_shape[1], tile_shape[0], True, 4)
-    elif group.is_row:
-        cfg = row_config(n_rows, n_cols, target, _is_column(group, layouts, b, classes))
-    else:
-        cfg = Config(0, 1, False, 0)  # the block is a launch parameter: no size ever enters the signature
+    else:  # pointwise: the block is a launch parameter, no size ever enters the signature
+        row = group.is_row
+        cfg = (
+            row_config(n_rows, n_cols, target, _is_column(group, layouts, b, classes))
+            if row
+            else Config(0, 1, False, 0)
+        )
     spec = KernelSpec(
         kind="row" if group.is_row else "pointwise",
         in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
@@ -430,7 +423,7 @@ def kernel_spec(
         big=big,
         num_warps=cfg.num_warps,
     )
-    n_split, chunk = 1, n_cols
+    n_split, chunk, programs = 1, n_cols, 0
     if tile is not None:  # every program one tile: its rows, one block of columns
         programs = -(-n_rows // cfg.rows_per_program)
         n_split, chunk = max(1, -(-n_cols // cfg.block)), cfg.block
@@ -438,33 +431,38 @@ def kernel_spec(
     elif group.is_row:
         spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
 
-    ints: list[int] = []
     if group.is_row:
-        ints += [n_rows, n_cols] + (row_sizes if len(row_sizes) > 1 else []) + (col_sizes if len(col_sizes) > 1 else [])
+        ints = [n_rows, n_cols] + (row_sizes if len(row_sizes) > 1 else []) + (col_sizes if len(col_sizes) > 1 else [])
         ints += [n_split, chunk] if n_split > 1 or spec.split else []
     else:
-        ints += [numel] + (row_sizes if len(row_sizes) > 1 else [])
+        ints = [numel] + (row_sizes if len(row_sizes) > 1 else [])
     for r, c in zip(row_strides, col_strides):
         ints += [s for s in r if stride_class(s) == STRIDED] + [s for s in c if stride_class(s) == STRIDED]
 
-    kinds, vals = _scalar_args(b.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
+    kinds, vals = scalar_args(b.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = replace(spec, scalars=tuple(kinds))
-    position = {id(v): i for i, v in enumerate(graph.inputs)}
-    scalar_inputs = tuple(
-        (len(ints) + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(b.slots, kinds)) if s.op == "var"
-    )
-    if group.is_row:
-        grid = (max(1, programs * n_split),)
-        meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
-    else:
-        pcfg = pointwise_config(numel, target)
-        grid = (max(1, -(-numel // pcfg.block)),)
-        meta = (("BLOCK_SIZE", pcfg.block), ("num_warps", pcfg.num_warps))
+    scalar_inputs = scalar_positions(b.slots, kinds, graph, len(ints))
+    grid, meta = grid_and_meta(cfg if group.is_row else None, programs * n_split if group.is_row else 0, numel, target)
     # nothing to launch only when nothing is written: reducing an empty extent still writes
     # torch's identity values (0 for sum, nan for mean and var, -inf for logsumexp)
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
     split = n_split if spec.split != "tile" else 1
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, split=split, rows=n_rows)
+
+
+def _coalesced(
+    group: Group, strides: list[tuple[int, ...]]
+) -> tuple[list[int], list[list[int]], list[int], list[list[int]]]:
+    """The group's domain as rows by columns (its reduced axes), each side's dims coalesced where
+    every operand's strides allow: (row sizes, row strides per operand, column sizes, column strides)."""
+    domain = group.shape
+    row_dims = [d for d in range(len(domain)) if d not in group.axes]
+    col_dims = list(group.axes)
+    row_sizes, row_strides = coalesce([domain[d] for d in row_dims], [tuple(s[d] for d in row_dims) for s in strides])
+    if not group.is_row:
+        return row_sizes, row_strides, [], [[] for _ in strides]
+    col_sizes, col_strides = coalesce([domain[d] for d in col_dims], [tuple(s[d] for d in col_dims) for s in strides])
+    return row_sizes, row_strides, col_sizes, col_strides
 
 
 def _tile_axis(group: Group, b: Body, strides: list[tuple[int, ...]]) -> int | None:
@@ -517,20 +515,9 @@ def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Lau
 
 
 # ---- coordinate kernels: movement ops inside ----------------------------------------------------
-def coordinate_spec(
-    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU, tf32: bool = False
-) -> tuple[KernelSpec, Launch]:
-    """A kernel whose values are read at re-indexed coordinates (slices, ``cat``, ``gather``).
-
-    Nothing is coalesced: every domain dim has its own index, every input its own strides over
-    its own dims, and each movement op maps coordinates to its operands' coordinates with its
-    launch arguments (offsets, sizes). Free nodes (cones of movement ops) are in the body with
-    role "free": evaluated only where a movement op asks for them.
-
-    A row kernel that computes a contraction's product (``Group.product_rows``) reads its operands
-    at the tile's rows and a ``BLOCK_K`` slice of the contracted axis: its tile is the GEMM's
-    (``ROWS`` = ``BLOCK_M`` rows by ``BLOCK_SIZE`` = ``BLOCK_N`` columns, looped over the row).
-    """
+def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[Expr], list[NodeSpec], list[int]]:
+    """A coordinate kernel's node specs (its cone's free nodes too), in graph order: node id ->
+    spec index, the scalar slots, the specs, and the movement ops' launch arguments."""
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     members = {id(m) for m in group.nodes}
     inputs = {id(n): i for i, n in enumerate(group.inputs)}
@@ -539,13 +526,10 @@ def coordinate_spec(
     specs: list[NodeSpec] = []
     nargs: list[int] = []
 
-    def ones(n: Expr) -> tuple[bool, ...]:
-        return tuple(d == 1 for d in graph.of(n).shape)
-
     def ref(s: Expr) -> tuple:
         if id(s) in index:
             return ("n", index[id(s)])
-        if graph.of(s).is_scalar and s.op not in ("const", "var"):
+        if graph.of(s).is_scalar and not (s.is_var or s.is_const):
             return add(s, "scalar")
         if graph.of(s).is_scalar:
             if not any(o is s for o in slots):
@@ -560,7 +544,8 @@ def coordinate_spec(
         if op.launch_args is not None:
             args = op.launch_args([graph.of(x).shape for x in n.srcs], graph.of(n).shape, **n.attr_dict)
         attrs = tuple((k, v) for k, v in n.attrs if k not in op.launch_attrs)
-        specs.append(NodeSpec(n.op, attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role, ones(n), len(args)))
+        ones = tuple(d == 1 for d in graph.of(n).shape)
+        specs.append(NodeSpec(n.op, attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role, ones, len(args)))
         nargs.extend(args)
         index[id(n)] = len(specs) - 1
         return ("n", index[id(n)])
@@ -569,7 +554,15 @@ def coordinate_spec(
         # a cone node another kernel writes is read, not recomputed where the kernel also reads it
         if id(n) not in index and (id(n) in members or id(n) not in inputs):
             add(n, group.role(n).value if id(n) in members else "free")
+    return index, slots, specs, nargs
 
+
+def _coordinate_operands(
+    group: Group, graph: Graph, layouts: Mapping[int, Layout], index: dict[int, int]
+) -> tuple[list[LoadSpec], list[OutSpec], list[int], int]:
+    """A coordinate kernel's loads and outputs, each with its own strides over its own dims (a
+    size-1 dim broadcast), their strided strides as launch arguments, and the farthest element
+    any of them reaches (64-bit offsets past int32)."""
     domain = group.shape
     reduced = tuple(d in group.axes for d in range(len(domain)))
     loads = []
@@ -579,8 +572,7 @@ def coordinate_spec(
         lay = layouts[id(n)]
         classes = tuple(BCAST if size == 1 else stride_class(st) for size, st in zip(lay.shape, lay.strides))
         loads.append(LoadSpec(j, "full", classes, ()))
-        ints_j = [st for c, st in zip(classes, lay.strides) if c == STRIDED]
-        ints.extend(ints_j)
+        ints.extend(st for c, st in zip(classes, lay.strides) if c == STRIDED)
         reach = max(reach, sum(abs(st) * (size - 1) for size, st in zip(lay.shape, lay.strides)))
     outs = []
     for o in group.outputs:
@@ -591,6 +583,27 @@ def coordinate_spec(
         classes = tuple(stride_class(st) for st in over) if group.is_row else ()
         outs.append(OutSpec(index[id(o)], layouts[id(o)].dtype, role.value, classes, ()))
         ints.extend(st for c, st in zip(classes, over) if c == STRIDED)
+    return loads, outs, ints, reach
+
+
+def coordinate_spec(
+    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU, tf32: bool = False
+) -> tuple[KernelSpec, Launch]:
+    """A kernel whose values are read at re-indexed coordinates (slices, ``cat``, ``gather``).
+
+    Nothing is coalesced: every domain dim has its own index, every input its own strides over
+    its own dims, and each movement op maps coordinates to its operands' coordinates with its
+    launch arguments (offsets, sizes). Free nodes (cones of movement ops) are in the body with
+    role "free": evaluated only where a movement op asks for them.
+
+    A row kernel that computes a contraction's product (``Group.product_rows``) reads its operands
+    at the tile's rows and a ``BLOCK_K`` slice of the contracted axis: its tile is the GEMM's
+    (``ROWS`` = ``BLOCK_M`` rows by ``BLOCK_SIZE`` = ``BLOCK_N`` columns, looped over the row).
+    """
+    index, slots, specs, nargs = _coordinate_body(group, graph)
+    domain = group.shape
+    reduced = tuple(d in group.axes for d in range(len(domain)))
+    loads, outs, ints, reach = _coordinate_operands(group, graph, layouts, index)
     ints.extend(nargs)
 
     rows = [domain[d] for d in range(len(domain)) if not reduced[d]]
@@ -609,7 +622,7 @@ def coordinate_spec(
         cfg = Config(bn, bm, True, warps)
     else:
         cfg = row_config(n_rows, n_cols, target) if group.is_row else Config(0, 1, False, 0)
-    kinds, vals = _scalar_args(tuple(slots), graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
+    kinds, vals = scalar_args(tuple(slots), graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = KernelSpec(
         kind="row" if group.is_row else "pointwise",
         in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
@@ -635,25 +648,40 @@ def coordinate_spec(
         else:  # a product's row is reduced by one program (its tiles are not split across programs)
             programs = -(-n_rows // cfg.rows_per_program)
         head += [n_split, chunk] if n_split > 1 else []
-        grid = (max(1, programs * n_split),)
-        meta = (("BLOCK_SIZE", cfg.block), ("ROWS", cfg.rows_per_program), ("num_warps", cfg.num_warps))
+        grid, meta = grid_and_meta(cfg, programs * n_split, 0, target)
         if tile is not None:
             meta += (("BLOCK_K", tile.block_k), ("num_stages", tile.num_stages))
     else:
         numel = math.prod(domain)
         head = [numel] + (list(domain) if len(domain) > 1 else [])
-        pcfg = pointwise_config(numel, target)
-        grid = (max(1, -(-numel // pcfg.block)),)
-        meta = (("BLOCK_SIZE", pcfg.block), ("num_warps", pcfg.num_warps))
+        grid, meta = grid_and_meta(None, 0, numel, target)
     ints = head + ints
-    position = {id(v): i for i, v in enumerate(graph.inputs)}
-    scalar_inputs = tuple(
-        (len(ints) + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(slots, kinds)) if s.op == "var"
-    )
+    scalar_inputs = scalar_positions(tuple(slots), kinds, graph, len(ints))
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
     by_index = {i: n for n in (*group.cone, *group.nodes) if (i := index.get(id(n))) is not None}
     checks = tuple(_check_message(by_index[i], graph) for i in spec.flags)
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, checks, n_split, n_rows)
+
+
+def grid_and_meta(
+    rows: Config | None, programs: int, numel: int, target: Target
+) -> tuple[tuple[int, ...], tuple[tuple[str, int], ...]]:
+    """A row kernel's grid (``programs``, at least one) and meta-parameters from its ``rows``
+    config; a pointwise kernel's (``rows`` None) from the block ``numel`` elements get on ``target``."""
+    if rows is not None:
+        meta = (("BLOCK_SIZE", rows.block), ("ROWS", rows.rows_per_program), ("num_warps", rows.num_warps))
+        return (max(1, programs),), meta
+    cfg = pointwise_config(numel, target)
+    return (max(1, -(-numel // cfg.block)),), (("BLOCK_SIZE", cfg.block), ("num_warps", cfg.num_warps))
+
+
+def scalar_positions(
+    slots: tuple[Expr, ...], kinds: list[str] | tuple[str, ...], graph: Graph, first: int
+) -> tuple[tuple[int, int, str], ...]:
+    """Where a launch's scalar inputs go: (argument position from ``first`` on, the input's
+    position in the call, its kind), for the slots that are inputs (not constants)."""
+    position = {id(v): i for i, v in enumerate(graph.inputs)}
+    return tuple((first + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(slots, kinds)) if s.is_var)
 
 
 def _reductions(nodes: list[NodeSpec] | tuple[NodeSpec, ...]) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..expr import Expr
-from ..ops import REGISTRY, OpKind
+from ..ops import REGISTRY, AxisRule, DtypeRule, OpKind
 from .expand import Graph
 
 
@@ -94,8 +94,9 @@ def _broadcast(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Di
 def _reduce(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims, tuple[int, ...]]]) -> Dims:
     dims, sshape = srcs[0]
     axes = axes_of(n, len(sshape))
+    partial = REGISTRY[n.op].reduce
     for a in axes:
-        if n.op == "sum":
+        if partial is not None and partial.partial == "sum":
             lb.summed.append((dims[a], n))
         else:
             lb.mark(dims[a], f"reduced by {n.op}")
@@ -176,29 +177,18 @@ def _unsqueeze(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Di
 
 
 def _positions(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims, tuple[int, ...]]]) -> Dims:
-    """arange_like, rand_like, expand: values (or sizes) tied to the full extent of every axis."""
-    why = f"tied to positions or sizes by {n.op}"
-    if n.op == "expand":
-        for d in srcs[0][0]:
-            lb.mark(d, why)
-    return tuple(lb.fresh(size, why) for size in shape)
+    """arange_like, rand_like: values tied to the full extent of every axis."""
+    return tuple(lb.fresh(size, f"tied to positions or sizes by {n.op}") for size in shape)
+
+
+def _sizes(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims, tuple[int, ...]]]) -> Dims:
+    """expand: sizes baked in, so every axis of the operand and the result stays whole."""
+    for d in srcs[0][0]:
+        lb.mark(d, f"tied to positions or sizes by {n.op}")
+    return _positions(lb, n, shape, srcs)
 
 
 Rule = Callable[[_Labels, Expr, tuple[int, ...], list[tuple[Dims, tuple[int, ...]]]], Dims]
-
-#: movement ops by name; any other movement op (a plugin) keeps every axis whole
-MOVEMENT: dict[str, Rule] = {
-    "unsqueeze": _unsqueeze,
-    "slice": _along_axis,
-    "unslice": _along_axis,
-    "flip": _along_axis,
-    "cat": _along_axis,
-    "select": _along_axis,
-    "gather": _gather,
-    "arange_like": _positions,
-    "rand_like": _positions,
-    "expand": _positions,
-}
 
 
 def _opaque(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims, tuple[int, ...]]]) -> Dims:
@@ -206,6 +196,18 @@ def _opaque(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims,
         for d in dims:
             lb.mark(d, f"re-indexed by {n.op}")
     return tuple(lb.fresh(size, f"re-indexed by {n.op}") for size in shape)
+
+
+#: how each kind of movement op labels its axes (``OpDef.axes``)
+MOVEMENT: dict[AxisRule, Rule] = {
+    AxisRule.OPAQUE: _opaque,
+    AxisRule.VIEW: _unsqueeze,
+    AxisRule.ALONG_AXIS: _along_axis,
+    AxisRule.GATHER: _gather,
+    AxisRule.POSITIONS: _positions,
+    AxisRule.RANDOM: _positions,
+    AxisRule.SIZES: _sizes,
+}
 
 
 def axis_labels(graph: Graph, follow_positions: bool = False) -> tuple[_Labels, dict[int, Dims]]:
@@ -233,9 +235,9 @@ def axis_labels(graph: Graph, follow_positions: bool = False) -> tuple[_Labels, 
         elif kind is OpKind.REDUCTION:
             dims[id(n)] = _reduce(lb, n, info.shape, srcs)
         elif kind is OpKind.MOVEMENT:
-            rule = MOVEMENT.get(n.op, _opaque)
-            if follow_positions and rule is _positions and srcs:
-                rule = _broadcast
+            axes = REGISTRY[n.op].axes
+            following = follow_positions and srcs and axes in (AxisRule.POSITIONS, AxisRule.RANDOM, AxisRule.SIZES)
+            rule = _broadcast if following else MOVEMENT[axes]
             dims[id(n)] = rule(lb, n, info.shape, srcs)
         elif kind is OpKind.CONTRACTION:
             dims[id(n)] = _contract(lb, n, info.shape, srcs)
@@ -280,7 +282,7 @@ def _partial_outputs(graph: Graph, lb: _Labels) -> dict[int, set[int] | None]:
     def output_of(n: Expr) -> int | None:  # the output ``n`` is, through casts only
         while id(n) not in roots:
             used = users.get(id(n), [])
-            if len(used) != 1 or used[0].op != "cast":
+            if len(used) != 1 or REGISTRY[used[0].op].rule is not DtypeRule.CAST:
                 return None
             n = used[0]
         return None if users.get(id(n)) else roots[id(n)]

@@ -57,41 +57,48 @@ def sum_to(c: Expr, have: tuple[int, ...], want: tuple[int, ...]) -> Expr:
     return c
 
 
-def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple[bool, ...]) -> Gradients:
-    """Gradients of ``graph`` (lowered from ``user``) with respect to the inputs flagged in ``needs``."""
-    info: dict[int, Info] = dict(graph.info)
-    keep: list[Expr] = []  # new nodes, alive while their ids key ``info``
-    grads: dict[int, Expr] = {}
-    floats = []
+class _Cotangents:
+    """The gradients accumulated so far (by node id), and the types of the nodes they build."""
 
-    def typed(e: Expr) -> Info:
-        infer_all([e], info, keep)
-        return info[id(e)]
+    def __init__(self, graph: Graph) -> None:
+        self.info: dict[int, Info] = dict(graph.info)
+        self.keep: list[Expr] = []  # new nodes, alive while their ids key ``info``
+        self.grads: dict[int, Expr] = {}
 
-    def accumulate(target: Expr, c: Expr) -> None:
-        grads[id(target)] = c if id(target) not in grads else node("add", grads[id(target)], c)
+    def typed(self, e: Expr) -> Info:
+        infer_all([e], self.info, self.keep)
+        return self.info[id(e)]
 
-    for k, (_, root) in enumerate(graph.outputs):
-        ri = graph.of(root)
-        floats.append(not ri.is_scalar and ri.dtype.is_floating_point)
-        if floats[-1]:
-            g = Expr("var", (), {"name": f"{COTANGENT}{k}", "dtype": None})
-            info[id(g)] = Info.tensor(ri.shape, ri.dtype)
-            keep.append(g)
-            accumulate(root, g)
+    def accumulate(self, target: Expr, c: Expr) -> None:
+        old = self.grads.get(id(target))
+        self.grads[id(target)] = c if old is None else node("add", old, c)
 
-    for n in reversed(graph.nodes):
-        g = grads.get(id(n))
+    def seed(self, graph: Graph) -> list[bool]:
+        """One cotangent input per floating-point output; which outputs are floating-point."""
+        floats = []
+        for k, (_, root) in enumerate(graph.outputs):
+            ri = graph.of(root)
+            floats.append(not ri.is_scalar and ri.dtype.is_floating_point)
+            if floats[-1]:
+                g = Expr("var", (), {"name": f"{COTANGENT}{k}", "dtype": None})
+                self.info[id(g)] = Info.tensor(ri.shape, ri.dtype)
+                self.keep.append(g)
+                self.accumulate(root, g)
+        return floats
+
+    def propagate(self, graph: Graph, n: Expr) -> None:
+        """Apply ``n``'s derivative rule to its cotangent, accumulating into its operands'."""
+        g = self.grads.get(id(n))
         if g is None or is_leaf(n, graph.info):
-            continue
+            return
         opdef = REGISTRY[n.op]
         if opdef.derivative is None:
             raise RtxError(f"op {n.op!r} has no derivative rule")
-        y = n
+        y, info = n, self.info
         if opdef.kind is OpKind.REDUCTION and not n.attr("keepdim"):
             axes = n.attr("axis")
             g, y = node("unsqueeze", g, axes=axes), node("unsqueeze", n, axes=axes)
-        elif opdef.kind is OpKind.MOVEMENT and typed(g).shape != info[id(n)].shape:
+        elif opdef.kind is OpKind.MOVEMENT and self.typed(g).shape != info[id(n)].shape:
             g = node("expand", g, shape=info[id(n)].shape)  # re-indexing needs the cotangent at every element
         elif opdef.kind is OpKind.CONTRACTION:
             # a GEMM's operands share one dtype: the cotangent is the product's, as eager autograd's
@@ -102,7 +109,7 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
             n,
             g,
             y,
-            g_ndim=len(typed(g).shape),
+            g_ndim=len(self.typed(g).shape),
             n_ndim=len(info[id(n)].shape),
             src_shapes=tuple(info[id(s)].shape for s in n.srcs),
         )
@@ -110,8 +117,15 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
             si = info[id(s)]
             if c is None or si.is_scalar or not si.dtype.is_floating_point:
                 continue
-            accumulate(s, sum_to(c, typed(c).shape, si.shape))
+            self.accumulate(s, sum_to(c, self.typed(c).shape, si.shape))
 
+
+def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple[bool, ...]) -> Gradients:
+    """Gradients of ``graph`` (lowered from ``user``) with respect to the inputs flagged in ``needs``."""
+    cot = _Cotangents(graph)
+    floats = cot.seed(graph)
+    for n in reversed(graph.nodes):
+        cot.propagate(graph, n)
     # the forward saves its row statistics and its contractions' products (a GEMM is not
     # recomputed), but for products it only reduces over their rows and never writes: those the
     # backward recomputes in tiles (marked ``recompute``), never a tokens x vocabulary buffer
@@ -123,26 +137,17 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     backward: list[tuple[str, Expr]] = []
     grad_of: list[tuple[str, str]] = []
     for v, need in zip(graph.inputs, needs):
-        if not need or id(v) not in grads:
+        if not need or id(v) not in cot.grads:
             continue
-        e = grads[id(v)]
-        if typed(e).dtype != graph.of(v).dtype:
+        e = cot.grads[id(v)]
+        if cot.typed(e).dtype != graph.of(v).dtype:
             e = node("cast", e, dtype=graph.of(v).dtype)
         key = f"{GRADIENT}{len(backward)}"
         grad_of.append((v.attr("name"), key))
         backward.append((key, _substitute(e, saved, tiled)))
     if not backward:
         raise RtxError("no input that requires grad reaches a floating-point output")
-    used = {id(n) for _, e in backward for n in walk([e])}
-    forward = list(user)
-    saved_keys = []
-    for k, r in enumerate(reductions):
-        if id(saved[id(r)]) in used:
-            dt = graph.of(r).dtype
-            full = REGISTRY[r.op].kind is OpKind.CONTRACTION  # saved in its own dtype, as eager autograd
-            stat = r if full or compute_dtype(dt) == dt else node("cast", r, dtype=compute_dtype(dt))
-            forward.append((f"{SAVED}{k}", stat))
-            saved_keys.append(f"{SAVED}{k}")
+    forward, saved_keys = _saving(graph, user, backward, reductions, saved)
     return Gradients(
         forward=tuple(forward),
         backward=tuple(backward),
@@ -151,6 +156,28 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
         grad_of=tuple(grad_of),
         float_outputs=tuple(floats),
     )
+
+
+def _saving(
+    graph: Graph,
+    user: tuple[tuple[str, Expr], ...],
+    backward: list[tuple[str, Expr]],
+    reductions: list[Expr],
+    saved: dict[int, Expr],
+) -> tuple[list[tuple[str, Expr]], list[str]]:
+    """The forward's outputs: the user's, then each statistic the backward reads (in its compute
+    dtype; a product in its own dtype, as eager autograd saves it)."""
+    used = {id(n) for _, e in backward for n in walk([e])}
+    forward = list(user)
+    saved_keys = []
+    for k, r in enumerate(reductions):
+        if id(saved[id(r)]) in used:
+            dt = graph.of(r).dtype
+            full = REGISTRY[r.op].kind is OpKind.CONTRACTION
+            stat = r if full or compute_dtype(dt) == dt else node("cast", r, dtype=compute_dtype(dt))
+            forward.append((f"{SAVED}{k}", stat))
+            saved_keys.append(f"{SAVED}{k}")
+    return forward, saved_keys
 
 
 def _substitute(e: Expr, repl: dict[int, Expr], recompute: Set[int] = frozenset()) -> Expr:

@@ -127,7 +127,8 @@ class _Fused:
     def _make_kernel(self) -> Kernel:
         raise NotImplementedError
 
-    def _attach(self) -> None:
+    def attach(self) -> None:
+        """Make the module's kernel again from its parameters and options (after a copy or a swap)."""
         self._kernel = self._make_kernel()
 
     # copies and pickles carry the parameters and options; the kernel is made again from them
@@ -138,7 +139,7 @@ class _Fused:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[misc]
-        self._attach()
+        self.attach()
 
 
 class LayerNorm(_Fused, torch.nn.LayerNorm):
@@ -152,7 +153,7 @@ class LayerNorm(_Fused, torch.nn.LayerNorm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _norm_kernel("layer_norm", float(self.eps), self.weight is not None, self.bias is not None)
@@ -181,7 +182,7 @@ class RMSNorm(_Fused, torch.nn.RMSNorm):
     def __init__(self, *args: Any, offset: float = 0.0, promote: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.offset, self.promote = float(offset), bool(promote)
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return self._kernel_for(None)
@@ -227,7 +228,7 @@ class AddRMSNorm(_Fused, torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, **factory))
         self.eps = None if eps is None else float(eps)
         self.offset, self.in_place = float(offset), bool(in_place)
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _rms_kernel(self.eps, True, self.offset, True, False)
@@ -265,7 +266,7 @@ class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
         super().__init__(*args, **kwargs)
         self.z_loss, self.return_z_loss = float(z_loss), bool(return_z_loss)
         self.return_token_accuracy = bool(return_token_accuracy)
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _ce_kernel(
@@ -322,7 +323,7 @@ class LinearCrossEntropyLoss(_Fused, torch.nn.Module):
             "z_loss": float(z_loss), "softcap": None if softcap is None else float(softcap),
             "grad_in_forward": grad_in_forward,
         }  # fmt: skip
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _lce_kernel(False, self.weight is not None, tuple(sorted(self.options.items())))
@@ -345,7 +346,7 @@ def _lce_kernel(bias: bool, weight: bool, options: tuple[tuple[str, Any], ...]) 
     return compile(linear_cross_entropy(dsl.var("h"), _w, _t, b, cw, **dict(options)))
 
 
-class _GatedMLP(_Fused, torch.nn.Module):
+class GatedMLP(_Fused, torch.nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool = False, **factory: Any) -> None:
         super().__init__()
         self.gate_proj = torch.nn.Linear(dim, hidden, bias=bias, **factory)
@@ -362,7 +363,7 @@ def _gated(kind: str, approximate: str) -> Kernel:
     return compile(REGISTRY.functions["swiglu"](g, u) if kind == "swiglu" else geglu(g, u, approximate))
 
 
-class SwiGLU(_GatedMLP):
+class SwiGLU(GatedMLP):
     """Llama's MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, the product fused.
 
     Example:
@@ -373,13 +374,13 @@ class SwiGLU(_GatedMLP):
 
     def __init__(self, dim: int, hidden: int, bias: bool = False, **factory: Any) -> None:
         super().__init__(dim, hidden, bias, **factory)
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _gated("swiglu", "none")
 
 
-class GeGLU(_GatedMLP):
+class GeGLU(GatedMLP):
     """Gemma's MLP: ``down_proj(gelu(gate_proj(x)) * up_proj(x))`` (``approximate="tanh"`` as Gemma).
 
     Example:
@@ -391,7 +392,7 @@ class GeGLU(_GatedMLP):
     def __init__(self, dim: int, hidden: int, bias: bool = False, approximate: str = "tanh", **factory: Any) -> None:
         super().__init__(dim, hidden, bias, **factory)
         self.approximate = approximate
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _gated("geglu", self.approximate)
@@ -429,7 +430,7 @@ class GateUpMLP(_Fused, torch.nn.Module):
         self.gate_up_proj = torch.nn.Linear(dim, 2 * hidden, bias=bias, **factory)
         self.down_proj = torch.nn.Linear(hidden, dim, bias=bias, **factory)
         self.activation = activation
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _gate_up(self.activation)
@@ -471,7 +472,7 @@ class DyT(_Fused, torch.nn.Module):
         self.alpha = torch.nn.Parameter(torch.full((1,), float(init_alpha), **factory))
         self.gamma = torch.nn.Parameter(torch.ones(hidden_size, **factory))
         self.beta = torch.nn.Parameter(torch.zeros(hidden_size, **factory)) if beta else None
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _liger_kernel("dyt", self.beta is not None)
@@ -495,7 +496,7 @@ class PolyNorm(_Fused, torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.full((3,), 1.0 / 3.0, **factory))
         self.bias = torch.nn.Parameter(torch.tensor(1.0, **factory))
         self.eps = float(eps)
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _liger_kernel("poly_norm", self.eps)
@@ -516,7 +517,7 @@ class Sparsemax(_Fused, torch.nn.Module):
     def __init__(self, dim: int = -1) -> None:
         super().__init__()
         self.dim = int(dim)
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _liger_kernel("sparsemax", self.dim)
@@ -540,7 +541,7 @@ class KLDivLoss(_Fused, torch.nn.KLDivLoss):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _liger_kernel("kl_div", self.reduction, bool(self.log_target))
@@ -582,7 +583,7 @@ class JSD(_LabelledLoss):
     def __init__(self, beta: float = 0.5, ignore_index: int = -100) -> None:
         super().__init__()
         self.beta, self.ignore_index = float(beta), int(ignore_index)
-        self._attach()
+        self.attach()
 
     def _options(self) -> tuple[Any, ...]:
         return (self.beta, self.ignore_index)
@@ -602,7 +603,7 @@ class TVDLoss(_LabelledLoss):
     def __init__(self, reduction: str = "batchmean", ignore_index: int = -100) -> None:
         super().__init__()
         self.reduction, self.ignore_index = reduction, int(ignore_index)
-        self._attach()
+        self.attach()
 
     def _options(self) -> tuple[Any, ...]:
         return (self.reduction, self.ignore_index)
@@ -620,7 +621,7 @@ class GroupNorm(_Fused, torch.nn.GroupNorm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._attach()
+        self.attach()
 
     def _make_kernel(self) -> Kernel:
         return _group_norm_kernel(self.num_groups, float(self.eps), self.affine)

@@ -33,7 +33,7 @@ from .. import dsl
 from ..ops.elementwise import cast
 from ..ops.llm import capped_logits, cross_entropy, rope
 from ..runtime import Kernel, compile
-from .modules import GateUpMLP, GeGLU, LayerNorm, RMSNorm, SwiGLU, _GatedMLP
+from .modules import GatedMLP, GateUpMLP, GeGLU, LayerNorm, RMSNorm, SwiGLU
 
 #: attributes Hugging Face norms keep their epsilon in
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
@@ -102,7 +102,7 @@ def replace_modules(model: torch.nn.Module, *, rope: bool = True, loss: bool = T
 
 # ---- recognising modules --------------------------------------------------------------------------
 def _replacement(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
-    if isinstance(m, (LayerNorm, RMSNorm, _GatedMLP, GateUpMLP)):
+    if isinstance(m, (LayerNorm, RMSNorm, GatedMLP, GateUpMLP)):
         return None  # already ours
     if type(m) is torch.nn.LayerNorm:
         return "layer_norm", _same_state(LayerNorm.__new__(LayerNorm), m)
@@ -120,13 +120,13 @@ def _same_state(new: Any, m: torch.nn.Module, **options: Any) -> torch.nn.Module
     """``new`` with ``m``'s parameters, buffers, hooks and training flag (nothing copied)."""
     new.__dict__.update(m.__dict__)
     new.__dict__.update(options)
-    new._attach()
+    new.attach()
     return new
 
 
 def _looks_fusable(m: torch.nn.Module) -> bool:
     """Named like a norm or an MLP, and not ours or a torch norm we deliberately keep (several dims)."""
-    if isinstance(m, (LayerNorm, RMSNorm, _GatedMLP, GateUpMLP, torch.nn.LayerNorm, torch.nn.RMSNorm)):
+    if isinstance(m, (LayerNorm, RMSNorm, GatedMLP, GateUpMLP, torch.nn.LayerNorm, torch.nn.RMSNorm)):
         return False
     return type(m).__name__.lower().endswith(("rmsnorm", "layernorm", "mlp"))
 
@@ -220,7 +220,7 @@ def _gated_module(m: torch.nn.Module, act: str, lin: dict[str, torch.nn.Linear],
         if cls is GeGLU:
             new.approximate = "tanh" if act == "gelu_tanh" else "none"
     new.train(m.training)
-    new._attach()  # type: ignore[attr-defined]
+    new.attach()  # type: ignore[attr-defined]
     return new
 
 

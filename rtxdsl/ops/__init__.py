@@ -17,6 +17,7 @@ from ..registry import (
     INTEGRAL,
     NUMERIC,
     REGISTRY,
+    AxisRule,
     Coords,
     DtypeRule,
     EmitCtx,
@@ -35,6 +36,7 @@ from ..registry import (
 from . import composite, contraction, divergence, elementwise, leaf, llm, movement, random, reduction  # noqa: F401  (fill the registry)
 
 __all__ = [
+    "AxisRule",
     "ANY",
     "BOOL",
     "FLOAT",

@@ -245,23 +245,6 @@ def _zero(d: D) -> tuple:
     return tuple(node("mul", d.g, 0.0) for _ in d.srcs)  # piecewise constant: zero, NaN kept
 
 
-def _binary(name: str, text: str, sym: str) -> Front:
-    return Front(fn=binary_fn(name, text, f"a {sym} b"), operators=(f"__{_DUNDER[name]}__", f"__r{_DUNDER[name]}__"))
-
-
-_DUNDER = {
-    "add": "add",
-    "sub": "sub",
-    "mul": "mul",
-    "div": "truediv",
-    "floordiv": "floordiv",
-    "remainder": "mod",
-    "pow": "pow",
-    "and": "and",
-    "or": "or",
-    "xor": "xor",
-}
-
 # ---- arithmetic ------------------------------------------------------------------------------
 _ew(
     "add",

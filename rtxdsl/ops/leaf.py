@@ -11,14 +11,7 @@ def _leaf_ref(*_: Any, **__: Any) -> Any:
     raise AssertionError("leaves are bound, not evaluated")
 
 
-register(OpDef(name="var", kind=OpKind.LEAF, arity=0, ref=_leaf_ref, eager_launches=0, doc="a named input tensor"))
-register(
-    OpDef(
-        name="const",
-        kind=OpKind.LEAF,
-        arity=0,
-        ref=_leaf_ref,
-        eager_launches=0,
-        doc="a python scalar, passed as a kernel argument",
-    )
-)
+# a named input tensor
+register(OpDef(name="var", kind=OpKind.LEAF, arity=0, ref=_leaf_ref, eager_launches=0))
+# a python scalar, passed as a kernel argument
+register(OpDef(name="const", kind=OpKind.LEAF, arity=0, ref=_leaf_ref, eager_launches=0))

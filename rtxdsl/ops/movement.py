@@ -19,7 +19,7 @@ import torch
 
 from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
-from ..registry import ANY, Coords, DtypeRule, Front, OpDef, OpKind, RemapCtx, Unsupported, register
+from ..registry import ANY, AxisRule, Coords, DtypeRule, Front, OpDef, OpKind, RemapCtx, Unsupported, register
 from .helpers import D, ExprLike, torch_fns
 
 
@@ -129,6 +129,7 @@ _movement(
     view=True,
     emit=lambda c, a: a,  # flat kernels address the operand with the size-1 dims' strides
     front=Front(torch={torch.Tensor.unsqueeze: _torch_unsqueeze, torch.unsqueeze: _torch_unsqueeze}),
+    axes=AxisRule.VIEW,
 )
 
 
@@ -149,6 +150,7 @@ _movement(
     lambda c: c.value(0, c.out),  # the reader's coordinates, broadcast: 0 on size-1 dims
     lambda d: (d.g,),  # the VJP pass sums the cotangent back to the operand's shape
     launch_attrs=("shape",),
+    axes=AxisRule.SIZES,
 )
 
 
@@ -230,6 +232,7 @@ _movement(
     launch_attrs=("start", "stop", "step"),
     launch_args=lambda shapes, out, axis, start, stop, step, chunk=None: (start, step),
     front=Front(fn=chunk, names=("chunk",), methods={"chunk": None}, parse=False),
+    axes=AxisRule.ALONG_AXIS,
 )
 
 
@@ -320,6 +323,7 @@ _movement(
     _unslice_back,
     launch_attrs=("start", "step", "size"),
     launch_args=lambda shapes, out, axis, start, step, size: (start, step, shapes[0][axis]),
+    axes=AxisRule.ALONG_AXIS,
 )
 
 
@@ -365,6 +369,7 @@ _movement(
     canonical=lambda shapes, axis: {"axis": _axis(axis, len(shapes[0]), "flip")},
     launch_args=lambda shapes, out, axis: (shapes[0][axis] - 1 if shapes[0] else 0,),
     front=Front(fn=flip, methods={"flip": None}, torch=dict.fromkeys(torch_fns("flip"), _torch_flip)),
+    axes=AxisRule.ALONG_AXIS,
 )
 
 
@@ -652,6 +657,7 @@ _movement(
     front=Front(
         fn=cat, names=("cat", "concat", "concatenate"), torch=dict.fromkeys(torch_fns("cat", "concat"), _torch_cat)
     ),
+    axes=AxisRule.ALONG_AXIS,
 )
 
 
@@ -725,6 +731,7 @@ _movement(
         torch={torch.Tensor.__getitem__: lambda a, key: _torch_getitem(a, key)},
         parse=False,
     ),
+    axes=AxisRule.ALONG_AXIS,
 )
 
 
@@ -887,6 +894,7 @@ _movement(
     result_dtype=_gather_dtype,
     index_operand=1,
     front=Front(fn=gather, methods={"gather": None}, torch=dict.fromkeys(torch_fns("gather"), _torch_gather)),
+    axes=AxisRule.GATHER,
 )
 
 
@@ -924,4 +932,5 @@ _movement(
     result_dtype=lambda dtypes, axis: torch.int64,
     shape_only=(0,),
     front=Front(fn=arange_like),
+    axes=AxisRule.POSITIONS,
 )

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import RtxError
 from ..expr import Expr, node
-from ..registry import FLOATING, DtypeRule, Front, OpDef, OpKind, RemapCtx, Unsupported, register
+from ..registry import FLOATING, AxisRule, DtypeRule, Front, OpDef, OpKind, RemapCtx, Unsupported, register
 from .helpers import ExprLike, scalar_arg, torch_fns
 
 #: hidden inputs holding a per-call seed: ``Kernel`` draws them, users never pass them
@@ -94,6 +94,7 @@ register(
         launch_args=lambda shapes, out: _contiguous(out),
         result_dtype=_rand_dtype,
         shape_only=(0,),
+        axes=AxisRule.RANDOM,
         rule=DtypeRule.KEEP,
         derivative=lambda d: (None, None),
         eager_launches=1,

@@ -95,6 +95,7 @@ SUM = ReduceSpec(
     value=lambda c, st: st[0],
     single=lambda c, x: x,
     lanes=True,
+    partial="sum",
 )
 
 
@@ -298,6 +299,7 @@ def rcount_value(x: Any, axis: Any) -> float:
     return float(math.prod(x.shape[a] for a in norm_axes(axis, len(x.shape))))
 
 
+#: the number of elements reduced over ``axis`` (a scalar argument)
 register(
     OpDef(
         name="rcount",
@@ -306,10 +308,10 @@ register(
         eager_launches=0,
         accepts=ANY,
         ref=rcount_value,
-        doc="number of elements reduced over axis (a scalar argument)",
     )
 )
 
+#: the machine epsilon of the dtype the operand is computed in (rms_norm's eps=None, as torch)
 register(
     OpDef(
         name="eps_of",
@@ -319,7 +321,6 @@ register(
         accepts=ANY,
         # torch takes the epsilon of the dtype it computes in: float32 for fp16 / bf16 (and ints)
         ref=lambda x: float(torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps),
-        doc="machine epsilon of the dtype the operand is computed in (rms_norm's eps=None, as torch)",
     )
 )
 
