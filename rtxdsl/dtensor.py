@@ -72,7 +72,7 @@ def check_inputs(names: tuple[str, ...], values: tuple[Any, ...]) -> None:
                 )
 
 
-class DistributedLaunch:
+class DistributedCall:
     """A prepared call for DTensor inputs of one layout: the kernel's op, run by DTensor; or, where
     an input is sharded along an axis the kernel reduces and the graph runs in pieces along it
     (``lower.pieces``), a piece kernel per rank, an all-gather of its reductions' values, and a
@@ -91,7 +91,7 @@ class DistributedLaunch:
         outputs, single = kernel.outputs, kernel.returns_tensor
         self.graph = program.plan.graph
         self.shards = shards = sharding(self.graph)
-        self.in_pieces: dict[tuple, PiecesLaunch | None] = {}  # per placements of the inputs
+        self.in_pieces: dict[tuple, PiecesCall | None] = {}  # per placements of the inputs
 
         def run(ts: tuple[Any, ...]) -> Any:
             values = ts[:arity]
@@ -106,7 +106,7 @@ class DistributedLaunch:
 
         self.run = run
 
-    def pieces_for(self, values: tuple[Any, ...]) -> PiecesLaunch | None:
+    def pieces_for(self, values: tuple[Any, ...]) -> PiecesCall | None:
         """The call in pieces for inputs of these placements, if it runs in pieces."""
         values = values[: self.arity]
         key = tuple(tuple(getattr(v, "placements", ())) for v in values)
@@ -120,7 +120,7 @@ class DistributedLaunch:
         return self.pieces_for(tensors) is not None
 
 
-def _in_pieces(kernel: KernelHandle, graph: Graph, shards: Sharding, values: tuple[Any, ...]) -> PiecesLaunch | None:
+def _in_pieces(kernel: KernelHandle, graph: Graph, shards: Sharding, values: tuple[Any, ...]) -> PiecesCall | None:
     """Run in pieces when an input is sharded (on a 1-d mesh) along an axis the kernel reduces and
     the graph runs in pieces along it; None: DTensor's sharding propagation, as for any other op."""
     from torch.distributed.tensor import Shard
@@ -134,11 +134,11 @@ def _in_pieces(kernel: KernelHandle, graph: Graph, shards: Sharding, values: tup
         dim = v.placements[0].dim
         if whole[dim]:
             found = pieces(graph, k, dim)
-            return PiecesLaunch(kernel, found, mesh, values) if isinstance(found, Pieces) else None
+            return PiecesCall(kernel, found, mesh, values) if isinstance(found, Pieces) else None
     return None
 
 
-class PiecesLaunch:
+class PiecesCall:
     """A call run in pieces across the ranks of a 1-d mesh: each rank's piece kernel on its shard
     (positions offset by where the shard starts), the values of the reductions over the sharded
     axis all-gathered, and the merge kernel on the stacks (the same on every rank).

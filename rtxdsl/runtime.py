@@ -1,4 +1,4 @@
-"""Kernel: the user's compiled expression. A call runs a prepared :class:`Launch` built from the
+"""Kernel: the user's compiled expression. A call runs a :class:`PreparedCall` built from the
 :class:`~rtxdsl.lower.Program` that ``lower()`` made for the inputs' layout.
 
 The hot path is a key over the inputs' dtypes, shapes, strides, device and requires_grad, an
@@ -30,7 +30,7 @@ from torch.library import wrap_triton
 from .cache import GLOBAL_CACHE, CompiledKernel
 from .codegen.module import kernel_source
 from .config import FusionConfig, get_config
-from .dtensor import DistributedLaunch, is_dtensor, offer_sharding
+from .dtensor import DistributedCall, is_dtensor, offer_sharding
 from .dtypes import SHORT_NAME, check_supported
 from .errors import (
     BackendError,
@@ -69,7 +69,7 @@ class PlanSummary:
     backend: str
 
 
-class Launch:
+class PreparedCall:
     """A prepared call for one input layout: a generated ``run(tensors)`` that allocates the
     outputs, launches each kernel with its precomputed arguments, counts, and packs the result."""
 
@@ -362,7 +362,7 @@ class Kernel:
         self._config = config
         self._stats = stats or GLOBAL_STATS
         self._seen_config: FusionConfig | None = None
-        self._launches: LRU[tuple, Launch] = LRU((config or get_config()).launch_cache_size)
+        self._launches: LRU[tuple, PreparedCall] = LRU((config or get_config()).launch_cache_size)
         self._grads: LRU[tuple, GradPlan] = LRU((config or get_config()).launch_cache_size)
         self._key = _key_function(len(self.inputs))
         self._arity = len(self.inputs)
@@ -444,7 +444,7 @@ class Kernel:
                 self._launches.put(key, launch)
             self._last = (key, launch)
         if launch.any_grad and torch.is_grad_enabled():
-            if not (isinstance(launch, DistributedLaunch) and launch.differentiates(tensors)):
+            if not (isinstance(launch, DistributedCall) and launch.differentiates(tensors)):
                 return self._grad_call(tensors, launch, key)
         return launch.run(tensors)
 
@@ -535,7 +535,7 @@ class Kernel:
                 self._grads.put(key, plan)
         return plan
 
-    def _grad_call(self, tensors: tuple, launch: Launch, key: tuple) -> Any:
+    def _grad_call(self, tensors: tuple, launch: PreparedCall, key: tuple) -> Any:
         """Through torch.autograd: fused forward (saving row statistics) and fused backward."""
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         # the logits' memory holds the gradient, unless they are a leaf (their .grad would alias them)
@@ -713,13 +713,13 @@ class Kernel:
         GLOBAL_CACHE.count_plan()
         return lower(self._outputs, self._vars, metas, cfg, target, self._into)
 
-    def _prepare(self, tensors: tuple, cfg: FusionConfig) -> Launch | DistributedLaunch:
+    def _prepare(self, tensors: tuple, cfg: FusionConfig) -> PreparedCall | DistributedCall:
         """Lower and fetch kernels for these inputs (DTensors: the kernel's op, run by DTensor)."""
         self._validate(tensors, cfg)
         program = self._lower(tensors, cfg)
         if any(is_dtensor(t) for t in tensors):
-            return DistributedLaunch(self, program, tensors)
-        return Launch(self, program, cfg, tensors)
+            return DistributedCall(self, program, tensors)
+        return PreparedCall(self, program, cfg, tensors)
 
     def _reference(self, tensors: tuple) -> Any:
         """Evaluate with torch ops, op by op (backend 'torch', or fusion disabled)."""
@@ -743,11 +743,11 @@ class Kernel:
         return res["out"] if self._single else res
 
     # ---- inspection ---------------------------------------------------------------------
-    def _launch_for(self, args: tuple, kwargs: dict) -> Launch:
+    def _launch_for(self, args: tuple, kwargs: dict) -> PreparedCall:
         cfg = self.config
         tensors = self.collect(args, kwargs)
         self._validate(tensors, cfg)
-        return Launch(self, self._lower(tensors, cfg), cfg, tensors)
+        return PreparedCall(self, self._lower(tensors, cfg), cfg, tensors)
 
     def explain(self, *args: Any, **kwargs: Any) -> str:
         """The plan for these inputs: groups, pattern, launches, passes and bytes, against eager torch."""
@@ -1007,7 +1007,7 @@ def _launch_shape(call: Any) -> str:
     return f"grid {call.grid} ({programs} programs), {mode}"
 
 
-def _explain(kernel: Kernel, launch: Launch) -> str:
+def _explain(kernel: Kernel, launch: PreparedCall) -> str:
     p = launch.program
     graph = p.plan.graph
     lines = [f"{kernel!r}"]
@@ -1071,4 +1071,4 @@ def compile(outputs: Expr | Mapping[str, Any], config: FusionConfig | None = Non
     return kernel
 
 
-__all__ = ["GradPlan", "Kernel", "Launch", "PlanSummary", "compile", "interpreter_active"]
+__all__ = ["GradPlan", "Kernel", "PreparedCall", "PlanSummary", "compile", "interpreter_active"]

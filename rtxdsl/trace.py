@@ -32,7 +32,7 @@ import torch
 from triton.runtime import interpreter as _interp
 
 from .lower import GPU, Target
-from .runtime import Interpreted, Kernel, Launch
+from .runtime import Interpreted, Kernel, PreparedCall
 
 SECTOR = 32
 
@@ -257,7 +257,7 @@ def memory_trace(
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             raise ValueError("memory_trace runs under Triton's interpreter: pass CPU tensors")
-    launch = Launch(kernel, program, kernel.config.replace(backend="interpreter"), tensors)
+    launch = PreparedCall(kernel, program, kernel.config.replace(backend="interpreter"), tensors)
     recorder = _Recorder(reuse_bytes)
     calls = iter(program.launched)
     traces: list[LaunchTrace] = []
