@@ -14,8 +14,6 @@ import hashlib
 import importlib.util
 import json
 import linecache
-import os
-import tempfile
 import threading
 import types
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from typing import Any
 import triton
 
 from . import interpret
+from .fileio import atomic_write
 from .log import log
 from .lower.spec import KernelSpec
 from .lru import LRU
@@ -212,8 +211,8 @@ class KernelCache:
         }
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write(src_path, source)
-            _atomic_write(meta_path, json.dumps(meta, indent=1))
+            atomic_write(src_path, source)
+            atomic_write(meta_path, json.dumps(meta, indent=1))
             return src_path
         except OSError as exc:
             key = str(directory)
@@ -221,17 +220,6 @@ class KernelCache:
                 self._readonly.add(key)
                 log.warning("cache_dir %s cannot be written (%s): kernels stay in memory", directory, exc)
             return None
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _import(module_name: str, path: Path, name: str) -> Any:

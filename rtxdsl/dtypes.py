@@ -22,6 +22,20 @@ TRITON_TYPE: dict[torch.dtype, str] = {
 
 SHORT_NAME: dict[torch.dtype, str] = {dt: str(dt).removeprefix("torch.") for dt in TRITON_TYPE}
 
+#: torch dtype -> Triton's signature type of a pointer to it (``triton.compile``'s ``*fp32``)
+POINTER_TYPE: dict[torch.dtype, str] = {
+    torch.bool: "*i1",
+    torch.uint8: "*u8",
+    torch.int8: "*i8",
+    torch.int16: "*i16",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float32: "*fp32",
+    torch.float64: "*fp64",
+}
+
 
 def check_supported(dtype: torch.dtype, what: str) -> None:
     """Raise :class:`UnsupportedDtypeError` naming ``what`` unless ``dtype`` is supported."""

@@ -43,7 +43,7 @@ from .config import FusionConfig, get_config
 from .dsl import var
 from .dtypes import SHORT_NAME
 from .errors import RtxError
-from .expr import Expr, as_expr, walk
+from .expr import BINARY_OPERATORS, COMPARISONS, UNARY_OPERATORS, Expr, as_expr, walk
 from .log import log
 from .lower.bind import Info, infer, infer_all
 from .lru import LRU
@@ -1109,12 +1109,11 @@ def _dunder(name: str) -> Callable[..., Any]:
 _TYPES = (LazyTensor,)
 
 
-for _d in (
-    *(f"__{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "matmul")),
-    *(f"__r{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "matmul")),
+for _d in (  # the operators an Expr has (one list, in expr.py), and what only a tensor has
+    *(f"__{n}__" for n in BINARY_OPERATORS),
+    *(f"__r{n}__" for n in BINARY_OPERATORS),
     *torchsem.INPLACE_DUNDERS,
-    *(f"__{n}__" for n in ("neg", "abs", "invert", "lt", "le", "gt", "ge", "eq", "ne", "getitem", "setitem")),
-    *(f"__{n}__" for n in ("lshift", "rshift", "pos")),
+    *(f"__{n}__" for n in (*UNARY_OPERATORS, *COMPARISONS, "getitem", "setitem", "lshift", "rshift", "pos")),
 ):
     if hasattr(torch.Tensor, _d):
         setattr(LazyTensor, _d, _dunder(_d))

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from . import dsl
-from .dtypes import TRITON_TYPE
+from .dtypes import SHORT_NAME
 from .errors import ParseError, RtxError
 from .expr import Expr
 from .ops import REGISTRY
 
-DTYPES = {str(dt).removeprefix("torch."): dt for dt in TRITON_TYPE}
+DTYPES = {name: dt for dt, name in SHORT_NAME.items()}
 MAX_DEPTH = 200  # nesting deeper than this is a ParseError, not a RecursionError
 
 _BINOPS = {

@@ -43,7 +43,7 @@ from .errors import (
 from .expr import Expr, as_expr, node, variables, walk
 from .lower import InputMeta, Layout, Program, Target, intermediate_dtype, lower, target_for
 from .lower.schedule import candidates, encode_scalar
-from .lower.vjp import COTANGENT, Gradients, differentiate
+from .lower.vjp import COTANGENT, GRADIENT, KEPT, Gradients, differentiate
 from .lru import LRU
 from .ops import REGISTRY, apply_ref
 from .ops.random import SEED_PREFIX, draw_seed
@@ -371,7 +371,8 @@ class Kernel:
         self._into = dict(into or {})  # output key -> input name it may be written into (internal)
         # its name for rtxdsl::kernel (torch.compile): structural, the same in every process
         self.op_key: str = register_kernel(self, self._into, bool(self._seeds))
-        self._traced_plans: dict[tuple, GradPlan] = {}  # saving plans compiled graphs name (one per layout)
+        # saving plans made while torch.compile traces (fake tensors), apart from the real ones
+        self._traced_plans: LRU[tuple, GradPlan] = LRU((config or get_config()).launch_cache_size)
         self._in_forward = _gradient_in_forward(self._outputs)  # a loss(..., grad_in_forward=True)
 
     @property
@@ -520,19 +521,16 @@ class Kernel:
 
     def saving_plan(self, values: tuple[Any, ...], needs: str) -> GradPlan:
         """The gradient plan ``rtxdsl::kernel_saving`` runs for these inputs (fixed sizes;
-        ``needs``: a 0/1 per input, which require grad). One made while torch.compile traces is
-        kept for the kernel's life (a compiled graph names its kernels by key); one for real
-        tensors is cached with the kernel's other plans."""
+        ``needs``: a 0/1 per input, which require grad). Those made while torch.compile traces
+        (fake tensors) and those for real tensors are cached apart, each in a bounded LRU; a
+        compiled graph's call runs on real tensors, so an evicted traced plan is never needed."""
         key = ("saving", _mixed_key(values), needs)
         traced = any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in values)
         plan = self._traced_plans.get(key) if traced else self._grads.get(key)
         if plan is None:
             self._validate(values, self.config)
             plan = self._grad_plan(self._lower(values, self.config), tuple(c == "1" for c in needs))
-            if traced:
-                self._traced_plans[key] = plan
-            else:
-                self._grads.put(key, plan)
+            (self._traced_plans if traced else self._grads).put(key, plan)
         return plan
 
     def _grad_call(self, tensors: tuple, launch: PreparedCall, key: tuple) -> Any:
@@ -580,9 +578,9 @@ class Kernel:
         for k, (key, unit) in enumerate(grads.backward):
             dtype = _dtype_of(program, input_of[key])
             units[key] = node("cast", unit, dtype=dtype)  # expand drops a cast to the dtype it has
-            kept[key] = f"_j{k}"
-            scaled[f"_d{k}"] = node("cast", node("mul", _var(f"_j{k}"), _var(f"{COTANGENT}0")), dtype=dtype)
-            grad_of.append((input_of[key], f"_d{k}"))
+            kept[key] = f"{KEPT}{k}"
+            scaled[f"{GRADIENT}{k}"] = node("cast", node("mul", _var(f"{KEPT}{k}"), _var(f"{COTANGENT}0")), dtype=dtype)
+            grad_of.append((input_of[key], f"{GRADIENT}{k}"))
         stats = Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False)
         into = {key: name for key in units if input_of[key] == name} if reuse else None
         gradient = Kernel(units, self._config, stats=self._stats, draw_seeds=False, into=into)
@@ -815,7 +813,7 @@ class _Apply(torch.autograd.Function):
         inputs = [ctx.scalars[i] if i in ctx.scalars else next(saved) for i in range(len(plan.input_names))]
         feed = dict(zip(plan.input_names, inputs))
         feed.update(zip(g.saved_keys, saved))
-        feed.update({f"_g{k}": gr for k, (gr, f) in enumerate(zip(grads, g.float_outputs)) if f})
+        feed.update({f"{COTANGENT}{k}": gr for k, (gr, f) in enumerate(zip(grads, g.float_outputs)) if f})
         outs = plan.gradients(feed)
         grad_of = dict(g.grad_of)
         grads_in = []

@@ -31,6 +31,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 
 from .errors import RtxError
 from .handle import KernelHandle
+from .lower.vjp import COTANGENT
 
 _OPS: dict[str, Any] = {}  # op name -> the registered op (a structure registers once per process)
 
@@ -247,7 +248,7 @@ def backward_of(plan: Any, inputs: list[Tensor], stats: list[Tensor], grads: lis
     feed = dict(zip(plan.input_names, inputs))
     feed.update(zip(g.saved_keys, stats))
     # custom ops' autograd hands zeros for an output nothing read (grads are materialized)
-    feed.update((f"_g{i}", grad) for i, (grad, floating) in enumerate(zip(grads, g.float_outputs)) if floating)
+    feed.update((f"{COTANGENT}{i}", grad) for i, (grad, floating) in enumerate(zip(grads, g.float_outputs)) if floating)
     backward = plan.backward
     got = (
         {}

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +23,7 @@ from typing import Any
 import torch
 import triton
 
+from .fileio import atomic_write
 from .log import log
 
 #: ``timer(launch) -> milliseconds`` for one candidate
@@ -80,10 +79,7 @@ def _read(path: Path) -> dict[str, Any] | None:
 def _write(path: Path, payload: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f)
-        os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+        atomic_write(path, json.dumps(payload))
     except OSError as exc:
         log.warning("could not store the tuned launch options at %s: %s", path, exc)
 

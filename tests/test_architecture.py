@@ -18,7 +18,7 @@ from rtxdsl.registry import REGISTRY
 ROOT = Path(rx.__file__).parent
 #: lower layers first; a module may import only from its own layer or below
 LAYERS = [
-    {"errors", "log", "lru", "dtypes", "torchsem", "recursion", "interpret"},
+    {"errors", "log", "lru", "dtypes", "torchsem", "recursion", "interpret", "fileio"},
     {"config", "stats", "registry"},
     {"expr"},
     {"ops"},

@@ -252,7 +252,7 @@ def test_the_saving_op_is_opchecked(outputs, needs, shapes):
     ins.append(torch.randn(*shapes[1], generator=gen, requires_grad=True) if needs == "11" else
                torch.randint(0, shapes[0][1], shapes[1], generator=gen))  # fmt: skip
     checks = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(saving_op, (k._op_key, needs, ins), test_utils=checks)
+    torch.library.opcheck(saving_op, (k.op_key, needs, ins), test_utils=checks)
 
 
 def test_the_graph_run_computes_what_the_call_does():
@@ -360,10 +360,10 @@ def test_compiled_graphs_name_kernels_by_structure_the_same_in_every_process():
     from rtxdsl.torchop import kernel_op
 
     k = rx.compile(rx.gelu(x + b))
-    assert rx.compile(rx.gelu(x + b))._op_key == k._op_key != rx.compile(rx.gelu(x - b))._op_key
-    code = "import rtxdsl as rx; x, b = rx.var('x'), rx.var('b'); print(rx.compile(rx.gelu(x + b))._op_key)"
+    assert rx.compile(rx.gelu(x + b)).op_key == k.op_key != rx.compile(rx.gelu(x - b)).op_key
+    code = "import rtxdsl as rx; x, b = rx.var('x'), rx.var('b'); print(rx.compile(rx.gelu(x + b)).op_key)"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert other == k._op_key
+    assert other == k.op_key
     with pytest.raises(rx.RtxError, match="which this process has not built"):
         kernel_op("k_0000000000000000", [torch.ones(2)])
 
@@ -376,7 +376,7 @@ def test_a_kernel_stays_callable_when_another_of_its_structure_dies():
 
     first = rx.compile(rx.softmax(x * 3.0))
     second = rx.compile(rx.softmax(x * 3.0))
-    assert first is not second and first._op_key == second._op_key
+    assert first is not second and first.op_key == second.op_key
     del second
     gc.collect()
     t = torch.randn(5, 8, requires_grad=True)

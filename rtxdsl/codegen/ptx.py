@@ -20,18 +20,7 @@ from typing import Any
 
 import torch
 
-_PTR = {
-    torch.float32: "*fp32",
-    torch.float16: "*fp16",
-    torch.bfloat16: "*bf16",
-    torch.float64: "*fp64",
-    torch.int64: "*i64",
-    torch.int32: "*i32",
-    torch.int16: "*i16",
-    torch.int8: "*i8",
-    torch.uint8: "*u8",
-    torch.bool: "*i1",
-}
+from ..dtypes import POINTER_TYPE
 
 
 @dataclass(frozen=True)
@@ -65,7 +54,7 @@ def compile_call(jit: Any, call: Any, tensors: list[torch.Tensor], arch: int = 9
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, (name, v) in enumerate(zip(names, values)):
         if isinstance(v, torch.Tensor):
-            signature[name] = _PTR[v.dtype]
+            signature[name] = POINTER_TYPE[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             signature[name] = "fp32"

@@ -14,7 +14,7 @@ them); a test target with a few SMs and tiny tiles runs those code paths on CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,16 +45,18 @@ class Target:
 GPU = Target(
     "sm_90", sm_count=132, pointwise_block=1024, row_tile=4096, max_row_block=16384, loop_block=4096, split_min=1 << 18
 )
-#: Triton's interpreter on CPU tensors: the same structure decisions (which rows loop), wide programs
-INTERPRETER = Target(
-    "interpreter",
+#: Triton's interpreter on CPU tensors: the GPU's structure decisions (which rows loop, the same
+#: longest row and loop block), with few, wide programs: one at a time, no split, no 2-D tiles,
+#: no pipeline to fill
+INTERPRETER = replace(
+    GPU,
+    name="interpreter",
     sm_count=1,
     pointwise_block=1 << 16,
     row_tile=1 << 16,
-    max_row_block=16384,
-    loop_block=4096,
+    split_min=0,
     tile=None,
-    gemm=(64, 64, 64, 1, 4, 1),  # few, wide programs; no pipeline to fill
+    gemm=(64, 64, 64, 1, 4, 1),
 )
 
 
@@ -63,4 +65,4 @@ def target_for(device: torch.device, interpreted: bool) -> Target:
     if interpreted or device.type != "cuda":
         return INTERPRETER
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return GPU if sms == GPU.sm_count else Target(f"cuda-{sms}sm", sms, 1024, 4096, 16384, 4096, split_min=1 << 18)
+    return GPU if sms == GPU.sm_count else replace(GPU, name=f"cuda-{sms}sm", sm_count=sms)

@@ -25,7 +25,9 @@ from .bind import Info, infer_all
 from .expand import Graph, is_leaf
 
 #: names of the backward's extra inputs and outputs (user inputs may not use them)
-COTANGENT, SAVED, GRADIENT = "_g", "_s", "_d"
+#: placeholder input and output names of gradient kernels: cotangents, saved statistics,
+#: gradients, and the unit gradients a loss computed with ``grad_in_forward`` keeps
+COTANGENT, SAVED, GRADIENT, KEPT = "_g", "_s", "_d", "_j"
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def gradients(kernel, needs: str, *inputs_then_cotangents):
     statistics (the forward's launch stays only if the statistics are read)."""
     n = len(kernel.inputs)
     inputs, cotangents = list(inputs_then_cotangents[:n]), list(inputs_then_cotangents[n:])
-    stats = saving_op(kernel._op_key, needs, inputs)[len(kernel.outputs) :]
+    stats = saving_op(kernel.op_key, needs, inputs)[len(kernel.outputs) :]
     plan = kernel.saving_plan(tuple(inputs), needs)
     return [g for g in backward_of(plan, inputs, stats, cotangents) if g is not None]
 
@@ -110,12 +110,12 @@ def main() -> None:
     trace("tail", lambda a, c: traced(loss, a, c), (logits, targets), expected)
     checked = rx.compile(rx.cross_entropy(x, t))
     trace("index_checks", lambda a, c: traced(checked, a, c), (logits, targets), 0)
-    trace("saving", lambda a, c: saving_op(bias_gelu._op_key, "11", [a, c]), (fake(33, 70), fake(70)), 1)
-    trace("saving_tail", lambda a, c: saving_op(loss._op_key, "10", [a, c]), (logits, targets), expected)
+    trace("saving", lambda a, c: saving_op(bias_gelu.op_key, "11", [a, c]), (fake(33, 70), fake(70)), 1)
+    trace("saving_tail", lambda a, c: saving_op(loss.op_key, "10", [a, c]), (logits, targets), expected)
     trace("backward", lambda a, c, g: gradients(bias_gelu, "11", a, c, g), (fake(33, 70), fake(70), fake(33, 70)), 1)
     trace("backward_tail", lambda a, c, g: gradients(loss, "10", a, c, g), (logits, targets, fake()), 2)
     symbolic = (fake(33, 70, symbolic=True), fake(70, symbolic=True))
-    trace("saving_symbolic", lambda a, c: saving_op(bias_gelu._op_key, "11", [a, c]), symbolic, 0)
+    trace("saving_symbolic", lambda a, c: saving_op(bias_gelu.op_key, "11", [a, c]), symbolic, 0)
     trace("symbolic", lambda a, c: traced(bias_gelu, a, c), symbolic, 0)
 
 
