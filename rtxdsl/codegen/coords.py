@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
-from ..lower.schedule import partial_states
-from ..lower.spec import BCAST, STRIDED, UNIT
+from ..lower.params import own_params
+from ..lower.spec import BCAST, UNIT
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop
@@ -30,26 +30,9 @@ class CoordWriter(Writer):
     def build_params(self) -> None:
         s = self.spec
         assert s.domain is not None
-        self.params += [f"in{j}_ptr" for j in range(len(s.in_dtypes))]
-        self.params += [f"out{k}_ptr" for k in range(len(s.outputs))]
-        self.params += [f"part{i}_ptr" for i, _, _ in partial_states(s)] if s.split else []
-        self.params += ["flag_ptr"] if s.flags else []
+        self.params += [p.name for p in own_params(s)]
         self.nr = sum(1 for red in s.domain if not red)
         self.nc = len(s.domain) - self.nr
-        if self.row:
-            self.params += ["n_rows", "n_cols"]
-            self.params += [f"rsize{d}" for d in range(self.nr)] if self.nr > 1 else []
-            self.params += [f"csize{d}" for d in range(self.nc)] if self.nc > 1 else []
-            self.params += ["n_split", "chunk"] if s.split else []
-        else:
-            self.params += ["n_elements"] + ([f"size{d}" for d in range(self.nr)] if self.nr > 1 else [])
-        for j, ld in enumerate(s.loads):
-            self.params += [f"in{j}_stride{d}" for d, c in enumerate(ld.rows) if c == STRIDED]
-        for k, o in enumerate(s.outputs):
-            self.params += [f"out{k}_stride{d}" for d, c in enumerate(o.rows) if c == STRIDED]
-        for i, n in enumerate(s.nodes):
-            self.params += [f"m{i}_{k}" for k in range(n.nargs)]
-        self.params += [f"s{k}" for k in range(len(s.scalars))]
         self.flag_slot = {i: k for k, i in enumerate(s.flags)}
 
     # ---- coordinates ------------------------------------------------------------------

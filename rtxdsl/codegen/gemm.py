@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
-from ..lower.gemm import inner_products, tile_loads
-from ..lower.schedule import reduce_dtype
+from ..lower.params import own_params
+from ..lower.passes import reduce_dtype
 from ..lower.spec import STRIDED, UNIT, KernelSpec
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
@@ -79,32 +79,11 @@ class GemmWriter(Writer):
         self.k_reductions: list[tuple[int, ReduceSpec, EmitCtx, tuple[str, ...]]] = []
 
     def build_params(self) -> None:
-        s, g = self.spec, self.spec.gemm
+        g = self.spec.gemm
         assert g is not None
         self.nb = g.batch
         self.out_dims = (0 if g.sum_batch else g.batch) + 2
-        self.params += [f"in{j}_ptr" for j in range(len(s.in_dtypes))]
-        self.params += [f"out{k}_ptr" for k in range(len(s.outputs))]
-        self.params += ["M", "N", "K", *(f"bsize{d}" for d in range(self.nb))]
-        for op, dims, classes, j in (("a", "mk", g.a_classes, g.a), ("b", "kn", g.b_classes, g.b)):
-            if j >= 0:  # read from memory (a prologue reads its own loads)
-                self.params += [f"{op}_stride_b{d}" for d in range(self.nb)]
-                self.params += [f"{op}_stride_{dim}" for dim, c in zip(dims, classes) if c == STRIDED]
-        for k in tile_loads(s.nodes):
-            ld, name = s.loads[k], self.load_names[k]
-            nb = self.nb if ld.role in OPERAND_TILE else self.out_dims - 2
-            self.params += [f"{name}_stride{d}" for d in range(nb)]
-            self.params += [f"{name}_stride{nb + i}" for i, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
-        for k, o in enumerate(s.outputs):
-            if o.role == "full":  # a reduction of A is contiguous: one value per row of the product
-                self.params += [f"out{k}_stride{d}" for d in range(self.out_dims - 1)]  # columns: stride 1
-        for i in inner_products(s.nodes):  # a recomputed product: its contracted size, its operands' strides
-            self.params.append(f"K{i}")
-            for _, k in s.nodes[i].srcs:
-                ld, name = s.loads[k], self.load_names[k]
-                self.params += [f"{name}_stride_b{d}" for d in range(self.nb)]
-                self.params += [f"{name}_stride{d}" for d, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
-        self.params += [f"s{k}" for k in range(len(s.scalars))]
+        self.params += [p.name for p in own_params(self.spec)]
 
     def gemm(self, name: str) -> str:
         g = self.spec.gemm

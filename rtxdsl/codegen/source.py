@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
-from ..lower.schedule import early_outputs, is_reshape, levels, partial_states, reduce_dtype
+from ..lower.params import flat_dims, kernel_params, load_names, own_params
+from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
 from ..lower.spec import STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
@@ -104,46 +105,15 @@ class Writer:
         self.tmp_ids = itertools.count()
         self.params: list[str] = []
         self.helpers: dict[str, str] = {}  # module-level @triton.jit helpers the emitters asked for
-        self.load_names = self._load_names()
+        self.load_names = load_names(spec)
         self.program = "tl.program_id(0)"  # a tail runs as program 0 of its own one-program grid
         self.tail: tuple[str, list[str]] | None = None  # (function, its parameters): run by the last program
 
     # ---- parameters -------------------------------------------------------------------
-    def _load_names(self) -> list[str]:
-        names, seen = [], set()
-        for k, ld in enumerate(self.spec.loads):
-            base = f"in{ld.input}"
-            names.append(base if ld.input not in seen else f"{base}_{k}")  # loaded again, re-laid-out
-            seen.add(ld.input)
-        return names
-
-    def _strided(self, prefix: str, rows: tuple[str, ...], cols: tuple[str, ...]) -> list[str]:
-        rp = "_row" if self.row else ""
-        return [f"{prefix}{rp}_stride{d}" for d, c in enumerate(rows) if c == STRIDED] + [
-            f"{prefix}_col_stride{d}" for d, c in enumerate(cols) if c == STRIDED
-        ]
-
     def build_params(self) -> None:
-        s = self.spec
-        self.params += [f"in{j}_ptr" for j in range(len(s.in_dtypes))]
-        self.params += [f"out{k}_ptr" for k in range(len(s.outputs))]
-        first = (s.loads[0].rows, s.loads[0].cols) if s.loads else (s.outputs[0].rows, s.outputs[0].cols)
-        if not s.loads and not self.row:  # nothing read: a flat fill
-            first = (("1",), ())
-        self.nr, self.nc = len(first[0]), len(first[1])
-        if self.row:
-            self.params += [f"part{i}_ptr" for i, _, _ in partial_states(s)] if s.split else []
-            self.params += ["n_rows", "n_cols"]
-            self.params += [f"rsize{d}" for d in range(self.nr)] if self.nr > 1 else []
-            self.params += [f"csize{d}" for d in range(self.nc)] if self.nc > 1 else []
-            self.params += ["n_split", "chunk"] if s.split else []
-        else:
-            self.params += ["n_elements"] + ([f"size{d}" for d in range(self.nr)] if self.nr > 1 else [])
-        for name, ld in zip(self.load_names, s.loads):
-            self.params += self._strided(name, ld.rows, ld.cols)
-        for k, o in enumerate(s.outputs):
-            self.params += self._strided(f"out{k}", o.rows, o.cols)
-        self.params += [f"s{k}" for k in range(len(s.scalars))]
+        """The signature's parameters (their order is ``lower.params``'), and the dims indexed."""
+        self.params += [p.name for p in own_params(self.spec)]
+        self.nr, self.nc = flat_dims(self.spec)
 
     # ---- indexing ---------------------------------------------------------------------
     def _decompose(self, scope: Scope, flat: str, prefix: str, size: str, n: int) -> list[str]:
@@ -402,13 +372,10 @@ class Writer:
     def _tail_call(self) -> None:
         """Parameters and closing lines of a kernel whose last program runs ``self.tail``."""
         assert self.tail is not None
-        fn, params = self.tail
-        ptrs = [p for p in self.params if p.endswith("_ptr")]
-        tptrs, trest = [p for p in params if p.endswith("_ptr")], [p for p in params if not p.endswith("_ptr")]
-        rest = self.params[len(ptrs) :]
-        assert self.params[: len(ptrs)] == ptrs and params[: len(tptrs)] == tptrs  # pointers first: call order
-        targs = [f"t_{p}" for p in tptrs + trest]
-        self.params = [*ptrs, *targs[: len(tptrs)], "count_ptr", *rest, *targs[len(tptrs) :]]
+        fn, _ = self.tail
+        params = kernel_params(self.spec)  # the head's and the tail's, in signature order
+        self.params = [p.name for p in params]
+        targs = [p.name for p in params if p.name.startswith("t_")]
         constexprs = [f"T_{c}" for c in TAIL_CONSTEXPRS]
         self.params += [f"{c}: tl.constexpr" for c in constexprs]
         self.top.lines.extend(render(TAIL, tail=fn, args=", ".join([*targs, *constexprs])).splitlines())

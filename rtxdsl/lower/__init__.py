@@ -23,17 +23,9 @@ from .analyze import Group, Plan, Role, analyze, read_srcs
 from .bind import Info
 from .expand import Graph, expand
 from .gemm import gemm_spec
-from .schedule import (
-    Launch,
-    Layout,
-    contiguous_strides,
-    early_outputs,
-    input_reads,
-    input_scopes,
-    kernel_spec,
-    partial_states,
-    split_specs,
-)
+from .params import ParamKind, pointer_slots, with_tail_slots
+from .passes import early_outputs, input_reads, input_scopes, partial_states
+from .schedule import Launch, Layout, contiguous_strides, kernel_spec, split_specs
 from .spec import TAIL_CONSTEXPRS, Buffer, KernelCall, KernelSpec, Program
 from .target import GPU, INTERPRETER, Target, target_for
 
@@ -170,6 +162,7 @@ def _calls(
         phases = [(partial, p_launch, 0, part_bytes), (finish, f_launch, part_bytes, 0)]
     else:
         phases = [(spec, launch, 0, 0)]
+    by_kind = {ParamKind.INPUT: in_slots, ParamKind.OUTPUT: out_slots, ParamKind.PARTIAL: parts, ParamKind.FLAGS: flags}
     calls = []
     for sp, ln, part_read, part_written in phases:
         reads = input_reads(sp)
@@ -186,7 +179,7 @@ def _calls(
                 spec=sp,
                 summary=f"{g.pattern}: {', '.join(g.ops)}",
                 grid=ln.grid,
-                buffers=in_slots + out_slots + parts + flags,
+                buffers=pointer_slots(sp, by_kind),
                 args=(*ln.ints, *ln.scalars),
                 meta=ln.meta,
                 ops=len(g.nodes),
@@ -287,11 +280,12 @@ def _with_tails(calls: list[KernelCall], buffers: list[Buffer], n_inputs: int) -
         counter = n_inputs + len(buffers)
         buffers.append(Buffer((1,), torch.int32, persistent=True))
         shift = len(head.args)
+        spec = replace(head.spec, tail=call.spec)
         out[-1] = replace(
             head,
-            spec=replace(head.spec, tail=call.spec),
-            buffers=head.buffers + call.buffers + (counter,),
-            args=head.args + call.args,
+            spec=spec,
+            buffers=with_tail_slots(spec, head.buffers, call.buffers, counter),
+            args=head.args + call.args,  # the head's other parameters, then the tail's (lower.params)
             meta=head.meta + tuple((f"T_{k}", v) for k, v in call.meta if k in TAIL_CONSTEXPRS),
             scalar_inputs=head.scalar_inputs + tuple((p + shift, i, kind) for p, i, kind in call.scalar_inputs),
             ops=head.ops + call.ops,

@@ -25,9 +25,9 @@ import torch
 
 from ..errors import RtxError
 from ..expr import Expr
-from ..ops import REGISTRY, OpKind
 from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
+from .params import inner_products, tile_loads
 from .schedule import (
     INT32_LIMIT,
     Body,
@@ -42,7 +42,7 @@ from .schedule import (
     stride_class,
     viewed,
 )
-from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
+from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, OutSpec
 from .target import Target
 
 MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
@@ -54,18 +54,6 @@ def gemm_tile(target: Target, m: int, n: int, dtype: torch.dtype, inner: bool = 
     fp32) lives beside the kernel's: the rows halve, so both fit in registers without spills."""
     bm, bn, bk, group_m, warps, stages = target.gemm
     return GemmTile(*gemm_block(bm // 2 if inner else bm, bn, bk, m, n, dtype), group_m, warps, stages)
-
-
-def tile_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
-    """The loads the epilogue and the prologues read, each at its own tile (its role: "full" at the
-    product's, "a" / "b" at an operand's). A plain operand is read by the K loop through its own strides."""
-    used = {i for nd in nodes if REGISTRY[nd.op].kind is not OpKind.CONTRACTION for kind, i in nd.srcs if kind == "l"}
-    return sorted(used)
-
-
-def inner_products(nodes: tuple[NodeSpec, ...]) -> list[int]:
-    """The products a prologue recomputes at an operand's tiles (each with a K loop of its own)."""
-    return [i for i, nd in enumerate(nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role != "full"]
 
 
 def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
@@ -22,6 +22,7 @@ from ..expr import Expr
 from ..ops import REGISTRY, DtypeRule, OpKind
 from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
+from .passes import levels
 from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
 from .target import GPU, Target
 
@@ -697,107 +698,3 @@ def _check_message(n: Expr, graph: Graph) -> str:
     if positions_only(data):  # a range check (cross-entropy's target): the positions are no one's tensor
         return f"{n.op}: an index in {idx!r} is out of range [0, {size})"
     return f"{n.op}: an index in {idx!r} is out of range for axis {n.attr('axis')} of {data!r} (size {size})"
-
-
-# ---- passes over the inputs (the honest traffic model) ---------------------------------------------
-def is_reshape(spec: KernelSpec, i: int) -> bool:
-    """A reduction of a per-row value (over size-1 dims) is the value itself, not a pass."""
-    node = spec.nodes[i]
-    if REGISTRY[node.op].kind is not OpKind.REDUCTION:
-        return False
-    kind, j = node.srcs[0]
-    role = spec.nodes[j].role if kind == "n" else spec.loads[j].role if kind == "l" else "const"
-    return role != "full"
-
-
-def _depth(spec: KernelSpec) -> Callable[[tuple], int]:
-    """``depth(ref)``: how many reduction passes a value needs before it (0: none)."""
-    memo: dict[int, int] = {}
-
-    def depth(ref: tuple) -> int:
-        if ref[0] != "n":
-            return 0
-        i = ref[1]
-        if i not in memo:
-            d = max((depth(s) for s in spec.nodes[i].srcs), default=0)
-            is_pass = REGISTRY[spec.nodes[i].op].kind is OpKind.REDUCTION and not is_reshape(spec, i)
-            memo[i] = d + 1 if is_pass else d
-        return memo[i]
-
-    return depth
-
-
-def levels(spec: KernelSpec) -> dict[int, int]:
-    """Reduction node -> its pass (1 + the passes of the reductions it depends on)."""
-    depth = _depth(spec)
-    return {i: depth(("n", i)) for i in spec.reductions if not is_reshape(spec, i)}
-
-
-def early_outputs(spec: KernelSpec) -> list[int]:
-    """Full-size outputs of a looped row that need none of its reductions (``dx`` beside the
-    ``db`` column sum of a bias gradient): stored in the first pass (a split row's partial kernel),
-    so no later pass reads their inputs again."""
-    if spec.kind != "row" or not spec.looped or spec.split == "tile" or not levels(spec):
-        return []
-    depth = _depth(spec)
-    return [k for k, o in enumerate(spec.outputs) if o.role == "full" and depth(("n", o.node)) == 0]
-
-
-def input_scopes(spec: KernelSpec) -> list[set[Any]]:
-    """Where each input is loaded: in which looped pass (its reduction level), in the output loop
-    ("out"), or once per row ("top"). A kernel kept in registers loads everything once ("top")."""
-    if spec.kind != "row" or not spec.looped:
-        return [{"top"} for _ in spec.in_dtypes]
-    lv = levels(spec)
-    reads: list[set[Any]] = [set() for _ in spec.in_dtypes]
-
-    def mark(ref: tuple, scope: Any, seen: set) -> None:
-        if ref in seen:
-            return
-        seen.add(ref)
-        kind, i = ref
-        if kind == "l":
-            ld = spec.loads[i]
-            reads[ld.input].add(scope if ld.role == "full" else "top")
-        elif kind == "n":
-            if i in lv and lv[i] != scope:  # a finished reduction: a value on chip, read nothing
-                return
-            node = spec.nodes[i]
-            op = REGISTRY[node.op]
-            if op.index_operand is not None and node.role != "full":  # one gathered element per row
-                mark(node.srcs[op.index_operand], scope, seen)
-                return
-            for s in node.srcs:
-                mark(s, scope, seen)
-
-    for level in sorted(set(lv.values())):
-        for i in (i for i, v in lv.items() if v == level):
-            for s in spec.nodes[i].srcs:
-                mark(s, level, set())
-    early = early_outputs(spec)
-    for k, o in enumerate(spec.outputs):
-        mark(("n", o.node), 1 if k in early else "out" if o.role == "full" else "top", set())
-    return reads
-
-
-def input_reads(spec: KernelSpec) -> list[int]:
-    """How many times each input is read: once per looped pass that loads it (a split row's partial
-    kernel makes the reductions' pass, its finish kernel the output pass)."""
-    scopes = input_scopes(spec)
-    if spec.split == "partial":
-        return [int(1 in s) for s in scopes]
-    if spec.split == "finish":
-        return [len(s - {1}) for s in scopes]
-    return [max(1, len(s)) for s in scopes]
-
-
-def partial_states(spec: KernelSpec) -> list[tuple[int, int, torch.dtype]]:
-    """A split row's partial buffers: (reduction node, state components, dtype) per reduction."""
-    return [
-        (i, len(REGISTRY[spec.nodes[i].op].reduce.state), reduce_dtype(spec.nodes[i])) for i in sorted(levels(spec))
-    ]
-
-
-def reduce_dtype(node: NodeSpec) -> torch.dtype:
-    """The dtype a reduction's state is kept in (booleans are counted in int32)."""
-    return torch.int32 if node.cdt is torch.bool else node.cdt

@@ -1,0 +1,211 @@
+"""A kernel's parameters, in order: the one place that knows it.
+
+Code generation renders the signature from :func:`kernel_params`; the spec builders give each
+launch argument's value by its parameter's name (:func:`launch_ints` orders them); the program
+lists a launch's buffers by the pointer parameters (:func:`buffer_order`). A tail kernel folded
+into the launch before it (``KernelSpec.tail``) adds its pointers after the head's, then the
+ticket counter, then its other parameters after the head's, each named ``t_<name>``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..ops import REGISTRY, OpKind
+from .passes import partial_states
+from .spec import STRIDED, KernelSpec, NodeSpec
+
+#: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
+OPERAND_ROLES = ("a", "b")
+
+
+class ParamKind(enum.Enum):
+    """What a kernel parameter is, and so where its value comes from."""
+
+    INPUT = "input"  # ``in{j}_ptr``: the group's j-th input
+    OUTPUT = "output"  # ``out{k}_ptr``: its k-th output
+    PARTIAL = "partial"  # ``part{i}_ptr``: a split row's partial states of reduction i
+    FLAGS = "flags"  # ``flag_ptr``: gathers' index-check flags
+    COUNTER = "counter"  # ``count_ptr``: the ticket counter of a tail's head
+    INT = "int"  # a size, stride, split or movement argument: a launch integer
+    SCALAR = "scalar"  # ``s{k}``: a constant or a scalar input
+
+
+POINTERS = (ParamKind.INPUT, ParamKind.OUTPUT, ParamKind.PARTIAL, ParamKind.FLAGS, ParamKind.COUNTER)
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: ParamKind
+    index: int = 0  # which input, output or partial state a pointer is
+
+
+def load_names(spec: KernelSpec) -> list[str]:
+    """Each load's name in parameters (``in{j}``; ``in{j}_{k}`` for an input loaded again, re-laid-out)."""
+    names, seen = [], set()
+    for k, ld in enumerate(spec.loads):
+        base = f"in{ld.input}"
+        names.append(base if ld.input not in seen else f"{base}_{k}")
+        seen.add(ld.input)
+    return names
+
+
+def _ints(names: list[str]) -> list[Param]:
+    return [Param(n, ParamKind.INT) for n in names]
+
+
+def _pointers(spec: KernelSpec, parts: bool, flags: bool) -> list[Param]:
+    out = [Param(f"in{j}_ptr", ParamKind.INPUT, j) for j in range(len(spec.in_dtypes))]
+    out += [Param(f"out{k}_ptr", ParamKind.OUTPUT, k) for k in range(len(spec.outputs))]
+    if parts:
+        out += [Param(f"part{i}_ptr", ParamKind.PARTIAL, k) for k, (i, _, _) in enumerate(partial_states(spec))]
+    return out + ([Param("flag_ptr", ParamKind.FLAGS)] if flags else [])
+
+
+def _scalars(spec: KernelSpec) -> list[Param]:
+    return [Param(f"s{k}", ParamKind.SCALAR, k) for k in range(len(spec.scalars))]
+
+
+def strided(prefix: str, rows: tuple[str, ...], cols: tuple[str, ...], row: bool) -> list[str]:
+    """A flat kernel's stride parameters of one operand: its strided row dims, then column dims."""
+    rp = "_row" if row else ""
+    return [f"{prefix}{rp}_stride{d}" for d, c in enumerate(rows) if c == STRIDED] + [
+        f"{prefix}_col_stride{d}" for d, c in enumerate(cols) if c == STRIDED
+    ]
+
+
+def flat_dims(spec: KernelSpec) -> tuple[int, int]:
+    """How many (coalesced) row and column dims a flat kernel indexes."""
+    row = spec.kind == "row"
+    first = (spec.loads[0].rows, spec.loads[0].cols) if spec.loads else (spec.outputs[0].rows, spec.outputs[0].cols)
+    if not spec.loads and not row:  # nothing read: a flat fill
+        first = (("1",), ())
+    return len(first[0]), len(first[1])
+
+
+def _flat(spec: KernelSpec) -> list[Param]:
+    row = spec.kind == "row"
+    nr, nc = flat_dims(spec)
+    params = _pointers(spec, bool(spec.split) and row, False)
+    if row:
+        names = ["n_rows", "n_cols"] + ([f"rsize{d}" for d in range(nr)] if nr > 1 else [])
+        names += [f"csize{d}" for d in range(nc)] if nc > 1 else []
+        names += ["n_split", "chunk"] if spec.split else []
+    else:
+        names = ["n_elements"] + ([f"size{d}" for d in range(nr)] if nr > 1 else [])
+    for name, ld in zip(load_names(spec), spec.loads):
+        names += strided(name, ld.rows, ld.cols, row)
+    for k, o in enumerate(spec.outputs):
+        names += strided(f"out{k}", o.rows, o.cols, row)
+    return params + _ints(names) + _scalars(spec)
+
+
+def _coordinate(spec: KernelSpec) -> list[Param]:
+    assert spec.domain is not None
+    nr = sum(1 for red in spec.domain if not red)
+    nc = len(spec.domain) - nr
+    params = _pointers(spec, bool(spec.split), bool(spec.flags))
+    if spec.kind == "row":
+        names = ["n_rows", "n_cols"] + ([f"rsize{d}" for d in range(nr)] if nr > 1 else [])
+        names += [f"csize{d}" for d in range(nc)] if nc > 1 else []
+        names += ["n_split", "chunk"] if spec.split else []
+    else:
+        names = ["n_elements"] + ([f"size{d}" for d in range(nr)] if nr > 1 else [])
+    for j, ld in enumerate(spec.loads):
+        names += [f"in{j}_stride{d}" for d, c in enumerate(ld.rows) if c == STRIDED]
+    for k, o in enumerate(spec.outputs):
+        names += [f"out{k}_stride{d}" for d, c in enumerate(o.rows) if c == STRIDED]
+    for i, n in enumerate(spec.nodes):
+        names += [f"m{i}_{k}" for k in range(n.nargs)]
+    return params + _ints(names) + _scalars(spec)
+
+
+def tile_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
+    """The loads a GEMM's epilogue and prologues read, each at its own tile (its role: "full" at the
+    product's, "a" / "b" at an operand's). A plain operand is read by the K loop through its own strides."""
+    used = {i for nd in nodes if REGISTRY[nd.op].kind is not OpKind.CONTRACTION for kind, i in nd.srcs if kind == "l"}
+    return sorted(used)
+
+
+def inner_products(nodes: tuple[NodeSpec, ...]) -> list[int]:
+    """The products a prologue recomputes at an operand's tiles (each with a K loop of its own)."""
+    return [i for i, nd in enumerate(nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role != "full"]
+
+
+def _gemm(spec: KernelSpec) -> list[Param]:
+    g = spec.gemm
+    assert g is not None
+    nb, out_dims = g.batch, (0 if g.sum_batch else g.batch) + 2
+    names = load_names(spec)
+    params = _pointers(spec, False, False)
+    ints = ["M", "N", "K", *(f"bsize{d}" for d in range(nb))]
+    for op, dims, classes, j in (("a", "mk", g.a_classes, g.a), ("b", "kn", g.b_classes, g.b)):
+        if j >= 0:  # read from memory (a prologue reads its own loads)
+            ints += [f"{op}_stride_b{d}" for d in range(nb)]
+            ints += [f"{op}_stride_{dim}" for dim, c in zip(dims, classes) if c == STRIDED]
+    for k in tile_loads(spec.nodes):
+        ld = spec.loads[k]
+        n_b = nb if ld.role in OPERAND_ROLES else out_dims - 2
+        ints += [f"{names[k]}_stride{d}" for d in range(n_b)]
+        ints += [f"{names[k]}_stride{n_b + i}" for i, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
+    for k, o in enumerate(spec.outputs):
+        if o.role == "full":  # a reduction of A is contiguous: one value per row of the product
+            ints += [f"out{k}_stride{d}" for d in range(out_dims - 1)]  # columns: stride 1
+    for i in inner_products(spec.nodes):  # a recomputed product: its contracted size, its operands' strides
+        ints.append(f"K{i}")
+        for _, k in spec.nodes[i].srcs:
+            ld = spec.loads[k]
+            ints += [f"{names[k]}_stride_b{d}" for d in range(nb)]
+            ints += [f"{names[k]}_stride{d}" for d, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
+    return params + _ints(ints) + _scalars(spec)
+
+
+def own_params(spec: KernelSpec) -> tuple[Param, ...]:
+    """The kernel's own parameters (without a tail's)."""
+    if spec.kind == "gemm":
+        return tuple(_gemm(spec))
+    return tuple(_flat(spec) if spec.domain is None else _coordinate(spec))
+
+
+def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
+    """Every parameter of the kernel, in signature order: its pointers, a tail's pointers and the
+    counter, its other parameters, a tail's other parameters (the ``tl.constexpr`` meta-parameters
+    follow them in the source)."""
+    own = own_params(spec)
+    if spec.tail is None:
+        return own
+    tail = [Param(f"t_{p.name}", p.kind, p.index) for p in own_params(spec.tail)]
+    ptrs = [p for p in own if p.kind in POINTERS]
+    tptrs = [p for p in tail if p.kind in POINTERS]
+    rest = [p for p in own if p.kind not in POINTERS]
+    trest = [p for p in tail if p.kind not in POINTERS]
+    return (*ptrs, *tptrs, Param("count_ptr", ParamKind.COUNTER), *rest, *trest)
+
+
+def pointer_slots(spec: KernelSpec, slots: Mapping[ParamKind, tuple[int, ...]]) -> tuple[int, ...]:
+    """The buffer slot each pointer parameter of ``spec`` (its own, no tail's) is bound to, in order,
+    from the slots of its inputs, outputs, partial states and flags by kind."""
+    return tuple(slots[p.kind][p.index] for p in own_params(spec) if p.kind in POINTERS)
+
+
+def with_tail_slots(spec: KernelSpec, head: tuple[int, ...], tail: tuple[int, ...], counter: int) -> tuple[int, ...]:
+    """The buffer slots of a head kernel with a tail (``spec.tail``): each pointer parameter's,
+    the head's from ``head``, the tail's from ``tail``, the counter's."""
+    heads, tails = iter(head), iter(tail)
+    pointers = [p for p in kernel_params(spec) if p.kind in POINTERS]
+    return tuple(
+        counter if p.kind is ParamKind.COUNTER else next(tails) if p.name.startswith("t_") else next(heads)
+        for p in pointers
+    )
+
+
+def launch_ints(spec: KernelSpec, values: Mapping[str, int]) -> tuple[int, ...]:
+    """The launch's integer arguments in parameter order, from their values by name (every one
+    given, none left over: a builder and the signature cannot disagree)."""
+    names = [p.name for p in own_params(spec) if p.kind is ParamKind.INT]
+    missing, extra = set(names) - set(values), set(values) - set(names)
+    assert not missing and not extra, f"launch values do not match the parameters: {missing} {extra}"
+    return tuple(values[n] for n in names)
