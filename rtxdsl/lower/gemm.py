@@ -27,7 +27,7 @@ from ..errors import RtxError
 from ..expr import Expr
 from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
-from .params import inner_products, tile_loads
+from .params import inner_products, launch_ints, load_names, tile_loads
 from .schedule import (
     INT32_LIMIT,
     Body,
@@ -118,8 +118,10 @@ def gemm_spec(
             precision="tf32" if tf32 and a.dtype == torch.float32 else "ieee",
         ),
     )
-    ints = [m, n, k, *batch, *_operand_ints(spec, (a, b), (sa, sb), batch)]
-    ints += _tile_ints(group, graph, bd, strides, at_tiles, inner)
+    values = {"M": m, "N": n, "K": k} | {f"bsize{d}": v for d, v in enumerate(batch)}
+    values |= _operand_values(spec, (a, b), (sa, sb), batch)
+    values |= _tile_values(spec, group, graph, bd, strides, inner)
+    ints = list(launch_ints(spec, values))
     kinds, vals = scalar_args(bd.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = replace(spec, scalars=tuple(kinds))
     scalar_inputs = scalar_positions(bd.slots, kinds, graph, len(ints))
@@ -143,43 +145,51 @@ TILE_META = (
 )
 
 
-def _operand_ints(
+def _operand_values(
     spec: KernelSpec, layouts: tuple[Layout, Layout], strides: tuple[tuple[int, int], tuple[int, int]], batch: tuple
-) -> list[int]:
-    """The strides of the operands read from memory (a prologue's strides are its loads')."""
+) -> dict[str, int]:
+    """The strides of the operands read from memory, by name (a prologue's strides are its loads')."""
     g = spec.gemm
     assert g is not None
-    ints: list[int] = []
-    for lay, st, cls, j in zip(layouts, strides, (g.a_classes, g.b_classes), (g.a, g.b)):
+    values: dict[str, int] = {}
+    for op, dims, lay, st, cls, j in zip("ab", ("mk", "kn"), layouts, strides, (g.a_classes, g.b_classes), (g.a, g.b)):
         if j >= 0:
-            ints += [*_batch_strides(lay, batch), *(v for v, c in zip(st, cls) if c == STRIDED)]
-    return ints
+            values |= {f"{op}_stride_b{d}": v for d, v in enumerate(_batch_strides(lay, batch))}
+            values |= {f"{op}_stride_{dim}": v for dim, v, c in zip(dims, st, cls) if c == STRIDED}
+    return values
 
 
-def _tile_ints(
+def _tile_values(
+    spec: KernelSpec,
     group: Group,
     graph: Graph,
     bd: Body,
     strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]],
-    at_tiles: list[int],
     inner: list[int],
-) -> list[int]:
-    """The launch's other integer arguments: loads at tiles (their strides), the outputs' row
-    strides, and each recomputed product's contracted size and operand strides."""
-    ints: list[int] = []
-    for i in at_tiles:
+) -> dict[str, int]:
+    """The launch's other integer arguments by name: loads at tiles (their strides), the outputs'
+    row strides, and each recomputed product's contracted size and operand strides."""
+    names = load_names(spec)
+    values: dict[str, int] = {}
+    for i in tile_loads(spec.nodes):
         over_batch, tile_strides = strides[i]
-        ints += [*over_batch, *(v for v in tile_strides if stride_class(v) == STRIDED)]
-    for o in group.outputs:
+        values |= {f"{names[i]}_stride{d}": v for d, v in enumerate(over_batch)}
+        n_b = len(over_batch)
+        values |= {f"{names[i]}_stride{n_b + d}": v for d, v in enumerate(tile_strides) if stride_class(v) == STRIDED}
+    for k, o in enumerate(group.outputs):
         if group.role(o) is Role.FULL:  # a reduction of A is one contiguous value per row of the product
-            ints += contiguous_strides(graph.of(o).shape)[:-1]  # the columns' stride is 1
+            row_strides = contiguous_strides(graph.of(o).shape)[:-1]  # the columns' stride is 1
+            values |= {f"out{k}_stride{d}": v for d, v in enumerate(row_strides)}
     for p in group.nodes:  # each recomputed product: its contracted size, its operands' strides
-        if bd.index.get(id(p)) in inner:
-            ints.append(graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1])
-            for _, i in bd.nodes[bd.index[id(p)]].srcs:
-                over_batch, (r, cl) = strides[i]
-                ints += [*over_batch, *(v for v, c in zip((r, cl), (_unit(r, cl), _unit(cl, r))) if c == STRIDED)]
-    return ints
+        i = bd.index.get(id(p))
+        if i in inner:
+            values[f"K{i}"] = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
+            for _, j in bd.nodes[i].srcs:
+                over_batch, (r, cl) = strides[j]
+                values |= {f"{names[j]}_stride_b{d}": v for d, v in enumerate(over_batch)}
+                classes = (_unit(r, cl), _unit(cl, r))
+                values |= {f"{names[j]}_stride{d}": v for d, (v, c) in enumerate(zip((r, cl), classes)) if c == STRIDED}
+    return values
 
 
 def _out_spec(node: int, dtype: torch.dtype, role: Role) -> OutSpec:

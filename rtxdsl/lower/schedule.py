@@ -22,6 +22,7 @@ from ..expr import Expr
 from ..ops import REGISTRY, DtypeRule, OpKind
 from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
+from .params import launch_ints, load_names, strided
 from .passes import levels
 from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
 from .target import GPU, Target
@@ -432,13 +433,15 @@ def kernel_spec(
     elif group.is_row:
         spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
 
-    if group.is_row:
-        ints = [n_rows, n_cols] + (row_sizes if len(row_sizes) > 1 else []) + (col_sizes if len(col_sizes) > 1 else [])
-        ints += [n_split, chunk] if n_split > 1 or spec.split else []
-    else:
-        ints = [numel] + (row_sizes if len(row_sizes) > 1 else [])
-    for r, c in zip(row_strides, col_strides):
-        ints += [s for s in r if stride_class(s) == STRIDED] + [s for s in c if stride_class(s) == STRIDED]
+    # a split row's arguments are its two kernels' (split_specs), which take the splits
+    launched = replace(spec, split="partial") if n_split > 1 and not spec.split else spec
+    values = _extents(group.is_row, n_rows, n_cols, row_sizes, col_sizes, n_split, chunk, launched.split)
+    names = [*load_names(spec), *(f"out{k}" for k in range(len(spec.outputs)))]
+    for name, r, c in zip(names, row_strides, col_strides):
+        values |= zip(
+            strided(name, tuple(map(stride_class, r)), tuple(map(stride_class, c)), group.is_row), _strided_values(r, c)
+        )
+    ints = list(launch_ints(launched, values))
 
     kinds, vals = scalar_args(b.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = replace(spec, scalars=tuple(kinds))
@@ -449,6 +452,24 @@ def kernel_spec(
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
     split = n_split if spec.split != "tile" else 1
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, split=split, rows=n_rows)
+
+
+def _extents(
+    row: bool, n_rows: int, n_cols: int, rows: list[int], cols: list[int], n_split: int, chunk: int, split: str | None
+) -> dict[str, int]:
+    """A kernel's extents by parameter name: rows by columns (each side's dims when several) and a
+    split row's splits; a pointwise kernel's element count (and its dims when several)."""
+    if not row:
+        return {"n_elements": n_rows} | ({f"size{d}": s for d, s in enumerate(rows)} if len(rows) > 1 else {})
+    values = {"n_rows": n_rows, "n_cols": n_cols}
+    values |= {f"rsize{d}": s for d, s in enumerate(rows)} if len(rows) > 1 else {}
+    values |= {f"csize{d}": s for d, s in enumerate(cols)} if len(cols) > 1 else {}
+    return values | ({"n_split": n_split, "chunk": chunk} if split else {})
+
+
+def _strided_values(*sides: list[int]) -> list[int]:
+    """The strides of strided dims (not unit, not broadcast), side by side."""
+    return [s for side in sides for s in side if stride_class(s) == STRIDED]
 
 
 def _coalesced(
@@ -516,16 +537,16 @@ def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Lau
 
 
 # ---- coordinate kernels: movement ops inside ----------------------------------------------------
-def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[Expr], list[NodeSpec], list[int]]:
+def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[Expr], list[NodeSpec], dict[str, int]]:
     """A coordinate kernel's node specs (its cone's free nodes too), in graph order: node id ->
-    spec index, the scalar slots, the specs, and the movement ops' launch arguments."""
+    spec index, the scalar slots, the specs, and the movement ops' launch arguments by name."""
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     members = {id(m) for m in group.nodes}
     inputs = {id(n): i for i, n in enumerate(group.inputs)}
     index: dict[int, int] = {}
     slots: list[Expr] = []
     specs: list[NodeSpec] = []
-    nargs: list[int] = []
+    nargs: dict[str, int] = {}
 
     def ref(s: Expr) -> tuple:
         if id(s) in index:
@@ -547,7 +568,7 @@ def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[E
         attrs = tuple((k, v) for k, v in n.attrs if k not in op.launch_attrs)
         ones = tuple(d == 1 for d in graph.of(n).shape)
         specs.append(NodeSpec(n.op, attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role, ones, len(args)))
-        nargs.extend(args)
+        nargs.update((f"m{len(specs) - 1}_{k}", a) for k, a in enumerate(args))
         index[id(n)] = len(specs) - 1
         return ("n", index[id(n)])
 
@@ -560,20 +581,20 @@ def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[E
 
 def _coordinate_operands(
     group: Group, graph: Graph, layouts: Mapping[int, Layout], index: dict[int, int]
-) -> tuple[list[LoadSpec], list[OutSpec], list[int], int]:
+) -> tuple[list[LoadSpec], list[OutSpec], dict[str, int], int]:
     """A coordinate kernel's loads and outputs, each with its own strides over its own dims (a
-    size-1 dim broadcast), their strided strides as launch arguments, and the farthest element
-    any of them reaches (64-bit offsets past int32)."""
+    size-1 dim broadcast), their strided strides as launch arguments by name, and the farthest
+    element any of them reaches (64-bit offsets past int32)."""
     domain = group.shape
     reduced = tuple(d in group.axes for d in range(len(domain)))
     loads = []
-    ints: list[int] = []
+    values: dict[str, int] = {}
     reach = math.prod(domain)
     for j, n in enumerate(group.inputs):
         lay = layouts[id(n)]
         classes = tuple(BCAST if size == 1 else stride_class(st) for size, st in zip(lay.shape, lay.strides))
         loads.append(LoadSpec(j, "full", classes, ()))
-        ints.extend(st for c, st in zip(classes, lay.strides) if c == STRIDED)
+        values |= {f"in{j}_stride{d}": st for d, (c, st) in enumerate(zip(classes, lay.strides)) if c == STRIDED}
         reach = max(reach, sum(abs(st) * (size - 1) for size, st in zip(lay.shape, lay.strides)))
     outs = []
     for o in group.outputs:
@@ -582,9 +603,10 @@ def _coordinate_operands(
         over = [0 if reduced[d] and role is not Role.FULL else next(strides) for d in range(len(domain))]
         over = [0 if size == 1 else st for size, st in zip(domain, over)]
         classes = tuple(stride_class(st) for st in over) if group.is_row else ()
+        k = len(outs)
         outs.append(OutSpec(index[id(o)], layouts[id(o)].dtype, role.value, classes, ()))
-        ints.extend(st for c, st in zip(classes, over) if c == STRIDED)
-    return loads, outs, ints, reach
+        values |= {f"out{k}_stride{d}": st for d, (c, st) in enumerate(zip(classes, over)) if c == STRIDED}
+    return loads, outs, values, reach
 
 
 def coordinate_spec(
@@ -604,8 +626,8 @@ def coordinate_spec(
     index, slots, specs, nargs = _coordinate_body(group, graph)
     domain = group.shape
     reduced = tuple(d in group.axes for d in range(len(domain)))
-    loads, outs, ints, reach = _coordinate_operands(group, graph, layouts, index)
-    ints.extend(nargs)
+    loads, outs, values, reach = _coordinate_operands(group, graph, layouts, index)
+    values |= nargs
 
     rows = [domain[d] for d in range(len(domain)) if not reduced[d]]
     cols = [domain[d] for d in range(len(domain)) if reduced[d]]
@@ -641,22 +663,22 @@ def coordinate_spec(
         flags=tuple(i for i, n in enumerate(specs) if REGISTRY[n.op].index_operand is not None),
         gemm=tile,
     )
-    n_split = 1
+    n_split, chunk = 1, n_cols
     if group.is_row:
-        head = [n_rows, n_cols] + (rows if len(rows) > 1 else []) + (cols if len(cols) > 1 else [])
         if tile is None:
             spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
         else:  # a product's row is reduced by one program (its tiles are not split across programs)
             programs = -(-n_rows // cfg.rows_per_program)
-        head += [n_split, chunk] if n_split > 1 else []
         grid, meta = grid_and_meta(cfg, programs * n_split, 0, target)
         if tile is not None:
             meta += (("BLOCK_K", tile.block_k), ("num_stages", tile.num_stages))
     else:
-        numel = math.prod(domain)
-        head = [numel] + (list(domain) if len(domain) > 1 else [])
-        grid, meta = grid_and_meta(None, 0, numel, target)
-    ints = head + ints
+        n_rows, rows = math.prod(domain), list(domain)
+        grid, meta = grid_and_meta(None, 0, n_rows, target)
+    # a split row's arguments are its two kernels' (split_specs), which take the splits
+    launched = replace(spec, split="partial") if n_split > 1 and not spec.split else spec
+    values |= _extents(group.is_row, n_rows, n_cols, rows, cols, n_split, chunk, launched.split)
+    ints = list(launch_ints(launched, values))
     scalar_inputs = scalar_positions(tuple(slots), kinds, graph, len(ints))
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
     by_index = {i: n for n in (*group.cone, *group.nodes) if (i := index.get(id(n))) is not None}
