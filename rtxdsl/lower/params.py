@@ -10,6 +10,7 @@ ticket counter, then its other parameters after the head's, each named ``t_<name
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -163,13 +164,15 @@ def _gemm(spec: KernelSpec) -> list[Param]:
     return params + _ints(ints) + _scalars(spec)
 
 
+@functools.lru_cache(maxsize=4096)
 def own_params(spec: KernelSpec) -> tuple[Param, ...]:
-    """The kernel's own parameters (without a tail's)."""
+    """The kernel's own parameters (without a tail's); built once per spec."""
     if spec.kind == "gemm":
         return tuple(_gemm(spec))
     return tuple(_flat(spec) if spec.domain is None else _coordinate(spec))
 
 
+@functools.lru_cache(maxsize=4096)
 def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     """Every parameter of the kernel, in signature order: its pointers, a tail's pointers and the
     counter, its other parameters, a tail's other parameters (the ``tl.constexpr`` meta-parameters
