@@ -113,16 +113,27 @@ PIECE_TOLERANCE = {
 }
 
 
-def _assemble(outputs: dict, inputs: dict) -> None:
-    """Every way the analysis claims, checked: cut, run each piece alone, put the pieces together."""
-    reference = rx.FusionConfig(backend="torch")
-    k = rx.compile(outputs, config=reference)
+REFERENCE = rx.FusionConfig(backend="torch")
+
+
+def _whole(outputs: dict, inputs: dict):
+    """The kernel (torch, op by op), its full results and its sharding analysis; None for a
+    program torch itself rejects."""
+    k = rx.compile(outputs, config=REFERENCE)
     try:
         full = k(**inputs)
         found = sharding(k.program(**inputs).plan.graph)
     except (RuntimeError, rx.RtxError):
+        return None
+    return k, (full if isinstance(full, dict) else {"out": full}), found
+
+
+def _assemble(outputs: dict, inputs: dict) -> None:
+    """Every way the analysis claims, checked: cut, run each piece alone, put the pieces together."""
+    whole = _whole(outputs, inputs)
+    if whole is None:
         return
-    full = full if isinstance(full, dict) else {"out": full}
+    k, full, found = whole
     for outs, ins in found.ways:
         cut = [_pieces(inputs[n], d) for n, d in zip(k.inputs, ins)]
         parts = [k(*[c[i] for c in cut]) for i in range(2)]
@@ -221,20 +232,16 @@ def test_a_graph_runs_in_pieces_along_a_reduced_axis_or_says_why(outputs, shapes
 def test_every_graph_that_runs_in_pieces_gives_the_full_result(p):
     """A differential check: every input axis the sharding keeps whole, run in two pieces where
     ``lower.pieces`` says it can (torch, op by op, float64), equals the whole."""
-    reference = rx.FusionConfig(backend="torch")
     inputs = {n: v.double() if v.is_floating_point() else v for n, v in p.inputs.items()}
-    k = rx.compile(p.outputs, config=reference)
-    try:
-        full = k(**inputs)
-        found = sharding(k.program(**inputs).plan.graph)
-    except (RuntimeError, rx.RtxError):
+    whole = _whole(p.outputs, inputs)
+    if whole is None:
         return
-    full = full if isinstance(full, dict) else {"out": full}
-    for name, whole in zip(k.inputs, found.whole):
-        for dim, why in enumerate(whole):
+    k, full, found = whole
+    for name, kept in zip(k.inputs, found.whole):
+        for dim, why in enumerate(kept):
             if not why or inputs[name].shape[dim] < 2:
                 continue
-            got = _in_pieces(p.outputs, inputs, name, dim, 2, reference)
+            got = _in_pieces(p.outputs, inputs, name, dim, 2, REFERENCE)
             if isinstance(got, str):
                 continue
             for key, want in full.items():

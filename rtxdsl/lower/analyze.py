@@ -891,7 +891,7 @@ def absorb_prologues(
         home = work[homes[id(s)]]
         tiled = _tiled_cone(s, graph)
         if tiled is not None:  # a product no kernel writes: every reader computes it in its K loop
-            found = _recompute_unless_read_elsewhere(s, tiled, readers[id(s)], work, graph, consumers, requested)
+            found = _recompute_in_prologues(s, tiled, readers[id(s)], work, graph, consumers, requested)
             if found is not None:
                 emptied += found
                 continue
@@ -975,26 +975,6 @@ def _tiled_cone(s: Expr, graph: Graph, needs_product: bool = True) -> list[Expr]
     return out if found or not needs_product else None
 
 
-def _recompute_unless_read_elsewhere(
-    s: Expr,
-    chain: list[Expr],
-    gemm_readers: list[tuple[_Work, Role]],
-    work: list[_Work],
-    graph: Graph,
-    consumers: dict[int, list[Expr]],
-    requested: set[int],
-) -> list[_Work] | None:
-    """:func:`_recompute_in_prologues`, undone (None) when a value of ``chain`` would still be read
-    by a kernel other than the GEMMs (:func:`_leaks`): the product is then written as usual."""
-    before = [(w.nodes[:], dict(w.roles), w.notes[:]) for w in work]
-    found = _recompute_in_prologues(s, chain, gemm_readers, work, graph, consumers, requested)
-    if not _leaks(chain, gemm_readers, work, requested, consumers):
-        return found
-    for w, (nodes, roles, notes) in zip(work, before):
-        w.nodes, w.roles, w.notes = nodes, roles, notes
-    return None
-
-
 def _recompute_in_prologues(
     s: Expr,
     chain: list[Expr],
@@ -1003,11 +983,14 @@ def _recompute_in_prologues(
     graph: Graph,
     consumers: dict[int, list[Expr]],
     requested: set[int],
-) -> list[_Work]:
+) -> list[_Work] | None:
     """Operand ``s`` of ``gemm_readers``, computed from a product no kernel writes (``chain``, see
     :func:`_tiled_cone`), becomes each reader's prologue whatever the traffic model would say:
     keeping a tokens x vocabulary buffer unwritten is the point. The kernels that computed parts
-    of it keep only what their other nodes need; those left with nothing to write are returned."""
+    of it keep only what their other nodes need; those left with nothing to write are returned.
+    Undone (None) when a value of ``chain`` would still be read by a kernel other than the GEMMs
+    (:func:`_leaks`): the product is then written as usual."""
+    before = [(w.nodes[:], dict(w.roles), w.notes[:]) for w in work]
     members = {id(m) for m in chain}
     for w, side in gemm_readers:
         for m in chain:
@@ -1025,7 +1008,11 @@ def _recompute_in_prologues(
     for w, side in gemm_readers:
         if side is Role.A:
             emptied += _reduce_in_k_loop(w, [s, *chain], work, graph, consumers, requested)
-    return emptied
+    if not _leaks(chain, gemm_readers, work, requested, consumers):
+        return emptied
+    for w, (nodes, roles, notes) in zip(work, before):  # written after all: as it was
+        w.nodes, w.roles, w.notes = nodes, roles, notes
+    return None
 
 
 def _leaks(
