@@ -404,13 +404,10 @@ def kernel_spec(
 
     if tile is not None and tile_shape is not None:
         cfg = Config(tile_shape[1], tile_shape[0], True, 4)
+    elif group.is_row:
+        cfg = row_config(n_rows, n_cols, target, _is_column(group, layouts, b, classes))
     else:  # pointwise: the block is a launch parameter, no size ever enters the signature
-        row = group.is_row
-        cfg = (
-            row_config(n_rows, n_cols, target, _is_column(group, layouts, b, classes))
-            if row
-            else Config(0, 1, False, 0)
-        )
+        cfg = Config(0, 1, False, 0)
     spec = KernelSpec(
         kind="row" if group.is_row else "pointwise",
         in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
@@ -436,12 +433,7 @@ def kernel_spec(
     # a split row's arguments are its two kernels' (split_specs), which take the splits
     launched = replace(spec, split="partial") if n_split > 1 and not spec.split else spec
     values = _extents(group.is_row, n_rows, n_cols, row_sizes, col_sizes, n_split, chunk, launched.split)
-    names = [*load_names(spec), *(f"out{k}" for k in range(len(spec.outputs)))]
-    for name, r, c in zip(names, row_strides, col_strides):
-        values |= zip(
-            strided(name, tuple(map(stride_class, r)), tuple(map(stride_class, c)), group.is_row), _strided_values(r, c)
-        )
-    ints = list(launch_ints(launched, values))
+    ints = list(launch_ints(launched, values | _flat_strides(spec, row_strides, col_strides)))
 
     kinds, vals = scalar_args(b.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = replace(spec, scalars=tuple(kinds))
@@ -465,6 +457,19 @@ def _extents(
     values |= {f"rsize{d}": s for d, s in enumerate(rows)} if len(rows) > 1 else {}
     values |= {f"csize{d}": s for d, s in enumerate(cols)} if len(cols) > 1 else {}
     return values | ({"n_split": n_split, "chunk": chunk} if split else {})
+
+
+def _flat_strides(spec: KernelSpec, rows: list[list[int]], cols: list[list[int]]) -> dict[str, int]:
+    """A flat kernel's strides by name: each load's (then each output's, in a row kernel) strided
+    row dims, then its strided column dims."""
+    names = [*load_names(spec), *(f"out{k}" for k in range(len(spec.outputs)))]
+    row = spec.kind == "row"
+    values: dict[str, int] = {}
+    for name, r, c in zip(names, rows, cols):
+        values |= zip(
+            strided(name, tuple(map(stride_class, r)), tuple(map(stride_class, c)), row), _strided_values(r, c)
+        )
+    return values
 
 
 def _strided_values(*sides: list[int]) -> list[int]:
