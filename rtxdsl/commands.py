@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from .build import compile_kernel
 from .library import Entry, Library, LibraryError, load_library, size_label
-from .runtime import interpreter_active
+from .runtime_launch import interpreter_active
 
 #: (atol, rtol) against a float64 reference, by output dtype (kernels compute half types in fp32)
 TOLERANCE = {

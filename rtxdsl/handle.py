@@ -1,4 +1,5 @@
-"""What the torch integration (``torchop``) and DTensor calls (``dtensor``) may ask of a kernel.
+"""What the modules below ``runtime`` (torch integration, DTensor calls, prepared calls,
+gradient plans and inspection) may ask of a kernel.
 
 ``runtime.Kernel`` implements it; the modules below runtime hold kernels through this protocol,
 so the one-way module graph is also one-way in what is read: no ``Any`` handles, no private fields.
@@ -40,7 +41,12 @@ class KernelHandle(Protocol):
     @property
     def torch_op(self) -> Any: ...
 
+    @property
+    def stats(self) -> Any: ...
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def reference(self, tensors: tuple) -> Any: ...
 
     def derived(self, outputs: Mapping[str, Expr]) -> KernelHandle: ...
 

@@ -15,7 +15,8 @@ import torch
 from . import dsl
 from .dtensor import is_dtensor
 from .ops import REGISTRY
-from .runtime import Kernel, land
+from .runtime import Kernel
+from .runtime_grad import land
 
 _maximum, _sqrt = REGISTRY.functions["maximum"], REGISTRY.functions["sqrt"]
 

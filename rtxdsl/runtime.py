@@ -14,21 +14,16 @@ Triton's interpreter, CPU tensors; it is not thread-safe, so launches are serial
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.compiler import is_dynamo_compiling
-from torch.library import wrap_triton
 
-from .cache import GLOBAL_CACHE, CompiledKernel
-from .codegen.module import kernel_source
+from .cache import GLOBAL_CACHE
 from .config import FusionConfig, get_config
 from .dtensor import DistributedCall, is_dtensor, offer_sharding
 from .dtypes import SHORT_NAME, check_supported
@@ -41,267 +36,25 @@ from .errors import (
     UnknownInputError,
 )
 from .expr import Expr, as_expr, node, variables, walk
-from .lower import InputMeta, Layout, Program, Target, intermediate_dtype, lower, target_for
-from .lower.schedule import candidates, encode_scalar
+from .handle import KernelHandle
+from .lower import InputMeta, Layout, Program, Target, lower, target_for
 from .lower.vjp import COTANGENT, GRADIENT, KEPT, Gradients, differentiate
 from .lru import LRU
 from .ops import REGISTRY, apply_ref
 from .ops.random import SEED_PREFIX, draw_seed
+from .runtime_explain import PlanSummary, explain_text
+from .runtime_grad import GradFunction, GradPlan, InForward, dtype_of_input, gradient_in_forward, named_var
+from .runtime_launch import (
+    PreparedCall,
+    backend_for,
+    checking,
+    compiled_kernel,
+    device_of,
+    generate_run,
+    interpreter_active,
+)
 from .stats import GLOBAL_STATS, FusionStats
 from .torchop import fixed_sizes, kernel_op, make_op, register_kernel, saving_op
-from .tune import Tuned, tuned_path
-
-#: Triton's interpreter keeps global state (the current program id, patched tl functions)
-INTERPRETER_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True)
-class PlanSummary:
-    """What a call launches and moves, next to eager torch and the minimum (inputs once, outputs once)."""
-
-    kernels: int
-    fused: int
-    eager_launches: int
-    bytes_moved: int
-    bytes_eager: int
-    bytes_minimum: int
-    patterns: tuple[str, ...]
-    backend: str
-
-
-class PreparedCall:
-    """A prepared call for one input layout: a generated ``run(tensors)`` that allocates the
-    outputs, launches each kernel with its precomputed arguments, counts, and packs the result."""
-
-    __slots__ = ("program", "backend", "note", "config", "device", "any_grad", "run", "source")
-
-    def __init__(self, kernel: Kernel, program: Program, config: FusionConfig, tensors: tuple[Any, ...]) -> None:
-        device = _device_of(tensors)
-        self.program = program
-        self.config = config
-        self.device = device
-        self.any_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-        self.backend, self.note = _backend_for(config, device)
-        if self.backend == "torch":
-            p, record = program, kernel._stats.record
-
-            def run(ts: tuple[Any, ...]) -> Any:
-                results = kernel._reference(ts)
-                record(p.eager_launches, 0, p.eager_launches, p.eager_bytes, p.eager_bytes)
-                return results
-
-            self.run, self.source = run, ""
-        else:
-            self.run, self.source = _generate_run(kernel, program, config, tensors, self.backend == "interpreter")
-
-
-def _generate_run(
-    kernel: Kernel,
-    program: Program,
-    config: FusionConfig,
-    tensors: tuple[Any, ...],
-    interpret: bool,
-    graph: bool = False,
-) -> tuple[Any, str]:
-    """``run(tensors)`` for one launch, as straight-line python (a fixed template, no user text).
-
-    ``graph``: the run torch.compile's graph holds on CUDA (:meth:`Kernel.graph_run`): each launch
-    through ``torch.library.wrap_triton`` (traceable, so Inductor sees the kernel), a tail's counter
-    zeroed per call (a graph keeps no state between calls), no tuning, no counting."""
-    scope: dict[str, Any] = {"empty_like": torch.empty_like, "empty": torch.empty, "DEV": _device_of(tensors)}
-    n = len(tensors)
-    lines = ["def run(tensors):"]
-    if n:
-        lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
-    names = [f"t{i}" for i in range(n)]
-    lines += _buffer_lines(program, tensors, graph, scope, names)
-    if not config.dry_run:
-        lines += _launch_lines(program, config, interpret, graph, scope, names)
-        if not graph:
-            p = program
-            scope["record"] = kernel._stats.record
-            lines.append(
-                f"    record({p.kernels_launched}, {p.fused}, {p.eager_launches}, {p.bytes_moved}, {p.eager_bytes})"
-            )
-    if program.scalar_outputs:
-        scope["finish"] = _finisher(kernel, program, scope["DEV"])
-        lines.append(f"    return finish([{', '.join(names)}])")
-    elif kernel._single:
-        lines.append(f"    return {names[program.outputs[0][1]]}")
-    else:
-        packed = ", ".join(f"{key!r}: {names[slot]}" for key, slot in program.outputs)
-        lines.append(f"    return {{{packed}}}")
-    source = "\n".join(lines) + "\n"
-    exec(source, scope)  # noqa: S102 - generated from the program's structure, no user text
-    return scope["run"], source
-
-
-def _buffer_lines(
-    program: Program, tensors: tuple[Any, ...], graph: bool, scope: dict[str, Any], names: list[str]
-) -> list[str]:
-    """The run's allocations, one line per buffer (its name appended to ``names``)."""
-    lines = []
-    for k, b in enumerate(program.buffers):
-        names.append(f"b{k}")
-        if b.persistent and not graph:  # a tail's counter: zeroed once (per CUDA stream), left at zero
-            device = _device_of(tensors)
-            if device.type == "cuda":
-                scope[f"KEPT{k}"] = _PerStream(b.shape, b.dtype, device)
-                lines.append(f"    b{k} = KEPT{k}()")
-            else:  # launches are serialized (the interpreter's lock): one is enough
-                scope[f"KEPT{k}"] = torch.zeros(b.shape, dtype=b.dtype, device=device)
-                lines.append(f"    b{k} = KEPT{k}")
-            continue
-        if b.zero or b.persistent:  # index-check flags; a tail's counter in a graph
-            scope[f"SHAPE{k}"], scope[f"DT{k}"], scope["zeros"] = b.shape, b.dtype, torch.zeros
-            lines.append(f"    b{k} = zeros(SHAPE{k}, dtype=DT{k}, device=DEV)")
-            continue
-        same = next(
-            (i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and tuple(t.shape) == b.shape
-             and t.dtype == b.dtype and t.is_contiguous()),
-            None,
-        )  # fmt: skip
-        if same is not None:  # empty_like of a matching contiguous input is the cheapest allocation
-            lines.append(f"    b{k} = empty_like(t{same})")
-        else:
-            scope[f"SHAPE{k}"], scope[f"DT{k}"] = b.shape, b.dtype
-            lines.append(f"    b{k} = empty(SHAPE{k}, dtype=DT{k}, device=DEV)")
-    return lines
-
-
-def _launch_lines(
-    program: Program, config: FusionConfig, interpret: bool, graph: bool, scope: dict[str, Any], names: list[str]
-) -> list[str]:
-    """The run's launches, then the index checks read after them."""
-    lines = []
-    for j, call in enumerate(program.launched):
-        compiled = _compiled(call.spec, call.summary, config)
-        fn = compiled.function(interpret)
-        # a kernel writing into an input cannot be timed by running it again: never tuned
-        in_place = any(slot < program.n_inputs for slot in call.out_slots)
-        if graph:
-            scope[f"L{j}"] = Interpreted(fn, call.grid) if interpret else wrap_triton(fn)[call.grid]
-        elif config.autotune and not in_place:
-            scope[f"L{j}"] = _tuned(fn, interpret, call, compiled.signature, config, scope["DEV"])
-        else:
-            scope[f"L{j}"] = Interpreted(fn, call.grid) if interpret else fn[call.grid]
-        scope[f"META{j}"] = dict(call.meta)
-        operands = ", ".join(names[i] for i in call.buffers)
-        if call.scalar_inputs:
-            scope[f"ARGS{j}"] = _ArgFill(call.args, call.scalar_inputs)
-            args = f"*ARGS{j}(tensors)"
-        else:
-            scope[f"ARGS{j}"] = call.args
-            args = f"*ARGS{j}"
-        lines.append(f"    L{j}({operands}, {args}, **META{j})")
-    for j, call in enumerate(program.launched):
-        if call.checks and _checking(config, scope["DEV"]):  # one flag read after the launch
-            scope[f"CHECK{j}"] = _IndexCheck(call.checks)
-            lines.append(f"    CHECK{j}({names[call.flags_slot]})")
-    return lines
-
-
-def _checking(config: FusionConfig, device: torch.device) -> bool:
-    """Are gathers' index-check flags read after the launch (always on CPU; on CUDA unless turned off)?"""
-    return config.check_indices or device.type == "cpu"
-
-
-def _tuned(fn: Any, interpret: bool, call: Any, signature: str, config: FusionConfig, device: torch.device) -> Tuned:
-    """A launcher that times its family's launch options on first use (or reads the stored winner)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
-
-    def launch_for(grid: tuple[int, ...]) -> Any:
-        return Interpreted(fn, grid) if interpret else fn[grid]
-
-    options = candidates(call.spec, call.meta, call.grid, call.args)
-    return Tuned(launch_for, options, tuned_path(config.resolved_cache_dir, signature, name), name)
-
-
-class _PerStream:
-    """A tail's counter per CUDA stream: launches of one kernel on two streams may overlap, and a
-    shared counter would hand the last ticket to the wrong launch."""
-
-    __slots__ = ("shape", "dtype", "device", "kept")
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self.kept: dict[int, torch.Tensor] = {}
-
-    def __call__(self) -> torch.Tensor:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        t = self.kept.get(stream)
-        if t is None:
-            t = self.kept[stream] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        return t
-
-
-class _IndexCheck:
-    """Raises for the first flag a kernel set: an index it was asked to read was out of range."""
-
-    __slots__ = ("messages",)
-
-    def __init__(self, messages: tuple[str, ...]) -> None:
-        self.messages = messages
-
-    def __call__(self, flags: torch.Tensor) -> None:
-        if flags.any():
-            raise RtxError(self.messages[int(flags.nonzero()[0, 0])])
-
-
-class _ArgFill:
-    """A kernel's arguments with the scalar inputs of this call filled in."""
-
-    __slots__ = ("args", "fills")
-
-    def __init__(self, args: tuple[Any, ...], fills: tuple[tuple[int, int, str], ...]) -> None:
-        self.args = args
-        self.fills = fills
-
-    def __call__(self, tensors: tuple[Any, ...]) -> list[Any]:
-        out = list(self.args)
-        for pos, j, kind in self.fills:
-            out[pos] = encode_scalar(tensors[j], kind)
-        return out
-
-
-class Interpreted:
-    """An interpreted kernel launch: serialized, numpy's floating-point warnings silenced
-    (masked lanes compute e.g. log(0))."""
-
-    __slots__ = ("launcher",)
-
-    def __init__(self, fn: Any, grid: tuple[int, ...]) -> None:
-        self.launcher = fn[grid]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with INTERPRETER_LOCK, np.errstate(all="ignore"):
-            return self.launcher(*args, **kwargs)
-
-
-def _compiled(spec: Any, summary: str, config: FusionConfig) -> CompiledKernel:
-    return GLOBAL_CACHE.get(spec, summary, config.cache_size, config.resolved_cache_dir, kernel_source)
-
-
-@dataclass(frozen=True)
-class GradPlan:
-    """Forward (outputs + saved statistics) and backward kernels for one input layout.
-
-    ``passthrough``: gradients that are a cotangent as it is (a residual add's), handed on
-    without a kernel, as torch's ``AddBackward`` does (gradient key -> the cotangent's name);
-    ``backward`` computes the rest (None when nothing is left)."""
-
-    forward: Kernel
-    backward: Kernel | None
-    grads: Gradients
-    input_names: tuple[str, ...]
-    passthrough: tuple[tuple[str, str], ...] = ()
-
-    def gradients(self, feed: Mapping[str, Any]) -> dict[str, Any]:
-        """Every gradient by key: the backward kernel's, and the passed-through cotangents."""
-        b = self.backward
-        outs = dict(b(**{name: feed[name] for name in b.inputs})) if b is not None else {}
-        outs.update((key, feed[name]) for key, name in self.passthrough)
-        return outs
 
 
 class Kernel:
@@ -373,11 +126,16 @@ class Kernel:
         self.op_key: str = register_kernel(self, self._into, bool(self._seeds))
         # saving plans made while torch.compile traces (fake tensors), apart from the real ones
         self._traced_plans: LRU[tuple, GradPlan] = LRU((config or get_config()).launch_cache_size)
-        self._in_forward = _gradient_in_forward(self._outputs)  # a loss(..., grad_in_forward=True)
+        self._in_forward = gradient_in_forward(self._outputs)  # a loss(..., grad_in_forward=True)
 
     @property
     def config(self) -> FusionConfig:
         return self._config or get_config()
+
+    @property
+    def stats(self) -> FusionStats:
+        """The counters this kernel's calls record into (the global ones unless given)."""
+        return self._stats
 
     def derived(self, outputs: Mapping[str, Expr]) -> Kernel:
         """A kernel of other outputs with this one's configuration and statistics (the pieces
@@ -480,7 +238,7 @@ class Kernel:
             True
         """
         cfg = self.config
-        if self._seeds or cfg.dry_run or _backend_for(cfg, _device_of(tensors))[0] != "triton":
+        if self._seeds or cfg.dry_run or backend_for(cfg, device_of(tensors))[0] != "triton":
             return None
         if any(is_dtensor(t) for t in tensors) or not fixed_sizes(tensors):
             return None
@@ -489,9 +247,9 @@ class Kernel:
     def _graph_run(self, tensors: tuple[Any, ...], cfg: FusionConfig, interpret: bool) -> Any | None:
         self._validate(tensors, cfg)
         program = self._lower(tensors, cfg)
-        if _checking(cfg, _device_of(tensors)) and any(c.checks for c in program.launched):
+        if checking(cfg, device_of(tensors)) and any(c.checks for c in program.launched):
             return None
-        return _generate_run(self, program, cfg, tensors, interpret, graph=True)[0]
+        return generate_run(self, program, cfg, tensors, interpret, graph=True)[0]
 
     @property
     def draws_seeds(self) -> bool:
@@ -500,7 +258,7 @@ class Kernel:
 
     def reference_on(self, tensors: tuple[Any, ...]) -> Any:
         """The torch reference, op by op, on the given inputs (fake tensors too; seeds 0)."""
-        return self._reference((*tensors, *[0] * self._seeds))
+        return self.reference((*tensors, *[0] * self._seeds))
 
     def _traced(self, args: tuple, kwargs: dict) -> Any:
         """The call as torch.compile records it: ``rtxdsl::kernel``; differentiated at fixed sizes,
@@ -546,7 +304,7 @@ class Kernel:
         if plan is None:
             plan = self._grad_plan(launch.program, needs, mode)
             self._grads.put((key, needs, mode), plan)
-        results = _Apply.apply(plan, *tensors)
+        results = GradFunction.apply(plan, *tensors)
         if self._single:
             return results[0]
         return dict(zip(plan.grads.user_keys, results))
@@ -576,10 +334,12 @@ class Kernel:
         input_of = {key: v for v, key in grads.grad_of}
         units, scaled, kept, grad_of = {}, {}, {}, []
         for k, (key, unit) in enumerate(grads.backward):
-            dtype = _dtype_of(program, input_of[key])
+            dtype = dtype_of_input(program, input_of[key])
             units[key] = node("cast", unit, dtype=dtype)  # expand drops a cast to the dtype it has
             kept[key] = f"{KEPT}{k}"
-            scaled[f"{GRADIENT}{k}"] = node("cast", node("mul", _var(f"{KEPT}{k}"), _var(f"{COTANGENT}0")), dtype=dtype)
+            scaled[f"{GRADIENT}{k}"] = node(
+                "cast", node("mul", named_var(f"{KEPT}{k}"), named_var(f"{COTANGENT}0")), dtype=dtype
+            )
             grad_of.append((input_of[key], f"{GRADIENT}{k}"))
         stats = Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False)
         into = {key: name for key in units if input_of[key] == name} if reuse else None
@@ -594,7 +354,7 @@ class Kernel:
             grad_of=tuple(grad_of),
             float_outputs=grads.float_outputs,
         )
-        forward = _InForward(stats, gradient, kept, grads.saved_keys, name)
+        forward = InForward(stats, gradient, kept, grads.saved_keys, name)
         return GradPlan(forward, backward, plan, tuple(v.attr("name") for v in self._vars))  # type: ignore[arg-type]
 
     def grad_plan(self, *args: Any, **kwargs: Any) -> GradPlan:
@@ -707,7 +467,7 @@ class Kernel:
             Layout(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors
         )
         if target is None:
-            target = target_for(_device_of(tensors), _backend_for(cfg, _device_of(tensors))[0] != "triton")
+            target = target_for(device_of(tensors), backend_for(cfg, device_of(tensors))[0] != "triton")
         GLOBAL_CACHE.count_plan()
         return lower(self._outputs, self._vars, metas, cfg, target, self._into)
 
@@ -719,8 +479,15 @@ class Kernel:
             return DistributedCall(self, program, tensors)
         return PreparedCall(self, program, cfg, tensors)
 
-    def _reference(self, tensors: tuple) -> Any:
-        """Evaluate with torch ops, op by op (backend 'torch', or fusion disabled)."""
+    def reference(self, tensors: tuple) -> Any:
+        """Evaluate with torch ops, op by op (backend 'torch', or fusion disabled), on the inputs in
+        variable order (hidden seeds included).
+
+        Example:
+            >>> import torch, rtxdsl as rx
+            >>> rx.compile(rx.var("x") * 2.0).reference((torch.ones(2),)).tolist()
+            [2.0, 2.0]
+        """
         vals: dict[int, Any] = {id(v): t for v, t in zip(self._vars, tensors)}
         for n in walk([e for _, e in self._outputs]):
             if id(n) in vals:
@@ -729,7 +496,7 @@ class Kernel:
                 vals[id(n)] = n.attr("value")
                 continue
             vals[id(n)] = apply_ref(REGISTRY[n.op], [vals[id(s)] for s in n.srcs], n.attr_dict)
-        device = _device_of(tensors)
+        device = device_of(tensors)
         res = {}
         for k, e in self._outputs:
             r = vals[id(e)]
@@ -749,13 +516,13 @@ class Kernel:
 
     def explain(self, *args: Any, **kwargs: Any) -> str:
         """The plan for these inputs: groups, pattern, launches, passes and bytes, against eager torch."""
-        return _explain(self, self._launch_for(args, kwargs))
+        return explain_text(self, self._launch_for(args, kwargs))
 
     def sources(self, *args: Any, **kwargs: Any) -> list[str]:
         """Generated Triton source, one string per kernel the call launches."""
         cfg = self.config
         program = self.program(*args, **kwargs)
-        return [_compiled(k.spec, k.summary, cfg).source for k in program.kernels]
+        return [compiled_kernel(k.spec, k.summary, cfg).source for k in program.kernels]
 
     def launches(self, *args: Any, **kwargs: Any) -> int:
         """How many kernels a call with these inputs launches."""
@@ -774,7 +541,7 @@ class Kernel:
         tensors = self.collect(args, kwargs)
         device = self._validate(tensors, cfg)
         p = self._lower(tensors, cfg)
-        backend, _ = _backend_for(cfg, device)
+        backend, _ = backend_for(cfg, device)
         torch_run = backend == "torch"
         return PlanSummary(
             p.eager_launches if torch_run else p.kernels_launched,
@@ -788,106 +555,7 @@ class Kernel:
         )
 
 
-class _Apply(torch.autograd.Function):
-    """Fused forward saving the row statistics; fused backward reading them (autograd
-    materializes the cotangents of unused outputs as zeros)."""
-
-    @staticmethod
-    def forward(ctx: Any, plan: GradPlan, *inputs: Any) -> Any:
-        outs = plan.forward(**dict(zip(plan.input_names, inputs)))
-        g = plan.grads
-        ctx.plan = plan
-        ctx.scalars = {i: v for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor)}
-        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)], *[outs[k] for k in g.saved_keys])
-        results = tuple(outs[k] for k in g.user_keys)
-        ctx.mark_non_differentiable(*[r for r, f in zip(results, g.float_outputs) if not f])
-        return results
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        if torch.is_grad_enabled():
-            raise RtxError("double backward through an rtxdsl kernel is not supported (create_graph=True)")
-        plan: GradPlan = ctx.plan
-        g = plan.grads
-        saved = iter(ctx.saved_tensors)
-        inputs = [ctx.scalars[i] if i in ctx.scalars else next(saved) for i in range(len(plan.input_names))]
-        feed = dict(zip(plan.input_names, inputs))
-        feed.update(zip(g.saved_keys, saved))
-        feed.update({f"{COTANGENT}{k}": gr for k, (gr, f) in enumerate(zip(grads, g.float_outputs)) if f})
-        outs = plan.gradients(feed)
-        grad_of = dict(g.grad_of)
-        grads_in = []
-        for name, t in zip(plan.input_names, inputs):
-            gi = outs[grad_of[name]] if name in grad_of else None
-            grads_in.append(gi if gi is None or gi.shape == t.shape else gi.expand(t.shape))
-        return (None, *grads_in)
-
-
-class _InForward:
-    """The forward of a loss marked ``grad_in_forward=True``: the loss kernel, then the gradient
-    kernels fed the loss's row statistics and a unit cotangent (``kept``: gradient key -> the name
-    it is saved under)."""
-
-    def __init__(
-        self, stats: Kernel, gradient: Kernel, kept: dict[str, str], saved: tuple[str, ...], first: str
-    ) -> None:
-        self.stats, self.gradient, self.kept, self.saved, self.first = stats, gradient, kept, saved, first
-        self.inputs = stats.inputs
-
-    def __call__(self, **feed: Any) -> dict[str, Any]:
-        outs = self.stats(**feed)
-        loss = outs["out"]
-        feed = {**feed, **{k: outs[k] for k in self.saved}, f"{COTANGENT}0": _one(loss.dtype, loss.device)}
-        grads = self.gradient(**{n: feed[n] for n in self.gradient.inputs})  # a dict: the kernel's outputs
-        for g in grads.values():
-            if g is feed[self.first]:  # the input's memory holds its gradient now: autograd must know
-                torch.autograd.graph.increment_version(g)
-        return {"out": loss, **{j: grads[key] for key, j in self.kept.items()}}
-
-
-_ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def land(result: torch.Tensor, target: torch.Tensor) -> None:
-    """Leave a kernel's ``result`` in ``target``: where the kernel wrote it there itself (``into``)
-    only autograd is told (the version counter), otherwise it is copied in. A DTensor's kernel runs
-    as a functional op, and its wrapper's ``data_ptr`` says nothing about its pieces: always copied."""
-    if not is_dtensor(target) and result.data_ptr() == target.data_ptr() and result.stride() == target.stride():
-        torch.autograd.graph.increment_version(target)
-    else:
-        target.copy_(result)
-
-
-def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-dim 1 made once per dtype and device and never written: no fill launch per call."""
-    t = _ONES.get((dtype, device))
-    if t is None:
-        t = _ONES[(dtype, device)] = torch.ones((), dtype=dtype, device=device)
-    return t
-
-
-def _dtype_of(program: Program, name: str) -> torch.dtype:
-    graph = program.plan.graph
-    return graph.of(next(v for v in graph.inputs if v.attr("name") == name)).dtype
-
-
-def _var(name: str) -> Expr:
-    return Expr("var", (), {"name": name, "dtype": None})
-
-
-def _gradient_in_forward(outputs: tuple[tuple[str, Expr], ...]) -> str | None:
-    """The first input's name when the kernel's one output is a loss marked ``grad_in_forward=True``
-    over input tensors (``cross_entropy(logits, ...)``: the logits, whose memory may then hold their
-    gradient; ``linear_cross_entropy(h, w, ...)``: the hidden states)."""
-    if len(outputs) != 1:
-        return None
-    root = outputs[0][1]
-    if not root.attr("grad_in_forward") or not root.srcs[0].is_var:
-        return None
-    return root.srcs[0].attr("name")
-
-
-def _warn_if_grad_in_forward_ignored(kernel: Kernel) -> None:
+def _warn_if_grad_in_forward_ignored(kernel: KernelHandle) -> None:
     """``grad_in_forward=True`` anywhere but as the one output over an input's logits has no
     effect (the ordinary fused backward runs): say so, and why."""
     outputs = kernel.expressions
@@ -903,30 +571,6 @@ def _warn_if_grad_in_forward_ignored(kernel: Kernel) -> None:
     )
 
 
-def interpreter_active() -> bool:
-    """Triton's interpreter works only when TRITON_INTERPRET was set before triton was imported."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.sum, InterpretedFunction)
-
-
-def _backend_for(cfg: FusionConfig, device: torch.device) -> tuple[str, str]:
-    """(backend, note): torch, triton (compiled, CUDA) or interpreter (Triton's, any device)."""
-    if cfg.backend == "torch" or not cfg.enabled:
-        return "torch", "" if cfg.enabled else "fusion disabled: op by op"
-    if cfg.backend == "triton" or (cfg.backend == "auto" and device.type == "cuda" and not interpreter_active()):
-        return "triton", ""
-    if interpreter_active():
-        return "interpreter", ""
-    if cfg.backend == "interpreter":
-        raise BackendError(
-            "backend 'interpreter' needs TRITON_INTERPRET=1 in the environment before triton is "
-            "imported (import rtxdsl first on a machine without CUDA, or set it yourself)"
-        )
-    return "torch", "Triton's interpreter is off (TRITON_INTERPRET unset at import), so CPU tensors run through torch"
-
-
 def _key_function(n: int) -> Any:
     """``key(t0, t1, ...)``: dtype, shape, strides, device, requires_grad and type (a DTensor is not a
     tensor of its global shape) of each input, as one flat tuple."""
@@ -939,10 +583,6 @@ def _key_function(n: int) -> Any:
     return scope["key"]
 
 
-def _device_of(tensors: tuple[Any, ...]) -> torch.device:
-    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
-
-
 def _mixed_key(tensors: tuple[Any, ...]) -> tuple:
     """The launch key when some inputs are python numbers: those count by type only (anything
     else by type too: it never gets a launch, :meth:`Kernel._validate` or a lazy segment takes it)."""
@@ -950,108 +590,6 @@ def _mixed_key(tensors: tuple[Any, ...]) -> tuple:
         (t.dtype, t.shape, t.stride(), t.device, t.requires_grad, type(t)) if isinstance(t, torch.Tensor) else type(t)
         for t in tensors
     )
-
-
-def _finisher(kernel: Kernel, program: Program, device: torch.device) -> Any:
-    """Packs the call's buffers into its result: one tensor, or a dict by output key."""
-    slots = list(program.outputs)
-    scalars = program.scalar_outputs
-    if kernel._single and not scalars:
-        slot = slots[0][1]
-        return lambda bufs: bufs[slot]
-    if not scalars:
-        return lambda bufs: {k: bufs[s] for k, s in slots}
-
-    def finish(bufs: list[Any]) -> Any:
-        res = {
-            k: bufs[s] if s is not None else torch.tensor(scalars[k][0], dtype=scalars[k][1], device=device)
-            for k, s in slots
-        }
-        return res["out"] if kernel._single else res
-
-    return finish
-
-
-def _fmt_meta(info: Any) -> str:
-    return f"{SHORT_NAME[info.dtype]}[{', '.join(map(str, info.shape))}]"
-
-
-def _launch_shape(call: Any) -> str:
-    """Grid, programs, tile and split choice of one launch, in words."""
-    spec, meta = call.spec, dict(call.meta)
-    programs = 1
-    for d in call.grid:
-        programs *= d
-    if spec.gemm is not None and spec.kind == "row":
-        g = spec.gemm
-        mode = (
-            f"product tiles of {spec.rows_per_program} row(s) x {spec.block} computed in a loop over the row, "
-            f"K in slices of {g.block_k}"
-        )
-    elif spec.gemm is not None:
-        g = spec.gemm
-        mode = f"GEMM tiles of {g.block_m} x {g.block_n}, K in slices of {g.block_k}, {g.num_stages} stage(s)"
-        mode += ", the batch dims summed in each program" if g.sum_batch else ""
-    elif spec.kind != "row":
-        mode = f"flat blocks of {meta['BLOCK_SIZE']}"
-    elif spec.split == "tile":
-        mode = f"2-D tiles of {spec.rows_per_program} x {spec.block} (operands laid out differently)"
-    else:
-        mode = f"tiles of {spec.rows_per_program} row(s) x {spec.block}" + (", looped" if spec.looped else "")
-        mode += {
-            "partial": ", split: each program reduces a chunk of a row to partial states",
-            "finish": ", split: merges the partial states, writes its chunk",
-        }.get(spec.split, "")
-    return f"grid {call.grid} ({programs} programs), {mode}"
-
-
-def _explain(kernel: Kernel, launch: PreparedCall) -> str:
-    p = launch.program
-    graph = p.plan.graph
-    lines = [f"{kernel!r}"]
-    lines.append("inputs: " + ", ".join(f"{n}: {_fmt_meta(graph.of(v))}" for n, v in zip(kernel.inputs, kernel._vars)))
-    lines.append(
-        f"backend: {launch.backend} ({launch.device.type})"
-        + ("  [dry_run]" if launch.config.dry_run else "")
-        + (f"  [{launch.note}]" if launch.note else "")
-    )
-    names = {id(v): n for n, v in zip(kernel.inputs, kernel._vars)}
-    outs = {id(e): k for k, e in graph.outputs}
-    writer = {id(o): g for g in p.plan.groups for o in g.outputs}
-    for i, g in enumerate(p.plan.groups):
-        domain = f"rows over axes {list(g.axes)} of" if g.is_row else "pointwise over"
-        shape = ", ".join(map(str, g.shape))
-        lines.append(f"group {i}: {g.pattern} — {domain} [{shape}], {len(g.nodes)} ops: {', '.join(g.ops)}")
-        in_names = [names.get(id(n), f"tmp{id(n) % 997}") for n in g.inputs]
-
-        def stored(n: Expr) -> str:  # as the buffer holds it (per-row statistics in float32)
-            info = graph.of(n)
-            home = writer.get(id(n))
-            dtype = info.dtype if id(n) in outs or home is None else intermediate_dtype(home, info)
-            return f"{SHORT_NAME[dtype]}[{', '.join(map(str, info.shape))}]"
-
-        reads = ", ".join(f"{n} {stored(v)}" for n, v in zip(in_names, g.inputs))
-        writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {stored(n)}" for n in g.outputs)
-        lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
-        lines.extend(f"  {note}" for note in g.notes)
-        for call in (c for c in p.kernels if c.group == i or c.tail and c.tail.group == i):
-            if call.group != i:  # this group runs inside another group's launch
-                lines.append(f"  run by the last program of group {call.group}'s kernel, as its tail (no launch)")
-                call = call.tail
-            lines.append(f"  kernel {call.summary.split(':')[0]}: {_launch_shape(call)}")
-            passes = ", ".join(f"{n} x{r}" for n, r in zip(in_names, call.reads))
-            lines.append(
-                f"    reads {passes or 'no input'}; {call.bytes} bytes"
-                + (" (empty: not launched)" if call.empty else "")
-            )
-    torch_run = launch.backend == "torch"
-    kernels = p.eager_launches if torch_run else p.kernels_launched
-    moved = p.eager_bytes if torch_run else p.bytes_moved
-    lines.append(
-        f"total: {kernels} kernel launch(es) (eager torch: {p.eager_launches}), "
-        f"{moved} bytes moved (eager: {p.eager_bytes}, minimum: {p.minimum_bytes})"
-    )
-    return "\n".join(lines)
 
 
 def compile(outputs: Expr | Mapping[str, Any], config: FusionConfig | None = None) -> Kernel:  # noqa: A001

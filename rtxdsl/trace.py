@@ -32,7 +32,8 @@ import torch
 from triton.runtime import interpreter as _interp
 
 from .lower import GPU, Target
-from .runtime import Interpreted, Kernel, PreparedCall
+from .runtime import Kernel
+from .runtime_launch import Interpreted, PreparedCall
 
 SECTOR = 32
 

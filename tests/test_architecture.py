@@ -26,6 +26,7 @@ LAYERS = [
     {"codegen"},
     {"cache", "tune"},
     {"torchop", "dtensor", "handle"},
+    {"runtime_launch", "runtime_grad", "runtime_explain"},
     {"runtime"},
     {"dsl", "build", "trace", "parse", "lazy", "library", "nn", "optim"},
     {"cli", "commands", "workloads", "__init__", "__main__"},

@@ -22,7 +22,8 @@ from ..ops import REGISTRY
 from ..ops.composite import geglu, layer_norm, rms_norm
 from ..ops.elementwise import cast
 from ..ops.llm import cross_entropy, cross_entropy_outputs, linear_cross_entropy
-from ..runtime import Kernel, compile, land
+from ..runtime import Kernel, compile
+from ..runtime_grad import land
 
 _x, _w, _b, _t = dsl.var("x"), dsl.var("w"), dsl.var("b"), dsl.var("t")
 

@@ -1,0 +1,139 @@
+"""Autograd for kernels: gradient plans (a forward saving row statistics and a fused backward)
+and the ``torch.autograd.Function`` that runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .dtensor import is_dtensor
+from .errors import RtxError
+from .expr import Expr
+from .handle import KernelHandle
+from .lower import Program
+from .lower.vjp import COTANGENT, Gradients
+
+
+@dataclass(frozen=True)
+class GradPlan:
+    """Forward (outputs + saved statistics) and backward kernels for one input layout.
+
+    ``passthrough``: gradients that are a cotangent as it is (a residual add's), handed on
+    without a kernel, as torch's ``AddBackward`` does (gradient key -> the cotangent's name);
+    ``backward`` computes the rest (None when nothing is left)."""
+
+    forward: KernelHandle
+    backward: KernelHandle | None
+    grads: Gradients
+    input_names: tuple[str, ...]
+    passthrough: tuple[tuple[str, str], ...] = ()
+
+    def gradients(self, feed: Mapping[str, Any]) -> dict[str, Any]:
+        """Every gradient by key: the backward kernel's, and the passed-through cotangents."""
+        b = self.backward
+        outs = dict(b(**{name: feed[name] for name in b.inputs})) if b is not None else {}
+        outs.update((key, feed[name]) for key, name in self.passthrough)
+        return outs
+
+
+class GradFunction(torch.autograd.Function):
+    """Fused forward saving the row statistics; fused backward reading them (autograd
+    materializes the cotangents of unused outputs as zeros)."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: GradPlan, *inputs: Any) -> Any:
+        outs = plan.forward(**dict(zip(plan.input_names, inputs)))
+        g = plan.grads
+        ctx.plan = plan
+        ctx.scalars = {i: v for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor)}
+        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)], *[outs[k] for k in g.saved_keys])
+        results = tuple(outs[k] for k in g.user_keys)
+        ctx.mark_non_differentiable(*[r for r, f in zip(results, g.float_outputs) if not f])
+        return results
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if torch.is_grad_enabled():
+            raise RtxError("double backward through an rtxdsl kernel is not supported (create_graph=True)")
+        plan: GradPlan = ctx.plan
+        g = plan.grads
+        saved = iter(ctx.saved_tensors)
+        inputs = [ctx.scalars[i] if i in ctx.scalars else next(saved) for i in range(len(plan.input_names))]
+        feed = dict(zip(plan.input_names, inputs))
+        feed.update(zip(g.saved_keys, saved))
+        feed.update({f"{COTANGENT}{k}": gr for k, (gr, f) in enumerate(zip(grads, g.float_outputs)) if f})
+        outs = plan.gradients(feed)
+        grad_of = dict(g.grad_of)
+        grads_in = []
+        for name, t in zip(plan.input_names, inputs):
+            gi = outs[grad_of[name]] if name in grad_of else None
+            grads_in.append(gi if gi is None or gi.shape == t.shape else gi.expand(t.shape))
+        return (None, *grads_in)
+
+
+class InForward:
+    """The forward of a loss marked ``grad_in_forward=True``: the loss kernel, then the gradient
+    kernels fed the loss's row statistics and a unit cotangent (``kept``: gradient key -> the name
+    it is saved under)."""
+
+    def __init__(
+        self, stats: KernelHandle, gradient: KernelHandle, kept: dict[str, str], saved: tuple[str, ...], first: str
+    ) -> None:
+        self.stats, self.gradient, self.kept, self.saved, self.first = stats, gradient, kept, saved, first
+        self.inputs = stats.inputs
+
+    def __call__(self, **feed: Any) -> dict[str, Any]:
+        outs = self.stats(**feed)
+        loss = outs["out"]
+        feed = {**feed, **{k: outs[k] for k in self.saved}, f"{COTANGENT}0": _one(loss.dtype, loss.device)}
+        grads = self.gradient(**{n: feed[n] for n in self.gradient.inputs})  # a dict: the kernel's outputs
+        for g in grads.values():
+            if g is feed[self.first]:  # the input's memory holds its gradient now: autograd must know
+                torch.autograd.graph.increment_version(g)
+        return {"out": loss, **{j: grads[key] for key, j in self.kept.items()}}
+
+
+def land(result: torch.Tensor, target: torch.Tensor) -> None:
+    """Leave a kernel's ``result`` in ``target``: where the kernel wrote it there itself (``into``)
+    only autograd is told (the version counter), otherwise it is copied in. A DTensor's kernel runs
+    as a functional op, and its wrapper's ``data_ptr`` says nothing about its pieces: always copied."""
+    if not is_dtensor(target) and result.data_ptr() == target.data_ptr() and result.stride() == target.stride():
+        torch.autograd.graph.increment_version(target)
+    else:
+        target.copy_(result)
+
+
+_ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim 1 made once per dtype and device and never written: no fill launch per call."""
+    t = _ONES.get((dtype, device))
+    if t is None:
+        t = _ONES[(dtype, device)] = torch.ones((), dtype=dtype, device=device)
+    return t
+
+
+def dtype_of_input(program: Program, name: str) -> torch.dtype:
+    graph = program.plan.graph
+    return graph.of(next(v for v in graph.inputs if v.attr("name") == name)).dtype
+
+
+def named_var(name: str) -> Expr:
+    return Expr("var", (), {"name": name, "dtype": None})
+
+
+def gradient_in_forward(outputs: tuple[tuple[str, Expr], ...]) -> str | None:
+    """The first input's name when the kernel's one output is a loss marked ``grad_in_forward=True``
+    over input tensors (``cross_entropy(logits, ...)``: the logits, whose memory may then hold their
+    gradient; ``linear_cross_entropy(h, w, ...)``: the hidden states)."""
+    if len(outputs) != 1:
+        return None
+    root = outputs[0][1]
+    if not root.attr("grad_in_forward") or not root.srcs[0].is_var:
+        return None
+    return root.srcs[0].attr("name")

@@ -1,0 +1,288 @@
+"""Prepared calls: a lowered program made runnable for one input layout.
+
+A :class:`PreparedCall` holds a generated ``run(tensors)``: straight-line python that allocates
+the outputs, launches each compiled kernel with its precomputed arguments (through Triton's
+interpreter on CPU tensors), reads index-check flags, counts, and packs the result.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+from torch.library import wrap_triton
+
+from .cache import GLOBAL_CACHE, CompiledKernel
+from .codegen.module import kernel_source
+from .config import FusionConfig
+from .errors import BackendError, RtxError
+from .handle import KernelHandle
+from .lower import Program
+from .lower.schedule import candidates, encode_scalar
+from .tune import Tuned, tuned_path
+
+#: Triton's interpreter keeps global state (the current program id, patched tl functions)
+INTERPRETER_LOCK = threading.Lock()
+
+
+class PreparedCall:
+    """A prepared call for one input layout: a generated ``run(tensors)`` that allocates the
+    outputs, launches each kernel with its precomputed arguments, counts, and packs the result."""
+
+    __slots__ = ("program", "backend", "note", "config", "device", "any_grad", "run", "source")
+
+    def __init__(self, kernel: KernelHandle, program: Program, config: FusionConfig, tensors: tuple[Any, ...]) -> None:
+        device = device_of(tensors)
+        self.program = program
+        self.config = config
+        self.device = device
+        self.any_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        self.backend, self.note = backend_for(config, device)
+        if self.backend == "torch":
+            p, record = program, kernel.stats.record
+
+            def run(ts: tuple[Any, ...]) -> Any:
+                results = kernel.reference(ts)
+                record(p.eager_launches, 0, p.eager_launches, p.eager_bytes, p.eager_bytes)
+                return results
+
+            self.run, self.source = run, ""
+        else:
+            self.run, self.source = generate_run(kernel, program, config, tensors, self.backend == "interpreter")
+
+
+def generate_run(
+    kernel: KernelHandle,
+    program: Program,
+    config: FusionConfig,
+    tensors: tuple[Any, ...],
+    interpret: bool,
+    graph: bool = False,
+) -> tuple[Any, str]:
+    """``run(tensors)`` for one launch, as straight-line python (a fixed template, no user text).
+
+    ``graph``: the run torch.compile's graph holds on CUDA (:meth:`Kernel.graph_run`): each launch
+    through ``torch.library.wrap_triton`` (traceable, so Inductor sees the kernel), a tail's counter
+    zeroed per call (a graph keeps no state between calls), no tuning, no counting."""
+    scope: dict[str, Any] = {"empty_like": torch.empty_like, "empty": torch.empty, "DEV": device_of(tensors)}
+    n = len(tensors)
+    lines = ["def run(tensors):"]
+    if n:
+        lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
+    names = [f"t{i}" for i in range(n)]
+    lines += _buffer_lines(program, tensors, graph, scope, names)
+    if not config.dry_run:
+        lines += _launch_lines(program, config, interpret, graph, scope, names)
+        if not graph:
+            p = program
+            scope["record"] = kernel.stats.record
+            lines.append(
+                f"    record({p.kernels_launched}, {p.fused}, {p.eager_launches}, {p.bytes_moved}, {p.eager_bytes})"
+            )
+    if program.scalar_outputs:
+        scope["finish"] = _finisher(kernel, program, scope["DEV"])
+        lines.append(f"    return finish([{', '.join(names)}])")
+    elif kernel.returns_tensor:
+        lines.append(f"    return {names[program.outputs[0][1]]}")
+    else:
+        packed = ", ".join(f"{key!r}: {names[slot]}" for key, slot in program.outputs)
+        lines.append(f"    return {{{packed}}}")
+    source = "\n".join(lines) + "\n"
+    exec(source, scope)  # noqa: S102 - generated from the program's structure, no user text
+    return scope["run"], source
+
+
+def _buffer_lines(
+    program: Program, tensors: tuple[Any, ...], graph: bool, scope: dict[str, Any], names: list[str]
+) -> list[str]:
+    """The run's allocations, one line per buffer (its name appended to ``names``)."""
+    lines = []
+    for k, b in enumerate(program.buffers):
+        names.append(f"b{k}")
+        if b.persistent and not graph:  # a tail's counter: zeroed once (per CUDA stream), left at zero
+            device = device_of(tensors)
+            if device.type == "cuda":
+                scope[f"KEPT{k}"] = _PerStream(b.shape, b.dtype, device)
+                lines.append(f"    b{k} = KEPT{k}()")
+            else:  # launches are serialized (the interpreter's lock): one is enough
+                scope[f"KEPT{k}"] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                lines.append(f"    b{k} = KEPT{k}")
+            continue
+        if b.zero or b.persistent:  # index-check flags; a tail's counter in a graph
+            scope[f"SHAPE{k}"], scope[f"DT{k}"], scope["zeros"] = b.shape, b.dtype, torch.zeros
+            lines.append(f"    b{k} = zeros(SHAPE{k}, dtype=DT{k}, device=DEV)")
+            continue
+        same = next(
+            (i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and tuple(t.shape) == b.shape
+             and t.dtype == b.dtype and t.is_contiguous()),
+            None,
+        )  # fmt: skip
+        if same is not None:  # empty_like of a matching contiguous input is the cheapest allocation
+            lines.append(f"    b{k} = empty_like(t{same})")
+        else:
+            scope[f"SHAPE{k}"], scope[f"DT{k}"] = b.shape, b.dtype
+            lines.append(f"    b{k} = empty(SHAPE{k}, dtype=DT{k}, device=DEV)")
+    return lines
+
+
+def _launch_lines(
+    program: Program, config: FusionConfig, interpret: bool, graph: bool, scope: dict[str, Any], names: list[str]
+) -> list[str]:
+    """The run's launches, then the index checks read after them."""
+    lines = []
+    for j, call in enumerate(program.launched):
+        compiled = compiled_kernel(call.spec, call.summary, config)
+        fn = compiled.function(interpret)
+        # a kernel writing into an input cannot be timed by running it again: never tuned
+        in_place = any(slot < program.n_inputs for slot in call.out_slots)
+        if graph:
+            scope[f"L{j}"] = Interpreted(fn, call.grid) if interpret else wrap_triton(fn)[call.grid]
+        elif config.autotune and not in_place:
+            scope[f"L{j}"] = _tuned(fn, interpret, call, compiled.signature, config, scope["DEV"])
+        else:
+            scope[f"L{j}"] = Interpreted(fn, call.grid) if interpret else fn[call.grid]
+        scope[f"META{j}"] = dict(call.meta)
+        operands = ", ".join(names[i] for i in call.buffers)
+        if call.scalar_inputs:
+            scope[f"ARGS{j}"] = _ArgFill(call.args, call.scalar_inputs)
+            args = f"*ARGS{j}(tensors)"
+        else:
+            scope[f"ARGS{j}"] = call.args
+            args = f"*ARGS{j}"
+        lines.append(f"    L{j}({operands}, {args}, **META{j})")
+    for j, call in enumerate(program.launched):
+        if call.checks and checking(config, scope["DEV"]):  # one flag read after the launch
+            scope[f"CHECK{j}"] = _IndexCheck(call.checks)
+            lines.append(f"    CHECK{j}({names[call.flags_slot]})")
+    return lines
+
+
+def checking(config: FusionConfig, device: torch.device) -> bool:
+    """Are gathers' index-check flags read after the launch (always on CPU; on CUDA unless turned off)?"""
+    return config.check_indices or device.type == "cpu"
+
+
+def _tuned(fn: Any, interpret: bool, call: Any, signature: str, config: FusionConfig, device: torch.device) -> Tuned:
+    """A launcher that times its family's launch options on first use (or reads the stored winner)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
+
+    def launch_for(grid: tuple[int, ...]) -> Any:
+        return Interpreted(fn, grid) if interpret else fn[grid]
+
+    options = candidates(call.spec, call.meta, call.grid, call.args)
+    return Tuned(launch_for, options, tuned_path(config.resolved_cache_dir, signature, name), name)
+
+
+class _PerStream:
+    """A tail's counter per CUDA stream: launches of one kernel on two streams may overlap, and a
+    shared counter would hand the last ticket to the wrong launch."""
+
+    __slots__ = ("shape", "dtype", "device", "kept")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def __call__(self) -> torch.Tensor:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        t = self.kept.get(stream)
+        if t is None:
+            t = self.kept[stream] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return t
+
+
+class _IndexCheck:
+    """Raises for the first flag a kernel set: an index it was asked to read was out of range."""
+
+    __slots__ = ("messages",)
+
+    def __init__(self, messages: tuple[str, ...]) -> None:
+        self.messages = messages
+
+    def __call__(self, flags: torch.Tensor) -> None:
+        if flags.any():
+            raise RtxError(self.messages[int(flags.nonzero()[0, 0])])
+
+
+class _ArgFill:
+    """A kernel's arguments with the scalar inputs of this call filled in."""
+
+    __slots__ = ("args", "fills")
+
+    def __init__(self, args: tuple[Any, ...], fills: tuple[tuple[int, int, str], ...]) -> None:
+        self.args = args
+        self.fills = fills
+
+    def __call__(self, tensors: tuple[Any, ...]) -> list[Any]:
+        out = list(self.args)
+        for pos, j, kind in self.fills:
+            out[pos] = encode_scalar(tensors[j], kind)
+        return out
+
+
+class Interpreted:
+    """An interpreted kernel launch: serialized, numpy's floating-point warnings silenced
+    (masked lanes compute e.g. log(0))."""
+
+    __slots__ = ("launcher",)
+
+    def __init__(self, fn: Any, grid: tuple[int, ...]) -> None:
+        self.launcher = fn[grid]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with INTERPRETER_LOCK, np.errstate(all="ignore"):
+            return self.launcher(*args, **kwargs)
+
+
+def compiled_kernel(spec: Any, summary: str, config: FusionConfig) -> CompiledKernel:
+    return GLOBAL_CACHE.get(spec, summary, config.cache_size, config.resolved_cache_dir, kernel_source)
+
+
+def interpreter_active() -> bool:
+    """Triton's interpreter works only when TRITON_INTERPRET was set before triton was imported."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
+
+
+def backend_for(cfg: FusionConfig, device: torch.device) -> tuple[str, str]:
+    """(backend, note): torch, triton (compiled, CUDA) or interpreter (Triton's, any device)."""
+    if cfg.backend == "torch" or not cfg.enabled:
+        return "torch", "" if cfg.enabled else "fusion disabled: op by op"
+    if cfg.backend == "triton" or (cfg.backend == "auto" and device.type == "cuda" and not interpreter_active()):
+        return "triton", ""
+    if interpreter_active():
+        return "interpreter", ""
+    if cfg.backend == "interpreter":
+        raise BackendError(
+            "backend 'interpreter' needs TRITON_INTERPRET=1 in the environment before triton is "
+            "imported (import rtxdsl first on a machine without CUDA, or set it yourself)"
+        )
+    return "torch", "Triton's interpreter is off (TRITON_INTERPRET unset at import), so CPU tensors run through torch"
+
+
+def device_of(tensors: tuple[Any, ...]) -> torch.device:
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def _finisher(kernel: KernelHandle, program: Program, device: torch.device) -> Any:
+    """Packs the call's buffers into its result: one tensor, or a dict by output key."""
+    slots = list(program.outputs)
+    scalars = program.scalar_outputs
+    if kernel.returns_tensor and not scalars:
+        slot = slots[0][1]
+        return lambda bufs: bufs[slot]
+    if not scalars:
+        return lambda bufs: {k: bufs[s] for k, s in slots}
+
+    def finish(bufs: list[Any]) -> Any:
+        res = {
+            k: bufs[s] if s is not None else torch.tensor(scalars[k][0], dtype=scalars[k][1], device=device)
+            for k, s in slots
+        }
+        return res["out"] if kernel.returns_tensor else res
+
+    return finish
