@@ -9,6 +9,7 @@ from .dtypes import SHORT_NAME
 from .expr import Expr
 from .handle import KernelHandle
 from .lower import intermediate_dtype
+from .lower.spec import Split
 from .runtime_launch import PreparedCall
 
 
@@ -48,13 +49,13 @@ def _launch_shape(call: Any) -> str:
         mode += ", the batch dims summed in each program" if g.sum_batch else ""
     elif spec.kind != "row":
         mode = f"flat blocks of {meta['BLOCK_SIZE']}"
-    elif spec.split == "tile":
+    elif spec.split is Split.TILE:
         mode = f"2-D tiles of {spec.rows_per_program} x {spec.block} (operands laid out differently)"
     else:
         mode = f"tiles of {spec.rows_per_program} row(s) x {spec.block}" + (", looped" if spec.looped else "")
         mode += {
-            "partial": ", split: each program reduces a chunk of a row to partial states",
-            "finish": ", split: merges the partial states, writes its chunk",
+            Split.PARTIAL: ", split: each program reduces a chunk of a row to partial states",
+            Split.FINISH: ", split: merges the partial states, writes its chunk",
         }.get(spec.split, "")
     return f"grid {call.grid} ({programs} programs), {mode}"
 

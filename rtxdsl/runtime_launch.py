@@ -20,6 +20,7 @@ from .config import FusionConfig
 from .errors import BackendError, RtxError
 from .handle import KernelHandle
 from .lower import Program
+from .lower.params import ParamKind, slots
 from .lower.schedule import candidates, encode_scalar
 from .tune import Tuned, tuned_path
 
@@ -136,7 +137,7 @@ def _launch_lines(
         compiled = compiled_kernel(call.spec, call.summary, config)
         fn = compiled.function(interpret)
         # a kernel writing into an input cannot be timed by running it again: never tuned
-        in_place = any(slot < program.n_inputs for slot in call.out_slots)
+        in_place = any(slot < program.n_inputs for slot in slots(call, ParamKind.OUTPUT))
         if graph:
             scope[f"L{j}"] = Interpreted(fn, call.grid) if interpret else wrap_triton(fn)[call.grid]
         elif config.autotune and not in_place:
@@ -155,7 +156,7 @@ def _launch_lines(
     for j, call in enumerate(program.launched):
         if call.checks and checking(config, scope["DEV"]):  # one flag read after the launch
             scope[f"CHECK{j}"] = _IndexCheck(call.checks)
-            lines.append(f"    CHECK{j}({names[call.flags_slot]})")
+            lines.append(f"    CHECK{j}({names[slots(call, ParamKind.FLAGS)[0]]})")
     return lines
 
 

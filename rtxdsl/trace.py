@@ -32,6 +32,7 @@ import torch
 from triton.runtime import interpreter as _interp
 
 from .lower import GPU, Target
+from .lower.params import ParamKind, pointers
 from .runtime import Kernel
 from .runtime_launch import Interpreted, PreparedCall
 
@@ -273,7 +274,7 @@ def memory_trace(
         traces.append(
             LaunchTrace(
                 spec_call.summary,
-                spec_call.spec.split,
+                spec_call.spec.split.value,
                 int(np.prod(spec_call.grid)),
                 spec_call.bytes,
                 recorder.traffic(names, ptrs),
@@ -290,9 +291,17 @@ def memory_trace(
     return Trace(tuple(traces), result)
 
 
+#: how the trace names a pointer parameter of each kind (a tail's as ``tail.<name>``)
+_TRACE_NAME = {
+    ParamKind.INPUT: "in{}",
+    ParamKind.OUTPUT: "out{}",
+    ParamKind.PARTIAL: "part{}",
+    ParamKind.FLAGS: "flags",
+    ParamKind.COUNTER: "counter",
+}
+
+
 def _pointer_names(call: Any) -> list[str]:
-    spec = call.spec
-    names = [f"in{j}" for j in range(len(spec.in_dtypes))] + [f"out{k}" for k in range(len(spec.outputs))]
-    extra = len(call.own_buffers) - len(names)
-    names += [f"part{k}" for k in range(extra - bool(call.checks))] + (["flags"] if call.checks else [])
-    return names + ([f"tail.{n}" for n in _pointer_names(call.tail)] + ["counter"] if call.tail else [])
+    return [
+        ("tail." if p.name.startswith("t_") else "") + _TRACE_NAME[p.kind].format(p.index) for p, _ in pointers(call)
+    ]

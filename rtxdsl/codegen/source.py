@@ -17,7 +17,7 @@ import torch
 from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.params import flat_dims, kernel_params, load_names, own_params
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
-from ..lower.spec import STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec
+from ..lower.spec import STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from .template import render
@@ -293,7 +293,7 @@ class Writer:
         self._close_loop(loop)
         for i, red, top, running in finals:
             state = red.tile(top, running) if red.lanes else running
-            if self.spec.split == "partial":  # this program's share of the row: stored, merged later
+            if self.spec.split is Split.PARTIAL:  # this program's share of the row: stored, merged later
                 for k, comp in enumerate(state):
                     self.top.add(
                         f"tl.store(part{i}_ptr + {k} * n_part + rows * n_split + split, {comp}, mask=row_mask)"
@@ -387,7 +387,7 @@ class Writer:
         extra = {}
         if template is ROW:
             split_idx = "split.to(tl.int64)" if self.spec.big else "split"
-            parts = "n_part = n_rows * n_split" if self.spec.split in ("partial", "finish") else ""
+            parts = "n_part = n_rows * n_split" if self.spec.split in (Split.PARTIAL, Split.FINISH) else ""
             extra = {
                 "split": render(SPLIT, split_idx=split_idx, parts=parts).rstrip("\n") if self.spec.split else "",
                 "constexprs": "\n".join(f"{c}: tl.constexpr," for c in self._row_constexprs()),
@@ -405,7 +405,7 @@ class Writer:
     def _row_constexprs(self) -> list[str]:
         """A row kernel's constexprs beyond ``ROWS`` and ``BLOCK_SIZE``: a split row's finish lanes,
         a product's K slice."""
-        return (["SPLIT_BLOCK"] if self.spec.split == "finish" else []) + (["BLOCK_K"] if self.spec.gemm else [])
+        return (["SPLIT_BLOCK"] if self.spec.split is Split.FINISH else []) + (["BLOCK_K"] if self.spec.gemm else [])
 
     def pointwise(self, name: str) -> str:
         self._begin("offs", "i", "size")
@@ -429,13 +429,13 @@ class Writer:
         if not self.spec.looped:
             self._col_setup(self.top, None)
             self.top.add_all(self.stores(full_outs + row_outs, self.top))
-        elif self.spec.split == "tile":  # pointwise over a 2-D tile: one block of columns
+        elif self.spec.split is Split.TILE:  # pointwise over a 2-D tile: one block of columns
             self._output_loop(full_outs)
-        elif self.spec.split == "partial":
+        elif self.spec.split is Split.PARTIAL:
             self._pass(sorted(levels(self.spec)), early_outputs(self.spec))
         else:
             early = early_outputs(self.spec)
-            if self.spec.split == "finish":
+            if self.spec.split is Split.FINISH:
                 self._merge_partials()
             else:
                 lv = levels(self.spec)

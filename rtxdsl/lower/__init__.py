@@ -26,7 +26,7 @@ from .gemm import gemm_spec
 from .params import ParamKind, pointer_slots, with_tail_slots
 from .passes import early_outputs, input_reads, input_scopes, partial_states
 from .schedule import Launch, Layout, contiguous_strides, kernel_spec, split_specs
-from .spec import TAIL_CONSTEXPRS, Buffer, KernelCall, KernelSpec, Program
+from .spec import TAIL_CONSTEXPRS, Buffer, KernelCall, KernelSpec, Program, Split
 from .target import GPU, INTERPRETER, Target, target_for
 
 #: what a call gives for one input: a tensor's layout, or a python number (a scalar input)
@@ -170,8 +170,8 @@ def _calls(
         # a split row's partial kernel stores the full outputs that need no reduction, its finish
         # kernel the rest
         early = set(early_outputs(sp))
-        if sp.split in ("partial", "finish"):
-            moved += sum(b for k, b in enumerate(out_bytes) if (k in early) == (sp.split == "partial"))
+        if sp.split in (Split.PARTIAL, Split.FINISH):
+            moved += sum(b for k, b in enumerate(out_bytes) if (k in early) == (sp.split is Split.PARTIAL))
         else:
             moved += sum(out_bytes)
         calls.append(

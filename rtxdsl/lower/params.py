@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..ops import REGISTRY, OpKind
 from .passes import partial_states
-from .spec import STRIDED, KernelSpec, NodeSpec
+from .spec import STRIDED, KernelCall, KernelSpec, NodeSpec
 
 #: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
 OPERAND_ROLES = ("a", "b")
@@ -203,6 +203,18 @@ def with_tail_slots(spec: KernelSpec, head: tuple[int, ...], tail: tuple[int, ..
         counter if p.kind is ParamKind.COUNTER else next(tails) if p.name.startswith("t_") else next(heads)
         for p in pointers
     )
+
+
+def pointers(call: KernelCall) -> list[tuple[Param, int]]:
+    """Each pointer parameter of a launch (a tail's named ``t_...``) with the buffer slot it is bound to."""
+    params = [p for p in kernel_params(call.spec) if p.kind in POINTERS]
+    assert len(params) == len(call.buffers)
+    return list(zip(params, call.buffers))
+
+
+def slots(call: KernelCall, kind: ParamKind) -> tuple[int, ...]:
+    """The buffer slots of a launch's own pointer parameters of ``kind`` (not its tail's)."""
+    return tuple(s for p, s in pointers(call) if p.kind is kind and not p.name.startswith("t_"))
 
 
 def launch_ints(spec: KernelSpec, values: Mapping[str, int]) -> tuple[int, ...]:

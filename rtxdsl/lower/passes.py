@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..ops import REGISTRY, OpKind
-from .spec import KernelSpec, NodeSpec
+from .spec import KernelSpec, NodeSpec, Split
 
 
 def is_reshape(spec: KernelSpec, i: int) -> bool:
@@ -52,7 +52,7 @@ def early_outputs(spec: KernelSpec) -> list[int]:
     """Full-size outputs of a looped row that need none of its reductions (``dx`` beside the
     ``db`` column sum of a bias gradient): stored in the first pass (a split row's partial kernel),
     so no later pass reads their inputs again."""
-    if spec.kind != "row" or not spec.looped or spec.split == "tile" or not levels(spec):
+    if spec.kind != "row" or not spec.looped or spec.split is Split.TILE or not levels(spec):
         return []
     depth = _depth(spec)
     return [k for k, o in enumerate(spec.outputs) if o.role == "full" and depth(("n", o.node)) == 0]
@@ -99,9 +99,9 @@ def input_reads(spec: KernelSpec) -> list[int]:
     """How many times each input is read: once per looped pass that loads it (a split row's partial
     kernel makes the reductions' pass, its finish kernel the output pass)."""
     scopes = input_scopes(spec)
-    if spec.split == "partial":
+    if spec.split is Split.PARTIAL:
         return [int(1 in s) for s in scopes]
-    if spec.split == "finish":
+    if spec.split is Split.FINISH:
         return [len(s - {1}) for s in scopes]
     return [max(1, len(s)) for s in scopes]
 

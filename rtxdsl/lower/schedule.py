@@ -24,7 +24,7 @@ from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
 from .params import launch_ints, load_names, strided
 from .passes import levels
-from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec
+from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split
 from .target import GPU, Target
 
 INT32_LIMIT = 2**31
@@ -118,7 +118,7 @@ def family(spec: KernelSpec) -> str:
     if spec.kind in ("pointwise", "gemm"):
         return spec.kind
     if spec.split:
-        return "tile" if spec.split == "tile" else "split"
+        return "tile" if spec.split is Split.TILE else "split"
     return "looped" if spec.looped else "row"
 
 
@@ -426,12 +426,12 @@ def kernel_spec(
     if tile is not None:  # every program one tile: its rows, one block of columns
         programs = -(-n_rows // cfg.rows_per_program)
         n_split, chunk = max(1, -(-n_cols // cfg.block)), cfg.block
-        spec = replace(spec, split="tile", looped=True)
+        spec = replace(spec, split=Split.TILE, looped=True)
     elif group.is_row:
         spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
 
     # a split row's arguments are its two kernels' (split_specs), which take the splits
-    launched = replace(spec, split="partial") if n_split > 1 and not spec.split else spec
+    launched = replace(spec, split=Split.PARTIAL) if n_split > 1 and not spec.split else spec
     values = _extents(group.is_row, n_rows, n_cols, row_sizes, col_sizes, n_split, chunk, launched.split)
     ints = list(launch_ints(launched, values | _flat_strides(spec, row_strides, col_strides)))
 
@@ -442,12 +442,12 @@ def kernel_spec(
     # nothing to launch only when nothing is written: reducing an empty extent still writes
     # torch's identity values (0 for sum, nan for mean and var, -inf for logsumexp)
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
-    split = n_split if spec.split != "tile" else 1
+    split = n_split if spec.split is not Split.TILE else 1
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, split=split, rows=n_rows)
 
 
 def _extents(
-    row: bool, n_rows: int, n_cols: int, rows: list[int], cols: list[int], n_split: int, chunk: int, split: str | None
+    row: bool, n_rows: int, n_cols: int, rows: list[int], cols: list[int], n_split: int, chunk: int, split: Split
 ) -> dict[str, int]:
     """A kernel's extents by parameter name: rows by columns (each side's dims when several) and a
     split row's splits; a pointwise kernel's element count (and its dims when several)."""
@@ -535,8 +535,8 @@ def _split_rows(spec: KernelSpec, n_rows: int, n_cols: int, target: Target) -> t
 def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Launch], tuple[KernelSpec, Launch]]:
     """The two kernels of a split row: partial states, then merge + outputs (``SPLIT_BLOCK`` lanes of
     partial states per row, a launch parameter like the pointwise block)."""
-    partial = replace(spec, split="partial")
-    finish = replace(spec, split="finish")
+    partial = replace(spec, split=Split.PARTIAL)
+    finish = replace(spec, split=Split.FINISH)
     meta = (*launch.meta, ("SPLIT_BLOCK", _pow2(launch.split)))
     return (partial, launch), (finish, replace(launch, meta=meta))
 

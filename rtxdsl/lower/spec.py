@@ -8,6 +8,7 @@ compile serves every batch size.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +20,15 @@ from .analyze import Plan
 
 # stride classes of a (coalesced) dimension
 BCAST, UNIT, STRIDED = "0", "1", "s"
+
+
+class Split(str, enum.Enum):
+    """How a row kernel's rows are cut across programs (``KernelSpec.split``)."""
+
+    WHOLE = ""  # each program reduces whole rows
+    PARTIAL = "partial"  # each program reduces a chunk of a row and stores partial states
+    FINISH = "finish"  # merges a row's partial states, then writes its chunk of the outputs
+    TILE = "tile"  # pointwise over 2-D tiles: each program one block of columns of its rows
 
 
 @dataclass(frozen=True)
@@ -88,9 +98,8 @@ class KernelSpec:
     #: coordinate kernels (movement ops inside): per domain dim, is it reduced? None: flat kernels
     domain: tuple[bool, ...] | None = None
     flags: tuple[int, ...] = ()  # nodes that report an out-of-range index (one flag slot each)
-    #: a split row: "partial" (each program reduces a chunk of a row and stores partial states) or
-    #: "finish" (merges a row's partial states, then writes its chunk of the outputs); "" when whole
-    split: str = ""
+    #: how rows are cut across programs (a split row's two kernels, or 2-D tiles)
+    split: Split = Split.WHOLE
     #: a one-program row kernel the last program to finish runs (reading what every program stored)
     tail: KernelSpec | None = None
     #: a contraction kernel's tile (kind "gemm"): its nodes are the contraction and its epilogue
@@ -120,7 +129,7 @@ class KernelCall:
     spec: KernelSpec
     summary: str  # "Pattern: op, op, ..."
     grid: tuple[int, ...]
-    buffers: tuple[int, ...]  # slots (inputs first, then allocated buffers) in parameter order
+    buffers: tuple[int, ...]  # the slot of each pointer parameter, in ``lower.params`` order
     args: tuple[Any, ...]  # sizes, strides, scalar values
     meta: tuple[tuple[str, int], ...]  # constexprs and launch options
     ops: int
@@ -131,24 +140,8 @@ class KernelCall:
     checks: tuple[str, ...] = ()  # per flag slot: what an out-of-range index there means (its last buffer)
     group: int = 0  # the fusion group it runs (a split row runs as two kernels)
     reads: tuple[int, ...] = ()  # per input of the group: how many times this launch reads it
-    #: the next kernel, run by this launch's last program (its buffers follow this one's, then a counter)
+    #: the next kernel, run by this launch's last program (``lower.params`` orders its buffers)
     tail: KernelCall | None = None
-
-    @property
-    def own_buffers(self) -> tuple[int, ...]:
-        """This launch's own buffer slots (a tail's, then its counter, follow them)."""
-        return self.buffers[: len(self.buffers) - (len(self.tail.buffers) + 1 if self.tail else 0)]
-
-    @property
-    def out_slots(self) -> tuple[int, ...]:
-        """The slots of this launch's outputs (after its inputs)."""
-        n_in = len(self.spec.in_dtypes)
-        return self.buffers[n_in : n_in + len(self.spec.outputs)]
-
-    @property
-    def flags_slot(self) -> int:
-        """The buffer slot of this launch's index-check flags (its own last buffer)."""
-        return self.own_buffers[-1]
 
 
 @dataclass(frozen=True)
