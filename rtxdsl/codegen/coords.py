@@ -16,6 +16,7 @@ import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
+from ..lower.roles import Role
 from ..lower.spec import BCAST, UNIT
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
 from ..ops.elementwise import to_storage
@@ -57,9 +58,9 @@ class CoordWriter(Writer):
 
     def _default(self, i: int) -> Coords:
         node = self.spec.nodes[i]
-        if node.role == "drop":
+        if node.role is Role.DROP:
             return self._adjust(Coords(tuple(self.ridx)), node.ones)
-        return self._adjust(Coords(self._domain(node.role == "full")), node.ones)
+        return self._adjust(Coords(self._domain(node.role is Role.FULL)), node.ones)
 
     def _zero(self, full: bool) -> str:
         """0 with the shape of the kernel's index tile (for values made of indices only)."""
@@ -79,9 +80,9 @@ class CoordWriter(Writer):
         if kind == "l":  # a reduction's operand read directly: at the domain's full coordinates
             return self._value_at(ref, self._adjust(Coords(self._domain(True)), self._ones(ref)), loop, True)
         node = self.spec.nodes[i]
-        if node.role == "scalar" or REGISTRY[node.op].kind is OpKind.REDUCTION:
+        if node.role is Role.SCALAR or REGISTRY[node.op].kind is OpKind.REDUCTION:
             return super().value(ref, loop)
-        full = node.role == "full"
+        full = node.role is Role.FULL
         return self._value_at(ref, self._default(i), loop if full else self.top, full)
 
     def _value_at(self, ref: tuple, c: Coords, scope: Scope, full: bool) -> str:
@@ -90,7 +91,7 @@ class CoordWriter(Writer):
             return f"s{i}"
         if kind == "n":
             node = self.spec.nodes[i]
-            if node.role == "scalar" or REGISTRY[node.op].kind is OpKind.REDUCTION:
+            if node.role is Role.SCALAR or REGISTRY[node.op].kind is OpKind.REDUCTION:
                 return self.value(ref, scope)  # one value per row: the same at every column
         # a value made for the whole tile is not a per-row value (its shape is the tile's); a
         # per-row value serves the tile too (it broadcasts)
@@ -103,7 +104,7 @@ class CoordWriter(Writer):
             name = self._load_at(i, c, scope, full)
         else:
             node = self.spec.nodes[i]
-            placed = node.role != "full" or bool(self.cidx) or not self.row  # its default coordinates exist
+            placed = node.role is not Role.FULL or bool(self.cidx) or not self.row  # its default coordinates exist
             own = ("n", i) not in self.named and placed and c == self._default(i)
             name = f"v{i}" if own else f"v{i}_{next(self.tmp_ids)}"
             self.named.add(("n", i))
@@ -212,7 +213,7 @@ class CoordWriter(Writer):
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
-        full = o.role == "full"
+        full = o.role is Role.FULL
         if not self.row:
             return f"tl.store(out{k}_ptr + offs, {val}, mask=mask)"
         terms, on_rows, on_cols = [], False, False

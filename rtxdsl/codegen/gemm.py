@@ -12,6 +12,7 @@ import torch
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
 from ..lower.passes import reduce_dtype
+from ..lower.roles import Role
 from ..lower.spec import STRIDED, UNIT, KernelSpec
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
@@ -97,7 +98,7 @@ class GemmWriter(Writer):
         contraction = next(
             i
             for i, nd in enumerate(self.spec.nodes)
-            if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role == "full"
+            if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role is Role.FULL
         )
         attrs = dict(self.spec.nodes[contraction].attrs)
         self.swapped = {"a": attrs["ta"], "b": attrs["tb"]}  # is the operand read transposed?
@@ -249,7 +250,7 @@ class GemmWriter(Writer):
 
     def _scope_of(self, role: str, loop: Scope) -> Scope:
         """Every value at a tile: the epilogue's at the product's, a prologue's in the K loop."""
-        return self.top if role == "scalar" else loop
+        return self.top if role is Role.SCALAR else loop
 
     def _tile_offset(
         self, prefix: str, classes: tuple[str, ...], batch: list[str], index: tuple[str, str] = ("rows", "cols")
@@ -288,7 +289,7 @@ class GemmWriter(Writer):
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
-        if o.role != "full":  # a reduction of A, one value per row: the first column of tiles writes it
+        if o.role is not Role.FULL:  # a reduction of A, one value per row: the first column of tiles writes it
             return f"tl.store(out{k}_ptr + rows, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
         offset = self._tile_offset(f"out{k}", (STRIDED, UNIT), self.out_idx)
         return f"tl.store(out{k}_ptr + {offset}, {val}, mask=mask)"

@@ -17,6 +17,7 @@ import torch
 from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.params import flat_dims, kernel_params, load_names, own_params
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
+from ..lower.roles import Role
 from ..lower.spec import STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
@@ -179,12 +180,12 @@ class Writer:
 
     def _scope_of(self, role: str, loop: Scope) -> Scope:
         """Where a value of ``role`` is computed: full-size values in the loop, per-row ones once."""
-        return loop if role == "full" else self.top
+        return loop if role is Role.FULL else self.top
 
     def _emit_load(self, k: int, scope: Scope) -> str:
         ld = self.spec.loads[k]
         dtype = self.spec.in_dtypes[ld.input]
-        full = ld.role == "full"
+        full = ld.role is Role.FULL
         off = self._offset(self.load_names[k], ld.rows, ld.cols, use_cols=full)
         name = f"x{k}"
         ptr = f"in{ld.input}_ptr"
@@ -339,7 +340,7 @@ class Writer:
         o = self.spec.outputs[k]
         v = self.value(("n", o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
-        full = o.role == "full"
+        full = o.role is Role.FULL
         mask = "mask" if full or not self.row else self.row_store_mask
         if not self.row:
             off = "offs"
@@ -424,8 +425,8 @@ class Writer:
     def row_kernel(self, name: str) -> str:
         self._begin("rows", "r", "rsize")
         outs = list(range(len(self.spec.outputs)))
-        full_outs = [k for k in outs if self.spec.outputs[k].role == "full"]
-        row_outs = [k for k in outs if self.spec.outputs[k].role != "full"]
+        full_outs = [k for k in outs if self.spec.outputs[k].role is Role.FULL]
+        row_outs = [k for k in outs if self.spec.outputs[k].role is not Role.FULL]
         if not self.spec.looped:
             self._col_setup(self.top, None)
             self.top.add_all(self.stores(full_outs + row_outs, self.top))

@@ -32,7 +32,6 @@ cones is *free*: no group owns it and nothing writes it.
 
 from __future__ import annotations
 
-import enum
 import graphlib
 import math
 from collections.abc import Mapping
@@ -44,16 +43,7 @@ from ..expr import Expr
 from ..ops import REGISTRY, OpKind
 from .expand import Graph, is_leaf
 from .prologue import Operand, choose, reloads
-
-
-class Role(enum.Enum):
-    FULL = "full"
-    KEEP = "keep"
-    DROP = "drop"
-    #: a GEMM's prologue: recomputed at the tiles of its left (A) or right (B) operand
-    A = "a"
-    B = "b"
-
+from .roles import Role
 
 PATTERN_PRIORITY = (
     "LinearCrossEntropy",

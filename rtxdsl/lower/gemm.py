@@ -95,7 +95,7 @@ def gemm_spec(
         kind="gemm",
         in_dtypes=tuple(layouts[id(s)].dtype for s in group.inputs),
         loads=tuple(
-            LoadSpec(j, role.value, *_load_classes(strides[i][1], i in at_tiles) if i in strides else ((), ()))
+            LoadSpec(j, role, *_load_classes(strides[i][1], i in at_tiles) if i in strides else ((), ()))
             for i, (j, role, _) in enumerate(bd.loads)
         ),
         nodes=bd.nodes,
@@ -195,9 +195,9 @@ def _tile_values(
 def _out_spec(node: int, dtype: torch.dtype, role: Role) -> OutSpec:
     """The product's tile (rows strided, columns unit), or a reduction of A: one value per row."""
     return (
-        OutSpec(node, dtype, role.value, (STRIDED,), (UNIT,))
+        OutSpec(node, dtype, role, (STRIDED,), (UNIT,))
         if role is Role.FULL
-        else OutSpec(node, dtype, role.value, (UNIT,), ())
+        else OutSpec(node, dtype, role, (UNIT,), ())
     )
 
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 from ..ops import REGISTRY, OpKind
 from .passes import partial_states
+from .roles import Role
 from .spec import STRIDED, KernelCall, KernelSpec, NodeSpec
 
 #: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
-OPERAND_ROLES = ("a", "b")
+OPERAND_ROLES = (Role.A, Role.B)
 
 
 class ParamKind(enum.Enum):
@@ -133,7 +134,7 @@ def tile_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
 
 def inner_products(nodes: tuple[NodeSpec, ...]) -> list[int]:
     """The products a prologue recomputes at an operand's tiles (each with a K loop of its own)."""
-    return [i for i, nd in enumerate(nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role != "full"]
+    return [i for i, nd in enumerate(nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role is not Role.FULL]
 
 
 def _gemm(spec: KernelSpec) -> list[Param]:
@@ -153,7 +154,7 @@ def _gemm(spec: KernelSpec) -> list[Param]:
         ints += [f"{names[k]}_stride{d}" for d in range(n_b)]
         ints += [f"{names[k]}_stride{n_b + i}" for i, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
     for k, o in enumerate(spec.outputs):
-        if o.role == "full":  # a reduction of A is contiguous: one value per row of the product
+        if o.role is Role.FULL:  # a reduction of A is contiguous: one value per row of the product
             ints += [f"out{k}_stride{d}" for d in range(out_dims - 1)]  # columns: stride 1
     for i in inner_products(spec.nodes):  # a recomputed product: its contracted size, its operands' strides
         ints.append(f"K{i}")

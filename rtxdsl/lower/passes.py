@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..ops import REGISTRY, OpKind
+from .roles import Role
 from .spec import KernelSpec, NodeSpec, Split
 
 
@@ -22,7 +23,7 @@ def is_reshape(spec: KernelSpec, i: int) -> bool:
         return False
     kind, j = node.srcs[0]
     role = spec.nodes[j].role if kind == "n" else spec.loads[j].role if kind == "l" else "const"
-    return role != "full"
+    return role is not Role.FULL
 
 
 def _depth(spec: KernelSpec) -> Callable[[tuple], int]:
@@ -55,7 +56,7 @@ def early_outputs(spec: KernelSpec) -> list[int]:
     if spec.kind != "row" or not spec.looped or spec.split is Split.TILE or not levels(spec):
         return []
     depth = _depth(spec)
-    return [k for k, o in enumerate(spec.outputs) if o.role == "full" and depth(("n", o.node)) == 0]
+    return [k for k, o in enumerate(spec.outputs) if o.role is Role.FULL and depth(("n", o.node)) == 0]
 
 
 def input_scopes(spec: KernelSpec) -> list[set[Any]]:
@@ -73,13 +74,13 @@ def input_scopes(spec: KernelSpec) -> list[set[Any]]:
         kind, i = ref
         if kind == "l":
             ld = spec.loads[i]
-            reads[ld.input].add(scope if ld.role == "full" else "top")
+            reads[ld.input].add(scope if ld.role is Role.FULL else "top")
         elif kind == "n":
             if i in lv and lv[i] != scope:  # a finished reduction: a value on chip, read nothing
                 return
             node = spec.nodes[i]
             op = REGISTRY[node.op]
-            if op.index_operand is not None and node.role != "full":  # one gathered element per row
+            if op.index_operand is not None and node.role is not Role.FULL:  # one gathered element per row
                 mark(node.srcs[op.index_operand], scope, seen)
                 return
             for s in node.srcs:
@@ -91,7 +92,7 @@ def input_scopes(spec: KernelSpec) -> list[set[Any]]:
                 mark(s, level, set())
     early = early_outputs(spec)
     for k, o in enumerate(spec.outputs):
-        mark(("n", o.node), 1 if k in early else "out" if o.role == "full" else "top", set())
+        mark(("n", o.node), 1 if k in early else "out" if o.role is Role.FULL else "top", set())
     return reads
 
 

@@ -256,7 +256,7 @@ def body(group: Group, graph: Graph) -> Body:
         info = graph.of(s)
         if info.is_scalar and not (s.is_var or s.is_const):
             srcs = tuple(ref(x, Role.FULL, None) for x in s.srcs)
-            return add(s, srcs, "scalar")
+            return add(s, srcs, Role.SCALAR)
         if info.is_scalar:
             k = next((i for i, o in enumerate(slots) if o is s), None)
             if k is None:
@@ -281,7 +281,7 @@ def body(group: Group, graph: Graph) -> Body:
         kind = REGISTRY[n.op].kind
         load_role = Role.FULL if kind is OpKind.REDUCTION else role
         view = tuple(sorted(n.attr("axes"))) if REGISTRY[n.op].view else None
-        add(n, tuple(ref(s, load_role, view) for s in n.srcs), role.value)
+        add(n, tuple(ref(s, load_role, view) for s in n.srcs), role)
     return Body(tuple(specs), MappingProxyType(index), tuple(loads), tuple(slots))
 
 
@@ -393,12 +393,12 @@ def kernel_spec(
     classes = [
         (tuple(stride_class(s) for s in r), tuple(stride_class(s) for s in c)) for r, c in zip(row_strides, col_strides)
     ]
-    load_specs = tuple(LoadSpec(j, role.value, *classes[k]) for k, (j, role, _) in enumerate(b.loads))
+    load_specs = tuple(LoadSpec(j, role, *classes[k]) for k, (j, role, _) in enumerate(b.loads))
     if not group.is_row:  # pointwise outputs are contiguous over the domain: written at offs
         classes[n_loads:] = [((), ())] * len(group.outputs)
         row_strides, col_strides = row_strides[:n_loads], col_strides[:n_loads]
     out_specs = tuple(
-        OutSpec(b.index[id(o)], layouts[id(o)].dtype, group.role(o).value, *classes[n_loads + k])
+        OutSpec(b.index[id(o)], layouts[id(o)].dtype, group.role(o), *classes[n_loads + k])
         for k, o in enumerate(group.outputs)
     )
 
@@ -520,7 +520,7 @@ def splittable(spec: KernelSpec) -> bool:
     """Can a split row merge its reductions across programs? One level of them (none depends on
     another's result) and every output full-size or per row."""
     lv = levels(spec)
-    return bool(lv) and max(lv.values()) == 1 and all(o.role != "keep" for o in spec.outputs)
+    return bool(lv) and max(lv.values()) == 1 and all(o.role is not Role.KEEP for o in spec.outputs)
 
 
 def _split_rows(spec: KernelSpec, n_rows: int, n_cols: int, target: Target) -> tuple[KernelSpec, int, int, int]:
@@ -557,7 +557,7 @@ def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[E
         if id(s) in index:
             return ("n", index[id(s)])
         if graph.of(s).is_scalar and not (s.is_var or s.is_const):
-            return add(s, "scalar")
+            return add(s, Role.SCALAR)
         if graph.of(s).is_scalar:
             if not any(o is s for o in slots):
                 slots.append(s)
@@ -580,7 +580,7 @@ def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[E
     for n in sorted((*group.cone, *group.nodes), key=lambda m: order[id(m)]):
         # a cone node another kernel writes is read, not recomputed where the kernel also reads it
         if id(n) not in index and (id(n) in members or id(n) not in inputs):
-            add(n, group.role(n).value if id(n) in members else "free")
+            add(n, group.role(n) if id(n) in members else Role.FREE)
     return index, slots, specs, nargs
 
 
@@ -598,7 +598,7 @@ def _coordinate_operands(
     for j, n in enumerate(group.inputs):
         lay = layouts[id(n)]
         classes = tuple(BCAST if size == 1 else stride_class(st) for size, st in zip(lay.shape, lay.strides))
-        loads.append(LoadSpec(j, "full", classes, ()))
+        loads.append(LoadSpec(j, Role.FULL, classes, ()))
         values |= {f"in{j}_stride{d}": st for d, (c, st) in enumerate(zip(classes, lay.strides)) if c == STRIDED}
         reach = max(reach, sum(abs(st) * (size - 1) for size, st in zip(lay.shape, lay.strides)))
     outs = []
@@ -609,7 +609,7 @@ def _coordinate_operands(
         over = [0 if size == 1 else st for size, st in zip(domain, over)]
         classes = tuple(stride_class(st) for st in over) if group.is_row else ()
         k = len(outs)
-        outs.append(OutSpec(index[id(o)], layouts[id(o)].dtype, role.value, classes, ()))
+        outs.append(OutSpec(index[id(o)], layouts[id(o)].dtype, role, classes, ()))
         values |= {f"out{k}_stride{d}": st for d, (c, st) in enumerate(zip(classes, over)) if c == STRIDED}
     return loads, outs, values, reach
 

@@ -17,13 +17,17 @@ from typing import Any
 import torch
 
 from .analyze import Plan
+from .roles import Role
 
 # stride classes of a (coalesced) dimension
 BCAST, UNIT, STRIDED = "0", "1", "s"
 
 
 class Split(str, enum.Enum):
-    """How a row kernel's rows are cut across programs (``KernelSpec.split``)."""
+    """How a row kernel's rows are cut across programs (``KernelSpec.split``). Formatted as its value."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
     WHOLE = ""  # each program reduces whole rows
     PARTIAL = "partial"  # each program reduces a chunk of a row and stores partial states
@@ -34,7 +38,7 @@ class Split(str, enum.Enum):
 @dataclass(frozen=True)
 class LoadSpec:
     input: int
-    role: str  # "full" | "keep" | "drop"
+    role: Role
     rows: tuple[str, ...]  # stride class per coalesced row (or flat) dim
     cols: tuple[str, ...]
 
@@ -46,7 +50,7 @@ class NodeSpec:
     srcs: tuple[tuple, ...]  # ("n", i) node, ("l", k) load, ("s", k) scalar slot
     dtype: torch.dtype  # result dtype
     cdt: torch.dtype  # operand compute dtype
-    role: str  # "full" | "keep" | "drop"; coordinate kernels: "free" (evaluated only where remapped)
+    role: Role
     ones: tuple[bool, ...] = ()  # coordinate kernels: which dims of the value have size 1
     nargs: int = 0  # coordinate kernels: launch arguments of a movement op (offsets, sizes)
 
@@ -55,7 +59,7 @@ class NodeSpec:
 class OutSpec:
     node: int
     dtype: torch.dtype
-    role: str
+    role: Role
     rows: tuple[str, ...]
     cols: tuple[str, ...]
 

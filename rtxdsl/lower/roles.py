@@ -1,0 +1,21 @@
+"""Where a value lives in a kernel: its role, shared by the analyzer's groups and the kernel specs."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Role(str, enum.Enum):
+    """A value's place in its kernel. Formatted as its value (``f"{Role.A}"`` is ``a``)."""
+
+    FULL = "full"  # one value per element of the kernel's domain
+    KEEP = "keep"  # one value per row, its reduced dims kept (size 1)
+    DROP = "drop"  # one value per row, its reduced dims dropped
+    #: a GEMM's prologue: recomputed at the tiles of its left (A) or right (B) operand
+    A = "a"
+    B = "b"
+    FREE = "free"  # coordinate kernels: evaluated only where a movement op asks for it
+    SCALAR = "scalar"  # math on scalar inputs, computed once in the kernel
+
+    __str__ = str.__str__
+    __format__ = str.__format__
