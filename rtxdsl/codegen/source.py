@@ -18,7 +18,7 @@ from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.params import flat_dims, kernel_params, load_names, own_params
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
 from ..lower.roles import Role
-from ..lower.spec import STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split
+from ..lower.spec import BCAST, STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from .template import render
@@ -346,8 +346,8 @@ class Writer:
             off = "offs"
         else:  # the pointer needs the value's tile shape even where a dim has extent 1
             off = self._offset(f"out{k}", o.rows, o.cols, use_cols=full)
-            pad = [] if any(c != "0" for c in o.rows) else ["rows * 0"]
-            if full and all(c == "0" for c in o.cols):
+            pad = [] if any(c != BCAST for c in o.rows) else ["rows * 0"]
+            if full and all(c == BCAST for c in o.cols):
                 pad.append("cols * 0")
             off = " + ".join([t for t in [off] if t] + pad)
         return f"tl.store(out{k}_ptr + {off}, {val}, mask={mask})"

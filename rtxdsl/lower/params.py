@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..ops import REGISTRY, OpKind
 from .passes import partial_states
 from .roles import Role
-from .spec import STRIDED, KernelCall, KernelSpec, NodeSpec
+from .spec import STRIDED, UNIT, KernelCall, KernelSpec, NodeSpec
 
 #: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
 OPERAND_ROLES = (Role.A, Role.B)
@@ -84,7 +84,7 @@ def flat_dims(spec: KernelSpec) -> tuple[int, int]:
     row = spec.kind == "row"
     first = (spec.loads[0].rows, spec.loads[0].cols) if spec.loads else (spec.outputs[0].rows, spec.outputs[0].cols)
     if not spec.loads and not row:  # nothing read: a flat fill
-        first = (("1",), ())
+        first = ((UNIT,), ())
     return len(first[0]), len(first[1])
 
 

@@ -24,7 +24,7 @@ from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
 from .params import launch_ints, load_names, strided
 from .passes import levels
-from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split
+from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split, Stride
 from .target import GPU, Target
 
 INT32_LIMIT = 2**31
@@ -228,7 +228,7 @@ def coalesce(sizes: list[int], strides: list[tuple[int, ...]]) -> tuple[list[int
     return sz, st
 
 
-def stride_class(stride: int) -> str:
+def stride_class(stride: int) -> Stride:
     return BCAST if stride == 0 else UNIT if stride == 1 else STRIDED
 
 

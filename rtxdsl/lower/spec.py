@@ -19,8 +19,19 @@ import torch
 from .analyze import Plan
 from .roles import Role
 
-# stride classes of a (coalesced) dimension
-BCAST, UNIT, STRIDED = "0", "1", "s"
+
+class Stride(str, enum.Enum):
+    """The stride class of a (coalesced) dimension: what its offset needs. Formatted as its value."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    BCAST = "0"  # size 1 or stride 0: no offset at all
+    UNIT = "1"  # stride 1: the index itself (vectorized loads along it), no argument
+    STRIDED = "s"  # any other stride: a launch argument and a multiply
+
+
+BCAST, UNIT, STRIDED = Stride.BCAST, Stride.UNIT, Stride.STRIDED
 
 
 class Split(str, enum.Enum):
@@ -39,8 +50,8 @@ class Split(str, enum.Enum):
 class LoadSpec:
     input: int
     role: Role
-    rows: tuple[str, ...]  # stride class per coalesced row (or flat) dim
-    cols: tuple[str, ...]
+    rows: tuple[Stride, ...]  # stride class per coalesced row (or flat) dim
+    cols: tuple[Stride, ...]
 
 
 @dataclass(frozen=True)
@@ -60,8 +71,8 @@ class OutSpec:
     node: int
     dtype: torch.dtype
     role: Role
-    rows: tuple[str, ...]
-    cols: tuple[str, ...]
+    rows: tuple[Stride, ...]
+    cols: tuple[Stride, ...]
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,8 @@ class GemmTile:
     sum_batch: bool = False  # the batch dims are contracted too (a weight gradient)
     #: stride classes of A's (m, k) and B's (k, n) strides: a unit stride is no argument and no
     #: multiply, so the loads along it vectorize
-    a_classes: tuple[str, str] = (STRIDED, STRIDED)
-    b_classes: tuple[str, str] = (STRIDED, STRIDED)
+    a_classes: tuple[Stride, Stride] = (STRIDED, STRIDED)
+    b_classes: tuple[Stride, Stride] = (STRIDED, STRIDED)
     precision: str = "ieee"  # fp32 operands: "ieee" (exact products) or "tf32" (FusionConfig.allow_tf32)
 
 
