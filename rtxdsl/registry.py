@@ -40,6 +40,26 @@ class DtypeRule(enum.Enum):
     KEEP = "keep"  # movement: the data operand keeps its dtype, index operands stay integers
 
 
+class Pattern(str, enum.Enum):
+    """The fusion pattern a kernel is named by (``OpDef.pattern`` of its ops), in priority order:
+    a group holding several is named by the first. Formatted as its value."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    LINEAR_CROSS_ENTROPY = "LinearCrossEntropy"
+    CONTRACTION = "Contraction"
+    CROSS_ENTROPY = "CrossEntropy"
+    LAYER_NORM = "LayerNorm"
+    RMS_NORM = "RMSNorm"
+    ROPE = "RoPE"
+    SOFTMAX = "Softmax"
+    REDUCTION = "Reduction"
+    ACTIVATION = "Activation"
+    ELEMENTWISE_CHAIN = "ElementwiseChain"
+    SINGLE = "Single"
+
+
 class AxisRule(enum.Enum):
     """What a movement op does to its operand's axes: how the sharding analysis labels them
     (``lower.shard``) and how a piece of an axis computes it (``lower.pieces``)."""
@@ -231,8 +251,8 @@ class OpDef:
     #: (1: plain arithmetic; 4: transcendental math, a special-function unit at a quarter of the
     #: FMA rate or a short instruction sequence)
     cost: int = 1
-    #: FusionPattern a group containing this op is labelled with
-    pattern: str | None = None
+    #: the fusion pattern a group containing this op is labelled with
+    pattern: Pattern | None = None
     #: infix operator for printing (``+``) and its precedence
     symbol: str | None = None
     precedence: int = 10

@@ -40,24 +40,10 @@ from types import MappingProxyType
 
 from ..config import FusionConfig
 from ..expr import Expr
-from ..ops import REGISTRY, OpKind
+from ..ops import REGISTRY, OpKind, Pattern
 from .expand import Graph, is_leaf
 from .prologue import Operand, choose, reloads
 from .roles import Role
-
-PATTERN_PRIORITY = (
-    "LinearCrossEntropy",
-    "Contraction",
-    "CrossEntropy",
-    "LayerNorm",
-    "RMSNorm",
-    "RoPE",
-    "Softmax",
-    "Reduction",
-    "Activation",
-    "ElementwiseChain",
-    "Single",
-)
 
 
 @dataclass(frozen=True)
@@ -70,7 +56,7 @@ class Group:
     roles: Mapping[int, Role]
     inputs: tuple[Expr, ...] = ()  # tensors read: vars or other groups' outputs
     outputs: tuple[Expr, ...] = ()
-    pattern: str = "Single"
+    pattern: Pattern = Pattern.SINGLE
     cone: tuple[Expr, ...] = ()  # free nodes its movement ops evaluate at remapped coordinates
     notes: tuple[str, ...] = ()  # the analyzer's choices for this kernel, with their figures (explain)
 
@@ -1292,7 +1278,7 @@ def _own_kernels_for_broadcast_values(
             else:
                 nodes = tuple(sorted(cone, key=lambda n: order[id(n)]))
                 roles = MappingProxyType({id(n): Role.FULL for n in nodes})
-                extra.append(Group(graph.of(m).shape, (), nodes, roles, pattern="ElementwiseChain"))
+                extra.append(Group(graph.of(m).shape, (), nodes, roles, pattern=Pattern.ELEMENTWISE_CHAIN))
     return (*groups, *extra)
 
 
@@ -1316,16 +1302,17 @@ def _writers(graph: Graph, groups: tuple[Group, ...]) -> dict[int, int]:
     return out
 
 
-def _pattern(g: Group, graph: Graph) -> str:
+def _pattern(g: Group, graph: Graph) -> Pattern:
+    """The first pattern, in ``Pattern``'s order, of the ops the group holds."""
     labels = {graph.origin[id(m)] for m in g.nodes if id(m) in graph.origin}
     names = {REGISTRY[o].pattern for o in labels} | {REGISTRY[m.op].pattern for m in g.nodes}
     if len(g.nodes) >= 2:
-        names.add("ElementwiseChain")
-    names.add("Single")
+        names.add(Pattern.ELEMENTWISE_CHAIN)
+    names.add(Pattern.SINGLE)
     if g.is_row:
-        names.discard("Activation")
-        names.discard("Contraction")  # a product reduced in tiles: named by what it reduces to
-    return next(p for p in PATTERN_PRIORITY if p in names)
+        names.discard(Pattern.ACTIVATION)
+        names.discard(Pattern.CONTRACTION)  # a product reduced in tiles: named by what it reduces to
+    return next(p for p in Pattern if p in names)
 
 
 def _topo(groups: list[Group], homes: dict[int, int]) -> tuple[Group, ...]:

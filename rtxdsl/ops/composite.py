@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..dtypes import compute_dtype
 from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
-from ..registry import FLOATING, NUMERIC, Front, OpDef, OpKind, Unsupported, register
+from ..registry import FLOATING, NUMERIC, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .helpers import ExprLike, axis_arg, binary_fn, int_axis, scalar_arg, torch_fns
 from .reduction import mean_of, norm_axes, reduced_shape
 
@@ -34,7 +34,7 @@ def _composite(
     *,
     shape: Callable[..., tuple[int, ...]] | None = None,
     eager_launches: int = 1,
-    pattern: str | None = None,
+    pattern: Pattern | None = None,
     accepts=NUMERIC,
     front: Front | None = None,
     result_dtype: Callable[..., torch.dtype] | None = None,
@@ -136,7 +136,7 @@ _composite(
     lambda x, axis, keepdim: torch.mean(x, dim=_dims(axis), keepdim=keepdim),
     lambda x, axis, keepdim: mean_of(x, axis, keepdim),
     shape=_reduced,
-    pattern="Reduction",
+    pattern=Pattern.REDUCTION,
     accepts=FLOATING,
     front=Front(fn=_mean_fn, methods={"mean": None}, torch=dict.fromkeys(torch_fns("mean"), _torch_mean)),
 )
@@ -148,7 +148,7 @@ _composite(
     lambda x, c, axis, keepdim: torch.var(x, dim=axis, correction=c, keepdim=keepdim),
     variance_of,
     shape=_reduced,
-    pattern="Reduction",
+    pattern=Pattern.REDUCTION,
     accepts=FLOATING,
     front=Front(fn=_variance, methods={"var": None}, torch=dict.fromkeys(torch_fns("var"), _torch_spread(_variance))),
 )
@@ -158,7 +158,7 @@ _composite(
     lambda x, c, axis, keepdim: torch.std(x, dim=axis, correction=c, keepdim=keepdim),
     lambda x, c, axis, keepdim: node("sqrt", variance_of(x, c, axis, keepdim)),
     shape=_reduced,
-    pattern="Reduction",
+    pattern=Pattern.REDUCTION,
     accepts=FLOATING,
     front=Front(fn=_std, methods={"std": None}, torch=dict.fromkeys(torch_fns("std"), _torch_spread(_std))),
 )
@@ -202,7 +202,7 @@ _composite(
     lambda x, axis: torch.softmax(x, dim=axis),
     lambda x, axis: node("exp", node("sub", x, _lse_shift(x, axis))),
     shape=_same_as_first,
-    pattern="Softmax",
+    pattern=Pattern.SOFTMAX,
     accepts=FLOATING,
     front=Front(
         fn=softmax, methods={"softmax": None}, torch=dict.fromkeys(torch_fns("softmax"), _torch_softmax(softmax))
@@ -214,7 +214,7 @@ _composite(
     lambda x, axis: torch.log_softmax(x, dim=axis),
     lambda x, axis: node("sub", x, _lse_shift(x, axis)),
     shape=_same_as_first,
-    pattern="Softmax",
+    pattern=Pattern.SOFTMAX,
     accepts=FLOATING,
     front=Front(
         fn=log_softmax,
@@ -323,7 +323,7 @@ _composite(
     _layer_norm_ref,
     _layer_norm,
     shape=_norm_shape,
-    pattern="LayerNorm",
+    pattern=Pattern.LAYER_NORM,
     accepts=FLOATING,
     front=Front(fn=layer_norm, torch={F.layer_norm: _torch_layer_norm}),
 )
@@ -333,7 +333,7 @@ _composite(
     _rms_norm_ref,
     _rms_norm,
     shape=_norm_shape,
-    pattern="RMSNorm",
+    pattern=Pattern.RMS_NORM,
     accepts=FLOATING,
     front=Front(fn=rms_norm, torch=dict.fromkeys(torch_fns("rms_norm"), _torch_rms_norm)),
 )
@@ -345,7 +345,7 @@ _composite(
     lambda g, u: F.silu(g) * u,
     lambda g, u: node("mul", node("silu", g), u),
     eager_launches=2,
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     accepts=FLOATING,
     front=Front(fn=binary_fn("swiglu", "silu(gate) * up", "swiglu(a, b)")),
 )
@@ -370,7 +370,7 @@ _composite(
     lambda g, u, approximate: F.gelu(g, approximate=approximate) * u,
     lambda g, u, approximate: node("mul", node("gelu", g, approximate=approximate), u),
     eager_launches=2,
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     accepts=FLOATING,
     front=Front(fn=geglu),
 )
@@ -443,7 +443,7 @@ _composite(
     4,
     lambda x, a, g, b: g * torch.tanh(a * x) + b,
     lambda x, a, g, b: _affine(node("tanh", node("mul", a, x)), g, b),
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     accepts=FLOATING,
     eager_launches=3,
     front=Front(fn=dyt),
@@ -471,7 +471,7 @@ _composite(
     1,
     lambda x: torch.relu(x) ** 2,
     _relu_squared,
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     accepts=FLOATING,
     eager_launches=2,
     front=Front(fn=relu_squared, names=("relu_squared", "relu2")),
@@ -527,7 +527,7 @@ _composite(
     shape=_poly_norm_shape,
     # one-element probes cannot index the 3 weights: the promoted dtype, as torch's arithmetic
     result_dtype=lambda dtypes, **_: torch.promote_types(torch.promote_types(dtypes[0], dtypes[1]), dtypes[2]),
-    pattern="RMSNorm",
+    pattern=Pattern.RMS_NORM,
     accepts=FLOATING,
     eager_launches=13,
     front=Front(fn=poly_norm),
@@ -605,7 +605,7 @@ register(
         shape=_group_norm_shape,
         result_dtype=lambda dtypes, **_: dtypes[0],  # one-element probes cannot split channels
         eager_launches=1,
-        pattern="LayerNorm",
+        pattern=Pattern.LAYER_NORM,
         accepts=FLOATING,
         front=Front(fn=group_norm, torch=dict.fromkeys(torch_fns("group_norm"), _torch_group_norm)),
     )
@@ -668,7 +668,7 @@ register(
         typed_decompose=True,
         shape=_same_as_first,
         eager_launches=9,  # sort, cumsum, sub, mul, gt, sum, gather, div, clamp
-        pattern="Softmax",
+        pattern=Pattern.SOFTMAX,
         accepts=FLOATING,
         front=Front(fn=sparsemax),
     )

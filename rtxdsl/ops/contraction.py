@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..errors import DtypeMismatchError, RtxError, ShapeError
 from ..expr import Expr, node
-from ..registry import FLOATING, Front, OpDef, OpKind, Unsupported, register
+from ..registry import FLOATING, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .helpers import D, ExprLike, torch_fns
 
 
@@ -122,7 +122,7 @@ register(
         accepts=FLOATING,
         derivative=_contract_grad,
         launch_args=lambda shapes, out, ta, **_: (_matrix(shapes[0], ta)[1],),
-        pattern="Contraction",
+        pattern=Pattern.CONTRACTION,
         front=Front(fn=contract),
     )
 )
@@ -226,7 +226,7 @@ register(
         result_dtype=_contract_dtype,
         eager_launches=1,
         accepts=FLOATING,
-        pattern="Contraction",
+        pattern=Pattern.CONTRACTION,
         front=Front(
             fn=matmul,
             operators=("__matmul__", "__rmatmul__"),
@@ -300,7 +300,7 @@ register(
         result_dtype=lambda dtypes, **_: _contract_dtype(list(dtypes[:2])),
         eager_launches=1,
         accepts=FLOATING,
-        pattern="Contraction",
+        pattern=Pattern.CONTRACTION,
         front=Front(fn=linear, torch=dict.fromkeys(torch_fns("linear"), _torch_linear)),
     )
 )

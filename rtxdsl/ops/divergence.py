@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
-from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Unsupported, register
+from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .helpers import ExprLike, scalar_arg, torch_fns
 
 KL_REDUCTIONS = ("none", "sum", "mean", "batchmean")
@@ -95,7 +95,7 @@ register(
         typed_decompose=True,
         shape=_kl_shape,
         eager_launches=3,  # the pointwise terms, then the reduction (and its division)
-        pattern="Reduction",
+        pattern=Pattern.REDUCTION,
         accepts=FLOATING,
         front=Front(fn=kl_div, torch=dict.fromkeys(torch_fns("kl_div"), _torch_kl_div)),
     )
@@ -215,7 +215,7 @@ register(
         shape=_jsd_shape,
         result_dtype=_pair_dtype("jsd"),
         eager_launches=8,  # exp x2, the mixture, its log, the two KL terms, the row sums, the mean
-        pattern="Reduction",
+        pattern=Pattern.REDUCTION,
         accepts=ANY,
         front=Front(fn=jsd),
     )
@@ -297,7 +297,7 @@ register(
         shape=_tvd_shape,
         result_dtype=_pair_dtype("tvd"),
         eager_launches=4,  # sub, abs, the half, the reduction
-        pattern="Reduction",
+        pattern=Pattern.REDUCTION,
         accepts=ANY,
         front=Front(fn=tvd),
     )

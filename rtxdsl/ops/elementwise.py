@@ -29,6 +29,7 @@ from ..registry import (
     Front,
     OpDef,
     OpKind,
+    Pattern,
     Unsupported,
     as_tensors,
     register,
@@ -49,7 +50,7 @@ def _ew(
     rule=DtypeRule.PROMOTE,
     symbol: str | None = None,
     precedence: int = 10,
-    pattern: str | None = None,
+    pattern: Pattern | None = None,
     eager_launches: int = 1,
     cost: int = 1,
 ) -> OpDef:
@@ -516,7 +517,7 @@ def _math(
     *,
     ref: Callable[..., Any] | None = None,
     accepts=ANY,
-    pattern: str | None = None,
+    pattern: Pattern | None = None,
     functional: bool = False,
     cost: int = 4,
 ) -> OpDef:
@@ -596,7 +597,7 @@ _math(
     tanh_text,
     lambda d: (node("mul", d.g, node("sub", 1.0, node("mul", d.y, d.y))),),
     "hyperbolic tangent",
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
 )
 _math(
     "erf",
@@ -609,7 +610,7 @@ _math(
     lambda c, a: f"1.0 / (1.0 + tl.exp(-{a}))",
     lambda d: (node("mul", d.g, node("mul", d.y, node("sub", 1.0, d.y))),),
     "1 / (1 + exp(-x))",
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
 )
 _math(
     "relu",
@@ -618,7 +619,7 @@ _math(
     # the cotangent (a NaN input passes it through)
     lambda d: (node("where", node("le", d.a, 0), 0.0, d.g),),
     "max(x, 0), NaN kept",
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     cost=1,
 )
 
@@ -635,7 +636,7 @@ _math(
     "x * sigmoid(x)",
     ref=F.silu,
     accepts=FLOATING,
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     functional=True,
 )
 
@@ -682,7 +683,7 @@ _ew(
     _gelu_text,
     _gelu_derivative,
     accepts=FLOATING,
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     cost=8,  # erf (or tanh) and four multiplies
     front=Front(fn=gelu, methods={"gelu": None}, torch={F.gelu: gelu}),
 )
@@ -707,7 +708,7 @@ _ew(
     lambda c, a, s: f"tl.where({a} > 0, {a}, {a} * {s})",
     lambda d: (node("where", node("gt", d.a, 0), d.g, node("mul", d.g, d.b)), None),
     accepts=FLOATING,
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     front=Front(
         fn=leaky_relu,
         torch={F.leaky_relu: lambda a, negative_slope=0.01, inplace=False: leaky_relu(a, negative_slope)},
@@ -733,7 +734,7 @@ _ew(
     lambda c, a, al: f"tl.where({a} > 0, {a}, {al} * {_expm1(c, a)})",
     lambda d: (node("where", node("gt", d.a, 0), d.g, node("mul", d.g, node("mul", d.b, node("exp", d.a)))), None),
     accepts=FLOATING,
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     front=Front(fn=elu, torch={F.elu: lambda a, alpha=1.0, inplace=False: elu(a, alpha)}),
 )
 
@@ -765,7 +766,7 @@ _ew(
         None,
     ),
     accepts=FLOATING,
-    pattern="Activation",
+    pattern=Pattern.ACTIVATION,
     front=Front(fn=softplus, torch={F.softplus: softplus}),
 )
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..errors import DtypeMismatchError, RtxError, ShapeError
 from ..expr import Expr, node
-from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Unsupported, register
+from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .helpers import ExprLike, scalar_arg, torch_fns
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -256,7 +256,7 @@ register(
         shape=_ce_shape,
         result_dtype=_ce_dtype,
         eager_launches=2,  # log_softmax, nll_loss
-        pattern="CrossEntropy",
+        pattern=Pattern.CROSS_ENTROPY,
         accepts=ANY,
         front=Front(fn=cross_entropy, torch=dict.fromkeys(torch_fns("cross_entropy"), _torch_cross_entropy)),
     )
@@ -375,7 +375,7 @@ register(
         shape=_lce_shape,
         result_dtype=_lce_dtype,
         eager_launches=3,  # the logits' GEMM, log_softmax, nll_loss
-        pattern="LinearCrossEntropy",
+        pattern=Pattern.LINEAR_CROSS_ENTROPY,
         accepts=ANY,
         front=Front(fn=linear_cross_entropy),
     )
@@ -511,7 +511,7 @@ for _name, _fn, _ref, _decompose in (
             shape=_stat_shape,
             result_dtype=_stat_dtype,
             eager_launches=3,
-            pattern="CrossEntropy",
+            pattern=Pattern.CROSS_ENTROPY,
             accepts=ANY,
             front=Front(fn=_fn),
         )
@@ -596,7 +596,7 @@ register(
             torch.promote_types(dtypes[0], dtypes[1]), dtypes[2]
         ),
         eager_launches=5,  # HF: two slices and a cat make copies: neg, cat, mul, mul, add
-        pattern="RoPE",
+        pattern=Pattern.ROPE,
         accepts=FLOATING,
         front=Front(fn=rope),
     )
@@ -668,7 +668,7 @@ register(
         shape=_mrope_shape,
         result_dtype=lambda dtypes, **_: torch.promote_types(torch.promote_types(dtypes[0], dtypes[1]), dtypes[2]),
         eager_launches=9,  # HF: the two table cats, then rope's five
-        pattern="RoPE",
+        pattern=Pattern.ROPE,
         accepts=FLOATING,
         front=Front(fn=mrope),
     )

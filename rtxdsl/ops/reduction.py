@@ -18,7 +18,7 @@ import torch
 from ..dtypes import highest, lowest
 from ..errors import ShapeError
 from ..expr import Expr, node
-from ..registry import ANY, FLOATING, NUMERIC, EmitCtx, Front, OpDef, OpKind, ReduceSpec, Unsupported, register
+from ..registry import ANY, FLOATING, NUMERIC, EmitCtx, Front, OpDef, OpKind, Pattern, ReduceSpec, Unsupported, register
 from .elementwise import nan_max, nan_min
 from .helpers import D, reduction_fn, torch_fns
 
@@ -192,7 +192,7 @@ def _reduction(
             canonical=lambda shapes, axis, keepdim: {"axis": norm_axes(axis, len(shapes[0])), "keepdim": keepdim},
             eager_launches=eager_launches,
             accepts=accepts,
-            pattern="Reduction",
+            pattern=Pattern.REDUCTION,
             front=Front(
                 fn=fn if names or methods or torch_names else None,
                 names=names,
