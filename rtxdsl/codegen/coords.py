@@ -17,7 +17,7 @@ import torch
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
 from ..lower.roles import Role
-from ..lower.spec import BCAST, UNIT
+from ..lower.spec import BCAST, UNIT, Src
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop
@@ -46,7 +46,7 @@ class CoordWriter(Writer):
 
     def _ones(self, ref: tuple) -> tuple[bool, ...]:
         kind, i = ref
-        if kind == "l":
+        if kind is Src.LOAD:
             return tuple(c == BCAST for c in self.spec.loads[i].rows)
         return self.spec.nodes[i].ones
 
@@ -75,9 +75,9 @@ class CoordWriter(Writer):
     # ---- values -----------------------------------------------------------------------
     def value(self, ref: tuple, loop: Scope) -> str:
         kind, i = ref
-        if kind == "s":
+        if kind is Src.SLOT:
             return f"s{i}"
-        if kind == "l":  # a reduction's operand read directly: at the domain's full coordinates
+        if kind is Src.LOAD:  # a reduction's operand read directly: at the domain's full coordinates
             return self._value_at(ref, self._adjust(Coords(self._domain(True)), self._ones(ref)), loop, True)
         node = self.spec.nodes[i]
         if node.role is Role.SCALAR or REGISTRY[node.op].kind is OpKind.REDUCTION:
@@ -87,9 +87,9 @@ class CoordWriter(Writer):
 
     def _value_at(self, ref: tuple, c: Coords, scope: Scope, full: bool) -> str:
         kind, i = ref
-        if kind == "s":
+        if kind is Src.SLOT:
             return f"s{i}"
-        if kind == "n":
+        if kind is Src.NODE:
             node = self.spec.nodes[i]
             if node.role is Role.SCALAR or REGISTRY[node.op].kind is OpKind.REDUCTION:
                 return self.value(ref, scope)  # one value per row: the same at every column
@@ -100,14 +100,14 @@ class CoordWriter(Writer):
             for key in keys:
                 if key in s.memo:
                     return s.memo[key]
-        if kind == "l":
+        if kind is Src.LOAD:
             name = self._load_at(i, c, scope, full)
         else:
             node = self.spec.nodes[i]
             placed = node.role is not Role.FULL or bool(self.cidx) or not self.row  # its default coordinates exist
-            own = ("n", i) not in self.named and placed and c == self._default(i)
+            own = (Src.NODE, i) not in self.named and placed and c == self._default(i)
             name = f"v{i}" if own else f"v{i}_{next(self.tmp_ids)}"
-            self.named.add(("n", i))
+            self.named.add((Src.NODE, i))
             if REGISTRY[node.op].kind is OpKind.MOVEMENT:
                 self._remap(i, name, c, scope, full)
             elif REGISTRY[node.op].kind is OpKind.CONTRACTION:
@@ -166,7 +166,7 @@ class CoordWriter(Writer):
             out=out,
             attrs=dict(node.attrs),
             args=tuple(f"m{i}_{k}" for k in range(node.nargs)),
-            src_ranks=tuple(0 if r[0] in ("s", "-") else len(self._ones(r)) for r in node.srcs),
+            src_ranks=tuple(0 if r[0] in (Src.SLOT, "-") else len(self._ones(r)) for r in node.srcs),
             value=value,
             tmp=tmp,
             flag=flag,
@@ -211,7 +211,7 @@ class CoordWriter(Writer):
     # ---- stores -----------------------------------------------------------------------
     def _store(self, k: int, loop: Scope) -> str:
         o = self.spec.outputs[k]
-        v = self.value(("n", o.node), loop)
+        v = self.value((Src.NODE, o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
         full = o.role is Role.FULL
         if not self.row:

@@ -13,7 +13,7 @@ from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
-from ..lower.spec import STRIDED, UNIT, KernelSpec
+from ..lower.spec import STRIDED, UNIT, KernelSpec, Src
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop
@@ -121,7 +121,7 @@ class GemmWriter(Writer):
             self._finish_reduction(i, red, ctx, running)
         self.out_idx = [] if g.sum_batch else self.batch_idx
         top.add_all(["rows = offs_m[:, None]", "cols = offs_n[None, :]", "mask = (rows < M) & (cols < N)"])
-        top.memo[("n", contraction)] = "acc"
+        top.memo[(Src.NODE, contraction)] = "acc"
         self.types["acc"] = acc_dtype
         top.add_all(self.stores(range(len(self.spec.outputs)), top))
         return render(GEMM, name=name, params="\n".join(f"{p}," for p in self.params), body="\n".join(self.top.lines))
@@ -150,7 +150,7 @@ class GemmWriter(Writer):
         """As the Writer's, plus what only a prologue holds: a product recomputed at the operand's
         tile, and positions (indices along a dim) there."""
         kind, i = ref
-        node = self.spec.nodes[i] if kind == "n" else None
+        node = self.spec.nodes[i] if kind is Src.NODE else None
         if node is None or node.role not in OPERAND_TILE:
             return super().value(ref, loop)
         op = REGISTRY[node.op]
@@ -287,7 +287,7 @@ class GemmWriter(Writer):
 
     def _store(self, k: int, loop: Scope) -> str:
         o = self.spec.outputs[k]
-        v = self.value(("n", o.node), loop)
+        v = self.value((Src.NODE, o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
         if o.role is not Role.FULL:  # a reduction of A, one value per row: the first column of tiles writes it
             return f"tl.store(out{k}_ptr + rows, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"

@@ -18,7 +18,7 @@ from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.params import flat_dims, kernel_params, load_names, own_params
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
 from ..lower.roles import Role
-from ..lower.spec import BCAST, STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split
+from ..lower.spec import BCAST, STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split, Src
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from .template import render
@@ -158,12 +158,12 @@ class Writer:
 
     def value(self, ref: tuple, loop: Scope) -> str:
         kind, i = ref
-        if kind == "s":
+        if kind is Src.SLOT:
             return f"s{i}"
-        scope = self._scope_of(self.spec.loads[i].role if kind == "l" else self.spec.nodes[i].role, loop)
+        scope = self._scope_of(self.spec.loads[i].role if kind is Src.LOAD else self.spec.nodes[i].role, loop)
         if ref in scope.memo:
             return scope.memo[ref]
-        if kind == "l":
+        if kind is Src.LOAD:
             name = self._emit_load(i, scope)
         else:
             node = self.spec.nodes[i]
@@ -305,7 +305,7 @@ class Writer:
     def _finish_reduction(self, i: int, red: ReduceSpec, ctx: EmitCtx, state: tuple[str, ...]) -> None:
         self.top.add(f"v{i} = {red.value(ctx, state)}")
         self.types[f"v{i}"] = reduce_dtype(self.spec.nodes[i])
-        self.top.memo[("n", i)] = f"v{i}"
+        self.top.memo[(Src.NODE, i)] = f"v{i}"
 
     def _merge_partials(self) -> None:
         """A split row's finish: every program merges its rows' partial states (in a fixed order:
@@ -338,7 +338,7 @@ class Writer:
 
     def _store(self, k: int, loop: Scope) -> str:
         o = self.spec.outputs[k]
-        v = self.value(("n", o.node), loop)
+        v = self.value((Src.NODE, o.node), loop)
         val = to_storage(v, self.types[v], o.dtype)
         full = o.role is Role.FULL
         mask = "mask" if full or not self.row else self.row_store_mask

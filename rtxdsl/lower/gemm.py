@@ -42,7 +42,7 @@ from .schedule import (
     stride_class,
     viewed,
 )
-from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, OutSpec
+from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, OutSpec, Src
 from .target import Target
 
 MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
@@ -88,7 +88,7 @@ def gemm_spec(
         lay = viewed(layouts[id(group.inputs[j])], view)
         if i in at_tiles:
             strides[i] = _operand_strides(lay, *operand[role]) if role in operand else _tile_strides(lay, domain)
-        elif any(("l", i) in bd.nodes[p].srcs for p in inner):  # a recomputed product's operand: as stored
+        elif any((Src.LOAD, i) in bd.nodes[p].srcs for p in inner):  # a recomputed product's operand: as stored
             strides[i] = _batch_strides(lay, batch), (lay.strides[-2], lay.strides[-1])
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..ops import REGISTRY, OpKind
 from .passes import partial_states
 from .roles import Role
-from .spec import STRIDED, UNIT, KernelCall, KernelSpec, NodeSpec
+from .spec import STRIDED, UNIT, KernelCall, KernelSpec, NodeSpec, Src
 
 #: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
 OPERAND_ROLES = (Role.A, Role.B)
@@ -128,7 +128,9 @@ def _coordinate(spec: KernelSpec) -> list[Param]:
 def tile_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
     """The loads a GEMM's epilogue and prologues read, each at its own tile (its role: "full" at the
     product's, "a" / "b" at an operand's). A plain operand is read by the K loop through its own strides."""
-    used = {i for nd in nodes if REGISTRY[nd.op].kind is not OpKind.CONTRACTION for kind, i in nd.srcs if kind == "l"}
+    used = {
+        i for nd in nodes if REGISTRY[nd.op].kind is not OpKind.CONTRACTION for kind, i in nd.srcs if kind is Src.LOAD
+    }
     return sorted(used)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ..ops import REGISTRY, OpKind
 from .roles import Role
-from .spec import KernelSpec, NodeSpec, Split
+from .spec import KernelSpec, NodeSpec, Split, Src
 
 
 def is_reshape(spec: KernelSpec, i: int) -> bool:
@@ -22,7 +22,7 @@ def is_reshape(spec: KernelSpec, i: int) -> bool:
     if REGISTRY[node.op].kind is not OpKind.REDUCTION:
         return False
     kind, j = node.srcs[0]
-    role = spec.nodes[j].role if kind == "n" else spec.loads[j].role if kind == "l" else "const"
+    role = spec.nodes[j].role if kind is Src.NODE else spec.loads[j].role if kind is Src.LOAD else "const"
     return role is not Role.FULL
 
 
@@ -31,7 +31,7 @@ def _depth(spec: KernelSpec) -> Callable[[tuple], int]:
     memo: dict[int, int] = {}
 
     def depth(ref: tuple) -> int:
-        if ref[0] != "n":
+        if ref[0] is not Src.NODE:
             return 0
         i = ref[1]
         if i not in memo:
@@ -46,7 +46,7 @@ def _depth(spec: KernelSpec) -> Callable[[tuple], int]:
 def levels(spec: KernelSpec) -> dict[int, int]:
     """Reduction node -> its pass (1 + the passes of the reductions it depends on)."""
     depth = _depth(spec)
-    return {i: depth(("n", i)) for i in spec.reductions if not is_reshape(spec, i)}
+    return {i: depth((Src.NODE, i)) for i in spec.reductions if not is_reshape(spec, i)}
 
 
 def early_outputs(spec: KernelSpec) -> list[int]:
@@ -56,7 +56,7 @@ def early_outputs(spec: KernelSpec) -> list[int]:
     if spec.kind != "row" or not spec.looped or spec.split is Split.TILE or not levels(spec):
         return []
     depth = _depth(spec)
-    return [k for k, o in enumerate(spec.outputs) if o.role is Role.FULL and depth(("n", o.node)) == 0]
+    return [k for k, o in enumerate(spec.outputs) if o.role is Role.FULL and depth((Src.NODE, o.node)) == 0]
 
 
 def input_scopes(spec: KernelSpec) -> list[set[Any]]:
@@ -72,10 +72,10 @@ def input_scopes(spec: KernelSpec) -> list[set[Any]]:
             return
         seen.add(ref)
         kind, i = ref
-        if kind == "l":
+        if kind is Src.LOAD:
             ld = spec.loads[i]
             reads[ld.input].add(scope if ld.role is Role.FULL else "top")
-        elif kind == "n":
+        elif kind is Src.NODE:
             if i in lv and lv[i] != scope:  # a finished reduction: a value on chip, read nothing
                 return
             node = spec.nodes[i]
@@ -92,7 +92,7 @@ def input_scopes(spec: KernelSpec) -> list[set[Any]]:
                 mark(s, level, set())
     early = early_outputs(spec)
     for k, o in enumerate(spec.outputs):
-        mark(("n", o.node), 1 if k in early else "out" if o.role is Role.FULL else "top", set())
+        mark((Src.NODE, o.node), 1 if k in early else "out" if o.role is Role.FULL else "top", set())
     return reads
 
 

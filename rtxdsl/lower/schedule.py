@@ -24,7 +24,7 @@ from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
 from .params import launch_ints, load_names, strided
 from .passes import levels
-from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split, Stride
+from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split, Src, Stride
 from .target import GPU, Target
 
 INT32_LIMIT = 2**31
@@ -252,7 +252,7 @@ def body(group: Group, graph: Graph) -> Body:
 
     def ref(s: Expr, consumer_role: Role, view: tuple[int, ...] | None) -> tuple:
         if id(s) in index:
-            return ("n", index[id(s)])
+            return (Src.NODE, index[id(s)])
         info = graph.of(s)
         if info.is_scalar and not (s.is_var or s.is_const):
             srcs = tuple(ref(x, Role.FULL, None) for x in s.srcs)
@@ -262,11 +262,11 @@ def body(group: Group, graph: Graph) -> Body:
             if k is None:
                 slots.append(s)
                 k = len(slots) - 1
-            return ("s", k)
+            return (Src.SLOT, k)
         key = (inputs[id(s)], consumer_role, view)
         if key not in loads:
             loads.append(key)
-        return ("l", loads.index(key))
+        return (Src.LOAD, loads.index(key))
 
     def add(n: Expr, srcs: tuple, role: str) -> tuple:
         op = REGISTRY[n.op]
@@ -274,7 +274,7 @@ def body(group: Group, graph: Graph) -> Body:
         ones = tuple(d == 1 for d in graph.of(n).shape) if op.kind is OpKind.MOVEMENT and not op.view else ()
         specs.append(NodeSpec(n.op, n.attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role, ones))
         index[id(n)] = len(specs) - 1
-        return ("n", index[id(n)])
+        return (Src.NODE, index[id(n)])
 
     for n in group.nodes:
         role = group.role(n)
@@ -555,18 +555,18 @@ def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[E
 
     def ref(s: Expr) -> tuple:
         if id(s) in index:
-            return ("n", index[id(s)])
+            return (Src.NODE, index[id(s)])
         if graph.of(s).is_scalar and not (s.is_var or s.is_const):
             return add(s, Role.SCALAR)
         if graph.of(s).is_scalar:
             if not any(o is s for o in slots):
                 slots.append(s)
-            return ("s", next(i for i, o in enumerate(slots) if o is s))
-        return ("l", inputs[id(s)])
+            return (Src.SLOT, next(i for i, o in enumerate(slots) if o is s))
+        return (Src.LOAD, inputs[id(s)])
 
     def add(n: Expr, role: str) -> tuple:
         op = REGISTRY[n.op]
-        srcs = tuple(("-", 0) if k in op.shape_only else ref(s) for k, s in enumerate(n.srcs))
+        srcs = tuple((Src.SHAPE, 0) if k in op.shape_only else ref(s) for k, s in enumerate(n.srcs))
         args: tuple[int, ...] = ()
         if op.launch_args is not None:
             args = op.launch_args([graph.of(x).shape for x in n.srcs], graph.of(n).shape, **n.attr_dict)
@@ -575,7 +575,7 @@ def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[E
         specs.append(NodeSpec(n.op, attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role, ones, len(args)))
         nargs.update((f"m{len(specs) - 1}_{k}", a) for k, a in enumerate(args))
         index[id(n)] = len(specs) - 1
-        return ("n", index[id(n)])
+        return (Src.NODE, index[id(n)])
 
     for n in sorted((*group.cone, *group.nodes), key=lambda m: order[id(m)]):
         # a cone node another kernel writes is read, not recomputed where the kernel also reads it

@@ -34,6 +34,18 @@ class Stride(str, enum.Enum):
 BCAST, UNIT, STRIDED = Stride.BCAST, Stride.UNIT, Stride.STRIDED
 
 
+class Src(str, enum.Enum):
+    """What a node spec's operand reference ``(Src, index)`` points at. Formatted as its value."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    NODE = "n"  # another node of the kernel, by its index
+    LOAD = "l"  # a load, by its index in ``loads``
+    SLOT = "s"  # a scalar slot (a constant or a scalar input), by its index in ``scalars``
+    SHAPE = "-"  # an operand read for its shape only (``arange_like``): no value
+
+
 class Split(str, enum.Enum):
     """How a row kernel's rows are cut across programs (``KernelSpec.split``). Formatted as its value."""
 
@@ -58,7 +70,7 @@ class LoadSpec:
 class NodeSpec:
     op: str
     attrs: tuple
-    srcs: tuple[tuple, ...]  # ("n", i) node, ("l", k) load, ("s", k) scalar slot
+    srcs: tuple[tuple[Src, int], ...]
     dtype: torch.dtype  # result dtype
     cdt: torch.dtype  # operand compute dtype
     role: Role
