@@ -238,6 +238,29 @@ def test_every_family_has_tunable_launch_options():
                 assert m["BLOCK_N"] <= 64 and g == (-(-300 // m["BLOCK_M"]) * -(-40 // m["BLOCK_N"]), 1)
 
 
+def test_tuned_tiles_of_a_gemm_recomputing_a_product_keep_their_rows_halved():
+    """Linear cross-entropy's gradient GEMMs recompute the logits' tiles in their prologue (a second
+    accumulator): the heuristic halves their rows so both fit in registers, and so must every tile
+    autotune tries (a 256-row tile there would spill)."""
+    from rtxdsl.lower.schedule import TUNABLE, candidates
+
+    bf16 = torch.bfloat16
+    ins = {"h": torch.randn(512, 64, dtype=bf16), "w": torch.randn(1000, 64, dtype=bf16)}
+    ins["t"] = torch.randint(0, 1000, (512,))
+    k = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t")))
+    plan = k.grad_plan(**ins)
+    saved = plan.forward(**ins)
+    feed = ins | saved | {"_g0": torch.ones((), dtype=bf16)}
+    backward = plan.backward.lower_for(GPU, **{n: feed[n] for n in plan.backward.inputs})
+    gemms = [c for c in backward.launched if c.spec.kind == "gemm"]
+    assert len(gemms) == 2
+    for call in gemms:
+        options = candidates(call.spec, call.meta, call.grid, call.args)
+        widest = max(t["BLOCK_M"] for t in TUNABLE["gemm"])
+        assert dict(call.meta)["BLOCK_M"] <= GPU.gemm[0] // 2
+        assert all(m["BLOCK_M"] <= widest // 2 for m, _ in options) and len(options) > 1
+
+
 def test_autotune_times_once_stores_the_winner_and_the_next_process_reads_it(tmp_path, gen):
     from rtxdsl import tune
 

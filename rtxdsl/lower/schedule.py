@@ -22,7 +22,7 @@ from ..expr import Expr
 from ..ops import REGISTRY, DtypeRule, OpKind
 from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
-from .params import launch_ints, load_names, strided
+from .params import inner_products, launch_ints, load_names, strided
 from .passes import levels
 from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split, Src, Stride
 from .target import GPU, Target
@@ -169,9 +169,11 @@ def candidates(spec: KernelSpec, meta: tuple[tuple[str, int], ...], grid: tuple[
 
 
 def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple[int, ...]) -> tuple[dict, tuple]:
-    """A GEMM tile candidate for an ``rows x cols`` product, narrowed as the heuristic's tile is."""
+    """A GEMM tile candidate for an ``rows x cols`` product, narrowed as the heuristic's tile is
+    (its rows halved where a prologue recomputes a product of its own: ``gemm.gemm_tile``)."""
     dtype = next(nd.dtype for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
-    bm, bn, bk = gemm_block(m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_K"], rows, cols, dtype)
+    block_m = m["BLOCK_M"] // 2 if inner_products(spec.nodes) else m["BLOCK_M"]
+    bm, bn, bk = gemm_block(block_m, m["BLOCK_N"], m["BLOCK_K"], rows, cols, dtype)
     m = {**m, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     return m, (max(1, -(-rows // bm) * -(-cols // bn)), *grid[1:])
 
