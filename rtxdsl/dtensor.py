@@ -14,7 +14,6 @@ Kernels that draw random numbers keep every axis whole (values depend on positio
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 import weakref
@@ -28,6 +27,7 @@ from .lower import Program
 from .lower.bind import Info
 from .lower.expand import Graph, expand
 from .lower.pieces import Pieces, pieces
+from .lower.schedule import contiguous_strides
 from .lower.shard import PARTIAL, Sharding, sharding
 from .lru import LRU
 from .torchop import kinds_of, make_op, own_op_name
@@ -187,7 +187,7 @@ class PiecesCall:
         roots = dict(found.graph.outputs)
         for name, d in found.local:
             shape = found.graph.of(roots[name]).shape
-            stride = tuple(math.prod(shape[j + 1 :]) for j in range(len(shape)))
+            stride = contiguous_strides(shape)
             out[name] = DTensor.from_local(local[name], mesh, [Shard(d)], run_check=False, shape=shape, stride=stride)
         return out
 

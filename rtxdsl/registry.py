@@ -40,12 +40,17 @@ class DtypeRule(enum.Enum):
     KEEP = "keep"  # movement: the data operand keeps its dtype, index operands stay integers
 
 
-class Pattern(str, enum.Enum):
-    """The fusion pattern a kernel is named by (``OpDef.pattern`` of its ops), in priority order:
-    a group holding several is named by the first. Formatted as its value."""
+class Word(str, enum.Enum):
+    """A word of rtxdsl's internal vocabulary: an enum whose members are their string values
+    (equal to them, hashed as them, formatted as them in generated source and reports)."""
 
     __str__ = str.__str__
     __format__ = str.__format__
+
+
+class Pattern(Word):
+    """The fusion pattern a kernel is named by (``OpDef.pattern`` of its ops), in priority order:
+    a group holding several is named by the first."""
 
     LINEAR_CROSS_ENTROPY = "LinearCrossEntropy"
     CONTRACTION = "Contraction"

@@ -88,16 +88,21 @@ def flat_dims(spec: KernelSpec) -> tuple[int, int]:
     return len(first[0]), len(first[1])
 
 
+def _extent_names(spec: KernelSpec, nr: int, nc: int) -> list[str]:
+    """A row kernel's rows and columns (each side's dims when several) and a split row's splits;
+    a pointwise kernel's element count (and its dims when several)."""
+    if spec.kind != "row":
+        return ["n_elements"] + ([f"size{d}" for d in range(nr)] if nr > 1 else [])
+    names = ["n_rows", "n_cols"] + ([f"rsize{d}" for d in range(nr)] if nr > 1 else [])
+    names += [f"csize{d}" for d in range(nc)] if nc > 1 else []
+    return names + (["n_split", "chunk"] if spec.split else [])
+
+
 def _flat(spec: KernelSpec) -> list[Param]:
     row = spec.kind == "row"
     nr, nc = flat_dims(spec)
     params = _pointers(spec, bool(spec.split) and row, False)
-    if row:
-        names = ["n_rows", "n_cols"] + ([f"rsize{d}" for d in range(nr)] if nr > 1 else [])
-        names += [f"csize{d}" for d in range(nc)] if nc > 1 else []
-        names += ["n_split", "chunk"] if spec.split else []
-    else:
-        names = ["n_elements"] + ([f"size{d}" for d in range(nr)] if nr > 1 else [])
+    names = _extent_names(spec, nr, nc)
     for name, ld in zip(load_names(spec), spec.loads):
         names += strided(name, ld.rows, ld.cols, row)
     for k, o in enumerate(spec.outputs):
@@ -110,12 +115,7 @@ def _coordinate(spec: KernelSpec) -> list[Param]:
     nr = sum(1 for red in spec.domain if not red)
     nc = len(spec.domain) - nr
     params = _pointers(spec, bool(spec.split), bool(spec.flags))
-    if spec.kind == "row":
-        names = ["n_rows", "n_cols"] + ([f"rsize{d}" for d in range(nr)] if nr > 1 else [])
-        names += [f"csize{d}" for d in range(nc)] if nc > 1 else []
-        names += ["n_split", "chunk"] if spec.split else []
-    else:
-        names = ["n_elements"] + ([f"size{d}" for d in range(nr)] if nr > 1 else [])
+    names = _extent_names(spec, nr, nc)
     for j, ld in enumerate(spec.loads):
         names += [f"in{j}_stride{d}" for d, c in enumerate(ld.rows) if c == STRIDED]
     for k, o in enumerate(spec.outputs):

@@ -189,8 +189,6 @@ def _piecewise(n: Expr, held: dict[int, int], graph: Graph) -> str:
         k_dim = len(graph.of(a).shape) - (2 if n.attr("ta") else 1)
         if held.get(id(a)) == k_dim:
             return f"{n.op} contracts the axis"
-    elif op.kind is OpKind.SCALAR:
-        return f"{n.op} counts the axis"
     return ""
 
 

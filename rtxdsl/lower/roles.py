@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import enum
+from ..registry import Word
 
 
-class Role(str, enum.Enum):
-    """A value's place in its kernel. Formatted as its value (``f"{Role.A}"`` is ``a``)."""
+class Role(Word):
+    """A value's place in its kernel (``f"{Role.A}"`` is ``a``)."""
 
     FULL = "full"  # one value per element of the kernel's domain
     KEEP = "keep"  # one value per row, its reduced dims kept (size 1)
@@ -16,6 +16,3 @@ class Role(str, enum.Enum):
     B = "b"
     FREE = "free"  # coordinate kernels: evaluated only where a movement op asks for it
     SCALAR = "scalar"  # math on scalar inputs, computed once in the kernel
-
-    __str__ = str.__str__
-    __format__ = str.__format__

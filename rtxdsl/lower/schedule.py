@@ -432,8 +432,7 @@ def kernel_spec(
     elif group.is_row:
         spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
 
-    # a split row's arguments are its two kernels' (split_specs), which take the splits
-    launched = replace(spec, split=Split.PARTIAL) if n_split > 1 and not spec.split else spec
+    launched = _launched(spec, n_split)
     values = _extents(group.is_row, n_rows, n_cols, row_sizes, col_sizes, n_split, chunk, launched.split)
     ints = list(launch_ints(launched, values | _flat_strides(spec, row_strides, col_strides)))
 
@@ -446,6 +445,12 @@ def kernel_spec(
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
     split = n_split if spec.split is not Split.TILE else 1
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, split=split, rows=n_rows)
+
+
+def _launched(spec: KernelSpec, n_split: int) -> KernelSpec:
+    """The spec whose parameters a launch's arguments are for: a split row's are its two kernels'
+    (``split_specs``), which take the splits."""
+    return replace(spec, split=Split.PARTIAL) if n_split > 1 and not spec.split else spec
 
 
 def _extents(
@@ -682,8 +687,7 @@ def coordinate_spec(
     else:
         n_rows, rows = math.prod(domain), list(domain)
         grid, meta = grid_and_meta(None, 0, n_rows, target)
-    # a split row's arguments are its two kernels' (split_specs), which take the splits
-    launched = replace(spec, split="partial") if n_split > 1 and not spec.split else spec
+    launched = _launched(spec, n_split)
     values |= _extents(group.is_row, n_rows, n_cols, rows, cols, n_split, chunk, launched.split)
     ints = list(launch_ints(launched, values))
     scalar_inputs = scalar_positions(tuple(slots), kinds, graph, len(ints))

@@ -8,7 +8,6 @@ compile serves every batch size.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,15 +15,13 @@ from typing import Any
 
 import torch
 
+from ..registry import Word
 from .analyze import Plan
 from .roles import Role
 
 
-class Stride(str, enum.Enum):
-    """The stride class of a (coalesced) dimension: what its offset needs. Formatted as its value."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
+class Stride(Word):
+    """The stride class of a (coalesced) dimension: what its offset needs."""
 
     BCAST = "0"  # size 1 or stride 0: no offset at all
     UNIT = "1"  # stride 1: the index itself (vectorized loads along it), no argument
@@ -34,11 +31,8 @@ class Stride(str, enum.Enum):
 BCAST, UNIT, STRIDED = Stride.BCAST, Stride.UNIT, Stride.STRIDED
 
 
-class Src(str, enum.Enum):
-    """What a node spec's operand reference ``(Src, index)`` points at. Formatted as its value."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
+class Src(Word):
+    """What a node spec's operand reference ``(Src, index)`` points at."""
 
     NODE = "n"  # another node of the kernel, by its index
     LOAD = "l"  # a load, by its index in ``loads``
@@ -46,11 +40,8 @@ class Src(str, enum.Enum):
     SHAPE = "-"  # an operand read for its shape only (``arange_like``): no value
 
 
-class Split(str, enum.Enum):
-    """How a row kernel's rows are cut across programs (``KernelSpec.split``). Formatted as its value."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
+class Split(Word):
+    """How a row kernel's rows are cut across programs (``KernelSpec.split``)."""
 
     WHOLE = ""  # each program reduces whole rows
     PARTIAL = "partial"  # each program reduces a chunk of a row and stores partial states
