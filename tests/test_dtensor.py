@@ -104,7 +104,8 @@ def test_every_claimed_sharding_gives_the_pieces_of_the_full_result(p):
     _assemble(p.outputs, {n: v.double() if v.is_floating_point() else v for n, v in p.inputs.items()})
 
 
-#: per output dtype: pieces computed apart, then concatenated or summed, against the whole
+#: per narrowest float a program computes in: pieces computed apart, then concatenated or
+#: summed, against the whole
 PIECE_TOLERANCE = {
     torch.float64: {"atol": 1e-12, "rtol": 1e-12},
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -117,15 +118,19 @@ REFERENCE = rx.FusionConfig(backend="torch")
 
 
 def _whole(outputs: dict, inputs: dict):
-    """The kernel (torch, op by op), its full results and its sharding analysis; None for a
-    program torch itself rejects."""
+    """The kernel (torch, op by op), its full results, its sharding analysis and the tolerance its
+    pieces are held to; None for a program torch itself rejects."""
     k = rx.compile(outputs, config=REFERENCE)
     try:
         full = k(**inputs)
-        found = sharding(k.program(**inputs).plan.graph)
+        graph = k.program(**inputs).plan.graph
     except (RuntimeError, rx.RtxError):
         return None
-    return k, (full if isinstance(full, dict) else {"out": full}), found
+    # a program may cast to a narrower float (a GEMM's operands): pieces summed or cut round in
+    # that dtype, in another order than the whole; the narrowest float it computes in sets the bar
+    floats = [i.dtype for n in graph.nodes if not (i := graph.of(n)).is_scalar and i.dtype.is_floating_point]
+    tol = PIECE_TOLERANCE[max(floats, key=lambda dt: torch.finfo(dt).eps)] if floats else PIECE_TOLERANCE[F64]
+    return k, (full if isinstance(full, dict) else {"out": full}), sharding(graph), tol
 
 
 def _assemble(outputs: dict, inputs: dict) -> None:
@@ -133,7 +138,7 @@ def _assemble(outputs: dict, inputs: dict) -> None:
     whole = _whole(outputs, inputs)
     if whole is None:
         return
-    k, full, found = whole
+    k, full, found, tol = whole
     for outs, ins in found.ways:
         cut = [_pieces(inputs[n], d) for n, d in zip(k.inputs, ins)]
         parts = [k(*[c[i] for c in cut]) for i in range(2)]
@@ -141,15 +146,13 @@ def _assemble(outputs: dict, inputs: dict) -> None:
         for key, d in zip(k.outputs, outs):
             got = [r[key] for r in parts]
             want = full[key]
-            # a program may cast to a narrower float (a GEMM's operands): pieces summed or cut
-            # round in that dtype, in another order than the whole
-            tol = PIECE_TOLERANCE[want.dtype] if want.is_floating_point() else {"atol": 0, "rtol": 0}
+            exact = {"atol": 0, "rtol": 0}
             if d == PARTIAL:
                 assembled = [got[0] + got[1]]
             else:
                 assembled = got if d is None else [torch.cat(got, d)]  # replicated: each piece is all of it
             for g in assembled:
-                torch.testing.assert_close(g, want, equal_nan=True, **tol)
+                torch.testing.assert_close(g, want, equal_nan=True, **(tol if want.is_floating_point() else exact))
 
 
 # ---- in pieces: reductions over a sharded axis merged after (no processes) -------------------------
@@ -236,7 +239,8 @@ def test_every_graph_that_runs_in_pieces_gives_the_full_result(p):
     whole = _whole(p.outputs, inputs)
     if whole is None:
         return
-    k, full, found = whole
+    k, full, found, tol = whole
+    exact = {"atol": 0, "rtol": 0}
     for name, kept in zip(k.inputs, found.whole):
         for dim, why in enumerate(kept):
             if not why or inputs[name].shape[dim] < 2:
@@ -245,8 +249,9 @@ def test_every_graph_that_runs_in_pieces_gives_the_full_result(p):
             if isinstance(got, str):
                 continue
             for key, want in full.items():
-                tol = PIECE_TOLERANCE[want.dtype] if want.is_floating_point() else {"atol": 0, "rtol": 0}
-                torch.testing.assert_close(got[key], want, equal_nan=True, **tol)
+                torch.testing.assert_close(
+                    got[key], want, equal_nan=True, **(tol if want.is_floating_point() else exact)
+                )
 
 
 # ---- two ranks -----------------------------------------------------------------------------------
