@@ -106,7 +106,7 @@ def backward_feed(plan: Any, ins: dict[str, torch.Tensor]) -> dict[str, torch.Te
     """The inputs of a gradient plan's backward kernel for ``ins``: the saved values and the
     cotangents as empty tensors, shaped as the saving forward makes them (planned, nothing runs)."""
     feed = dict(ins)
-    graph = plan.forward.program(**{n: ins[n] for n in plan.forward.inputs}).plan.graph
+    graph = plan.forward.analysis(**{n: ins[n] for n in plan.forward.inputs}).graph
     for key, root in graph.outputs:
         info = graph.of(root)
         if key in plan.grads.saved_keys:

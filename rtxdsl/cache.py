@@ -26,6 +26,7 @@ import triton
 from . import interpret
 from .fileio import atomic_write
 from .log import log
+from .lower import plans
 from .lower.spec import KernelSpec
 from .lru import LRU
 from .ops import REGISTRY, DtypeRule
@@ -60,7 +61,8 @@ class CacheStats:
     disk_hits: int = 0  # misses served from cache_dir without generating code
     evictions: int = 0
     entries: int = 0
-    plans_built: int = 0  # times the analyzer ran: a steady loop stops planning
+    plans_built: int = 0  # programs lowered for a new layout: a steady loop stops planning
+    plans_reused: int = 0  # of those, analyses reused from a graph of the same structure (a new size)
     healed: int = 0  # cached entries found corrupt and regenerated
 
 
@@ -116,7 +118,14 @@ class KernelCache:
 
     def stats(self) -> CacheStats:
         m = self._mem
-        return CacheStats(hits=m.hits, misses=m.misses, evictions=m.evictions, entries=len(m), **self._counts)
+        return CacheStats(
+            hits=m.hits,
+            misses=m.misses,
+            evictions=m.evictions,
+            entries=len(m),
+            plans_reused=plans.reused(),
+            **self._counts,
+        )
 
     def count_plan(self) -> None:
         with self._lock:
@@ -125,6 +134,7 @@ class KernelCache:
     def clear(self, reset_stats: bool = True) -> None:
         with self._lock:
             self._mem.clear()
+            plans.clear(reset_stats)
             if reset_stats:
                 self._mem.hits = self._mem.misses = self._mem.evictions = 0
                 self._counts = dict.fromkeys(self._counts, 0)

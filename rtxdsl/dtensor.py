@@ -23,7 +23,7 @@ import torch
 
 from .errors import RtxError
 from .handle import KernelHandle
-from .lower import Program
+from .lower import Plan, Program
 from .lower.bind import Info
 from .lower.expand import Graph, expand
 from .lower.pieces import Pieces, pieces
@@ -78,9 +78,9 @@ class DistributedCall:
     (``lower.pieces``), a piece kernel per rank, an all-gather of its reductions' values, and a
     merge kernel (vocabulary-parallel cross-entropy)."""
 
-    __slots__ = ("program", "any_grad", "run", "arity", "in_pieces", "kernel", "graph", "shards")
+    __slots__ = ("plan", "program", "any_grad", "run", "arity", "in_pieces", "kernel", "graph", "shards")
 
-    def __init__(self, kernel: KernelHandle, program: Program, tensors: tuple[Any, ...]) -> None:
+    def __init__(self, kernel: KernelHandle, plan: Plan, program: Program, tensors: tuple[Any, ...]) -> None:
         arity = len(kernel.inputs)
         check_inputs(kernel.inputs, tensors[:arity])
         self.program, self.kernel, self.arity = program, kernel, arity
@@ -89,7 +89,8 @@ class DistributedCall:
         op = make_op(kernel, kinds)
         _register_sharding(kernel, kinds)
         outputs, single = kernel.outputs, kernel.returns_tensor
-        self.graph = program.plan.graph
+        self.plan = plan  # the bound graph's fusion groups (autograd differentiates its graph)
+        self.graph = plan.graph
         self.shards = shards = sharding(self.graph)
         self.in_pieces: dict[tuple, PiecesCall | None] = {}  # per placements of the inputs
 

@@ -37,7 +37,8 @@ from .errors import (
 )
 from .expr import Expr, as_expr, node, variables, walk
 from .handle import KernelHandle
-from .lower import InputMeta, Layout, Program, Target, lower, target_for
+from .lower import Graph, InputMeta, Layout, Plan, Program, Target, plan_for, target_for, tf32_of
+from .lower import program as program_of
 from .lower.vjp import COTANGENT, GRADIENT, KEPT, Gradients, differentiate
 from .lru import LRU
 from .ops import REGISTRY, apply_ref
@@ -287,7 +288,7 @@ class Kernel:
         plan = self._traced_plans.get(key) if traced else self._grads.get(key)
         if plan is None:
             self._validate(values, self.config)
-            plan = self._grad_plan(self._lower(values, self.config), tuple(c == "1" for c in needs))
+            plan = self._grad_plan(self._planned(values, self.config)[0].graph, tuple(c == "1" for c in needs))
             (self._traced_plans if traced else self._grads).put(key, plan)
         return plan
 
@@ -302,17 +303,17 @@ class Kernel:
             mode = "" if is_dtensor(logits) else "reuse" if logits.grad_fn is not None else "fresh"
         plan = self._grads.get((key, needs, mode))
         if plan is None:
-            plan = self._grad_plan(launch.program, needs, mode)
+            plan = self._grad_plan(launch.plan.graph, needs, mode)
             self._grads.put((key, needs, mode), plan)
         results = GradFunction.apply(plan, *tensors)
         if self._single:
             return results[0]
         return dict(zip(plan.grads.user_keys, results))
 
-    def _grad_plan(self, program: Program, needs: tuple[bool, ...], mode: str = "") -> GradPlan:
+    def _grad_plan(self, graph: Graph, needs: tuple[bool, ...], mode: str = "") -> GradPlan:
         if mode:
-            return self._plan_in_forward(program, needs, mode == "reuse")
-        grads = differentiate(program.plan.graph, self._outputs, needs)
+            return self._plan_in_forward(graph, needs, mode == "reuse")
+        grads = differentiate(graph, self._outputs, needs)
         passthrough = tuple((k, e.attr("name")) for k, e in grads.backward if e.is_var)
         computed = {k: e for k, e in grads.backward if not e.is_var}
         return GradPlan(
@@ -323,18 +324,18 @@ class Kernel:
             passthrough=passthrough,
         )
 
-    def _plan_in_forward(self, program: Program, needs: tuple[bool, ...], reuse: bool) -> GradPlan:
+    def _plan_in_forward(self, graph: Graph, needs: tuple[bool, ...], reuse: bool) -> GradPlan:
         """A loss marked ``grad_in_forward=True``: the forward runs the loss kernel (saving the row
         statistics), then the fused backward kernels with a unit cotangent, keeping only the
         gradients (cross-entropy's logits gradient written into the logits where that is safe and
         ``reuse`` is on: a leaf's .grad must not alias it); the backward only scales each gradient,
         in place, by the cotangent."""
         name = self._in_forward
-        grads = differentiate(program.plan.graph, self._outputs, needs)
+        grads = differentiate(graph, self._outputs, needs)
         input_of = {key: v for v, key in grads.grad_of}
         units, scaled, kept, grad_of = {}, {}, {}, []
         for k, (key, unit) in enumerate(grads.backward):
-            dtype = dtype_of_input(program, input_of[key])
+            dtype = dtype_of_input(graph, input_of[key])
             units[key] = node("cast", unit, dtype=dtype)  # expand drops a cast to the dtype it has
             kept[key] = f"{KEPT}{k}"
             scaled[f"{GRADIENT}{k}"] = node(
@@ -371,7 +372,7 @@ class Kernel:
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         if not any(needs):
             needs = tuple(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in tensors)
-        return self._grad_plan(self.program(*tensors), needs)
+        return self._grad_plan(self.analysis(*tensors).graph, needs)
 
     def collect(self, args: tuple, kwargs: dict) -> tuple:
         """A call's inputs (positional or by name) in variable order, with fresh seeds for the hidden
@@ -455,6 +456,20 @@ class Kernel:
         self._validate(tensors, self.config)
         return self._lower(tensors, self.config)
 
+    def analysis(self, *args: Any, **kwargs: Any) -> Plan:
+        """The fusion groups a call with these inputs runs, over its expressions bound and expanded
+        at their sizes (what ``explain`` prints, what autograd differentiates).
+
+        Example:
+            >>> import torch, rtxdsl as rx
+            >>> plan = rx.compile(rx.softmax(rx.var("x")) * 2.0).analysis(x=torch.empty(4, 8))
+            >>> [(g.pattern.value, g.shape) for g in plan.groups]
+            [('Softmax', (4, 8))]
+        """
+        tensors = self.collect(args, kwargs)
+        self._validate(tensors, self.config)
+        return self._planned(tensors, self.config)[0]
+
     def lower_for(self, target: Target, *args: Any, **kwargs: Any) -> Program:
         """The program for these inputs with launch configurations shaped for ``target`` (e.g. the
         GPU's, to trace or count a GPU-shaped launch on a CPU machine)."""
@@ -463,21 +478,26 @@ class Kernel:
         return self._lower(tensors, self.config, target)
 
     def _lower(self, tensors: tuple, cfg: FusionConfig, target: Target | None = None) -> Program:
+        return self._planned(tensors, cfg, target)[1]
+
+    def _planned(self, tensors: tuple, cfg: FusionConfig, target: Target | None = None) -> tuple[Plan, Program]:
+        """The analysis and the program for these inputs (``target``: the device's unless given)."""
         metas: tuple[InputMeta, ...] = tuple(
             Layout(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors
         )
         if target is None:
             target = target_for(device_of(tensors), backend_for(cfg, device_of(tensors))[0] != "triton")
         GLOBAL_CACHE.count_plan()
-        return lower(self._outputs, self._vars, metas, cfg, target, self._into)
+        plan = plan_for(self._outputs, self._vars, metas, cfg)
+        return plan, program_of(plan, metas, target, self._into, tf32_of(cfg))
 
     def _prepare(self, tensors: tuple, cfg: FusionConfig) -> PreparedCall | DistributedCall:
         """Lower and fetch kernels for these inputs (DTensors: the kernel's op, run by DTensor)."""
         self._validate(tensors, cfg)
-        program = self._lower(tensors, cfg)
+        plan, program = self._planned(tensors, cfg)
         if any(is_dtensor(t) for t in tensors):
-            return DistributedCall(self, program, tensors)
-        return PreparedCall(self, program, cfg, tensors)
+            return DistributedCall(self, plan, program, tensors)
+        return PreparedCall(self, plan, program, cfg, tensors)
 
     def reference(self, tensors: tuple) -> Any:
         """Evaluate with torch ops, op by op (backend 'torch', or fusion disabled), on the inputs in
@@ -512,7 +532,7 @@ class Kernel:
         cfg = self.config
         tensors = self.collect(args, kwargs)
         self._validate(tensors, cfg)
-        return PreparedCall(self, self._lower(tensors, cfg), cfg, tensors)
+        return PreparedCall(self, *self._planned(tensors, cfg), cfg, tensors)
 
     def explain(self, *args: Any, **kwargs: Any) -> str:
         """The plan for these inputs: groups, pattern, launches, passes and bytes, against eager torch."""
@@ -540,7 +560,7 @@ class Kernel:
         cfg = self.config
         tensors = self.collect(args, kwargs)
         device = self._validate(tensors, cfg)
-        p = self._lower(tensors, cfg)
+        plan, p = self._planned(tensors, cfg)
         backend, _ = backend_for(cfg, device)
         torch_run = backend == "torch"
         return PlanSummary(
@@ -550,7 +570,7 @@ class Kernel:
             p.eager_bytes if torch_run else p.bytes_moved,
             p.eager_bytes,
             p.minimum_bytes,
-            tuple(g.pattern for g in p.plan.groups),
+            tuple(g.pattern for g in plan.groups),
             backend,
         )
 

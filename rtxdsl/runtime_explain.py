@@ -61,8 +61,8 @@ def _launch_shape(call: Any) -> str:
 
 
 def explain_text(kernel: KernelHandle, launch: PreparedCall) -> str:
-    p = launch.program
-    graph = p.plan.graph
+    p, plan = launch.program, launch.plan
+    graph = plan.graph
     lines = [f"{kernel!r}"]
     lines.append(
         "inputs: " + ", ".join(f"{n}: {_fmt_meta(graph.of(v))}" for n, v in zip(kernel.inputs, kernel.variables))
@@ -74,8 +74,8 @@ def explain_text(kernel: KernelHandle, launch: PreparedCall) -> str:
     )
     names = {id(v): n for n, v in zip(kernel.inputs, kernel.variables)}
     outs = {id(e): k for k, e in graph.outputs}
-    writer = {id(o): g for g in p.plan.groups for o in g.outputs}
-    for i, g in enumerate(p.plan.groups):
+    writer = {id(o): g for g in plan.groups for o in g.outputs}
+    for i, g in enumerate(plan.groups):
         domain = f"rows over axes {list(g.axes)} of" if g.is_row else "pointwise over"
         shape = ", ".join(map(str, g.shape))
         lines.append(f"group {i}: {g.pattern} — {domain} [{shape}], {len(g.nodes)} ops: {', '.join(g.ops)}")

@@ -14,7 +14,7 @@ from .dtensor import is_dtensor
 from .errors import RtxError
 from .expr import Expr
 from .handle import KernelHandle
-from .lower import Program
+from .lower import Graph
 from .lower.vjp import COTANGENT, Gradients
 
 
@@ -118,8 +118,7 @@ def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
-def dtype_of_input(program: Program, name: str) -> torch.dtype:
-    graph = program.plan.graph
+def dtype_of_input(graph: Graph, name: str) -> torch.dtype:
     return graph.of(next(v for v in graph.inputs if v.attr("name") == name)).dtype
 
 

@@ -19,7 +19,7 @@ from .codegen.module import kernel_source
 from .config import FusionConfig
 from .errors import BackendError, RtxError
 from .handle import KernelHandle
-from .lower import Program
+from .lower import Plan, Program
 from .lower.params import ParamKind, slots
 from .lower.schedule import candidates, encode_scalar
 from .tune import Tuned, tuned_path
@@ -32,10 +32,13 @@ class PreparedCall:
     """A prepared call for one input layout: a generated ``run(tensors)`` that allocates the
     outputs, launches each kernel with its precomputed arguments, counts, and packs the result."""
 
-    __slots__ = ("program", "backend", "note", "config", "device", "any_grad", "run", "source")
+    __slots__ = ("plan", "program", "backend", "note", "config", "device", "any_grad", "run", "source")
 
-    def __init__(self, kernel: KernelHandle, program: Program, config: FusionConfig, tensors: tuple[Any, ...]) -> None:
+    def __init__(
+        self, kernel: KernelHandle, plan: Plan, program: Program, config: FusionConfig, tensors: tuple[Any, ...]
+    ) -> None:
         device = device_of(tensors)
+        self.plan = plan  # the fusion groups and the bound graph (explain, autograd)
         self.program = program
         self.config = config
         self.device = device

@@ -259,7 +259,9 @@ def memory_trace(
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             raise ValueError("memory_trace runs under Triton's interpreter: pass CPU tensors")
-    launch = PreparedCall(kernel, program, kernel.config.replace(backend="interpreter"), tensors)
+    launch = PreparedCall(
+        kernel, kernel.analysis(*args, **kwargs), program, kernel.config.replace(backend="interpreter"), tensors
+    )
     recorder = _Recorder(reuse_bytes)
     calls = iter(program.launched)
     traces: list[LaunchTrace] = []

@@ -25,7 +25,7 @@ F64 = torch.float64
 
 def _ways(outputs: dict, **inputs: torch.Tensor):
     k = rx.compile(outputs)
-    return sharding(k.program(**inputs).plan.graph), k.inputs
+    return sharding(k.analysis(**inputs).graph), k.inputs
 
 
 # (outputs, inputs, ways as {input: dim} per way with the outputs' entries, why: per input the reasons)
@@ -123,7 +123,7 @@ def _whole(outputs: dict, inputs: dict):
     k = rx.compile(outputs, config=REFERENCE)
     try:
         full = k(**inputs)
-        graph = k.program(**inputs).plan.graph
+        graph = k.analysis(**inputs).graph
     except (RuntimeError, rx.RtxError):
         return None
     # a program may cast to a narrower float (a GEMM's operands): pieces summed or cut round in
@@ -161,7 +161,7 @@ def _in_pieces(outputs: dict, inputs: dict, name: str, dim: int, n: int, config:
     kernel on its part, with its offset; the reductions' values stacked; the merge kernel), or the
     reason it cannot be."""
     k = rx.compile(outputs, config=config)
-    graph = k.program(**inputs).plan.graph
+    graph = k.analysis(**inputs).graph
     found = pieces(graph, k.inputs.index(name), dim)
     if isinstance(found, str):
         return found

@@ -513,7 +513,7 @@ def test_a_per_row_value_first_made_for_the_whole_tile_is_not_stored_as_per_row(
     x, t = rx.var("x"), rx.var("t")
     summed = rx.compile(rx.cross_entropy(x, t, reduction="sum"))
     logits, target = torch.randn(6, 9, generator=torch.Generator().manual_seed(0)), torch.tensor([1, -100, 3, 8, 0, 2])
-    grads = differentiate(summed.program(logits, target).plan.graph, summed.expressions, (True, False))
+    grads = differentiate(summed.analysis(logits, target).graph, summed.expressions, (True, False))
     var = {n: Expr("var", (), {"name": n, "dtype": None}) for n in ("_g0", "_one", *grads.saved_keys)}
     stats = dict(grads.forward)
     repl = {id(var[s]): stats[s] for s in grads.saved_keys} | {id(var["_g0"]): var["_one"]}

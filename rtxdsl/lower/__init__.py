@@ -25,6 +25,7 @@ from .expand import Graph, expand
 from .gemm import gemm_spec
 from .params import ParamKind, pointer_slots, with_tail_slots
 from .passes import early_outputs, input_reads, input_scopes, partial_states
+from .plans import plan_of
 from .schedule import Launch, Layout, contiguous_strides, kernel_spec, split_specs
 from .spec import TAIL_CONSTEXPRS, Buffer, KernelCall, KernelSpec, Program, Split
 from .target import GPU, INTERPRETER, Target, target_for
@@ -45,10 +46,24 @@ def lower(
     """The program computing ``outputs`` from inputs described by ``metas`` (in ``inputs`` order),
     with launch configurations shaped for ``target``; ``into`` (output key -> input name) asks for
     outputs written into an input's own memory, where that is safe (see :func:`program`)."""
+    return program(plan_for(outputs, inputs, metas, config), metas, target, into, tf32=tf32_of(config))
+
+
+@deep
+def plan_for(
+    outputs: Sequence[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tuple[InputMeta, ...], config: FusionConfig
+) -> Plan:
+    """The fusion groups over ``outputs`` bound to inputs described by ``metas``: expressions bound
+    and expanded at these sizes, the analysis reused from a graph of the same structure
+    (``lower.plans``)."""
     infos = tuple(Info.tensor(m.shape, m.dtype) if isinstance(m, Layout) else Info.scalar_input(m) for m in metas)
-    graph = expand(list(outputs), inputs, infos)
-    tf32 = torch.backends.cuda.matmul.allow_tf32 if config.allow_tf32 is None else config.allow_tf32
-    return program(analyze(graph, config), metas, target, into or {}, tf32=tf32)
+    return plan_of(expand(list(outputs), inputs, infos), config)
+
+
+def tf32_of(config: FusionConfig) -> bool:
+    """Does a product computed in a kernel multiply fp32 operands in TF32 (torch's setting unless
+    the config says)?"""
+    return torch.backends.cuda.matmul.allow_tf32 if config.allow_tf32 is None else config.allow_tf32
 
 
 def program(
@@ -127,7 +142,6 @@ def program(
         eager_launches=graph.eager_launches,
         eager_bytes=graph.eager_bytes,
         minimum_bytes=minimum,
-        plan=plan,
     )
 
 
@@ -313,6 +327,7 @@ __all__ = [
     "analyze",
     "expand",
     "lower",
+    "plan_for",
     "program",
     "target_for",
 ]

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from ..registry import Word
-from .analyze import Plan
 from .roles import Role
 
 
@@ -174,7 +173,6 @@ class Program:
     eager_launches: int
     eager_bytes: int
     minimum_bytes: int
-    plan: Plan  # the fusion groups, for explain() and the autograd pass
 
     @property
     def launched(self) -> tuple[KernelCall, ...]:
