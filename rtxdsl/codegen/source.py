@@ -106,7 +106,7 @@ class Writer:
         self.tmp_ids = itertools.count()
         self.params: list[str] = []
         self.helpers: dict[str, str] = {}  # module-level @triton.jit helpers the emitters asked for
-        self.load_names = load_names(spec)
+        self.load_names = load_names(spec.loads)
         self.program = "tl.program_id(0)"  # a tail runs as program 0 of its own one-program grid
         self.tail: tuple[str, list[str]] | None = None  # (function, its parameters): run by the last program
 

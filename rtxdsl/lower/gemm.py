@@ -169,7 +169,7 @@ def _tile_values(
 ) -> dict[str, int]:
     """The launch's other integer arguments by name: loads at tiles (their strides), the outputs'
     row strides, and each recomputed product's contracted size and operand strides."""
-    names = load_names(spec)
+    names = load_names(spec.loads)
     values: dict[str, int] = {}
     for i in tile_loads(spec.nodes):
         over_batch, tile_strides = strides[i]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..ops import REGISTRY, OpKind
 from .passes import partial_states
 from .roles import Role
-from .spec import STRIDED, UNIT, KernelCall, KernelSpec, NodeSpec, Src
+from .spec import STRIDED, UNIT, KernelCall, KernelSpec, LoadSpec, NodeSpec, Src
 
 #: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
 OPERAND_ROLES = (Role.A, Role.B)
@@ -45,10 +45,10 @@ class Param:
     index: int = 0  # which input, output or partial state a pointer is
 
 
-def load_names(spec: KernelSpec) -> list[str]:
+def load_names(loads: tuple[LoadSpec, ...]) -> list[str]:
     """Each load's name in parameters (``in{j}``; ``in{j}_{k}`` for an input loaded again, re-laid-out)."""
     names, seen = [], set()
-    for k, ld in enumerate(spec.loads):
+    for k, ld in enumerate(loads):
         base = f"in{ld.input}"
         names.append(base if ld.input not in seen else f"{base}_{k}")
         seen.add(ld.input)
@@ -103,7 +103,7 @@ def _flat(spec: KernelSpec) -> list[Param]:
     nr, nc = flat_dims(spec)
     params = _pointers(spec, bool(spec.split) and row, False)
     names = _extent_names(spec, nr, nc)
-    for name, ld in zip(load_names(spec), spec.loads):
+    for name, ld in zip(load_names(spec.loads), spec.loads):
         names += strided(name, ld.rows, ld.cols, row)
     for k, o in enumerate(spec.outputs):
         names += strided(f"out{k}", o.rows, o.cols, row)
@@ -143,7 +143,7 @@ def _gemm(spec: KernelSpec) -> list[Param]:
     g = spec.gemm
     assert g is not None
     nb, out_dims = g.batch, (0 if g.sum_batch else g.batch) + 2
-    names = load_names(spec)
+    names = load_names(spec.loads)
     params = _pointers(spec, False, False)
     ints = ["M", "N", "K", *(f"bsize{d}" for d in range(nb))]
     for op, dims, classes, j in (("a", "mk", g.a_classes, g.a), ("b", "kn", g.b_classes, g.b)):

@@ -373,78 +373,110 @@ def scalar_args(slots: tuple[Expr, ...], graph: Graph, kernel_float: torch.dtype
 
 
 # ---- the whole spec ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Walk:
+    """How a kernel walks its group, before any launch choice: its body, every operand's stride
+    classes, the sizes of the dims it indexes (a flat kernel's coalesced ones, a coordinate
+    kernel's every domain dim) and the integer arguments the layouts give, by parameter name
+    (strides of strided dims, movement ops' offsets and sizes)."""
+
+    nodes: tuple[NodeSpec, ...]
+    slots: tuple[Expr, ...]  # constants and scalar inputs, passed as scalar arguments
+    loads: tuple[LoadSpec, ...]
+    outputs: tuple[OutSpec, ...]
+    rows: tuple[int, ...]  # the kept dims' sizes (a pointwise kernel's every dim)
+    cols: tuple[int, ...]  # the reduced dims' sizes
+    ints: Mapping[str, int]
+    big: bool  # offsets reach 2**31: int64 indexing
+    row: bool  # a row kernel (rows by reduced columns; a 2-D tile's too)
+    column: bool = False  # its biggest operand runs along a kept axis (see ``row_config``)
+    tiled: bool = False  # a pointwise group in 2-D tiles (``_tile_axis``)
+    domain: tuple[bool, ...] | None = None  # a coordinate kernel's: per domain dim, is it reduced?
+    flags: tuple[int, ...] = ()  # nodes that report an out-of-range index
+    checks: tuple[str, ...] = ()  # per flag: what an out-of-range index there means
+
+
 def kernel_spec(
     group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU, tf32: bool = False
 ) -> tuple[KernelSpec, Launch]:
     """Spec and launch arguments for ``group`` on ``target``; ``layouts`` maps id(input node) -> its
-    layout; ``tf32``: a product computed in the kernel multiplies fp32 operands in TF32."""
-    if group.remaps:
-        return coordinate_spec(group, graph, layouts, target, tf32)
-    b = body(group, graph)
-    strides = operand_strides(group, graph, layouts, b)
-    tile_shape = target.tile
-    tile = None if group.is_row or tile_shape is None else _tile_axis(group, b, strides)
-    if tile is not None:  # a 2-D tile: the row kernel's code with a kept axis of rows, no reductions
-        group = replace(group, axes=(tile,))
-    row_sizes, row_strides, col_sizes, col_strides = _coalesced(group, strides)
-    n_rows, n_cols = math.prod(row_sizes), math.prod(col_sizes)
-    numel = n_rows * n_cols
-    big = _int64_needed(numel, [row_sizes, col_sizes], [row_strides, col_strides])
+    layout; ``tf32``: a product computed in the kernel multiplies fp32 operands in TF32.
 
-    n_loads = len(b.loads)
-    classes = [
-        (tuple(stride_class(s) for s in r), tuple(stride_class(s) for s in c)) for r, c in zip(row_strides, col_strides)
-    ]
-    load_specs = tuple(LoadSpec(j, role, *classes[k]) for k, (j, role, _) in enumerate(b.loads))
-    if not group.is_row:  # pointwise outputs are contiguous over the domain: written at offs
-        classes[n_loads:] = [((), ())] * len(group.outputs)
-        row_strides, col_strides = row_strides[:n_loads], col_strides[:n_loads]
-    out_specs = tuple(
-        OutSpec(b.index[id(o)], layouts[id(o)].dtype, group.role(o), *classes[n_loads + k])
-        for k, o in enumerate(group.outputs)
-    )
-
-    if tile is not None and tile_shape is not None:
-        cfg = Config(tile_shape[1], tile_shape[0], True, 4)
-    elif group.is_row:
-        cfg = row_config(n_rows, n_cols, target, _is_column(group, layouts, b, classes))
-    else:  # pointwise: the block is a launch parameter, no size ever enters the signature
-        cfg = Config(0, 1, False, 0)
+    A group without movement ops is walked flat (:func:`flat_walk`: dims every operand walks
+    together coalesced), one with them by coordinates (:func:`coordinate_walk`); the rest (the
+    tile, how rows are cut across programs, the launch) is the same for both."""
+    w = coordinate_walk(group, graph, layouts) if group.remaps else flat_walk(group, graph, layouts, target)
+    n_rows, n_cols = math.prod(w.rows), math.prod(w.cols)
+    cfg, tile = _config(group, graph, w, target, tf32)
+    kinds, vals = scalar_args(w.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = KernelSpec(
-        kind="row" if group.is_row else "pointwise",
+        kind="row" if w.row else "pointwise",
         in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
-        loads=load_specs,
-        nodes=b.nodes,
-        outputs=out_specs,
-        scalars=(),
-        reductions=_reductions(b.nodes),
+        loads=w.loads,
+        nodes=w.nodes,
+        outputs=w.outputs,
+        scalars=tuple(kinds),
+        reductions=_reductions(w.nodes),
         block=cfg.block,
         rows_per_program=cfg.rows_per_program,
         looped=cfg.looped,
-        big=big,
+        big=w.big,
         num_warps=cfg.num_warps,
+        domain=w.domain,
+        flags=w.flags,
+        gemm=tile,
     )
-    n_split, chunk, programs = 1, n_cols, 0
-    if tile is not None:  # every program one tile: its rows, one block of columns
-        programs = -(-n_rows // cfg.rows_per_program)
-        n_split, chunk = max(1, -(-n_cols // cfg.block)), cfg.block
-        spec = replace(spec, split=Split.TILE, looped=True)
-    elif group.is_row:
-        spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
-
+    spec, programs, n_split, chunk = _programs(spec, w, target)
+    grid, meta = grid_and_meta(cfg if w.row else None, programs * n_split, n_rows * n_cols, target)
+    if tile is not None:
+        meta += (("BLOCK_K", tile.block_k), ("num_stages", tile.num_stages))
     launched = _launched(spec, n_split)
-    values = _extents(group.is_row, n_rows, n_cols, row_sizes, col_sizes, n_split, chunk, launched.split)
-    ints = list(launch_ints(launched, values | _flat_strides(spec, row_strides, col_strides)))
-
-    kinds, vals = scalar_args(b.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
-    spec = replace(spec, scalars=tuple(kinds))
-    scalar_inputs = scalar_positions(b.slots, kinds, graph, len(ints))
-    grid, meta = grid_and_meta(cfg if group.is_row else None, programs * n_split if group.is_row else 0, numel, target)
+    values = w.ints | _extents(w.row, n_rows, n_cols, w.rows, w.cols, n_split, chunk, launched.split)
+    ints = launch_ints(launched, values)
     # nothing to launch only when nothing is written: reducing an empty extent still writes
     # torch's identity values (0 for sum, nan for mean and var, -inf for logsumexp)
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
-    split = n_split if spec.split is not Split.TILE else 1
-    return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, split=split, rows=n_rows)
+    split = 1 if spec.split is Split.TILE else n_split
+    scalar_inputs = scalar_positions(w.slots, kinds, graph, len(ints))
+    return spec, Launch(ints, tuple(vals), grid, meta, empty, scalar_inputs, w.checks, split, n_rows)
+
+
+def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> tuple[Config, GemmTile | None]:
+    """The kernel's tile: a 2-D tile's, a product's (rows by a block of its columns, looped), a
+    row kernel's from the row table, or a pointwise kernel's (its block is a launch parameter)."""
+    n_rows, n_cols = math.prod(w.rows), math.prod(w.cols)
+    c = group.contraction
+    if w.tiled and target.tile is not None:
+        return Config(target.tile[1], target.tile[0], True, 4), None
+    if c is not None:
+        dtype = graph.of(c.srcs[0]).dtype
+        bm, bn, bk, _, warps, stages = target.gemm
+        # half the GEMM's columns: the reductions' states and per-tile temporaries live beside
+        # the accumulator (at sm_90's 128 x 128 a cross-entropy's forward spilled)
+        bm, bn, bk = gemm_block(bm, max(16, bn // 2), bk, n_rows, n_cols, dtype)
+        precision = "tf32" if tf32 and dtype == torch.float32 else "ieee"
+        return Config(bn, bm, True, warps), GemmTile(bm, bn, bk, 1, warps, stages, precision=precision)
+    if w.row:
+        return row_config(n_rows, n_cols, target, w.column), None
+    return Config(0, 1, False, 0), None
+
+
+def _programs(spec: KernelSpec, w: Walk, target: Target) -> tuple[KernelSpec, int, int, int]:
+    """How rows are cut across programs: (spec, programs per split, splits per row, reduced
+    elements each). A 2-D tile's programs take one block of columns each; a product's row is
+    reduced by one program (its tiles are not split); other rows may split (``split_count``)."""
+    n_rows, n_cols = math.prod(w.rows), math.prod(w.cols)
+    if not w.row:
+        return spec, 0, 1, n_cols
+    programs = -(-n_rows // spec.rows_per_program)
+    if w.tiled:
+        return replace(spec, split=Split.TILE, looped=True), programs, max(1, -(-n_cols // spec.block)), spec.block
+    if spec.gemm is not None:
+        return spec, programs, 1, n_cols
+    if not splittable(spec):
+        return spec, programs, 1, n_cols
+    n_split, chunk = split_count(programs, n_rows, n_cols, spec.block, target)
+    return (replace(spec, looped=True) if n_split > 1 else spec), programs, n_split, chunk
 
 
 def _launched(spec: KernelSpec, n_split: int) -> KernelSpec:
@@ -454,7 +486,14 @@ def _launched(spec: KernelSpec, n_split: int) -> KernelSpec:
 
 
 def _extents(
-    row: bool, n_rows: int, n_cols: int, rows: list[int], cols: list[int], n_split: int, chunk: int, split: Split
+    row: bool,
+    n_rows: int,
+    n_cols: int,
+    rows: tuple[int, ...],
+    cols: tuple[int, ...],
+    n_split: int,
+    chunk: int,
+    split: Split,
 ) -> dict[str, int]:
     """A kernel's extents by parameter name: rows by columns (each side's dims when several) and a
     split row's splits; a pointwise kernel's element count (and its dims when several)."""
@@ -466,17 +505,47 @@ def _extents(
     return values | ({"n_split": n_split, "chunk": chunk} if split else {})
 
 
-def _flat_strides(spec: KernelSpec, rows: list[list[int]], cols: list[list[int]]) -> dict[str, int]:
-    """A flat kernel's strides by name: each load's (then each output's, in a row kernel) strided
-    row dims, then its strided column dims."""
-    names = [*load_names(spec), *(f"out{k}" for k in range(len(spec.outputs)))]
-    row = spec.kind == "row"
-    values: dict[str, int] = {}
-    for name, r, c in zip(names, rows, cols):
-        values |= zip(
-            strided(name, tuple(map(stride_class, r)), tuple(map(stride_class, c)), row), _strided_values(r, c)
-        )
-    return values
+# ---- flat kernels: dims coalesced, every operand read at the kernel's own index --------------------
+def flat_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target) -> Walk:
+    """A group without movement ops: each (input, role, view) loaded once at the kernel's index,
+    the dims every operand walks together coalesced (a pointwise group whose operands disagree on
+    the fastest axis runs in 2-D tiles: ``_tile_axis``)."""
+    b = body(group, graph)
+    strides = operand_strides(group, graph, layouts, b)
+    tile = None if group.is_row or target.tile is None else _tile_axis(group, b, strides)
+    if tile is not None:  # a 2-D tile: the row kernel's code with a kept axis of rows, no reductions
+        group = replace(group, axes=(tile,))
+    row_sizes, row_strides, col_sizes, col_strides = _coalesced(group, strides)
+    big = _int64_needed(math.prod(row_sizes) * math.prod(col_sizes), [row_sizes, col_sizes], [row_strides, col_strides])
+    n_loads = len(b.loads)
+    classes = [
+        (tuple(stride_class(s) for s in r), tuple(stride_class(s) for s in c)) for r, c in zip(row_strides, col_strides)
+    ]
+    loads = tuple(LoadSpec(j, role, *classes[k]) for k, (j, role, _) in enumerate(b.loads))
+    if not group.is_row:  # pointwise outputs are contiguous over the domain: written at offs
+        classes[n_loads:] = [((), ())] * len(group.outputs)
+    outputs = tuple(
+        OutSpec(b.index[id(o)], layouts[id(o)].dtype, group.role(o), *classes[n_loads + k])
+        for k, o in enumerate(group.outputs)
+    )
+    names = [*load_names(loads), *(f"out{k}" for k in range(len(outputs)))]
+    ints: dict[str, int] = {}
+    for name, (rc, cc), r, c in zip(names, classes, row_strides, col_strides):
+        ints |= zip(strided(name, rc, cc, group.is_row), _strided_values(r, c))
+    column = tile is None and group.is_row and _is_column(group, layouts, b, classes)
+    return Walk(
+        b.nodes,
+        b.slots,
+        loads,
+        outputs,
+        tuple(row_sizes),
+        tuple(col_sizes),
+        ints,
+        big,
+        group.is_row,
+        column,
+        tile is not None,
+    )
 
 
 def _strided_values(*sides: list[int]) -> list[int]:
@@ -530,15 +599,6 @@ def splittable(spec: KernelSpec) -> bool:
     return bool(lv) and max(lv.values()) == 1 and all(o.role is not Role.KEEP for o in spec.outputs)
 
 
-def _split_rows(spec: KernelSpec, n_rows: int, n_cols: int, target: Target) -> tuple[KernelSpec, int, int, int]:
-    """A row kernel's split choice: (spec, programs per split, splits per row, reduced elements each)."""
-    programs = -(-n_rows // spec.rows_per_program)
-    if not splittable(spec):
-        return spec, programs, 1, n_cols
-    n_split, chunk = split_count(programs, n_rows, n_cols, spec.block, target)
-    return (replace(spec, looped=True) if n_split > 1 else spec), programs, n_split, chunk
-
-
 def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Launch], tuple[KernelSpec, Launch]]:
     """The two kernels of a split row: partial states, then merge + outputs (``SPLIT_BLOCK`` lanes of
     partial states per row, a launch parameter like the pointwise block)."""
@@ -549,6 +609,41 @@ def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Lau
 
 
 # ---- coordinate kernels: movement ops inside ----------------------------------------------------
+def coordinate_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -> Walk:
+    """A group whose values are read at re-indexed coordinates (slices, ``cat``, ``gather``).
+
+    Nothing is coalesced: every domain dim has its own index, every input its own strides over
+    its own dims, and each movement op maps coordinates to its operands' coordinates with its
+    launch arguments (offsets, sizes). Free nodes (cones of movement ops) are in the body with
+    role "free": evaluated only where a movement op asks for them.
+
+    A row kernel that computes a contraction's product (``Group.product_rows``) reads its operands
+    at the tile's rows and a ``BLOCK_K`` slice of the contracted axis: its tile is the GEMM's
+    (``ROWS`` = ``BLOCK_M`` rows by ``BLOCK_SIZE`` = ``BLOCK_N`` columns, looped over the row).
+    """
+    index, slots, specs, nargs = _coordinate_body(group, graph)
+    loads, outs, values, reach = _coordinate_operands(group, graph, layouts, index)
+    domain = group.shape
+    rows = tuple(s for d, s in enumerate(domain) if d not in group.axes)
+    cols = tuple(s for d, s in enumerate(domain) if d in group.axes)
+    flags = tuple(i for i, n in enumerate(specs) if REGISTRY[n.op].index_operand is not None)
+    by_index = {i: n for n in (*group.cone, *group.nodes) if (i := index.get(id(n))) is not None}
+    return Walk(
+        tuple(specs),
+        tuple(slots),
+        tuple(loads),
+        tuple(outs),
+        rows,
+        cols,
+        values | nargs,
+        reach >= INT32_LIMIT,
+        group.is_row,
+        domain=tuple(d in group.axes for d in range(len(domain))),
+        flags=flags,
+        checks=tuple(_check_message(by_index[i], graph) for i in flags),
+    )
+
+
 def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[Expr], list[NodeSpec], dict[str, int]]:
     """A coordinate kernel's node specs (its cone's free nodes too), in graph order: node id ->
     spec index, the scalar slots, the specs, and the movement ops' launch arguments by name."""
@@ -619,82 +714,6 @@ def _coordinate_operands(
         outs.append(OutSpec(index[id(o)], layouts[id(o)].dtype, role, classes, ()))
         values |= {f"out{k}_stride{d}": st for d, (c, st) in enumerate(zip(classes, over)) if c == STRIDED}
     return loads, outs, values, reach
-
-
-def coordinate_spec(
-    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU, tf32: bool = False
-) -> tuple[KernelSpec, Launch]:
-    """A kernel whose values are read at re-indexed coordinates (slices, ``cat``, ``gather``).
-
-    Nothing is coalesced: every domain dim has its own index, every input its own strides over
-    its own dims, and each movement op maps coordinates to its operands' coordinates with its
-    launch arguments (offsets, sizes). Free nodes (cones of movement ops) are in the body with
-    role "free": evaluated only where a movement op asks for them.
-
-    A row kernel that computes a contraction's product (``Group.product_rows``) reads its operands
-    at the tile's rows and a ``BLOCK_K`` slice of the contracted axis: its tile is the GEMM's
-    (``ROWS`` = ``BLOCK_M`` rows by ``BLOCK_SIZE`` = ``BLOCK_N`` columns, looped over the row).
-    """
-    index, slots, specs, nargs = _coordinate_body(group, graph)
-    domain = group.shape
-    reduced = tuple(d in group.axes for d in range(len(domain)))
-    loads, outs, values, reach = _coordinate_operands(group, graph, layouts, index)
-    values |= nargs
-
-    rows = [domain[d] for d in range(len(domain)) if not reduced[d]]
-    cols = [domain[d] for d in range(len(domain)) if reduced[d]]
-    n_rows, n_cols = math.prod(rows), math.prod(cols)
-    c = group.contraction
-    tile = None
-    if c is not None:  # the product's tile: rows by a block of its columns, looped
-        dtype = graph.of(c.srcs[0]).dtype
-        bm, bn, bk, _, warps, stages = target.gemm
-        # half the GEMM's columns: the reductions' states and per-tile temporaries live beside
-        # the accumulator (at sm_90's 128 x 128 a cross-entropy's forward spilled)
-        bm, bn, bk = gemm_block(bm, max(16, bn // 2), bk, n_rows, n_cols, dtype)
-        precision = "tf32" if tf32 and dtype == torch.float32 else "ieee"
-        tile = GemmTile(bm, bn, bk, 1, warps, stages, precision=precision)
-        cfg = Config(bn, bm, True, warps)
-    else:
-        cfg = row_config(n_rows, n_cols, target) if group.is_row else Config(0, 1, False, 0)
-    kinds, vals = scalar_args(tuple(slots), graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
-    spec = KernelSpec(
-        kind="row" if group.is_row else "pointwise",
-        in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
-        loads=tuple(loads),
-        nodes=tuple(specs),
-        outputs=tuple(outs),
-        scalars=tuple(kinds),
-        reductions=_reductions(specs),
-        block=cfg.block,
-        rows_per_program=cfg.rows_per_program,
-        looped=cfg.looped,
-        big=reach >= INT32_LIMIT,
-        num_warps=cfg.num_warps,
-        domain=reduced,
-        flags=tuple(i for i, n in enumerate(specs) if REGISTRY[n.op].index_operand is not None),
-        gemm=tile,
-    )
-    n_split, chunk = 1, n_cols
-    if group.is_row:
-        if tile is None:
-            spec, programs, n_split, chunk = _split_rows(spec, n_rows, n_cols, target)
-        else:  # a product's row is reduced by one program (its tiles are not split across programs)
-            programs = -(-n_rows // cfg.rows_per_program)
-        grid, meta = grid_and_meta(cfg, programs * n_split, 0, target)
-        if tile is not None:
-            meta += (("BLOCK_K", tile.block_k), ("num_stages", tile.num_stages))
-    else:
-        n_rows, rows = math.prod(domain), list(domain)
-        grid, meta = grid_and_meta(None, 0, n_rows, target)
-    launched = _launched(spec, n_split)
-    values |= _extents(group.is_row, n_rows, n_cols, rows, cols, n_split, chunk, launched.split)
-    ints = list(launch_ints(launched, values))
-    scalar_inputs = scalar_positions(tuple(slots), kinds, graph, len(ints))
-    empty = all(graph.of(o).numel == 0 for o in group.outputs)
-    by_index = {i: n for n in (*group.cone, *group.nodes) if (i := index.get(id(n))) is not None}
-    checks = tuple(_check_message(by_index[i], graph) for i in spec.flags)
-    return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, checks, n_split, n_rows)
 
 
 def grid_and_meta(
