@@ -17,11 +17,11 @@ import torch
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
 from ..lower.roles import Role
-from ..lower.spec import BCAST, UNIT, Src
+from ..lower.spec import BCAST, Src
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop
-from .source import Scope, Writer
+from .source import Scope, Writer, offset_terms
 
 
 class CoordWriter(Writer):
@@ -121,11 +121,7 @@ class CoordWriter(Writer):
 
     def _load_at(self, j: int, c: Coords, scope: Scope, full: bool) -> str:
         ld = self.spec.loads[j]
-        terms = []
-        for d, (cls, idx) in enumerate(zip(ld.rows, c.idx)):
-            if cls == BCAST or idx == "0":
-                continue
-            terms.append(f"({idx})" if cls == UNIT else f"({idx}) * in{j}_stride{d}")
+        terms = offset_terms(f"in{j}", ld.rows, c.idx)
         ptr = f"in{ld.input}_ptr"
         # the pointer gets the mask's tile shape even where every index is a scalar
         offset = " + ".join([*terms, self._zero(full)])
@@ -201,12 +197,7 @@ class CoordWriter(Writer):
     def _operand_offset(self, j: int, idx: list[str]) -> str:
         """A contraction operand's offset at index vectors ``idx`` (aligned to its trailing dims)."""
         classes = self.spec.loads[j].rows
-        terms = []
-        for d, (cls, ix) in enumerate(zip(classes, idx[len(idx) - len(classes) :])):
-            if cls == BCAST or ix == "0":
-                continue
-            terms.append(ix if cls == UNIT else f"{ix} * in{j}_stride{d}")
-        return " + ".join(terms) or "0"
+        return " + ".join(offset_terms(f"in{j}", classes, idx[len(idx) - len(classes) :])) or "0"
 
     # ---- stores -----------------------------------------------------------------------
     def _store(self, k: int, loop: Scope) -> str:
@@ -216,13 +207,11 @@ class CoordWriter(Writer):
         full = o.role is Role.FULL
         if not self.row:
             return f"tl.store(out{k}_ptr + offs, {val}, mask=mask)"
-        terms, on_rows, on_cols = [], False, False
         assert self.spec.domain is not None
-        for d, (cls, idx, red) in enumerate(zip(o.rows, self._domain(full), self.spec.domain)):
-            if cls == BCAST:
-                continue
-            terms.append(idx if cls == UNIT else f"{idx} * out{k}_stride{d}")
-            on_cols, on_rows = on_cols or red, on_rows or not red
+        index = self._domain(full)
+        terms = offset_terms(f"out{k}", o.rows, index)
+        walked = [red for cls, idx, red in zip(o.rows, index, self.spec.domain) if cls != BCAST and idx != "0"]
+        on_rows, on_cols = not all(walked), any(walked)
         if not on_rows:
             terms.append("rows * 0")
         if full and not on_cols:
@@ -232,5 +221,4 @@ class CoordWriter(Writer):
 
     def _begin(self, flat: str, prefix: str, size: str) -> None:
         self.named: set[tuple] = set()
-        self.cidx: list[str] = []
         super()._begin(flat, prefix, size)

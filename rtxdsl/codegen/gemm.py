@@ -17,7 +17,7 @@ from ..lower.spec import STRIDED, UNIT, KernelSpec, Src
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop
-from .source import Scope, Writer, state_name
+from .source import Scope, Writer, offset_terms, state_name
 from .template import render
 
 GEMM = """\
@@ -229,9 +229,7 @@ class GemmWriter(Writer):
         """A recomputed product's operand ``k`` at index vectors ``at`` of its named stored dims."""
         ld, name = self.spec.loads[k], self.load_names[k]
         terms = [f"{b} * {name}_stride_b{d}" for d, b in enumerate(self.batch_idx)]
-        for d, (dim, c) in enumerate(zip(dims, (*ld.rows, *ld.cols))):
-            terms.append(at[dim] if c == UNIT else f"{at[dim]} * {name}_stride{d}")
-        return " + ".join(terms)
+        return " + ".join(terms + offset_terms(name, (*ld.rows, *ld.cols), [at[dim] for dim in dims]))
 
     def _k_reduction(self, i: int, v: str, mask: str, scope: Scope) -> None:
         """Reduction ``i`` of A over its contracted dims: each K tile's states merged into one
@@ -258,12 +256,7 @@ class GemmWriter(Writer):
         """A tensor's offset at a tile: its strides over ``batch``'s coordinates, then the tile's
         two ``index`` vectors (the product's rows and columns, or an operand's)."""
         terms = [f"{b} * {prefix}_stride{d}" for d, b in enumerate(batch)]
-        tile = []
-        for i, (idx, c) in enumerate(zip(index, classes)):
-            if c == UNIT:
-                tile.append(idx)
-            elif c == STRIDED:
-                tile.append(f"{idx} * {prefix}_stride{len(batch) + i}")
+        tile = offset_terms(prefix, classes, index, len(batch))
         # a block pointer even where the tensor is one element (per batch) broadcast over the tile
         return " + ".join(terms + (tile or [f"({index[0]} * 0 + {index[1]} * 0)"]))
 

@@ -18,7 +18,7 @@ from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.params import flat_dims, kernel_params, load_names, own_params
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
 from ..lower.roles import Role
-from ..lower.spec import BCAST, STRIDED, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split, Src
+from ..lower.spec import BCAST, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split, Src, Stride
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from .template import render
@@ -79,6 +79,20 @@ ${helpers}
 ${kernel}"""
 
 
+def offset_terms(prefix: str, classes: Sequence[Stride], index: Sequence[str], first: int = 0) -> list[str]:
+    """An operand's offset at ``index`` (an index expression per dim, "0" where the dim is not
+    walked), in every writer: a unit-stride dim adds its index, a strided one its index times
+    ``<prefix>_stride<d>`` (the parameter :func:`~rtxdsl.lower.params.strided` names, ``d`` counted
+    from ``first``), a broadcast one nothing."""
+    terms = []
+    for d, (c, idx) in enumerate(zip(classes, index)):
+        if c == BCAST or idx == "0":
+            continue
+        ix = f"({idx})" if any(op in idx for op in "+-*/%") else idx  # an expression: keep it whole
+        terms.append(ix if c == UNIT else f"{ix} * {prefix}_stride{first + d}")
+    return terms
+
+
 def state_name(component: str, node: int) -> str:
     """A reduction state's variable: ``s_3`` never shadows the scalar argument ``s3``."""
     return f"{component}_{node}"
@@ -131,21 +145,11 @@ class Writer:
         scope.add(f"{names[0]} = {rem}")
         return names
 
-    def _offset(self, prefix: str, rows: tuple[str, ...], cols: tuple[str, ...], use_cols: bool) -> str:
-        rp = "_row" if self.row else ""
-        terms = []
-        for d, c in enumerate(rows):
-            if c == UNIT:
-                terms.append(self.ridx[d])
-            elif c == STRIDED:
-                terms.append(f"{self.ridx[d]} * {prefix}{rp}_stride{d}")
-        if use_cols:
-            for d, c in enumerate(cols):
-                if c == UNIT:
-                    terms.append(self.cidx[d])
-                elif c == STRIDED:
-                    terms.append(f"{self.cidx[d]} * {prefix}_col_stride{d}")
-        return " + ".join(terms)
+    def _offset(self, prefix: str, rows: tuple[Stride, ...], cols: tuple[Stride, ...], use_cols: bool) -> str:
+        """A flat operand's offset: its row dims at the row index, its column dims at the column
+        index (``use_cols``) or not walked (a per-row value)."""
+        index = [*self.ridx, *(self.cidx if use_cols else ["0"] * len(cols))]
+        return " + ".join(offset_terms(prefix, (*rows, *cols), index))
 
     # ---- values -----------------------------------------------------------------------
     def cast(self, name: str, want: torch.dtype) -> str:
@@ -366,6 +370,7 @@ class Writer:
     def _begin(self, flat: str, prefix: str, size: str) -> None:
         """Parameters, the kernel's top scope, scalar arguments and the row (or flat) index."""
         self.build_params()
+        self.cidx: list[str] = []  # the column index per reduced dim (a row kernel's, once its loop opens)
         self.top = Scope()
         self._scalar_prelude()
         self.ridx = self._decompose(self.top, flat, prefix, size, self.nr)

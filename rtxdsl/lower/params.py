@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..ops import REGISTRY, OpKind
 from .passes import partial_states
 from .roles import Role
-from .spec import STRIDED, UNIT, KernelCall, KernelSpec, LoadSpec, NodeSpec, Src
+from .spec import STRIDED, UNIT, KernelCall, KernelSpec, LoadSpec, NodeSpec, Src, Stride
 
 #: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
 OPERAND_ROLES = (Role.A, Role.B)
@@ -71,12 +71,11 @@ def _scalars(spec: KernelSpec) -> list[Param]:
     return [Param(f"s{k}", ParamKind.SCALAR, k) for k in range(len(spec.scalars))]
 
 
-def strided(prefix: str, rows: tuple[str, ...], cols: tuple[str, ...], row: bool) -> list[str]:
-    """A flat kernel's stride parameters of one operand: its strided row dims, then column dims."""
-    rp = "_row" if row else ""
-    return [f"{prefix}{rp}_stride{d}" for d, c in enumerate(rows) if c == STRIDED] + [
-        f"{prefix}_col_stride{d}" for d, c in enumerate(cols) if c == STRIDED
-    ]
+def strided(prefix: str, classes: tuple[Stride, ...], first: int = 0) -> list[str]:
+    """An operand's stride parameters, in every kernel family: ``<prefix>_stride<d>`` for each
+    strided dim ``d`` of those the kernel indexes it by (a flat kernel's rows then columns, a
+    coordinate kernel's own dims, a GEMM tile's dims after ``first`` batch dims)."""
+    return [f"{prefix}_stride{first + d}" for d, c in enumerate(classes) if c == STRIDED]
 
 
 def flat_dims(spec: KernelSpec) -> tuple[int, int]:
@@ -104,9 +103,9 @@ def _flat(spec: KernelSpec) -> list[Param]:
     params = _pointers(spec, bool(spec.split) and row, False)
     names = _extent_names(spec, nr, nc)
     for name, ld in zip(load_names(spec.loads), spec.loads):
-        names += strided(name, ld.rows, ld.cols, row)
+        names += strided(name, (*ld.rows, *ld.cols))
     for k, o in enumerate(spec.outputs):
-        names += strided(f"out{k}", o.rows, o.cols, row)
+        names += strided(f"out{k}", (*o.rows, *o.cols))
     return params + _ints(names) + _scalars(spec)
 
 
@@ -117,9 +116,9 @@ def _coordinate(spec: KernelSpec) -> list[Param]:
     params = _pointers(spec, bool(spec.split), bool(spec.flags))
     names = _extent_names(spec, nr, nc)
     for j, ld in enumerate(spec.loads):
-        names += [f"in{j}_stride{d}" for d, c in enumerate(ld.rows) if c == STRIDED]
+        names += strided(f"in{j}", ld.rows)
     for k, o in enumerate(spec.outputs):
-        names += [f"out{k}_stride{d}" for d, c in enumerate(o.rows) if c == STRIDED]
+        names += strided(f"out{k}", o.rows)
     for i, n in enumerate(spec.nodes):
         names += [f"m{i}_{k}" for k in range(n.nargs)]
     return params + _ints(names) + _scalars(spec)
@@ -154,7 +153,7 @@ def _gemm(spec: KernelSpec) -> list[Param]:
         ld = spec.loads[k]
         n_b = nb if ld.role in OPERAND_ROLES else out_dims - 2
         ints += [f"{names[k]}_stride{d}" for d in range(n_b)]
-        ints += [f"{names[k]}_stride{n_b + i}" for i, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
+        ints += strided(names[k], (*ld.rows, *ld.cols), n_b)
     for k, o in enumerate(spec.outputs):
         if o.role is Role.FULL:  # a reduction of A is contiguous: one value per row of the product
             ints += [f"out{k}_stride{d}" for d in range(out_dims - 1)]  # columns: stride 1
@@ -163,7 +162,7 @@ def _gemm(spec: KernelSpec) -> list[Param]:
         for _, k in spec.nodes[i].srcs:
             ld = spec.loads[k]
             ints += [f"{names[k]}_stride_b{d}" for d in range(nb)]
-            ints += [f"{names[k]}_stride{d}" for d, c in enumerate((*ld.rows, *ld.cols)) if c == STRIDED]
+            ints += strided(names[k], (*ld.rows, *ld.cols))
     return params + _ints(ints) + _scalars(spec)
 
 

@@ -531,7 +531,7 @@ def flat_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout], target:
     names = [*load_names(loads), *(f"out{k}" for k in range(len(outputs)))]
     ints: dict[str, int] = {}
     for name, (rc, cc), r, c in zip(names, classes, row_strides, col_strides):
-        ints |= zip(strided(name, rc, cc, group.is_row), _strided_values(r, c))
+        ints |= zip(strided(name, (*rc, *cc)), _strided_values(r, c))
     column = tile is None and group.is_row and _is_column(group, layouts, b, classes)
     return Walk(
         b.nodes,

@@ -12,8 +12,8 @@ def row_eq_mul_sum_div_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    out0_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -25,7 +25,7 @@ def row_eq_mul_sum_div_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
         x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
         v0 = x0 == x1
         v1 = v0.to(tl.float32)
@@ -38,11 +38,11 @@ def row_eq_mul_sum_div_SIG(
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x2 = tl.load(in2_ptr + rows, mask=mask, other=0).to(tl.float32)
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
         x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
         v0 = x0 == x1
         v1 = v0.to(tl.float32)
         v2 = x2 * v1
         v4 = v2 / v3
-        tl.store(out0_ptr + rows * out0_row_stride0 + cols, v4, mask=mask)
+        tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)
 

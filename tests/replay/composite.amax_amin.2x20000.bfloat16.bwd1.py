@@ -13,9 +13,9 @@ def row_unsqueeze_eq_mul_sum_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in2_col_stride0,
-    in3_col_stride0,
-    out0_col_stride0,
+    in2_stride1,
+    in3_stride1,
+    out0_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -27,7 +27,7 @@ def row_unsqueeze_eq_mul_sum_SIG(
     mask = row_mask & col_mask
     x0 = tl.load(in0_ptr + rows, mask=mask, other=0).to(tl.float32)
     v0 = x0
-    x2 = tl.load(in2_ptr + rows + cols * in2_col_stride0, mask=mask, other=0).to(tl.float32)
+    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
     x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
     v1 = x1
     v2 = x2 == v1
@@ -36,8 +36,8 @@ def row_unsqueeze_eq_mul_sum_SIG(
     t0 = tl.where(mask, v3, 0)
     v5 = tl.sum(t0, axis=1)[:, None]
     v6 = v4 / v5
-    x3 = tl.load(in3_ptr + rows + cols * in3_col_stride0, mask=mask, other=0)
+    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
     v7 = v6 + x3
     v8 = tl.where(v7 != v7, v7, ((v7.to(tl.uint32, bitcast=True) + 0x7FFF + ((v7.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16).to(tl.float32)
-    tl.store(out0_ptr + rows + cols * out0_col_stride0, tl.where(v8 != v8, v8, ((v8.to(tl.uint32, bitcast=True) + 0x7FFF + ((v8.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + rows + cols * out0_stride1, tl.where(v8 != v8, v8, ((v8.to(tl.uint32, bitcast=True) + 0x7FFF + ((v8.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 

@@ -10,7 +10,7 @@ def row_amax_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
+    in0_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -22,7 +22,7 @@ def row_amax_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
         t0 = tl.where(mask, x0, float("-inf"))
         t1 = tl.where(t0 != t0, t0, tl.where(t0 > acc_0, t0, acc_0))
         acc_0 = t1

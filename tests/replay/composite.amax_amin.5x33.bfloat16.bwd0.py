@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_eq_mul_sum_div_6694931b_tail(
+def row_eq_mul_sum_div_91ef9250_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -13,9 +13,9 @@ def row_eq_mul_sum_div_6694931b_tail(
     out0_ptr,
     n_rows,
     n_cols,
-    in2_col_stride0,
-    in3_col_stride0,
-    out0_col_stride0,
+    in2_stride1,
+    in3_stride1,
+    out0_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -27,7 +27,7 @@ def row_eq_mul_sum_div_6694931b_tail(
     mask = row_mask & col_mask
     x0 = tl.load(in0_ptr + rows, mask=mask, other=0).to(tl.float32)
     v0 = x0
-    x2 = tl.load(in2_ptr + rows + cols * in2_col_stride0, mask=mask, other=0).to(tl.float32)
+    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
     x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
     v1 = x1
     v2 = x2 == v1
@@ -36,10 +36,10 @@ def row_eq_mul_sum_div_6694931b_tail(
     t0 = tl.where(mask, v3, 0)
     v5 = tl.sum(t0, axis=1)[:, None]
     v6 = v4 / v5
-    x3 = tl.load(in3_ptr + rows + cols * in3_col_stride0, mask=mask, other=0)
+    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
     v7 = v6 + x3
     v8 = tl.where(v7 != v7, v7, ((v7.to(tl.uint32, bitcast=True) + 0x7FFF + ((v7.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16).to(tl.float32)
-    tl.store(out0_ptr + rows + cols * out0_col_stride0, tl.where(v8 != v8, v8, ((v8.to(tl.uint32, bitcast=True) + 0x7FFF + ((v8.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + rows + cols * out0_stride1, tl.where(v8 != v8, v8, ((v8.to(tl.uint32, bitcast=True) + 0x7FFF + ((v8.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -56,13 +56,13 @@ def row_eq_mul_sum_div_SIG(
     count_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    out0_stride0,
     t_n_rows,
     t_n_cols,
-    t_in2_col_stride0,
-    t_in3_col_stride0,
-    t_out0_col_stride0,
+    t_in2_stride1,
+    t_in3_stride1,
+    t_out0_stride1,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -75,7 +75,7 @@ def row_eq_mul_sum_div_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x2 = tl.load(in2_ptr + rows, mask=mask, other=0).to(tl.float32)
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
     x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
     v0 = x0 == x1
     v1 = v0.to(tl.float32)
@@ -83,10 +83,10 @@ def row_eq_mul_sum_div_SIG(
     t0 = tl.where(mask, v1, 0)
     v3 = tl.sum(t0, axis=1)[:, None]
     v4 = v2 / v3
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v4, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_eq_mul_sum_div_6694931b_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in2_col_stride0, t_in3_col_stride0, t_out0_col_stride0, T_ROWS, T_BLOCK_SIZE)
+        row_eq_mul_sum_div_91ef9250_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in2_stride1, t_in3_stride1, t_out0_stride1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -5,12 +5,12 @@ import triton.language as tl
 
 
 @triton.jit
-def row_amax_79328fdf_tail(
+def row_amax_37e735a1_tail(
     in0_ptr,
     out0_ptr,
     n_rows,
     n_cols,
-    in0_col_stride0,
+    in0_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -20,7 +20,7 @@ def row_amax_79328fdf_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
     t0 = tl.where(mask, x0, float("inf"))
     v0 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(t0, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0, mask=row_mask)
@@ -35,10 +35,10 @@ def row_amax_SIG(
     count_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
+    in0_stride0,
     t_n_rows,
     t_n_cols,
-    t_in0_col_stride0,
+    t_in0_stride1,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -50,13 +50,13 @@ def row_amax_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
     t0 = tl.where(mask, x0, float("-inf"))
     v0 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t0, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0, mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_amax_79328fdf_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_col_stride0, T_ROWS, T_BLOCK_SIZE)
+        row_amax_37e735a1_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -14,8 +14,8 @@ def row_div_sub_add_rsqrt_SIG(
     out1_ptr,
     n_rows,
     n_cols,
-    in1_col_stride0,
-    in3_col_stride0,
+    in1_stride1,
+    in3_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -27,8 +27,8 @@ def row_div_sub_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows + cols * in3_col_stride0, mask=mask, other=0).to(tl.float32)
-    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0).to(tl.float32)
+    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0).to(tl.float32)
+    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0).to(tl.float32)
     x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
     v0 = x0 / s0
     v1 = x1 - v0

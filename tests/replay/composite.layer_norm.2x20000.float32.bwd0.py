@@ -14,9 +14,9 @@ def row_mul_div_sub_sum_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in3_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    in3_stride0,
+    out0_stride0,
     s0,
     s1,
     s2,
@@ -37,10 +37,10 @@ def row_mul_div_sub_sum_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
         x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
         v0 = x0 * x1
-        x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
+        x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
         x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
         v1 = x2 / s0
         v2 = x3 - v1
@@ -66,16 +66,16 @@ def row_mul_div_sub_sum_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
+        x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
         x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
         v1 = x2 / s0
         v2 = x3 - v1
         v14 = v13 * v2
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
         x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
         v0 = x0 * x1
         v15 = v0 * v8
         v16 = v14 + v15
         v20 = v16 + v19
-        tl.store(out0_ptr + rows * out0_row_stride0 + cols, v20, mask=mask)
+        tl.store(out0_ptr + rows * out0_stride0 + cols, v20, mask=mask)
 

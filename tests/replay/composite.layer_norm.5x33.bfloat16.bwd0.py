@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_sub_sum_72369741_tail(
+def row_mul_div_sub_sum_f133ba55_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -14,8 +14,8 @@ def row_mul_div_sub_sum_72369741_tail(
     out1_ptr,
     n_rows,
     n_cols,
-    in1_col_stride0,
-    in3_col_stride0,
+    in1_stride1,
+    in3_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -27,8 +27,8 @@ def row_mul_div_sub_sum_72369741_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows + cols * in3_col_stride0, mask=mask, other=0).to(tl.float32)
-    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0).to(tl.float32)
+    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0).to(tl.float32)
+    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0).to(tl.float32)
     x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
     v0 = x0 / s0
     v1 = x1 - v0
@@ -63,17 +63,17 @@ def row_mul_div_sub_sum_SIG(
     count_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in3_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    in3_stride0,
+    out0_stride0,
     s0,
     s1,
     s2,
     s3,
     t_n_rows,
     t_n_cols,
-    t_in1_col_stride0,
-    t_in3_col_stride0,
+    t_in1_stride1,
+    t_in3_stride1,
     t_s0,
     t_s1,
     T_ROWS: tl.constexpr,
@@ -87,10 +87,10 @@ def row_mul_div_sub_sum_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
     x1 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
     v0 = x0 * x1
-    x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0).to(tl.float32)
     x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
     v1 = x2 / s0
     v2 = x3 - v1
@@ -115,10 +115,10 @@ def row_mul_div_sub_sum_SIG(
     v18 = tl.sum(t1, axis=1)[:, None]
     v19 = v18 / s0
     v20 = v16 + v19
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v20, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v20, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_sub_sum_72369741_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in1_col_stride0, t_in3_col_stride0, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_sub_sum_f133ba55_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in3_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

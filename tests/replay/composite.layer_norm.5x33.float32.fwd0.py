@@ -12,8 +12,8 @@ def row_sum_div_sub_m2_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    out0_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -25,7 +25,7 @@ def row_sum_div_sub_m2_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
     t0 = tl.where(mask, x0, 0)
     v0 = tl.sum(t0, axis=1)[:, None]
     v1 = v0 / s0
@@ -44,5 +44,5 @@ def row_sum_div_sub_m2_SIG(
     v8 = v7 * x1
     x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
     v9 = v8 + x2
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v9, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v9, mask=mask)
 

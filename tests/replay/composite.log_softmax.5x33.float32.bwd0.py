@@ -12,9 +12,9 @@ def row_neg_sum_add_sub_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_col_stride0,
-    in1_col_stride0,
-    out0_col_stride0,
+    in0_stride1,
+    in1_stride1,
+    out0_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -24,18 +24,18 @@ def row_neg_sum_add_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
     v0 = -x0
     t0 = tl.where(mask, v0, 0)
     v1 = tl.sum(t0, axis=1)[:, None]
     v2 = v1 + v1
     v3 = -v1
     v4 = v2 + v3
-    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
     x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
     v5 = x1 - x2
     v6 = tl.exp(v5)
     v7 = v4 * v6
     v8 = x0 + v7
-    tl.store(out0_ptr + rows + cols * out0_col_stride0, v8, mask=mask)
+    tl.store(out0_ptr + rows + cols * out0_stride1, v8, mask=mask)
 

@@ -10,8 +10,8 @@ def row_logsumexp_sub_add_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_col_stride0,
-    out0_col_stride0,
+    in0_stride1,
+    out0_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -21,7 +21,7 @@ def row_logsumexp_sub_add_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
     t0 = tl.where(mask, x0, float('-inf'))
     t1 = tl.where(mask, 1.0, 0.0)
     t2 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t0, axis=1)[:, None])
@@ -29,5 +29,5 @@ def row_logsumexp_sub_add_SIG(
     v1 = v0 - v0
     v2 = v0 + v1
     v3 = x0 - v2
-    tl.store(out0_ptr + rows + cols * out0_col_stride0, v3, mask=mask)
+    tl.store(out0_ptr + rows + cols * out0_stride1, v3, mask=mask)
 

@@ -10,7 +10,7 @@ def row_logsumexp_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
+    in0_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -20,7 +20,7 @@ def row_logsumexp_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
     t0 = tl.where(mask, x0, float('-inf'))
     t1 = tl.where(mask, 1.0, 0.0)
     t2 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t0, axis=1)[:, None])

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_m2_div_927c5eb1_tail(
+def row_m2_div_3d0e899f_tail(
     in0_ptr,
     out0_ptr,
     n_rows,
@@ -54,7 +54,7 @@ def row_m2_div_SIG(
     count_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
+    in0_stride0,
     s0,
     t_n_rows,
     t_n_cols,
@@ -74,7 +74,7 @@ def row_m2_div_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
         t0 = tl.where(mask, 1.0, 0.0)
         t1 = tl.where(mask, x0, 0.0)
         t2 = tl.where(mask, 0.0, 0.0)
@@ -95,6 +95,6 @@ def row_m2_div_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_m2_div_927c5eb1_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, T_ROWS, T_BLOCK_SIZE)
+        row_m2_div_3d0e899f_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

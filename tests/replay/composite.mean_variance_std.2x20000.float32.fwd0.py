@@ -10,7 +10,7 @@ def row_sum_div_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_col_stride0,
+    in0_stride1,
     s0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -21,7 +21,7 @@ def row_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
     t0 = tl.where(mask, x0, 0)
     v0 = tl.sum(t0, axis=1)[:, None]
     v1 = v0 / s0

@@ -5,12 +5,12 @@ import triton.language as tl
 
 
 @triton.jit
-def row_sum_div_b074ec1d_tail(
+def row_sum_div_b2f81829_tail(
     in0_ptr,
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
+    in0_stride0,
     s0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -21,7 +21,7 @@ def row_sum_div_b074ec1d_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
     t0 = tl.where(mask, 1.0, 0.0)
     t1 = tl.where(mask, x0, 0.0)
     t2 = tl.where(mask, 0.0, 0.0)
@@ -41,11 +41,11 @@ def row_sum_div_SIG(
     count_ptr,
     n_rows,
     n_cols,
-    in0_col_stride0,
+    in0_stride1,
     s0,
     t_n_rows,
     t_n_cols,
-    t_in0_row_stride0,
+    t_in0_stride0,
     t_s0,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
@@ -58,7 +58,7 @@ def row_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0).to(tl.float32)
+    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
     t0 = tl.where(mask, x0, 0)
     v0 = tl.sum(t0, axis=1)[:, None]
     v1 = v0 / s0
@@ -66,6 +66,6 @@ def row_sum_div_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_sum_div_b074ec1d_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_row_stride0, t_s0, T_ROWS, T_BLOCK_SIZE)
+        row_sum_div_b2f81829_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride0, t_s0, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

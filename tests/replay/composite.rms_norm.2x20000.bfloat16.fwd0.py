@@ -11,8 +11,8 @@ def row_mul_sum_div_add_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    out0_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -26,7 +26,7 @@ def row_mul_sum_div_add_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
         v0 = x0 * x0
         t0 = tl.where(mask, v0, 0)
         t1 = acc_1 + t0
@@ -39,9 +39,9 @@ def row_mul_sum_div_add_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
         v5 = x0 * v4
         x1 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
         v6 = v5 * x1
-        tl.store(out0_ptr + rows * out0_row_stride0 + cols, tl.where(v6 != v6, v6, ((v6.to(tl.uint32, bitcast=True) + 0x7FFF + ((v6.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+        tl.store(out0_ptr + rows * out0_stride0 + cols, tl.where(v6 != v6, v6, ((v6.to(tl.uint32, bitcast=True) + 0x7FFF + ((v6.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 

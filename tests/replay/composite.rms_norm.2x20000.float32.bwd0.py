@@ -13,9 +13,9 @@ def row_mul_div_add_rsqrt_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in3_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    in3_stride0,
+    out0_stride0,
     s0,
     s1,
     s2,
@@ -30,10 +30,10 @@ def row_mul_div_add_rsqrt_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
         x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
         v0 = x0 * x1
-        x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
+        x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
         v5 = v0 * x3
         t0 = tl.where(mask, v5, 0)
         t1 = acc_6 + t0
@@ -52,13 +52,13 @@ def row_mul_div_add_rsqrt_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
         x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
         v0 = x0 * x1
         v4 = v0 * v3
-        x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
+        x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
         v12 = v11 * x3
         v13 = v4 + v12
         v14 = v13 + v12
-        tl.store(out0_ptr + rows * out0_row_stride0 + cols, v14, mask=mask)
+        tl.store(out0_ptr + rows * out0_stride0 + cols, v14, mask=mask)
 

@@ -12,8 +12,8 @@ def row_div_add_rsqrt_mul_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in1_col_stride0,
-    in2_col_stride0,
+    in1_stride1,
+    in2_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -25,8 +25,8 @@ def row_div_add_rsqrt_mul_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows + cols * in2_col_stride0, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0)
+    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
     x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
     v0 = x0 / s0
     v1 = v0 + s1

@@ -5,15 +5,15 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_add_rsqrt_c4c91f8d_tail(
+def row_mul_div_add_rsqrt_b5dadf5a_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
     out0_ptr,
     n_rows,
     n_cols,
-    in1_col_stride0,
-    in2_col_stride0,
+    in1_stride1,
+    in2_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -25,8 +25,8 @@ def row_mul_div_add_rsqrt_c4c91f8d_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows + cols * in2_col_stride0, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0)
+    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
     x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
     v0 = x0 / s0
     v1 = v0 + s1
@@ -52,16 +52,16 @@ def row_mul_div_add_rsqrt_SIG(
     count_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in3_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    in3_stride0,
+    out0_stride0,
     s0,
     s1,
     s2,
     t_n_rows,
     t_n_cols,
-    t_in1_col_stride0,
-    t_in2_col_stride0,
+    t_in1_stride1,
+    t_in2_stride1,
     t_s0,
     t_s1,
     T_ROWS: tl.constexpr,
@@ -75,7 +75,7 @@ def row_mul_div_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
     x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
     v0 = x0 * x1
     x2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
@@ -83,7 +83,7 @@ def row_mul_div_add_rsqrt_SIG(
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
     v4 = v0 * v3
-    x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
+    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
     v5 = v0 * x3
     t0 = tl.where(mask, v5, 0)
     v6 = tl.sum(t0, axis=1)[:, None]
@@ -95,10 +95,10 @@ def row_mul_div_add_rsqrt_SIG(
     v12 = v11 * x3
     v13 = v4 + v12
     v14 = v13 + v12
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v14, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v14, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_add_rsqrt_c4c91f8d_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in1_col_stride0, t_in2_col_stride0, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_add_rsqrt_b5dadf5a_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in2_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -10,8 +10,8 @@ def row_logsumexp_sub_add_exp_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    out0_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -24,7 +24,7 @@ def row_logsumexp_sub_add_exp_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
         t0 = tl.where(mask, x0, float('-inf'))
         t1 = tl.where(mask, 1.0, 0.0)
         t2 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t0, axis=1)[:, None])
@@ -40,8 +40,8 @@ def row_logsumexp_sub_add_exp_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
         v3 = x0 - v2
         v4 = tl.exp(v3)
-        tl.store(out0_ptr + rows * out0_row_stride0 + cols, v4, mask=mask)
+        tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)
 

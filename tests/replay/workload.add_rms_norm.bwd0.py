@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_add_rsqrt_4cf84429_tail(
+def row_mul_div_add_rsqrt_f663566c_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -13,9 +13,9 @@ def row_mul_div_add_rsqrt_4cf84429_tail(
     out0_ptr,
     n_rows,
     n_cols,
-    in1_col_stride0,
-    in2_col_stride0,
-    in3_col_stride0,
+    in1_stride1,
+    in2_stride1,
+    in3_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -27,9 +27,9 @@ def row_mul_div_add_rsqrt_4cf84429_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows + cols * in3_col_stride0, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0)
-    x2 = tl.load(in2_ptr + rows + cols * in2_col_stride0, mask=mask, other=0)
+    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
+    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
     v3 = x1 + x2
     x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
     v0 = x0 / s0
@@ -59,19 +59,19 @@ def row_mul_div_add_rsqrt_SIG(
     count_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in3_row_stride0,
-    in4_row_stride0,
-    in5_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    in3_stride0,
+    in4_stride0,
+    in5_stride0,
+    out0_stride0,
     s0,
     s1,
     s2,
     t_n_rows,
     t_n_cols,
-    t_in1_col_stride0,
-    t_in2_col_stride0,
-    t_in3_col_stride0,
+    t_in1_stride1,
+    t_in2_stride1,
+    t_in3_stride1,
     t_s0,
     t_s1,
     T_ROWS: tl.constexpr,
@@ -85,8 +85,8 @@ def row_mul_div_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
     x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
     v0 = x0 * x1
     x2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
@@ -95,8 +95,8 @@ def row_mul_div_add_rsqrt_SIG(
     v3 = tl.rsqrt(v2)
     v4 = v0 * v3
     v5 = x3 + v4
-    x4 = tl.load(in4_ptr + rows * in4_row_stride0 + cols, mask=mask, other=0)
-    x5 = tl.load(in5_ptr + rows * in5_row_stride0 + cols, mask=mask, other=0)
+    x4 = tl.load(in4_ptr + rows * in4_stride0 + cols, mask=mask, other=0)
+    x5 = tl.load(in5_ptr + rows * in5_stride0 + cols, mask=mask, other=0)
     v6 = x4 + x5
     v7 = v0 * v6
     t0 = tl.where(mask, v7, 0)
@@ -109,10 +109,10 @@ def row_mul_div_add_rsqrt_SIG(
     v14 = v13 * v6
     v15 = v5 + v14
     v16 = v15 + v14
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v16, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v16, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_add_rsqrt_4cf84429_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in1_col_stride0, t_in2_col_stride0, t_in3_col_stride0, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_add_rsqrt_f663566c_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in2_stride1, t_in3_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

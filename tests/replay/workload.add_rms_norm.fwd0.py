@@ -13,10 +13,10 @@ def row_add_mul_sum_div_SIG(
     out1_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in1_row_stride0,
-    out0_row_stride0,
-    out1_row_stride0,
+    in0_stride0,
+    in1_stride0,
+    out0_stride0,
+    out1_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -28,8 +28,8 @@ def row_add_mul_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows * in1_row_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
     v0 = x0 + x1
     v1 = v0 * v0
     t0 = tl.where(mask, v1, 0)
@@ -40,6 +40,6 @@ def row_add_mul_sum_div_SIG(
     v6 = v0 * v5
     x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
     v7 = v6 * x2
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v0, mask=mask)
-    tl.store(out1_ptr + rows * out1_row_stride0 + cols, v7, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v0, mask=mask)
+    tl.store(out1_ptr + rows * out1_stride0 + cols, v7, mask=mask)
 

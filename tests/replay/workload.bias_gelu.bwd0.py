@@ -13,9 +13,9 @@ def row_add_mul_erf_exp_SIG(
     out1_ptr,
     n_rows,
     n_cols,
-    in0_col_stride0,
-    in2_col_stride0,
-    out0_col_stride0,
+    in0_stride1,
+    in2_stride1,
+    out0_stride1,
     s0,
     s1,
     s2,
@@ -30,8 +30,8 @@ def row_add_mul_erf_exp_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows + cols * in2_col_stride0, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0)
+    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
     x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
     v0 = x0 + x1
     v1 = v0 * s0
@@ -47,6 +47,6 @@ def row_add_mul_erf_exp_SIG(
     v11 = x2 * v10
     t0 = tl.where(mask, v11, 0)
     v12 = tl.sum(t0, axis=1)[:, None]
-    tl.store(out0_ptr + rows + cols * out0_col_stride0, v11, mask=mask)
+    tl.store(out0_ptr + rows + cols * out0_stride1, v11, mask=mask)
     tl.store(out1_ptr + rows, v12, mask=row_mask)
 

@@ -13,9 +13,9 @@ def row_add_mul_tanh_sub_SIG(
     out1_ptr,
     n_rows,
     n_cols,
-    in0_col_stride0,
-    in2_col_stride0,
-    out0_col_stride0,
+    in0_stride1,
+    in2_stride1,
+    out0_stride1,
     s0,
     s1,
     s2,
@@ -30,8 +30,8 @@ def row_add_mul_tanh_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows + cols * in2_col_stride0, mask=mask, other=0).to(tl.float32)
-    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0).to(tl.float32)
+    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
+    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
     x1 = tl.load(in1_ptr + rows, mask=mask, other=0).to(tl.float32)
     v0 = x0 + x1
     v1 = v0 * v0
@@ -56,6 +56,6 @@ def row_add_mul_tanh_sub_SIG(
     v18 = x2 * v17
     t2 = tl.where(mask, v18, 0)
     v19 = tl.sum(t2, axis=1)[:, None]
-    tl.store(out0_ptr + rows + cols * out0_col_stride0, tl.where(v18 != v18, v18, ((v18.to(tl.uint32, bitcast=True) + 0x7FFF + ((v18.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + rows + cols * out0_stride1, tl.where(v18 != v18, v18, ((v18.to(tl.uint32, bitcast=True) + 0x7FFF + ((v18.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
     tl.store(out1_ptr + rows, tl.where(v19 != v19, v19, ((v19.to(tl.uint32, bitcast=True) + 0x7FFF + ((v19.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_add_div_sub_8b2b2784_tail(
+def row_mul_add_div_sub_ed04e372_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -15,9 +15,9 @@ def row_mul_add_div_sub_8b2b2784_tail(
     out1_ptr,
     n_rows,
     n_cols,
-    in0_col_stride0,
-    in1_col_stride0,
-    in4_col_stride0,
+    in0_stride1,
+    in1_stride1,
+    in4_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -29,9 +29,9 @@ def row_mul_add_div_sub_8b2b2784_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x4 = tl.load(in4_ptr + rows + cols * in4_col_stride0, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0)
+    x4 = tl.load(in4_ptr + rows + cols * in4_stride1, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
     v0 = x0 + x1
     x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
     v1 = x2 / s0
@@ -70,20 +70,20 @@ def row_mul_add_div_sub_SIG(
     count_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in2_row_stride0,
-    in3_row_stride0,
-    in6_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    in2_stride0,
+    in3_stride0,
+    in6_stride0,
+    out0_stride0,
     s0,
     s1,
     s2,
     s3,
     t_n_rows,
     t_n_cols,
-    t_in0_col_stride0,
-    t_in1_col_stride0,
-    t_in4_col_stride0,
+    t_in0_stride1,
+    t_in1_stride1,
+    t_in4_stride1,
     t_s0,
     t_s1,
     T_ROWS: tl.constexpr,
@@ -97,12 +97,12 @@ def row_mul_add_div_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x6 = tl.load(in6_ptr + rows * in6_row_stride0 + cols, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+    x6 = tl.load(in6_ptr + rows * in6_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
     x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
     v0 = x0 * x1
-    x2 = tl.load(in2_ptr + rows * in2_row_stride0 + cols, mask=mask, other=0)
-    x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
+    x2 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
+    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
     v1 = x2 + x3
     x4 = tl.load(in4_ptr + rows, mask=mask, other=0)
     v2 = x4 / s0
@@ -129,10 +129,10 @@ def row_mul_add_div_sub_SIG(
     v20 = tl.sum(t1, axis=1)[:, None]
     v21 = v20 / s0
     v22 = v18 + v21
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v22, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v22, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_add_div_sub_8b2b2784_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in0_col_stride0, t_in1_col_stride0, t_in4_col_stride0, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_add_div_sub_ed04e372_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in0_stride1, t_in1_stride1, t_in4_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

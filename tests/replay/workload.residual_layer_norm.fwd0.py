@@ -14,10 +14,10 @@ def row_add_sum_div_sub_SIG(
     out1_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in1_row_stride0,
-    out0_row_stride0,
-    out1_row_stride0,
+    in0_stride0,
+    in1_stride0,
+    out0_stride0,
+    out1_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -29,8 +29,8 @@ def row_add_sum_div_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows * in1_row_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
     v0 = x0 + x1
     t0 = tl.where(mask, v0, 0)
     v1 = tl.sum(t0, axis=1)[:, None]
@@ -50,6 +50,6 @@ def row_add_sum_div_sub_SIG(
     v9 = v8 * x2
     x3 = tl.load(in3_ptr + cols, mask=mask, other=0)
     v10 = v9 + x3
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v0, mask=mask)
-    tl.store(out1_ptr + rows * out1_row_stride0 + cols, v10, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v0, mask=mask)
+    tl.store(out1_ptr + rows * out1_stride0 + cols, v10, mask=mask)
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_add_rsqrt_98848537_tail(
+def row_mul_div_add_rsqrt_d972c65a_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -14,9 +14,9 @@ def row_mul_div_add_rsqrt_98848537_tail(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_col_stride0,
-    in1_col_stride0,
-    in3_col_stride0,
+    in0_stride1,
+    in1_stride1,
+    in3_stride1,
     s0,
     s1,
     s2,
@@ -29,10 +29,10 @@ def row_mul_div_add_rsqrt_98848537_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_col_stride0, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_col_stride0, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
     v0 = x0 * x1
-    x3 = tl.load(in3_ptr + rows + cols * in3_col_stride0, mask=mask, other=0)
+    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
     x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
     v1 = x2 / s0
     v2 = v1 + s1
@@ -70,20 +70,20 @@ def row_mul_div_add_rsqrt_SIG(
     count_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in1_row_stride0,
-    in3_row_stride0,
-    out0_row_stride0,
-    out1_row_stride0,
+    in0_stride0,
+    in1_stride0,
+    in3_stride0,
+    out0_stride0,
+    out1_stride0,
     s0,
     s1,
     s2,
     s3,
     t_n_rows,
     t_n_cols,
-    t_in0_col_stride0,
-    t_in1_col_stride0,
-    t_in3_col_stride0,
+    t_in0_stride1,
+    t_in1_stride1,
+    t_in3_stride1,
     t_s0,
     t_s1,
     t_s2,
@@ -98,10 +98,10 @@ def row_mul_div_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows * in1_row_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
     v0 = x0 * x1
-    x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
+    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
     x2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
     v1 = x2 / s0
     v2 = v1 + s1
@@ -130,11 +130,11 @@ def row_mul_div_add_rsqrt_SIG(
     v23 = v22 + v21
     v25 = v5 / (1.0 + tl.exp(-v5))
     v26 = x0 * v25
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v23, mask=mask)
-    tl.store(out1_ptr + rows * out1_row_stride0 + cols, v26, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v23, mask=mask)
+    tl.store(out1_ptr + rows * out1_stride0 + cols, v26, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_add_rsqrt_98848537_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_col_stride0, t_in1_col_stride0, t_in3_col_stride0, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_add_rsqrt_d972c65a_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, t_in1_stride1, t_in3_stride1, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -12,9 +12,9 @@ def row_mul_sum_div_add_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in2_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    in2_stride0,
+    out0_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -26,7 +26,7 @@ def row_mul_sum_div_add_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
     v0 = x0 * x0
     t0 = tl.where(mask, v0, 0)
     v1 = tl.sum(t0, axis=1)[:, None]
@@ -37,7 +37,7 @@ def row_mul_sum_div_add_SIG(
     x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
     v6 = v5 * x1
     v7 = v6 / (1.0 + tl.exp(-v6))
-    x2 = tl.load(in2_ptr + rows * in2_row_stride0 + cols, mask=mask, other=0)
+    x2 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
     v8 = v7 * x2
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v8, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v8, mask=mask)
 

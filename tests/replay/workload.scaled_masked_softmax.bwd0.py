@@ -14,11 +14,11 @@ def row_mul_add_sub_exp_SIG(
     out1_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in1_row_stride0,
-    in3_row_stride0,
-    out0_row_stride0,
-    out1_row_stride0,
+    in0_stride0,
+    in1_stride0,
+    in3_stride0,
+    out0_stride0,
+    out1_stride0,
     s0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -29,10 +29,10 @@ def row_mul_add_sub_exp_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows * in3_row_stride0 + cols, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
     v0 = x0 * s0
-    x1 = tl.load(in1_ptr + rows * in1_row_stride0 + cols, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
     v1 = v0 + x1
     x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
     v2 = x2 - x2
@@ -51,6 +51,6 @@ def row_mul_add_sub_exp_SIG(
     v14 = v11 * v13
     v15 = v6 + v14
     v16 = v15 * s0
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v15, mask=mask)
-    tl.store(out1_ptr + rows * out1_row_stride0 + cols, v16, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v15, mask=mask)
+    tl.store(out1_ptr + rows * out1_stride0 + cols, v16, mask=mask)
 

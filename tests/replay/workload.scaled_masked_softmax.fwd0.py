@@ -11,9 +11,9 @@ def row_mul_add_logsumexp_sub_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in0_row_stride0,
-    in1_row_stride0,
-    out0_row_stride0,
+    in0_stride0,
+    in1_stride0,
+    out0_stride0,
     s0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -24,9 +24,9 @@ def row_mul_add_logsumexp_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_row_stride0 + cols, mask=mask, other=0)
+    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
     v0 = x0 * s0
-    x1 = tl.load(in1_ptr + rows * in1_row_stride0 + cols, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
     v1 = v0 + x1
     t0 = tl.where(mask, v1, float('-inf'))
     t1 = tl.where(mask, 1.0, 0.0)
@@ -36,5 +36,5 @@ def row_mul_add_logsumexp_sub_SIG(
     v4 = v2 + v3
     v5 = v1 - v4
     v6 = tl.exp(v5)
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v6, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v6, mask=mask)
 

@@ -12,9 +12,9 @@ def row_sub_add_exp_mul_SIG(
     out0_ptr,
     n_rows,
     n_cols,
-    in1_row_stride0,
-    in2_row_stride0,
-    out0_row_stride0,
+    in1_stride0,
+    in2_stride0,
+    out0_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -24,8 +24,8 @@ def row_sub_add_exp_mul_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows * in2_row_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows * in1_row_stride0 + cols, mask=mask, other=0)
+    x2 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
+    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
     x0 = tl.load(in0_ptr + rows, mask=mask, other=0)
     v0 = x0 - x0
     v1 = x0 + v0
@@ -42,5 +42,5 @@ def row_sub_add_exp_mul_SIG(
     v11 = tl.exp(v10)
     v12 = v9 * v11
     v13 = v4 + v12
-    tl.store(out0_ptr + rows * out0_row_stride0 + cols, v13, mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v13, mask=mask)
 
