@@ -171,6 +171,19 @@ def test_movement_is_index_arithmetic_in_one_kernel():
     assert src.count("tl.store(") == 1
 
 
+def test_a_per_row_value_is_computed_once_per_row_in_a_looped_kernel():
+    """A per-row value (here the row's rsqrt of its mean square) that a looped coordinate kernel
+    reads at every column block is computed once per row, before the loop, as in a flat kernel."""
+    m = (x * x).mean(-1, keepdim=True)
+    k = rx.compile(rx.flip(x, -1) * rx.rsqrt(m + 1.0))
+    t = torch.randn(2, 20000)  # looped: a row longer than the interpreter's widest block
+    (src,) = k.sources(x=t)
+    assert src.count("for col_start") == 2  # the mean's pass, then the outputs'
+    output_loop = src[src.rindex("for col_start") :]
+    assert src.count("tl.rsqrt(") == 1 and "tl.rsqrt(" not in output_loop
+    assert_close(k(x=t), torch.flip(t, [-1]) * torch.rsqrt((t * t).mean(-1, keepdim=True) + 1.0), 1e-5, 1e-5)
+
+
 @pytest.mark.parametrize(
     ("build", "err"),
     [

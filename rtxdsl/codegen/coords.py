@@ -1,13 +1,16 @@
-"""Coordinate kernels: values evaluated at index expressions, for groups with movement ops.
+"""The writer of row and pointwise kernels: values evaluated at index expressions.
 
-A flat kernel walks one (coalesced) index and reads every operand at it. When a group slices,
-concatenates, flips or gathers, operands are read elsewhere: here every domain dim has its own
-index (``i0, i1, ...`` in pointwise kernels, ``r*``/``c*`` for the rows and reduced columns of
-row kernels), every value is asked for *at coordinates* (:class:`~rtxdsl.registry.Coords`:
-an index expression per dim of the value plus the predicates a load there must satisfy), and a
-movement op answers by asking its operands at remapped coordinates (its ``remap``). A value is
-computed once per (coordinates, scope); loads are masked with the kernel's mask and the
-coordinates' predicates, so nothing is read out of bounds.
+Every domain dim has its own index (``i0, i1, ...`` in pointwise kernels, ``r*``/``c*`` for the
+rows and reduced columns of row kernels), every value is asked for *at coordinates*
+(:class:`~rtxdsl.registry.Coords`: an index expression per dim of the value plus the predicates
+a load there must satisfy), and a movement op answers by asking its operands at remapped
+coordinates (its ``remap``). A value is computed once per (coordinates, scope); loads are masked
+with the kernel's mask and the coordinates' predicates, so nothing is read out of bounds.
+
+A flat kernel (no movement op) is the case where the domain's dims are the coalesced ones every
+operand walks together (``lower.schedule.flat_walk``) and every value is read at the kernel's
+own indices. A value that is one per row (a per-row load, a per-row node at its own coordinates)
+is computed once, before any loop over columns.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
+from ..lower.passes import remaps
 from ..lower.roles import Role
-from ..lower.spec import BCAST, Src
+from ..lower.spec import BCAST, NodeSpec, Src
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop
@@ -25,7 +29,7 @@ from .source import Scope, Writer, offset_terms
 
 
 class CoordWriter(Writer):
-    """The writer for KernelSpecs with a ``domain`` (see the module docstring)."""
+    """The writer for row and pointwise KernelSpecs, flat or not (see the module docstring)."""
 
     # ---- parameters -------------------------------------------------------------------
     def build_params(self) -> None:
@@ -48,7 +52,7 @@ class CoordWriter(Writer):
         kind, i = ref
         if kind is Src.LOAD:
             return tuple(c == BCAST for c in self.spec.loads[i].rows)
-        return self.spec.nodes[i].ones
+        return self.spec.nodes[i].ones if kind is Src.NODE else ()  # a slot is a scalar
 
     @staticmethod
     def _adjust(c: Coords, ones: tuple[bool, ...]) -> Coords:
@@ -57,10 +61,33 @@ class CoordWriter(Writer):
         return Coords(tuple("0" if one else i for i, one in zip(idx, ones)), c.pred)
 
     def _default(self, i: int) -> Coords:
+        """A node's own coordinates: the domain's (a per-row value's reduced dims at 0), or the
+        rows' for a per-row value without the reduced dims (a coordinate kernel's dropped ones)."""
         node = self.spec.nodes[i]
-        if node.role is Role.DROP:
+        assert self.spec.domain is not None
+        if node.role is Role.DROP and len(node.ones) < len(self.spec.domain):
             return self._adjust(Coords(tuple(self.ridx)), node.ones)
         return self._adjust(Coords(self._domain(node.role is Role.FULL)), node.ones)
+
+    def _in_place(self, node: NodeSpec) -> bool:
+        """A view (``unsqueeze``) whose operand already has its rank (a flat kernel's values all
+        have the domain's): it reads the operand where it is."""
+        return REGISTRY[node.op].view and all(
+            len(self._ones(r)) == len(node.ones) for r in node.srcs if r[0] in (Src.LOAD, Src.NODE)
+        )
+
+    def _per_row(self, ref: tuple, c: Coords) -> bool:
+        """Is ``ref`` at ``c`` one value per row (a per-row load, or a per-row node at its own
+        coordinates)?"""
+        kind, i = ref
+        if kind is Src.LOAD:
+            return self.spec.loads[i].role is not Role.FULL
+        return self.spec.nodes[i].role in (Role.KEEP, Role.DROP) and c == self._default(i)
+
+    def _plain(self, c: Coords) -> bool:
+        """Coordinates that are the kernel's own indices (no remapped index, no predicate)."""
+        own = {*self.ridx, *self.cidx}
+        return not c.pred and all(i == "0" or i in own for i in c.idx)
 
     def _zero(self, full: bool) -> str:
         """0 with the shape of the kernel's index tile (for values made of indices only)."""
@@ -93,6 +120,8 @@ class CoordWriter(Writer):
             node = self.spec.nodes[i]
             if node.role is Role.SCALAR or REGISTRY[node.op].kind is OpKind.REDUCTION:
                 return self.value(ref, scope)  # one value per row: the same at every column
+        if self._per_row(ref, c):  # computed (or loaded) once per row, before any loop over columns
+            scope, full = self.top, False
         # a value made for the whole tile is not a per-row value (its shape is the tile's); a
         # per-row value serves the tile too (it broadcasts)
         keys = [(ref, c, False), (ref, c, True)] if full else [(ref, c, False)]
@@ -108,7 +137,7 @@ class CoordWriter(Writer):
             own = (Src.NODE, i) not in self.named and placed and c == self._default(i)
             name = f"v{i}" if own else f"v{i}_{next(self.tmp_ids)}"
             self.named.add((Src.NODE, i))
-            if REGISTRY[node.op].kind is OpKind.MOVEMENT:
+            if REGISTRY[node.op].kind is OpKind.MOVEMENT and not self._in_place(node):
                 self._remap(i, name, c, scope, full)
             elif REGISTRY[node.op].kind is OpKind.CONTRACTION:
                 assert c == self._default(i), "a product is computed at its own tile only"
@@ -121,11 +150,16 @@ class CoordWriter(Writer):
 
     def _load_at(self, j: int, c: Coords, scope: Scope, full: bool) -> str:
         ld = self.spec.loads[j]
-        terms = offset_terms(f"in{j}", ld.rows, c.idx)
+        terms = offset_terms(self.load_names[j], ld.rows, c.idx)
         ptr = f"in{ld.input}_ptr"
-        # the pointer gets the mask's tile shape even where every index is a scalar
-        offset = " + ".join([*terms, self._zero(full)])
-        text = f"tl.load({ptr} + {offset}, mask={self._mask(full, c)}, other=0)"
+        if self._plain(c) and not terms and not (full and self.row) and not remaps(self.spec):
+            # one element, the same everywhere (where no index arithmetic needs it as a tile)
+            text = f"tl.load({ptr})"
+        else:
+            # the kernel's own indices broadcast against the mask; remapped ones (and an offset of no
+            # index at all) get the mask's tile shape, even where every index is a scalar
+            pad = [] if terms and self._plain(c) else [self._zero(full)]
+            text = f"tl.load({ptr} + {' + '.join([*terms, *pad])}, mask={self._mask(full, c)}, other=0)"
         dtype = self.spec.in_dtypes[ld.input]
         cdt = compute_dtype(dtype)
         if cdt != dtype:

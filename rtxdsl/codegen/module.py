@@ -13,7 +13,7 @@ from .template import render
 def _writer(spec: KernelSpec) -> Writer:
     if spec.kind == "gemm":
         return GemmWriter(spec)
-    return Writer(spec) if spec.domain is None else CoordWriter(spec)
+    return CoordWriter(spec)
 
 
 @deep

@@ -1,4 +1,6 @@
-"""Triton source for a KernelSpec, written to read like the Triton tutorials.
+"""Triton source for a KernelSpec, written to read like the Triton tutorials: what every
+writer shares (``coords.CoordWriter`` renders row and pointwise kernels, ``gemm.GemmWriter``
+contractions).
 
 Two families: *pointwise* (a flat block of ``offs``, decomposed into coordinates when an
 operand is strided or broadcast) and *row* (a ``[ROWS, BLOCK_SIZE]`` tile of rows by reduced
@@ -15,12 +17,11 @@ from collections.abc import Sequence
 import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
-from ..lower.params import flat_dims, kernel_params, load_names, own_params
+from ..lower.params import kernel_params, load_names
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
 from ..lower.roles import Role
 from ..lower.spec import BCAST, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split, Src, Stride
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
-from ..ops.elementwise import to_storage
 from .template import render
 
 POINTWISE = """\
@@ -124,11 +125,18 @@ class Writer:
         self.program = "tl.program_id(0)"  # a tail runs as program 0 of its own one-program grid
         self.tail: tuple[str, list[str]] | None = None  # (function, its parameters): run by the last program
 
-    # ---- parameters -------------------------------------------------------------------
+    # ---- what each family's writer says ----------------------------------------------
     def build_params(self) -> None:
         """The signature's parameters (their order is ``lower.params``'), and the dims indexed."""
-        self.params += [p.name for p in own_params(self.spec)]
-        self.nr, self.nc = flat_dims(self.spec)
+        raise NotImplementedError
+
+    def _emit_load(self, k: int, scope: Scope) -> str:
+        """Load ``k`` where the kernel's values are (a GEMM's tiles)."""
+        raise NotImplementedError
+
+    def _store(self, k: int, loop: Scope) -> str:
+        """The store of output ``k``."""
+        raise NotImplementedError
 
     # ---- indexing ---------------------------------------------------------------------
     def _decompose(self, scope: Scope, flat: str, prefix: str, size: str, n: int) -> list[str]:
@@ -144,12 +152,6 @@ class Writer:
             rem = f"{prefix}rem"
         scope.add(f"{names[0]} = {rem}")
         return names
-
-    def _offset(self, prefix: str, rows: tuple[Stride, ...], cols: tuple[Stride, ...], use_cols: bool) -> str:
-        """A flat operand's offset: its row dims at the row index, its column dims at the column
-        index (``use_cols``) or not walked (a per-row value)."""
-        index = [*self.ridx, *(self.cidx if use_cols else ["0"] * len(cols))]
-        return " + ".join(offset_terms(prefix, (*rows, *cols), index))
 
     # ---- values -----------------------------------------------------------------------
     def cast(self, name: str, want: torch.dtype) -> str:
@@ -185,27 +187,6 @@ class Writer:
     def _scope_of(self, role: str, loop: Scope) -> Scope:
         """Where a value of ``role`` is computed: full-size values in the loop, per-row ones once."""
         return loop if role is Role.FULL else self.top
-
-    def _emit_load(self, k: int, scope: Scope) -> str:
-        ld = self.spec.loads[k]
-        dtype = self.spec.in_dtypes[ld.input]
-        full = ld.role is Role.FULL
-        off = self._offset(self.load_names[k], ld.rows, ld.cols, use_cols=full)
-        name = f"x{k}"
-        ptr = f"in{ld.input}_ptr"
-        if off:
-            mask = "mask" if full or not self.row else "row_mask"
-            text = f"tl.load({ptr} + {off}, mask={mask}, other=0)"
-        elif full and self.row:  # broadcast over the whole tile: empty when the reduced extent is
-            text = f"tl.load({ptr} + (rows * 0 + cols * 0), mask=mask, other=0)"
-        else:
-            text = f"tl.load({ptr})"
-        cdt = compute_dtype(dtype)
-        if cdt != dtype:
-            text += f".to({TRITON_TYPE[cdt]})"
-        scope.add(f"{name} = {text}")
-        self.types[name] = cdt
-        return name
 
     def _ctx(self, node: NodeSpec, scope: Scope, cdt: torch.dtype) -> EmitCtx:
         def tmp(expr: str) -> str:
@@ -339,22 +320,6 @@ class Writer:
         them (:meth:`Scope.add_all`) after all of the scope's loads, so an output written into
         an input's memory (``into``) never lands before a load of that input."""
         return [self._store(k, scope) for k in ks]
-
-    def _store(self, k: int, loop: Scope) -> str:
-        o = self.spec.outputs[k]
-        v = self.value((Src.NODE, o.node), loop)
-        val = to_storage(v, self.types[v], o.dtype)
-        full = o.role is Role.FULL
-        mask = "mask" if full or not self.row else self.row_store_mask
-        if not self.row:
-            off = "offs"
-        else:  # the pointer needs the value's tile shape even where a dim has extent 1
-            off = self._offset(f"out{k}", o.rows, o.cols, use_cols=full)
-            pad = [] if any(c != BCAST for c in o.rows) else ["rows * 0"]
-            if full and all(c == BCAST for c in o.cols):
-                pad.append("cols * 0")
-            off = " + ".join([t for t in [off] if t] + pad)
-        return f"tl.store(out{k}_ptr + {off}, {val}, mask={mask})"
 
     # ---- kernels ----------------------------------------------------------------------
     def _scalar_prelude(self) -> None:

@@ -24,7 +24,7 @@ from .bind import Info
 from .expand import Graph, expand
 from .gemm import gemm_spec
 from .params import ParamKind, pointer_slots, with_tail_slots
-from .passes import early_outputs, input_reads, input_scopes, partial_states
+from .passes import early_outputs, input_reads, input_scopes, partial_states, remaps
 from .plans import plan_of
 from .schedule import Launch, Layout, contiguous_strides, kernel_spec, split_specs
 from .spec import TAIL_CONSTEXPRS, Buffer, KernelCall, KernelSpec, Program, Split
@@ -272,10 +272,11 @@ def _read_before_written(g: Group, spec: KernelSpec, v: Expr, o: Expr) -> bool:
 
 def can_be_tail(call: KernelCall) -> bool:
     """A one-program row kernel (a reduction over everything a previous kernel wrote, such as
-    cross-entropy's mean over its rows) that the previous launch's last program can run."""
+    cross-entropy's mean over its rows) that the previous launch's last program can run: a flat
+    one (nothing read at remapped coordinates, no product in it)."""
     s = call.spec
     return (
-        s.kind == "row" and not s.split and s.domain is None and not s.flags and s.tail is None
+        s.kind == "row" and not s.split and not remaps(s) and not s.flags and s.tail is None
         and not call.empty and call.grid == (1,)
     )  # fmt: skip
 

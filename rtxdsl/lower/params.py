@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..ops import REGISTRY, OpKind
 from .passes import partial_states
 from .roles import Role
-from .spec import STRIDED, UNIT, KernelCall, KernelSpec, LoadSpec, NodeSpec, Src, Stride
+from .spec import STRIDED, KernelCall, KernelSpec, LoadSpec, NodeSpec, Src, Stride
 
 #: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
 OPERAND_ROLES = (Role.A, Role.B)
@@ -78,15 +78,6 @@ def strided(prefix: str, classes: tuple[Stride, ...], first: int = 0) -> list[st
     return [f"{prefix}_stride{first + d}" for d, c in enumerate(classes) if c == STRIDED]
 
 
-def flat_dims(spec: KernelSpec) -> tuple[int, int]:
-    """How many (coalesced) row and column dims a flat kernel indexes."""
-    row = spec.kind == "row"
-    first = (spec.loads[0].rows, spec.loads[0].cols) if spec.loads else (spec.outputs[0].rows, spec.outputs[0].cols)
-    if not spec.loads and not row:  # nothing read: a flat fill
-        first = ((UNIT,), ())
-    return len(first[0]), len(first[1])
-
-
 def _extent_names(spec: KernelSpec, nr: int, nc: int) -> list[str]:
     """A row kernel's rows and columns (each side's dims when several) and a split row's splits;
     a pointwise kernel's element count (and its dims when several)."""
@@ -97,26 +88,15 @@ def _extent_names(spec: KernelSpec, nr: int, nc: int) -> list[str]:
     return names + (["n_split", "chunk"] if spec.split else [])
 
 
-def _flat(spec: KernelSpec) -> list[Param]:
-    row = spec.kind == "row"
-    nr, nc = flat_dims(spec)
-    params = _pointers(spec, bool(spec.split) and row, False)
-    names = _extent_names(spec, nr, nc)
-    for name, ld in zip(load_names(spec.loads), spec.loads):
-        names += strided(name, (*ld.rows, *ld.cols))
-    for k, o in enumerate(spec.outputs):
-        names += strided(f"out{k}", (*o.rows, *o.cols))
-    return params + _ints(names) + _scalars(spec)
-
-
-def _coordinate(spec: KernelSpec) -> list[Param]:
+def _indexed(spec: KernelSpec) -> list[Param]:
+    """A row or pointwise kernel's (flat ones are coordinate kernels over coalesced dims)."""
     assert spec.domain is not None
     nr = sum(1 for red in spec.domain if not red)
     nc = len(spec.domain) - nr
     params = _pointers(spec, bool(spec.split), bool(spec.flags))
     names = _extent_names(spec, nr, nc)
-    for j, ld in enumerate(spec.loads):
-        names += strided(f"in{j}", ld.rows)
+    for name, ld in zip(load_names(spec.loads), spec.loads):
+        names += strided(name, ld.rows)
     for k, o in enumerate(spec.outputs):
         names += strided(f"out{k}", o.rows)
     for i, n in enumerate(spec.nodes):
@@ -171,7 +151,7 @@ def own_params(spec: KernelSpec) -> tuple[Param, ...]:
     """The kernel's own parameters (without a tail's); built once per spec."""
     if spec.kind == "gemm":
         return tuple(_gemm(spec))
-    return tuple(_flat(spec) if spec.domain is None else _coordinate(spec))
+    return tuple(_indexed(spec))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -16,6 +16,14 @@ from .roles import Role
 from .spec import KernelSpec, NodeSpec, Split, Src
 
 
+def remaps(spec: KernelSpec) -> bool:
+    """Does the kernel read values at remapped coordinates (a movement op other than a view, or a
+    product's operands at its tiles)? A flat kernel reads everything at its own indices."""
+    return spec.gemm is not None or any(
+        REGISTRY[n.op].kind is OpKind.MOVEMENT and not REGISTRY[n.op].view for n in spec.nodes
+    )
+
+
 def is_reshape(spec: KernelSpec, i: int) -> bool:
     """A reduction of a per-row value (over size-1 dims) is the value itself, not a pass."""
     node = spec.nodes[i]

@@ -509,7 +509,11 @@ def _extents(
 def flat_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target) -> Walk:
     """A group without movement ops: each (input, role, view) loaded once at the kernel's index,
     the dims every operand walks together coalesced (a pointwise group whose operands disagree on
-    the fastest axis runs in 2-D tiles: ``_tile_axis``)."""
+    the fastest axis runs in 2-D tiles: ``_tile_axis``).
+
+    The spec is a coordinate kernel's over the coalesced dims (rows, then reduced columns): the
+    one writer renders both. Every value, load and output has the domain's rank (a per-row one
+    size 1 along the columns), so a view (``unsqueeze``) reads its operand where it is."""
     b = body(group, graph)
     strides = operand_strides(group, graph, layouts, b)
     tile = None if group.is_row or target.tile is None else _tile_axis(group, b, strides)
@@ -521,20 +525,22 @@ def flat_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout], target:
     classes = [
         (tuple(stride_class(s) for s in r), tuple(stride_class(s) for s in c)) for r, c in zip(row_strides, col_strides)
     ]
-    loads = tuple(LoadSpec(j, role, *classes[k]) for k, (j, role, _) in enumerate(b.loads))
-    if not group.is_row:  # pointwise outputs are contiguous over the domain: written at offs
-        classes[n_loads:] = [((), ())] * len(group.outputs)
+    loads = tuple(LoadSpec(j, role, (*rows, *cols), ()) for (j, role, _), (rows, cols) in zip(b.loads, classes))
     outputs = tuple(
-        OutSpec(b.index[id(o)], layouts[id(o)].dtype, group.role(o), *classes[n_loads + k])
-        for k, o in enumerate(group.outputs)
+        # pointwise outputs are contiguous over the domain: written at offs
+        OutSpec(b.index[id(o)], layouts[id(o)].dtype, group.role(o), (*rows, *cols) if group.is_row else (), ())
+        for o, (rows, cols) in zip(group.outputs, classes[n_loads:])
     )
-    names = [*load_names(loads), *(f"out{k}" for k in range(len(outputs)))]
+    names = [*load_names(loads), *(f"out{k}" for k in range(len(outputs)))][
+        : n_loads + (len(outputs) if group.is_row else 0)
+    ]
     ints: dict[str, int] = {}
     for name, (rc, cc), r, c in zip(names, classes, row_strides, col_strides):
         ints |= zip(strided(name, (*rc, *cc)), _strided_values(r, c))
     column = tile is None and group.is_row and _is_column(group, layouts, b, classes)
+    domain = (False,) * len(row_sizes) + (True,) * len(col_sizes)
     return Walk(
-        b.nodes,
+        _over(b.nodes, domain),
         b.slots,
         loads,
         outputs,
@@ -545,7 +551,15 @@ def flat_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout], target:
         group.is_row,
         column,
         tile is not None,
+        domain=domain,
     )
+
+
+def _over(nodes: tuple[NodeSpec, ...], domain: tuple[bool, ...]) -> tuple[NodeSpec, ...]:
+    """Flat nodes over the coalesced ``domain``, at its rank: which of its dims each has size 1
+    (a per-row value's reduced ones, kept or dropped alike)."""
+    ones = {Role.FULL: (False,) * len(domain), Role.KEEP: domain, Role.DROP: domain}
+    return tuple(replace(n, ones=ones.get(n.role, ())) for n in nodes)
 
 
 def _strided_values(*sides: list[int]) -> list[int]:

@@ -52,8 +52,8 @@ class Split(Word):
 class LoadSpec:
     input: int
     role: Role
-    rows: tuple[Stride, ...]  # stride class per coalesced row (or flat) dim
-    cols: tuple[Stride, ...]
+    rows: tuple[Stride, ...]  # stride class per dim the kernel indexes it by (a GEMM tile load: its rows)
+    cols: tuple[Stride, ...]  # a GEMM tile load's column dims; () elsewhere
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class NodeSpec:
     dtype: torch.dtype  # result dtype
     cdt: torch.dtype  # operand compute dtype
     role: Role
-    ones: tuple[bool, ...] = ()  # coordinate kernels: which dims of the value have size 1
+    ones: tuple[bool, ...] = ()  # row and pointwise kernels: which dims of the value have size 1
     nargs: int = 0  # coordinate kernels: launch arguments of a movement op (offsets, sizes)
 
 
@@ -73,8 +73,8 @@ class OutSpec:
     node: int
     dtype: torch.dtype
     role: Role
-    rows: tuple[Stride, ...]
-    cols: tuple[Stride, ...]
+    rows: tuple[Stride, ...]  # stride class per domain dim (a GEMM's: its rows; () where written at offs)
+    cols: tuple[Stride, ...]  # a GEMM tile's columns; () elsewhere
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class KernelSpec:
     looped: bool
     big: bool  # int64 offsets
     num_warps: int
-    #: coordinate kernels (movement ops inside): per domain dim, is it reduced? None: flat kernels
+    #: per dim the kernel indexes (a flat kernel's coalesced ones), is it reduced? None: a GEMM's
     domain: tuple[bool, ...] | None = None
     flags: tuple[int, ...] = ()  # nodes that report an out-of-range index (one flag slot each)
     #: how rows are cut across programs (a split row's two kernels, or 2-D tiles)

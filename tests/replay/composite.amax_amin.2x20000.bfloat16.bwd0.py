@@ -25,24 +25,24 @@ def row_eq_mul_sum_div_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
-        v0 = x0 == x1
+        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        x1_1 = tl.load(in1_ptr + rows, mask=mask, other=0)
+        v0 = x0_0 == x1_1
         v1 = v0.to(tl.float32)
-        t0 = tl.where(mask, v1, 0)
-        t1 = acc_3 + t0
-        acc_3 = t1
+        t2 = tl.where(mask, v1, 0)
+        t3 = acc_3 + t2
+        acc_3 = t3
     v3 = tl.sum(acc_3, axis=1)[:, None]
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x2 = tl.load(in2_ptr + rows, mask=mask, other=0).to(tl.float32)
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
-        v0 = x0 == x1
-        v1 = v0.to(tl.float32)
-        v2 = x2 * v1
+        x2_4 = tl.load(in2_ptr + rows, mask=mask, other=0).to(tl.float32)
+        x0_7 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        x1_8 = tl.load(in1_ptr + rows, mask=mask, other=0)
+        v0_6 = x0_7 == x1_8
+        v1_5 = v0_6.to(tl.float32)
+        v2 = x2_4 * v1_5
         v4 = v2 / v3
         tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_eq_mul_sum_div_91ef9250_tail(
+def row_eq_mul_sum_div_3dbffc89_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -25,19 +25,19 @@ def row_eq_mul_sum_div_91ef9250_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows, mask=mask, other=0).to(tl.float32)
-    v0 = x0
-    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
-    x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
-    v1 = x1
-    v2 = x2 == v1
+    x0_0 = tl.load(in0_ptr + rows, mask=mask, other=0).to(tl.float32)
+    v0 = x0_0
+    x2_1 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
+    x1_2 = tl.load(in1_ptr + rows, mask=mask, other=0)
+    v1 = x1_2
+    v2 = x2_1 == v1
     v3 = v2.to(tl.float32)
     v4 = v0 * v3
-    t0 = tl.where(mask, v3, 0)
-    v5 = tl.sum(t0, axis=1)[:, None]
+    t3 = tl.where(mask, v3, 0)
+    v5 = tl.sum(t3, axis=1)[:, None]
     v6 = v4 / v5
-    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
-    v7 = v6 + x3
+    x3_4 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
+    v7 = v6 + x3_4
     v8 = tl.where(v7 != v7, v7, ((v7.to(tl.uint32, bitcast=True) + 0x7FFF + ((v7.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16).to(tl.float32)
     tl.store(out0_ptr + rows + cols * out0_stride1, tl.where(v8 != v8, v8, ((v8.to(tl.uint32, bitcast=True) + 0x7FFF + ((v8.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 
@@ -74,19 +74,19 @@ def row_eq_mul_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows, mask=mask, other=0).to(tl.float32)
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    x1 = tl.load(in1_ptr + rows, mask=mask, other=0)
-    v0 = x0 == x1
+    x2_0 = tl.load(in2_ptr + rows, mask=mask, other=0).to(tl.float32)
+    x0_1 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    x1_2 = tl.load(in1_ptr + rows, mask=mask, other=0)
+    v0 = x0_1 == x1_2
     v1 = v0.to(tl.float32)
-    v2 = x2 * v1
-    t0 = tl.where(mask, v1, 0)
-    v3 = tl.sum(t0, axis=1)[:, None]
+    v2 = x2_0 * v1
+    t3 = tl.where(mask, v1, 0)
+    v3 = tl.sum(t3, axis=1)[:, None]
     v4 = v2 / v3
     tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_eq_mul_sum_div_91ef9250_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in2_stride1, t_in3_stride1, t_out0_stride1, T_ROWS, T_BLOCK_SIZE)
+        row_eq_mul_sum_div_3dbffc89_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in2_stride1, t_in3_stride1, t_out0_stride1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

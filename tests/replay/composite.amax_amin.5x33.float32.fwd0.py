@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_amax_37e735a1_tail(
+def row_amax_a7c3ba62_tail(
     in0_ptr,
     out0_ptr,
     n_rows,
@@ -20,9 +20,9 @@ def row_amax_37e735a1_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    t0 = tl.where(mask, x0, float("inf"))
-    v0 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(t0, axis=1)[:, None])
+    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
+    t1 = tl.where(mask, x0_0, float("inf"))
+    v0 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(t1, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0, mask=row_mask)
 
 
@@ -50,13 +50,13 @@ def row_amax_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    t0 = tl.where(mask, x0, float("-inf"))
-    v0 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t0, axis=1)[:, None])
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    t1 = tl.where(mask, x0_0, float("-inf"))
+    v0 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t1, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0, mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_amax_37e735a1_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, T_ROWS, T_BLOCK_SIZE)
+        row_amax_a7c3ba62_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

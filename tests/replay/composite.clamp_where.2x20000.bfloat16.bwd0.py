@@ -22,15 +22,15 @@ def pointwise_lt_where_gt_mul_SIG(
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
     s1 = s1 != 0
-    x0 = tl.load(in0_ptr + offs, mask=mask, other=0).to(tl.float32)
-    v0 = x0 < s0
-    v1 = tl.where(v0, s0, x0)
+    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0).to(tl.float32)
+    v0 = x0_0 < s0
+    v1 = tl.where(v0, s0, x0_0)
     v2 = tl.where(s1, s0, v1)
     v3 = v2 > s2
-    v4 = x0 > s3.to(tl.float32)
-    x1 = tl.load(in1_ptr + offs, mask=mask, other=0).to(tl.float32)
-    v5 = x1 * s4
-    v6 = tl.where(v4, x1, v5)
+    v4 = x0_0 > s3.to(tl.float32)
+    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0).to(tl.float32)
+    v5 = x1_1 * s4
+    v6 = tl.where(v4, x1_1, v5)
     v7 = v6 * s4
     v8 = tl.where(s1, v7, v6)
     v9 = v8 * s4
@@ -39,7 +39,7 @@ def pointwise_lt_where_gt_mul_SIG(
     v12 = tl.where(s1, v11, v10)
     v13 = v12 * s4
     v14 = tl.where(v0, v13, v12)
-    v15 = tl.where(v4, v5, x1)
+    v15 = tl.where(v4, v5, x1_1)
     tl.store(out0_ptr + offs, tl.where(v14 != v14, v14, ((v14.to(tl.uint32, bitcast=True) + 0x7FFF + ((v14.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
     tl.store(out1_ptr + offs, tl.where(v15 != v15, v15, ((v15.to(tl.uint32, bitcast=True) + 0x7FFF + ((v15.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 

@@ -20,15 +20,15 @@ def pointwise_gt_lt_where_SIG(
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
     s2 = s2 != 0
-    x0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    v0 = x0 > s0.to(tl.float32)
-    v1 = x0 < s1
-    v2 = tl.where(v1, s1, x0)
+    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
+    v0 = x0_0 > s0.to(tl.float32)
+    v1 = x0_0 < s1
+    v2 = tl.where(v1, s1, x0_0)
     v3 = tl.where(s2, s1, v2)
     v4 = v3 > s3
     v5 = tl.where(v4, s3, v3)
     v6 = tl.where(s2, s3, v5)
-    x1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v7 = tl.where(v0, v6, x1)
+    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
+    v7 = tl.where(v0, v6, x1_1)
     tl.store(out0_ptr + offs, v7, mask=mask)
 

@@ -27,21 +27,21 @@ def row_div_sub_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0).to(tl.float32)
-    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0).to(tl.float32)
-    x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0 / s0
-    v1 = x1 - v0
-    x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v2 = x2 / s0
+    x3_0 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0).to(tl.float32)
+    x1_1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0).to(tl.float32)
+    x0_2 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    v0 = x0_2 / s0
+    v1 = x1_1 - v0
+    x2_3 = tl.load(in2_ptr + cols, mask=mask, other=0)
+    v2 = x2_3 / s0
     v3 = v2 + s1
     v4 = tl.rsqrt(v3)
     v5 = v1 * v4
-    v6 = x3 * v5
-    t0 = tl.where(mask, v6, 0)
-    v7 = tl.sum(t0, axis=1)[:, None]
-    t1 = tl.where(mask, x3, 0)
-    v8 = tl.sum(t1, axis=1)[:, None]
+    v6 = x3_0 * v5
+    t4 = tl.where(mask, v6, 0)
+    v7 = tl.sum(t4, axis=1)[:, None]
+    t5 = tl.where(mask, x3_0, 0)
+    v8 = tl.sum(t5, axis=1)[:, None]
     tl.store(out0_ptr + rows, v7, mask=row_mask)
     tl.store(out1_ptr + rows, tl.where(v8 != v8, v8, ((v8.to(tl.uint32, bitcast=True) + 0x7FFF + ((v8.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
 

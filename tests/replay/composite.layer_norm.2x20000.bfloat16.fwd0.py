@@ -30,24 +30,24 @@ def row_sum_div_sub_m2_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        t0 = tl.where(mask, x0, 0)
-        t1 = acc_0 + t0
-        acc_0 = t1
-        t2 = tl.where(mask, 1.0, 0.0)
-        t3 = tl.where(mask, x0, 0.0)
-        t4 = tl.where(mask, 0.0, 0.0)
-        t5 = tl.sum(t2, axis=1)[:, None]
-        t6 = tl.where(t5 == 0, 0.0, tl.sum(t2 * t3, axis=1)[:, None] / tl.where(t5 == 0, 1.0, t5))
-        t7 = n_3 + t5
-        t8 = tl.where(t7 == 0, 1.0, t7)
-        t9 = t6 - mean_3
-        t10 = t7
-        t11 = mean_3 + t9 * (t5 / t8)
-        t12 = m2_3 + tl.sum(t4 + t2 * (t3 - t6) * (t3 - t6), axis=1)[:, None] + t9 * t9 * (n_3 * t5 / t8)
-        n_3 = t10
-        mean_3 = t11
-        m2_3 = t12
+        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        t1 = tl.where(mask, x0_0, 0)
+        t2 = acc_0 + t1
+        acc_0 = t2
+        t3 = tl.where(mask, 1.0, 0.0)
+        t4 = tl.where(mask, x0_0, 0.0)
+        t5 = tl.where(mask, 0.0, 0.0)
+        t6 = tl.sum(t3, axis=1)[:, None]
+        t7 = tl.where(t6 == 0, 0.0, tl.sum(t3 * t4, axis=1)[:, None] / tl.where(t6 == 0, 1.0, t6))
+        t8 = n_3 + t6
+        t9 = tl.where(t8 == 0, 1.0, t8)
+        t10 = t7 - mean_3
+        t11 = t8
+        t12 = mean_3 + t10 * (t6 / t9)
+        t13 = m2_3 + tl.sum(t5 + t3 * (t4 - t7) * (t4 - t7), axis=1)[:, None] + t10 * t10 * (n_3 * t6 / t9)
+        n_3 = t11
+        mean_3 = t12
+        m2_3 = t13
     v0 = tl.sum(acc_0, axis=1)[:, None]
     v3 = m2_3
     v1 = v0 / s0
@@ -58,12 +58,12 @@ def row_sum_div_sub_m2_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        v2 = x0 - v1
+        x0_14 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        v2 = x0_14 - v1
         v7 = v2 * v6
-        x1 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
-        v8 = v7 * x1
-        x2 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
-        v9 = v8 + x2
+        x1_15 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
+        v8 = v7 * x1_15
+        x2_16 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
+        v9 = v8 + x2_16
         tl.store(out0_ptr + rows * out0_stride0 + cols, tl.where(v9 != v9, v9, ((v9.to(tl.uint32, bitcast=True) + 0x7FFF + ((v9.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 

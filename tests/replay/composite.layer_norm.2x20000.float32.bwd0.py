@@ -29,30 +29,30 @@ def row_mul_div_sub_sum_SIG(
     row_mask = rows < n_rows
     acc_4 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     acc_18 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
-    x4 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
-    v6 = x4 / s0
+    x4_6 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
+    v6 = x4_6 / s0
     v7 = v6 + s2
     v8 = tl.rsqrt(v7)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v0 = x0 * x1
-        x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
-        v1 = x2 / s0
-        v2 = x3 - v1
+        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+        x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0)
+        v0 = x0_0 * x1_1
+        x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+        x2_3 = tl.load(in2_ptr + rows, mask=mask, other=0)
+        v1 = x2_3 / s0
+        v2 = x3_2 - v1
         v3 = v0 * v2
-        t0 = tl.where(mask, v3, 0)
-        t1 = acc_4 + t0
-        acc_4 = t1
+        t4 = tl.where(mask, v3, 0)
+        t5 = acc_4 + t4
+        acc_4 = t5
         v15 = v0 * v8
         v17 = -v15
-        t2 = tl.where(mask, v17, 0)
-        t3 = acc_18 + t2
-        acc_18 = t3
+        t7 = tl.where(mask, v17, 0)
+        t8 = acc_18 + t7
+        acc_18 = t8
     v4 = tl.sum(acc_4, axis=1)[:, None]
     v18 = tl.sum(acc_18, axis=1)[:, None]
     v5 = v4 * s1
@@ -66,16 +66,16 @@ def row_mul_div_sub_sum_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
-        v1 = x2 / s0
-        v2 = x3 - v1
-        v14 = v13 * v2
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v0 = x0 * x1
-        v15 = v0 * v8
-        v16 = v14 + v15
+        x3_10 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+        x2_12 = tl.load(in2_ptr + rows, mask=mask, other=0)
+        v1_11 = x2_12 / s0
+        v2_9 = x3_10 - v1_11
+        v14 = v13 * v2_9
+        x0_15 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+        x1_16 = tl.load(in1_ptr + cols, mask=mask, other=0)
+        v0_14 = x0_15 * x1_16
+        v15_13 = v0_14 * v8
+        v16 = v14 + v15_13
         v20 = v16 + v19
         tl.store(out0_ptr + rows * out0_stride0 + cols, v20, mask=mask)
 

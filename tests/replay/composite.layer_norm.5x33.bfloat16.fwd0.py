@@ -25,24 +25,24 @@ def row_sum_div_sub_m2_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    t0 = tl.where(mask, x0, 0)
-    v0 = tl.sum(t0, axis=1)[:, None]
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    t1 = tl.where(mask, x0_0, 0)
+    v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0
-    v2 = x0 - v1
-    t1 = tl.where(mask, 1.0, 0.0)
-    t2 = tl.where(mask, x0, 0.0)
-    t3 = tl.where(mask, 0.0, 0.0)
-    t4 = tl.sum(t1, axis=1)[:, None]
-    t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
-    v3 = tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None]
+    v2 = x0_0 - v1
+    t2 = tl.where(mask, 1.0, 0.0)
+    t3 = tl.where(mask, x0_0, 0.0)
+    t4 = tl.where(mask, 0.0, 0.0)
+    t5 = tl.sum(t2, axis=1)[:, None]
+    t6 = tl.where(t5 == 0, 0.0, tl.sum(t2 * t3, axis=1)[:, None] / tl.where(t5 == 0, 1.0, t5))
+    v3 = tl.sum(t4 + t2 * (t3 - t6) * (t3 - t6), axis=1)[:, None]
     v4 = v3 / s0
     v5 = v4 + s1
     v6 = tl.rsqrt(v5)
     v7 = v2 * v6
-    x1 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
-    v8 = v7 * x1
-    x2 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
-    v9 = v8 + x2
+    x1_7 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
+    v8 = v7 * x1_7
+    x2_8 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
+    v9 = v8 + x2_8
     tl.store(out0_ptr + rows * out0_stride0 + cols, tl.where(v9 != v9, v9, ((v9.to(tl.uint32, bitcast=True) + 0x7FFF + ((v9.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_sub_sum_f4fe27c0_tail(
+def row_mul_div_sub_sum_67a2de2a_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -27,21 +27,21 @@ def row_mul_div_sub_sum_f4fe27c0_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0 / s0
-    v1 = x1 - v0
-    x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v2 = x2 / s0
+    x3_0 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
+    x0_2 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    v0 = x0_2 / s0
+    v1 = x1_1 - v0
+    x2_3 = tl.load(in2_ptr + cols, mask=mask, other=0)
+    v2 = x2_3 / s0
     v3 = v2 + s1
     v4 = tl.rsqrt(v3)
     v5 = v1 * v4
-    v6 = x3 * v5
-    t0 = tl.where(mask, v6, 0)
-    v7 = tl.sum(t0, axis=1)[:, None]
-    t1 = tl.where(mask, x3, 0)
-    v8 = tl.sum(t1, axis=1)[:, None]
+    v6 = x3_0 * v5
+    t4 = tl.where(mask, v6, 0)
+    v7 = tl.sum(t4, axis=1)[:, None]
+    t5 = tl.where(mask, x3_0, 0)
+    v8 = tl.sum(t5, axis=1)[:, None]
     tl.store(out0_ptr + rows, v7, mask=row_mask)
     tl.store(out1_ptr + rows, v8, mask=row_mask)
 
@@ -87,19 +87,19 @@ def row_mul_div_sub_sum_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    v0 = x0 * x1
-    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-    x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
-    v1 = x2 / s0
-    v2 = x3 - v1
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0)
+    v0 = x0_0 * x1_1
+    x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+    x2_3 = tl.load(in2_ptr + rows, mask=mask, other=0)
+    v1 = x2_3 / s0
+    v2 = x3_2 - v1
     v3 = v0 * v2
-    t0 = tl.where(mask, v3, 0)
-    v4 = tl.sum(t0, axis=1)[:, None]
+    t4 = tl.where(mask, v3, 0)
+    v4 = tl.sum(t4, axis=1)[:, None]
     v5 = v4 * s1
-    x4 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
-    v6 = x4 / s0
+    x4_5 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
+    v6 = x4_5 / s0
     v7 = v6 + s2
     v8 = tl.rsqrt(v7)
     v9 = v8 * v8
@@ -111,14 +111,14 @@ def row_mul_div_sub_sum_SIG(
     v15 = v0 * v8
     v16 = v14 + v15
     v17 = -v15
-    t1 = tl.where(mask, v17, 0)
-    v18 = tl.sum(t1, axis=1)[:, None]
+    t6 = tl.where(mask, v17, 0)
+    v18 = tl.sum(t6, axis=1)[:, None]
     v19 = v18 / s0
     v20 = v16 + v19
     tl.store(out0_ptr + rows * out0_stride0 + cols, v20, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_sub_sum_f4fe27c0_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in3_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_sub_sum_67a2de2a_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in3_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -21,13 +21,13 @@ def row_logsumexp_sub_add_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
-    t0 = tl.where(mask, x0, float('-inf'))
-    t1 = tl.where(mask, 1.0, 0.0)
-    t2 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t0, axis=1)[:, None])
-    v0 = t2 + tl.log(tl.sum(tl.where(t0 == t2, t1, t1 * tl.exp(t0 - t2)), axis=1)[:, None])
+    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
+    t1 = tl.where(mask, x0_0, float('-inf'))
+    t2 = tl.where(mask, 1.0, 0.0)
+    t3 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t1, axis=1)[:, None])
+    v0 = t3 + tl.log(tl.sum(tl.where(t1 == t3, t2, t2 * tl.exp(t1 - t3)), axis=1)[:, None])
     v1 = v0 - v0
     v2 = v0 + v1
-    v3 = x0 - v2
+    v3 = x0_0 - v2
     tl.store(out0_ptr + rows + cols * out0_stride1, tl.where(v3 != v3, v3, ((v3.to(tl.uint32, bitcast=True) + 0x7FFF + ((v3.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 

@@ -24,18 +24,18 @@ def row_neg_sum_add_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    v0 = -x0
-    t0 = tl.where(mask, v0, 0)
-    v1 = tl.sum(t0, axis=1)[:, None]
+    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
+    v0 = -x0_0
+    t1 = tl.where(mask, v0, 0)
+    v1 = tl.sum(t1, axis=1)[:, None]
     v2 = v1 + v1
     v3 = -v1
     v4 = v2 + v3
-    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
-    x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
-    v5 = x1 - x2
+    x1_2 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
+    x2_3 = tl.load(in2_ptr + rows, mask=mask, other=0)
+    v5 = x1_2 - x2_3
     v6 = tl.exp(v5)
     v7 = v4 * v6
-    v8 = x0 + v7
+    v8 = x0_0 + v7
     tl.store(out0_ptr + rows + cols * out0_stride1, v8, mask=mask)
 

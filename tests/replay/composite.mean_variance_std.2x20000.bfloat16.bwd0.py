@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_div_unsqueeze_mul_sum_44efcce2_tail(
+def row_div_unsqueeze_mul_sum_fa682a1e_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -37,15 +37,15 @@ def row_div_unsqueeze_mul_sum_44efcce2_tail(
         c1 = cols % csize1
         crem = cols // csize1
         c0 = crem
-        x2 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
-        t0 = tl.where(mask, x2, 0)
-        t1 = acc_7 + t0
-        acc_7 = t1
+        x2_0 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
+        t1 = tl.where(mask, x2_0, 0)
+        t2 = acc_7 + t1
+        acc_7 = t2
     v7 = tl.sum(acc_7, axis=1)[:, None]
-    x0 = tl.load(in0_ptr).to(tl.float32)
-    v0 = x0 * s0
-    x1 = tl.load(in1_ptr)
-    v1 = x1 / s1
+    x0_3 = tl.load(in0_ptr).to(tl.float32)
+    v0 = x0_3 * s0
+    x1_4 = tl.load(in1_ptr)
+    v1 = x1_4 / s1
     v2 = tl.sqrt(v1)
     v3 = v0 / v2
     v4 = v3 / s1
@@ -59,13 +59,13 @@ def row_div_unsqueeze_mul_sum_44efcce2_tail(
         c1 = cols % csize1
         crem = cols // csize1
         c0 = crem
-        x2 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
-        v9 = x2 - v8
+        x2_5 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
+        v9 = x2_5 - v8
         v10 = v6 * v9
-        x3 = tl.load(in3_ptr + c0 * in3_stride1 + c1, mask=mask, other=0).to(tl.float32)
-        v11 = v10 + x3
-        x4 = tl.load(in4_ptr + c1, mask=mask, other=0).to(tl.float32)
-        v12 = x4 / s2
+        x3_6 = tl.load(in3_ptr + c0 * in3_stride1 + c1, mask=mask, other=0).to(tl.float32)
+        v11 = v10 + x3_6
+        x4_7 = tl.load(in4_ptr + c1, mask=mask, other=0).to(tl.float32)
+        v12 = x4_7 / s2
         v13 = v12
         v14 = v11 + v13
         tl.store(out0_ptr + c0 * out0_stride1 + c1 + rows * 0, v14, mask=mask)
@@ -114,27 +114,27 @@ def row_div_unsqueeze_mul_sum_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x1_0 = tl.load(in1_ptr + rows * in1_stride0 + cols + (rows * 0 + cols * 0), mask=mask, other=0).to(tl.float32)
+        x1_0 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0).to(tl.float32)
         t1 = tl.where(mask, x1_0, 0)
         t2 = acc_3 + t1
         acc_3 = t2
     v3 = tl.sum(acc_3, axis=1)[:, None]
+    x0_4 = tl.load(in0_ptr + rows, mask=row_mask, other=0).to(tl.float32)
+    v0_3 = x0_4 / s0
+    v1 = (v0_3).to(tl.float32)
+    v2 = v1 * s1
+    v4 = v3 / s2
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_4 = tl.load(in0_ptr + rows + (rows * 0 + cols * 0), mask=mask, other=0).to(tl.float32)
-        v0_3 = x0_4 / s0
-        v1 = (v0_3).to(tl.float32)
-        v2 = v1 * s1
-        x1_5 = tl.load(in1_ptr + rows * in1_stride0 + cols + (rows * 0 + cols * 0), mask=mask, other=0).to(tl.float32)
-        v4 = v3 / s2
+        x1_5 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0).to(tl.float32)
         v5 = x1_5 - v4
         v6 = v2 * v5
         tl.store(out0_ptr + rows * out0_stride0 + cols, tl.where(v6 != v6, v6, ((v6.to(tl.uint32, bitcast=True) + 0x7FFF + ((v6.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_div_unsqueeze_mul_sum_44efcce2_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, T_ROWS, T_BLOCK_SIZE)
+        row_div_unsqueeze_mul_sum_fa682a1e_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

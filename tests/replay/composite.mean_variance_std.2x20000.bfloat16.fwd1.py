@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_m2_div_3d0e899f_tail(
+def row_m2_div_ab773ebd_tail(
     in0_ptr,
     out0_ptr,
     n_rows,
@@ -24,21 +24,21 @@ def row_m2_div_3d0e899f_tail(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + cols, mask=mask, other=0).to(tl.float32)
-        t0 = tl.where(mask, 1.0, 0.0)
-        t1 = tl.where(mask, x0, 0.0)
-        t2 = tl.where(mask, 0.0, 0.0)
-        t3 = tl.sum(t0, axis=1)[:, None]
-        t4 = tl.where(t3 == 0, 0.0, tl.sum(t0 * t1, axis=1)[:, None] / tl.where(t3 == 0, 1.0, t3))
-        t5 = n_0 + t3
-        t6 = tl.where(t5 == 0, 1.0, t5)
-        t7 = t4 - mean_0
-        t8 = t5
-        t9 = mean_0 + t7 * (t3 / t6)
-        t10 = m2_0 + tl.sum(t2 + t0 * (t1 - t4) * (t1 - t4), axis=1)[:, None] + t7 * t7 * (n_0 * t3 / t6)
-        n_0 = t8
-        mean_0 = t9
-        m2_0 = t10
+        x0_0 = tl.load(in0_ptr + cols, mask=mask, other=0).to(tl.float32)
+        t1 = tl.where(mask, 1.0, 0.0)
+        t2 = tl.where(mask, x0_0, 0.0)
+        t3 = tl.where(mask, 0.0, 0.0)
+        t4 = tl.sum(t1, axis=1)[:, None]
+        t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
+        t6 = n_0 + t4
+        t7 = tl.where(t6 == 0, 1.0, t6)
+        t8 = t5 - mean_0
+        t9 = t6
+        t10 = mean_0 + t8 * (t4 / t7)
+        t11 = m2_0 + tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None] + t8 * t8 * (n_0 * t4 / t7)
+        n_0 = t9
+        mean_0 = t10
+        m2_0 = t11
     v0 = m2_0
     v1 = v0 / s0
     v2 = tl.sqrt(v1)
@@ -74,27 +74,27 @@ def row_m2_div_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        t0 = tl.where(mask, 1.0, 0.0)
-        t1 = tl.where(mask, x0, 0.0)
-        t2 = tl.where(mask, 0.0, 0.0)
-        t3 = tl.sum(t0, axis=1)[:, None]
-        t4 = tl.where(t3 == 0, 0.0, tl.sum(t0 * t1, axis=1)[:, None] / tl.where(t3 == 0, 1.0, t3))
-        t5 = n_0 + t3
-        t6 = tl.where(t5 == 0, 1.0, t5)
-        t7 = t4 - mean_0
-        t8 = t5
-        t9 = mean_0 + t7 * (t3 / t6)
-        t10 = m2_0 + tl.sum(t2 + t0 * (t1 - t4) * (t1 - t4), axis=1)[:, None] + t7 * t7 * (n_0 * t3 / t6)
-        n_0 = t8
-        mean_0 = t9
-        m2_0 = t10
+        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        t1 = tl.where(mask, 1.0, 0.0)
+        t2 = tl.where(mask, x0_0, 0.0)
+        t3 = tl.where(mask, 0.0, 0.0)
+        t4 = tl.sum(t1, axis=1)[:, None]
+        t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
+        t6 = n_0 + t4
+        t7 = tl.where(t6 == 0, 1.0, t6)
+        t8 = t5 - mean_0
+        t9 = t6
+        t10 = mean_0 + t8 * (t4 / t7)
+        t11 = m2_0 + tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None] + t8 * t8 * (n_0 * t4 / t7)
+        n_0 = t9
+        mean_0 = t10
+        m2_0 = t11
     v0 = m2_0
     v1 = v0 / s0
     tl.store(out0_ptr + rows, tl.where(v1 != v1, v1, ((v1.to(tl.uint32, bitcast=True) + 0x7FFF + ((v1.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_m2_div_3d0e899f_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, T_ROWS, T_BLOCK_SIZE)
+        row_m2_div_ab773ebd_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -21,9 +21,9 @@ def row_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    t0 = tl.where(mask, x0, 0)
-    v0 = tl.sum(t0, axis=1)[:, None]
+    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
+    t1 = tl.where(mask, x0_0, 0)
+    v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0
     tl.store(out0_ptr + rows, v1, mask=row_mask)
 

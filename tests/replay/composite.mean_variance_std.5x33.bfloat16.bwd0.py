@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_div_unsqueeze_mul_sum_7950114b_tail(
+def row_div_unsqueeze_mul_sum_dc33b80a_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -36,25 +36,25 @@ def row_div_unsqueeze_mul_sum_7950114b_tail(
     c1 = cols % csize1
     crem = cols // csize1
     c0 = crem
-    x0 = tl.load(in0_ptr).to(tl.float32)
-    v0 = x0 * s0
-    x1 = tl.load(in1_ptr)
-    v1 = x1 / s1
+    x0_0 = tl.load(in0_ptr).to(tl.float32)
+    v0 = x0_0 * s0
+    x1_1 = tl.load(in1_ptr)
+    v1 = x1_1 / s1
     v2 = tl.sqrt(v1)
     v3 = v0 / v2
     v4 = v3 / s1
     v5 = v4
     v6 = v5 * s2
-    x2 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
-    t0 = tl.where(mask, x2, 0)
-    v7 = tl.sum(t0, axis=1)[:, None]
+    x2_2 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
+    t3 = tl.where(mask, x2_2, 0)
+    v7 = tl.sum(t3, axis=1)[:, None]
     v8 = v7 / s3
-    v9 = x2 - v8
+    v9 = x2_2 - v8
     v10 = v6 * v9
-    x3 = tl.load(in3_ptr + c0 * in3_stride1 + c1, mask=mask, other=0).to(tl.float32)
-    v11 = v10 + x3
-    x4 = tl.load(in4_ptr + c1, mask=mask, other=0).to(tl.float32)
-    v12 = x4 / s4
+    x3_4 = tl.load(in3_ptr + c0 * in3_stride1 + c1, mask=mask, other=0).to(tl.float32)
+    v11 = v10 + x3_4
+    x4_5 = tl.load(in4_ptr + c1, mask=mask, other=0).to(tl.float32)
+    v12 = x4_5 / s4
     v13 = v12
     v14 = v11 + v13
     tl.store(out0_ptr + c0 * out0_stride1 + c1 + rows * 0, v14, mask=mask)
@@ -102,11 +102,11 @@ def row_div_unsqueeze_mul_sum_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_1 = tl.load(in0_ptr + rows + (rows * 0 + cols * 0), mask=mask, other=0).to(tl.float32)
+    x0_1 = tl.load(in0_ptr + rows, mask=row_mask, other=0).to(tl.float32)
     v0_0 = x0_1 / s0
     v1 = (v0_0).to(tl.float32)
     v2 = v1 * s1
-    x1_2 = tl.load(in1_ptr + rows * in1_stride0 + cols + (rows * 0 + cols * 0), mask=mask, other=0).to(tl.float32)
+    x1_2 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0).to(tl.float32)
     t3 = tl.where(mask, x1_2, 0)
     v3 = tl.sum(t3, axis=1)[:, None]
     v4 = v3 / s2
@@ -116,6 +116,6 @@ def row_div_unsqueeze_mul_sum_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_div_unsqueeze_mul_sum_7950114b_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, T_ROWS, T_BLOCK_SIZE)
+        row_div_unsqueeze_mul_sum_dc33b80a_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_sum_div_21259ef5_tail(
+def row_sum_div_735fee4a_tail(
     in0_ptr,
     out0_ptr,
     n_rows,
@@ -21,13 +21,13 @@ def row_sum_div_21259ef5_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    t0 = tl.where(mask, 1.0, 0.0)
-    t1 = tl.where(mask, x0, 0.0)
-    t2 = tl.where(mask, 0.0, 0.0)
-    t3 = tl.sum(t0, axis=1)[:, None]
-    t4 = tl.where(t3 == 0, 0.0, tl.sum(t0 * t1, axis=1)[:, None] / tl.where(t3 == 0, 1.0, t3))
-    v0 = tl.sum(t2 + t0 * (t1 - t4) * (t1 - t4), axis=1)[:, None]
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    t1 = tl.where(mask, 1.0, 0.0)
+    t2 = tl.where(mask, x0_0, 0.0)
+    t3 = tl.where(mask, 0.0, 0.0)
+    t4 = tl.sum(t1, axis=1)[:, None]
+    t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
+    v0 = tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None]
     v1 = v0 / s0
     tl.store(out0_ptr + rows, v1, mask=row_mask)
 
@@ -58,14 +58,14 @@ def row_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    t0 = tl.where(mask, x0, 0)
-    v0 = tl.sum(t0, axis=1)[:, None]
+    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
+    t1 = tl.where(mask, x0_0, 0)
+    v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0
     tl.store(out0_ptr + rows, v1, mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_sum_div_21259ef5_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride0, t_s0, T_ROWS, T_BLOCK_SIZE)
+        row_sum_div_735fee4a_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride0, t_s0, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

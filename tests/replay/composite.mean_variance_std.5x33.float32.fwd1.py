@@ -20,13 +20,13 @@ def row_m2_div_sqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    t0 = tl.where(mask, 1.0, 0.0)
-    t1 = tl.where(mask, x0, 0.0)
-    t2 = tl.where(mask, 0.0, 0.0)
-    t3 = tl.sum(t0, axis=1)[:, None]
-    t4 = tl.where(t3 == 0, 0.0, tl.sum(t0 * t1, axis=1)[:, None] / tl.where(t3 == 0, 1.0, t3))
-    v0 = tl.sum(t2 + t0 * (t1 - t4) * (t1 - t4), axis=1)[:, None]
+    x0_0 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    t1 = tl.where(mask, 1.0, 0.0)
+    t2 = tl.where(mask, x0_0, 0.0)
+    t3 = tl.where(mask, 0.0, 0.0)
+    t4 = tl.sum(t1, axis=1)[:, None]
+    t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
+    v0 = tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None]
     v1 = v0 / s0
     v2 = tl.sqrt(v1)
     tl.store(out0_ptr + rows * 0, v2, mask=row_mask)

@@ -30,17 +30,17 @@ def row_mul_div_add_rsqrt_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v0 = x0 * x1
-        x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        v5 = v0 * x3
-        t0 = tl.where(mask, v5, 0)
-        t1 = acc_6 + t0
-        acc_6 = t1
+        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+        x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0)
+        v0 = x0_0 * x1_1
+        x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+        v5 = v0 * x3_2
+        t3 = tl.where(mask, v5, 0)
+        t4 = acc_6 + t3
+        acc_6 = t4
     v6 = tl.sum(acc_6, axis=1)[:, None]
-    x2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v1 = x2 / s0
+    x2_8 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
+    v1 = x2_8 / s0
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
     v7 = v6 * s2
@@ -52,12 +52,12 @@ def row_mul_div_add_rsqrt_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v0 = x0 * x1
-        v4 = v0 * v3
-        x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        v12 = v11 * x3
+        x0_6 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+        x1_7 = tl.load(in1_ptr + cols, mask=mask, other=0)
+        v0_5 = x0_6 * x1_7
+        v4 = v0_5 * v3
+        x3_9 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+        v12 = v11 * x3_9
         v13 = v4 + v12
         v14 = v13 + v12
         tl.store(out0_ptr + rows * out0_stride0 + cols, v14, mask=mask)

@@ -25,15 +25,15 @@ def row_div_add_rsqrt_mul_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0 / s0
+    x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
+    x0_2 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    v0 = x0_2 / s0
     v1 = v0 + s1
     v2 = tl.rsqrt(v1)
-    v5 = x1 * v2
-    v6 = x2 * v5
-    t0 = tl.where(mask, v6, 0)
-    v7 = tl.sum(t0, axis=1)[:, None]
+    v5 = x1_1 * v2
+    v6 = x2_0 * v5
+    t3 = tl.where(mask, v6, 0)
+    v7 = tl.sum(t3, axis=1)[:, None]
     tl.store(out0_ptr + rows, v7, mask=row_mask)
 

@@ -26,11 +26,11 @@ def row_mul_sum_div_add_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        v0 = x0 * x0
-        t0 = tl.where(mask, v0, 0)
-        t1 = acc_1 + t0
-        acc_1 = t1
+        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+        v0 = x0_0 * x0_0
+        t1 = tl.where(mask, v0, 0)
+        t2 = acc_1 + t1
+        acc_1 = t2
     v1 = tl.sum(acc_1, axis=1)[:, None]
     v2 = v1 / s0
     v3 = v2 + s1
@@ -39,9 +39,9 @@ def row_mul_sum_div_add_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        v5 = x0 * v4
-        x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v6 = v5 * x1
+        x0_3 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+        v5 = x0_3 * v4
+        x1_4 = tl.load(in1_ptr + cols, mask=mask, other=0)
+        v6 = v5 * x1_4
         tl.store(out0_ptr + rows * out0_stride0 + cols, v6, mask=mask)
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_add_rsqrt_2f993156_tail(
+def row_mul_div_add_rsqrt_3652c4f2_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -25,16 +25,16 @@ def row_mul_div_add_rsqrt_2f993156_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
-    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0).to(tl.float32)
-    x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0 / s0
+    x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
+    x1_1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0).to(tl.float32)
+    x0_2 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    v0 = x0_2 / s0
     v1 = v0 + s1
     v2 = tl.rsqrt(v1)
-    v5 = x1 * v2
-    v6 = x2 * v5
-    t0 = tl.where(mask, v6, 0)
-    v7 = tl.sum(t0, axis=1)[:, None]
+    v5 = x1_1 * v2
+    v6 = x2_0 * v5
+    t3 = tl.where(mask, v6, 0)
+    v7 = tl.sum(t3, axis=1)[:, None]
     tl.store(out0_ptr + rows, v7, mask=row_mask)
 
 
@@ -75,30 +75,30 @@ def row_mul_div_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    x1 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
-    v0 = x0 * x1
-    x2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v1 = x2 / s0
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
+    v0 = x0_0 * x1_1
+    x2_2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
+    v1 = x2_2 / s0
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
     v4 = v0 * v3
-    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    v5 = v0 * x3
-    t0 = tl.where(mask, v5, 0)
-    v6 = tl.sum(t0, axis=1)[:, None]
+    x3_3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    v5 = v0 * x3_3
+    t4 = tl.where(mask, v5, 0)
+    v6 = tl.sum(t4, axis=1)[:, None]
     v7 = v6 * s2
     v8 = v3 * v3
     v9 = v3 * v8
     v10 = v7 * v9
     v11 = v10 / s0
-    v12 = v11 * x3
+    v12 = v11 * x3_3
     v13 = v4 + v12
     v14 = v13 + v12
     tl.store(out0_ptr + rows * out0_stride0 + cols, v14, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_add_rsqrt_2f993156_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in2_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_add_rsqrt_3652c4f2_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in2_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -24,15 +24,15 @@ def row_mul_sum_div_add_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    v0 = x0 * x0
-    t0 = tl.where(mask, v0, 0)
-    v1 = tl.sum(t0, axis=1)[:, None]
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    v0 = x0_0 * x0_0
+    t1 = tl.where(mask, v0, 0)
+    v1 = tl.sum(t1, axis=1)[:, None]
     v2 = v1 / s0
     v3 = v2 + s1
     v4 = tl.rsqrt(v3)
-    v5 = x0 * v4
-    x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    v6 = v5 * x1
+    v5 = x0_0 * v4
+    x1_2 = tl.load(in1_ptr + cols, mask=mask, other=0)
+    v6 = v5 * x1_2
     tl.store(out0_ptr + rows * out0_stride0 + cols, v6, mask=mask)
 

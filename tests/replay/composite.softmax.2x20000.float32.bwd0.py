@@ -26,18 +26,18 @@ def row_sub_add_exp_mul_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x2 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-        x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        x0 = tl.load(in0_ptr + rows, mask=mask, other=0)
-        v0 = x0 - x0
-        v1 = x0 + v0
-        v2 = x1 - v1
+        x2_0 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
+        x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+        x0_2 = tl.load(in0_ptr + rows, mask=mask, other=0)
+        v0 = x0_2 - x0_2
+        v1 = x0_2 + v0
+        v2 = x1_1 - v1
         v3 = tl.exp(v2)
-        v4 = x2 * v3
+        v4 = x2_0 * v3
         v5 = -v4
-        t0 = tl.where(mask, v5, 0)
-        t1 = acc_6 + t0
-        acc_6 = t1
+        t3 = tl.where(mask, v5, 0)
+        t4 = acc_6 + t3
+        acc_6 = t4
     v6 = tl.sum(acc_6, axis=1)[:, None]
     v7 = v6 + v6
     v8 = -v6
@@ -46,17 +46,17 @@ def row_sub_add_exp_mul_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x2 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-        x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        x0 = tl.load(in0_ptr + rows, mask=mask, other=0)
-        v0 = x0 - x0
-        v1 = x0 + v0
-        v2 = x1 - v1
-        v3 = tl.exp(v2)
-        v4 = x2 * v3
-        v10 = x1 - x0
+        x2_6 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
+        x1_9 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+        x0_11 = tl.load(in0_ptr + rows, mask=mask, other=0)
+        v0_12 = x0_11 - x0_11
+        v1_10 = x0_11 + v0_12
+        v2_8 = x1_9 - v1_10
+        v3_7 = tl.exp(v2_8)
+        v4_5 = x2_6 * v3_7
+        v10 = x1_9 - x0_11
         v11 = tl.exp(v10)
         v12 = v9 * v11
-        v13 = v4 + v12
+        v13 = v4_5 + v12
         tl.store(out0_ptr + rows * out0_stride0 + cols, v13, mask=mask)
 

@@ -24,21 +24,21 @@ def row_sub_add_exp_mul_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows, mask=mask, other=0)
-    v0 = x0 - x0
-    v1 = x0 + v0
-    v2 = x1 - v1
+    x2_0 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+    x0_2 = tl.load(in0_ptr + rows, mask=mask, other=0)
+    v0 = x0_2 - x0_2
+    v1 = x0_2 + v0
+    v2 = x1_1 - v1
     v3 = tl.exp(v2)
-    v4 = x2 * v3
+    v4 = x2_0 * v3
     v5 = -v4
-    t0 = tl.where(mask, v5, 0)
-    v6 = tl.sum(t0, axis=1)[:, None]
+    t3 = tl.where(mask, v5, 0)
+    v6 = tl.sum(t3, axis=1)[:, None]
     v7 = v6 + v6
     v8 = -v6
     v9 = v7 + v8
-    v10 = x1 - x0
+    v10 = x1_1 - x0_2
     v11 = tl.exp(v10)
     v12 = v9 * v11
     v13 = v4 + v12

@@ -32,29 +32,29 @@ def pointwise_neg_mul_add_div_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    v0 = -x0
+    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
+    v0 = -x0_0
     v1 = v0 * s0
     v2 = v1 * s1
-    v3 = x0 + v2
-    x3 = tl.load(in3_ptr + offs, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v4 = s2 * x1
-    x2 = tl.load(in2_ptr + offs, mask=mask, other=0)
-    v5 = s3 * x2
-    v6 = v5 * x2
+    v3 = x0_0 + v2
+    x3_1 = tl.load(in3_ptr + offs, mask=mask, other=0)
+    x1_2 = tl.load(in1_ptr + offs, mask=mask, other=0)
+    v4 = s2 * x1_2
+    x2_3 = tl.load(in2_ptr + offs, mask=mask, other=0)
+    v5 = s3 * x2_3
+    v6 = v5 * x2_3
     v7 = v4 + v6
     v8 = v7 / s4
     v9 = tl.sqrt(v8)
     v10 = v9 + s5
     v11 = v1 / v10
     v12 = v11 / s6
-    v13 = x3 + v12
+    v13 = x3_1 + v12
     v14 = v13 * s7
-    x5 = tl.load(in5_ptr + offs, mask=mask, other=0)
-    x4 = tl.load(in4_ptr + offs, mask=mask, other=0)
-    v15 = s7 * x4
-    v16 = s8 * x2
+    x5_4 = tl.load(in5_ptr + offs, mask=mask, other=0)
+    x4_5 = tl.load(in4_ptr + offs, mask=mask, other=0)
+    v15 = s7 * x4_5
+    v16 = s8 * x2_3
     v17 = v15 + v16
     v18 = v17 / s6
     v19 = v18 / v10
@@ -64,9 +64,9 @@ def pointwise_neg_mul_add_div_SIG(
     v23 = v22 * s9
     v24 = v23 / v9
     v25 = v24 / s4
-    v26 = x5 + v25
+    v26 = x5_4 + v25
     v27 = v26 * v5
-    v28 = v26 * x2
+    v28 = v26 * x2_3
     v29 = v28 * s3
     v30 = v27 + v29
     v31 = v13 * s8

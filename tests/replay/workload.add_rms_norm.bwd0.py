@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_add_rsqrt_f663566c_tail(
+def row_mul_div_add_rsqrt_a7bc83be_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -27,18 +27,18 @@ def row_mul_div_add_rsqrt_f663566c_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
-    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
-    v3 = x1 + x2
-    x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0 / s0
+    x3_0 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
+    x2_2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
+    v3 = x1_1 + x2_2
+    x0_3 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    v0 = x0_3 / s0
     v1 = v0 + s1
     v2 = tl.rsqrt(v1)
     v4 = v3 * v2
-    v5 = x3 * v4
-    t0 = tl.where(mask, v5, 0)
-    v6 = tl.sum(t0, axis=1)[:, None]
+    v5 = x3_0 * v4
+    t4 = tl.where(mask, v5, 0)
+    v6 = tl.sum(t4, axis=1)[:, None]
     tl.store(out0_ptr + rows, v6, mask=row_mask)
 
 
@@ -85,22 +85,22 @@ def row_mul_div_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    v0 = x0 * x1
-    x2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v1 = x2 / s0
+    x3_0 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+    x0_1 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1_2 = tl.load(in1_ptr + cols, mask=mask, other=0)
+    v0 = x0_1 * x1_2
+    x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
+    v1 = x2_3 / s0
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
     v4 = v0 * v3
-    v5 = x3 + v4
-    x4 = tl.load(in4_ptr + rows * in4_stride0 + cols, mask=mask, other=0)
-    x5 = tl.load(in5_ptr + rows * in5_stride0 + cols, mask=mask, other=0)
-    v6 = x4 + x5
+    v5 = x3_0 + v4
+    x4_4 = tl.load(in4_ptr + rows * in4_stride0 + cols, mask=mask, other=0)
+    x5_5 = tl.load(in5_ptr + rows * in5_stride0 + cols, mask=mask, other=0)
+    v6 = x4_4 + x5_5
     v7 = v0 * v6
-    t0 = tl.where(mask, v7, 0)
-    v8 = tl.sum(t0, axis=1)[:, None]
+    t6 = tl.where(mask, v7, 0)
+    v8 = tl.sum(t6, axis=1)[:, None]
     v9 = v8 * s2
     v10 = v3 * v3
     v11 = v3 * v10
@@ -113,6 +113,6 @@ def row_mul_div_add_rsqrt_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_add_rsqrt_f663566c_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in2_stride1, t_in3_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_add_rsqrt_a7bc83be_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in2_stride1, t_in3_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -28,18 +28,18 @@ def row_add_mul_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    v0 = x0 + x1
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+    v0 = x0_0 + x1_1
     v1 = v0 * v0
-    t0 = tl.where(mask, v1, 0)
-    v2 = tl.sum(t0, axis=1)[:, None]
+    t2 = tl.where(mask, v1, 0)
+    v2 = tl.sum(t2, axis=1)[:, None]
     v3 = v2 / s0
     v4 = v3 + s1
     v5 = tl.rsqrt(v4)
     v6 = v0 * v5
-    x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v7 = v6 * x2
+    x2_3 = tl.load(in2_ptr + cols, mask=mask, other=0)
+    v7 = v6 * x2_3
     tl.store(out0_ptr + rows * out0_stride0 + cols, v0, mask=mask)
     tl.store(out1_ptr + rows * out1_stride0 + cols, v7, mask=mask)
 

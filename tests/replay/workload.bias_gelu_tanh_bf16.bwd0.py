@@ -30,18 +30,18 @@ def row_add_mul_tanh_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
-    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
-    x1 = tl.load(in1_ptr + rows, mask=mask, other=0).to(tl.float32)
-    v0 = x0 + x1
+    x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
+    x0_1 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
+    x1_2 = tl.load(in1_ptr + rows, mask=mask, other=0).to(tl.float32)
+    v0 = x0_1 + x1_2
     v1 = v0 * v0
     v2 = v0 * v1
     v3 = s0 * v2
     v4 = v0 + v3
     v5 = s1 * v4
-    t0 = tl.exp(-2.0 * tl.abs(v5))
-    t1 = v5 * v5
-    v6 = tl.where(tl.abs(v5) < 0.125, v5 * (1.0 + t1 * (-1.0 / 3.0 + t1 * (2.0 / 15.0 + t1 * (-17.0 / 315.0)))), tl.where(v5 < 0, -1.0, 1.0) * ((1.0 - t0) / (1.0 + t0)))
+    t3 = tl.exp(-2.0 * tl.abs(v5))
+    t4 = v5 * v5
+    v6 = tl.where(tl.abs(v5) < 0.125, v5 * (1.0 + t4 * (-1.0 / 3.0 + t4 * (2.0 / 15.0 + t4 * (-17.0 / 315.0)))), tl.where(v5 < 0, -1.0, 1.0) * ((1.0 - t3) / (1.0 + t3)))
     v7 = s2 + v6
     v8 = s3 * v7
     v9 = s3 * v0
@@ -53,9 +53,9 @@ def row_add_mul_tanh_sub_SIG(
     v15 = v11 * v14
     v16 = v9 * v15
     v17 = v8 + v16
-    v18 = x2 * v17
-    t2 = tl.where(mask, v18, 0)
-    v19 = tl.sum(t2, axis=1)[:, None]
+    v18 = x2_0 * v17
+    t5 = tl.where(mask, v18, 0)
+    v19 = tl.sum(t5, axis=1)[:, None]
     tl.store(out0_ptr + rows + cols * out0_stride1, tl.where(v18 != v18, v18, ((v18.to(tl.uint32, bitcast=True) + 0x7FFF + ((v18.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
     tl.store(out1_ptr + rows, tl.where(v19 != v19, v19, ((v19.to(tl.uint32, bitcast=True) + 0x7FFF + ((v19.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
 

@@ -21,12 +21,12 @@ def pointwise_add_gelu_SIG(
     i1 = offs % size1
     irem = offs // size1
     i0 = irem
-    x0 = tl.load(in0_ptr + i0 * in0_stride0 + i1, mask=mask, other=0).to(tl.float32)
-    x1 = tl.load(in1_ptr + i1, mask=mask, other=0).to(tl.float32)
-    v0 = x0 + x1
-    t0 = 0.7978845608028654 * (v0 + 0.044715 * v0 * v0 * v0)
-    t1 = tl.exp(-2.0 * tl.abs(t0))
-    t2 = t0 * t0
-    v1 = 0.5 * v0 * (1.0 + tl.where(tl.abs(t0) < 0.125, t0 * (1.0 + t2 * (-1.0 / 3.0 + t2 * (2.0 / 15.0 + t2 * (-17.0 / 315.0)))), tl.where(t0 < 0, -1.0, 1.0) * ((1.0 - t1) / (1.0 + t1))))
+    x0_0 = tl.load(in0_ptr + i0 * in0_stride0 + i1, mask=mask, other=0).to(tl.float32)
+    x1_1 = tl.load(in1_ptr + i1, mask=mask, other=0).to(tl.float32)
+    v0 = x0_0 + x1_1
+    t2 = 0.7978845608028654 * (v0 + 0.044715 * v0 * v0 * v0)
+    t3 = tl.exp(-2.0 * tl.abs(t2))
+    t4 = t2 * t2
+    v1 = 0.5 * v0 * (1.0 + tl.where(tl.abs(t2) < 0.125, t2 * (1.0 + t4 * (-1.0 / 3.0 + t4 * (2.0 / 15.0 + t4 * (-17.0 / 315.0)))), tl.where(t2 < 0, -1.0, 1.0) * ((1.0 - t3) / (1.0 + t3))))
     tl.store(out0_ptr + offs, tl.where(v1 != v1, v1, ((v1.to(tl.uint32, bitcast=True) + 0x7FFF + ((v1.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
 

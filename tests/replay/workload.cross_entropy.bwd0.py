@@ -30,7 +30,7 @@ def pointwise_unsqueeze_ne_div_mul_SIG(
     i1 = offs % size1
     irem = offs // size1
     i0 = irem
-    x0_0 = tl.load(in0_ptr + i0 + offs * 0, mask=mask, other=0)
+    x0_0 = tl.load(in0_ptr + i0, mask=mask, other=0)
     v0 = (x0_0).to(tl.int64)
     v1 = v0 != s0
     x1_1 = tl.load(in1_ptr + offs * 0, mask=mask, other=0)
@@ -52,8 +52,8 @@ def pointwise_unsqueeze_ne_div_mul_SIG(
     v16 = v8 + v15
     v17 = v7 * s5
     v18 = v17 + v12
-    x3_3 = tl.load(in3_ptr + i0 * in3_stride0 + i1 + offs * 0, mask=mask, other=0)
-    x4_4 = tl.load(in4_ptr + i0 + offs * 0, mask=mask, other=0)
+    x3_3 = tl.load(in3_ptr + i0 * in3_stride0 + i1, mask=mask, other=0)
+    x4_4 = tl.load(in4_ptr + i0, mask=mask, other=0)
     v19 = x3_3 - x4_4
     v20 = tl.exp(v19)
     v21 = v18 * v20

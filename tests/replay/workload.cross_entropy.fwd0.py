@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_unsqueeze_ne_logsumexp_arange_like_e351ab6b_tail(
+def row_unsqueeze_ne_logsumexp_arange_like_f376c867_tail(
     in0_ptr,
     in1_ptr,
     out0_ptr,
@@ -23,14 +23,14 @@ def row_unsqueeze_ne_logsumexp_arange_like_e351ab6b_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    t0 = tl.where(mask, x1, 0)
-    v1 = tl.sum(t0, axis=1)[:, None]
-    x0 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0 != s0
+    x1_0 = tl.load(in1_ptr + cols, mask=mask, other=0)
+    t1 = tl.where(mask, x1_0, 0)
+    v1 = tl.sum(t1, axis=1)[:, None]
+    x0_2 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    v0 = x0_2 != s0
     v2 = tl.where(v0, s1, s2)
-    t1 = tl.where(mask, v2, 0)
-    v3 = tl.sum(t1, axis=1)[:, None]
+    t3 = tl.where(mask, v2, 0)
+    v3 = tl.sum(t3, axis=1)[:, None]
     v4 = v1 / v3
     tl.store(out0_ptr + rows * 0, v4, mask=row_mask)
 
@@ -72,10 +72,10 @@ def row_unsqueeze_ne_logsumexp_arange_like_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows + rows * 0, mask=row_mask, other=0)
+    x0_0 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
     v0 = (x0_0).to(tl.int64)
     v1 = v0 != s0
-    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols + (rows * 0 + cols * 0), mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
     t2 = tl.where(mask, x1_1, float('-inf'))
     t3 = tl.where(mask, 1.0, 0.0)
     t4 = tl.where(tl.max((t2 != t2).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t2, axis=1)[:, None])
@@ -114,6 +114,6 @@ def row_unsqueeze_ne_logsumexp_arange_like_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_unsqueeze_ne_logsumexp_arange_like_e351ab6b_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        row_unsqueeze_ne_logsumexp_arange_like_f376c867_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

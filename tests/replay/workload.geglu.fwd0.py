@@ -15,12 +15,12 @@ def pointwise_gelu_mul_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    t0 = 0.7978845608028654 * (x0 + 0.044715 * x0 * x0 * x0)
-    t1 = tl.exp(-2.0 * tl.abs(t0))
-    t2 = t0 * t0
-    v0 = 0.5 * x0 * (1.0 + tl.where(tl.abs(t0) < 0.125, t0 * (1.0 + t2 * (-1.0 / 3.0 + t2 * (2.0 / 15.0 + t2 * (-17.0 / 315.0)))), tl.where(t0 < 0, -1.0, 1.0) * ((1.0 - t1) / (1.0 + t1))))
-    x1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v1 = v0 * x1
+    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
+    t1 = 0.7978845608028654 * (x0_0 + 0.044715 * x0_0 * x0_0 * x0_0)
+    t2 = tl.exp(-2.0 * tl.abs(t1))
+    t3 = t1 * t1
+    v0 = 0.5 * x0_0 * (1.0 + tl.where(tl.abs(t1) < 0.125, t1 * (1.0 + t3 * (-1.0 / 3.0 + t3 * (2.0 / 15.0 + t3 * (-17.0 / 315.0)))), tl.where(t1 < 0, -1.0, 1.0) * ((1.0 - t2) / (1.0 + t2))))
+    x1_4 = tl.load(in1_ptr + offs, mask=mask, other=0)
+    v1 = v0 * x1_4
     tl.store(out0_ptr + offs, v1, mask=mask)
 

@@ -20,15 +20,15 @@ def pointwise_mul_add_le_where_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v0 = x0 * x1
+    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
+    v0 = x0_0 * x1_1
     v1 = v0 + s0
     v2 = v1 <= s1.to(tl.float32)
-    x2 = tl.load(in2_ptr + offs, mask=mask, other=0)
-    v3 = tl.where(v2, s2, x2)
-    v4 = v3 * x1
-    v5 = v3 * x0
+    x2_2 = tl.load(in2_ptr + offs, mask=mask, other=0)
+    v3 = tl.where(v2, s2, x2_2)
+    v4 = v3 * x1_1
+    v5 = v3 * x0_0
     tl.store(out0_ptr + offs, v4, mask=mask)
     tl.store(out1_ptr + offs, v5, mask=mask)
 

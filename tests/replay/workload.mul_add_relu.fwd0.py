@@ -16,9 +16,9 @@ def pointwise_mul_add_relu_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v0 = x0 * x1
+    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
+    v0 = x0_0 * x1_1
     v1 = v0 + s0
     v2 = tl.where(v1 < 0, 0, v1)
     tl.store(out0_ptr + offs, v2, mask=mask)

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_add_div_sub_ed04e372_tail(
+def row_mul_add_div_sub_e093cd13_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -29,23 +29,23 @@ def row_mul_add_div_sub_ed04e372_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x4 = tl.load(in4_ptr + rows + cols * in4_stride1, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
-    v0 = x0 + x1
-    x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v1 = x2 / s0
+    x4_0 = tl.load(in4_ptr + rows + cols * in4_stride1, mask=mask, other=0)
+    x0_1 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
+    x1_2 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
+    v0 = x0_1 + x1_2
+    x2_3 = tl.load(in2_ptr + cols, mask=mask, other=0)
+    v1 = x2_3 / s0
     v2 = v0 - v1
-    x3 = tl.load(in3_ptr + cols, mask=mask, other=0)
-    v3 = x3 / s0
+    x3_4 = tl.load(in3_ptr + cols, mask=mask, other=0)
+    v3 = x3_4 / s0
     v4 = v3 + s1
     v5 = tl.rsqrt(v4)
     v6 = v2 * v5
-    v7 = x4 * v6
-    t0 = tl.where(mask, v7, 0)
-    v8 = tl.sum(t0, axis=1)[:, None]
-    t1 = tl.where(mask, x4, 0)
-    v9 = tl.sum(t1, axis=1)[:, None]
+    v7 = x4_0 * v6
+    t5 = tl.where(mask, v7, 0)
+    v8 = tl.sum(t5, axis=1)[:, None]
+    t6 = tl.where(mask, x4_0, 0)
+    v9 = tl.sum(t6, axis=1)[:, None]
     tl.store(out0_ptr + rows, v8, mask=row_mask)
     tl.store(out1_ptr + rows, v9, mask=row_mask)
 
@@ -97,22 +97,22 @@ def row_mul_add_div_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x6 = tl.load(in6_ptr + rows * in6_stride0 + cols, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    v0 = x0 * x1
-    x2 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-    v1 = x2 + x3
-    x4 = tl.load(in4_ptr + rows, mask=mask, other=0)
-    v2 = x4 / s0
+    x6_0 = tl.load(in6_ptr + rows * in6_stride0 + cols, mask=mask, other=0)
+    x0_1 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1_2 = tl.load(in1_ptr + cols, mask=mask, other=0)
+    v0 = x0_1 * x1_2
+    x2_3 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
+    x3_4 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+    v1 = x2_3 + x3_4
+    x4_5 = tl.load(in4_ptr + rows, mask=mask, other=0)
+    v2 = x4_5 / s0
     v3 = v1 - v2
     v4 = v0 * v3
-    t0 = tl.where(mask, v4, 0)
-    v5 = tl.sum(t0, axis=1)[:, None]
+    t6 = tl.where(mask, v4, 0)
+    v5 = tl.sum(t6, axis=1)[:, None]
     v6 = v5 * s1
-    x5 = tl.load(in5_ptr + rows, mask=row_mask, other=0)
-    v7 = x5 / s0
+    x5_7 = tl.load(in5_ptr + rows, mask=row_mask, other=0)
+    v7 = x5_7 / s0
     v8 = v7 + s2
     v9 = tl.rsqrt(v8)
     v10 = v9 * v9
@@ -121,18 +121,18 @@ def row_mul_add_div_sub_SIG(
     v13 = v12 / s0
     v14 = v13 * s3
     v15 = v14 * v3
-    v16 = x6 + v15
+    v16 = x6_0 + v15
     v17 = v0 * v9
     v18 = v16 + v17
     v19 = -v17
-    t1 = tl.where(mask, v19, 0)
-    v20 = tl.sum(t1, axis=1)[:, None]
+    t8 = tl.where(mask, v19, 0)
+    v20 = tl.sum(t8, axis=1)[:, None]
     v21 = v20 / s0
     v22 = v18 + v21
     tl.store(out0_ptr + rows * out0_stride0 + cols, v22, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_add_div_sub_ed04e372_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in0_stride1, t_in1_stride1, t_in4_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_add_div_sub_e093cd13_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in0_stride1, t_in1_stride1, t_in4_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

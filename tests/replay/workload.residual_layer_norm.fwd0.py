@@ -29,27 +29,27 @@ def row_add_sum_div_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    v0 = x0 + x1
-    t0 = tl.where(mask, v0, 0)
-    v1 = tl.sum(t0, axis=1)[:, None]
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+    v0 = x0_0 + x1_1
+    t2 = tl.where(mask, v0, 0)
+    v1 = tl.sum(t2, axis=1)[:, None]
     v2 = v1 / s0
     v3 = v0 - v2
-    t1 = tl.where(mask, 1.0, 0.0)
-    t2 = tl.where(mask, v0, 0.0)
-    t3 = tl.where(mask, 0.0, 0.0)
-    t4 = tl.sum(t1, axis=1)[:, None]
-    t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
-    v4 = tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None]
+    t3 = tl.where(mask, 1.0, 0.0)
+    t4 = tl.where(mask, v0, 0.0)
+    t5 = tl.where(mask, 0.0, 0.0)
+    t6 = tl.sum(t3, axis=1)[:, None]
+    t7 = tl.where(t6 == 0, 0.0, tl.sum(t3 * t4, axis=1)[:, None] / tl.where(t6 == 0, 1.0, t6))
+    v4 = tl.sum(t5 + t3 * (t4 - t7) * (t4 - t7), axis=1)[:, None]
     v5 = v4 / s0
     v6 = v5 + s1
     v7 = tl.rsqrt(v6)
     v8 = v3 * v7
-    x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v9 = v8 * x2
-    x3 = tl.load(in3_ptr + cols, mask=mask, other=0)
-    v10 = v9 + x3
+    x2_8 = tl.load(in2_ptr + cols, mask=mask, other=0)
+    v9 = v8 * x2_8
+    x3_9 = tl.load(in3_ptr + cols, mask=mask, other=0)
+    v10 = v9 + x3_9
     tl.store(out0_ptr + rows * out0_stride0 + cols, v0, mask=mask)
     tl.store(out1_ptr + rows * out1_stride0 + cols, v10, mask=mask)
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_add_rsqrt_d972c65a_tail(
+def row_mul_div_add_rsqrt_54a978f7_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -29,17 +29,17 @@ def row_mul_div_add_rsqrt_d972c65a_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
-    v0 = x0 * x1
-    x3 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
-    x2 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v1 = x2 / s0
+    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
+    v0 = x0_0 * x1_1
+    x3_2 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
+    x2_3 = tl.load(in2_ptr + cols, mask=mask, other=0)
+    v1 = x2_3 / s0
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
-    v4 = x3 * v3
-    x4 = tl.load(in4_ptr + rows, mask=mask, other=0)
-    v5 = v4 * x4
+    v4 = x3_2 * v3
+    x4_4 = tl.load(in4_ptr + rows, mask=mask, other=0)
+    v5 = v4 * x4_4
     v6 = 1.0 / (1.0 + tl.exp(-v5))
     v7 = s2 - v6
     v8 = v5 * v7
@@ -47,8 +47,8 @@ def row_mul_div_add_rsqrt_d972c65a_tail(
     v10 = v6 * v9
     v11 = v0 * v10
     v12 = v11 * v4
-    t0 = tl.where(mask, v12, 0)
-    v13 = tl.sum(t0, axis=1)[:, None]
+    t5 = tl.where(mask, v12, 0)
+    v13 = tl.sum(t5, axis=1)[:, None]
     tl.store(out0_ptr + rows, v13, mask=row_mask)
 
 
@@ -98,43 +98,43 @@ def row_mul_div_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    v0 = x0 * x1
-    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-    x2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v1 = x2 / s0
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+    v0 = x0_0 * x1_1
+    x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+    x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
+    v1 = x2_3 / s0
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
-    v4 = x3 * v3
-    x4 = tl.load(in4_ptr + cols, mask=mask, other=0)
-    v5 = v4 * x4
+    v4 = x3_2 * v3
+    x4_4 = tl.load(in4_ptr + cols, mask=mask, other=0)
+    v5 = v4 * x4_4
     v6 = 1.0 / (1.0 + tl.exp(-v5))
     v7 = s2 - v6
     v8 = v5 * v7
     v9 = s2 + v8
     v10 = v6 * v9
     v11 = v0 * v10
-    v12 = v11 * x4
+    v12 = v11 * x4_4
     v13 = v12 * v3
-    v14 = v12 * x3
-    t0 = tl.where(mask, v14, 0)
-    v15 = tl.sum(t0, axis=1)[:, None]
+    v14 = v12 * x3_2
+    t5 = tl.where(mask, v14, 0)
+    v15 = tl.sum(t5, axis=1)[:, None]
     v16 = v15 * s3
     v17 = v3 * v3
     v18 = v3 * v17
     v19 = v16 * v18
     v20 = v19 / s0
-    v21 = v20 * x3
+    v21 = v20 * x3_2
     v22 = v13 + v21
     v23 = v22 + v21
     v25 = v5 / (1.0 + tl.exp(-v5))
-    v26 = x0 * v25
+    v26 = x0_0 * v25
     tl.store(out0_ptr + rows * out0_stride0 + cols, v23, mask=mask)
     tl.store(out1_ptr + rows * out1_stride0 + cols, v26, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_add_rsqrt_d972c65a_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, t_in1_stride1, t_in3_stride1, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_add_rsqrt_54a978f7_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, t_in1_stride1, t_in3_stride1, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -81,14 +81,14 @@ def pointwise_mul_slice_unslice_neg_SIG(
     v4_10 = -v3_11
     v5 = (tl.where(t9, v4_10, 0)).to(tl.float32)
     v6 = v2 + v5
-    x0_15 = tl.load(in0_ptr + i0 * in0_stride0 + i1 + offs * 0, mask=mask, other=0)
-    x2_16 = tl.load(in2_ptr + i0 * in2_stride0 + i1 + offs * 0, mask=mask, other=0)
+    x0_15 = tl.load(in0_ptr + i0 * in0_stride0 + i1, mask=mask, other=0)
+    x2_16 = tl.load(in2_ptr + i0 * in2_stride0 + i1, mask=mask, other=0)
     v7 = x0_15 * x2_16
     v8 = v6 + v7
-    x3_17 = tl.load(in3_ptr + i0 * in3_stride0 + i1 + offs * 0, mask=mask, other=0)
-    x4_18 = tl.load(in4_ptr + i0 * in4_stride0 + i1 + offs * 0, mask=mask, other=0)
+    x3_17 = tl.load(in3_ptr + i0 * in3_stride0 + i1, mask=mask, other=0)
+    x4_18 = tl.load(in4_ptr + i0 * in4_stride0 + i1, mask=mask, other=0)
     v9 = x3_17 * x4_18
-    x5_19 = tl.load(in5_ptr + i0 * in5_stride0 + i1 + offs * 0, mask=mask, other=0)
+    x5_19 = tl.load(in5_ptr + i0 * in5_stride0 + i1, mask=mask, other=0)
     v10 = x0_15 * x5_19
     v11 = v9 + v10
     x4_22 = tl.load(in4_ptr + i0 * in4_stride0 + ((m12_0 + m12_1 * i1)) + offs * 0, mask=mask & (i1 < m15_0), other=0)

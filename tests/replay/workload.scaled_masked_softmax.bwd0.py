@@ -29,24 +29,24 @@ def row_mul_add_sub_exp_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    v0 = x0 * s0
-    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    v1 = v0 + x1
-    x2 = tl.load(in2_ptr + rows, mask=mask, other=0)
-    v2 = x2 - x2
-    v3 = x2 + v2
+    x3_0 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+    x0_1 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    v0 = x0_1 * s0
+    x1_2 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+    v1 = v0 + x1_2
+    x2_3 = tl.load(in2_ptr + rows, mask=mask, other=0)
+    v2 = x2_3 - x2_3
+    v3 = x2_3 + v2
     v4 = v1 - v3
     v5 = tl.exp(v4)
-    v6 = x3 * v5
+    v6 = x3_0 * v5
     v7 = -v6
-    t0 = tl.where(mask, v7, 0)
-    v8 = tl.sum(t0, axis=1)[:, None]
+    t4 = tl.where(mask, v7, 0)
+    v8 = tl.sum(t4, axis=1)[:, None]
     v9 = v8 + v8
     v10 = -v8
     v11 = v9 + v10
-    v12 = v1 - x2
+    v12 = v1 - x2_3
     v13 = tl.exp(v12)
     v14 = v11 * v13
     v15 = v6 + v14

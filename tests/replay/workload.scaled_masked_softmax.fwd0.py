@@ -24,14 +24,14 @@ def row_mul_add_logsumexp_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    v0 = x0 * s0
-    x1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    v1 = v0 + x1
-    t0 = tl.where(mask, v1, float('-inf'))
-    t1 = tl.where(mask, 1.0, 0.0)
-    t2 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t0, axis=1)[:, None])
-    v2 = t2 + tl.log(tl.sum(tl.where(t0 == t2, t1, t1 * tl.exp(t0 - t2)), axis=1)[:, None])
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    v0 = x0_0 * s0
+    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+    v1 = v0 + x1_1
+    t2 = tl.where(mask, v1, float('-inf'))
+    t3 = tl.where(mask, 1.0, 0.0)
+    t4 = tl.where(tl.max((t2 != t2).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t2, axis=1)[:, None])
+    v2 = t4 + tl.log(tl.sum(tl.where(t2 == t4, t3, t3 * tl.exp(t2 - t4)), axis=1)[:, None])
     v3 = v2 - v2
     v4 = v2 + v3
     v5 = v1 - v4

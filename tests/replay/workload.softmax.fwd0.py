@@ -21,14 +21,14 @@ def row_logsumexp_sub_add_exp_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    t0 = tl.where(mask, x0, float('-inf'))
-    t1 = tl.where(mask, 1.0, 0.0)
-    t2 = tl.where(tl.max((t0 != t0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t0, axis=1)[:, None])
-    v0 = t2 + tl.log(tl.sum(tl.where(t0 == t2, t1, t1 * tl.exp(t0 - t2)), axis=1)[:, None])
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    t1 = tl.where(mask, x0_0, float('-inf'))
+    t2 = tl.where(mask, 1.0, 0.0)
+    t3 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t1, axis=1)[:, None])
+    v0 = t3 + tl.log(tl.sum(tl.where(t1 == t3, t2, t2 * tl.exp(t1 - t3)), axis=1)[:, None])
     v1 = v0 - v0
     v2 = v0 + v1
-    v3 = x0 - v2
+    v3 = x0_0 - v2
     v4 = tl.exp(v3)
     tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)
 
