@@ -17,6 +17,7 @@ import torch
 
 import rtxdsl as rx
 from benches.common import machine, markdown, save
+from benches.new_size import KERNELS, first_call_ms
 from rtxdsl.expr import walk
 from rtxdsl.lower import GPU, Layout, lower, plans
 
@@ -70,39 +71,6 @@ def lazy_ms(n: int, repeats: int = 3) -> float:
     return best * 1e3
 
 
-def new_size_ms(name: str, reuse: bool, repeats: int = 5) -> float:
-    """Host time of a known kernel's first call at a new batch size (dry run: nothing launches):
-    binding, expansion and scheduling for a layout whose structure is already planned, and (unless
-    ``reuse``, the cached plans forgotten first) the analysis."""
-    x, w, t = rx.var("x"), rx.var("w"), rx.var("t")
-    exprs = {
-        "softmax": (rx.softmax(x), lambda r: {"x": torch.empty(r, 512)}),
-        "layer_norm + gelu": (
-            rx.gelu(rx.layer_norm(x, w)),
-            lambda r: {"x": torch.empty(r, 512), "w": torch.empty(512)},
-        ),
-        "linear cross-entropy": (
-            rx.linear_cross_entropy(x, w, t),
-            lambda r: {"x": torch.empty(r, 64), "w": torch.empty(1000, 64), "t": torch.zeros(r, dtype=torch.long)},
-        ),
-    }
-    e, make = exprs[name]
-    best = float("inf")
-    for r in range(repeats):
-        k = rx.compile(e, rx.FusionConfig(dry_run=True))
-        plans.clear()  # only the call at 64 rows has been planned
-        k(**make(64))
-        if not reuse:
-            plans.clear()
-        start = time.perf_counter()
-        k(**make(96 + r))  # a batch size this kernel has not seen
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
-NEW_SIZE = ("softmax", "layer_norm + gelu", "linear cross-entropy")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -120,7 +88,7 @@ def main() -> None:
     print(f"## Planning time ({machine()}; python -m benches.planning_report)\n")
     print(markdown(rows, ["what", "nodes", "plan ms", "us per node"]))
     cols = ["kernel", "analysis run, host ms", "plan reused, host ms"]
-    again = [dict(zip(cols, (n, new_size_ms(n, False), new_size_ms(n, True)))) for n in NEW_SIZE]
+    again = [dict(zip(cols, (n, first_call_ms(n, before=plans.clear), first_call_ms(n)))) for n in KERNELS]
     print("\n## A known kernel's first call at a new batch size (dry run)\n")
     print(markdown(again, cols))
     if not args.quick:
