@@ -230,6 +230,23 @@ def test_a_graph_runs_in_pieces_along_a_reduced_axis_or_says_why(outputs, shapes
         torch.testing.assert_close(got[key], want[key], atol=1e-12, rtol=1e-12)
 
 
+def test_a_split_gather_index_does_not_run_in_pieces_over_a_whole_input(gen):
+    """gather's output is its index's shape: splitting the index's rows splits the output's, but
+    the input is read at the rows' own positions (here it has more rows), so a piece would read
+    the input's first rows. Found by the property below at a commit seed."""
+    i = rx.var("i")
+    outputs = {"o": rx.cross_entropy(rx.gather(x, i, 1), t, reduction="none")}
+    inputs = {
+        "x": torch.randn(5, 4, 1, generator=gen),
+        "i": torch.randint(0, 4, (3, 2, 1), generator=gen),
+        "t": torch.randint(0, 2, (3, 1), generator=gen),
+    }
+    k = rx.compile(outputs)
+    graph = k.analysis(**inputs).graph
+    for name in ("i", "t"):  # the target's rows are the same axis, through the loss
+        assert "reads its input at the positions of the axis" in pieces(graph, k.inputs.index(name), 0)
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(p=programs())
 def test_every_graph_that_runs_in_pieces_gives_the_full_result(p):

@@ -184,6 +184,9 @@ def _piecewise(n: Expr, held: dict[int, int], graph: Graph) -> str:
             id(s) in held and held[id(s)] in axes_of(n, len(graph.of(s).shape)) for s in read_srcs(n)[:1]
         ):
             return f"{n.op} re-indexes the axis"
+        if op.axes is AxisRule.GATHER and held[id(n)] not in axes_of(n, len(graph.of(n).shape)):
+            if held.get(id(n.srcs[0])) != held[id(n)]:  # a piece would read the input at its own positions
+                return f"{n.op} reads its input at the positions of the axis"
     elif op.kind is OpKind.CONTRACTION:
         a = n.srcs[0]
         k_dim = len(graph.of(a).shape) - (2 if n.attr("ta") else 1)

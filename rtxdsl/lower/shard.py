@@ -161,10 +161,10 @@ def _gather(lb: _Labels, n: Expr, shape: tuple[int, ...], srcs: list[tuple[Dims,
         if j == axis:
             lb.mark(xd[j], f"re-indexed by {n.op}")
             out.append(idx[j])
-        elif xs[j] != size:
+        elif xs[j] != size:  # the output is the index's shape: its axis, read at the input's first positions
             lb.mark(xd[j], f"re-indexed by {n.op}")
             lb.mark(idx[j], f"re-indexed by {n.op}")
-            out.append(lb.fresh(size, f"re-indexed by {n.op}"))
+            out.append(idx[j])
         else:
             out.append(lb.join(xd[j], idx[j]))
     return tuple(out)
