@@ -196,7 +196,7 @@ class CoordWriter(Writer):
             out=out,
             attrs=dict(node.attrs),
             args=tuple(f"m{i}_{k}" for k in range(node.nargs)),
-            src_ranks=tuple(0 if r[0] in (Src.SLOT, "-") else len(self._ones(r)) for r in node.srcs),
+            src_ranks=tuple(len(self._ones(r)) for r in node.srcs),
             value=value,
             tmp=tmp,
             flag=flag,
@@ -231,7 +231,7 @@ class CoordWriter(Writer):
     def _operand_offset(self, j: int, idx: list[str]) -> str:
         """A contraction operand's offset at index vectors ``idx`` (aligned to its trailing dims)."""
         classes = self.spec.loads[j].rows
-        return " + ".join(offset_terms(f"in{j}", classes, idx[len(idx) - len(classes) :])) or "0"
+        return " + ".join(offset_terms(self.load_names[j], classes, idx[len(idx) - len(classes) :])) or "0"
 
     # ---- stores -----------------------------------------------------------------------
     def _store(self, k: int, loop: Scope) -> str:
@@ -245,7 +245,7 @@ class CoordWriter(Writer):
         index = self._domain(full)
         terms = offset_terms(f"out{k}", o.rows, index)
         walked = [red for cls, idx, red in zip(o.rows, index, self.spec.domain) if cls != BCAST and idx != "0"]
-        on_rows, on_cols = not all(walked), any(walked)
+        on_rows, on_cols = any(not red for red in walked), any(walked)
         if not on_rows:
             terms.append("rows * 0")
         if full and not on_cols:

@@ -471,9 +471,7 @@ def _programs(spec: KernelSpec, w: Walk, target: Target) -> tuple[KernelSpec, in
     programs = -(-n_rows // spec.rows_per_program)
     if w.tiled:
         return replace(spec, split=Split.TILE, looped=True), programs, max(1, -(-n_cols // spec.block)), spec.block
-    if spec.gemm is not None:
-        return spec, programs, 1, n_cols
-    if not splittable(spec):
+    if spec.gemm is not None or not splittable(spec):
         return spec, programs, 1, n_cols
     n_split, chunk = split_count(programs, n_rows, n_cols, spec.block, target)
     return (replace(spec, looped=True) if n_split > 1 else spec), programs, n_split, chunk
