@@ -288,7 +288,8 @@ class Kernel:
         plan = self._traced_plans.get(key) if traced else self._grads.get(key)
         if plan is None:
             self._validate(values, self.config)
-            plan = self._grad_plan(self._planned(values, self.config)[0].graph, tuple(c == "1" for c in needs))
+            graph = plan_for(self._outputs, self._vars, _metas(values), self.config).graph
+            plan = self._grad_plan(graph, tuple(c == "1" for c in needs))
             (self._traced_plans if traced else self._grads).put(key, plan)
         return plan
 
@@ -468,7 +469,7 @@ class Kernel:
         """
         tensors = self.collect(args, kwargs)
         self._validate(tensors, self.config)
-        return self._planned(tensors, self.config)[0]
+        return plan_for(self._outputs, self._vars, _metas(tensors), self.config)
 
     def lower_for(self, target: Target, *args: Any, **kwargs: Any) -> Program:
         """The program for these inputs with launch configurations shaped for ``target`` (e.g. the
@@ -482,9 +483,7 @@ class Kernel:
 
     def _planned(self, tensors: tuple, cfg: FusionConfig, target: Target | None = None) -> tuple[Plan, Program]:
         """The analysis and the program for these inputs (``target``: the device's unless given)."""
-        metas: tuple[InputMeta, ...] = tuple(
-            Layout(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors
-        )
+        metas = _metas(tensors)
         if target is None:
             target = target_for(device_of(tensors), backend_for(cfg, device_of(tensors))[0] != "triton")
         GLOBAL_CACHE.count_plan()
@@ -573,6 +572,13 @@ class Kernel:
             tuple(g.pattern for g in plan.groups),
             backend,
         )
+
+
+def _metas(tensors: tuple) -> tuple[InputMeta, ...]:
+    """What lowering reads of a call's inputs: each tensor's layout, each python number itself."""
+    return tuple(
+        Layout(tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors
+    )
 
 
 def _warn_if_grad_in_forward_ignored(kernel: KernelHandle) -> None:
