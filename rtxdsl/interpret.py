@@ -1,4 +1,5 @@
-"""A fix to Triton's interpreter that the generated kernels need on CPU tensors.
+"""Triton's interpreter as rtxdsl uses it: a fix the generated kernels need on CPU tensors, and
+bounds checks of every access they make (``RTXDSL_CHECK_BOUNDS=1``, on in the test suite).
 
 The interpreter holds bf16 values as their raw 16 bits (numpy has no bfloat16) and its
 ``tl.dot`` multiplies those integers, so a bf16 GEMM computes garbage there (fp8 is converted
@@ -9,7 +10,10 @@ are unaffected.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -37,3 +41,97 @@ def install() -> None:
 
     create_dot.__rtxdsl__ = True  # type: ignore[attr-defined]
     builder.create_dot = create_dot  # type: ignore[union-attr]
+
+
+# ---- bounds checks: every address a kernel touches lies inside a tensor it was given ----------
+#: ``RTXDSL_CHECK_BOUNDS=1``: every interpreted launch checks its loads, stores and atomics (the test
+#: suite sets it). A generated kernel must compute every index in bounds or mask it; one that does
+#: not reads garbage or segfaults on CPU and corrupts memory or faults on a GPU. The check names the
+#: kernel, the access and the first address outside.
+CHECK_BOUNDS = os.environ.get("RTXDSL_CHECK_BOUNDS", "") not in ("", "0")
+
+
+class OutOfBounds(AssertionError):
+    """A generated kernel touched memory outside every tensor it was given (a bug in rtxdsl)."""
+
+
+#: the launch being checked: its kernel's name and each pointer argument's (name, first, end) bytes
+_LAUNCH: list[tuple[str, list[tuple[str, int, int]]]] = []
+
+
+def extent(t: Any) -> tuple[int, int]:
+    """The bytes a tensor's elements span: ``[first, end)`` (strides may be 0 or negative)."""
+    lo = hi = 0
+    for size, stride in zip(t.shape, t.stride()):
+        if size == 0:
+            return t.data_ptr(), t.data_ptr()
+        step = (size - 1) * stride * t.element_size()
+        lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
+    return t.data_ptr() + lo, t.data_ptr() + hi + t.element_size()
+
+
+@contextlib.contextmanager
+def bounds_checked(kernel: str, names: list[str], tensors: list[Any]) -> Iterator[None]:
+    """Check every access of the launch inside (``names[i]``: the pointer parameter of ``tensors[i]``)."""
+    _install_bounds()
+    _LAUNCH.append((kernel, [(n, *extent(t)) for n, t in zip(names, tensors)]))
+    try:
+        yield
+    finally:
+        _LAUNCH.pop()
+
+
+def _check(what: str, ptrs: Any, mask: Any) -> None:
+    if not _LAUNCH:
+        return
+    from triton.runtime import interpreter
+
+    addresses = ptrs.data if mask is None else ptrs.data[np.asarray(mask.data).astype(bool)]
+    if not addresses.size:
+        return
+    item = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+    flat = addresses.ravel().astype(np.int64)
+    kernel, ranges = _LAUNCH[-1]
+    inside = np.zeros(flat.size, dtype=bool)
+    for _, lo, hi in ranges:
+        inside |= (flat >= lo) & (flat + item <= hi)
+    if inside.all():
+        return
+    bad = int(flat[~inside][0])
+    near = min(ranges, key=lambda r: min(abs(bad - r[1]), abs(bad - r[2])), default=("?", 0, 0))
+    raise OutOfBounds(
+        f"kernel {kernel}: a {what} of {int((~inside).sum())} element(s) outside every tensor it was given "
+        f"(first at byte {bad - near[1]:+d} from {near[0]}, whose {near[2] - near[1]} bytes start at 0)"
+    )
+
+
+def _install_bounds() -> None:
+    """Wrap the interpreter's masked loads and stores and its atomics once per process."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_masked_load, "__rtxdsl__", False):
+        return
+    load, store = builder.create_masked_load, builder.create_masked_store
+    rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
+
+    def checked_load(self: Any, ptrs: Any, mask: Any, *args: Any) -> Any:
+        _check("load", ptrs, mask)
+        return load(self, ptrs, mask, *args)
+
+    def checked_store(self: Any, ptrs: Any, value: Any, mask: Any, *args: Any) -> Any:
+        _check("store", ptrs, mask)
+        return store(self, ptrs, value, mask, *args)
+
+    def checked_rmw(self: Any, op: Any, ptr: Any, val: Any, mask: Any, *args: Any) -> Any:
+        _check("atomic", ptr, mask)
+        return rmw(self, op, ptr, val, mask, *args)
+
+    def checked_cas(self: Any, ptr: Any, *args: Any) -> Any:
+        _check("atomic", ptr, None)
+        return cas(self, ptr, *args)
+
+    for wrapper in (checked_load, checked_store, checked_rmw, checked_cas):
+        wrapper.__rtxdsl__ = True  # type: ignore[attr-defined]
+    builder.create_masked_load, builder.create_masked_store = checked_load, checked_store  # type: ignore[method-assign]
+    builder.create_atomic_rmw, builder.create_atomic_cas = checked_rmw, checked_cas  # type: ignore[method-assign]

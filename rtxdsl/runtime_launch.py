@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.library import wrap_triton
 
+from . import interpret
 from .cache import GLOBAL_CACHE, CompiledKernel
 from .codegen.module import kernel_source
 from .config import FusionConfig
@@ -230,14 +231,19 @@ class Interpreted:
     """An interpreted kernel launch: serialized, numpy's floating-point warnings silenced
     (masked lanes compute e.g. log(0))."""
 
-    __slots__ = ("launcher",)
+    __slots__ = ("launcher", "name", "arg_names")
 
     def __init__(self, fn: Any, grid: tuple[int, ...]) -> None:
         self.launcher = fn[grid]
+        self.name, self.arg_names = fn.__name__, list(fn.arg_names)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with INTERPRETER_LOCK, np.errstate(all="ignore"):
-            return self.launcher(*args, **kwargs)
+            if not interpret.CHECK_BOUNDS:
+                return self.launcher(*args, **kwargs)
+            pointers = [(n, a) for n, a in zip(self.arg_names, args) if isinstance(a, torch.Tensor)]
+            with interpret.bounds_checked(self.name, [n for n, _ in pointers], [a for _, a in pointers]):
+                return self.launcher(*args, **kwargs)
 
 
 def compiled_kernel(spec: Any, summary: str, config: FusionConfig) -> CompiledKernel:

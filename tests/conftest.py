@@ -9,6 +9,8 @@ import tempfile
 # Before triton or rtxdsl are imported: CPU tensors run under Triton's interpreter.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RTXDSL_CACHE_DIR", tempfile.mkdtemp(prefix="rtxdsl-test-cache-"))
+# every interpreted launch checks that each load, store and atomic lies inside its tensors
+os.environ.setdefault("RTXDSL_CHECK_BOUNDS", "1")
 
 from collections import Counter  # noqa: E402
 

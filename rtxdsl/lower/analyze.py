@@ -222,8 +222,9 @@ class _Work:
         return _Work(g.shape, g.axes, list(g.nodes), dict(g.roles), list(g.cone), list(g.notes))
 
     def freeze(self, order: Mapping[int, int]) -> Group:
-        nodes = tuple(sorted(self.nodes, key=lambda m: order[id(m)]))
-        cone = tuple(sorted(self.free, key=lambda m: order[id(m)]))
+        # each node once (passes that recompute a value may add what the kernel computes already)
+        nodes = tuple(sorted({id(m): m for m in self.nodes}.values(), key=lambda m: order[id(m)]))
+        cone = tuple(sorted({id(m): m for m in self.free}.values(), key=lambda m: order[id(m)]))
         roles = MappingProxyType(dict(self.roles))
         return Group(self.shape, self.axes, nodes, roles, cone=cone, notes=tuple(self.notes))
 
@@ -729,6 +730,9 @@ def recompute_elementwise(
                 chain = ancestry(s, r1, r2)
                 if chain is None or graph.ops(r2.nodes + list(chain)) > config.max_fusion_ops:
                     continue
+                c = r2.contraction
+                if c is not None and any(x is n for n in chain for x in c.srcs):
+                    continue  # the GEMM loads that operand: its epilogue reads it back too (``a + a @ w``)
                 for n in chain:
                     r2.roles[id(n)] = _per_row(r2, graph.of(n).shape)
                 r2.nodes[:0] = chain
@@ -851,19 +855,13 @@ def absorb_prologues(
     consumers = _consumers(graph, fl)
     work = [_Work.of(g) for g in groups]
     homes = _homes(work)
-    gemms = [w for w in work if w.contraction is not None and not w.is_row]
-    readers: dict[int, list[tuple[_Work, Role]]] = {}  # operand id -> the GEMMs reading it, as A or B
-    for w in gemms:
-        c = w.contraction
-        assert c is not None
-        if c.srcs[0] is c.srcs[1]:
-            continue
-        for side, s in zip((Role.A, Role.B), c.srcs):
-            if id(s) in homes and work[homes[id(s)]] is not w:
-                readers.setdefault(id(s), []).append((w, side))
-    taken: dict[int, set[int]] = {id(w): set() for w in gemms}  # nodes already in a GEMM's prologues
+    readers = _gemm_readers(work, homes)
+    taken: dict[int, set[int]] = {id(w): set() for w in work}  # nodes already in a GEMM's prologues
     emptied: list[_Work] = []  # kernels that computed an operand now recomputed: still needed?
-    for s in (n for n in graph.nodes if id(n) in readers):
+    # a product recomputed in tiles reads its operands from memory wherever it is computed: they
+    # are written, and no GEMM recomputes them (it would hold the value both as a member and a load)
+    stored = {id(x) for n in graph.nodes if n.attr_dict.get("recompute") for x in n.srcs}
+    for s in (n for n in graph.nodes if id(n) in readers and id(n) not in stored):
         home = work[homes[id(s)]]
         tiled = _tiled_cone(s, graph)
         if tiled is not None:  # a product no kernel writes: every reader computes it in its K loop
@@ -875,7 +873,9 @@ def absorb_prologues(
         gemm_readers = readers[id(s)]
         chain, bounds = cone if cone is not None else ([], [])
         if cone is None or any(
-            taken[id(w)] & {id(m) for m in chain} or graph.ops(w.nodes + chain) > config.max_fusion_ops
+            taken[id(w)] & {id(m) for m in chain}
+            or graph.ops(w.nodes + chain) > config.max_fusion_ops
+            or _epilogue_reads(w, chain, consumers)
             for w, _ in gemm_readers
         ):
             continue
@@ -914,6 +914,20 @@ def absorb_prologues(
     dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
     order = _order(graph)
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
+
+
+def _gemm_readers(work: list[_Work], homes: dict[int, int]) -> dict[int, list[tuple[_Work, Role]]]:
+    """operand id -> the GEMM kernels reading it from another kernel, as A or B (a product of a
+    value with itself has no prologue: one tile cannot be both operands)."""
+    readers: dict[int, list[tuple[_Work, Role]]] = {}
+    for w in work:
+        c = w.contraction
+        if c is None or w.is_row or c.srcs[0] is c.srcs[1]:
+            continue
+        for side, s in zip((Role.A, Role.B), c.srcs):
+            if id(s) in homes and work[homes[id(s)]] is not w:
+                readers.setdefault(id(s), []).append((w, side))
+    return readers
 
 
 def _tiled_cone(s: Expr, graph: Graph, needs_product: bool = True) -> list[Expr] | None:
@@ -966,6 +980,8 @@ def _recompute_in_prologues(
     of it keep only what their other nodes need; those left with nothing to write are returned.
     Undone (None) when a value of ``chain`` would still be read by a kernel other than the GEMMs
     (:func:`_leaks`): the product is then written as usual."""
+    if any(_epilogue_reads(w, chain, consumers) for w, _ in gemm_readers):
+        return None
     before = [(w.nodes[:], dict(w.roles), w.notes[:]) for w in work]
     members = {id(m) for m in chain}
     for w, side in gemm_readers:
@@ -989,6 +1005,14 @@ def _recompute_in_prologues(
     for w, (nodes, roles, notes) in zip(work, before):  # written after all: as it was
         w.nodes, w.roles, w.notes = nodes, roles, notes
     return None
+
+
+def _epilogue_reads(w: _Work, chain: list[Expr], consumers: dict[int, list[Expr]]) -> bool:
+    """Does GEMM ``w``'s epilogue read a value of ``chain`` (a residual around a projection,
+    ``a + linear(a, w)``)? It reads it at the product's coordinates, loaded: a prologue holds the
+    value only at the operand's tiles, so it stays written and is not recomputed."""
+    epilogue = {id(m) for m in w.nodes if w.role(m) is Role.FULL and m is not w.contraction}
+    return any(id(c) in epilogue for m in chain for c in consumers.get(id(m), ()))
 
 
 def _leaks(
@@ -1262,8 +1286,9 @@ def _own_kernels_for_broadcast_values(
             homes = [i for i, ms in enumerate(members) if id(m) in ms]
             if any(graph.of(m).shape == _exact_shape(groups[i], m) for i in homes):
                 continue
+            # read by a kernel that does not compute it (a GEMM's prologue reading it beside a home)
             readers = consumers.get(id(m), ())
-            needed = id(m) in requested or any(all(id(c) not in members[i] for i in homes) for c in readers)
+            needed = id(m) in requested or any(id(m) not in ms for c in readers for ms in members if id(c) in ms)
             if not needed or any(any(x is m for x in e.nodes) for e in extra):
                 continue
             cone = [m]  # its elementwise producers in this kernel, recomputed beside it

@@ -105,7 +105,10 @@ class _Cotangents:
         elif opdef.kind is OpKind.CONTRACTION:
             # a GEMM's operands share one dtype: the cotangent is the product's, as eager autograd's
             # (always written: saved statistics replace reductions in wider dtypes after this
-            # typing; a cast to the dtype a value already has is dropped when the backward expands)
+            # typing; a cast to the dtype a value already has is dropped when the backward expands);
+            # and it multiplies a whole matrix: one that broadcasts (a sum's) is expanded first
+            if self.typed(g).shape != info[id(n)].shape:
+                g = node("expand", g, shape=info[id(n)].shape)
             g = node("cast", g, dtype=info[id(n)].dtype)
         rule_in = D(
             n,
@@ -146,7 +149,7 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
             e = node("cast", e, dtype=graph.of(v).dtype)
         key = f"{GRADIENT}{len(backward)}"
         grad_of.append((v.attr("name"), key))
-        backward.append((key, _substitute(e, saved, tiled)))
+        backward.append((key, _substitute(e, saved, tiled, cot)))
     if not backward:
         raise RtxError("no input that requires grad reaches a floating-point output")
     forward, saved_keys = _saving(graph, user, backward, reductions, saved)
@@ -182,17 +185,24 @@ def _saving(
     return forward, saved_keys
 
 
-def _substitute(e: Expr, repl: dict[int, Expr], recompute: Set[int] = frozenset()) -> Expr:
-    """``e`` with the nodes in ``repl`` replaced (saved values) and those in ``recompute`` marked."""
+def _substitute(e: Expr, repl: dict[int, Expr], recompute: Set[int], cot: _Cotangents) -> Expr:
+    """``e`` with the nodes in ``repl`` replaced (saved values) and those in ``recompute`` marked.
+
+    A saved statistic may be wider than the reduction it replaces (fp32 for a half row), which
+    widens what is recomputed from it; a contraction's operand is cast back to its forward dtype
+    (the dtype the forward multiplied in: a GEMM's operands share one)."""
     memo: dict[int, Expr] = {}
     for n in walk([e]):
         if id(n) in repl:
             memo[id(n)] = repl[id(n)]
-        elif id(n) in recompute:
-            memo[id(n)] = Expr(n.op, tuple(memo[id(s)] for s in n.srcs), {**n.attr_dict, "recompute": True})
-        elif n.srcs:
-            srcs = tuple(memo[id(s)] for s in n.srcs)
-            memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
-        else:
+            continue
+        srcs = tuple(memo[id(s)] for s in n.srcs)
+        if REGISTRY[n.op].kind is OpKind.CONTRACTION:
+            srcs = tuple(m if m is s else node("cast", m, dtype=cot.typed(s).dtype) for m, s in zip(srcs, n.srcs))
+        if id(n) in recompute:
+            memo[id(n)] = Expr(n.op, srcs, {**n.attr_dict, "recompute": True})
+        elif all(a is b for a, b in zip(srcs, n.srcs)):
             memo[id(n)] = n
+        else:
+            memo[id(n)] = Expr(n.op, srcs, n.attr_dict)
     return memo[id(e)]

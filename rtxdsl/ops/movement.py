@@ -428,7 +428,11 @@ _movement(
     _permute_remap,
     _permute_back,
     canonical=lambda shapes, dims: {"dims": _permute_dims(shapes, dims)},
-    front=Front(fn=permute, torch=dict.fromkeys(torch_fns("permute"), lambda a, *dims: permute(a, _ints(dims)))),
+    front=Front(
+        fn=permute,
+        methods={"permute": lambda self, *dims: permute(self, _shape_arg(dims))},
+        torch=dict.fromkeys(torch_fns("permute"), lambda a, *dims: permute(a, _ints(dims))),
+    ),
 )
 
 
@@ -470,6 +474,7 @@ register(
         accepts=ANY,
         front=Front(
             fn=transpose,
+            methods={"transpose": None, "swapaxes": None, "t": lambda self: transpose(self, 0, -1)},
             torch=dict.fromkeys(torch_fns("transpose", "swapaxes", "swapdims"), _torch_transpose)
             | dict.fromkeys(torch_fns("t"), lambda a: transpose(a, 0, -1)),
         ),
@@ -536,7 +541,7 @@ _movement(
     regroups=True,
     front=Front(
         fn=reshape,
-        methods={"reshape": lambda self, *shape: reshape(self, _shape_arg(shape))},
+        methods=dict.fromkeys(("reshape", "view"), lambda self, *shape: reshape(self, _shape_arg(shape))),
         # a view is the reshape of the same layout (the lazy stream checks eager's layout agrees)
         torch=dict.fromkeys([*torch_fns("reshape"), torch.Tensor.view], lambda a, *shape: reshape(a, _ints(shape))),
     ),
