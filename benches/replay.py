@@ -42,11 +42,11 @@ COMPOSITES: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {
     "clamp_where": (lambda: rx.where(x > 0, rx.clamp(x, -1.0, 1.0), y), ("rh", "rh")),
 }
 SIGNATURE = re.compile(r"[0-9a-f]{24}")
-NAME_HASH = re.compile(r"_[0-9a-f]{8}\(")
+NAME_HASH = re.compile(r"_[0-9a-f]{8}(_tail)?\(")  # a kernel's name, and its tail's (``<name>_tail``)
 
 
 def normalize(source: str) -> str:
-    return NAME_HASH.sub("_SIG(", SIGNATURE.sub("SIGNATURE", source))
+    return NAME_HASH.sub(r"_SIG\1(", SIGNATURE.sub("SIGNATURE", source))
 
 
 def _inputs(kinds: tuple[str, ...], names: tuple[str, ...], rows: int, hidden: int, dtype: torch.dtype) -> dict:

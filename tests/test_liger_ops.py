@@ -76,11 +76,13 @@ def _jsd_reference(log_q, log_p, beta, label=None, ignore_index=-100):
     if label is None:
         return rows.mean()
     keep = label != ignore_index
+    if not keep.any():  # Liger's kernel: every row ignored, the loss is 0 (not 0 / 0)
+        return (rows * keep).sum()
     return (rows * keep).sum() / keep.sum()
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])  # 0 and 1: the KL ends
-@pytest.mark.parametrize("labels", ["none", "some"])
+@pytest.mark.parametrize("labels", ["none", "some", "all"])  # all ignored: 0 and a gradient of 0, as Liger
 def test_jsd_matches_the_reference_gradchecks_and_is_symmetric(beta, labels, gen):
     q, p = _dists(gen)
     label = _label(labels)
@@ -92,6 +94,11 @@ def test_jsd_matches_the_reference_gradchecks_and_is_symmetric(beta, labels, gen
     assert _gradcheck(lambda t: k(**(ins | {"x": t})), (qg,))
     if beta == 0.5:  # symmetric at 1/2
         assert_close(k(**(ins | {"x": p, "a": q})), k(**ins), 1e-12, 1e-12, "symmetry")
+    if labels == "all":  # a padding-only micro-batch: no NaN reaches the weights (the loss, the gradient)
+        loss = k(**(ins | {"x": qg}))
+        assert loss.item() == 0.0
+        assert torch.equal(torch.autograd.grad(loss, qg)[0], torch.zeros_like(q))
+        assert rx.nn.JSD(beta=beta)(q, p, label).item() == 0.0
 
 
 def test_jsd_module_and_bad_input(gen):

@@ -104,11 +104,13 @@ register(
 
 # ---- rows with an optional label: the mask and count of the tokens that count ---------------------
 def _valid_rows(label: Expr | None, ignore_index: int, rows: tuple[int, ...]) -> tuple[Expr | None, Expr | float]:
-    """(mask per row or None, the number of rows that count)."""
+    """(mask per row or None, the number of rows that count, or 1 where none does: a mean over no
+    row is 0 / 1 = 0, as Liger's, and its gradient 0, where 0 / 0 would make both NaN)."""
     if label is None:
         return None, float(math.prod(rows))
     valid = node("ne", label, ignore_index)
-    return valid, _total(node("where", valid, 1.0, 0.0))
+    count = _total(node("where", valid, 1.0, 0.0))
+    return valid, node("where", node("eq", count, 0.0), 1.0, count)
 
 
 def _label_shape(shapes: list[tuple[int, ...]], op: str) -> tuple[int, ...]:
@@ -141,7 +143,8 @@ def jsd(
     """Liger-Kernel's generalized JSD over the last axis, from log-probabilities (student ``log_q``,
     teacher ``log_p``): with ``M = beta * P + (1 - beta) * Q``, each row's
     ``beta * KL(P || M) + (1 - beta) * KL(Q || M)`` (``beta=0``: ``KL(P || Q)``; ``beta=1``:
-    ``KL(Q || P)``), summed over rows whose ``label`` is not ``ignore_index``, divided by their count.
+    ``KL(Q || P)``), summed over rows whose ``label`` is not ``ignore_index``, divided by their count
+    (0, and a gradient of 0, when no row counts: Liger's).
 
     Example:
         >>> import rtxdsl as rx
@@ -193,9 +196,9 @@ def _jsd_ref(log_q: torch.Tensor, log_p: torch.Tensor, *label: torch.Tensor, bet
     else:
         log_m = torch.log(beta * p + (1 - beta) * q)
         rows = (beta * p * (log_p - log_m) + (1 - beta) * q * (log_q - log_m)).sum(-1)
-    if label:
+    if label:  # Liger's: no row counts, the loss is 0
         valid = label[0] != ignore_index
-        return torch.where(valid, rows, 0).sum() / valid.sum()
+        return torch.where(valid, rows, 0).sum() / valid.sum().clamp(min=1)
     return rows.sum() / rows.numel()
 
 
@@ -259,10 +262,7 @@ def _tvd_decompose(
     if reduction == "sum":
         return total
     per = count if reduction == "batchmean" else node("mul", count, float(shapes[0][-1]))
-    if valid is None:
-        return node("div", total, per)
-    # no row counts: the total is 0, divided by 1 (not 0 / 0: its gradient would be NaN too)
-    return node("div", total, node("where", node("eq", count, 0.0), 1.0, per))
+    return node("div", total, per)
 
 
 def _tvd_ref(p: torch.Tensor, q: torch.Tensor, *label: torch.Tensor, reduction: str, ignore_index: int):

@@ -859,7 +859,7 @@ _ew(
     3,
     lambda c, a, b: torch.where(torch.as_tensor(c), *as_tensors(a, b)),  # the condition takes no part in promotion
     lambda ctx, c, a, b: f"tl.where({c}, {a}, {b})",
-    lambda d: (None, node("where", d.a, d.g, node("mul", d.g, 0.0)), node("where", d.a, node("mul", d.g, 0.0), d.g)),
+    lambda d: (None, node("where", d.a, d.g, 0.0), node("where", d.a, 0.0, d.g)),
     accepts=ANY,
     rule=DtypeRule.WHERE,
     front=Front(

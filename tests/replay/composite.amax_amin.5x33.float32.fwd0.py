@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_amax_dd07c760_tail(
+def row_amax_SIG_tail(
     in0_ptr,
     out0_ptr,
     n_rows,
@@ -57,6 +57,6 @@ def row_amax_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_amax_dd07c760_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, T_ROWS, T_BLOCK_SIZE)
+        row_amax_SIG_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_m2_div_3c935d43_tail(
+def row_m2_div_SIG_tail(
     in0_ptr,
     out0_ptr,
     n_rows,
@@ -95,6 +95,6 @@ def row_m2_div_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_m2_div_3c935d43_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, T_ROWS, T_BLOCK_SIZE)
+        row_m2_div_SIG_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_div_unsqueeze_mul_sum_b21d9ca6_tail(
+def row_div_unsqueeze_mul_sum_SIG_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -116,6 +116,6 @@ def row_div_unsqueeze_mul_sum_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_div_unsqueeze_mul_sum_b21d9ca6_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, T_ROWS, T_BLOCK_SIZE)
+        row_div_unsqueeze_mul_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

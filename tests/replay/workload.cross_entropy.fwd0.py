@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_unsqueeze_ne_logsumexp_arange_like_4ff9d23f_tail(
+def row_unsqueeze_ne_logsumexp_arange_like_SIG_tail(
     in0_ptr,
     in1_ptr,
     out0_ptr,
@@ -114,6 +114,6 @@ def row_unsqueeze_ne_logsumexp_arange_like_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_unsqueeze_ne_logsumexp_arange_like_4ff9d23f_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        row_unsqueeze_ne_logsumexp_arange_like_SIG_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

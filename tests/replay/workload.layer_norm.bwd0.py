@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_div_sub_sum_723fde14_tail(
+def row_mul_div_sub_sum_SIG_tail(
     in0_ptr,
     in1_ptr,
     in2_ptr,
@@ -119,6 +119,6 @@ def row_mul_div_sub_sum_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_mul_div_sub_sum_723fde14_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in3_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
+        row_mul_div_sub_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in3_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 
