@@ -222,10 +222,11 @@ class CoordWriter(Writer):
         a_idx = [*c.idx[:-1], "ks[None, :]"]  # A's (..., m, k) at the tile's rows
         a_idx[-2:] = a_idx[-2:][::-1] if attrs["ta"] else a_idx[-2:]
         b_idx = ["ks[:, None]", c.idx[-1]][:: -1 if attrs["tb"] else 1]
-        operand = compute_dtype(node.cdt)
+        operand = node.dtype  # a product's operands share its dtype (an fp32 buffer is cast as loaded)
         left = (f"in{ja}_ptr + {self._operand_offset(ja, a_idx)}", f"row_mask & (ks[None, :] < {size})")
         right = (f"in{jb}_ptr + {self._operand_offset(jb, b_idx)}", f"(ks[:, None] < {size}) & col_mask")
-        scope.add_all(k_loop(name, "(ROWS, BLOCK_SIZE)", operand, size, "ks", left, right, tile.precision))
+        stored = (self.spec.in_dtypes[self.spec.loads[ja].input], self.spec.in_dtypes[self.spec.loads[jb].input])
+        scope.add_all(k_loop(name, "(ROWS, BLOCK_SIZE)", operand, size, "ks", left, right, tile.precision, stored))
         self.types[name] = accumulator(operand)
 
     def _operand_offset(self, j: int, idx: list[str]) -> str:

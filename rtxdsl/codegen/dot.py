@@ -10,15 +10,18 @@ from ..dtypes import TRITON_TYPE, accumulator
 
 def k_loop(
     acc: str, shape: str, operand: torch.dtype, size: str, k: str, left: tuple[str, str], right: tuple[str, str],
-    precision: str,
+    precision: str, stored: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> list[str]:  # fmt: skip
     """Lines computing ``acc`` (a ``shape`` tile, the accumulator of ``operand`` tiles) over ``size``
     elements of the contracted axis in ``BLOCK_K`` slices indexed by ``k``: each slice loads
     ``left`` and ``right`` (pointer + offset, mask) and adds their ``tl.dot`` (``precision``: fp32
-    operands' ``input_precision``)."""
+    operands' ``input_precision``). ``stored``: the operands' buffer dtypes, where one may differ
+    from ``operand`` (a per-row statistic kept in fp32): cast to it as loaded."""
     option = f', input_precision="{precision}"' if operand == torch.float32 else ""
-    tiles = zip(("lhs", "rhs"), (left, right))
-    loads = [f"{name} = tl.load({ptr}, mask={mask}, other=0)" for name, (ptr, mask) in tiles]
+    tiles = zip(("lhs", "rhs"), (left, right), stored or (operand, operand))
+    loads = [
+        f"{name} = {load_as(f'tl.load({ptr}, mask={mask}, other=0)', dt, operand)}" for name, (ptr, mask), dt in tiles
+    ]
     return [
         f"{acc} = tl.zeros({shape}, dtype={TRITON_TYPE[accumulator(operand)]})",
         f"for {k}_start in range(0, {size}, BLOCK_K):",
@@ -26,3 +29,10 @@ def k_loop(
         *(f"    {line}" for line in loads),
         f"    {acc} = tl.dot(lhs, rhs, {acc}{option})",
     ]
+
+
+def load_as(load: str, stored: torch.dtype, operand: torch.dtype) -> str:
+    """A product operand's tile load, cast to the dtype the product multiplies in when its buffer
+    holds another (an intermediate written in fp32, read by a half-precision GEMM: rounded where
+    eager would have stored it)."""
+    return load if stored == operand else f"{load}.to({TRITON_TYPE[operand]})"

@@ -16,7 +16,7 @@ from ..lower.roles import Role
 from ..lower.spec import STRIDED, UNIT, KernelSpec, Src
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
-from .dot import k_loop
+from .dot import k_loop, load_as
 from .source import Scope, Writer, offset_terms, state_name
 from .template import render
 
@@ -136,7 +136,8 @@ class GemmWriter(Writer):
         if j >= 0:
             base = "".join(f"{i} * {op}_stride_b{d} + " for d, i in enumerate(self.batch_idx))
             offset = base + _matrix_offset(op, (r, c), dims, g.a_classes if op == "a" else g.b_classes)
-            scope.add(f"{op} = tl.load(in{j}_ptr + {offset}, mask={mask}, other=0)")
+            tile = f"tl.load(in{j}_ptr + {offset}, mask={mask}, other=0)"
+            scope.add(f"{op} = {load_as(tile, self.spec.in_dtypes[j], dtype)}")
             return op
         v = self.value(ref, scope)
         scope.add(f"{op} = tl.where({mask}, {to_storage(v, self.types[v], dtype)}, 0)")
@@ -221,8 +222,9 @@ class GemmWriter(Writer):
         g = self.spec.gemm
         assert g is not None
         acc = f"p{i}"
-        scope.add_all(k_loop(acc, shape, node.cdt, size, "kk", loads[0], loads[1], g.precision))
-        self.types[acc] = accumulator(node.cdt)
+        stored = tuple(self.spec.in_dtypes[self.spec.loads[k].input] for k, _, _ in (left, right))
+        scope.add_all(k_loop(acc, shape, node.dtype, size, "kk", loads[0], loads[1], g.precision, stored))
+        self.types[acc] = accumulator(node.dtype)
         return acc
 
     def _stored_offset(self, k: int, dims: tuple[str, str], at: dict[str, str]) -> str:
