@@ -50,7 +50,7 @@ from .lru import LRU
 from .ops import REGISTRY, Unsupported
 from .ops.movement import permute
 from .runtime import Kernel
-from .stats import GLOBAL_STATS, FusionStats, FusionStatsSnapshot
+from .stats import FusionStats, FusionStatsSnapshot
 
 #: python numbers that stay constants in a recorded segment (they rarely change between steps)
 STRUCTURAL = frozenset(
@@ -459,6 +459,7 @@ class Fusion:
             s.flush("sync()")
 
     def stats(self) -> FusionStatsSnapshot:
+        """This Fusion's own launches (``rx.fusion_stats()`` counts them too, with every other)."""
         return self._stats.snapshot()
 
     def reset_stats(self) -> None:
@@ -1124,10 +1125,10 @@ _default: Fusion | None = None
 
 
 def default_fusion() -> Fusion:
-    """The process-wide Fusion behind rx.lazy / rx.sync; its stats are rx.fusion_stats()."""
+    """The process-wide Fusion behind rx.lazy / rx.sync (rx.fusion_stats() counts its launches too)."""
     global _default
     if _default is None:
-        _default = Fusion(stats=GLOBAL_STATS)
+        _default = Fusion()
     return _default
 
 

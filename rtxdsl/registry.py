@@ -252,6 +252,13 @@ class OpDef:
     index_operand: int | None = None
     #: derivative rule (see ops/helpers.D); None: not differentiable yet
     derivative: Callable[..., Any] | None = None
+    #: eager torch's (launches, bytes) where they are not ``eager_launches`` kernels that read each
+    #: operand once and write the result once (a composite whose eager form writes an intermediate,
+    #: linear cross-entropy's logits): ``(operand bytes, result bytes, shapes, dtypes, **attrs)``
+    eager: Callable[..., tuple[int, int]] | None = None
+    #: composites whose decomposition range-checks an index it builds (cross-entropy's target): the
+    #: error an out-of-range value raises, from (the inputs the index reads, the valid size)
+    range_error: Callable[[str, int], str] | None = None
     #: ALU ops per element a kernel spends on it: what recomputing it costs in the traffic model
     #: (1: plain arithmetic; 4: transcendental math, a special-function unit at a quarter of the
     #: FMA rate or a short instruction sequence)

@@ -24,7 +24,20 @@ class FusionStatsSnapshot:
 
 
 class FusionStats:
-    """Mutable counters, exact under threads; :meth:`snapshot` freezes them."""
+    """Mutable counters, exact under threads; :meth:`snapshot` freezes them.
+
+    Every launch in the process is counted once in the process-wide counters
+    (``rx.fusion_stats()``): counters made with ``FusionStats()`` (a private ``rx.Fusion``'s own,
+    ``f.stats()``) also add what they record there.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> rx.reset_fusion_stats()
+        >>> f = rx.Fusion()
+        >>> _ = (f.lazy(torch.ones(3)) * 2 + 1).torch()
+        >>> f.stats().kernels_launched, rx.fusion_stats().kernels_launched
+        (1, 1)
+    """
 
     __slots__ = (
         "kernels_launched",
@@ -34,13 +47,16 @@ class FusionStats:
         "bytes_eager",
         "calls",
         "_lock",
+        "_process_wide",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, *, process_wide: bool = False) -> None:
         self._lock = threading.Lock()
+        self._process_wide = process_wide
         self.reset()
 
     def reset(self) -> None:
+        """Zero these counters (the process-wide ones stay as they are)."""
         with self._lock:
             self.kernels_launched = self.fused_executions = self.kernel_launches_saved = 0
             self.bytes_moved = self.bytes_eager = self.calls = 0
@@ -53,6 +69,8 @@ class FusionStats:
             self.bytes_moved += bytes_moved
             self.bytes_eager += bytes_eager
             self.calls += 1
+        if not self._process_wide:
+            GLOBAL_STATS.record(kernels, fused, eager_launches, bytes_moved, bytes_eager)
 
     def snapshot(self) -> FusionStatsSnapshot:
         with self._lock:
@@ -66,11 +84,12 @@ class FusionStats:
             )
 
 
-GLOBAL_STATS = FusionStats()
+GLOBAL_STATS = FusionStats(process_wide=True)
 
 
 def fusion_stats() -> FusionStatsSnapshot:
-    """Counters of the process-wide default stream and of every compiled kernel call.
+    """Counters of every kernel launch in the process: compiled kernels, the default lazy stream
+    and every private ``rx.Fusion`` (whose own launches ``f.stats()`` counts apart).
 
     Example:
         >>> import rtxdsl as rx
@@ -81,4 +100,5 @@ def fusion_stats() -> FusionStatsSnapshot:
 
 
 def reset_fusion_stats() -> None:
+    """Zero the process-wide counters (a Fusion's own, ``f.stats()``, stay as they are)."""
     GLOBAL_STATS.reset()

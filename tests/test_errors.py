@@ -98,3 +98,42 @@ def test_expression_misuse():
 def test_backend_triton_needs_cuda():
     k = rx.compile(x + 1, config=rx.FusionConfig(backend="triton"))
     _raises(rx.BackendError, "backend 'triton'", k, x=torch.ones(2))
+
+
+# ---- cross-entropy's target: what the user passed, as torch words it ---------------------------------
+def test_cross_entropy_target_of_the_wrong_kind_names_the_target_and_its_dtype():
+    k = rx.compile(rx.cross_entropy(x, b))
+    logits = torch.randn(4, 6)
+    # torch: "expected target dtype to be Long or Byte, but got Float" (not an internal broadcasting error)
+    _raises(rx.RtxError, r"cross_entropy: target is torch.float32 of shape \[4\]: class indices must be int64",
+            k, x=logits, b=torch.zeros(4))  # fmt: skip
+    # torch: "Expected floating point type for target with class probabilities, got Long"
+    _raises(rx.RtxError, r"target is torch.int64 of shape \[4, 6\], the logits' shape: class probabilities must be "
+            r"floating point", k, x=logits, b=torch.zeros(4, 6, dtype=torch.int64))  # fmt: skip
+    _raises(rx.RtxError, "class-index target must be int64, got torch.int32", k, x=logits, b=torch.zeros(4).int())
+    probabilities = torch.softmax(torch.randn(4, 6), -1)  # a float target shaped like the logits: supported
+    torch.testing.assert_close(k(x=logits, b=probabilities), torch.nn.functional.cross_entropy(logits, probabilities))
+
+
+@pytest.mark.parametrize(
+    ("expr", "logits", "target"),
+    [
+        (rx.cross_entropy(x, b), torch.randn(4, 6), torch.tensor([0, 6, -100, 2])),  # "Target 6 is out of bounds."
+        (rx.cross_entropy(x, b), torch.randn(4, 6), torch.tensor([0, -3, 1, 2])),  # negative, not ignore_index
+        (rx.cross_entropy(x, b, reduction="none"), torch.randn(2, 6, 3), torch.tensor([[0, 9, 1], [0, 0, 0]])),
+        (rx.cross_entropy(x, b, reduction="none"), torch.randn(6), torch.tensor(7)),  # unbatched
+        (rx.cross_entropy(x, b, ignore_index=2), torch.randn(4, 6), torch.tensor([2, 6, 1, 2])),
+    ],
+)
+def test_cross_entropy_target_out_of_bounds_names_the_target_and_the_valid_range(expr, logits, target):
+    _raises(rx.RtxError, r"cross_entropy: target 'b' holds a class index out of range: each must be in \[0, 6\) or "
+            r"be ignore_index", rx.compile(expr), x=logits, b=target)  # fmt: skip
+
+
+def test_linear_cross_entropy_and_the_lazy_stream_name_the_target_too():
+    k = rx.compile(rx.linear_cross_entropy(x, rx.var("w"), b))
+    _raises(rx.RtxError, r"linear_cross_entropy: target 'b' holds a class index out of range: each must be in "
+            r"\[0, 6\)", k, x=torch.randn(4, 5), w=torch.randn(6, 5), b=torch.tensor([0, 6, 1, 2]))  # fmt: skip
+    f = rx.Fusion()
+    loss = torch.nn.functional.cross_entropy(f.lazy(torch.randn(4, 6)), f.lazy(torch.tensor([0, 7, 1, 2])))
+    _raises(rx.RtxError, r"cross_entropy: target '\w+' holds a class index out of range", loss.torch)

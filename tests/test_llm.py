@@ -154,7 +154,7 @@ def test_cross_entropy_bad_input():
         k(x=logits, t=torch.zeros(4, 2, dtype=torch.int64))
     with pytest.raises(rx.RtxError, match="class-index target must be int64"):
         k(x=logits, t=torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(rx.RtxError, match="out of range"):  # a class index that is not ignored
+    with pytest.raises(rx.RtxError, match="target .t. holds a class index out of range"):  # not ignored
         k(x=logits, t=torch.tensor([0, 6, 1, 2]))
     with pytest.raises(rx.RtxError, match="reduction must be one of"):
         rx.cross_entropy(x, t, reduction="avg")
@@ -360,14 +360,39 @@ def test_cross_entropy_grad_in_forward_where_it_cannot_apply_says_so():
         rx.compile({"loss": rx.cross_entropy(x, t, grad_in_forward=True), "lse": rx.logsumexp(x, -1)})
 
 
-def test_cross_entropy_weight_dtype_must_match_the_logits_as_in_torch():
-    logits, target = torch.randn(3, 4, dtype=torch.bfloat16), torch.tensor([0, 1, 2])
-    with pytest.raises(RuntimeError):
-        F.cross_entropy(logits, target, torch.rand(4))
-    with pytest.raises(
-        rx.DtypeMismatchError, match="weight is torch.float32; it must match the logits' torch.bfloat16"
-    ):
-        rx.compile(rx.cross_entropy(x, t, w))(x=logits, t=target, w=torch.rand(4))
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@pytest.mark.parametrize("logits_dtype", FLOATS)
+@pytest.mark.parametrize("target_kind", ["indices", *FLOATS])  # class indices, or probabilities of a dtype
+def test_cross_entropy_accepts_the_dtypes_torch_accepts_with_its_result_dtype(logits_dtype, target_kind):
+    """torch's rule, on CPU and CUDA alike: class-index targets take a weight of the logits' own dtype
+    (bf16 logits with an fp32 weight raise: "expected scalar type BFloat16 but found Float"; cast the
+    weight, as Liger's own tests do on the torch side); class probabilities promote with the logits
+    and any weight, integer ones included."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, generator=gen).to(logits_dtype)
+    if target_kind == "indices":
+        target = torch.tensor([0, 3, -100])
+    else:
+        target = torch.softmax(torch.randn(3, 4, generator=gen), -1).to(target_kind)
+    for weight_dtype in (None, *FLOATS, torch.int64):
+        weight = None if weight_dtype is None else (torch.rand(4, generator=gen) * 3).to(weight_dtype)
+        for smoothing in (0.0, 0.1):
+            k = rx.compile(rx.cross_entropy(x, t, None if weight is None else w, label_smoothing=smoothing))
+            feed = {"x": logits, "t": target} | ({} if weight is None else {"w": weight})
+            case = f"weight {weight_dtype}, smoothing {smoothing}"
+            try:
+                want = F.cross_entropy(logits, target, weight, label_smoothing=smoothing)
+            except RuntimeError:
+                with pytest.raises(rx.DtypeMismatchError, match=f"cross_entropy: weight is {weight_dtype}; it must"):
+                    k(**feed)
+                continue
+            got = k(**feed)
+            assert got.dtype == want.dtype, case
+            dtypes = [d for d in (logits_dtype, target.dtype, weight_dtype) if d is not None and d.is_floating_point]
+            tol = 1e-2 if min(torch.finfo(d).bits for d in dtypes) <= 16 else 1e-5  # torch rounds the smoothed target
+            assert_close(got, want.double(), tol, tol, case)
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
@@ -379,9 +404,8 @@ def test_cross_entropy_of_unbatched_logits(reduction, index, gen):
     for kw in ({}, {"label_smoothing": 0.1}):
         got = rx.compile(rx.cross_entropy(x, t, w, reduction=reduction, **kw))(x=logits, t=target, w=weight)
         want = F.cross_entropy(logits, target, weight, reduction=reduction, **kw)
-        torch.testing.assert_close(got, want, equal_nan=True)
-        if not want.isnan():
-            torch.testing.assert_close(torch.autograd.grad(got, logits)[0], torch.autograd.grad(want, logits)[0])
+        torch.testing.assert_close(got, want, equal_nan=True)  # ignored, mean: NaN, with a gradient of 0
+        torch.testing.assert_close(torch.autograd.grad(got, logits)[0], torch.autograd.grad(want, logits)[0])
 
 
 def _errors_against_float64(fn_ours, fn_torch, inputs, cot):
@@ -462,3 +486,94 @@ def test_cross_entropy_loss_module_returns_liger_extra_outputs(gen):
     only_acc = rx.nn.CrossEntropyLoss(return_token_accuracy=True)(logits, target)
     assert len(only_acc) == 2 and torch.equal(only_acc[1], a)
     assert_close(rx.nn.CrossEntropyLoss(z_loss=0.01)(logits, target), loss, 1e-12, 1e-12)  # a tensor, as torch's
+
+
+# ---- a mean over no counted row: a padding-only micro-batch -------------------------------------------
+ALL_IGNORED = [  # (options, class weights): each branch of the mean's denominator
+    ({}, False),
+    ({"label_smoothing": 0.1}, False),
+    ({"z_loss": 0.01}, False),  # its own mean over the tokens
+    ({}, True),  # the weight of the counted targets
+    ({"label_smoothing": 0.2, "z_loss": 0.01}, True),
+    ({"grad_in_forward": True}, False),  # the gradient written in the forward, over the same denominator
+]
+
+
+def _eager_grads(loss, inputs):
+    return torch.autograd.grad(loss, inputs)
+
+
+@pytest.mark.parametrize(("kw", "weighted"), ALL_IGNORED)
+@pytest.mark.parametrize("shape", [(3, 5), (2, 5, 3)])  # [N, C] and [N, C, d]
+def test_mean_cross_entropy_of_only_ignored_rows_is_eagers_nan_with_eagers_zero_gradient(kw, weighted, shape, gen):
+    """torch: the value is 0 / 0 = NaN, the gradient 0 (no row counts, so none gets any); a NaN
+    gradient would poison the weights through one padding-only micro-batch."""
+    logits = torch.randn(shape, generator=gen, dtype=torch.float64)
+    target = torch.full(shape[:1] + shape[2:], -100)
+    weight = torch.rand(5, generator=gen, dtype=torch.float64)
+    opts = {k: v for k, v in kw.items() if k != "grad_in_forward"}
+    ref_x = logits.clone().requires_grad_()
+    want = _ce_ref(ref_x, target, *([weight] if weighted else []), **({"ignore_index": -100, "reduction": "mean",
+                   "label_smoothing": 0.0, "z_loss": 0.0} | opts))  # fmt: skip
+    assert want.isnan() and torch.equal(_eager_grads(want, ref_x)[0], torch.zeros(shape, dtype=torch.float64))
+    ours = logits.clone().requires_grad_()
+    feed = {"x": ours * 1 if kw.get("grad_in_forward") else ours, "t": target} | ({"w": weight} if weighted else {})
+    got = rx.compile(rx.cross_entropy(x, t, w if weighted else None, **kw))(**feed)
+    assert got.isnan()
+    assert torch.equal(torch.autograd.grad(got, ours)[0], torch.zeros(shape, dtype=torch.float64))
+
+
+def test_mean_cross_entropy_whose_counted_rows_weigh_nothing_keeps_eagers_nan_gradient(gen):
+    """The other 0 / 0: rows that count but whose classes weigh 0. torch's gradient is NaN on those
+    rows and 0 on the ignored one; so is ours (only the ignored rows' gradient is masked)."""
+    logits = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    target, weight = torch.tensor([0, 0, -100]), torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    ref_x, ours = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    want = F.cross_entropy(ref_x, target, weight)
+    got = rx.compile(rx.cross_entropy(x, t, w))(x=ours, t=target, w=weight)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    torch.testing.assert_close(torch.autograd.grad(got, ours)[0], _eager_grads(want, ref_x)[0], equal_nan=True)
+
+
+def test_only_ignored_rows_through_the_module_the_lazy_stream_and_linear_cross_entropy(gen):
+    """The same value and gradient from every front end that reaches the loss, and from the fused
+    linear cross-entropy (its one kernel, its two gradient GEMMs recomputing the logits)."""
+    logits = torch.randn(4, 9, generator=gen, dtype=torch.float64)
+    target, weight = torch.full((4,), -100), torch.rand(9, generator=gen, dtype=torch.float64)
+    zeros = torch.zeros(4, 9, dtype=torch.float64)
+    for module in (rx.nn.CrossEntropyLoss(), rx.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)):
+        ours = logits.clone().requires_grad_()
+        loss = module(ours, target)
+        assert loss.isnan() and torch.equal(torch.autograd.grad(loss, ours)[0], zeros)
+    f, ours = rx.Fusion(), logits.clone().requires_grad_()
+    loss = F.cross_entropy(f.lazy(ours), f.lazy(target)).torch()
+    assert loss.isnan() and torch.equal(torch.autograd.grad(loss, ours)[0], zeros)
+
+    h, v, b = (torch.randn(s, generator=gen, dtype=torch.float64) for s in ((4, 6), (9, 6), (9,)))
+    hidden = rx.var("h")
+    for kw, weighted in (({}, True), ({"label_smoothing": 0.1, "z_loss": 0.01, "softcap": 30.0}, False),
+                         ({"grad_in_forward": True}, False)):  # fmt: skip
+        e = rx.linear_cross_entropy(hidden, w, t, rx.var("b"), rx.var("c") if weighted else None, **kw)
+        ins = [z.clone().requires_grad_() for z in (h, v, b)]
+        feed = {"h": ins[0] * 1 if kw.get("grad_in_forward") else ins[0], "w": ins[1], "t": target, "b": ins[2]}
+        feed |= {"c": weight} if weighted else {}
+        k = rx.compile(e)
+        assert k.program(**feed).kernels_launched == 1, kw  # fused: no logits written
+        loss = k(**feed)
+        eager = [z.clone().requires_grad_() for z in (h, v, b)]
+        want = F.cross_entropy(F.linear(*eager), target, weight if weighted else None)
+        assert loss.isnan() and want.isnan(), kw
+        for got, ref in zip(torch.autograd.grad(loss, ins), _eager_grads(want, eager)):
+            assert torch.equal(got, torch.zeros_like(got)) and torch.equal(ref, torch.zeros_like(ref)), kw
+
+
+def test_where_passes_no_gradient_to_the_branch_it_did_not_take_even_an_infinite_one():
+    """torch's where backward is ``where(cond, grad, 0)``: exactly 0 for the other branch, even where
+    the incoming gradient is inf or NaN (a mean over nothing sends 1 / 0 down to its masked rows)."""
+    a = torch.tensor([1.0, 3.0, -2.0], requires_grad=True)
+    c = torch.tensor([2.0, 2.0, 2.0], requires_grad=True)
+    cot = torch.tensor([float("inf"), float("nan"), 1.0])
+    want = torch.autograd.grad(torch.where(a > 2, a, c * 2), (a, c), cot)
+    got = torch.autograd.grad(rx.compile(rx.where(x > 2, x, w * 2))(x=a, w=c), (a, c), cot)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, equal_nan=True)

@@ -57,6 +57,16 @@ def is_leaf(n: Expr, info: Mapping[int, Info]) -> bool:
     return (n.is_var or n.is_const) or info[id(n)].is_scalar
 
 
+def _eager_cost(n: Expr, info: Mapping[int, Info]) -> tuple[int, int]:
+    """Eager torch's launches and bytes for node ``n``: its op's own model (``OpDef.eager``), or
+    ``eager_launches`` kernels reading each operand once and writing the result once."""
+    opdef, srcs = REGISTRY[n.op], [info[id(s)] for s in n.srcs]
+    operands, result = [i.nbytes for i in srcs], info[id(n)].nbytes
+    if opdef.eager is not None:
+        return opdef.eager(operands, result, [i.shape for i in srcs], [i.dtype for i in srcs], **n.attr_dict)
+    return opdef.eager_launches, (result + sum(operands) if opdef.eager_launches else 0)
+
+
 def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tuple[Info, ...]) -> Graph:
     """Type ``outputs`` for inputs with ``metas`` (in ``inputs`` order) and lower them to primitives."""
     info: dict[int, Info] = {id(v): m for v, m in zip(inputs, metas)}
@@ -69,9 +79,9 @@ def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tup
         opdef = REGISTRY[n.op]
         me = info[id(n)]
         if opdef.kind not in (OpKind.LEAF, OpKind.SCALAR) and not me.is_scalar:
-            eager_launches += opdef.eager_launches
-            if opdef.eager_launches:
-                eager_bytes += me.nbytes + sum(info[id(s)].nbytes for s in n.srcs)
+            launches, nbytes = _eager_cost(n, info)
+            eager_launches += launches
+            eager_bytes += nbytes
 
     memo: dict[int, Expr] = {}
     origin: dict[int, str] = {}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..dtypes import compute_dtype
-from ..expr import Expr
+from ..expr import Expr, walk
 from ..ops import REGISTRY, DtypeRule, OpKind
 from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
@@ -760,5 +760,8 @@ def _check_message(n: Expr, graph: Graph) -> str:
     shape = graph.of(data).shape
     size = shape[n.attr("axis")] if shape else 1
     if positions_only(data):  # a range check (cross-entropy's target): the positions are no one's tensor
+        owner = REGISTRY.get(graph.origin.get(id(n), n.op))  # the composite that built it words it
+        if owner is not None and owner.range_error is not None:
+            return owner.range_error(", ".join(sorted({repr(v) for v in walk([idx]) if v.is_var})), size)
         return f"{n.op}: an index in {idx!r} is out of range [0, {size})"
     return f"{n.op}: an index in {idx!r} is out of range for axis {n.attr('axis')} of {data!r} (size {size})"

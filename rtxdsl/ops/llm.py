@@ -32,10 +32,12 @@ def cross_entropy(
 ) -> Expr:
     """``F.cross_entropy`` (class axis 1, or 0 for 1-d logits), plus PaLM's ``z_loss * lse**2``.
 
-    ``target`` holds int64 class indices (shaped like ``logits`` without the class axis) or
-    class probabilities (shaped and typed like ``logits``). With indices, rows whose target is
-    ``ignore_index`` contribute nothing and "mean" divides by the weight of the other rows
-    (their count without ``weight``). The z-loss term is never weighted: "mean" averages it over
+    ``target`` holds int64 class indices (shaped like ``logits`` without the class axis; ``weight``,
+    if given, of the logits' dtype, as torch requires) or class probabilities (a floating-point
+    tensor shaped like ``logits``; promoted with the logits and ``weight``, as torch's). With
+    indices, rows whose target is ``ignore_index`` contribute nothing and "mean" divides by the
+    weight of the other rows (their count without ``weight``): over no such row it is torch's
+    NaN, with torch's gradient, 0. The z-loss term is never weighted: "mean" averages it over
     the non-ignored rows (PaLM's and Liger-Kernel's definition). The row kernel
     reads each row once and the backward reads the saved per-row logsumexp.
 
@@ -100,14 +102,50 @@ def _ce_shape(shapes: list[tuple[int, ...]], reduction: str, **_: Any) -> tuple[
 
 
 def _ce_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
-    x, t = dtypes[0], dtypes[1]
-    if t.is_floating_point and t != x:
-        raise RtxError(f"cross_entropy: probability target is {t}; it must match the logits' {x}")
-    if not t.is_floating_point and t != torch.int64:
+    """torch's rule: class probabilities promote with the logits (and the class weight); class
+    indices are int64 and take a weight of the logits' own dtype (torch raises otherwise)."""
+    x, t, w = dtypes[0], dtypes[1], dtypes[2] if len(dtypes) == 3 else None
+    if t.is_floating_point:  # -(log_softmax(x) * t * w).sum(): promoted as torch promotes it
+        out = torch.promote_types(x, t)
+        return out if w is None else torch.promote_types(out, w)
+    if t != torch.int64:
         raise RtxError(f"cross_entropy: class-index target must be int64, got {t}")
-    if len(dtypes) == 3 and dtypes[2] != x:  # torch: "expected scalar type ... but found ..."
-        raise DtypeMismatchError(f"cross_entropy: weight is {dtypes[2]}; it must match the logits' {x}")
+    if w is not None and w != x:  # torch: "expected scalar type BFloat16 but found Float"
+        raise DtypeMismatchError(
+            f"cross_entropy: weight is {w}; it must match the logits' {x} with class-index targets, as in "
+            f"torch (cast it: weight.to({x}))"
+        )
     return x
+
+
+def _range_error(op: str) -> Any:
+    """The error of a target class out of range, naming the target (torch: "Target 7 is out of bounds.")."""
+
+    def error(reads: str, size: int) -> str:
+        return (
+            f"{op}: target '{reads}' holds a class index out of range: each must be in [0, {size}) or be "
+            f"ignore_index (torch: 'Target ... is out of bounds.')"
+        )
+
+    return error
+
+
+def _check_target(shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], op: str = "cross_entropy") -> None:
+    """A target whose shape and dtype disagree on its kind: torch's errors, naming the target."""
+    x, t = shapes[0], shapes[1]
+    kind = f"{dtypes[1]} of shape {list(t)}"
+    if dtypes[1].is_floating_point and t != x:
+        raise RtxError(
+            f"{op}: target is {kind}: class indices must be int64 (torch: 'expected target dtype to be "
+            f"Long'), and a floating-point target holds class probabilities shaped like the logits {list(x)}"
+        )
+    cls = _class_axis(len(x))
+    if not dtypes[1].is_floating_point and t == x and t != x[:cls] + x[cls + 1 :]:
+        raise RtxError(
+            f"{op}: target is {kind}, the logits' shape: class probabilities must be floating point "
+            f"(torch: 'Expected floating point type for target with class probabilities'); class indices "
+            f"have shape {list(x[:cls] + x[cls + 1 :])}"
+        )
 
 
 def _ce_ref(
@@ -137,6 +175,7 @@ def _ce_decompose(
     x: Expr, t: Expr, *w: Expr, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
     shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], grad_in_forward: bool = False,
 ) -> Expr:  # fmt: skip
+    _check_target(shapes, dtypes)
     rank = len(shapes[0])
     if rank == 1 and not dtypes[1].is_floating_point:  # unbatched: one row of [1, C], then its value
         one = _ce_decompose(
@@ -256,6 +295,7 @@ register(
         shape=_ce_shape,
         result_dtype=_ce_dtype,
         eager_launches=2,  # log_softmax, nll_loss
+        range_error=_range_error("cross_entropy"),
         pattern=Pattern.CROSS_ENTROPY,
         accepts=ANY,
         front=Front(fn=cross_entropy, torch=dict.fromkeys(torch_fns("cross_entropy"), _torch_cross_entropy)),
@@ -352,6 +392,18 @@ def _lce_ref(
     return loss.reshape(t.shape) if options["reduction"] == "none" else loss
 
 
+def _lce_eager(
+    operands: list[int], result: int, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], *,
+    softcap: float | None, **_: Any,
+) -> tuple[int, int]:  # fmt: skip
+    """Eager's F.linear (+ the softcap's div, tanh and mul) and F.cross_entropy: the logits are
+    written by the GEMM, read and written by each softcap op, and read by the loss."""
+    logits = math.prod(shapes[0][:-1]) * shapes[1][0] * dtypes[0].itemsize
+    h, w, t, b, *cw = operands
+    capped = 0 if softcap is None else 3
+    return 1 + capped + 2, (h + w + b + logits) + capped * 2 * logits + (logits + t + sum(cw) + result)
+
+
 def _lce_decompose(
     h: Expr, w: Expr, t: Expr, b: Expr, *cw: Expr, softcap: float | None, shapes: list, dtypes: list,
     grad_in_forward: bool = False, z_loss: float, **options: Any,
@@ -375,6 +427,8 @@ register(
         shape=_lce_shape,
         result_dtype=_lce_dtype,
         eager_launches=3,  # the logits' GEMM, log_softmax, nll_loss
+        eager=_lce_eager,
+        range_error=_range_error("linear_cross_entropy"),
         pattern=Pattern.LINEAR_CROSS_ENTROPY,
         accepts=ANY,
         front=Front(fn=linear_cross_entropy),
