@@ -234,9 +234,9 @@ def _fold_scalars(
         if id(new) not in info:
             info[id(new)] = i
             keep.append(new)
-        if id(n) in origin:
-            origin.setdefault(id(new), origin[id(n)])
-            written.setdefault(id(new), written[id(n)])
+        for side in (origin, written):  # a node typed inside a composite may lie outside its cone
+            if id(n) in side:
+                side.setdefault(id(new), side[id(n)])
         memo[id(n)] = new
     return memo[id(root)]
 
