@@ -12,6 +12,12 @@ by recomputing the fused forward with grad and running rtxdsl's fused backward.
 A differentiated call at fixed sizes is ``rtxdsl::kernel_saving`` instead: its gradient plan's
 forward, whose row statistics autograd saves for the fused backward (no forward again).
 
+Every output of every op here, real or fake, is laid out by one rule (:func:`op_outputs`): a
+tensor of its own, contiguous. The kernels write such buffers; the torch reference a fake runs
+keeps its inputs' order instead (a transposed input gives a transposed result), and a real call
+can hand back an input, a view of one or a broadcast gradient: both are restated by the rule, so
+Inductor's stride checks and the graphs it caches on disk see what the kernels return.
+
 On CUDA with fixed sizes, AOT autograd replaces these ops by their launches
 (:func:`expose_launches`, ``wrap_triton``), so Inductor sees each generated kernel.
 """
@@ -92,17 +98,48 @@ def _as_list(kernel: KernelHandle, result: Any) -> list[Tensor]:
     return [result] if kernel.returns_tensor else [result[k] for k in kernel.outputs]
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``torch.empty(shape)``'s strides: row-major, a zero-size dim counted as one."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def op_outputs(results: Any, inputs: Any = (), fake: bool = False) -> list[Any]:
+    """The outputs of an rtxdsl op as it returns them, real and fake alike: each a tensor of its own
+    (no alias of an input or of another output: custom ops may return neither) with contiguous
+    strides. A real result already laid out so is returned as it is (kernels allocate their outputs
+    so); another (an input handed through, a view of one, a broadcast gradient) is copied; a fake
+    one (``fake``: the torch reference's layout) is restated. None stays None (no gradient)."""
+    if fake:
+        return [None if t is None else t.new_empty(t.shape) for t in results]
+    taken = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
+    out = []
+    for t in results:
+        if t is not None:
+            mem = t.untyped_storage().data_ptr() if t.numel() else None
+            if mem in taken or t.stride() != contiguous_strides(t.shape):
+                t = t.clone(memory_format=torch.contiguous_format)
+                mem = t.untyped_storage().data_ptr() if t.numel() else None
+            if mem is not None:
+                taken.add(mem)
+        out.append(t)
+    return out
+
+
 @torch.library.custom_op("rtxdsl::kernel", mutates_args=())
 def kernel_op(key: str, inputs: list[Tensor]) -> list[Tensor]:
     """Any rtxdsl kernel, by key: the node a traced ``Kernel`` call becomes in a torch.compile graph."""
     kernel = kernel_of(key)
-    return _as_list(kernel, kernel(*inputs))
+    return op_outputs(_as_list(kernel, kernel(*inputs)), inputs)
 
 
 @kernel_op.register_fake
 def _kernel_fake(key: str, inputs: list[Tensor]) -> list[Tensor]:
     kernel = kernel_of(key)
-    return _as_list(kernel, kernel.reference_on(tuple(inputs)))
+    return op_outputs(_as_list(kernel, kernel.reference_on(tuple(inputs))), fake=True)
 
 
 def _kernel_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -121,22 +158,14 @@ def kernel_grad_op(key: str, inputs: list[Tensor], grads: list[Tensor | None]) -
     """Input gradients of ``rtxdsl::kernel`` (an op too, so AOT autograd does not trace into it)."""
     kernel = kernel_of(key)
     got = _recompute_grads(kernel, lambda *ts: _as_list(kernel, kernel(*ts)), tuple(inputs), grads)
-    # an op's outputs may alias neither its inputs nor each other (a residual's two gradients are
-    # one tensor, the cotangent itself): those are cloned
-    taken = {t.untyped_storage().data_ptr() for t in (*inputs, *grads) if t is not None and t.numel()}
-    out = []
-    for g, t in zip(got, inputs):
-        g = g if g is not None else torch.zeros_like(t)
-        if g.numel() and g.untyped_storage().data_ptr() in taken:
-            g = g.clone()
-        taken.add(g.untyped_storage().data_ptr())
-        out.append(g)
-    return out
+    # a residual's two gradients are one tensor, the cotangent itself; a broadcast input's is expanded
+    got = [g if g is not None else t.new_zeros(t.shape) for g, t in zip(got, inputs)]
+    return op_outputs(got, (*inputs, *grads))
 
 
 @kernel_grad_op.register_fake
 def _kernel_grad_fake(key: str, inputs: list[Tensor], grads: list[Tensor | None]) -> list[Tensor]:
-    return [torch.empty_like(t) for t in inputs]
+    return op_outputs(inputs, fake=True)  # each input's shape and dtype
 
 
 kernel_op.register_autograd(_kernel_backward, setup_context=_kernel_setup)
@@ -208,16 +237,16 @@ def saving_op(key: str, needs: str, inputs: list[Tensor]) -> list[Tensor]:
     is then ``rtxdsl::kernel`` (AOT autograd's graph holds that op; its fake lists the outputs
     only) and the backward runs the forward again, as ``rtxdsl::kernel_grad`` does."""
     plan = kernel_of(key).saving_plan(tuple(inputs), needs)
-    return _with_saved(plan, plan.forward(*_forward_values(plan, inputs)))
+    return op_outputs(_with_saved(plan, plan.forward(*_forward_values(plan, inputs))), inputs)
 
 
 @saving_op.register_fake
 def _saving_fake(key: str, needs: str, inputs: list[Tensor]) -> list[Tensor]:
     kernel = kernel_of(key)
     if not fixed_sizes(inputs):
-        return _as_list(kernel, kernel.reference_on(tuple(inputs)))
+        return op_outputs(_as_list(kernel, kernel.reference_on(tuple(inputs))), fake=True)
     plan = kernel.saving_plan(tuple(inputs), needs)
-    return _with_saved(plan, plan.forward.reference_on(_forward_values(plan, inputs)))
+    return op_outputs(_with_saved(plan, plan.forward.reference_on(_forward_values(plan, inputs))), fake=True)
 
 
 def _saving_setup(ctx: Any, inputs: tuple[Any, ...], output: list[Tensor]) -> None:
@@ -330,14 +359,15 @@ def make_op(kernel: KernelHandle, kinds: tuple[str, ...] | None = None) -> Any:
     args = ", ".join(f"{n}: {k}" for n, k in zip(inputs, kinds))
     ret = "Tensor" if single else f"tuple[{', '.join(['Tensor'] * len(outputs))}]"
     # a fixed template: input names are identifiers (vars), kinds come from KINDS, nothing else
-    src = f"def {name}({args}) -> {ret}:\n    return PACK(RUN({', '.join(inputs)}))\n"
-    scope: dict[str, Any] = {"Tensor": Tensor, "RUN": run, "PACK": _packer(outputs, single)}
+    values = ", ".join(inputs)
+    src = f"def {name}({args}) -> {ret}:\n    return PACK(RUN({values}), ({values}{',' if inputs else ''}))\n"
+    scope: dict[str, Any] = {"Tensor": Tensor, "RUN": run, "PACK": _laid_out(outputs, single)}
     exec(src, scope)  # noqa: S102
     op = torch.library.custom_op(f"rtxdsl::{name}", mutates_args=())(scope[name])
 
     @op.register_fake
     def _fake(*values: Any) -> Any:
-        return _packer(outputs, single)(kernel.reference_on(values))
+        return _laid_out(outputs, single, fake=True)(kernel.reference_on(values))
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.save_for_backward(*[v for v in inputs if isinstance(v, Tensor)])
@@ -362,3 +392,11 @@ def _packer(outputs: tuple[str, ...], single: bool) -> Callable[[Any], Any]:
     if single:
         return lambda r: r
     return lambda r: tuple(r[k] for k in outputs)
+
+
+def _laid_out(outputs: tuple[str, ...], single: bool, fake: bool = False) -> Callable[..., Any]:
+    """``f(result, inputs)``: a kernel's result (a tensor, or a dict by output key) as its own op
+    returns it, each output laid out by :func:`op_outputs`."""
+    listed = (lambda r: [r]) if single else (lambda r: [r[k] for k in outputs])
+    packed = (lambda ts: ts[0]) if single else tuple
+    return lambda r, ins=(): packed(op_outputs(listed(r), ins, fake))

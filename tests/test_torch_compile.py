@@ -255,6 +255,45 @@ def test_the_saving_op_is_opchecked(outputs, needs, shapes):
     torch.library.opcheck(saving_op, (k.op_key, needs, ins), test_utils=checks)
 
 
+#: kernels whose results torch's reference lays out otherwise than the kernel does, by input:
+#: (expression, inputs from a (9, 6) transposed ``t``, a contiguous ``c`` and a bias ``v``)
+LAYOUTS = {
+    "pointwise_of_a_transposed_input": (rx.gelu(x + b), "tv"),  # torch keeps the input's order
+    "an_input_as_an_output": ({"y": x, "z": x * 2.0}, "t"),  # the kernel hands the input itself back
+    "a_view_of_an_input": (rx.reshape(x, (54,)), "c"),  # no kernel: the input's memory
+    "a_transpose": (rx.transpose(x, 0, 1) * 2.0, "c"),  # torch: a transposed result
+    "row_statistics_of_a_transposed_input": ({"y": rx.layer_norm(x + b), "s": rx.softmax(x)}, "tv"),
+    "a_residual_and_its_norm": ({"h": x + b, "y": rx.rms_norm(x + b, None, 1e-6)}, "tc"),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_every_op_returns_the_layout_its_fake_states(case):
+    """One rule lays out every output of every rtxdsl op, real and fake (``torchop.op_outputs``: a
+    contiguous tensor of its own), so Inductor's stride assertions after an opaque op hold: the
+    fakes ran the torch reference, whose layout follows the inputs' (a transposed input gave a
+    transposed fake, the kernel a contiguous result), and a real call could return an input or a
+    view of one (which a custom op may not)."""
+    from rtxdsl.torchop import kernel_grad_op, kernel_op, saving_op
+
+    expr, kinds = LAYOUTS[case]
+    gen = torch.Generator().manual_seed(0)
+    made = {"t": torch.randn(6, 9, generator=gen).t(), "c": torch.randn(9, 6, generator=gen)}
+    made["v"] = torch.randn(6, generator=gen)
+    k = rx.compile(expr)
+    ins = [made[c] for c in kinds]
+    result = k(*ins)
+    cotangents = [torch.ones_like(r) for r in ([result] if k.returns_tensor else result.values())]
+    ops = [
+        (kernel_op, (k.op_key, ins)),
+        (k.torch_op, tuple(ins)),
+        (saving_op, (k.op_key, "1" * len(ins), [t.detach().requires_grad_() for t in ins])),
+        (kernel_grad_op, (k.op_key, ins, cotangents)),
+    ]
+    for op, args in ops:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_the_graph_run_computes_what_the_call_does():
     """The launches a CUDA graph holds, run here eagerly under the interpreter: allocation, the
     tail's per-call counter and argument order are the call's own."""
@@ -384,3 +423,35 @@ def test_a_kernel_stays_callable_when_another_of_its_structure_dies():
     out = compiled(t)
     out.sum().backward()
     torch.testing.assert_close(out, torch.softmax(t.detach() * 3.0, -1))
+
+
+@pytest.mark.slow  # two fresh processes compiling with Inductor: ~40 s on 2 cores
+def test_a_compiled_training_step_reloaded_from_torchs_disk_cache_in_another_process(tmp_path):
+    """A replaced model compiled by Inductor (forward, backward, SGD step) in a fresh process, then
+    again in a second one sharing its ``TORCHINDUCTOR_CACHE_DIR``: the second loads both graphs from
+    the FX graph cache, their stride assertions included, and must compute exactly what the first
+    did (both as the unmodified model does eagerly). The fakes stated other strides than the
+    kernels return, so the first process failed Inductor's assertion and the cache kept the
+    wrong ones."""
+    script = Path(__file__).parent / "helpers" / "compiled_step.py"
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",  # no pool of compile workers to start (each imports torch)
+    }
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}.pt"
+        res = subprocess.run(
+            [sys.executable, str(script), str(out)], capture_output=True, text=True, env=env, timeout=400
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(torch.load(out))
+    first, second = runs
+    assert first["counters"]["inductor"].get("fxgraph_cache_miss") == 2, first["counters"]  # forward, backward
+    assert second["counters"]["inductor"].get("fxgraph_cache_hit") == 2, second["counters"]
+    assert not second["counters"]["inductor"].get("fxgraph_cache_miss"), second["counters"]
+    torch.testing.assert_close(second["compiled"], first["compiled"], atol=0, rtol=0)
+    torch.testing.assert_close(first["compiled"], first["eager"], atol=2e-6, rtol=2e-5)

@@ -233,6 +233,7 @@ def _rope_kernel() -> Kernel:
 
 def _fused_rotary(original: Callable[..., Any]) -> Callable[..., Any]:
     """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` as one kernel for q and k."""
+    kernel = _rope_kernel()  # made here: never inside a torch.compile trace (see _made_once)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
@@ -240,7 +241,7 @@ def _fused_rotary(original: Callable[..., Any]) -> Callable[..., Any]:
         whole = all(type(t) is torch.Tensor for t in (q, k, cos, sin)) and cos.shape[-1] == q.shape[-1]
         if args or kwargs or unsqueeze_dim is None or not whole or q.shape[-1] % 2:
             return original(q, k, cos, sin, *args, **kwargs)
-        out = _rope_kernel()(q=q, k=k, cos=cos.unsqueeze(unsqueeze_dim), sin=sin.unsqueeze(unsqueeze_dim))
+        out = kernel(q=q, k=k, cos=cos.unsqueeze(unsqueeze_dim), sin=sin.unsqueeze(unsqueeze_dim))
         return out["q"], out["k"]
 
     apply_rotary_pos_emb.__rtxdsl_original__ = original  # type: ignore[attr-defined]
@@ -263,7 +264,23 @@ def _fuse_rotary(model: torch.nn.Module) -> int:
 
 
 # ---- the causal-LM loss ------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=8)
+def _made_once(factory: Callable[..., Kernel]) -> Callable[..., Kernel]:
+    """``factory`` memoized in a plain dict, for kernels a forward looks up: inside torch.compile a
+    hit is a dict lookup Dynamo reads (it traces into an ``lru_cache``'d function even on a hit, and
+    cannot build a ``Kernel`` there); :func:`_fuse_loss` makes the ones a model asks for."""
+    made: dict[tuple[Any, ...], Kernel] = {}
+
+    @functools.wraps(factory)
+    def get(*key: Any) -> Kernel:
+        kernel = made.get(key)
+        if kernel is None:
+            kernel = made[key] = factory(*key)
+        return kernel
+
+    return get
+
+
+@_made_once
 def _loss_kernel(reduction: str, ignore_index: int) -> Kernel:
     logits, target = dsl.var("logits"), dsl.var("target")
     return compile(cast(cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction), torch.float32))
@@ -321,7 +338,13 @@ def _fuse_loss(model: torch.nn.Module, logits: bool = True) -> bool:
     if not type(model).__name__.endswith("ForCausalLM") or not hasattr(type(model), "loss_function"):
         return False
     model.loss_function = causal_lm_loss
-    if not logits and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+    head = getattr(model, "lm_head", None)
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    for reduction in ("mean", "sum"):  # the kernels its forward asks for, made outside any trace
+        _loss_kernel(reduction, -100)
+        if not logits and isinstance(head, torch.nn.Linear):
+            _hidden_loss_kernel(reduction, -100, head.bias is not None, cap)
+    if not logits and isinstance(head, torch.nn.Linear):
         model.forward = _LossFromHidden(model)
     return True
 
@@ -335,7 +358,7 @@ class _Hidden(torch.nn.Module):
         return hidden
 
 
-@functools.lru_cache(maxsize=16)
+@_made_once
 def _hidden_loss_kernel(reduction: str, ignore_index: int, bias: bool, softcap: float | None) -> Kernel:
     """Hugging Face's causal-LM cross-entropy from hidden states: the logits (soft-capped where the
     model caps them, then float32 as ``ForCausalLMLoss`` makes them) only ever exist as tiles."""
