@@ -1,0 +1,46 @@
+"""The model-shaped differential fuzzer (``tests/model_fuzz.py``) at a CI budget.
+
+Programs drawn as models are written (attention by hand, gated MLPs, norms, residuals, logits
+heads with cross-entropy, linear cross-entropy, mean pooling; fp32 / fp16 / bf16; gradients,
+inference with in-place writes, a second step) run in both rtxdsl modes, ``dsl`` (``rx.compile``
+of expressions) and ``lazy`` (the torch text on ``f.lazy`` tensors), against float64 torch, at a
+fixed seed and at a seed from the commit (``RTXDSL_MODEL_FUZZ_SEED`` sets it; the pytest header
+prints the lazy and expression fuzzers' seeds, this one is in the test's id). A crash or a wrong
+answer fails; refusals (an ``RtxError`` naming what rtxdsl does not fuse) are bounded.
+
+``RTXDSL_MODEL_FUZZ_PROGRAMS=N`` sets the programs per seed and mode (interpreted kernels cost
+seconds per program: the default keeps this file near a minute on two cores). Reproduce a failure
+with ``python tests/model_fuzz.py --one ID --mode MODE``; ``--show ID`` prints its texts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+from conftest import commit_seed
+from model_fuzz import MODES, check, generate, program_ids
+
+PROGRAMS = int(os.environ.get("RTXDSL_MODEL_FUZZ_PROGRAMS", "3"))
+SEEDS = [("fixed", 33), ("commit", commit_seed("RTXDSL_MODEL_FUZZ_SEED"))]
+#: the done criterion: refusals under 2% (at least one tolerated in a small budget)
+REFUSALS = 0.02
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("label,seed", SEEDS, ids=[f"{label}-{seed}" for label, seed in SEEDS])
+def test_model_programs_match_float64_torch(mode: str, label: str, seed: int) -> None:
+    """Every output and gradient as close to float64 torch as eager torch's own; each failure
+    names its program id and prints the program."""
+    bad, refused = [], 0
+    for pid in program_ids(seed, PROGRAMS):
+        p = generate(pid)
+        out = check(p, mode)
+        refused += out.verdict == "refusal"
+        if out.verdict in ("wrong", "crash"):
+            bad.append(f"program {pid} ({label} seed, {mode}): {out.verdict}: {out.detail}\n{p.source()}")
+    report = f"{len(bad)} of {PROGRAMS} program(s) failed (python tests/model_fuzz.py --one ID --mode {mode})"
+    print(report + "\n\n" + "\n\n".join(bad))
+    assert not bad, report + "\n\n" + "\n\n".join(bad[:3])
+    assert refused <= max(1, math.floor(REFUSALS * PROGRAMS)), f"{refused} of {PROGRAMS} refused"
