@@ -23,7 +23,7 @@ from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import FLOATING, NUMERIC, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .helpers import ExprLike, axis_arg, binary_fn, int_axis, scalar_arg, torch_fns
-from .reduction import mean_of, norm_axes, reduced_shape
+from .reduction import lse_shift, mean_of, norm_axes, reduced_shape
 
 
 def _composite(
@@ -69,17 +69,20 @@ def _same_as_first(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
     return shapes[0]
 
 
-def _lse_shift(x: Expr, axis: Any) -> Expr:
-    """logsumexp, as the shift of softmax and log_softmax. torch gives NaN for a whole row that
-    holds +inf (its max shift makes inf - inf); lse + (lse - lse) is NaN exactly then."""
-    lse = node("logsumexp", x, axis=axis, keepdim=True)
-    return node("add", lse, node("sub", lse, lse))
-
-
 # ---- statistics -----------------------------------------------------------------------------
 def variance_of(x: Expr, correction: Expr, axis: Any, keepdim: bool) -> Expr:
     dof = node("maximum", node("sub", node("rcount", x, axis=axis), correction), 0)
     return node("div", node("m2", x, axis=axis, keepdim=keepdim), dof)
+
+
+def _std_of(x: Expr, correction: Expr, axis: Any, keepdim: bool) -> Expr:
+    """sqrt of the variance, with torch's gradient where it is 0 (a constant row): torch's
+    std_backward is ``(grad / (2 * std)).masked_fill_(std == 0, 0)``, exactly 0 there, where the
+    sqrt's own ``g / (2 * 0)`` times the row's deviations (0) would be NaN; the sqrt reads 1 there,
+    so no inf enters the gradient."""
+    v = variance_of(x, correction, axis, keepdim)
+    zero = node("eq", v, 0.0)
+    return node("where", zero, 0.0, node("sqrt", node("where", zero, 1.0, v)))
 
 
 def _torch_spread(fn: Callable[..., Expr]) -> Callable[..., Expr]:
@@ -156,7 +159,7 @@ _composite(
     "std",
     2,
     lambda x, c, axis, keepdim: torch.std(x, dim=axis, correction=c, keepdim=keepdim),
-    lambda x, c, axis, keepdim: node("sqrt", variance_of(x, c, axis, keepdim)),
+    _std_of,
     shape=_reduced,
     pattern=Pattern.REDUCTION,
     accepts=FLOATING,
@@ -200,7 +203,7 @@ _composite(
     "softmax",
     1,
     lambda x, axis: torch.softmax(x, dim=axis),
-    lambda x, axis: node("exp", node("sub", x, _lse_shift(x, axis))),
+    lambda x, axis: node("exp", node("sub", x, lse_shift(x, axis))),
     shape=_same_as_first,
     pattern=Pattern.SOFTMAX,
     accepts=FLOATING,
@@ -212,7 +215,7 @@ _composite(
     "log_softmax",
     1,
     lambda x, axis: torch.log_softmax(x, dim=axis),
-    lambda x, axis: node("sub", x, _lse_shift(x, axis)),
+    lambda x, axis: node("sub", x, lse_shift(x, axis)),
     shape=_same_as_first,
     pattern=Pattern.SOFTMAX,
     accepts=FLOATING,
@@ -399,21 +402,28 @@ def _torch_clamp(a: Any, min: Any = None, max: Any = None) -> Expr:  # noqa: A00
     return clamp(a, min, max)
 
 
+# torch's clamp_backward: x takes the cotangent where lo <= x <= hi (its bounds included: where, not
+# maximum, whose tie would halve it), a bound where x lies beyond it; nothing takes it where x or
+# the bound is NaN (the value is NaN there, as torch's: x + bound, outside autograd)
 def _clamp_min(x: Expr, lo: Expr) -> Expr:
-    # where, not maximum: torch's gradient passes at x == lo (a tie would halve it); NaN in x
-    # or in the bound gives NaN, as torch
-    return node("where", node("ne", lo, lo), lo, node("where", node("lt", x, lo), lo, x))
+    return node("where", node("ge", x, lo), x, node("where", node("lt", x, lo), lo, node("detach", node("add", x, lo))))
 
 
 def _clamp_max(x: Expr, hi: Expr) -> Expr:
-    return node("where", node("ne", hi, hi), hi, node("where", node("gt", x, hi), hi, x))
+    return node("where", node("le", x, hi), x, node("where", node("gt", x, hi), hi, node("detach", node("add", x, hi))))
+
+
+def _clamp(x: Expr, lo: Expr, hi: Expr) -> Expr:
+    # min(max(x, lo), hi): lo takes a cotangent only where lo < hi, as torch's (where lo == hi, hi
+    # does not take it either; where lo > hi, hi takes it everywhere)
+    return _clamp_max(_clamp_min(x, node("where", node("lt", lo, hi), lo, node("detach", lo))), hi)
 
 
 _composite(
     "clamp",
     3,
     lambda x, lo, hi: torch.clamp(x, lo, hi),
-    lambda x, lo, hi: _clamp_max(_clamp_min(x, lo), hi),
+    _clamp,
     front=Front(
         fn=clamp,
         names=("clamp", "clip"),

@@ -34,7 +34,7 @@ from ..registry import (
     as_tensors,
     register,
 )
-from .helpers import D, ExprLike, binary_fn, no_grad, scalar_arg, torch_fns, unary_fn
+from .helpers import D, ExprLike, binary_fn, no_grad, scalar_arg, torch_fns, unary_fn, zeros_like
 
 
 def _ew(
@@ -243,7 +243,9 @@ def _bool_or(on_bools: Callable[[str, str], str], op: str) -> Callable[..., str]
 
 
 def _zero(d: D) -> tuple:
-    return tuple(node("mul", d.g, 0.0) for _ in d.srcs)  # piecewise constant: zero, NaN kept
+    """Piecewise constant (floor, sign, floordiv...): torch's zeros_like(grad), even where the
+    cotangent is inf or NaN (``g * 0`` would be NaN there)."""
+    return tuple(zeros_like(d.g) for _ in d.srcs)
 
 
 # ---- arithmetic ------------------------------------------------------------------------------
@@ -374,7 +376,7 @@ _ew(
 def _pow_derivative(d: D) -> tuple:
     a, b = d.a, d.b
     ga = node("mul", d.g, node("mul", b, node("pow", a, node("sub", b, 1))))
-    ga = node("where", node("eq", b, 0), node("mul", d.g, 0.0), ga)  # d/da a**0 is 0, even at a = 0
+    ga = node("where", node("eq", b, 0), 0.0, ga)  # d/da a**0 is 0 (torch's where), even at a = 0 or g = inf
     zero_base = node("and", node("eq", a, 0), node("ge", b, 0))
     gb = node("mul", d.g, node("where", zero_base, 0.0, node("mul", d.y, node("log", a))))
     return (ga, gb)
@@ -413,17 +415,18 @@ _ew(
 )
 
 
-def _split_ties(d: D, first_wins: str) -> tuple:
-    """torch.maximum/minimum: the gradient goes to the winner, halved on ties."""
+def _split_ties(d: D, loses: str) -> tuple:
+    """torch.maximum/minimum: ``where(a == b, g / 2, g).masked_fill_(a loses, 0)`` for each
+    operand: the winner's cotangent, halved on ties, exactly 0 for the loser (even an inf one);
+    a NaN operand loses to nothing, so both get the whole cotangent."""
     half = node("mul", d.g, 0.5)
-    win_a = node(first_wins, d.a, d.b)
     tie = node("eq", d.a, d.b)
-    ga = node("where", tie, half, node("where", win_a, d.g, node("mul", d.g, 0.0)))
-    gb = node("where", tie, half, node("where", win_a, node("mul", d.g, 0.0), d.g))
+    ga = node("where", tie, half, node("where", node(loses, d.a, d.b), 0.0, d.g))
+    gb = node("where", tie, half, node("where", node(loses, d.b, d.a), 0.0, d.g))
     return (ga, gb)
 
 
-def _extreme(name: str, nan_pick: Callable[[str, str], str], ties: str) -> OpDef:
+def _extreme(name: str, nan_pick: Callable[[str, str], str], loses: str) -> OpDef:
     int_fn, on_bools = ("tl.maximum", either) if name == "maximum" else ("tl.minimum", both)
 
     def emit(c: EmitCtx, a: str, b: str) -> str:
@@ -436,7 +439,7 @@ def _extreme(name: str, nan_pick: Callable[[str, str], str], ties: str) -> OpDef
         2,
         _binary_ref(getattr(torch, name), scalar_second=False),
         emit,
-        lambda d: _split_ties(d, ties),
+        lambda d: _split_ties(d, loses),
         accepts=ANY,
         front=Front(
             fn=binary_fn(name, f"Elementwise {name[:3]}; NaN in either operand gives NaN (torch.{name})."),
@@ -446,8 +449,8 @@ def _extreme(name: str, nan_pick: Callable[[str, str], str], ties: str) -> OpDef
     )
 
 
-_extreme("maximum", nan_max, "gt")
-_extreme("minimum", nan_min, "lt")
+_extreme("maximum", nan_max, "lt")
+_extreme("minimum", nan_min, "gt")
 
 _ew(
     "neg",
@@ -488,7 +491,7 @@ _ew(
     _zero,
     accepts=ANY,
     front=Front(
-        fn=unary_fn("sign", "-1, 0 or 1 (0 for 0; NaN stays NaN, as torch)"),
+        fn=unary_fn("sign", "-1, 0 or 1 (0 for 0 and for NaN, as torch)"),
         methods={"sign": None},
         torch={f: (lambda a: node("sign", a)) for f in torch_fns("sign")},
     ),
@@ -732,7 +735,8 @@ _ew(
     2,
     lambda a, alpha: F.elu(a, alpha),
     lambda c, a, al: f"tl.where({a} > 0, {a}, {al} * {_expm1(c, a)})",
-    lambda d: (node("where", node("gt", d.a, 0), d.g, node("mul", d.g, node("mul", d.b, node("exp", d.a)))), None),
+    # torch's elu_backward: x <= 0 takes the exponential's slope, anything else (NaN too) the cotangent
+    lambda d: (node("where", node("le", d.a, 0), node("mul", d.g, node("mul", d.b, node("exp", d.a))), d.g), None),
     accepts=FLOATING,
     pattern=Pattern.ACTIVATION,
     front=Front(fn=elu, torch={F.elu: lambda a, alpha=1.0, inplace=False: elu(a, alpha)}),

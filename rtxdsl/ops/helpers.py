@@ -122,6 +122,17 @@ class D:
         return self.n.srcs
 
 
+def zeros_like(g: Expr) -> Expr:
+    """torch's ``zeros_like(grad)``: 0 at every element of ``g``'s shape and dtype, inf and NaN
+    cotangents included (``g * 0`` is NaN there). ``g < g`` holds nowhere, NaN included.
+
+    The derivative of a piecewise-constant op (floor, sign, ...): torch gives exactly 0 there.
+    A mask keeps a cotangent where it holds and gives exactly 0 elsewhere: ``where(mask, g, 0)``,
+    torch's ``where`` / ``masked_fill``; a product ``g * mask`` is right only where torch's own
+    rule multiplies too (abs, amax / amin, dropout), NaN then as in torch."""
+    return node("where", node("lt", g, g), g, 0.0)
+
+
 def no_grad(d: D) -> tuple[None, ...]:
     """Comparisons, logic, detach: no operand receives a gradient."""
     return tuple(None for _ in d.n.srcs)

@@ -15,6 +15,7 @@ from ..errors import DtypeMismatchError, RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .helpers import ExprLike, scalar_arg, torch_fns
+from .reduction import lse_shift
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -200,7 +201,7 @@ def _ce_rows(
     # every per-row value keeps its class axis (size 1) until the end: what the backward computes at
     # the logits' coordinates then only broadcasts (a kernel recomputing it per tile needs no re-indexing)
     keep = {"axis": (cls,), "keepdim": True}
-    lse = node("logsumexp", x, **keep)
+    lse = lse_shift(x, (cls,))  # NaN, value and gradient, on a row torch's log_softmax makes NaN
     # weight along the class axis, broadcast against the logits
     others = tuple(d for d in range(rank) if d != cls)
     wb = node("unsqueeze", w[0], axes=others) if w and others else (w[0] if w else None)
@@ -228,11 +229,8 @@ def _ce_rows(
     if wb is not None:
         tw = node("sum", node("where", hit, node("expand", wb, shape=shapes[0]), 0.0), **keep)
     checked = _checked_class(positions, t, safe, ignore_index, cls, shapes[0])
-    # torch takes log_softmax first: a row whose logsumexp is +-inf (a +inf logit, or every logit
-    # -inf) is NaN there; lse - lse is NaN exactly then, and 0 otherwise (no gradient flows through
-    # it, nor through the range check, which the backward need not repeat)
-    nan_or_zero = node("add", node("sub", lse, lse), node("mul", checked, 0))
-    nll = node("add", node("sub", lse, picked), node("detach", nan_or_zero))
+    # the range check runs in the forward only: no gradient flows through it (0 unless it raised)
+    nll = node("add", node("sub", lse, picked), node("detach", node("mul", checked, 0)))
     per = node("mul", nll, tw) if tw is not None else nll
     if eps:
         summed = node("sum", node("mul", x, wb) if wb is not None else x, **keep)

@@ -134,12 +134,14 @@ def dropout(e: ExprLike, p: float = 0.5, training: bool = True, seed: int | None
 
 def _dropout_ref(x: torch.Tensor, seed: int, p: float) -> torch.Tensor:
     keep = _rand_ref(x, seed) >= p
-    return torch.where(keep, x * (1.0 / (1.0 - p)), 0)
+    return torch.where(keep, x, x * 0) * (1.0 / (1.0 - p))
 
 
 def _dropout_decompose(x: Expr, seed: Expr, p: float) -> Expr:
+    # torch multiplies by the mask, forward (``input * noise``) and backward (``grad * mask *
+    # scale``): an inf or NaN input, or cotangent, at a dropped element is NaN there, not 0
     keep = node("ge", node("rand_like", x, seed), p)
-    return node("where", keep, node("mul", x, 1.0 / (1.0 - p)), 0.0)
+    return node("mul", node("where", keep, x, node("mul", x, 0.0)), 1.0 / (1.0 - p))
 
 
 def _torch_dropout(a: Any, p: float = 0.5, training: bool = True, inplace: bool = False, *, train: Any = None) -> Expr:

@@ -231,6 +231,18 @@ def mean_of(x: Expr, axis: Any, keepdim: bool) -> Expr:
     return node("div", node("sum", x, axis=axis, keepdim=keepdim), node("rcount", x, axis=axis))
 
 
+def lse_shift(x: Expr, axis: Any) -> Expr:
+    """logsumexp over ``axis`` (kept), as softmax, log_softmax and cross-entropy subtract it.
+
+    torch takes log_softmax first: a row whose logsumexp is +-inf or NaN (a +inf logit, only -inf
+    ones, a NaN) is NaN at every element, value and gradient. ``lse - lse`` is NaN exactly then
+    and 0 elsewhere; as the factor ``1 + (lse - lse)``, outside autograd, it makes both NaN there
+    and changes nothing elsewhere (added, ``lse + (lse - lse)``, its gradient would be ``c + c - c``:
+    NaN wherever the row's cotangent is inf)."""
+    lse = node("logsumexp", x, axis=axis, keepdim=True)
+    return node("mul", lse, node("add", node("detach", node("sub", lse, lse)), 1.0))
+
+
 _reduction(
     "sum",
     lambda x, axis, keepdim: torch.sum(x, dim=_dims(axis), keepdim=keepdim),

@@ -23,13 +23,15 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     s1,
     s2,
     s3,
+    s4,
+    s5,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0) * 0
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc_7 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_11 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -39,19 +41,23 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
         c0 = crem
         x2_0 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
         t1 = tl.where(mask, x2_0, 0)
-        t2 = acc_7 + t1
-        acc_7 = t2
-    v7 = tl.sum(acc_7, axis=1)[:, None]
-    x0_3 = tl.load(in0_ptr).to(tl.float32)
-    v0 = x0_3 * s0
-    x1_4 = tl.load(in1_ptr)
-    v1 = x1_4 / s1
-    v2 = tl.sqrt(v1)
-    v3 = v0 / v2
-    v4 = v3 / s1
-    v5 = v4
-    v6 = v5 * s2
-    v8 = v7 / s3
+        t2 = acc_11 + t1
+        acc_11 = t2
+    v11 = tl.sum(acc_11, axis=1)[:, None]
+    x0_3 = tl.load(in0_ptr)
+    v0 = x0_3 / s0
+    v1 = v0 == s1
+    x1_4 = tl.load(in1_ptr).to(tl.float32)
+    v2 = tl.where(v1, s1, x1_4)
+    v3 = v2 * s2
+    v4 = tl.where(v1, s3, v0)
+    v5 = tl.sqrt(v4)
+    v6 = v3 / v5
+    v7 = tl.where(v1, s1, v6)
+    v8 = v7 / s0
+    v9 = v8
+    v10 = v9 * s4
+    v12 = v11 / s5
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -60,15 +66,15 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
         crem = cols // csize1
         c0 = crem
         x2_5 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
-        v9 = x2_5 - v8
-        v10 = v6 * v9
+        v13 = x2_5 - v12
+        v14 = v10 * v13
         x3_6 = tl.load(in3_ptr + c0 * in3_stride1 + c1, mask=mask, other=0).to(tl.float32)
-        v11 = v10 + x3_6
+        v15 = v14 + x3_6
         x4_7 = tl.load(in4_ptr + c1, mask=mask, other=0).to(tl.float32)
-        v12 = x4_7 / s2
-        v13 = v12
-        v14 = v11 + v13
-        tl.store(out0_ptr + c0 * out0_stride1 + c1 + rows * 0, v14, mask=mask)
+        v16 = x4_7 / s4
+        v17 = v16
+        v18 = v15 + v17
+        tl.store(out0_ptr + c0 * out0_stride1 + c1 + rows * 0, v18, mask=mask)
 
 
 @triton.jit
@@ -101,6 +107,8 @@ def row_div_unsqueeze_mul_sum_SIG(
     t_s1,
     t_s2,
     t_s3,
+    t_s4,
+    t_s5,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -135,6 +143,6 @@ def row_div_unsqueeze_mul_sum_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_div_unsqueeze_mul_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, T_ROWS, T_BLOCK_SIZE)
+        row_div_unsqueeze_mul_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, t_s5, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -11,6 +11,8 @@ def row_m2_div_SIG_tail(
     n_rows,
     n_cols,
     s0,
+    s1,
+    s2,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -41,8 +43,11 @@ def row_m2_div_SIG_tail(
         m2_0 = t11
     v0 = m2_0
     v1 = v0 / s0
-    v2 = tl.sqrt(v1)
-    tl.store(out0_ptr + rows * 0, tl.where(v2 != v2, v2, ((v2.to(tl.uint32, bitcast=True) + 0x7FFF + ((v2.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    v2 = v1 == s1
+    v3 = tl.where(v2, s2, v1)
+    v4 = tl.sqrt(v3)
+    v5 = tl.where(v2, s1, v4)
+    tl.store(out0_ptr + rows * 0, tl.where(v5 != v5, v5, ((v5.to(tl.uint32, bitcast=True) + 0x7FFF + ((v5.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
 
 
 @triton.jit
@@ -59,6 +64,8 @@ def row_m2_div_SIG(
     t_n_rows,
     t_n_cols,
     t_s0,
+    t_s1,
+    t_s2,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -95,6 +102,6 @@ def row_m2_div_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_m2_div_SIG_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, T_ROWS, T_BLOCK_SIZE)
+        row_m2_div_SIG_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -24,6 +24,8 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     s2,
     s3,
     s4,
+    s5,
+    s6,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -37,27 +39,31 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     crem = cols // csize1
     c0 = crem
     x0_0 = tl.load(in0_ptr)
-    v0 = x0_0 * s0
+    v0 = x0_0 / s0
+    v1 = v0 == s1
     x1_1 = tl.load(in1_ptr)
-    v1 = x1_1 / s1
-    v2 = tl.sqrt(v1)
-    v3 = v0 / v2
-    v4 = v3 / s1
-    v5 = v4
-    v6 = v5 * s2
+    v2 = tl.where(v1, s1, x1_1)
+    v3 = v2 * s2
+    v4 = tl.where(v1, s3, v0)
+    v5 = tl.sqrt(v4)
+    v6 = v3 / v5
+    v7 = tl.where(v1, s1, v6)
+    v8 = v7 / s0
+    v9 = v8
+    v10 = v9 * s4
     x2_2 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0)
     t3 = tl.where(mask, x2_2, 0)
-    v7 = tl.sum(t3, axis=1)[:, None]
-    v8 = v7 / s3
-    v9 = x2_2 - v8
-    v10 = v6 * v9
+    v11 = tl.sum(t3, axis=1)[:, None]
+    v12 = v11 / s5
+    v13 = x2_2 - v12
+    v14 = v10 * v13
     x3_4 = tl.load(in3_ptr + c0 * in3_stride1 + c1, mask=mask, other=0)
-    v11 = v10 + x3_4
+    v15 = v14 + x3_4
     x4_5 = tl.load(in4_ptr + c1, mask=mask, other=0)
-    v12 = x4_5 / s4
-    v13 = v12
-    v14 = v11 + v13
-    tl.store(out0_ptr + c0 * out0_stride1 + c1 + rows * 0, v14, mask=mask)
+    v16 = x4_5 / s6
+    v17 = v16
+    v18 = v15 + v17
+    tl.store(out0_ptr + c0 * out0_stride1 + c1 + rows * 0, v18, mask=mask)
 
 
 @triton.jit
@@ -91,6 +97,8 @@ def row_div_unsqueeze_mul_sum_SIG(
     t_s2,
     t_s3,
     t_s4,
+    t_s5,
+    t_s6,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -116,6 +124,6 @@ def row_div_unsqueeze_mul_sum_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:
-        row_div_unsqueeze_mul_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, T_ROWS, T_BLOCK_SIZE)
+        row_div_unsqueeze_mul_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, t_s5, t_s6, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 
