@@ -567,6 +567,32 @@ def test_only_ignored_rows_through_the_module_the_lazy_stream_and_linear_cross_e
             assert torch.equal(got, torch.zeros_like(got)) and torch.equal(ref, torch.zeros_like(ref)), kw
 
 
+@pytest.mark.parametrize("shape", [(3, 5), (2, 5, 3)])  # [N, C] and [N, C, d]
+def test_z_loss_and_token_accuracy_over_only_ignored_tokens_are_ligers(shape, gen):
+    """Liger's cross-entropy over a padding-only micro-batch: its z-loss is the sum of per-token
+    terms that are all 0, so 0 (and its gradient 0, not the 0 / 0 = NaN of a mean); its token
+    accuracy is ``sum(hits) / n_non_ignore`` = 0 / 0 = NaN (a metric: nothing was measured, no
+    gradient). The loss itself stays torch's NaN."""
+    logits = torch.randn(shape, generator=gen, dtype=torch.float64)
+    target = torch.full(shape[:1] + shape[2:], -100)
+    ours = logits.clone().requires_grad_()
+    z = rx.compile(rx.z_loss_term(x, t, 0.01))(x=ours, t=target)
+    assert z.item() == 0.0
+    (grad,) = torch.autograd.grad(z, ours, torch.tensor(float("inf"), dtype=torch.float64))
+    assert torch.equal(grad, torch.zeros(shape, dtype=torch.float64))  # even for an inf cotangent
+    assert rx.compile(rx.token_accuracy(x, t))(x=logits, t=target).isnan()
+    assert rx.compile(rx.token_accuracy(x, t, reduction="sum"))(x=logits, t=target).item() == 0.0
+    outs = rx.compile(rx.cross_entropy_outputs(x, t, z_loss=0.01))(x=ours, t=target)
+    assert outs["loss"].isnan() and outs["z_loss"].item() == 0.0 and outs["accuracy"].isnan()
+    (grad,) = torch.autograd.grad(outs["z_loss"], ours)
+    assert torch.equal(grad, torch.zeros(shape, dtype=torch.float64))
+    if len(shape) == 2:  # the module: Liger's tuple
+        loss, zl, acc = rx.nn.CrossEntropyLoss(z_loss=0.01, return_z_loss=True, return_token_accuracy=True)(
+            logits, target
+        )
+        assert loss.isnan() and zl.item() == 0.0 and acc.isnan()
+
+
 def test_where_passes_no_gradient_to_the_branch_it_did_not_take_even_an_infinite_one():
     """torch's where backward is ``where(cond, grad, 0)``: exactly 0 for the other branch, even where
     the incoming gradient is inf or NaN (a mean over nothing sends 1 / 0 down to its masked rows)."""

@@ -103,7 +103,7 @@ register(
 
 
 # ---- rows with an optional label: the mask and count of the tokens that count ---------------------
-def _valid_rows(label: Expr | None, ignore_index: int, rows: tuple[int, ...]) -> tuple[Expr | None, Expr | float]:
+def valid_rows(label: Expr | None, ignore_index: int, rows: tuple[int, ...]) -> tuple[Expr | None, Expr | float]:
     """(mask per row or None, the number of rows that count, or 1 where none does: a mean over no
     row is 0 / 1 = 0, as Liger's, and its gradient 0, where 0 / 0 would make both NaN)."""
     if label is None:
@@ -181,7 +181,7 @@ def _jsd_decompose(
     log_q: Expr, log_p: Expr, *label: Expr, beta: float, ignore_index: int, shapes: list, dtypes: list
 ) -> Expr:
     rows = _jsd_rows(log_q, log_p, beta)
-    valid, count = _valid_rows(label[0] if label else None, ignore_index, shapes[0][:-1])
+    valid, count = valid_rows(label[0] if label else None, ignore_index, shapes[0][:-1])
     if valid is not None:
         rows = node("where", valid, rows, 0.0)
     return node("div", _total(rows), count)
@@ -253,7 +253,7 @@ def _tvd_decompose(
     p: Expr, q: Expr, *label: Expr, reduction: str, ignore_index: int, shapes: list, dtypes: list
 ) -> Expr:
     half = node("mul", node("abs", node("sub", p, q)), 0.5)
-    valid, count = _valid_rows(label[0] if label else None, ignore_index, shapes[0][:-1])
+    valid, count = valid_rows(label[0] if label else None, ignore_index, shapes[0][:-1])
     if valid is not None:
         half = node("where", node("unsqueeze", valid, axes=(-1,)), half, 0.0)
     if reduction == "none":
@@ -276,8 +276,8 @@ def _tvd_ref(p: torch.Tensor, q: torch.Tensor, *label: torch.Tensor, reduction: 
         return half
     if reduction == "sum":
         return half.sum()
-    if label and n == 0:
-        return half.sum() * 0
+    if label:  # Liger's: no row counts, the loss is 0 (and its gradient 0: a sum of nothing over 1)
+        n = max(n, 1)
     return half.sum() / (n if reduction == "batchmean" else n * p.shape[-1])
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..errors import DtypeMismatchError, RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Pattern, Unsupported, register
+from .divergence import valid_rows
 from .helpers import ExprLike, scalar_arg, torch_fns
 from .reduction import lse_shift
 
@@ -441,9 +442,10 @@ def cross_entropy_outputs(
 ) -> dict[str, Expr]:  # fmt: skip
     """``rx.cross_entropy`` with Liger-Kernel's extra outputs, for ``rx.compile`` (one row kernel
     computes all three): ``loss`` (z-loss included), ``z_loss`` (the z-loss term alone, reduced like
-    the loss: the mean over non-ignored tokens, their sum, or per token) and ``accuracy`` (the share
-    of non-ignored tokens whose target is the logits' argmax, ties going to the first index as
-    ``torch.argmax``; per token for ``reduction="none"``). Class indices only.
+    the loss: the mean over non-ignored tokens, their sum, or per token; 0 when no token counts, as
+    Liger's) and ``accuracy`` (the share of non-ignored tokens whose target is the logits' argmax,
+    ties going to the first index as ``torch.argmax``; per token for ``reduction="none"``; NaN when no
+    token counts, as Liger's). Class indices only.
 
     Example:
         >>> import rtxdsl as rx
@@ -469,7 +471,8 @@ def z_loss_term(
     logits: ExprLike, target: ExprLike, z_loss: float = 1e-4, ignore_index: int = -100, reduction: str = "mean"
 ) -> Expr:
     """PaLM's z-loss term alone, ``z_loss * logsumexp(logits)**2`` per non-ignored token, reduced
-    as cross-entropy's (its mean over the non-ignored tokens, their sum, or per token).
+    as cross-entropy's (its mean over the non-ignored tokens, their sum, or per token). Over no
+    counted token the mean is 0, and so is its gradient (Liger's, where 0 / 0 would make both NaN).
 
     Example:
         >>> import rtxdsl as rx
@@ -482,7 +485,8 @@ def z_loss_term(
 
 def token_accuracy(logits: ExprLike, target: ExprLike, ignore_index: int = -100, reduction: str = "mean") -> Expr:
     """The share of non-ignored tokens whose target is the logits' argmax over the class axis
-    (ties to the first class, as ``torch.argmax``); per token for ``reduction="none"``.
+    (ties to the first class, as ``torch.argmax``); per token for ``reduction="none"``. Over no
+    counted token the share is NaN (0 / 0), as Liger's: no token was measured (no gradient flows).
 
     Example:
         >>> import rtxdsl as rx
@@ -492,22 +496,25 @@ def token_accuracy(logits: ExprLike, target: ExprLike, ignore_index: int = -100,
     return node("token_accuracy", logits, target, **_stat_args("token_accuracy", ignore_index, reduction))
 
 
-def _rows_stat(per: Expr, valid: Expr, reduction: str) -> Expr:
-    """A per-token statistic reduced as cross-entropy's z-loss: mean over non-ignored, sum, or none."""
+def _rows_stat(per: Expr, valid: Expr, count: Expr, reduction: str) -> Expr:
+    """A per-token statistic reduced as cross-entropy's z-loss: its mean over the non-ignored tokens
+    (``count`` of them), its sum, or none."""
     per = node("where", valid, per, 0.0)
     if reduction == "none":
         return per
     total = node("sum", per, axis=None, keepdim=False)
     if reduction == "sum":
         return total
-    return node("div", total, node("sum", node("where", valid, 1.0, 0.0), axis=None, keepdim=False))
+    return node("div", total, count)
 
 
 def _z_loss_decompose(
     x: Expr, t: Expr, *, z_loss: float, ignore_index: int, reduction: str, shapes: list, dtypes: list
 ) -> Expr:
     lse = node("logsumexp", x, axis=(_class_axis(len(shapes[0])),), keepdim=False)
-    return _rows_stat(node("mul", node("mul", lse, lse), z_loss), node("ne", t, ignore_index), reduction)
+    # over no counted token Liger's z-loss is 0 (its per-token terms are 0, summed), and its gradient 0
+    valid, count = valid_rows(t, ignore_index, ())
+    return _rows_stat(node("mul", node("mul", lse, lse), z_loss), valid, count, reduction)
 
 
 def _accuracy_decompose(x: Expr, t: Expr, *, ignore_index: int, reduction: str, shapes: list, dtypes: list) -> Expr:
@@ -519,13 +526,18 @@ def _accuracy_decompose(x: Expr, t: Expr, *, ignore_index: int, reduction: str, 
         "amin", node("where", ties, node("arange_like", x, axis=cls), shapes[0][cls]), axis=(cls,), keepdim=False
     )
     hit = node("cast", node("eq", first, t), dtype=dtypes[0])  # 1 or 0 in the logits' dtype
-    return _rows_stat(hit, node("ne", t, ignore_index), reduction)
+    valid = node("ne", t, ignore_index)
+    # the share of no token is 0 / 0 = NaN, as Liger's (torch.sum(hits) / n_non_ignore): unlike the
+    # z-loss (a loss), a metric with no gradient, and none was measured
+    count = node("sum", node("where", valid, 1.0, 0.0), axis=None, keepdim=False)
+    return _rows_stat(hit, valid, count, reduction)
 
 
 def _z_loss_ref(x: torch.Tensor, t: torch.Tensor, *, z_loss: float, ignore_index: int, reduction: str):
     valid = t != ignore_index
     per = torch.where(valid, z_loss * torch.logsumexp(x, _class_axis(x.ndim)) ** 2, 0)
-    return per if reduction == "none" else per.sum() if reduction == "sum" else per.sum() / valid.sum()
+    # Liger's: no token counts, the z-loss is 0
+    return per if reduction == "none" else per.sum() if reduction == "sum" else per.sum() / valid.sum().clamp(min=1)
 
 
 def _accuracy_ref(x: torch.Tensor, t: torch.Tensor, *, ignore_index: int, reduction: str):
