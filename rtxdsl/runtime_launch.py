@@ -22,7 +22,8 @@ from .errors import BackendError, RtxError
 from .handle import KernelHandle
 from .lower import Plan, Program
 from .lower.params import ParamKind, slots
-from .lower.schedule import candidates, encode_scalar
+from .lower.schedule import IndexCheck, candidates, encode_scalar
+from .ops import REGISTRY, apply_ref
 from .tune import Tuned, tuned_path
 
 #: Triton's interpreter keeps global state (the current program id, patched tl functions)
@@ -160,7 +161,7 @@ def _launch_lines(
     for j, call in enumerate(program.launched):
         if call.checks and checking(config, scope["DEV"]):  # one flag read after the launch
             scope[f"CHECK{j}"] = _IndexCheck(call.checks)
-            lines.append(f"    CHECK{j}({names[slots(call, ParamKind.FLAGS)[0]]})")
+            lines.append(f"    CHECK{j}({names[slots(call, ParamKind.FLAGS)[0]]}, tensors)")
     return lines
 
 
@@ -199,16 +200,40 @@ class _PerStream:
 
 
 class _IndexCheck:
-    """Raises for the first flag a kernel set: an index it was asked to read was out of range."""
+    """Raises for the first flag a kernel set: an index it was asked to read was out of range,
+    named by its first value out of range, as torch names it (found on the host from the call's
+    inputs, after the flag is set: the hot path only reads the flags)."""
 
-    __slots__ = ("messages",)
+    __slots__ = ("checks",)
 
-    def __init__(self, messages: tuple[str, ...]) -> None:
-        self.messages = messages
+    def __init__(self, checks: tuple[IndexCheck, ...]) -> None:
+        self.checks = checks
 
-    def __call__(self, flags: torch.Tensor) -> None:
+    def __call__(self, flags: torch.Tensor, tensors: tuple[Any, ...]) -> None:
         if flags.any():
-            raise RtxError(self.messages[int(flags.nonzero()[0, 0])])
+            check = self.checks[int(flags.nonzero()[0, 0])]
+            raise RtxError(check.message.replace("{index}", first_out_of_range(check, tensors)))
+
+
+def first_out_of_range(check: IndexCheck, tensors: tuple[Any, ...]) -> str:
+    """The first value of the checked index outside ``[0, size)`` (in the index's element order),
+    computed with torch from the call's inputs; "..." where the check cannot say."""
+    vals: list[Any] = []
+
+    def operand(ref: Any) -> Any:
+        return vals[ref] if isinstance(ref, int) else tensors[ref[1]] if ref[0] == "in" else ref[1]
+
+    if check.index is None:
+        return "..."
+    try:
+        with torch.no_grad():
+            for op, attrs, refs in check.steps:
+                vals.append(apply_ref(REGISTRY[op], [operand(r) for r in refs], dict(attrs)))
+            index = torch.as_tensor(operand(check.index)).reshape(-1)
+    except Exception:  # the error is raised anyway, only less precisely worded
+        return "..."
+    bad = index[(index < 0) | (index >= check.size)]
+    return str(int(bad[0])) if bad.numel() else "..."
 
 
 class _ArgFill:

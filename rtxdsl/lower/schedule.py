@@ -57,9 +57,28 @@ class Launch:
     meta: tuple[tuple[str, int], ...]
     empty: bool
     scalar_inputs: tuple[tuple[int, int, str], ...] = ()
-    checks: tuple[str, ...] = ()  # per index-check flag: the error it means
+    checks: tuple[IndexCheck, ...] = ()  # per index-check flag: the error it means
     split: int = 1  # programs per row of a split reduction (1: not split)
     rows: int = 0  # rows of a split reduction (its partial buffers hold split * rows states)
+
+
+#: an operand of a host step: an earlier step's number, ("in", the call's input position) or ("const", value)
+HostRef = int | tuple[str, Any]
+
+
+@dataclass(frozen=True)
+class IndexCheck:
+    """What one index-check flag means, read after the launch that sets it: the error, in which
+    ``{index}`` stands for the first index out of ``[0, size)``, and how the host finds that index
+    on the error path only (never on the hot path): the index's cone as ``steps``, each
+    ``(op, attributes, operands)`` run with the op's torch reference on the call's inputs, and
+    ``index``, the step (or input) holding it; no steps and ``index`` None where the cone reads
+    something that is no input. Plain data, as a Program is."""
+
+    message: str
+    size: int
+    steps: tuple[tuple[str, tuple[tuple[str, Any], ...], tuple[HostRef, ...]], ...] = ()
+    index: HostRef | None = None
 
 
 # ---- launch configurations: one table per kernel family ---------------------------------------
@@ -393,7 +412,7 @@ class Walk:
     tiled: bool = False  # a pointwise group in 2-D tiles (``_tile_axis``)
     domain: tuple[bool, ...] | None = None  # a coordinate kernel's: per domain dim, is it reduced?
     flags: tuple[int, ...] = ()  # nodes that report an out-of-range index
-    checks: tuple[str, ...] = ()  # per flag: what an out-of-range index there means
+    checks: tuple[IndexCheck, ...] = ()  # per flag: what an out-of-range index there means
 
 
 def kernel_spec(
@@ -753,15 +772,41 @@ def _reductions(nodes: list[NodeSpec] | tuple[NodeSpec, ...]) -> tuple[int, ...]
     return tuple(i for i, n in enumerate(nodes) if REGISTRY[n.op].kind is OpKind.REDUCTION)
 
 
-def _check_message(n: Expr, graph: Graph) -> str:
+def _check_message(n: Expr, graph: Graph) -> IndexCheck:
     op = REGISTRY[n.op]
     assert op.index_operand is not None
     data, idx = n.srcs[0], n.srcs[op.index_operand]
     shape = graph.of(data).shape
     size = shape[n.attr("axis")] if shape else 1
+    steps, index = _host_steps(idx, graph)
     if positions_only(data):  # a range check (cross-entropy's target): the positions are no one's tensor
         owner = REGISTRY.get(graph.origin.get(id(n), n.op))  # the composite that built it words it
         if owner is not None and owner.range_error is not None:
-            return owner.range_error(", ".join(sorted({repr(v) for v in walk([idx]) if v.is_var})), size)
-        return f"{n.op}: an index in {idx!r} is out of range [0, {size})"
-    return f"{n.op}: an index in {idx!r} is out of range for axis {n.attr('axis')} of {data!r} (size {size})"
+            text = owner.range_error(", ".join(sorted({repr(v) for v in walk([idx]) if v.is_var})), size)
+        else:
+            text = f"{n.op}: an index in {idx!r} is out of range [0, {size}): the first is {{index}}"
+    else:
+        text = (
+            f"{n.op}: an index in {idx!r} is out of range for axis {n.attr('axis')} of {data!r} (size {size}): "
+            f"the first is {{index}} (torch: 'index {{index}} is out of bounds for dimension {n.attr('axis')} "
+            f"with size {size}')"
+        )
+    return IndexCheck(text, size, steps, index)
+
+
+def _host_steps(idx: Expr, graph: Graph) -> tuple[tuple[Any, ...], HostRef | None]:
+    """``idx``'s cone as steps the host runs with torch references (see :class:`IndexCheck`)."""
+    position = {id(v): i for i, v in enumerate(graph.inputs)}
+    refs: dict[int, HostRef] = {}
+    steps: list[tuple[str, tuple[tuple[str, Any], ...], tuple[HostRef, ...]]] = []
+    for m in walk([idx]):
+        if m.is_var:
+            if id(m) not in position:
+                return (), None
+            refs[id(m)] = ("in", position[id(m)])
+        elif m.is_const:
+            refs[id(m)] = ("const", m.attr("value"))
+        else:
+            refs[id(m)] = len(steps)
+            steps.append((m.op, tuple(m.attr_dict.items()), tuple(refs[id(s)] for s in m.srcs)))
+    return tuple(steps), refs[id(idx)]

@@ -121,12 +121,13 @@ def _ce_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
 
 
 def _range_error(op: str) -> Any:
-    """The error of a target class out of range, naming the target (torch: "Target 7 is out of bounds.")."""
+    """The error of a target class out of range, naming the target and, as torch does ("Target 7 is
+    out of bounds."), the first class out of range: ``{index}``, which the check fills in."""
 
     def error(reads: str, size: int) -> str:
         return (
             f"{op}: target '{reads}' holds a class index out of range: each must be in [0, {size}) or be "
-            f"ignore_index (torch: 'Target ... is out of bounds.')"
+            f"ignore_index (torch: 'Target {{index}} is out of bounds.')"
         )
 
     return error
