@@ -204,7 +204,10 @@ class Kernel:
                 self._launches.put(key, launch)
             self._last = (key, launch)
         if launch.any_grad and torch.is_grad_enabled():
-            if not (isinstance(launch, DistributedCall) and launch.differentiates(tensors)):
+            # op by op through torch (backend "torch", fusion off): torch's own autograd records it,
+            # so the oracle's gradients are eager's, not rtxdsl's derivative rules evaluated by torch
+            by_torch = isinstance(launch, PreparedCall) and launch.backend == "torch"
+            if not by_torch and not (isinstance(launch, DistributedCall) and launch.differentiates(tensors)):
                 return self._grad_call(tensors, launch, key)
         return launch.run(tensors)
 

@@ -117,9 +117,10 @@ def _tensor(draw: Any, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Ge
 
 
 def _input_shape(draw: Any, base: tuple[int, ...]) -> tuple[int, ...]:
-    shape = tuple(1 if draw(st.integers(0, 4)) == 0 else s for s in base)
-    # fewer leading dims (0-dim included) a third of the time: per-row and scalar operands
-    drop = draw(st.integers(0, len(shape))) if draw(st.integers(0, 2)) == 0 else 0
+    shape = tuple(1 if draw(st.integers(0, 3)) == 0 else s for s in base)
+    # fewer leading dims (0-dim included) half the time: biases, per-row and scalar operands, whose
+    # gradients sum what broadcast them
+    drop = draw(st.integers(0, len(shape))) if draw(st.booleans()) else 0
     return shape[drop:]
 
 

@@ -72,3 +72,35 @@ def test_broadcast_operand_backward_on_the_sm90_target(pattern, name, expr):
     grad_of = dict(plan.grads.grad_of)
     _close(result[grad_of["x"]], dx, f"{name} {pattern}: dx (sm_90)")
     _close(result[grad_of["y"]], dy, f"{name} {pattern}: dy (sm_90)")
+
+
+#: every binary elementwise op under a loss that reduces it: the loss's cotangent reaches the op
+#: broadcast (one value per reduced row, or one number), and the broadcast operand's gradient sums it
+#: over every element it was broadcast to (a bias before a mean: once a sum over one row)
+BINARY = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / (rx.abs(b) + 1.0),
+    "maximum": lambda a, b: rx.maximum(a, b),
+    "where": lambda a, b: rx.where(a > 0, a, b),
+}
+LOSSES = {
+    "sum": lambda e: rx.sum(e),
+    "mean over rows": lambda e: rx.mean(e, axis=0),
+    "mean of row sums": lambda e: rx.mean(rx.sum(e, axis=-1)),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("op", sorted(BINARY))
+def test_a_broadcast_operand_under_a_reducing_loss(op, pattern, loss):
+    expr = LOSSES[loss](BINARY[op](x, y))
+    xs, ys = _inputs(PATTERNS[pattern])
+    want, cot, (dx, dy) = _reference(expr, xs, ys)
+    xg, yg = xs.clone().requires_grad_(), ys.clone().requires_grad_()
+    out = rx.compile(expr)(x=xg, y=yg)
+    gx, gy = torch.autograd.grad(out, (xg, yg), cot.to(out.dtype))
+    _close(gx, dx, f"{op} {pattern} {loss}: dx")
+    _close(gy, dy, f"{op} {pattern} {loss}: dy")

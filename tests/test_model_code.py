@@ -180,6 +180,27 @@ def test_a_reduction_over_a_product_differentiates(name, dtype, slack):
     check_fair(dsl, eager, {"x": shape, "w": w}, dtype, slack)
 
 
+# a bias added before a pooled loss: the loss's cotangent broadcasts over the pooled rows, and the
+# bias gradient sums it over every row (it summed one: silently wrong, found by the model fuzzer)
+BIAS_THEN_POOL = {
+    "elementwise": (
+        lambda x, w, b: rx.sum(rx.mean(x * 2 + b, -2) * w),
+        lambda x, w, b: ((x * 2 + b).mean(-2) * w).sum(),
+    ),
+    "projection": (
+        lambda x, w, b: rx.sum(rx.mean(rx.linear(x, w, b), -2)),
+        lambda x, w, b: F.linear(x, w, b).mean(-2).sum(),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BIAS_THEN_POOL))
+def test_a_bias_before_a_pooled_loss_gets_every_rows_gradient(name):
+    dsl, eager = BIAS_THEN_POOL[name]
+    w = (10,) if name == "elementwise" else (10, 10)
+    check_fair(dsl, eager, {"x": (3, 9, 10), "w": w, "b": (10,)}, torch.float32, 2.0)
+
+
 # ---- 6. stacked linears viewed to heads, then a product of the view ------------------------------
 # a node a composite typed outside its own cone (a transpose of a size-1 dim is a reshape, which
 # moves into the product's rows) has an origin but no writer: folding scalars kept only both

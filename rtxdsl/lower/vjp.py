@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass
 
+import torch
+
 from ..dtypes import compute_dtype
 from ..errors import RtxError
 from ..expr import Expr, node, walk
@@ -42,16 +44,24 @@ class Gradients:
     float_outputs: tuple[bool, ...]  # which user outputs carry a gradient
 
 
-def sum_to(c: Expr, have: tuple[int, ...], want: tuple[int, ...]) -> Expr:
+def sum_to(c: Expr, have: tuple[int, ...], want: tuple[int, ...], full: tuple[int, ...] | None = None) -> Expr:
     """Sum a cotangent over the dims its operand was broadcast along.
 
-    A cotangent smaller than its operand (it broadcasts to it) is left as it is: it is expanded
-    on the host, for free, when handed back to autograd.
+    ``have`` is the cotangent's shape, ``full`` the shape it stands for (an elementwise node's:
+    a sum's cotangent broadcasts to it unexpanded); a dim summed where the cotangent only
+    broadcasts is expanded first (a bias added before a mean over rows gets the rows' sum, not
+    one row). A cotangent smaller than its operand (it broadcasts to it) is left as it is: it is
+    expanded on the host, for free, when handed back to autograd.
     """
-    if len(have) < len(want):
-        have = (1,) * (len(want) - len(have)) + tuple(have)
-    lead = len(have) - len(want)
-    keep = tuple(lead + i for i, s in enumerate(want) if s == 1 and have[lead + i] != 1)
+    full = tuple(torch.broadcast_shapes(have, full)) if full is not None else tuple(have)
+    if len(full) < len(want):
+        full = (1,) * (len(want) - len(full)) + full
+    lead = len(full) - len(want)
+    keep = tuple(lead + i for i, s in enumerate(want) if s == 1 and full[lead + i] != 1)
+    if not keep and not lead:
+        return c
+    if tuple(have) != full:
+        c = node("expand", c, shape=full)
     if keep:
         c = node("sum", c, axis=keep, keepdim=True)
     if lead:
@@ -122,7 +132,8 @@ class _Cotangents:
             si = info[id(s)]
             if c is None or si.is_scalar or not si.dtype.is_floating_point:
                 continue
-            self.accumulate(s, sum_to(c, self.typed(c).shape, si.shape))
+            full = info[id(n)].shape if opdef.kind is OpKind.ELEMENTWISE else None
+            self.accumulate(s, sum_to(c, self.typed(c).shape, si.shape, full))
 
 
 def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple[bool, ...]) -> Gradients:
