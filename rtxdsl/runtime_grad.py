@@ -50,7 +50,12 @@ class GradFunction(torch.autograd.Function):
         g = plan.grads
         ctx.plan = plan
         ctx.scalars = {i: v for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor)}
-        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)], *[outs[k] for k in g.saved_keys])
+        ctx.shapes = [v.shape if isinstance(v, torch.Tensor) else None for v in inputs]
+        # only the inputs the backward reads, as eager saves per op (a product with a frozen weight
+        # keeps the weight, not its input): a later in-place write to the others is no error
+        read = plan.backward.inputs if plan.backward is not None else ()
+        kept = [t if name in read else None for name, t in zip(plan.input_names, inputs) if isinstance(t, torch.Tensor)]
+        ctx.save_for_backward(*kept, *[outs[k] for k in g.saved_keys])
         results = tuple(outs[k] for k in g.user_keys)
         ctx.mark_non_differentiable(*[r for r, f in zip(results, g.float_outputs) if not f])
         return results
@@ -69,9 +74,9 @@ class GradFunction(torch.autograd.Function):
         outs = plan.gradients(feed)
         grad_of = dict(g.grad_of)
         grads_in = []
-        for name, t in zip(plan.input_names, inputs):
+        for name, shape in zip(plan.input_names, ctx.shapes):
             gi = outs[grad_of[name]] if name in grad_of else None
-            grads_in.append(gi if gi is None or gi.shape == t.shape else gi.expand(t.shape))
+            grads_in.append(gi if gi is None or gi.shape == shape else gi.expand(shape))
         return (None, *grads_in)
 
 
