@@ -26,11 +26,21 @@ stream flushes, torch runs the write on the real tensors. Plain tensors the stre
 write are *guarded* (their class is swapped for a subclass until the flush): a plain torch write
 to one, or a view of it, flushes first, and so does any plain access to a tensor with a pending
 write. Eager strides are tracked for values made from non-contiguous inputs (on meta tensors),
-so ``contiguous()``, ``reshape`` and friends copy exactly when eager copies.
+so ``contiguous()``, ``reshape`` and friends copy exactly when eager copies. A plain tensor that
+a tensor the stream never saw also holds (a view made before it was read) is read as a copy: a
+write through that view cannot change what pending ops read.
+
+**Autograd** as in eager: a pending value knows whether it requires grad (``requires_grad``,
+``grad_fn is None`` and ``is_leaf`` answer without a flush); leaves read under ``no_grad`` or
+through ``detach`` are read as detached aliases, so no gradient flows where eager's does not; a
+flush runs its kernel with gradients where a value needs them. A kernel saves only the inputs its
+backward reads, and what it saved is copied before the stream writes that memory (eager's ops
+save their results, or a copy of what they overwrite, where rtxdsl's backward recomputes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable
@@ -89,11 +99,14 @@ def _guarded_class(base: type) -> type:
             views = func in torchsem.VIEWS
             streams = {id(g[0]): g[0] for t in found if (g := _GUARDS.get(id(t))) is not None} if views else {}
             if name not in METADATA:
-                level = READ if torchsem.writes(func, kwargs) or func in torchsem.VIEWS else WRITE
+                write = torchsem.writes(func, kwargs)
+                level = READ if write or func in torchsem.VIEWS else WRITE
                 for t in found:
                     guard = _GUARDS.get(id(t))
                     if guard is not None and guard[1] >= level:
                         guard[0].flush(f"torch.{name} on a plain tensor the stream reads or writes")
+                if write:  # what a flushed kernel saved from its memory is copied first
+                    _before_write((args[:1], kwargs.get("out")))
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
                 if streams:  # a new alias of a guarded tensor: guarded with it from now on
@@ -110,9 +123,109 @@ def _guarded_class(base: type) -> type:
     return cls
 
 
+# ---- values saved for backward, copied before the stream writes their memory ----------------------
+class _Saved:
+    """A tensor that a kernel the stream ran saved for its backward (through ``saved_tensors_hooks``).
+
+    rtxdsl's backward recomputes from a kernel's inputs where eager's ops save their results
+    (``sigmoid``, ``exp``, the ``silu`` after an ``o += ...``) or a copy of the original they overwrite
+    (``mul_``): a later in-place write to such an input is no error in eager. So before the stream
+    writes a saved tensor's memory (an in-place result landing, an eager write) the saved value is
+    copied, and the backward reads what the forward read. A write the stream never sees (a plain
+    write after the flush) still fails at the backward, with autograd's own error."""
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+
+
+#: storage -> the values saved from it by the stream's kernels (alive while autograd holds them)
+_SAVED: dict[tuple[torch.device, int], list[weakref.ref[_Saved]]] = {}
+
+
+def _pack(t: torch.Tensor) -> _Saved:
+    with torch._C.DisableTorchFunctionSubclass():
+        cell = _Saved(t)
+    refs = _SAVED.setdefault(_storage_key(t), [])
+    refs.append(weakref.ref(cell))
+    if len(refs) > 16 or len(_SAVED) > 1024:  # drop what autograd freed
+        for key in [k for k, rs in _SAVED.items() if not any(r() is not None for r in rs)]:
+            del _SAVED[key]
+    return cell
+
+
+def _unpack(cell: _Saved) -> torch.Tensor:
+    t = cell.tensor
+    with torch._C.DisableTorchFunctionSubclass():
+        if t._version != cell.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                f"{cell.version} instead (a write the lazy stream never saw: made after the flush that read it)"
+            )
+    return t
+
+
+def _saved_hooks(tensors: Any) -> Any:
+    """The hooks a kernel call of the stream runs under when it records a backward (none under
+    a caller's own saved-tensor hooks, which keep theirs)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if not grads or top is None or top(False) is not None:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
+def _before_write(tensors: Any) -> None:
+    """The stream is about to write these tensors' memory: values saved from it are copied first."""
+    if not _SAVED:
+        return
+    for t in _tensors(tensors):
+        refs = _SAVED.pop(_storage_key(t), None)
+        for cell in (r() for r in refs or ()):
+            if cell is None:
+                continue
+            with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+                if cell.tensor._version == cell.version:  # (one already stale stays so: it raises)
+                    cell.tensor = cell.tensor.detach().clone()
+                    cell.version = cell.tensor._version
+
+
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     with torch._C.DisableTorchFunctionSubclass():
         return t.device, t.untyped_storage().data_ptr()
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _holders(t: torch.Tensor) -> tuple[tuple[torch.device, int], int]:
+    """``t``'s storage key and how many tensors hold that memory (1: ``t`` alone; torch's count
+    includes the probe's own reference; 1 where torch cannot count)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        storage = t.untyped_storage()
+        key = t.device, storage.data_ptr()
+    return key, 1 if _USE_COUNT is None else _USE_COUNT(storage._cdata) - 1
+
+
+def _saved_results(tensors: tuple[torch.Tensor | None, ...], key: tuple[torch.device, int], known: set[int]) -> int:
+    """How many holders of memory ``key`` autograd keeps for the backward of the ops that made
+    ``tensors`` (an op's saved result, ``sigmoid``'s or attention's: a tensor of autograd's own,
+    which no user code writes)."""
+    n = 0
+    with torch._C.DisableTorchFunctionSubclass():
+        for node in {id(x.grad_fn): x.grad_fn for x in tensors if x is not None and x.grad_fn is not None}.values():
+            for name in dir(node):
+                if not name.startswith("_saved_"):
+                    continue
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # freed by a backward already
+                    continue
+                for v in value if isinstance(value, (list, tuple)) else (value,):
+                    n += isinstance(v, torch.Tensor) and id(v) not in known and _storage_key(v) == key
+    return n
 
 
 def _contiguous_strides(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -142,6 +255,15 @@ class OperationStream:
         self.info: dict[int, Info] = {}  # types of the nodes recorded since the last flush
         self.keep: list[Expr] = []  # ... kept alive while their ids are keys above
         self.leaves: dict[int, tuple[torch.Tensor, Expr]] = {}  # id(tensor) -> (tensor, var)
+        # leaves read without gradient (no_grad, detach): id(tensor) -> (its detached alias, var)
+        self.detached: dict[int, tuple[torch.Tensor, Expr]] = {}
+        self.stops: dict[int, Expr] = {}  # id(expr) -> the expression read without gradient
+        # plain tensors another tensor the stream never saw aliases, read as a copy:
+        # id(tensor) -> (tensor, its version when copied, var, copy)
+        self.snapshots: dict[int, tuple[torch.Tensor, int, Expr, torch.Tensor]] = {}
+        # ids of the tensors the segment holds (its leaves, their detached aliases), by storage
+        self.on_storage: dict[tuple[torch.device, int], set[int]] = {}
+        self.grad_vars: set[int] = set()  # ids of the leaf variables whose tensor requires grad
         self.versions: dict[int, int] = {}  # id(tensor) -> its version counter when first read
         self.read_storages: set[tuple[torch.device, int]] = set()  # storages the leaves live in
         self.holders: list[weakref.ref[LazyTensor]] = []
@@ -157,7 +279,11 @@ class OperationStream:
     def leaf(self, t: torch.Tensor) -> Expr:
         home = self.homes.get(id(t))
         if home is not None and home[0] is t:  # t has a pending in-place value: read that
-            return home[1][-1]._expr  # type: ignore[return-value]
+            writer = home[1][-1]
+            if writer._grad or not t.requires_grad or not torch.is_grad_enabled():
+                return writer._expr  # type: ignore[return-value]
+            # written under no_grad, read with gradients: the tensor itself (its history, the new values)
+            self.flush("a read with gradients of a tensor written under no_grad")
         with torch._C.DisableTorchFunctionSubclass():
             aliased = self.overlaps_pending_write([t])
         if aliased:
@@ -165,16 +291,98 @@ class OperationStream:
         hit = self.leaves.get(id(t))
         if hit is not None and hit[0] is t:
             return hit[1]
-        v = var(f"t{len(self.leaves) + 1}")
-        self.leaves[id(t)] = (t, v)
+        snap = self.snapshots.get(id(t))
+        if snap is not None and snap[0] is t and snap[1] == t._version:
+            if snap[3].requires_grad or not (t.requires_grad and torch.is_grad_enabled()):
+                return snap[2]
+        grad = t.requires_grad  # (a guarded tensor's requires_grad_() flushes first: fixed until then)
+        if grad and torch.is_grad_enabled():
+            t.grad_fn  # noqa: B018 - autograd's checks of a view it refuses to use raise here, as in eager
+        key, holders = _holders(t)
+        if holders > 1 and self.unseen_alias(t, key, holders):
+            return self.snapshot(t)
+        v = self.new_leaf(t, grad)
         self.versions[id(t)] = t._version  # a write the guards cannot see still bumps it
-        self.read_storages.add(_storage_key(t))
-        self.info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
-        self.keep.append(v)
+        self.read_storages.add(key)
+        self.on_storage.setdefault(key, set()).add(id(t))
         self.guard(t, READ)
         return v
 
-    def record(self, expr: Expr) -> LazyTensor:
+    def new_leaf(self, t: torch.Tensor, grad: bool) -> Expr:
+        v = var(f"t{len(self.leaves) + len(self.detached) + 1}")
+        self.leaves[id(t)] = (t, v)
+        if grad:
+            self.grad_vars.add(id(v))
+        self.info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
+        self.keep.append(v)
+        return v
+
+    def unseen_alias(self, t: torch.Tensor, key: tuple[torch.device, int], holders: int) -> bool:
+        """Does a tensor the stream never saw hold ``t``'s memory (a plain view made before ``t`` was
+        read or wrapped)? The guards cannot see a write through it. Seen: ``t``, the tensor it views,
+        the tensors the fusion wrapped or made, and those the segment reads."""
+        with torch._C.DisableTorchFunctionSubclass():
+            base = t._base
+        known = {id(t), *self.on_storage.get(key, ()), *(id(x) for x in self.fusion._aliases(t))}
+        if base is not None:
+            known.add(id(base))
+        return holders > len(known) and holders > len(known) + _saved_results((t, base), key, known)
+
+    def snapshot(self, t: torch.Tensor) -> Expr:
+        """A copy of ``t`` that the segment reads in its place, as eager reads it now: a write
+        through a view the stream never saw (see ``unseen_alias``) cannot change it. Read again
+        after such a write (its version moved), ``t`` is copied again."""
+        with torch._C.DisableTorchFunctionSubclass():
+            copy = t.clone()  # (differentiable: a gradient reaches t)
+        v = self.new_leaf(copy, copy.requires_grad)
+        self.versions[id(copy)] = copy._version
+        self.snapshots[id(t)] = (t, t._version, v, copy)
+        self._copy_record(copy, eager=False)
+        return v
+
+    def stopped(self, e: Expr) -> Expr:
+        """``e`` read without gradient (under ``no_grad``, through ``detach``): each leaf that requires
+        grad read as its detached alias (the same memory, no autograd history), as eager reads it."""
+        hit = self.stops.get(id(e))
+        if hit is not None:
+            return hit
+        of = {id(v): t for t, v in self.leaves.values()}
+        memo: dict[int, Expr] = {}
+        for n in walk([e]):
+            t = of.get(id(n)) if n.is_var else None
+            if t is not None and t.requires_grad:
+                memo[id(n)] = self.detached_leaf(t)
+            elif n.srcs:
+                srcs = tuple(memo[id(s)] for s in n.srcs)
+                memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
+            else:
+                memo[id(n)] = n
+        out = self.stops[id(e)] = memo[id(e)]
+        self.keep.append(e)
+        return out
+
+    def detached_leaf(self, t: torch.Tensor) -> Expr:
+        hit = self.detached.get(id(t))
+        if hit is not None:
+            return hit[1]
+        with torch._C.DisableTorchFunctionSubclass():
+            alias = t.detach()
+        self.on_storage.setdefault(_storage_key(alias), set()).add(id(alias))
+        v = var(f"t{len(self.leaves) + len(self.detached) + 1}")
+        self.detached[id(t)] = (alias, v)
+        self.info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
+        self.keep.append(v)
+        return v
+
+    def tensor_of(self) -> dict[int, torch.Tensor]:
+        """The tensor each leaf variable reads."""
+        out = {id(v): t for t, v in self.leaves.values()}
+        out.update((id(v), t) for t, v in self.detached.values())
+        return out
+
+    def record(self, expr: Expr, grad: bool = False) -> LazyTensor:
+        """A pending value computing ``expr``; ``grad``: an operand requires grad (the value does as
+        in eager: with grad enabled, floating point, and reading an operand's values)."""
         info = self.info
         typed = info.get(id(expr))
         if typed is None:
@@ -198,9 +406,10 @@ class OperationStream:
         lt = _new(LazyTensor)
         lt._stream, lt._expr, lt._value, lt._info, lt._home = self, expr, None, typed, None
         lt._base, lt._chain, lt._strides = None, (), None
+        lt._grad = grad and typed.dtype in _FLOATS and torch.is_grad_enabled() and _reads_values(expr)
         self.holders.append(weakref.ref(lt))
-        if self.queued >= self.cap:
-            self.flush(f"queue cap ({self.cap} ops)")
+        if self.queued == self.cap:  # flushed once the call recording it is done (see _over_cap)
+            _OVER.append(self)
         return lt
 
     def reads(self, t: torch.Tensor) -> bool:
@@ -285,38 +494,50 @@ class OperationStream:
             final = {id(ws[-1]): home for home, ws in self.homes.values() if not home.requires_grad}
             into = {k: final[id(lt)] for k, lt in enumerate(firsts.values()) if id(lt) in final}
             kernel, args = self.fusion._plan(exprs, self, into)  # type: ignore[misc]
-            outs = kernel(*args)
+            _before_write(list(into.values()))
+            # autograd as when the ops were recorded: a graph where a value requires grad, else none
+            with _saved_hooks(args), torch.set_grad_enabled(any(lt._grad for lt in firsts.values())):
+                outs = kernel(*args)
             outs = [outs] if not isinstance(outs, dict) else list(outs.values())
             for lt, out, o in zip(firsts.values(), outs, orders):
-                if o is not None:
-                    with torch._C.DisableTorchFunctionSubclass():
-                        out = out.permute(sorted(range(len(o)), key=o.__getitem__))
+                with torch._C.DisableTorchFunctionSubclass():
+                    if out.requires_grad and not lt._grad:  # a kernel's outputs all have its history
+                        out = out.detach()
+                    if o is not None:  # (a view made as eager would: with the value's grad mode)
+                        with torch.set_grad_enabled(lt._grad):
+                            out = out.permute(sorted(range(len(o)), key=o.__getitem__))
                 lt._materialize(out)
             self.fusion._last = (reason, kernel, tuple(args))
-        tensor_of = {id(v): t for t, v in self.leaves.values()}
+        tensor_of = self.tensor_of()
         for lt in computed:  # a copy of a leaf, or an expression equal to another: a tensor of its own
             if lt._expr is not None:
                 first = firsts.get(id(lt._expr))
                 src = first._value if first is not None else tensor_of[id(lt._expr)]
                 self._copy_record(src, eager=True)  # eager computed it twice
-                lt._materialize(src.clone())
+                with torch.set_grad_enabled(lt._grad):
+                    lt._materialize(src.clone())
         for lt in computed:  # eager strides, where eager's value is not contiguous
             if lt._strides is not None and lt._home is None and tuple(lt._value.stride()) != lt._strides:  # type: ignore[union-attr]
                 real = torch.empty_strided(lt._info.shape, lt._strides, dtype=lt.dtype, device=self.device)
                 self._copy_record(lt._value, eager=False)  # type: ignore[arg-type]
-                lt._value = real.copy_(lt._value)  # type: ignore[arg-type]
+                with torch.set_grad_enabled(lt._grad):
+                    lt._value = real.copy_(lt._value)  # type: ignore[arg-type]
         dry = kernel is not None and kernel.config.dry_run
         for home, ws in self.homes.values():  # in-place results land in their tensors, as in eager
             if not dry and ws[-1]._value is not home:  # a dry run computed nothing: never write it into a user tensor
-                home.copy_(ws[-1]._value)
+                _before_write(home)
+                with torch.set_grad_enabled(ws[-1]._grad):  # a write under no_grad leaves no history
+                    home.copy_(ws[-1]._value)
                 self._copy_record(home, eager=False)
             for w in ws:
                 w._value, w._home = home, None
         for v in views:  # recorded views become real views of their root's tensor
             value = v._base._value  # type: ignore[union-attr]
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch._C.DisableTorchFunctionSubclass(), torch.set_grad_enabled(v._base._grad):  # type: ignore[union-attr]
                 for func, rest, kw in v._chain:
                     value = func(value, *rest, **kw)
+            self.fusion._remember(v._base._value)  # type: ignore[union-attr,arg-type]
+            self.fusion._remember(value)  # (views the stream made: seen, never a reason to copy a read)
             v._value, v._expr, v._base, v._chain = value, None, None, ()
         log.info("flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(pending))
         self._reset()
@@ -346,6 +567,11 @@ class OperationStream:
         self.info.clear()
         self.keep.clear()
         self.leaves.clear()
+        self.detached.clear()
+        self.stops.clear()
+        self.snapshots.clear()
+        self.on_storage.clear()
+        self.grad_vars.clear()
         self.versions.clear()
         self.read_storages.clear()
         self.holders.clear()
@@ -492,7 +718,7 @@ class Fusion:
             hit = canonical(key)
             self._canon.put(key, hit)
         canon, params = hit
-        tensor_of = {id(v): t for t, v in stream.leaves.values()}
+        tensor_of = stream.tensor_of()
         args = [tensor_of[id(p)] if p.is_var else p.attr("value") for p in params]
         slot = {id(t): k for k, t in enumerate(args) if isinstance(t, torch.Tensor)}
         targets = tuple((f"o{r}", f"a{slot[id(t)]}") for r, t in into.items() if id(t) in slot)
@@ -576,7 +802,7 @@ class LazyTensor:
     access (``.torch()``, ``.item()``, ``.tolist()``, ``.cpu()``, printing) is a sync point.
     """
 
-    __slots__ = ("_stream", "_expr", "_value", "_info", "_home", "_base", "_chain", "_strides", "__weakref__")
+    __slots__ = ("_stream", "_expr", "_value", "_info", "_home", "_base", "_chain", "_strides", "_grad", "__weakref__")
 
     def __init__(self) -> None:
         raise RtxError("create lazy tensors with rx.lazy(tensor) or Fusion.lazy(tensor)")
@@ -585,7 +811,7 @@ class LazyTensor:
     def _leaf(cls, stream: OperationStream, t: torch.Tensor) -> LazyTensor:
         lt = object.__new__(cls)
         lt._stream, lt._expr, lt._value, lt._home = stream, None, t, None
-        lt._base, lt._chain, lt._strides = None, (), _contiguous_strides(t)
+        lt._base, lt._chain, lt._strides, lt._grad = None, (), _contiguous_strides(t), False
         lt._info = Info.tensor(tuple(t.shape), t.dtype)
         return lt
 
@@ -604,7 +830,14 @@ class LazyTensor:
         return self._value
 
     def _as_expr(self) -> Expr:
-        return self._expr if self._expr is not None else self._stream.leaf(self._value)  # type: ignore[arg-type]
+        if self._expr is None:
+            return self._stream.leaf(self._value)  # type: ignore[arg-type]
+        home = self._home
+        if home is not None and not self._grad and home.requires_grad and torch.is_grad_enabled():
+            # written under no_grad, read with gradients: the tensor itself (its history, the new values)
+            self._stream.flush("a read with gradients of a tensor written under no_grad")
+            return self._stream.leaf(self._value)  # type: ignore[arg-type]
+        return self._expr
 
     # metadata without a flush
     @property
@@ -638,7 +871,34 @@ class LazyTensor:
 
     @property
     def requires_grad(self) -> bool:
-        return self._value.requires_grad if self._value is not None else False
+        """Eager's answer without a flush: a pending value requires grad when it was recorded with
+        grad enabled over an operand that does (not under ``no_grad``, not through ``detach``), or
+        when it is an in-place write into a tensor that does."""
+        if self._value is not None:
+            return self._value.requires_grad
+        return self._grad or self._home is not None and self._home.requires_grad
+
+    @property
+    def is_leaf(self) -> bool:
+        if self._value is not None:
+            return self._value.is_leaf
+        if self._home is not None and not self._grad:
+            return self._home.is_leaf
+        return not self.requires_grad
+
+    @property
+    def grad_fn(self) -> Any:
+        """The node that made the value: for a pending value that requires grad, a stand-in (so
+        ``x.grad_fn is None`` answers without a flush) that flushes when it is used."""
+        if self._value is not None:
+            return self._value.grad_fn
+        if self._home is not None and not self._grad:
+            return self._home.grad_fn
+        return PendingNode(self) if self._grad else None
+
+    @property
+    def grad(self) -> Any:
+        return self._value.grad if self._value is not None else None
 
     def stride(self, dim: int | None = None) -> Any:
         """Eager's strides, known without running anything (a pending value's are tracked)."""
@@ -667,7 +927,8 @@ class LazyTensor:
         )
         if kernel.draws_seeds or grads or any(v._stream is not stream for v in lazies):
             real = [v._real("an rtxdsl kernel call") if isinstance(v, LazyTensor) else v for v in values]
-            return _wrap(kernel(*real), stream.fusion)
+            with _saved_hooks(real):
+                return _wrap(kernel(*real), stream.fusion)
         names = [v.attr("name") for v in kernel.variables]
         while True:
             epoch = stream.epoch
@@ -677,6 +938,8 @@ class LazyTensor:
         keys = [k for k, _ in kernel.expressions]
         exprs = _bind([e for _, e in kernel.expressions], {n: as_expr(b) for n, b in bound.items()})
         outs = [stream.record(e) for e in exprs]
+        if _OVER:
+            _over_cap()
         return outs[0] if kernel.returns_tensor else dict(zip(keys, outs))
 
     # views that torch spells as properties
@@ -745,30 +1008,103 @@ class LazyTensor:
             # the hot path: a mapped op over lazy values (one stream, eager layout contiguous) and numbers
             stream = None
             operands = []
+            grad = False
             for a in args:
                 if type(a) is LazyTensor and a._strides is None:
                     if stream is None:
                         stream, epoch = a._stream, a._stream.epoch
                     elif a._stream is not stream:
                         break
-                    operands.append(a._expr if a._expr is not None else stream.leaf(a._value))
+                    if a._expr is not None:
+                        if a._home is not None and not a._grad and a._home.requires_grad:
+                            break  # written under no_grad: read as _as_expr says
+                        operands.append(a._expr)
+                        grad = grad or a._grad
+                    else:
+                        v = stream.leaf(a._value)
+                        operands.append(v)
+                        grad = grad or id(v) in stream.grad_vars or not v.is_var and a._value.requires_grad
                 elif isinstance(a, (bool, int, float)):
                     operands.append(a)
                 else:
                     break
-            else:  # (a conversion that flushed the stream takes the careful path below)
+            else:  # (a conversion that flushed the stream, or no_grad over grads, takes the careful path)
                 if stream is not None and stream.epoch == epoch and stream.fusion.config.enabled:
-                    try:
-                        return stream.record(entry[1](*operands))
-                    except (Unsupported, RtxError):
-                        pass  # torch decides: the careful path runs it eagerly
-        return _dispatch(func, args, kwargs or {})
+                    if not grad or torch.is_grad_enabled():
+                        try:
+                            out = stream.record(entry[1](*operands), grad)
+                        except (Unsupported, RtxError):
+                            pass  # torch decides: the careful path runs it eagerly
+                        else:
+                            if _OVER:
+                                _over_cap()
+                            return out
+        out = _dispatch(func, args, kwargs or {})
+        if _OVER:
+            _over_cap()
+        return out
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(torch.Tensor, name, None)
         if fn is None or not callable(fn):
             raise AttributeError(f"LazyTensor has no attribute {name!r}")
         return lambda *args, **kwargs: LazyTensor.__torch_function__(fn, (LazyTensor,), (self, *args), kwargs)
+
+
+#: streams whose queue reached its cap during the current call; ``_DEPTH``: calls made while
+#: recording another (an in-place op's value), which leave the flush to the outer one
+_OVER: list[OperationStream] = []
+_DEPTH = [0]
+
+
+def _over_cap() -> None:
+    """The queue cap's flush, once the call that reached it has finished recording: a flush in the
+    middle of one (between a view's expression and its root being set, or before an in-place
+    op's value lands in its target) would materialize a half-made value."""
+    if _DEPTH[0]:
+        return
+    while _OVER:
+        s = _OVER.pop()
+        if s.queued >= s.cap:
+            s.flush(f"queue cap ({s.cap} ops)")
+
+
+def _nested(func: Any, args: tuple, kwargs: dict | None = None) -> Any:
+    _DEPTH[0] += 1
+    try:
+        return LazyTensor.__torch_function__(func, _TYPES, args, kwargs)
+    finally:
+        _DEPTH[0] -= 1
+
+
+class PendingNode:
+    """The ``grad_fn`` of a pending value that requires grad: not None, as eager's; any use of it
+    (``name()``, ``next_functions``, ``register_hook``) flushes and is the real node's."""
+
+    __slots__ = ("_of",)
+
+    def __init__(self, of: LazyTensor) -> None:
+        self._of = of
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._of._real(f"grad_fn.{name}").grad_fn, name)
+
+    def __repr__(self) -> str:
+        return repr(self._of._real("printing grad_fn").grad_fn)
+
+
+#: the dtypes a gradient flows in
+_FLOATS = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
+#: op name -> the operands it reads only the shape of (memo of the registry's ``shape_only``)
+_SHAPE_ONLY: dict[str, tuple[int, ...]] = {}
+
+
+def _reads_values(e: Expr) -> bool:
+    """Does ``e``'s op read a tensor operand's values (``rand_like`` reads only its shape)?"""
+    only = _SHAPE_ONLY.get(e.op)
+    if only is None:
+        only = _SHAPE_ONLY[e.op] = REGISTRY[e.op].shape_only
+    return not only or any(k not in only for k, s in enumerate(e.srcs) if not s.is_const)
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -792,11 +1128,12 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return fusion._eager(func, args, kwargs, f"{_name(func)} raises in torch")
     if meta is _SELF and isinstance(args[0], LazyTensor):
         return args[0]  # eager returns self (x.float() of a float, eval dropout): so do we
+    grad = any(a.requires_grad for a in found)
     try:
         expr = _build(entry[1], args, kwargs, stream)
         if isinstance(expr, tuple):
-            return _record_many(func, expr, stream, meta)
-        out = stream.record(expr)
+            return _record_many(func, expr, stream, meta, grad)
+        out = stream.record(expr, grad)
     except (Unsupported, RtxError):
         return fusion._eager(func, args, kwargs, f"unsupported arguments of {_name(func)}")
     if not _agrees(out, meta):  # our typing differs from torch's: torch's answer, eagerly
@@ -805,9 +1142,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-def _record_many(func: Any, exprs: tuple, stream: OperationStream, meta: Any) -> Any:
+def _record_many(func: Any, exprs: tuple, stream: OperationStream, meta: Any, grad: bool) -> Any:
     """A recorded op with several results (``max(dim)``): torch's named tuple when torch gives one."""
-    outs = [stream.record(e) for e in exprs]
+    outs = [stream.record(e, grad) for e in exprs]
     if isinstance(meta, tuple) and len(meta) == len(outs):
         for o, m in zip(outs, meta):
             if not _agrees(o, m):
@@ -901,6 +1238,19 @@ def _strides_of(meta: Any) -> tuple[int, ...] | None:
     return _contiguous_strides(meta) if isinstance(meta, torch.Tensor) else None
 
 
+def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    return torch.empty_strided(shape, strides, device="meta").is_contiguous()
+
+
+def _view_strides(meta: Any) -> tuple[int, ...] | None:
+    """A view's strides exactly (a contiguous one whose size-1 dims keep other strides than a fresh
+    tensor's: ``x.T`` of an [n, 1] value), None where they are a fresh tensor's."""
+    if not isinstance(meta, torch.Tensor):
+        return None
+    strides = tuple(meta.stride())
+    return None if strides == tuple(torch.empty(meta.shape, device="meta").stride()) else strides
+
+
 # ---- records, views and writes ------------------------------------------------------------------
 def _build(builder: Callable[..., Any], args: tuple, kwargs: dict, stream: OperationStream) -> Any:
     """Operands as expressions, then the op's builder; redone if converting an operand flushed the
@@ -924,12 +1274,15 @@ def _tensors_and_lazies(obj: Any) -> list[Any]:
 
 
 def _expr_of(x: Any, stream: OperationStream) -> Any:
+    """An operand as an expression; under ``no_grad``, one that requires grad is read detached."""
     if isinstance(x, LazyTensor):
-        return x._as_expr()
+        e = x._as_expr()
+        return e if not x.requires_grad or torch.is_grad_enabled() else stream.stopped(e)
     if isinstance(x, torch.Tensor):
         if x.device != stream.device:
             raise Unsupported
-        return stream.leaf(x)
+        e = stream.leaf(x)
+        return e if not x.requires_grad or torch.is_grad_enabled() else stream.stopped(e)
     if isinstance(x, (list, tuple)) and any(isinstance(v, (LazyTensor, torch.Tensor)) for v in x):
         return type(x)(_expr_of(v, stream) for v in x)
     return x
@@ -961,9 +1314,10 @@ def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
         entry = REGISTRY.torch.get(func)
         alias = func in (torch.Tensor.detach, torch.detach)
         if isinstance(meta, torch.Tensor) and (entry is not None or alias) and fusion.config.enabled:
-            try:
-                expr = base._expr if alias else _build(entry[1], args, kwargs, stream)  # type: ignore[index]
-                view = stream.record(expr) if isinstance(expr, Expr) and base.is_pending else None
+            try:  # a detached alias reads its root's leaves detached; a view requires grad as its root
+                expr = stream.stopped(base._expr) if alias else _build(entry[1], args, kwargs, stream)  # type: ignore[index]
+                grad = not alias and base.requires_grad
+                view = stream.record(expr, grad) if isinstance(expr, Expr) and base.is_pending else None
             except (Unsupported, RtxError):
                 view = None
             if view is not None and _agrees(view, meta) and func in torchsem.LAYOUT_SENSITIVE and not meta._is_view():
@@ -972,7 +1326,7 @@ def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
             if view is not None and _agrees(view, meta):
                 view._base = base._base if base._base is not None else base
                 view._chain = (*base._chain, (func, args[1:], kwargs))
-                view._strides = _strides_of(meta)
+                view._strides = _view_strides(meta)
                 stream.views.append(weakref.ref(view))
                 return view
         base._real(f"view {_name(func)} of a pending value")
@@ -988,12 +1342,12 @@ def _contiguous(base: Any, rest: tuple, kwargs: dict) -> Any:
     if not isinstance(base, LazyTensor):
         return torch.Tensor.contiguous(base, *rest, **kwargs)
     if base.is_pending:
-        if base._strides is None and base._home is None:
+        if base._home is None and (base._strides is None or _is_contiguous(base._info.shape, base._strides)):
             return base
         if base._home is not None and _contiguous_strides(base._home) is None:
             return base
         # a value of its own: equal expressions get their own buffer at the flush
-        return base._stream.record(base._expr)  # type: ignore[arg-type]
+        return base._stream.record(_expr_of(base, base._stream), base.requires_grad)
     real = base._real("contiguous()")
     with torch._C.DisableTorchFunctionSubclass():
         out = real.contiguous(*rest, **kwargs)
@@ -1040,6 +1394,8 @@ def _inplace(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
     lands = target._home if target.is_pending else target._value
     if lands is not None and _shared_storage(lands):  # a view made before the stream saw it reads it
         return _eager_write(func, args, kwargs, fusion, plain)
+    if lands is not None and _autograd_checks(lands):  # a leaf or a view that requires grad: torch decides
+        return _eager_write(func, args, kwargs, fusion, plain)
     if not target.is_pending:
         # operands partly overlapping the target, or a target whose elements share memory
         # (an expanded view: torch refuses to write it): torch decides, eagerly
@@ -1047,21 +1403,31 @@ def _inplace(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
             return _eager_write(func, args, kwargs, fusion, plain)
         if stream.reads(target._value):  # type: ignore[arg-type]
             stream.flush("in-place write to a tensor with pending readers")
-    result = LazyTensor.__torch_function__(oop[0], (LazyTensor,), args, oop[1])  # type: ignore[index]
+    result = _nested(oop[0], args, oop[1])  # type: ignore[index]
     if not isinstance(result, LazyTensor) or not result.is_pending or result.shape != target.shape:
         return _eager_write(func, args, kwargs, fusion, plain)  # eager decides (or raises torch's error)
     if result.dtype != target.dtype:
         if not torch.can_cast(result.dtype, target.dtype):
             return _eager_write(func, args, kwargs, fusion, plain)
-        result = LazyTensor.__torch_function__(torch.Tensor.to, (LazyTensor,), (result, target.dtype))
+        result = _nested(torch.Tensor.to, (result, target.dtype))
     if result is target:  # an identity (eval-mode dropout): nothing to write
         return plain if plain is not None else target
+    if target.is_pending and target._grad and not result._grad:
+        # under no_grad, or an op with no derivative (logical_not_): eager keeps the value's history
+        # (a pending one: what the recorded ops made it) with the new values: the real tensor's
+        return _eager_write(func, args, kwargs, fusion, plain)
     home = target._home if target.is_pending else target._value
-    target._expr, target._info, target._value = result._expr, result._info, None
+    target._expr, target._info, target._value, target._grad = result._expr, result._info, None, result._grad
     if home is not None:
         target._home, target._strides = home, _contiguous_strides(home)
         stream.write_home(home, target)
     return plain if plain is not None else target
+
+
+def _autograd_checks(t: torch.Tensor) -> bool:
+    """Does autograd check an in-place write to ``t`` (it refuses one to a leaf that requires grad,
+    and rewrites the history of a view's base)? Eager's write then, with eager's answer."""
+    return t.requires_grad and torch.is_grad_enabled() and (t.is_leaf or t._base is not None)
 
 
 def _shared_storage(t: torch.Tensor) -> bool:
@@ -1086,6 +1452,7 @@ def _eager_write(func: Any, args: tuple, kwargs: dict, fusion: Fusion, plain: to
     for s in list(fusion._streams.values()):
         s.flush(f"in-place {_name(func)} (run eagerly)")
     real_args, real_kwargs = _materialize_all(args, kwargs, "in-place write")
+    _before_write((real_args[:1], real_kwargs.get("out")))
     out = func(*real_args, **real_kwargs)
     fusion.eager_ops += 1
     nbytes = sum(t.numel() * t.element_size() for t in _tensors((real_args, real_kwargs)))

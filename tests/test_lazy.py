@@ -405,3 +405,208 @@ def test_a_write_into_a_tensor_with_views_the_stream_never_saw_runs_eagerly(f, g
     a.add_(f.lazy(torch.ones(3)) * 2)
     assert a.is_pending  # recorded: nothing else shares its memory
     torch.testing.assert_close(lone, torch.full((3,), 2.0))
+
+
+# ---- autograd through the stream: what a backward saves, requires_grad (issue 33, items 7 and 8) ----
+def _grads_both(f, prog, *shapes, frozen=()):
+    """``prog`` run eagerly and on lazy inputs, then backward of the sum of its result: the
+    input gradients of both runs (each on its own leaves)."""
+    torch.manual_seed(0)
+    leaves = [torch.randn(*s, requires_grad=True) for s in shapes]
+    got = []
+    for lazy in (False, True):
+        xs = [t.detach().clone().requires_grad_() for t in leaves]
+        out = prog(*[f.lazy(x) if lazy else x for x in xs], *frozen)
+        loss = out.sum()
+        (loss.torch() if isinstance(loss, rx.LazyTensor) else loss).backward()
+        got.append([x.grad for x in xs])
+    return got
+
+
+def test_a_write_to_a_kernel_input_its_backward_does_not_read_is_no_error(f):
+    """A kernel's autograd function saves only the inputs its backward reads (a product with a
+    frozen weight keeps the weight, not its input), as eager saves per op: an in-place write to
+    the others after the kernel ran is no error (it was one: the input was saved and then written)."""
+    w = torch.randn(6, 4)
+
+    def linear_then_write(x, w):
+        o = x * 1.0
+        o = o.torch() if isinstance(o, rx.LazyTensor) else o  # materialized: the product reads it
+        h = F.linear(o, w) + o.sum(-1, keepdim=True) * 0
+        h = h.torch() if isinstance(h, rx.LazyTensor) else h
+        o.add_(1)  # eager: mm saved w alone, sum saved nothing
+        return h
+
+    def scaled_then_zeroed(x, w):
+        o = x * 1.0
+        o = o.torch() if isinstance(o, rx.LazyTensor) else o
+        h = o * 3.0
+        h = h.torch() if isinstance(h, rx.LazyTensor) else h
+        o.zero_()
+        return h
+
+    for prog in (linear_then_write, scaled_then_zeroed):
+        want, got = _grads_both(f, prog, (3, 4), frozen=(w,))
+        torch.testing.assert_close(got, want)
+    k = rx.compile(rx.var("x") * rx.var("w"))  # a kernel called directly: the same rule
+    x = torch.randn(5, requires_grad=True)
+    h = x * 1.0
+    y = k(x=h, w=torch.full((5,), 2.0))
+    h.add_(1)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((5,), 2.0))
+
+
+def test_a_backward_reads_what_its_forward_read_when_the_stream_writes_it_later(f):
+    """rtxdsl's backward recomputes from a kernel's inputs where eager's ops save their results or
+    a copy of what they overwrite: the stream copies a saved input before it writes its memory
+    (the issue's program: ``o += g * u`` lands in ``o``, which the kernel computing ``silu(o)``
+    read and saved)."""
+    w = torch.randn(16, 8)
+
+    def issue(x, w):
+        o = x * 1.5
+        g, u = F.linear(o, w).chunk(2, -1)
+        o += g * u
+        return F.silu(o)
+
+    def sigmoid_then_write(x, w):
+        o = x * 1.0
+        o = o.torch() if isinstance(o, rx.LazyTensor) else o
+        y = torch.sigmoid(o)
+        y = y.torch() if isinstance(y, rx.LazyTensor) else y
+        o += 1  # eager: sigmoid saved its result
+        return y
+
+    def mul_by_a_tensor_that_needs_grad(x, w):
+        m = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+        m = f.lazy(m) if isinstance(x, rx.LazyTensor) else m
+        m.mul_(x)  # eager keeps the original m for x's gradient
+        return m * 2.0
+
+    for prog in (issue, sigmoid_then_write, mul_by_a_tensor_that_needs_grad):
+        want, got = _grads_both(f, prog, (4, 8), frozen=(w,))
+        torch.testing.assert_close(got, want)
+
+
+def test_a_write_the_stream_never_sees_still_fails_at_the_backward(f):
+    """After the flush the tensor is plain: a plain write to it is autograd's business, and the
+    backward raises autograd's error, as eager's does for ``sin`` (it saves its input)."""
+    x = torch.randn(5, requires_grad=True)
+    o = x * 1.0
+    y = f.lazy(o).sin().torch()
+    o.add_(1)  # plain torch on a plain tensor: not through the stream
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_requires_grad_grad_fn_and_is_leaf_of_pending_values_are_eagers(f):
+    """Answered without a flush, and the flushed values agree (no gradient through ``no_grad`` or
+    ``detach``: it leaked, the kernel differentiated the whole expression)."""
+    w = torch.randn(6, 4, requires_grad=True)
+
+    def param():
+        p = torch.ones(4, requires_grad=True)
+        p.grad = torch.ones(4)
+        return p
+
+    def prog(x, w, p):
+        h = F.linear(x, w)
+        out = {"h": h, "cmp": h > 0, "sign": h.sign(), "rand": torch.rand_like(h), "max": h.max(-1)}
+        out["det"] = h.detach() * 2
+        with torch.no_grad():
+            out["ng"] = h * 2
+            out["ngw"] = F.linear(x, w)
+        out["after"] = out["ng"] + 1
+        out["branch"] = h * 2 if h.requires_grad else h - 1
+        with torch.no_grad():
+            p.sub_(0.1 * p.grad)  # an optimizer step: p stays a leaf that requires grad
+        out["p"] = p * 1
+        return out
+
+    def answers(out):
+        vals = [v for o in out.values() for v in (o if isinstance(o, tuple) else (o,))]
+        return [(v.requires_grad, v.grad_fn is None, v.is_leaf) for v in vals]
+
+    x = torch.randn(3, 4)
+    want = answers(prog(x, w, param()))
+    q = param()
+    out = prog(f.lazy(x), w, f.lazy(q))
+    assert f.pending > 0
+    assert answers(out) == want  # pending: no flush
+    assert f.pending > 0
+    f.sync()
+    assert answers(out) == want
+    assert q.is_leaf and q.requires_grad and q.grad_fn is None
+    node = F.linear(f.lazy(x), w).grad_fn
+    assert node is not None and "Backward" in node.name()  # a stand-in until it is used
+
+
+def test_an_in_place_write_to_a_leaf_that_requires_grad_raises_at_its_statement(f):
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        f.lazy(x).add_(1)
+    with torch.no_grad():  # allowed there, as in eager
+        f.lazy(x).mul_(2)
+    f.sync()
+    assert x.requires_grad and x.is_leaf
+
+
+# ---- the queue cap and plain aliases (issue 33, items 12 and 13) -----------------------------------
+def _issue_cap_program(x0):
+    v1 = F.layer_norm(x0, (1,), eps=1e-3)
+    v3 = v1.unsqueeze(0)
+    v3.clamp_(max=0)
+    return [v1, v3, v1.clone()]
+
+
+def _cap_program(x0):
+    v1 = F.layer_norm(x0, (1,), eps=1e-3)
+    v2 = x0 * 2 + 1
+    v3 = v1.unsqueeze(0)
+    v3.clamp_(max=0)
+    v5 = v2.t()
+    v5.mul_(3)
+    return [v1, v3, v1.clone(), v2, v5]
+
+
+@pytest.mark.parametrize("prog", [_issue_cap_program, _cap_program])
+@pytest.mark.parametrize("cap", range(1, 7))
+def test_the_queue_cap_flushes_between_calls_never_inside_one(prog, cap, gen):
+    """The cap's flush waits until the call that reached it is recorded: it came between a view's
+    expression and its root being set (the view became a copy, and the next flush crashed on it:
+    ``'NoneType' object has no attribute 'is_var'``), or between an in-place op's value and its
+    target."""
+    x = torch.randn(8, 1, generator=gen)
+    f = rx.Fusion(rx.FusionConfig(max_queued_ops=cap))
+    want = prog(x.clone())
+    got = [v.torch() for v in prog(f.lazy(x.clone()))]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w)
+        assert g.stride() == w.stride()
+
+
+def test_a_plain_tensor_read_then_written_through_a_view_made_before_reads_as_in_eager(f, gen):
+    """A read of a plain tensor that a tensor the stream never saw also holds (a view made
+    before) is a copy of it: a write through that view cannot change what pending ops read (it
+    raised at the flush, 'its old values are gone'); a read after the write sees the new values.
+    A tensor nothing else holds is read in place, no copy."""
+
+    def prog(L, p0, x):
+        lx = L(x)
+        v0 = p0.contiguous().div_(2.0)  # p0 itself
+        v2 = v0.select(0, 1)
+        c = torch.cat([v0, lx])
+        v2.clamp_(-3, 3)
+        return c, v0 * 2 + lx, p0
+
+    p0, x = torch.randn(3, 4, generator=gen) * 10, torch.randn(3, 4, generator=gen)
+    want = prog(lambda t: t, p0.clone(), x.clone())
+    got = prog(f.lazy, p0.clone(), x.clone())
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.torch() if isinstance(g, rx.LazyTensor) else g, w)
+    f.reset_stats()
+    lone = torch.randn(3, 4, generator=gen)
+    y = (f.lazy(x) + lone).torch()
+    torch.testing.assert_close(y, x + lone)
+    assert f.stats().kernels_launched == 1  # no copy
