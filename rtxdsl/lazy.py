@@ -167,14 +167,28 @@ def _unpack(cell: _Saved) -> torch.Tensor:
     return t
 
 
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def _saved_hooks(tensors: Any) -> Any:
     """The hooks a kernel call of the stream runs under when it records a backward (none under
     a caller's own saved-tensor hooks, which keep theirs)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-    if not grads or top is None or top(False) is not None:
+    if not grads or _TOP_HOOKS is None or _TOP_HOOKS(False) is not None:
         return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
+def _call(kernel: Kernel, args: list[Any], grad: bool) -> Any:
+    """A flush's kernel call, with autograd as when its ops were recorded: a graph where a value
+    requires grad (whatever the mode at the flush), none where none does."""
+    if grad:
+        with torch.enable_grad(), _saved_hooks(args):
+            return kernel(*args)
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        with torch.no_grad():
+            return kernel(*args)
+    return kernel(*args)
 
 
 def _before_write(tensors: Any) -> None:
@@ -295,14 +309,15 @@ class OperationStream:
         if snap is not None and snap[0] is t and snap[1] == t._version:
             if snap[3].requires_grad or not (t.requires_grad and torch.is_grad_enabled()):
                 return snap[2]
-        grad = t.requires_grad  # (a guarded tensor's requires_grad_() flushes first: fixed until then)
-        if grad and torch.is_grad_enabled():
-            t.grad_fn  # noqa: B018 - autograd's checks of a view it refuses to use raise here, as in eager
-        key, holders = _holders(t)
-        if holders > 1 and self.unseen_alias(t, key, holders):
-            return self.snapshot(t)
-        v = self.new_leaf(t, grad)
-        self.versions[id(t)] = t._version  # a write the guards cannot see still bumps it
+        with torch._C.DisableTorchFunctionSubclass():  # (metadata of a guarded tensor, without its dispatch)
+            grad = t.requires_grad  # (a guarded tensor's requires_grad_() flushes first: fixed until then)
+            if grad and torch.is_grad_enabled():
+                t.grad_fn  # noqa: B018 - autograd's checks of a view it refuses to use raise here, as in eager
+            key, holders = _holders(t)
+            if holders > 1 and self.unseen_alias(t, key, holders):
+                return self.snapshot(t)
+            v = self.new_leaf(t, grad)
+            self.versions[id(t)] = t._version  # a write the guards cannot see still bumps it
         self.read_storages.add(key)
         self.on_storage.setdefault(key, set()).add(id(t))
         self.guard(t, READ)
@@ -406,7 +421,9 @@ class OperationStream:
         lt = _new(LazyTensor)
         lt._stream, lt._expr, lt._value, lt._info, lt._home = self, expr, None, typed, None
         lt._base, lt._chain, lt._strides = None, (), None
-        lt._grad = grad and typed.dtype in _FLOATS and torch.is_grad_enabled() and _reads_values(expr)
+        if grad:
+            grad = typed.dtype in _FLOATS and torch.is_grad_enabled() and (_READS.get(expr.op) or _reads_values(expr))
+        lt._grad = grad
         self.holders.append(weakref.ref(lt))
         if self.queued == self.cap:  # flushed once the call recording it is done (see _over_cap)
             _OVER.append(self)
@@ -495,9 +512,7 @@ class OperationStream:
             into = {k: final[id(lt)] for k, lt in enumerate(firsts.values()) if id(lt) in final}
             kernel, args = self.fusion._plan(exprs, self, into)  # type: ignore[misc]
             _before_write(list(into.values()))
-            # autograd as when the ops were recorded: a graph where a value requires grad, else none
-            with _saved_hooks(args), torch.set_grad_enabled(any(lt._grad for lt in firsts.values())):
-                outs = kernel(*args)
+            outs = _call(kernel, args, any(lt._grad for lt in firsts.values()))
             outs = [outs] if not isinstance(outs, dict) else list(outs.values())
             for lt, out, o in zip(firsts.values(), outs, orders):
                 with torch._C.DisableTorchFunctionSubclass():
@@ -1095,16 +1110,17 @@ class PendingNode:
 
 #: the dtypes a gradient flows in
 _FLOATS = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
-#: op name -> the operands it reads only the shape of (memo of the registry's ``shape_only``)
-_SHAPE_ONLY: dict[str, tuple[int, ...]] = {}
+#: op name -> True where it reads every operand's values (memo of the registry's ``shape_only``)
+_READS: dict[str, bool] = {}
 
 
 def _reads_values(e: Expr) -> bool:
     """Does ``e``'s op read a tensor operand's values (``rand_like`` reads only its shape)?"""
-    only = _SHAPE_ONLY.get(e.op)
-    if only is None:
-        only = _SHAPE_ONLY[e.op] = REGISTRY[e.op].shape_only
-    return not only or any(k not in only for k, s in enumerate(e.srcs) if not s.is_const)
+    only = REGISTRY[e.op].shape_only
+    if not only:
+        _READS[e.op] = True
+        return True
+    return any(k not in only for k, s in enumerate(e.srcs) if not s.is_const)
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
