@@ -7,13 +7,13 @@ arguments: a schedule compiles nothing.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from . import dsl
 from .dtensor import is_dtensor
+from .nn.memo import made_once
 from .ops import REGISTRY
 from .runtime import Kernel
 from .runtime_grad import land
@@ -21,7 +21,7 @@ from .runtime_grad import land
 _maximum, _sqrt = REGISTRY.functions["maximum"], REGISTRY.functions["sqrt"]
 
 
-@functools.lru_cache(maxsize=4)
+@made_once
 def _adamw_kernel(amsgrad: bool, in_place: bool) -> Kernel:
     """p, m, v (and the running max of v) after one AdamW step, torch's formula step for step;
     ``in_place``: each written over its own tensor where that is safe (not for DTensors, whose
@@ -58,6 +58,9 @@ class AdamW(torch.optim.AdamW):
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
         )
+        for group in self.param_groups:  # the step's kernels, made outside any torch.compile trace
+            for in_place in (False, True):
+                _adamw_kernel(bool(group["amsgrad"]), in_place)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]

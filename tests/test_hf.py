@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from torch._C._dynamo.guards import assert_size_stride
+from aot_checked import fake_checked
 
 import rtxdsl as rx
 
@@ -115,36 +115,35 @@ def test_training_without_logits_never_makes_a_tokens_by_vocabulary_tensor(famil
 
 
 # ---- torch.compile training of a replaced model (issue 33, item 9) ----------------------------------
-class _FakeChecked(torch.fx.Interpreter):
-    """Runs an AOT autograd graph checking each rtxdsl op's real outputs against the fakes it was
-    traced with (``assert_size_stride``, what Inductor's generated code runs after an opaque op,
-    and the dtype), without Inductor's C++ code generation; ``checked`` collects the op names."""
-
-    def __init__(self, gm: torch.fx.GraphModule, checked: list[str]) -> None:
-        super().__init__(gm)
-        self.checked = checked
-
-    def run_node(self, n: torch.fx.Node):
-        out = super().run_node(n)
-        if n.op == "call_function" and getattr(n.target, "namespace", None) == "rtxdsl":
-            fakes = n.meta["val"]
-            for got, fake in zip(*((v if isinstance(v, (list, tuple)) else [v]) for v in (out, fakes))):
-                assert got.dtype == fake.dtype, f"{n.target}: {got.dtype} != {fake.dtype}"
-                assert_size_stride(got, tuple(fake.shape), tuple(fake.stride()), str(n.target))
-            self.checked.append(str(n.target))
-        return out
-
-
-def _fake_checked(checked: list[str], graphs: list[torch.fx.GraphModule]):
-    """A torch.compile backend: AOT autograd with Inductor's partitioner, graphs run by _FakeChecked."""
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-
-    def compiler(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(lambda *args: _FakeChecked(gm, checked).run(*args))
-
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
+def _trained_compiled(model: torch.nn.Module, fused: torch.nn.Module, between=None, **kwargs) -> tuple[list, list]:
+    """Two SGD steps of forward with labels (and ``kwargs``), backward and update of ``fused`` through
+    ``torch.compile(fullgraph=True)`` against ``model`` run eagerly: the loss, the logits (None where
+    ``fused`` makes none), every gradient and every updated parameter; ``between()`` runs between
+    the steps. Returns the rtxdsl ops the graphs ran (their outputs checked against their fakes)
+    and the graphs."""
+    checked, graphs = [], []
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend=fake_checked(checked, graphs))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, fused)]
+    for seed in (5, 6):
+        ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(seed))
+        ids[:, 2] = 7  # a class some tests ignore
+        want, got = model(input_ids=ids, labels=ids, **kwargs), compiled(input_ids=ids, labels=ids, **kwargs)
+        want.loss.backward()
+        got.loss.backward()
+        if got.logits is not None:
+            torch.testing.assert_close(got.logits, want.logits, atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(got.loss, want.loss, atol=2e-6, rtol=2e-6)
+        for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
+            torch.testing.assert_close(p1.grad, p0.grad, atol=2e-6, rtol=2e-5, msg=name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
+            torch.testing.assert_close(p1, p0, atol=2e-6, rtol=2e-6, msg=name)
+        if between is not None and seed == 5:
+            between()
+    return checked, graphs
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -158,27 +157,88 @@ def test_torch_compile_trains_a_replaced_model(family, monkeypatch):
     model = tiny_model(family).train()
     fused = copy.deepcopy(model)
     rx.nn.replace_modules(fused)
-    checked, graphs = [], []
-    torch._dynamo.reset()
-    compiled = torch.compile(fused, fullgraph=True, backend=_fake_checked(checked, graphs))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, fused)]
-    for seed in (5, 6):
-        ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(seed))
-        want, got = model(input_ids=ids, labels=ids), compiled(input_ids=ids, labels=ids)
-        want.loss.backward()
-        got.loss.backward()
-        torch.testing.assert_close(got.logits, want.logits, atol=2e-6, rtol=2e-6)
-        torch.testing.assert_close(got.loss, want.loss, atol=2e-6, rtol=2e-6)
-        for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
-            torch.testing.assert_close(p1.grad, p0.grad, atol=2e-6, rtol=2e-5, msg=name)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
-            torch.testing.assert_close(p1, p0, atol=2e-6, rtol=2e-6, msg=name)
+    checked, graphs = _trained_compiled(model, fused)
     assert len(graphs) == 2  # one forward, one backward: fullgraph, and the second step reuses them
     # the forward saved its row statistics and the backward ran the fused backward kernels
     assert {"rtxdsl.kernel_saving.default", "rtxdsl.kernel.default"} <= set(checked)
+
+
+def test_torch_compile_trains_a_model_replaced_without_logits(monkeypatch):
+    """``replace_modules(model, logits=False)`` under ``torch.compile(model, fullgraph=True)``: the
+    loss from the hidden states (logits None) with the options a Trainer passes (another
+    ignore_index; num_items_in_batch, a summed loss), two SGD steps against the unmodified model,
+    one forward and one backward graph, neither holding a tokens x vocabulary tensor. The forward
+    set lm_head aside with ``object.__setattr__`` / ``__delattr__`` (a graph break: fullgraph
+    failed), and made the loss kernel of an ignore_index other than -100 inside the trace; the
+    output embedding is now a Linear that reads a flag (the model's own forward runs), and every
+    ignore_index is mapped onto the kernels' -100."""
+    monkeypatch.setattr(hf_report, "LAYERS", 1)
+    model = tiny_model("llama").train()
+    fused = copy.deepcopy(model)
+    rx.nn.replace_modules(fused, logits=False)
+    assert fused.state_dict().keys() == model.state_dict().keys()
+    from rtxdsl.nn import swap
+
+    # the loss kernels the graph looks up growing by another model's (a softcap, a bias) between the
+    # steps: the trace guards the one entry it read, so the second step compiles nothing
+    grow = lambda: swap._hidden_loss_kernel("sum", True, 12.5)
+    checked, graphs = _trained_compiled(model, fused, grow, ignore_index=7, num_items_in_batch=torch.tensor(6))
+    assert len(graphs) == 2
+    vocab, tokens = model.config.vocab_size, 10
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+            assert not (shape and shape[-1] == vocab and val.numel() >= tokens * vocab // 2), (n, shape)
+    assert "rtxdsl.kernel_saving.default" in checked
+
+
+def test_causal_lm_loss_compiles_whole_with_every_option():
+    """``rx.nn.causal_lm_loss`` (a replaced model's ``loss_function``) inside ``torch.compile(fullgraph=True)``
+    with each option Hugging Face's ``ForCausalLMLoss`` takes, forward and backward, against it: its
+    kernels were made up front for ignore_index=-100 only, so another made its kernel inside the
+    trace, which Dynamo cannot; every ignore_index now runs the -100 kernels (one per reduction)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 13, generator=gen)
+    labels = torch.randint(0, 13, (2, 5), generator=gen)
+    labels[0, 1], labels[1, 3] = 0, -100
+    shifted = torch.randint(0, 13, (2, 5), generator=gen)
+    options = [
+        {},
+        {"ignore_index": 0, "num_items_in_batch": torch.tensor(4)},  # a summed loss ignoring class 0
+        {"shift_labels": shifted, "num_items_in_batch": 3},
+    ]
+
+    def losses(fn, x, y):
+        return [fn(x, y if "ignore_index" not in kw else y.clamp(min=0), 13, **kw) for kw in options]
+
+    compiled = torch.compile(lambda x, y: losses(rx.nn.causal_lm_loss, x, y), fullgraph=True, backend="aot_eager")
+    got_x, want_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got, want = compiled(got_x, labels), losses(ForCausalLMLoss, want_x, labels)
+    torch.testing.assert_close(got, want)
+    sum(got).backward()
+    sum(want).backward()
+    torch.testing.assert_close(got_x.grad, want_x.grad)
+    # a -100 label that is not the ignore_index is out of range, as torch has it
+    with pytest.raises(IndexError, match="out of bounds"):
+        ForCausalLMLoss(logits, labels, 13, ignore_index=0)
+    with pytest.raises(rx.RtxError, match="out of range"):
+        rx.nn.causal_lm_loss(logits, labels, 13, ignore_index=0)
+
+
+def test_a_replaced_mixtral_without_logits_keeps_its_router_loss():
+    """Mixtral adds its router's auxiliary loss to the loss its forward computes from labels: the
+    forward replaced with ``logits=False`` ran the model without labels, so the sum lost it."""
+    model = tiny_model("mixtral").train()
+    fused = copy.deepcopy(model)
+    rx.nn.replace_modules(fused, logits=False)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(4))
+    want = model(input_ids=ids, labels=ids, output_router_logits=True)
+    got = fused(input_ids=ids, labels=ids, output_router_logits=True)
+    assert got.logits is None and want.aux_loss > 0
+    torch.testing.assert_close(got.loss, want.loss, atol=2e-6, rtol=2e-6)
 
 
 def _ops_called(model: torch.nn.Module, ids: torch.Tensor, monkeypatch) -> list[tuple]:

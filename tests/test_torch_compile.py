@@ -455,3 +455,86 @@ def test_a_compiled_training_step_reloaded_from_torchs_disk_cache_in_another_pro
     assert not second["counters"]["inductor"].get("fxgraph_cache_miss"), second["counters"]
     torch.testing.assert_close(second["compiled"], first["compiled"], atol=0, rtol=0)
     torch.testing.assert_close(first["compiled"], first["eager"], atol=2e-6, rtol=2e-5)
+
+
+# ---- every rx.nn module compiled whole, in training ------------------------------------------------
+class _EveryModule(torch.nn.Module):
+    """One call of every rx.nn module, and of every option that makes its forward pick another kernel
+    at call time (RMSNorm's promoted result dtype, LinearCrossEntropyLoss's bias, JSD's labels)."""
+
+    def __init__(self, dim: int = 8, vocab: int = 11) -> None:
+        super().__init__()
+        self.ln, self.rms = rx.nn.LayerNorm(dim), rx.nn.RMSNorm(dim, eps=1e-6)
+        self.rms_promote = rx.nn.RMSNorm(dim, eps=1e-6, promote=True)  # Llama's: weight * x.to(input dtype)
+        self.rms_gemma = rx.nn.RMSNorm(dim, offset=1.0, promote=True)  # Gemma's 1 + w, torch's eps
+        self.add_rms = rx.nn.AddRMSNorm(dim)
+        self.swiglu, self.geglu = rx.nn.SwiGLU(dim, 2 * dim), rx.nn.GeGLU(dim, 2 * dim)
+        self.gate_up, self.head = rx.nn.GateUpMLP(dim, 2 * dim), torch.nn.Linear(dim, vocab)
+        self.ce = rx.nn.CrossEntropyLoss(ignore_index=3, label_smoothing=0.1, reduction="sum")
+        self.ce_z = rx.nn.CrossEntropyLoss(z_loss=1e-2, return_z_loss=True, return_token_accuracy=True)
+        self.lce = rx.nn.LinearCrossEntropyLoss(label_smoothing=0.1, softcap=30.0, ignore_index=2)
+        self.dyt, self.poly, self.sparsemax = rx.nn.DyT(dim), rx.nn.PolyNorm(), rx.nn.Sparsemax()
+        self.group, self.kl = rx.nn.GroupNorm(2, dim), rx.nn.KLDivLoss(reduction="batchmean", log_target=True)
+        self.jsd, self.tvd = rx.nn.JSD(beta=0.3), rx.nn.TVDLoss()
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {"ln": self.ln(x), "rms": self.rms(x), "promote": self.rms_promote(x), "gemma": self.rms_gemma(x)}
+        out["add_rms"], out["residual"] = self.add_rms(x, r)
+        out.update(swiglu=self.swiglu(x), geglu=self.geglu(x), gate_up=self.gate_up(x))
+        logits = self.head(x)
+        w, b = self.head.weight.to(logits.dtype), self.head.bias.to(logits.dtype)  # autocast's, for a linear
+        out["ce"] = self.ce(logits, t)
+        out["ce_z"], out["z"], out["accuracy"] = self.ce_z(logits, t)
+        out.update(lce=self.lce(x.to(w.dtype), w, t), lce_bias=self.lce(x.to(w.dtype), w, t, b))
+        p, q = logits.float().log_softmax(-1), r.float().repeat(1, 2)[:, :11].log_softmax(-1)
+        out["jsd"] = self.jsd(p, q, t)
+        if x.dtype != torch.float32:  # the rest once (their kernels pick nothing by dtype: time)
+            return out
+        out.update(dyt=self.dyt(x), poly=self.poly(x), sparsemax=self.sparsemax(x), group=self.group(x.view(2, 8, -1)))
+        out.update(kl=self.kl(p, q), tvd=self.tvd(p.exp(), q.exp()))
+        return out
+
+
+def _every_module_step(module: torch.nn.Module, dtype: torch.dtype, seed: int) -> tuple[dict, dict]:
+    """Forward and backward of every output, under bf16 autocast for bf16 (fp32 weights, bf16
+    activations); the outputs and the input and parameter gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 8, generator=gen).to(dtype).requires_grad_()
+    r, t = torch.randn(6, 8, generator=gen).to(dtype), torch.tensor([1, 3, 2, 0, 10, 3])
+    with torch.autocast("cpu", torch.bfloat16, enabled=dtype == torch.bfloat16):
+        out = module(x, r, t)
+    sum(v.float().sum() for v in out.values() if v.requires_grad).backward()
+    params = module._orig_mod if hasattr(module, "_orig_mod") else module
+    grads = {"x": x.grad} | {n: p.grad for n, p in params.named_parameters()}
+    params.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def test_every_rx_nn_module_compiles_whole_in_training():
+    """``torch.compile(fullgraph=True)`` of every rx.nn module in training, forward and backward, in
+    fp32 and in bf16 activations with fp32 weights (autocast), against the uncompiled modules: one
+    Dynamo compile (one forward and one backward graph) per dtype, none again for new values. A
+    forward that asked an ``lru_cache``'d factory for a kernel (RMSNorm(promote=True) when the
+    result's dtype is not the input's, LinearCrossEntropyLoss with a bias, JSD with labels) broke
+    the trace: Dynamo traces into the cache and cannot build a kernel. Every kernel a forward can
+    pick is now made with the module (rtxdsl.nn.memo). ~25 s on 2 cores, most of it Dynamo and AOT
+    tracing."""
+    from aot_checked import fake_checked
+
+    torch.manual_seed(0)
+    module = _EveryModule().train()
+    checked, graphs = [], []
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, backend=fake_checked(checked, graphs))
+    for n, dtype in enumerate((torch.float32, torch.bfloat16), start=1):
+        want, want_grads = _every_module_step(module, dtype, 1)
+        got, got_grads = _every_module_step(compiled, dtype, 1)
+        assert len(graphs) == 2 * n  # this dtype's forward and backward
+        for key, value in want.items():
+            assert got[key].dtype == value.dtype, key
+            torch.testing.assert_close(got[key], value, msg=key)
+        torch.testing.assert_close(got_grads, want_grads)
+    assert want["promote"].dtype == torch.float32 and want["swiglu"].dtype == torch.bfloat16
+    _every_module_step(compiled, torch.float32, 2)  # new values of a dtype compiled for: no compile
+    assert len(graphs) == 4
+    assert {"rtxdsl.kernel_saving.default", "rtxdsl.kernel.default"} <= set(checked)

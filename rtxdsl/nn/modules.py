@@ -10,7 +10,6 @@ embedding and loss for these, in place.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -24,13 +23,14 @@ from ..ops.elementwise import cast
 from ..ops.llm import cross_entropy, cross_entropy_outputs, linear_cross_entropy
 from ..runtime import Kernel, compile
 from ..runtime_grad import land
+from .memo import made_once
 
 _x, _w, _b, _t = dsl.var("x"), dsl.var("w"), dsl.var("b"), dsl.var("t")
 
 
-@functools.lru_cache(maxsize=64)
+@made_once
 def _norm_kernel(
-    kind: str, eps: float | None, weight: bool, bias: bool, offset: float = 0.0, out: torch.dtype | None = None
+    kind: str, eps: float | None, weight: bool, bias: bool, offset: float, out: torch.dtype | None
 ) -> Kernel:
     """``offset``: the weight enters as ``offset + w`` (Gemma's ``1 + w``); ``out``: the result's dtype
     (None: the input's)."""
@@ -44,7 +44,7 @@ def _norm_kernel(
     return compile(e if out is None else cast(e, out))
 
 
-@functools.lru_cache(maxsize=64)
+@made_once
 def _rms_kernel(eps: float | None, weight: bool, offset: float, residual: bool, in_place: bool) -> Kernel:
     """RMSNorm (``eps=None``: torch's epsilon of the compute dtype), of ``x + r`` with ``residual``
     (then the sum is an output too: ``out`` and ``residual``); ``in_place``: ``out`` written over
@@ -121,21 +121,32 @@ def add_rms_norm_(
 
 
 class _Fused:
-    """Holds the module's kernel, made when the module is (never inside a torch.compile trace)."""
+    """Holds every kernel the module's forward can call, made when the module is (never inside a
+    torch.compile trace, where no kernel can be built: :mod:`rtxdsl.nn.memo`): ``_kernel``, and
+    ``_variants`` by what a call can change (an output dtype, an optional input given), so
+    ``forward`` only reads attributes and dicts, which Dynamo traces as constants."""
 
     _kernel: Kernel
+    _variants: dict[Any, Kernel]
 
     def _make_kernel(self) -> Kernel:
         raise NotImplementedError
 
-    def attach(self) -> None:
-        """Make the module's kernel again from its parameters and options (after a copy or a swap)."""
-        self._kernel = self._make_kernel()
+    def _make_variants(self) -> dict[Any, Kernel]:
+        """The kernels besides ``_kernel`` a call may need, by what selects them (none by default)."""
+        return {}
 
-    # copies and pickles carry the parameters and options; the kernel is made again from them
+    def attach(self) -> None:
+        """Make the module's kernels again from its parameters and options (after a copy, a swap or
+        a change of options: a forward runs the kernels made here)."""
+        self._kernel = self._make_kernel()
+        self._variants = self._make_variants()
+
+    # copies and pickles carry the parameters and options; the kernels are made again from them
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_kernel", None)
+        state.pop("_variants", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -157,13 +168,17 @@ class LayerNorm(_Fused, torch.nn.LayerNorm):
         self.attach()
 
     def _make_kernel(self) -> Kernel:
-        return _norm_kernel("layer_norm", float(self.eps), self.weight is not None, self.bias is not None)
+        return _norm_kernel("layer_norm", float(self.eps), self.weight is not None, self.bias is not None, 0.0, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.normalized_shape) != 1:  # several normalized dims: torch's own
             return super().forward(x)
         args = [x] + [p for p in (self.weight, self.bias) if p is not None]
         return self._kernel(*args)
+
+
+#: the dtypes a float input and a float weight promote to: RMSNorm(promote=True)'s results
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class RMSNorm(_Fused, torch.nn.RMSNorm):
@@ -188,6 +203,12 @@ class RMSNorm(_Fused, torch.nn.RMSNorm):
     def _make_kernel(self) -> Kernel:
         return self._kernel_for(None)
 
+    def _make_variants(self) -> dict[Any, Kernel]:
+        """``promote``: one kernel per result dtype a float input and weight can promote to."""
+        if not self.promote or self.weight is None:
+            return {}
+        return {out: self._kernel_for(out) for out in _FLOATS}
+
     def _kernel_for(self, out: torch.dtype | None) -> Kernel:
         eps = None if self.eps is None else float(self.eps)
         return _norm_kernel("rms_norm", eps, self.weight is not None, False, self.offset, out)
@@ -200,8 +221,13 @@ class RMSNorm(_Fused, torch.nn.RMSNorm):
         if self.weight is None:
             return self._kernel(x)
         out = torch.promote_types(x.dtype, self.weight.dtype) if self.promote else x.dtype
-        kernel = self._kernel if out == x.dtype else self._kernel_for(out)
-        return kernel(x, self.weight)
+        if out == x.dtype:
+            return self._kernel(x, self.weight)
+        if out not in self._variants:
+            raise RtxError(
+                f"rx.nn.RMSNorm(promote=True): no kernel for a {out} result ({x.dtype} x {self.weight.dtype})"
+            )
+        return self._variants[out](x, self.weight)
 
     def extra_repr(self) -> str:
         more = (f", offset={self.offset}" if self.offset else "") + (", promote=True" if self.promote else "")
@@ -286,9 +312,9 @@ class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
         return (out["loss"], *extra)
 
 
-@functools.lru_cache(maxsize=64)
+@made_once
 def _ce_kernel(
-    weight: bool, ignore_index: int, reduction: str, smoothing: float, z: float = 0.0, extra: tuple = (False, False)
+    weight: bool, ignore_index: int, reduction: str, smoothing: float, z: float, extra: tuple[bool, bool]
 ) -> Kernel:
     w = _w if weight else None
     if not any(extra):
@@ -329,19 +355,22 @@ class LinearCrossEntropyLoss(_Fused, torch.nn.Module):
     def _make_kernel(self) -> Kernel:
         return _lce_kernel(False, self.weight is not None, tuple(sorted(self.options.items())))
 
+    def _make_variants(self) -> dict[Any, Kernel]:
+        return {"bias": _lce_kernel(True, self.weight is not None, tuple(sorted(self.options.items())))}
+
     def forward(
         self, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         ins = {"h": h, "w": w, "t": target} | ({"cw": self.weight} if self.weight is not None else {})
         if bias is None:
             return self._kernel(**ins)
-        return _lce_kernel(True, self.weight is not None, tuple(sorted(self.options.items())))(**ins, b=bias)
+        return self._variants["bias"](**ins, b=bias)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
 
 
-@functools.lru_cache(maxsize=64)
+@made_once
 def _lce_kernel(bias: bool, weight: bool, options: tuple[tuple[str, Any], ...]) -> Kernel:
     b, cw = (dsl.var("b") if bias else None), (dsl.var("cw") if weight else None)
     return compile(linear_cross_entropy(dsl.var("h"), _w, _t, b, cw, **dict(options)))
@@ -358,7 +387,7 @@ class GatedMLP(_Fused, torch.nn.Module):
         return self.down_proj(self._kernel(self.gate_proj(x), self.up_proj(x)))
 
 
-@functools.lru_cache(maxsize=8)
+@made_once
 def _gated(kind: str, approximate: str) -> Kernel:
     g, u = dsl.var("g"), dsl.var("u")
     return compile(REGISTRY.functions["swiglu"](g, u) if kind == "swiglu" else geglu(g, u, approximate))
@@ -399,7 +428,7 @@ class GeGLU(GatedMLP):
         return _gated("geglu", self.approximate)
 
 
-@functools.lru_cache(maxsize=8)
+@made_once
 def _gate_up(activation: str) -> Kernel:
     h = dsl.var("h")
     gate, up = REGISTRY.functions["chunk"](h, 2, -1)
@@ -441,7 +470,7 @@ class GateUpMLP(_Fused, torch.nn.Module):
 
 
 # ---- Liger-Kernel's op set as modules (Liger's parameter names) ------------------------------------
-@functools.lru_cache(maxsize=8)
+@made_once
 def _liger_kernel(kind: str, *options: Any) -> Kernel:
     x, a, g, b, lbl = (dsl.var(n) for n in ("x", "a", "g", "b", "label"))
     f = REGISTRY.functions
@@ -562,10 +591,13 @@ class _LabelledLoss(_Fused, torch.nn.Module):
     def _make_kernel(self) -> Kernel:
         return _liger_kernel(self._kind, False, *self._options())
 
+    def _make_variants(self) -> dict[Any, Kernel]:
+        return {"label": _liger_kernel(self._kind, True, *self._options())}
+
     def forward(self, a: torch.Tensor, b: torch.Tensor, label: torch.Tensor | None = None) -> torch.Tensor:
         if label is None:
             return self._kernel(x=a, a=b)
-        return _liger_kernel(self._kind, True, *self._options())(x=a, a=b, label=label)
+        return self._variants["label"](x=a, a=b, label=label)
 
 
 class JSD(_LabelledLoss):
@@ -631,7 +663,7 @@ class GroupNorm(_Fused, torch.nn.GroupNorm):
         return self._kernel(x, self.weight, self.bias) if self.affine else self._kernel(x)
 
 
-@functools.lru_cache(maxsize=16)
+@made_once
 def _group_norm_kernel(groups: int, eps: float, affine: bool) -> Kernel:
     f = REGISTRY.functions["group_norm"]
     return compile(f(_x, groups, _w, _b, eps) if affine else f(_x, groups, None, None, eps))

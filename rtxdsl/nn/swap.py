@@ -33,6 +33,7 @@ from .. import dsl
 from ..ops.elementwise import cast
 from ..ops.llm import capped_logits, cross_entropy, rope
 from ..runtime import Kernel, compile
+from .memo import made_once
 from .modules import GatedMLP, GateUpMLP, GeGLU, LayerNorm, RMSNorm, SwiGLU
 
 #: attributes Hugging Face norms keep their epsilon in
@@ -69,6 +70,8 @@ def replace_modules(model: torch.nn.Module, *, rope: bool = True, loss: bool = T
     computes its loss from the last hidden states and the output embedding's weight in
     :func:`rtxdsl.linear_cross_entropy`'s kernels and returns ``logits=None``: no tokens x
     vocabulary tensor is made, forward or backward. Without labels it returns its logits as before.
+    Its ``lm_head`` becomes the same Linear (same parameters) with a flag the forward sets, so the
+    model still compiles whole (``torch.compile(model, fullgraph=True)``).
 
     Example:
         >>> import torch, rtxdsl as rx
@@ -225,7 +228,7 @@ def _gated_module(m: torch.nn.Module, act: str, lin: dict[str, torch.nn.Linear],
 
 
 # ---- rotary embedding: the model module's free function ------------------------------------------
-@functools.lru_cache(maxsize=1)
+@made_once
 def _rope_kernel() -> Kernel:
     q, k, cos, sin = (dsl.var(n) for n in ("q", "k", "cos", "sin"))
     return compile({"q": rope(q, cos, sin), "k": rope(k, cos, sin)})
@@ -233,7 +236,7 @@ def _rope_kernel() -> Kernel:
 
 def _fused_rotary(original: Callable[..., Any]) -> Callable[..., Any]:
     """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` as one kernel for q and k."""
-    kernel = _rope_kernel()  # made here: never inside a torch.compile trace (see _made_once)
+    kernel = _rope_kernel()  # made here: never inside a torch.compile trace (rtxdsl.nn.memo)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
@@ -264,26 +267,24 @@ def _fuse_rotary(model: torch.nn.Module) -> int:
 
 
 # ---- the causal-LM loss ------------------------------------------------------------------------------
-def _made_once(factory: Callable[..., Kernel]) -> Callable[..., Kernel]:
-    """``factory`` memoized in a plain dict, for kernels a forward looks up: inside torch.compile a
-    hit is a dict lookup Dynamo reads (it traces into an ``lru_cache``'d function even on a hit, and
-    cannot build a ``Kernel`` there); :func:`_fuse_loss` makes the ones a model asks for."""
-    made: dict[tuple[Any, ...], Kernel] = {}
-
-    @functools.wraps(factory)
-    def get(*key: Any) -> Kernel:
-        kernel = made.get(key)
-        if kernel is None:
-            kernel = made[key] = factory(*key)
-        return kernel
-
-    return get
+#: the ignore_index the loss kernels here are made for; another is mapped onto it (_ignored_as_default)
+_IGNORED = -100
 
 
-@_made_once
-def _loss_kernel(reduction: str, ignore_index: int) -> Kernel:
+@made_once
+def _loss_kernel(reduction: str) -> Kernel:
     logits, target = dsl.var("logits"), dsl.var("target")
-    return compile(cast(cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction), torch.float32))
+    return compile(cast(cross_entropy(logits, target, ignore_index=_IGNORED, reduction=reduction), torch.float32))
+
+
+def _ignored_as_default(target: torch.Tensor, ignore_index: int, classes: int) -> torch.Tensor:
+    """``target`` for a kernel that ignores -100, whatever ``ignore_index`` the caller passed (so one
+    kernel per reduction, made before any trace, serves them all): its rows become -100, and a -100
+    that torch would reject (it is not the ignore_index) becomes ``classes``, out of range as it was
+    (the error then names that class)."""
+    if ignore_index == _IGNORED:
+        return target
+    return torch.where(target == ignore_index, _IGNORED, torch.where(target == _IGNORED, classes, target))
 
 
 def causal_lm_loss(
@@ -297,7 +298,8 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` (labels shifted left, mean over non-ignored tokens, or a
     sum divided by ``num_items_in_batch``) as one cross-entropy kernel over the logits in their own
-    dtype (no float32 copy); the loss is float32, as theirs.
+    dtype (no float32 copy); the loss is float32, as theirs. Compiles whole (``fullgraph=True``)
+    with every option: its two kernels are made when rtxdsl is imported.
 
     Example:
         >>> import torch, rtxdsl as rx
@@ -306,9 +308,14 @@ def causal_lm_loss(
     """
 
     def run(reduction: str, target: torch.Tensor) -> torch.Tensor:
-        return _loss_kernel(reduction, ignore_index)(logits=logits.reshape(-1, vocab_size), target=target)
+        target = _ignored_as_default(target, ignore_index, vocab_size)
+        return _loss_kernel(reduction)(logits=logits.reshape(-1, vocab_size), target=target)
 
     return _shifted_loss(run, labels, logits.device, num_items_in_batch, ignore_index, shift_labels)
+
+
+for _reduction in ("mean", "sum"):  # made here: causal_lm_loss may first run inside a torch.compile trace
+    _loss_kernel(_reduction)
 
 
 def _shifted_loss(
@@ -334,43 +341,69 @@ def _shifted_loss(
 
 def _fuse_loss(model: torch.nn.Module, logits: bool = True) -> bool:
     """A Hugging Face causal LM (``...ForCausalLM`` with a ``loss_function``) gets ``causal_lm_loss``;
-    with ``logits=False`` and an output embedding, a forward that never makes the logits for a loss."""
+    with ``logits=False`` and an output embedding, a forward that never makes the logits for a loss
+    (its kernels made here, outside any trace)."""
     if not type(model).__name__.endswith("ForCausalLM") or not hasattr(type(model), "loss_function"):
         return False
-    model.loss_function = causal_lm_loss
     head = getattr(model, "lm_head", None)
-    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    for reduction in ("mean", "sum"):  # the kernels its forward asks for, made outside any trace
-        _loss_kernel(reduction, -100)
-        if not logits and isinstance(head, torch.nn.Linear):
-            _hidden_loss_kernel(reduction, -100, head.bias is not None, cap)
-    if not logits and isinstance(head, torch.nn.Linear):
-        model.forward = _LossFromHidden(model)
+    if logits or not isinstance(head, torch.nn.Linear):
+        model.loss_function = causal_lm_loss
+        if isinstance(model.__dict__.get("forward"), _LossFromHidden):
+            del model.forward  # replaced before with logits=False: the class's forward again
+        return True
+    if not isinstance(head, _OutputHead):
+        head = model.lm_head = _OutputHead.wrapping(head)
+    for reduction in ("mean", "sum"):
+        _hidden_loss_kernel(reduction, head.bias is not None, _softcap(model))
+    model.loss_function = _LossOnKept(model)
+    model.forward = _LossFromHidden(model)
     return True
 
 
-class _Hidden(torch.nn.Module):
-    """Stands in for the output embedding during a loss forward: it keeps the hidden states it is
-    given (what the model does to its "logits" after it, a softcap, is redone on the real ones)."""
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.hidden = hidden
-        return hidden
+def _softcap(model: torch.nn.Module) -> float | None:
+    """The final logit softcap of a model's config (Gemma 2), or None."""
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
 
-@_made_once
-def _hidden_loss_kernel(reduction: str, ignore_index: int, bias: bool, softcap: float | None) -> Kernel:
+@made_once
+def _hidden_loss_kernel(reduction: str, bias: bool, softcap: float | None) -> Kernel:
     """Hugging Face's causal-LM cross-entropy from hidden states: the logits (soft-capped where the
     model caps them, then float32 as ``ForCausalLMLoss`` makes them) only ever exist as tiles."""
     logits = capped_logits(dsl.var("h"), dsl.var("w"), dsl.var("b") if bias else None, softcap)
-    return compile(cross_entropy(cast(logits, torch.float32), dsl.var("target"), None, ignore_index, reduction))
+    return compile(cross_entropy(cast(logits, torch.float32), dsl.var("target"), None, _IGNORED, reduction))
+
+
+class _OutputHead(torch.nn.Linear):
+    """The output embedding of a model replaced with ``logits=False``: the model's own Linear (its
+    parameters, hooks and state, nothing copied), except while :class:`_LossFromHidden` runs a
+    forward given labels (``keep``): it then keeps the hidden states it is given for the loss and
+    hands them on in place of logits (what the model does to its "logits" after it, a softcap, is
+    done to them and discarded). A flag the forward reads, not a module swapped during it, so
+    Dynamo traces the whole forward (``torch.compile(model, fullgraph=True)``)."""
+
+    keep: bool = False
+    kept: torch.Tensor | None = None
+
+    @classmethod
+    def wrapping(cls, head: torch.nn.Linear) -> _OutputHead:
+        new = cls.__new__(cls)
+        new.__dict__.update(head.__dict__)
+        return new
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.keep:
+            self.kept = hidden
+            return hidden
+        return super().forward(hidden)
 
 
 class _LossFromHidden:
-    """A causal LM's forward that, given ``labels``, runs the model with its output embedding set
-    aside (the "logits" it computes are the hidden states) and takes the loss from the hidden states
-    and the embedding's weight (``replace_modules(model, logits=False)``); without labels, the
-    model's own forward. Picklable: it holds the model, whose class holds the forward."""
+    """A causal LM's forward (``replace_modules(model, logits=False)``): given ``labels``, the model's
+    own forward with its output embedding keeping the hidden states (:class:`_OutputHead`), whose
+    loss (:class:`_LossOnKept`, the model's ``loss_function``) comes from them and the embedding's
+    weight; ``logits`` is None. Whatever else the forward does with its loss stays (Mixtral adds its
+    router's auxiliary loss). Without labels, the model's own forward. Picklable: it holds the
+    model, whose class holds the forward."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -380,17 +413,44 @@ class _LossFromHidden:
         forward = type(model).forward
         if labels is None:
             return forward(model, *args, **kwargs)
-        head, seen = model.lm_head, _Hidden()
-        object.__setattr__(model, "lm_head", seen)  # not a registered child: state_dict untouched
+        head = model.lm_head
+        if not isinstance(head, _OutputHead):  # an output embedding set since: its logits, as before
+            return forward(model, *args, labels=labels, **kwargs)
+        head.keep = True
         try:
-            out = forward(model, *args, **kwargs)
+            out = forward(model, *args, labels=labels, **kwargs)
         finally:
-            object.__delattr__(model, "lm_head")
-        hidden = seen.hidden
-        cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-        out.loss = _loss_from_hidden(hidden, head, labels, cap, **kwargs)
+            head.keep, head.kept = False, None
         out.logits = None
         return out
+
+
+class _LossOnKept:
+    """The ``loss_function`` of a model replaced with ``logits=False``: :func:`causal_lm_loss` from
+    the hidden states its output embedding kept (the ``logits`` it is given are those hidden states,
+    perhaps soft-capped: unused), or over the logits where none were kept."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        head = self.model.lm_head
+        hidden = getattr(head, "kept", None)
+        if hidden is None:
+            return causal_lm_loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+        head.kept = None
+        return _loss_from_hidden(
+            hidden, head, labels, _softcap(self.model), num_items_in_batch, ignore_index, shift_labels
+        )
 
 
 def _loss_from_hidden(
@@ -398,16 +458,16 @@ def _loss_from_hidden(
     head: torch.nn.Linear,
     labels: torch.Tensor,
     softcap: float | None,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    ignore_index: int = -100,
-    shift_labels: torch.Tensor | None = None,
-    **_: Any,
+    num_items_in_batch: torch.Tensor | int | None,
+    ignore_index: int,
+    shift_labels: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`causal_lm_loss` from the hidden states and the output embedding."""
     bias = {"b": head.bias} if head.bias is not None else {}
 
     def run(reduction: str, target: torch.Tensor) -> torch.Tensor:
-        kernel = _hidden_loss_kernel(reduction, ignore_index, bool(bias), softcap)
+        target = _ignored_as_default(target, ignore_index, head.weight.shape[0])
+        kernel = _hidden_loss_kernel(reduction, bool(bias), softcap)
         return kernel(h=hidden.reshape(-1, hidden.shape[-1]), w=head.weight, target=target, **bias)
 
     return _shifted_loss(run, labels, hidden.device, num_items_in_batch, ignore_index, shift_labels)
