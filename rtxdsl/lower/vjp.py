@@ -12,7 +12,7 @@ Derivative rules live with each op's declaration (``OpDef.derivative``).
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 import torch
@@ -160,7 +160,7 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
             e = node("cast", e, dtype=graph.of(v).dtype)
         key = f"{GRADIENT}{len(backward)}"
         grad_of.append((v.attr("name"), key))
-        backward.append((key, _substitute(e, saved, tiled, cot)))
+        backward.append((key, _substitute(e, saved, tiled, lambda s: cot.typed(s).dtype)))
     if not backward:
         raise RtxError("no input that requires grad reaches a floating-point output")
     forward, saved_keys = _saving(graph, user, backward, reductions, saved)
@@ -196,20 +196,25 @@ def _saving(
     return forward, saved_keys
 
 
-def _substitute(e: Expr, repl: dict[int, Expr], recompute: Set[int], cot: _Cotangents) -> Expr:
+def _substitute(
+    e: Expr,
+    repl: dict[int, Expr],
+    recompute: Set[int] = frozenset(),
+    dtype_of: Callable[[Expr], torch.dtype] | None = None,
+) -> Expr:
     """``e`` with the nodes in ``repl`` replaced (saved values) and those in ``recompute`` marked.
 
     A saved statistic may be wider than the reduction it replaces (fp32 for a half row), which
     widens what is recomputed from it; a contraction's operand is cast back to its forward dtype
-    (the dtype the forward multiplied in: a GEMM's operands share one)."""
+    (``dtype_of``: the dtype the forward multiplied in, as a GEMM's operands share one)."""
     memo: dict[int, Expr] = {}
     for n in walk([e]):
         if id(n) in repl:
             memo[id(n)] = repl[id(n)]
             continue
         srcs = tuple(memo[id(s)] for s in n.srcs)
-        if REGISTRY[n.op].kind is OpKind.CONTRACTION:
-            srcs = tuple(m if m is s else node("cast", m, dtype=cot.typed(s).dtype) for m, s in zip(srcs, n.srcs))
+        if dtype_of is not None and REGISTRY[n.op].kind is OpKind.CONTRACTION:
+            srcs = tuple(m if m is s else node("cast", m, dtype=dtype_of(s)) for m, s in zip(srcs, n.srcs))
         if id(n) in recompute:
             memo[id(n)] = Expr(n.op, srcs, {**n.attr_dict, "recompute": True})
         elif all(a is b for a, b in zip(srcs, n.srcs)):
