@@ -201,6 +201,22 @@ def test_a_bias_before_a_pooled_loss_gets_every_rows_gradient(name):
     check_fair(dsl, eager, {"x": (3, 9, 10), "w": w, "b": (10,)}, torch.float32, 2.0)
 
 
+# a value both GEMMs' operands are computed from, and an epilogue reads too: each prologue's cone
+# takes it from the kernel it copies from (it read it from the other GEMM, which read the first:
+# a cycle between kernels; lazy fuzzer, seed 700294)
+def test_two_gemms_sharing_an_operands_producer_with_a_loss_beside_them():
+    def dsl(x, y):
+        v1 = rx.clamp(rx.exp(x), max=4.0)
+        loss = rx.cross_entropy(3 * v1 * 2, y, label_smoothing=0.1)
+        return loss + rx.sum(rx.linear(v1, v1 + 2 * x))
+
+    def eager(x, y):
+        v1 = x.exp().clamp(max=4.0)
+        return F.cross_entropy(3 * v1 * 2, y, label_smoothing=0.1) + F.linear(v1, v1 + 2 * x).sum()
+
+    check_fair(dsl, eager, {"x": (4, 4)}, torch.float32, 2.0, ints={"y": (4, (4,))})
+
+
 # ---- 6. stacked linears viewed to heads, then a product of the view ------------------------------
 # a node a composite typed outside its own cone (a transpose of a size-1 dim is a reshape, which
 # moves into the product's rows) has an origin but no writer: folding scalars kept only both

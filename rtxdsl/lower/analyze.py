@@ -869,7 +869,7 @@ def absorb_prologues(
             if found is not None:
                 emptied += found
                 continue
-        cone = _elementwise_cone(s, home, homes, work, graph, solo)
+        cone = _elementwise_cone(s, home, solo)
         gemm_readers = readers[id(s)]
         chain, bounds = cone if cone is not None else ([], [])
         if cone is None or any(
@@ -1157,13 +1157,14 @@ def _per_row_after(
     return after
 
 
-def _elementwise_cone(
-    s: Expr, home: _Work, homes: dict[int, int], work: list[_Work], graph: Graph, solo: frozenset[int]
-) -> tuple[list[Expr], list[Expr]] | None:
+def _elementwise_cone(s: Expr, home: _Work, solo: frozenset[int]) -> tuple[list[Expr], list[Expr]] | None:
     """``s`` and the nodes of its home kernel it is computed from, if all are elementwise (none
     kept apart by ``solo``), and the per-row values of a row kernel it reads (RMSNorm's ``rstd``:
     KEEP values, which broadcast against the operand; written by the row kernel, loaded at each
-    tile). None where it needs anything else."""
+    tile). None where it needs anything else. A value the home kernel computes is in the cone
+    even where another kernel also computes it (an epilogue recomputing it): the GEMM reads the
+    cone's boundaries from memory, and one written by that other kernel could order them in a cycle."""
+    inside = {id(m) for m in home.nodes}
     out: list[Expr] = []
     bounds: list[Expr] = []
     stack, seen = [s], set()
@@ -1179,7 +1180,7 @@ def _elementwise_cone(
         if id(n) in solo or REGISTRY[n.op].kind is not OpKind.ELEMENTWISE or role is not Role.FULL:
             return None
         out.append(n)
-        stack.extend(x for x in n.srcs if id(x) in homes and work[homes[id(x)]] is home)
+        stack.extend(x for x in n.srcs if id(x) in inside)
     return out, bounds
 
 
