@@ -40,8 +40,8 @@ def check_fair(
     frozen: tuple[str, ...] = (),
     seed: int = 0,
 ) -> None:
-    """``dsl`` (over ``rx.var``s) against ``eager`` (over tensors): value and the gradient of every
-    float input not ``frozen``, for one random cotangent."""
+    """``dsl`` (over ``rx.var``s) against ``eager`` (over tensors): each value (one, or a dict of
+    them) and the gradient of every float input not ``frozen``, for random cotangents."""
     gen = torch.Generator().manual_seed(seed)
     base = {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
     fixed = {n: torch.randint(0, hi, s, generator=gen) for n, (hi, s) in (ints or {}).items()}
@@ -50,18 +50,21 @@ def check_fair(
         out = {n: t.to(dt).requires_grad_(n not in frozen) for n, t in base.items()}
         return {**out, **fixed}
 
-    def run(fn: Callable[..., torch.Tensor], ins: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def run(fn: Callable[..., torch.Tensor | dict], ins: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         y = fn(**ins)
+        ys = list(y.values()) if isinstance(y, dict) else [y]
         wrt = [ins[n] for n in base if n not in frozen]
-        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
-        return [y, *torch.autograd.grad(y, wrt, cot.to(y.dtype))]
+        gen = torch.Generator().manual_seed(seed + 1)
+        cots = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in ys]
+        return [*ys, *torch.autograd.grad(ys, wrt, cots)]
 
     kernel = rx.compile(dsl(**{n: rx.var(n) for n in [*base, *fixed]}))
     got = run(lambda **t: kernel(**t), leaves(dtype))
     same = run(eager, leaves(dtype))
     want = run(eager, leaves(torch.float64))
     atol = TOLERANCE[dtype][0]
-    for what, g, s, w in zip(["value", *[f"d{n}" for n in base if n not in frozen]], got, same, want):
+    values = [f"value {k}" for k in range(len(got) - len(base) + len(frozen))]
+    for what, g, s, w in zip([*values, *[f"d{n}" for n in base if n not in frozen]], got, same, want):
         assert g.dtype == s.dtype and g.shape == s.shape, f"{what}: {g.dtype}{list(g.shape)} vs eager's"
         scale = max(1.0, w.abs().max().item())
         err, eager_err = _error(g, w), _error(s, w)
@@ -208,11 +211,11 @@ def test_two_gemms_sharing_an_operands_producer_with_a_loss_beside_them():
     def dsl(x, y):
         v1 = rx.clamp(rx.exp(x), max=4.0)
         loss = rx.cross_entropy(3 * v1 * 2, y, label_smoothing=0.1)
-        return loss + rx.sum(rx.linear(v1, v1 + 2 * x))
+        return {"loss": loss, "product": rx.linear(v1, v1 + 2 * x)}
 
     def eager(x, y):
         v1 = x.exp().clamp(max=4.0)
-        return F.cross_entropy(3 * v1 * 2, y, label_smoothing=0.1) + F.linear(v1, v1 + 2 * x).sum()
+        return {"loss": F.cross_entropy(3 * v1 * 2, y, label_smoothing=0.1), "product": F.linear(v1, v1 + 2 * x)}
 
     check_fair(dsl, eager, {"x": (4, 4)}, torch.float32, 2.0, ints={"y": (4, (4,))})
 
