@@ -278,3 +278,39 @@ def test_bounds_checks_catch_an_access_outside_every_tensor():
         past_the_end[(1,)](x, y, 7)  # every lane in bounds: no error
         with pytest.raises(Exception, match="past_the_end: a load of 1 element"):
             past_the_end[(1,)](x, y, 8)
+
+
+# ---- a half value a kernel stores and also reads: its readers see the stored (rounded) value ------
+# a kernel computes in fp32; a value it stores in bf16 / fp16 for later kernels (a residual, a
+# product saved for the backward) and also reads itself is rounded where it is computed, so the
+# kernel's own readers see what every later kernel and a backward recomputing from it read back
+def test_softmax_over_one_key_has_an_exactly_zero_gradient_in_bf16():
+    """Softmax over one key is 1 whatever the score: the gradient of q and k is exactly 0, in eager
+    and here. The backward's GEMM epilogue recomputed the softmax from its unrounded accumulator
+    while the forward had saved the rounded bf16 scores: 1 - exp(s - lse) was a few ulps off."""
+    q, k, v = rx.var("q"), rx.var("k"), rx.var("v")
+    e = rx.cast(rx.softmax(rx.cast(q @ rx.transpose(k, 0, 1), torch.float32), -1), torch.bfloat16) @ v
+    gen = torch.Generator().manual_seed(0)
+    ins = {n: torch.randn(1, 8, generator=gen).bfloat16().requires_grad_() for n in "qkv"}
+    out = rx.compile(e)(**ins)
+    dq, dk, dv = torch.autograd.grad(out, list(ins.values()), torch.ones(1, 8, dtype=torch.bfloat16))
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk))
+    assert torch.equal(dv, torch.ones_like(dv))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_residual_stored_and_normed_in_one_kernel_is_rounded_once(dtype):
+    """``h = x + y`` stored in half and normed in the same kernel: the norm reads the rounded ``h``
+    (rounded once in the source, its store the rounded half value), so its result is eager's on
+    eager's ``h``."""
+    x, y = rx.var("x"), rx.var("y")
+    kernel = rx.compile({"h": x + y, "n": rx.rms_norm(x + y)})
+    gen = torch.Generator().manual_seed(0)
+    xs, ys = (torch.randn(3, 37, generator=gen).to(dtype) for _ in range(2))
+    (src,) = kernel.sources(x=xs, y=ys)
+    half = "tl.bfloat16" if dtype is torch.bfloat16 else "tl.float16"
+    # rounded once (its fp32 copy read by the norm), and stored as that half value: two conversions
+    assert src.count(f".to({half})") == 2 and src.count("_r = ") == 1, src
+    out = kernel(x=xs, y=ys)
+    torch.testing.assert_close(out["h"], xs + ys, atol=0, rtol=0)
+    torch.testing.assert_close(out["n"], F.rms_norm(out["h"].float(), (37,), eps=1e-6).to(dtype), atol=0, rtol=0)

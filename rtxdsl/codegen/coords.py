@@ -23,7 +23,6 @@ from ..lower.passes import remaps
 from ..lower.roles import Role
 from ..lower.spec import BCAST, NodeSpec, Src
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
-from ..ops.elementwise import to_storage
 from .dot import k_loop
 from .source import Scope, Writer, offset_terms
 
@@ -145,6 +144,8 @@ class CoordWriter(Writer):
             else:
                 operands = [self._value_at(r, self._adjust(c, self._ones(r)), scope, full) for r in node.srcs]
                 self._emit_with(node, name, scope, operands)
+            if i in self.rounded:
+                name = self.round_stored(name, i, scope)
         scope.memo[(ref, c, full)] = name
         return name
 
@@ -238,7 +239,7 @@ class CoordWriter(Writer):
     def _store(self, k: int, loop: Scope) -> str:
         o = self.spec.outputs[k]
         v = self.value((Src.NODE, o.node), loop)
-        val = to_storage(v, self.types[v], o.dtype)
+        val = self.storage(v, o.dtype)
         full = o.role is Role.FULL
         if not self.row:
             return f"tl.store(out{k}_ptr + offs, {val}, mask=mask)"

@@ -121,8 +121,10 @@ class GemmWriter(Writer):
             self._finish_reduction(i, red, ctx, running)
         self.out_idx = [] if g.sum_batch else self.batch_idx
         top.add_all(["rows = offs_m[:, None]", "cols = offs_n[None, :]", "mask = (rows < M) & (cols < N)"])
-        top.memo[(Src.NODE, contraction)] = "acc"
         self.types["acc"] = acc_dtype
+        top.memo[(Src.NODE, contraction)] = (
+            self.round_stored("acc", contraction, top) if contraction in self.rounded else "acc"
+        )
         top.add_all(self.stores(range(len(self.spec.outputs)), top))
         return render(GEMM, name=name, params="\n".join(f"{p}," for p in self.params), body="\n".join(self.top.lines))
 
@@ -283,7 +285,7 @@ class GemmWriter(Writer):
     def _store(self, k: int, loop: Scope) -> str:
         o = self.spec.outputs[k]
         v = self.value((Src.NODE, o.node), loop)
-        val = to_storage(v, self.types[v], o.dtype)
+        val = self.storage(v, o.dtype)
         if o.role is not Role.FULL:  # a reduction of A, one value per row: the first column of tiles writes it
             return f"tl.store(out{k}_ptr + rows, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
         offset = self._tile_offset(f"out{k}", (STRIDED, UNIT), self.out_idx)

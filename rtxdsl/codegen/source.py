@@ -22,6 +22,7 @@ from ..lower.passes import early_outputs, is_reshape, levels, partial_states, re
 from ..lower.roles import Role
 from ..lower.spec import BCAST, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split, Src, Stride
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
+from ..ops.elementwise import to_storage
 from .template import render
 
 POINTWISE = """\
@@ -99,6 +100,16 @@ def state_name(component: str, node: int) -> str:
     return f"{component}_{node}"
 
 
+def stored_and_read(spec: KernelSpec) -> dict[int, torch.dtype]:
+    """Node index -> the half dtype it is stored in, for the nodes a kernel stores in fp16 / bf16
+    and also reads itself (a residual stored and normed, a product stored for a backward and cast):
+    a kernel computes in fp32, and without rounding its own readers would see a value no other
+    kernel sees."""
+    read = {j for nd in spec.nodes for kind, j in nd.srcs if kind is Src.NODE}
+    halves = (torch.float16, torch.bfloat16)
+    return {o.node: o.dtype for o in spec.outputs if o.dtype in halves and o.node in read}
+
+
 class Scope:
     def __init__(self, indent: str = "") -> None:
         self.lines: list[str] = []
@@ -124,6 +135,9 @@ class Writer:
         self.load_names = load_names(spec.loads)
         self.program = "tl.program_id(0)"  # a tail runs as program 0 of its own one-program grid
         self.tail: tuple[str, list[str]] | None = None  # (function, its parameters): run by the last program
+        #: half values the kernel both stores and reads: rounded where computed, so its own readers see
+        #: the value every later kernel (and a backward recomputing from it) reads back
+        self.rounded = stored_and_read(spec)
 
     # ---- what each family's writer says ----------------------------------------------
     def build_params(self) -> None:
@@ -181,8 +195,24 @@ class Writer:
                 name = self._emit_reduction_whole(i, scope)
             else:
                 name = self._emit_node(node, f"v{i}", scope, loop)
+            if i in self.rounded:
+                name = self.round_stored(name, i, scope)
         scope.memo[ref] = name
         return name
+
+    def round_stored(self, name: str, i: int, scope: Scope) -> str:
+        """Value ``i`` rounded to the half dtype it is stored in, computed on in fp32 (see ``rounded``)."""
+        half = self.rounded[i]
+        scope.add(f"{name}_h = {to_storage(name, self.types[name], half)}")
+        scope.add(f"{name}_r = {name}_h.to(tl.float32)")
+        self.types[f"{name}_h"], self.types[f"{name}_r"] = half, torch.float32
+        return f"{name}_r"
+
+    def storage(self, v: str, dtype: torch.dtype) -> str:
+        """Value ``v`` converted to the storage ``dtype`` (a rounded value's half copy as it is)."""
+        if v.endswith("_r") and self.types.get(f"{v[:-2]}_h") == dtype:
+            return f"{v[:-2]}_h"
+        return to_storage(v, self.types[v], dtype)
 
     def _scope_of(self, role: str, loop: Scope) -> Scope:
         """Where a value of ``role`` is computed: full-size values in the loop, per-row ones once."""
@@ -290,7 +320,7 @@ class Writer:
     def _finish_reduction(self, i: int, red: ReduceSpec, ctx: EmitCtx, state: tuple[str, ...]) -> None:
         self.top.add(f"v{i} = {red.value(ctx, state)}")
         self.types[f"v{i}"] = reduce_dtype(self.spec.nodes[i])
-        self.top.memo[(Src.NODE, i)] = f"v{i}"
+        self.top.memo[(Src.NODE, i)] = self.round_stored(f"v{i}", i, self.top) if i in self.rounded else f"v{i}"
 
     def _merge_partials(self) -> None:
         """A split row's finish: every program merges its rows' partial states (in a fixed order:
