@@ -77,8 +77,53 @@ METADATA = {
 }  # fmt: skip
 READ, WRITE = 1, 2  # guard levels: pending ops read the tensor / a pending write will land in it
 _GUARDED: dict[type, type] = {}  # plain class -> its guarded subclass
-#: id(tensor) -> (stream, level) while guarded
-_GUARDS: dict[int, tuple[OperationStream, int]] = {}
+#: id(tensor) -> (stream, level) while guarded; (its failure, WRITE) while a failed flush left it undefined
+_GUARDS: dict[int, tuple[OperationStream | _Failed, int]] = {}
+#: writes that replace every element without reading one: they make an undefined tensor usable again
+_OVERWRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_})
+
+
+class _Failed:
+    """What is left of a flush that raised. The values it was to compute take it as their stream,
+    and a user tensor it had begun writing in place is guarded by it: any use but metadata (a
+    stream attribute, a torch call on the tensor) raises an ``RtxError`` saying so."""
+
+    __slots__ = ("device", "message")
+
+    def __init__(self, device: torch.device, message: str) -> None:
+        self.device, self.message = device, message
+
+    def __getattr__(self, name: str) -> Any:  # (slots are found first: device and message answer)
+        raise RtxError(self.message)
+
+
+def _poison(t: torch.Tensor, message: str) -> bool:
+    """``t`` may hold part of what a failed flush wrote: guarded so that every torch call on it but
+    metadata and a whole overwrite (``_OVERWRITES``) raises ``message``. False where its class
+    cannot be guarded (a tensor subclass of its own)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    failed = _Failed(t.device, message)
+    _GUARDS[id(t)] = (failed, WRITE)
+    t.__class__ = _guarded_class(type(t))
+    weakref.finalize(t, _forget_failure, id(t), failed)  # (its id may be reused once it is gone)
+    return True
+
+
+def _forget_failure(key: int, failed: _Failed) -> None:
+    held = _GUARDS.get(key)
+    if held is not None and held[0] is failed:
+        del _GUARDS[key]
+
+
+def _failed_call(func: Any, args: tuple, t: torch.Tensor, failed: _Failed) -> None:
+    """A torch call on a tensor a failed flush left undefined: a whole overwrite of it makes it
+    plain again; anything else raises."""
+    if func not in _OVERWRITES or not args or args[0] is not t:
+        raise RtxError(failed.message)
+    _forget_failure(id(t), failed)
+    with torch._C.DisableTorchFunctionSubclass():
+        t.__class__ = t.__class__.__bases__[0]
 
 
 def _guarded_class(base: type) -> type:
@@ -104,7 +149,10 @@ def _guarded_class(base: type) -> type:
                 for t in found:
                     guard = _GUARDS.get(id(t))
                     if guard is not None and guard[1] >= level:
-                        guard[0].flush(f"torch.{name} on a plain tensor the stream reads or writes")
+                        if type(guard[0]) is _Failed:
+                            _failed_call(func, args, t, guard[0])
+                        else:
+                            guard[0].flush(f"torch.{name} on a plain tensor the stream reads or writes")
                 if write:  # what a flushed kernel saved from its memory is copied first
                     _before_write((args[:1], kwargs.get("out")))
             with torch._C.DisableTorchFunctionSubclass():
@@ -309,6 +357,10 @@ class OperationStream:
         if snap is not None and snap[0] is t and snap[1] == t._version:
             if snap[3].requires_grad or not (t.requires_grad and torch.is_grad_enabled()):
                 return snap[2]
+        if _GUARDS:
+            held = _GUARDS.get(id(t))
+            if held is not None and type(held[0]) is _Failed:  # left undefined by a failed flush
+                raise RtxError(held[0].message)
         with torch._C.DisableTorchFunctionSubclass():  # (metadata of a guarded tensor, without its dispatch)
             grad = t.requires_grad  # (a guarded tensor's requires_grad_() flushes first: fixed until then)
             if grad and torch.is_grad_enabled():
@@ -483,19 +535,33 @@ class OperationStream:
 
     # flushing
     def flush(self, reason: str) -> None:
+        """Run the segment: every pending value someone holds is computed, in-place results land
+        in their tensors, recorded views become real ones. Transactional: where anything raises,
+        the error goes to the caller once, and the stream is empty and usable again (``_fail``)."""
         self._unguard()
-        self._check_unchanged()
         writers = [w for _, ws in self.homes.values() for w in ws]
         held = [lt for lt in (r() for r in self.holders) if lt is not None]
         pending = {id(lt): lt for lt in held + writers if lt._expr is not None}
         views = [lt for lt in pending.values() if lt._base is not None]
         for v in views:  # a view keeps its root alive: the root is written, the view is made of it
             pending.setdefault(id(v._base), v._base)
-        computed = [lt for lt in pending.values() if lt._base is None]
         self.epoch += 1
-        if not computed:
+        written: list[torch.Tensor] = []  # user tensors this flush has begun writing
+        try:
+            self._check_unchanged()
+            computed = [lt for lt in pending.values() if lt._base is None]
+            if computed:
+                dry = self._compute(reason, computed, written)
+                self._land(views, written, dry)
+                log.info("flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(pending))
+        except BaseException as exc:
+            self._fail(exc, reason, pending.values(), written)
+            raise
+        finally:
             self._reset()
-            return
+
+    def _compute(self, reason: str, computed: list[LazyTensor], written: list[torch.Tensor]) -> bool:
+        """The segment's kernel, each computed value materialized (True: a dry run, nothing computed)."""
         firsts: dict[int, LazyTensor] = {}  # one kernel output per distinct expression
         for lt in computed:
             if not lt._expr.is_var and id(lt._expr) not in firsts:  # type: ignore[union-attr]
@@ -510,9 +576,15 @@ class OperationStream:
             # reads the old value only there, element by element): no copy after the kernel
             final = {id(ws[-1]): home for home, ws in self.homes.values() if not home.requires_grad}
             into = {k: final[id(lt)] for k, lt in enumerate(firsts.values()) if id(lt) in final}
-            kernel, args = self.fusion._plan(exprs, self, into)  # type: ignore[misc]
+            kernel, args, homes = self.fusion._plan(exprs, self, into)
             _before_write(list(into.values()))
-            outs = _call(kernel, args, any(lt._grad for lt in firsts.values()))
+            try:
+                outs = _call(kernel, args, any(lt._grad for lt in firsts.values()))
+            except BaseException:
+                if homes and _launched(kernel, args):  # (not launched: a lowering error)
+                    written.extend(homes)
+                raise
+            written.extend(homes)
             outs = [outs] if not isinstance(outs, dict) else list(outs.values())
             for lt, out, o in zip(firsts.values(), outs, orders):
                 with torch._C.DisableTorchFunctionSubclass():
@@ -537,10 +609,14 @@ class OperationStream:
                 self._copy_record(lt._value, eager=False)  # type: ignore[arg-type]
                 with torch.set_grad_enabled(lt._grad):
                     lt._value = real.copy_(lt._value)  # type: ignore[arg-type]
-        dry = kernel is not None and kernel.config.dry_run
-        for home, ws in self.homes.values():  # in-place results land in their tensors, as in eager
+        return kernel is not None and kernel.config.dry_run
+
+    def _land(self, views: list[LazyTensor], written: list[torch.Tensor], dry: bool) -> None:
+        """In-place results land in their tensors, as in eager; recorded views become real views."""
+        for home, ws in self.homes.values():
             if not dry and ws[-1]._value is not home:  # a dry run computed nothing: never write it into a user tensor
                 _before_write(home)
+                written.append(home)
                 with torch.set_grad_enabled(ws[-1]._grad):  # a write under no_grad leaves no history
                     home.copy_(ws[-1]._value)
                 self._copy_record(home, eager=False)
@@ -554,8 +630,31 @@ class OperationStream:
             self.fusion._remember(v._base._value)  # type: ignore[union-attr,arg-type]
             self.fusion._remember(value)  # (views the stream made: seen, never a reason to copy a read)
             v._value, v._expr, v._base, v._chain = value, None, None, ()
-        log.info("flush (%s): %d queued ops, %d output(s)", reason, self.queued, len(pending))
-        self._reset()
+
+    def _fail(self, exc: BaseException, reason: str, pending: Any, written: list[torch.Tensor]) -> None:
+        """The flush raised ``exc``: nothing it computed is kept. Each value it was to compute reads as
+        an ``RtxError`` saying so (its stream is the failure); a user tensor it had begun writing
+        raises until it is overwritten whole; every other tensor keeps its old values."""
+        what = f"{type(exc).__name__}: {exc}"
+        failed = _Failed(
+            self.device,
+            f"this lazy value was never computed: the flush that was to compute it ({reason}) failed "
+            f"with {what}. Compute it again from its inputs",
+        )
+        for lt in pending:
+            lt._stream, lt._expr, lt._value, lt._home = failed, None, None, None  # type: ignore[assignment]
+            lt._base, lt._chain = None, ()
+        for t in {id(t): t for t in written}.values():
+            with torch._C.DisableTorchFunctionSubclass():
+                name = f"{SHORT_NAME.get(t.dtype, t.dtype)}{list(t.shape)}"
+            guarded = _poison(
+                t,
+                f"this tensor ({name}) was being written in place by a lazy flush that failed ({reason}: {what}); "
+                "its values are undefined. Overwrite it whole (copy_, fill_ or zero_) to use it again",
+            )
+            if hasattr(exc, "add_note"):
+                more = "it raises until it is overwritten whole" if guarded else "its values are undefined"
+                exc.add_note(f"rtxdsl: this failed lazy flush had begun writing a tensor ({name}) in place: {more}")
 
     def _check_unchanged(self) -> None:
         """Every plain tensor the segment reads still holds what it held when it was read. A write
@@ -566,7 +665,6 @@ class OperationStream:
         if not stale:
             return
         t = stale[0]
-        self._reset()
         raise RtxError(
             f"a tensor ({SHORT_NAME.get(t.dtype, t.dtype)}{list(t.shape)}) that pending lazy ops read was written "
             "through a view the lazy stream never saw (made before the tensor was read); its old values are "
@@ -594,6 +692,16 @@ class OperationStream:
         self.views.clear()
         self.queued = 0
         self.cap = self.fusion.config.max_queued_ops
+
+
+def _launched(kernel: Kernel, args: list[Any]) -> bool:
+    """After a call of ``kernel`` raised: did it get as far as its launches (its program lowers)?
+    A call whose lowering raised wrote nothing."""
+    try:
+        kernel.program(*args)
+    except Exception:  # noqa: BLE001 - any error in lowering: nothing was launched
+        return False
+    return True
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -649,7 +757,8 @@ class Fusion:
         self._config = config
         self._stats = stats or FusionStats()
         self._streams: dict[torch.device, OperationStream] = {}
-        self._plans: LRU[tuple[Expr, ...], Kernel] = LRU(self.config.cache_size)
+        # segment structure -> its kernel and the argument positions it writes in place
+        self._plans: LRU[tuple, tuple[Kernel, tuple[int, ...]]] = LRU(self.config.cache_size)
         # the last few segments' recorded roots (interned: a steady loop records the same ones) -> their
         # canonical form; a loop whose constants change misses here and pays one walk per flush
         self._canon: LRU[tuple[Expr, ...], tuple[tuple[Expr, ...], tuple[Expr, ...]]] = LRU(16)
@@ -720,12 +829,15 @@ class Fusion:
 
     def _plan(
         self, roots: list[Expr], stream: OperationStream, into: dict[int, torch.Tensor]
-    ) -> tuple[Kernel, list[Any]]:
-        """The kernel for this segment's structure, and the tensors and numbers to call it with.
+    ) -> tuple[Kernel, list[Any], list[torch.Tensor]]:
+        """The kernel for this segment's structure, the tensors and numbers to call it with, and the
+        tensors it writes in place.
 
         Two lookups: the recorded roots themselves (a steady loop records the very same interned
         nodes), then their canonical structure (a loop whose constants change maps to one plan).
-        ``into``: root index -> the tensor it may be written into (when the kernel reads it).
+        ``into``: root index -> the tensor it may be written into (when the kernel reads it). Not
+        where the program checks indices: that check raises after the launch, and a result written
+        into its tensor would be lost with the tensor's old values; a buffer landed after it is not.
         """
         key = tuple(roots)
         hit = self._canon.get(key)
@@ -737,12 +849,16 @@ class Fusion:
         args = [tensor_of[id(p)] if p.is_var else p.attr("value") for p in params]
         slot = {id(t): k for k, t in enumerate(args) if isinstance(t, torch.Tensor)}
         targets = tuple((f"o{r}", f"a{slot[id(t)]}") for r, t in into.items() if id(t) in slot)
-        kernel = self._plans.get((canon, targets))
-        if kernel is None:
+        entry = self._plans.get((canon, targets))
+        if entry is None:
             outputs = {f"o{k}": r for k, r in enumerate(canon)}
             kernel = Kernel(outputs, self._config, stats=self._stats, into=dict(targets))
-            self._plans.put((canon, targets), kernel)
-        return kernel, args
+            written = tuple(int(a[1:]) for _, a in targets)  # the argument positions it writes
+            if targets and any(call.checks for call in kernel.prepared(*args).program.launched):
+                kernel, written = Kernel(outputs, self._config, stats=self._stats), ()
+            entry = kernel, written
+            self._plans.put((canon, targets), entry)
+        return entry[0], args, [args[k] for k in entry[1]]
 
     def _eager(self, func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
         """A sync point: materialize lazy arguments, land pending writes they alias, run ``func``

@@ -178,19 +178,9 @@ class Kernel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if is_dynamo_compiling():  # inside torch.compile: one opaque custom op in the graph
             return self._traced(args, kwargs)
-        cfg = self._config or get_config()
-        if cfg is not self._seen_config:  # launches are prepared for one config
-            self._launches.clear()
-            self._grads.clear()
-            self._launches.resize(cfg.launch_cache_size)
-            self._grads.resize(cfg.launch_cache_size)
-            self._seen_config = cfg
-            self._last = (None, None)
+        cfg = self._current_config()
         tensors = args if not kwargs and len(args) == self._arity else self._collect_given(args, kwargs)
-        try:
-            key = self._key(*tensors)
-        except AttributeError:  # a python number for a scalar input (or a wrong argument)
-            key = _mixed_key(tensors)
+        key = self._key_of(tensors)
         if self._seeds:
             tensors = (*tensors, *[draw_seed() for _ in range(self._seeds)])
         last_key, launch = self._last
@@ -210,6 +200,42 @@ class Kernel:
             if not by_torch and not (isinstance(launch, DistributedCall) and launch.differentiates(tensors)):
                 return self._grad_call(tensors, launch, key)
         return launch.run(tensors)
+
+    def _current_config(self) -> FusionConfig:
+        cfg = self._config or get_config()
+        if cfg is not self._seen_config:  # launches are prepared for one config
+            self._launches.clear()
+            self._grads.clear()
+            self._launches.resize(cfg.launch_cache_size)
+            self._grads.resize(cfg.launch_cache_size)
+            self._seen_config = cfg
+            self._last = (None, None)
+        return cfg
+
+    def _key_of(self, tensors: tuple) -> Any:
+        try:
+            return self._key(*tensors)
+        except AttributeError:  # a python number for a scalar input (or a wrong argument)
+            return _mixed_key(tensors)
+
+    def prepared(self, *args: Any) -> PreparedCall | DistributedCall:
+        """What a call with these inputs (tensors, positionally in ``inputs`` order) runs: lowered
+        once and kept in the kernel's launch cache, so the call that follows reuses it (the lazy
+        stream reads a segment's program this way before it lets the kernel write a user tensor).
+
+        Example:
+            >>> import torch, rtxdsl as rx
+            >>> k = rx.compile(rx.relu(rx.var("x")))
+            >>> len(k.prepared(torch.ones(3)).program.launched)
+            1
+        """
+        cfg = self._current_config()
+        key = self._key_of(args)
+        launch = self._launches.get(key)
+        if launch is None:  # (a seed's value never shapes a launch: zeros stand for the drawn ones)
+            launch = self._prepare((*args, *[0] * self._seeds), cfg)
+            self._launches.put(key, launch)
+        return launch
 
     @property
     def torch_op(self) -> Any:

@@ -610,3 +610,54 @@ def test_a_plain_tensor_read_then_written_through_a_view_made_before_reads_as_in
     y = (f.lazy(x) + lone).torch()
     torch.testing.assert_close(y, x + lone)
     assert f.stats().kernels_launched == 1  # no copy
+
+
+def test_a_failed_flush_raises_once_and_leaves_the_stream_usable(f, gen):
+    """A flush is a transaction: an error raised at it (here a gather index out of range, found by
+    the kernel's check after its launch) reaches the caller once; every value that flush was to
+    compute raises an RtxError naming the failure; the stream runs the next segment as if nothing
+    happened; and a tensor the failed segment was to update in place keeps its old values (a
+    kernel whose program checks indices never writes into a user tensor)."""
+    t, y = torch.randn(3, 5, generator=gen), torch.randn(3, 2, generator=gen)
+    y0 = y.clone()
+    bad = torch.tensor([[0, 9], [1, 2], [3, 4]])
+    a = f.lazy(t)
+    f.lazy(y).add_(torch.gather(a * 2, 1, bad))
+    beside = a + 1
+    with pytest.raises(rx.RtxError, match="index 9 is out of bounds"):
+        f.sync()
+    assert f.pending == 0
+    with pytest.raises(rx.RtxError, match=r"never computed: the flush that was to compute it \(.*\) failed"):
+        beside.torch()
+    assert torch.equal(y, y0)  # untouched: readable, its old values
+    good = torch.tensor([[0, 4], [1, 2], [3, 4]])
+    z = torch.gather(f.lazy(t) * 2, 1, good) + f.lazy(y)
+    torch.testing.assert_close(z.torch(), torch.gather(t * 2, 1, good) + y0)
+
+
+def test_a_tensor_a_failed_flush_began_writing_raises_until_overwritten(f, gen, monkeypatch):
+    """Where a launch fails after it may have written a user tensor in place, the tensor's values are
+    undefined: every torch call on it raises an RtxError that says so (and the error that failed the
+    flush carries a note), metadata still answers, and a whole overwrite makes it plain again."""
+    import importlib
+
+    lazy = importlib.import_module("rtxdsl.lazy")  # (rx.lazy is the function)
+    m = torch.randn(7, generator=gen)
+    f.lazy(m).mul_(0.5)
+
+    def launch_fails(kernel, args, grad):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(lazy, "_call", launch_fails)
+    with pytest.raises(RuntimeError, match="launch failed") as err:
+        f.sync()
+    assert any("had begun writing a tensor (float32[7])" in n for n in getattr(err.value, "__notes__", []))
+    monkeypatch.undo()
+    assert m.shape == (7,) and m.dtype == torch.float32
+    with pytest.raises(rx.RtxError, match=r"float32\[7\].*undefined. Overwrite it whole"):
+        m + 1
+    with pytest.raises(rx.RtxError, match="undefined"):
+        f.lazy(m) * 2
+    m.fill_(2.0)
+    assert type(m) is torch.Tensor and (m + 1).tolist() == [3.0] * 7
+    torch.testing.assert_close((f.lazy(m) * 2).torch(), torch.full((7,), 4.0))
