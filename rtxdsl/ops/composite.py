@@ -511,9 +511,16 @@ def _poly_norm(x: Expr, w: Expr, b: Expr, eps: Expr) -> Expr:
 
 
 def _poly_norm_ref(x: torch.Tensor, w: torch.Tensor, b: Any, eps: float) -> torch.Tensor:
+    """Liger's (and PolyCom's) PolyNorm, whose dtype is torch's: each ``w[k]`` is a 0-dim tensor, so
+    it promotes with ``x`` by category only (bf16 ``x`` and fp32 weights give bf16, as Liger's kernel
+    writes), as does a 0-dim or python-number bias; a ``[1]`` bias promotes as a tensor. Binding
+    types the op by running this on one-element probes: the expand lets a probe's one weight stand
+    for the three (a no-op on the real ``[3]`` weight)."""
+
     def norm(u: torch.Tensor) -> torch.Tensor:
         return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
 
+    w = w.expand(3)
     return w[0] * norm(x**3) + w[1] * norm(x**2) + w[2] * norm(x) + b
 
 
@@ -535,8 +542,6 @@ _composite(
     _poly_norm_ref,
     _poly_norm,
     shape=_poly_norm_shape,
-    # one-element probes cannot index the 3 weights: the promoted dtype, as torch's arithmetic
-    result_dtype=lambda dtypes, **_: torch.promote_types(torch.promote_types(dtypes[0], dtypes[1]), dtypes[2]),
     pattern=Pattern.RMS_NORM,
     accepts=FLOATING,
     eager_launches=13,
@@ -596,8 +601,17 @@ def _is_const(v: Expr) -> bool:
 
 
 def _group_norm_ref(x: torch.Tensor, w: Any, b: Any, eps: float, num_groups: int) -> torch.Tensor:
+    channels = x.shape[1] if x.dim() > 1 else 1
+    r = 2 * num_groups // channels
+    if math.prod(x.shape[2:]) == 1 and num_groups % channels == 0:
+        # one value per group (eager raises "Expected more than 1 value per channel"), or binding's
+        # one-element probe (one channel, read for torch's dtype and errors only): each channel is
+        # repeated so a group holds two copies of its value, and the result read back at the
+        # originals' channels is the kernel's, (x - mean) = 0 times the weight plus the bias
+        x = x.repeat_interleave(r, 1)
+        w, b = (v.repeat_interleave(r) if isinstance(v, torch.Tensor) and v.dim() else v for v in (w, b))
     y = F.group_norm(x, num_groups, _tensor_or_none(w), _tensor_or_none(b), eps)
-    return _scalar_affine_ref(y, w, b)
+    return _scalar_affine_ref(y[:, ::r] if y.shape[1] != channels else y, w, b)
 
 
 def _torch_group_norm(a: Any, num_groups: int, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Expr:
@@ -613,7 +627,6 @@ register(
         decompose=_group_norm,
         typed_decompose=True,
         shape=_group_norm_shape,
-        result_dtype=lambda dtypes, **_: dtypes[0],  # one-element probes cannot split channels
         eager_launches=1,
         pattern=Pattern.LAYER_NORM,
         accepts=FLOATING,

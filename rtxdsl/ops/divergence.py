@@ -267,17 +267,15 @@ def _tvd_decompose(
 
 def _tvd_ref(p: torch.Tensor, q: torch.Tensor, *label: torch.Tensor, reduction: str, ignore_index: int):
     half = (p - q).abs() / 2
-    n = math.prod(p.shape[:-1])
-    if label:
+    n: Any = math.prod(p.shape[:-1])
+    if label:  # the count stays a tensor: torch.compile's fakes run this, and hold no data
         valid = label[0] != ignore_index
         half = torch.where(valid[..., None], half, 0)
-        n = int(valid.sum())
+        n = valid.sum().clamp(min=1)  # Liger's: no row counts, the loss is 0 (a sum of nothing over 1)
     if reduction == "none":
         return half
     if reduction == "sum":
         return half.sum()
-    if label:  # Liger's: no row counts, the loss is 0 (and its gradient 0: a sum of nothing over 1)
-        n = max(n, 1)
     return half.sum() / (n if reduction == "batchmean" else n * p.shape[-1])
 
 

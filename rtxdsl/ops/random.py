@@ -57,7 +57,10 @@ def rand_like(e: ExprLike, seed: int | None = None) -> Expr:
 
 
 def _rand_ref(x: torch.Tensor, seed: int) -> torch.Tensor:
-    return torch.rand(x.shape, generator=_generator(seed, x.device), device=x.device, dtype=x.dtype)
+    # torch.rand's own draws (it is empty + uniform_), written so fake tensors of symbolic sizes run
+    # it too (torch.rand with a generator needs concrete sizes): torch.compile's fakes run this
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    return out.uniform_(0.0, 1.0, generator=_generator(seed, x.device))
 
 
 def _rand_remap(c: RemapCtx) -> str:
