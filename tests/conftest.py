@@ -19,6 +19,17 @@ import torch  # noqa: E402
 
 import rtxdsl as rx  # noqa: E402
 
+try:  # Triton's interpreter checks every int32 add and mul for overflow, a quarter of its time on
+    # these kernels: the bounds checks above subsume it (an overflowed offset addresses no tensor)
+    import dataclasses
+
+    from triton.runtime import interpreter as _interpreter
+
+    _builder = _interpreter.interpreter_builder
+    _builder.options = dataclasses.replace(_builder.options, sanitize_overflow=False)
+except (ImportError, AttributeError, TypeError):  # another Triton: its own default
+    pass
+
 # (dtype, atol, rtol): kernels compute in fp32, so half-type error is the output rounding.
 FLOAT_TOLERANCES = [
     (torch.float32, 1e-5, 1e-5),

@@ -58,6 +58,8 @@ def _imports(path: Path) -> tuple[set[str], list[str]]:
         names = [".".join([*base, a.name]) for a in node.names] if not base or node.module is None else [".".join(base)]
         return [n for n in names if n]
 
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, functions) for n in ast.walk(f)}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             found = resolve(node)
@@ -65,12 +67,7 @@ def _imports(path: Path) -> tuple[set[str], list[str]]:
             found = [a.name.removeprefix("rtxdsl.") for a in node.names if a.name.startswith("rtxdsl")]
         else:
             continue
-        in_function = any(
-            isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef))
-            for p in ast.walk(tree)
-            if any(child is node for child in ast.walk(p)) and p is not node
-        )
-        (local.extend if in_function else top.update)(found)
+        (local.extend if id(node) in in_functions else top.update)(found)
     return top, local
 
 

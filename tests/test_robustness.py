@@ -184,7 +184,8 @@ def test_lru_evicts_least_recently_used():
 
 
 def test_long_lazy_training_loop_memory_is_flat_and_planning_stops():
-    """1,000 steps, a changing learning rate, 30 input shapes: memory flat, planning stops."""
+    """500 steps, a changing learning rate, 30 input shapes: memory flat, planning stops (a leak
+    of a kilobyte a step, one kept tensor header, shows over the 300 steps measured)."""
     f = rx.Fusion()
     shapes = [(n, 17) for n in range(1, 31)]
     params = {s: torch.randn(s) for s in shapes}
@@ -203,15 +204,15 @@ def test_long_lazy_training_loop_memory_is_flat_and_planning_stops():
         step(i)
     planned = rx.cache_stats().plans_built
     tracemalloc.start()
-    for i in range(60, 300):
+    for i in range(60, 200):
         step(i)
     first, _ = tracemalloc.get_traced_memory()
-    for i in range(300, 1000):
+    for i in range(200, 500):
         step(i)
     last, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert rx.cache_stats().plans_built == planned  # no planning after the first steps
-    assert last - first < 256 * 1024, f"memory grew by {last - first} bytes over 700 steps"
+    assert last - first < 256 * 1024, f"memory grew by {last - first} bytes over 300 steps"
 
 
 # 7. threads ---------------------------------------------------------------------------------
