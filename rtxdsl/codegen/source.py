@@ -138,6 +138,7 @@ class Writer:
         #: half values the kernel both stores and reads: rounded where computed, so its own readers see
         #: the value every later kernel (and a backward recomputing from it) reads back
         self.rounded = stored_and_read(spec)
+        self.half_copy: dict[str, str] = {}  # a rounded fp32 value's name -> its half value's name
 
     # ---- what each family's writer says ----------------------------------------------
     def build_params(self) -> None:
@@ -206,12 +207,14 @@ class Writer:
         scope.add(f"{name}_h = {to_storage(name, self.types[name], half)}")
         scope.add(f"{name}_r = {name}_h.to(tl.float32)")
         self.types[f"{name}_h"], self.types[f"{name}_r"] = half, torch.float32
+        self.half_copy[f"{name}_r"] = f"{name}_h"
         return f"{name}_r"
 
     def storage(self, v: str, dtype: torch.dtype) -> str:
         """Value ``v`` converted to the storage ``dtype`` (a rounded value's half copy as it is)."""
-        if v.endswith("_r") and self.types.get(f"{v[:-2]}_h") == dtype:
-            return f"{v[:-2]}_h"
+        half = self.half_copy.get(v)
+        if half is not None and self.types[half] == dtype:
+            return half
         return to_storage(v, self.types[v], dtype)
 
     def _scope_of(self, role: str, loop: Scope) -> Scope:
