@@ -160,7 +160,8 @@ class GemmWriter(Writer):
         if op.kind is not OpKind.CONTRACTION and (op.kind is not OpKind.MOVEMENT or op.view):
             return super().value(ref, loop)
         if ref not in loop.memo:
-            loop.memo[ref] = self._inner_product(i, loop) if op.kind is OpKind.CONTRACTION else self._positions(i, loop)
+            name = self._inner_product(i, loop) if op.kind is OpKind.CONTRACTION else self._positions(i, loop)
+            loop.memo[ref] = self.round_stored(name, i, loop) if i in self.rounded else name
         return loop.memo[ref]
 
     def _tile_index(self, role: str, rank: int) -> list[str]:

@@ -100,14 +100,24 @@ def state_name(component: str, node: int) -> str:
     return f"{component}_{node}"
 
 
-def stored_and_read(spec: KernelSpec) -> dict[int, torch.dtype]:
-    """Node index -> the half dtype it is stored in, for the nodes a kernel stores in fp16 / bf16
-    and also reads itself (a residual stored and normed, a product stored for a backward and cast):
-    a kernel computes in fp32, and without rounding its own readers would see a value no other
-    kernel sees."""
+def rounded_values(spec: KernelSpec) -> dict[int, torch.dtype]:
+    """Node index -> the half dtype its value is rounded to where it is computed, for the fp16 /
+    bf16 values a kernel reads itself. A kernel computes in fp32; two kinds of half values would
+    otherwise be seen unrounded by this kernel only:
+
+    * a value the kernel also stores (a residual stored and normed, a product stored for a backward
+      and cast): every later kernel reads it back rounded;
+    * a product: one plan writes it (rounded by its store), another computes its tiles where they
+      are read (a backward recomputing logits). The logsumexp a forward saves must be of the very
+      logits the backward recomputes, or their softmax no longer sums to one.
+
+    A value only stored is rounded by its store.
+    """
     read = {j for nd in spec.nodes for kind, j in nd.srcs if kind is Src.NODE}
     halves = (torch.float16, torch.bfloat16)
-    return {o.node: o.dtype for o in spec.outputs if o.dtype in halves and o.node in read}
+    out = {o.node: o.dtype for o in spec.outputs}
+    products = {i: nd.dtype for i, nd in enumerate(spec.nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION}
+    return {i: dt for i, dt in {**products, **out}.items() if dt in halves and i in read}
 
 
 class Scope:
@@ -135,9 +145,8 @@ class Writer:
         self.load_names = load_names(spec.loads)
         self.program = "tl.program_id(0)"  # a tail runs as program 0 of its own one-program grid
         self.tail: tuple[str, list[str]] | None = None  # (function, its parameters): run by the last program
-        #: half values the kernel both stores and reads: rounded where computed, so its own readers see
-        #: the value every later kernel (and a backward recomputing from it) reads back
-        self.rounded = stored_and_read(spec)
+        #: half values rounded where computed (see ``rounded_values``)
+        self.rounded = rounded_values(spec)
         self.half_copy: dict[str, str] = {}  # a rounded fp32 value's name -> its half value's name
 
     # ---- what each family's writer says ----------------------------------------------
@@ -202,7 +211,7 @@ class Writer:
         return name
 
     def round_stored(self, name: str, i: int, scope: Scope) -> str:
-        """Value ``i`` rounded to the half dtype it is stored in, computed on in fp32 (see ``rounded``)."""
+        """Value ``i`` rounded to its half dtype, computed on in fp32 (see ``rounded_values``)."""
         half = self.rounded[i]
         scope.add(f"{name}_h = {to_storage(name, self.types[name], half)}")
         scope.add(f"{name}_r = {name}_h.to(tl.float32)")

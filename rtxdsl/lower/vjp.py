@@ -149,6 +149,7 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     reductions = [
         n for n in graph.nodes if REGISTRY[n.op].kind in (OpKind.REDUCTION, OpKind.CONTRACTION) and id(n) not in tiled
     ]
+    reductions += _multiplied(graph, tiled, {id(r) for r in reductions})
     saved = {id(r): Expr("var", (), {"name": f"{SAVED}{k}", "dtype": None}) for k, r in enumerate(reductions)}
     backward: list[tuple[str, Expr]] = []
     grad_of: list[tuple[str, str]] = []
@@ -174,6 +175,41 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     )
 
 
+def _multiplied(graph: Graph, tiled: Set[int], saved: Set[int]) -> list[Expr]:
+    """The half operands of the products recomputed in tiles that the backward could compute
+    otherwise than the forward did: those computed by more than one op. The forward saves them and
+    the backward multiplies what the forward multiplied. Its saved logsumexp is of the forward's
+    logits, and logits recomputed from an operand rounded elsewhere (``round(round(a + b) + c)``
+    in one kernel, ``round(a + b + c)`` in another) no longer sum to one under it: a tied
+    embedding's gradient through ``linear_cross_entropy(norm(h) @ w + h, E)`` in bf16 was ten
+    times eager's error. A leaf, a view of one, or one op of leaves (a cast) is recomputed alike
+    anywhere, and not saved (a weight's copy would cost its size)."""
+    out: list[Expr] = []
+    for c in graph.nodes:
+        if id(c) not in tiled:
+            continue
+        for s in c.srcs:
+            half = graph.of(s).dtype in (torch.float16, torch.bfloat16)
+            if half and id(s) not in saved and not _recomputed_alike(s, graph) and all(s is not o for o in out):
+                out.append(s)
+    return out
+
+
+def _recomputed_alike(s: Expr, graph: Graph) -> bool:
+    """Is ``s`` a leaf, a view of leaves, or one elementwise op of those (one rounding)?"""
+    ops = 0
+    for n in walk([s]):
+        if is_leaf(n, graph.info):
+            continue
+        kind = REGISTRY[n.op].kind
+        if kind is OpKind.MOVEMENT:
+            continue
+        if kind is not OpKind.ELEMENTWISE:
+            return False
+        ops += 1
+    return ops <= 1
+
+
 def _saving(
     graph: Graph,
     user: tuple[tuple[str, Expr], ...],
@@ -182,15 +218,15 @@ def _saving(
     saved: dict[int, Expr],
 ) -> tuple[list[tuple[str, Expr]], list[str]]:
     """The forward's outputs: the user's, then each statistic the backward reads (in its compute
-    dtype; a product in its own dtype, as eager autograd saves it)."""
+    dtype; a product, or a product's operand, in its own dtype, as eager autograd saves it)."""
     used = {id(n) for _, e in backward for n in walk([e])}
     forward = list(user)
     saved_keys = []
     for k, r in enumerate(reductions):
         if id(saved[id(r)]) in used:
             dt = graph.of(r).dtype
-            full = REGISTRY[r.op].kind is OpKind.CONTRACTION
-            stat = r if full or compute_dtype(dt) == dt else node("cast", r, dtype=compute_dtype(dt))
+            own = REGISTRY[r.op].kind is not OpKind.REDUCTION  # a product or an operand: as multiplied
+            stat = r if own or compute_dtype(dt) == dt else node("cast", r, dtype=compute_dtype(dt))
             forward.append((f"{SAVED}{k}", stat))
             saved_keys.append(f"{SAVED}{k}")
     return forward, saved_keys
