@@ -220,6 +220,21 @@ def test_two_gemms_sharing_an_operands_producer_with_a_loss_beside_them():
     check_fair(dsl, eager, {"x": (4, 4)}, torch.float32, 2.0, ints={"y": (4, (4,))})
 
 
+# a tensor summed over a GEMM's contracted dims beside a prologue's own sum (two bias gradients
+# beside a weight gradient): both merge in the K loop, which reads the tensor at the operand's
+# tile (it was loaded at the product's, which the K loop has not yet: a crash; model fuzzer,
+# program 19704994500093)
+@pytest.mark.parametrize("dtype, slack", DTYPES)
+def test_a_tensor_summed_in_a_gemms_k_loop_beside_its_prologue(dtype, slack):
+    check_fair(
+        lambda x, y, w: {"p": rx.transpose(x * 2 + 1, 0, 1) @ w, "sa": rx.sum(x * 2 + 1, 0), "sy": rx.sum(y, 0)},
+        lambda x, y, w: {"p": (x * 2 + 1).mT @ w, "sa": (x * 2 + 1).sum(0), "sy": y.sum(0)},
+        {"x": (5, 7), "y": (5, 7), "w": (5, 3)},
+        dtype,
+        slack,
+    )
+
+
 # ---- 6. stacked linears viewed to heads, then a product of the view ------------------------------
 # a node a composite typed outside its own cone (a transpose of a size-1 dim is a reshape, which
 # moves into the product's rows) has an origin but no writer: folding scalars kept only both

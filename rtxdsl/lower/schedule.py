@@ -300,7 +300,9 @@ def body(group: Group, graph: Graph) -> Body:
     for n in group.nodes:
         role = group.role(n)
         kind = REGISTRY[n.op].kind
-        load_role = Role.FULL if kind is OpKind.REDUCTION else role
+        # a reduction reads its input over the whole domain; one in a GEMM's K loop (role a / b)
+        # reads it at the operand's tile, as the rest of that prologue does
+        load_role = Role.FULL if kind is OpKind.REDUCTION and role not in (Role.A, Role.B) else role
         view = tuple(sorted(n.attr("axes"))) if REGISTRY[n.op].view else None
         add(n, tuple(ref(s, load_role, view) for s in n.srcs), role)
     return Body(tuple(specs), MappingProxyType(index), tuple(loads), tuple(slots))
