@@ -255,3 +255,18 @@ def test_float32_pow_is_as_accurate_as_torch(gen):
     ours = ((got.double() - want) / want).abs().max().item()
     theirs = ((torch.pow(a, b).double() - want) / want).abs().max().item()
     assert ours <= max(theirs, 6e-8), (ours, theirs)
+
+
+@pytest.mark.parametrize("exponent", [0.5, -0.5])
+def test_a_number_power_of_one_half_is_torchs_square_root(exponent):
+    """torch computes ``x ** 0.5`` and ``x ** -0.5`` with a python-number exponent by sqrt / rsqrt,
+    whose special values are not C pow's: sqrt(-0) = -0 and sqrt(-inf) = NaN (pow gives +0 and
+    +inf). A tensor exponent keeps pow's values, as torch's does."""
+    x = torch.tensor([-0.0, 0.0, -1.0, float("-inf"), float("inf"), float("nan"), 4.0, 1e-30])
+    got, want = rx.compile(rx.var("x") ** exponent)(x=x), x**exponent
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(
+        got.signbit() | got.isnan(), want.signbit() | want.isnan()
+    )
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-6, equal_nan=True)
+    b = torch.tensor(exponent)
+    torch.testing.assert_close(rx.compile(rx.pow(rx.var("x"), rx.var("b")))(x=x, b=b), x**b, equal_nan=True)

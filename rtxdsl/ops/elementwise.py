@@ -390,6 +390,8 @@ def _pow_fn(x: ExprLike, exponent: ExprLike) -> Expr:
         >>> rx.pow(rx.var("x"), 2)
         x ** 2
     """
+    if type(exponent) in (int, float) and abs(exponent) == 0.5:  # torch's kernel for a number ±0.5:
+        return node("sqrt" if exponent > 0 else "rsqrt", x)  # sqrt(-0) = -0, sqrt(-inf) = NaN (C pow: +0, +inf)
     return node("pow", x, exponent)
 
 
