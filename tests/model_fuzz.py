@@ -297,6 +297,13 @@ class _Gen:
     def act(self, x: str, fresh: bool) -> str:
         """An activation; in place under no_grad where ``x`` is a fresh value nothing else reads."""
         name = self.r.choice(sorted(ACTS))
+        if name.startswith("relu") and self.dtype is not torch.float32 and not self.no_grad:
+            # relu's gradient is a mask at 0: a pre-activation that cancels to within a half ulp of
+            # 0 takes either side by chance for any result not bit-equal to eager's, and one
+            # element's term of a weight gradient goes (program 19704994500047: rtxdsl's RMSNorm
+            # one bf16 ulp from eager's, every forward error eager's own); half-precision gradients
+            # take a smooth activation (the same draw: every other program stays as it was)
+            name = "silu"
         t, d, inplace = ACTS[name]
         self.tags.append(name)
         if self.no_grad and fresh and inplace and self.r.random() < 0.5:
@@ -883,7 +890,7 @@ def compare(
         idx = list(map(int, torch.unravel_index(torch.tensor(worst), g.shape))) if g.dim() else []
         return "error", (
             f"{int(over.sum())} of {g.numel()} elements too far from float64: at {idx} rtxdsl "
-            f"{g.view(-1)[worst]:.6g}, eager {e.view(-1)[worst]:.6g}, float64 {r.view(-1)[worst]:.6g} "
+            f"{g.reshape(-1)[worst]:.6g}, eager {e.reshape(-1)[worst]:.6g}, float64 {r.reshape(-1)[worst]:.6g} "
             f"(max error {diff[cmp].max():.3g} vs eager's {err_e:.3g})"
         )
     return None
