@@ -70,7 +70,8 @@ SCRIPT = textwrap.dedent("""
     for name, (kernel, ins, which) in kernels.items():
         f = compile_kernel(kernel, ins)[which]
         out[name] = dict(v4_loads=f.v4_loads, v4_stores=f.v4_stores, regs=f.registers, spills=f.spill_bytes,
-                         stores=f.ptx.count("st.global"), wgmma=f.ptx.count("wgmma.mma_async"))
+                         stores=f.ptx.count("st.global"), wgmma=f.ptx.count("wgmma.mma_async"),
+                         bf16_cvt=f.ptx.count("cvt.rn.bf16"), hand_rounded=f.ptx.count("-65536"))
     print(json.dumps(out))
 """)
 
@@ -103,6 +104,16 @@ def test_contractions_use_hopper_warpgroup_mma(facts):
     for name in ("gemm_lce_forward", "gemm_lce_dh", "gemm_lce_dw"):  # every product tile, recomputed too
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0
+
+
+def test_bf16_values_round_by_the_gpus_conversion(facts):
+    """A bf16 value is rounded to nearest even by ``cvt.rn.bf16(x2).f32``, one instruction for two
+    values; until 0.3 it was rounded by integer ops on its bits (the interpreter's truncating cast
+    needed it; rtxdsl's interpreter fix rounds now), which the GPU ran too."""
+    for name in ("flat_bf16", "gemm_bf16_gelu", "gemm_prologue_swiglu"):
+        assert facts[name]["bf16_cvt"] > 0, name
+    for name, f in facts.items():  # the hand rounding masked the low 16 bits off: 0xFFFF0000
+        assert f["hand_rounded"] == 0, name
 
 
 def test_no_register_spills(facts):

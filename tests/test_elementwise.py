@@ -270,3 +270,14 @@ def test_a_number_power_of_one_half_is_torchs_square_root(exponent):
     torch.testing.assert_close(got, want, atol=0, rtol=1e-6, equal_nan=True)
     b = torch.tensor(exponent)
     torch.testing.assert_close(rx.compile(rx.pow(rx.var("x"), rx.var("b")))(x=x, b=b), x**b, equal_nan=True)
+
+
+def test_bf16_casts_round_to_nearest_even_as_torch():
+    """fp32 -> bf16 rounds to nearest even, ties to the even neighbour, bit for bit as torch (and
+    the GPU's cvt.rn): Triton's interpreter truncates, and ``rtxdsl.interpret`` fixes its cast."""
+    ties = 1.0 + torch.arange(64) * 2.0**-7 + 2.0**-8  # exactly halfway between two bf16 values
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.4028235e38, 1e-40, -1e-45])
+    x = torch.cat([ties, -ties, special, torch.randn(2000, generator=torch.Generator().manual_seed(0)) * 100])
+    got = rx.compile(rx.cast(rx.var("x"), torch.bfloat16))(x=x)
+    assert torch.equal(got.view(torch.int16), x.bfloat16().view(torch.int16))
+    assert rx.compile(rx.cast(rx.var("x"), torch.bfloat16))(x=torch.tensor([float("nan")])).isnan().all()

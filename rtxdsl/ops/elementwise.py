@@ -212,19 +212,15 @@ def _remainder(ctx: EmitCtx, a: str, b: str) -> str:
 
 
 def to_storage(a: str, have: torch.dtype, want: torch.dtype) -> str:
-    """Convert a computed value to a storage dtype, rounding to nearest even as torch does.
-
-    fp32 -> bf16 rounds explicitly: Triton's interpreter would truncate otherwise.
-    """
+    """Convert a computed value to a storage dtype, rounding to nearest even as torch does (a
+    plain cast: a GPU's rounds so, and rtxdsl's interpreter fix makes the interpreter's bf16 cast
+    round so too, ``interpret.install``)."""
     if want is torch.bool:
         return a if have is torch.bool else f"{a} != 0"
     if have == want:
         return a
-    if want is torch.bfloat16 and have in (torch.float32, torch.float64):
-        f = a if have is torch.float32 else f"{a}.to(tl.float32)"
-        bits = f"{f}.to(tl.uint32, bitcast=True)"
-        rne = f"(({bits} + 0x7FFF + (({bits} >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)"
-        return f"tl.where({f} != {f}, {f}, {rne}).to(tl.bfloat16)"
+    if want is torch.bfloat16 and have is torch.float64:
+        return f"{a}.to(tl.float32).to(tl.bfloat16)"
     return f"{a}.to({TRITON_TYPE[want]})"
 
 

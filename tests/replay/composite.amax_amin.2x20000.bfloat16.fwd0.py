@@ -27,5 +27,5 @@ def row_amax_SIG(
         t2 = tl.where(t1 != t1, t1, tl.where(t1 > acc_0, t1, acc_0))
         acc_0 = t2
     v0 = tl.where(tl.max((acc_0 != acc_0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(acc_0, axis=1)[:, None])
-    tl.store(out0_ptr + rows, tl.where(v0 != v0, v0, ((v0.to(tl.uint32, bitcast=True) + 0x7FFF + ((v0.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    tl.store(out0_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
 

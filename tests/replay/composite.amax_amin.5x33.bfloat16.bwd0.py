@@ -38,8 +38,8 @@ def row_eq_mul_sum_div_SIG_tail(
     v6 = v4 / v5
     x3_4 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
     v7 = v6 + x3_4
-    v8 = tl.where(v7 != v7, v7, ((v7.to(tl.uint32, bitcast=True) + 0x7FFF + ((v7.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16).to(tl.float32)
-    tl.store(out0_ptr + rows + cols * out0_stride1, tl.where(v8 != v8, v8, ((v8.to(tl.uint32, bitcast=True) + 0x7FFF + ((v8.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    v8 = v7.to(tl.bfloat16).to(tl.float32)
+    tl.store(out0_ptr + rows + cols * out0_stride1, v8.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit

@@ -34,6 +34,6 @@ def pointwise_ge_lt_add_detach_SIG(
     v9 = tl.where(v6, v8, s3)
     v10 = tl.where(v0, v9, s3)
     v11 = tl.where(v7, s3, x1_1)
-    tl.store(out0_ptr + offs, tl.where(v10 != v10, v10, ((v10.to(tl.uint32, bitcast=True) + 0x7FFF + ((v10.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
-    tl.store(out1_ptr + offs, tl.where(v11 != v11, v11, ((v11.to(tl.uint32, bitcast=True) + 0x7FFF + ((v11.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + offs, v10.to(tl.bfloat16), mask=mask)
+    tl.store(out1_ptr + offs, v11.to(tl.bfloat16), mask=mask)
 

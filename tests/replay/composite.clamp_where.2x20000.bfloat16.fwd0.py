@@ -34,5 +34,5 @@ def pointwise_gt_ge_lt_add_SIG(
     v12 = tl.where(v7, v6, v11)
     x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0).to(tl.float32)
     v13 = tl.where(v0, v12, x1_1)
-    tl.store(out0_ptr + offs, tl.where(v13 != v13, v13, ((v13.to(tl.uint32, bitcast=True) + 0x7FFF + ((v13.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + offs, v13.to(tl.bfloat16), mask=mask)
 

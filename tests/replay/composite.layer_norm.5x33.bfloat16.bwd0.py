@@ -43,7 +43,7 @@ def row_mul_div_sub_sum_SIG_tail(
     t5 = tl.where(mask, x3_0, 0)
     v8 = tl.sum(t5, axis=1)[:, None]
     tl.store(out0_ptr + rows, v7, mask=row_mask)
-    tl.store(out1_ptr + rows, tl.where(v8 != v8, v8, ((v8.to(tl.uint32, bitcast=True) + 0x7FFF + ((v8.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    tl.store(out1_ptr + rows, v8.to(tl.bfloat16), mask=row_mask)
 
 
 @triton.jit

@@ -44,5 +44,5 @@ def row_sum_div_sub_m2_SIG(
     v8 = v7 * x1_7
     x2_8 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
     v9 = v8 + x2_8
-    tl.store(out0_ptr + rows * out0_stride0 + cols, tl.where(v9 != v9, v9, ((v9.to(tl.uint32, bitcast=True) + 0x7FFF + ((v9.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v9.to(tl.bfloat16), mask=mask)
 

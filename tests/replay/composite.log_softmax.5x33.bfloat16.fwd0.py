@@ -32,5 +32,5 @@ def row_logsumexp_sub_detach_add_SIG(
     v3 = v2 + s0
     v4 = v0 * v3
     v5 = x0_0 - v4
-    tl.store(out0_ptr + rows + cols * out0_stride1, tl.where(v5 != v5, v5, ((v5.to(tl.uint32, bitcast=True) + 0x7FFF + ((v5.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + rows + cols * out0_stride1, v5.to(tl.bfloat16), mask=mask)
 

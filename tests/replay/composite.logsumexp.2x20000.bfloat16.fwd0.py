@@ -33,5 +33,5 @@ def row_logsumexp_SIG(
         m_0 = t5
         s_0 = t6
     v0 = m_0 + tl.log(s_0)
-    tl.store(out0_ptr + rows, tl.where(v0 != v0, v0, ((v0.to(tl.uint32, bitcast=True) + 0x7FFF + ((v0.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    tl.store(out0_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
 

@@ -25,5 +25,5 @@ def row_logsumexp_SIG(
     t2 = tl.where(mask, 1.0, 0.0)
     t3 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t1, axis=1)[:, None])
     v0 = t3 + tl.log(tl.sum(tl.where(t1 == t3, t2, t2 * tl.exp(t1 - t3)), axis=1)[:, None])
-    tl.store(out0_ptr + rows, tl.where(v0 != v0, v0, ((v0.to(tl.uint32, bitcast=True) + 0x7FFF + ((v0.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    tl.store(out0_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
 

@@ -139,7 +139,7 @@ def row_div_unsqueeze_mul_sum_SIG(
         x1_5 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0).to(tl.float32)
         v5 = x1_5 - v4
         v6 = v2 * v5
-        tl.store(out0_ptr + rows * out0_stride0 + cols, tl.where(v6 != v6, v6, ((v6.to(tl.uint32, bitcast=True) + 0x7FFF + ((v6.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+        tl.store(out0_ptr + rows * out0_stride0 + cols, v6.to(tl.bfloat16), mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:

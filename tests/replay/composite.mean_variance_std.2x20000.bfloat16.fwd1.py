@@ -47,7 +47,7 @@ def row_m2_div_SIG_tail(
     v3 = tl.where(v2, s2, v1)
     v4 = tl.sqrt(v3)
     v5 = tl.where(v2, s1, v4)
-    tl.store(out0_ptr + rows * 0, tl.where(v5 != v5, v5, ((v5.to(tl.uint32, bitcast=True) + 0x7FFF + ((v5.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    tl.store(out0_ptr + rows * 0, v5.to(tl.bfloat16), mask=row_mask)
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def row_m2_div_SIG(
         m2_0 = t11
     v0 = m2_0
     v1 = v0 / s0
-    tl.store(out0_ptr + rows, tl.where(v1 != v1, v1, ((v1.to(tl.uint32, bitcast=True) + 0x7FFF + ((v1.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    tl.store(out0_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:

@@ -29,7 +29,7 @@ def row_sum_div_SIG_tail(
     t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
     v0 = tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None]
     v1 = v0 / s0
-    tl.store(out0_ptr + rows, tl.where(v1 != v1, v1, ((v1.to(tl.uint32, bitcast=True) + 0x7FFF + ((v1.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    tl.store(out0_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def row_sum_div_SIG(
     t1 = tl.where(mask, x0_0, 0)
     v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0
-    tl.store(out0_ptr + rows, tl.where(v1 != v1, v1, ((v1.to(tl.uint32, bitcast=True) + 0x7FFF + ((v1.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    tl.store(out0_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(0) - 1:

@@ -43,5 +43,5 @@ def row_mul_sum_div_add_SIG(
         v5 = x0_3 * v4
         x1_4 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
         v6 = v5 * x1_4
-        tl.store(out0_ptr + rows * out0_stride0 + cols, tl.where(v6 != v6, v6, ((v6.to(tl.uint32, bitcast=True) + 0x7FFF + ((v6.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+        tl.store(out0_ptr + rows * out0_stride0 + cols, v6.to(tl.bfloat16), mask=mask)
 

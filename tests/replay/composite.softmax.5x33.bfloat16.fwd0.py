@@ -33,5 +33,5 @@ def row_logsumexp_sub_detach_add_SIG(
     v4 = v0 * v3
     v5 = x0_0 - v4
     v6 = tl.exp(v5)
-    tl.store(out0_ptr + rows * out0_stride0 + cols, tl.where(v6 != v6, v6, ((v6.to(tl.uint32, bitcast=True) + 0x7FFF + ((v6.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + rows * out0_stride0 + cols, v6.to(tl.bfloat16), mask=mask)
 

@@ -30,6 +30,6 @@ def pointwise_mul_sigmoid_sub_add_SIG(
     v6 = v0 * v5
     v7 = x2_2 / (1.0 + tl.exp(-x2_2))
     v8 = x0_0 * v7
-    tl.store(out0_ptr + offs, tl.where(v6 != v6, v6, ((v6.to(tl.uint32, bitcast=True) + 0x7FFF + ((v6.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
-    tl.store(out1_ptr + offs, tl.where(v8 != v8, v8, ((v8.to(tl.uint32, bitcast=True) + 0x7FFF + ((v8.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + offs, v6.to(tl.bfloat16), mask=mask)
+    tl.store(out1_ptr + offs, v8.to(tl.bfloat16), mask=mask)
 

@@ -19,5 +19,5 @@ def pointwise_silu_mul_SIG(
     v0 = x0_0 / (1.0 + tl.exp(-x0_0))
     x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0).to(tl.float32)
     v1 = v0 * x1_1
-    tl.store(out0_ptr + offs, tl.where(v1 != v1, v1, ((v1.to(tl.uint32, bitcast=True) + 0x7FFF + ((v1.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + offs, v1.to(tl.bfloat16), mask=mask)
 

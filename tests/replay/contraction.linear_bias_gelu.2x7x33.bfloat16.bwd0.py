@@ -67,11 +67,11 @@ def gemm_add_mul_erf_exp_SIG(
         v9 = v0 * v8
         v10 = v4 + v9
         v11 = x2 * v10
-        a = tl.where(a_mask, tl.where(v11 != v11, v11, ((v11.to(tl.uint32, bitcast=True) + 0x7FFF + ((v11.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), 0)
+        a = tl.where(a_mask, v11.to(tl.bfloat16), 0)
         b = tl.load(in3_ptr + batch * b_stride_b0 + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
         acc = tl.dot(a, b, acc)
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
-    tl.store(out0_ptr + batch * out0_stride0 + rows * out0_stride1 + cols, tl.where(acc != acc, acc, ((acc.to(tl.uint32, bitcast=True) + 0x7FFF + ((acc.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + batch * out0_stride0 + rows * out0_stride1 + cols, acc.to(tl.bfloat16), mask=mask)
 

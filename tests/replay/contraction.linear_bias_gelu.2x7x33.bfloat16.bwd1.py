@@ -69,7 +69,7 @@ def gemm_add_mul_erf_exp_SIG(
             v9 = v0 * v8
             v10 = v4 + v9
             v11 = x2 * v10
-            a = tl.where(a_mask, tl.where(v11 != v11, v11, ((v11.to(tl.uint32, bitcast=True) + 0x7FFF + ((v11.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), 0)
+            a = tl.where(a_mask, v11.to(tl.bfloat16), 0)
             t0 = tl.where(a_mask, v11, 0)
             t1 = acc_13 + tl.sum(t0, axis=1)[:, None]
             acc_13 = t1
@@ -79,6 +79,6 @@ def gemm_add_mul_erf_exp_SIG(
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
-    tl.store(out0_ptr + rows * out0_stride0 + cols, tl.where(acc != acc, acc, ((acc.to(tl.uint32, bitcast=True) + 0x7FFF + ((acc.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
-    tl.store(out1_ptr + rows, tl.where(v13 != v13, v13, ((v13.to(tl.uint32, bitcast=True) + 0x7FFF + ((v13.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=rows < tl.where(pid_n == 0, M, 0))
+    tl.store(out0_ptr + rows * out0_stride0 + cols, acc.to(tl.bfloat16), mask=mask)
+    tl.store(out1_ptr + rows, v13.to(tl.bfloat16), mask=rows < tl.where(pid_n == 0, M, 0))
 

@@ -50,10 +50,10 @@ def gemm_contract_add_gelu_SIG(
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
-    acc_h = tl.where(acc != acc, acc, ((acc.to(tl.uint32, bitcast=True) + 0x7FFF + ((acc.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    acc_h = acc.to(tl.bfloat16)
     acc_r = acc_h.to(tl.float32)
     x2 = tl.load(in2_ptr + batch * in2_stride0 + cols, mask=mask, other=0).to(tl.float32)
     v1 = acc_r + x2
     v2 = 0.5 * v1 * (1.0 + tl.erf(v1 * 0.7071067811865476))
-    tl.store(out0_ptr + batch * out0_stride0 + rows * out0_stride1 + cols, tl.where(v2 != v2, v2, ((v2.to(tl.uint32, bitcast=True) + 0x7FFF + ((v2.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=mask)
+    tl.store(out0_ptr + batch * out0_stride0 + rows * out0_stride1 + cols, v2.to(tl.bfloat16), mask=mask)
 

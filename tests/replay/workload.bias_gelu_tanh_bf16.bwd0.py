@@ -54,10 +54,10 @@ def row_add_mul_tanh_sub_SIG(
     v16 = v9 * v15
     v17 = v8 + v16
     v18 = x2_0 * v17
-    v18_h = tl.where(v18 != v18, v18, ((v18.to(tl.uint32, bitcast=True) + 0x7FFF + ((v18.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    v18_h = v18.to(tl.bfloat16)
     v18_r = v18_h.to(tl.float32)
     t5 = tl.where(mask, v18_r, 0)
     v19 = tl.sum(t5, axis=1)[:, None]
     tl.store(out0_ptr + rows + cols * out0_stride1, v18_h, mask=mask)
-    tl.store(out1_ptr + rows, tl.where(v19 != v19, v19, ((v19.to(tl.uint32, bitcast=True) + 0x7FFF + ((v19.to(tl.uint32, bitcast=True) >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16), mask=row_mask)
+    tl.store(out1_ptr + rows, v19.to(tl.bfloat16), mask=row_mask)
 
