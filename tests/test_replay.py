@@ -7,7 +7,10 @@ its new snapshot: ``python -m benches.replay --out tests/replay``.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
+
+import pytest
 
 from benches.replay import replay
 
@@ -36,3 +39,19 @@ def test_generated_kernels_round_half_values_by_a_plain_cast():
     kept = {p.name: p.read_text() for p in SNAPSHOT.glob("*.py")}
     assert [n for n, src in kept.items() if "0x7FFF" in src or "bitcast=True" in src] == []
     assert any(".to(tl.bfloat16)" in src for src in kept.values())
+
+
+#: forward row patterns -> their block reductions (tl.max / tl.min / tl.sum), as the tutorials run
+#: them: softmax and logsumexp a max and a sum (no NaN flag: the sum carries a NaN), RMSNorm a sum
+REDUCTIONS = {"softmax": 2, "logsumexp": 2, "log_softmax": 2, "rms_norm": 1}
+
+
+@pytest.mark.parametrize("pattern", sorted(REDUCTIONS))
+def test_row_patterns_reduce_as_often_as_the_tutorials(pattern):
+    kernels = sorted(SNAPSHOT.glob(f"composite.{pattern}.*.fwd0.py"))
+    assert kernels, pattern
+    for path in kernels:
+        src = path.read_text()
+        if "SPLIT_BLOCK" in src:  # a split row: partials and their finish, one launch each
+            continue
+        assert len(re.findall(r"tl\.(?:max|min|sum)\(", src)) == REDUCTIONS[pattern], path.name

@@ -115,13 +115,19 @@ def _extreme_spec(which: str, identity, pick) -> ReduceSpec:
 
 def _lse_tile(c: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
     m, s = st
-    big = c.tmp(_tile_extreme("max")(c, (m,))[0])
+    # tl.max may drop a NaN, and needs no flag for it here: the NaN lane's exp(NaN - big) makes
+    # the sum NaN, and so the logsumexp (a row of +inf and NaN too: NaN != big)
+    big = c.tmp(f"tl.max({m}, axis=1)[:, None]")
     return big, _tile_sum(f"tl.where({m} == {big}, {s}, {s} * tl.exp({m} - {big}))")
 
 
 def _lse_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
     big = c.tmp(nan_max(a[0], b[0]))
-    scale = lambda m, s: f"tl.where({m} == {big}, {s}, {s} * tl.exp({m} - {big}))"  # noqa: E731
+
+    def scale(m: str, s: str) -> str:
+        s = s if s.isidentifier() else c.tmp(s)  # a block's sum: computed once, read twice
+        return f"tl.where({m} == {big}, {s}, {s} * tl.exp({m} - {big}))"
+
     return big, f"{scale(*a)} + {scale(*b)}"
 
 

@@ -25,7 +25,7 @@ def row_logsumexp_sub_detach_add_SIG(
     x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
     t1 = tl.where(mask, x0_0, float('-inf'))
     t2 = tl.where(mask, 1.0, 0.0)
-    t3 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t1, axis=1)[:, None])
+    t3 = tl.max(t1, axis=1)[:, None]
     v0 = t3 + tl.log(tl.sum(tl.where(t1 == t3, t2, t2 * tl.exp(t1 - t3)), axis=1)[:, None])
     v1 = v0 - v0
     v2 = v1

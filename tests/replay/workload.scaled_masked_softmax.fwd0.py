@@ -31,7 +31,7 @@ def row_mul_add_logsumexp_sub_SIG(
     v1 = v0 + x1_1
     t2 = tl.where(mask, v1, float('-inf'))
     t3 = tl.where(mask, 1.0, 0.0)
-    t4 = tl.where(tl.max((t2 != t2).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t2, axis=1)[:, None])
+    t4 = tl.max(t2, axis=1)[:, None]
     v2 = t4 + tl.log(tl.sum(tl.where(t2 == t4, t3, t3 * tl.exp(t2 - t4)), axis=1)[:, None])
     v3 = v2 - v2
     v4 = v3
