@@ -17,6 +17,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import json, torch, rtxdsl as rx
     from rtxdsl.build import compile_kernel
+    from rtxdsl.codegen.ptx import sass_counts
     x, y, w, b = (rx.var(n) for n in "xywb")
     cases = {
         "flat_fp32": (rx.relu(x * y + 1.0), dict(x=torch.empty(4096), y=torch.empty(4096))),
@@ -25,6 +26,9 @@ SCRIPT = textwrap.dedent("""
         "layer_norm": (rx.layer_norm(x, w, b), dict(x=torch.empty(64, 4096), w=torch.empty(4096),
                                                     b=torch.empty(4096))),
         "long_rows": (rx.softmax(x), dict(x=torch.empty(4, 40000))),
+        "softmax_bf16": (rx.softmax(x), dict(x=torch.empty(64, 4096, dtype=torch.bfloat16))),
+        "rms_norm_bf16": (rx.rms_norm(x, w), dict(x=torch.empty(64, 4096, dtype=torch.bfloat16),
+                                                  w=torch.empty(4096, dtype=torch.bfloat16))),
         "rope": (rx.rope(x, y, w), dict(x=torch.empty(8, 16, 128), y=torch.empty(16, 128), w=torch.empty(16, 128))),
         "cross_entropy": (rx.cross_entropy(x, b, reduction="none"),
                           dict(x=torch.empty(64, 32000), b=torch.empty(64, dtype=torch.int64))),
@@ -71,7 +75,8 @@ SCRIPT = textwrap.dedent("""
         f = compile_kernel(kernel, ins)[which]
         out[name] = dict(v4_loads=f.v4_loads, v4_stores=f.v4_stores, regs=f.registers, spills=f.spill_bytes,
                          stores=f.ptx.count("st.global"), wgmma=f.ptx.count("wgmma.mma_async"),
-                         bf16_cvt=f.ptx.count("cvt.rn.bf16"), hand_rounded=f.ptx.count("-65536"))
+                         bf16_cvt=f.ptx.count("cvt.rn.bf16"), hand_rounded=f.ptx.count("-65536"),
+                         barriers=getattr(sass_counts(f.ptx), "barriers", None))
     print(json.dumps(out))
 """)
 
@@ -114,6 +119,15 @@ def test_bf16_values_round_by_the_gpus_conversion(facts):
         assert facts[name]["bf16_cvt"] > 0, name
     for name, f in facts.items():  # the hand rounding masked the low 16 bits off: 0xFFFF0000
         assert f["hand_rounded"] == 0, name
+
+
+def test_row_kernels_synchronize_as_often_as_the_tutorials(facts):
+    """Block-wide barriers (SASS ``BAR``) of a row in one block: a softmax's max and sum take three
+    (Triton's tutorial 02 takes four), RMSNorm's one sum takes one."""
+    if facts["softmax_bf16"]["barriers"] is None:
+        pytest.skip("no cuobjdump in this Triton's wheel")
+    assert facts["softmax_bf16"]["barriers"] <= 3
+    assert facts["rms_norm_bf16"]["barriers"] <= 1
 
 
 def test_no_register_spills(facts):

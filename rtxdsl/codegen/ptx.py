@@ -93,16 +93,45 @@ def compile_call(jit: Any, call: Any, tensors: list[torch.Tensor], arch: int = 9
     )
 
 
-def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
-    """Registers per thread and spill bytes, from ``ptxas -v`` (bundled with Triton)."""
-    try:  # the ptxas Triton itself uses for this arch
+def _ptxas(arch: int) -> Path | None:
+    """The ptxas Triton itself uses for ``sm_{arch}`` (bundled with its wheel), if any."""
+    try:
         from triton.backends.nvidia.compiler import get_ptxas
 
         tool = get_ptxas(arch) if "arch" in str(inspect.signature(get_ptxas)) else get_ptxas()
-        ptxas = Path(tool.path)
+        path = Path(tool.path)
     except (ImportError, AttributeError, TypeError):
-        return None, None
-    if not ptxas.exists():
+        return None
+    return path if path.exists() else None
+
+
+@dataclass(frozen=True)
+class Sass:
+    instructions: int  # static SASS instructions of the kernel, NOPs excluded
+    barriers: int  # BAR instructions (block-wide synchronizations)
+
+
+def sass_counts(ptx: str, arch: int = 90) -> Sass | None:
+    """Assemble ``ptx`` for ``sm_{arch}`` and count its SASS (``cuobjdump -sass``, from Triton's wheel)."""
+    ptxas = _ptxas(arch)
+    cuobjdump = ptxas.parent / "cuobjdump" if ptxas else None
+    if ptxas is None or cuobjdump is None or not cuobjdump.exists():
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src, obj = Path(d) / "k.ptx", Path(d) / "k.o"
+        src.write_text(ptx)
+        assemble = [str(ptxas), f"--gpu-name=sm_{arch}a", str(src), "-o", str(obj)]
+        subprocess.run(assemble, check=True, capture_output=True)
+        text = subprocess.run([str(cuobjdump), "-sass", str(obj)], check=True, capture_output=True, text=True).stdout
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)]
+    ops = [o for o in ops if not o.startswith("NOP")]
+    return Sass(len(ops), sum(o.startswith("BAR") for o in ops))
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """Registers per thread and spill bytes, from ``ptxas -v`` (bundled with Triton)."""
+    ptxas = _ptxas(arch)
+    if ptxas is None:
         return None, None
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"

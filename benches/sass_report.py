@@ -1,0 +1,158 @@
+"""SASS report: rtxdsl's row kernels beside hand-written ones, compiled for sm_90 without a GPU.
+
+Each kernel is compiled by Triton for an H100/H200 (``GPUTarget("cuda", 90, 32)``), assembled by
+the ``ptxas`` in Triton's wheel and read back with its ``cuobjdump -sass``: static SASS
+instructions (NOPs excluded), barriers, registers and spills. The peers are the kernels of
+Triton's tutorials 02 (fused softmax) and 05 (layer norm forward), written here as the
+tutorials write them, with tutorial 05's block and warp choice; for bf16 the softmax
+peer computes in fp32, as every half-precision softmax does.
+
+Static counts compare kernels whose rows fit one block (every size here): each loop body runs once
+per row, so the count is what each warp issues per row. Instructions per element are warp
+instructions: ``instructions * num_warps / elements per program``.
+
+    python -m benches.sass_report            # every case
+    python -m benches.sass_report --quick    # two cases
+"""
+
+from __future__ import annotations
+
+import os
+
+# compiled (not interpreted) Triton: must be decided before triton is imported
+os.environ.setdefault("TRITON_INTERPRET", "0")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import argparse  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import rtxdsl as rx  # noqa: E402
+from benches.common import markdown, save  # noqa: E402
+from rtxdsl.build import compile_kernel, prepare  # noqa: E402
+from rtxdsl.codegen.ptx import compile_call, sass_counts  # noqa: E402
+
+
+@triton.jit
+def tutorial_softmax(
+    output_ptr, input_ptr, input_row_stride, output_row_stride, n_rows, n_cols, BLOCK_SIZE: tl.constexpr
+):
+    # Triton tutorial 02: each program takes rows in a grid-stride loop
+    row_start = tl.program_id(0)
+    row_step = tl.num_programs(0)
+    for row_idx in tl.range(row_start, n_rows, row_step):
+        col_offsets = tl.arange(0, BLOCK_SIZE)
+        mask = col_offsets < n_cols
+        row = tl.load(input_ptr + row_idx * input_row_stride + col_offsets, mask=mask, other=-float("inf"))
+        row = row.to(tl.float32)
+        row_minus_max = row - tl.max(row, axis=0)
+        numerator = tl.exp(row_minus_max)
+        denominator = tl.sum(numerator, axis=0)
+        out = numerator / denominator
+        tl.store(output_ptr + row_idx * output_row_stride + col_offsets, out, mask=mask)
+
+
+@triton.jit
+def tutorial_layer_norm(X, Y, W, B, Mean, Rstd, stride, N, eps, BLOCK_SIZE: tl.constexpr):
+    # Triton tutorial 05, forward: the mean, the variance, then the normalized row
+    row = tl.program_id(0)
+    Y += row * stride
+    X += row * stride
+    _mean = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+    for off in range(0, N, BLOCK_SIZE):
+        cols = off + tl.arange(0, BLOCK_SIZE)
+        a = tl.load(X + cols, mask=cols < N, other=0.0).to(tl.float32)
+        _mean += a
+    mean = tl.sum(_mean, axis=0) / N
+    _var = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+    for off in range(0, N, BLOCK_SIZE):
+        cols = off + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(X + cols, mask=cols < N, other=0.0).to(tl.float32)
+        x = tl.where(cols < N, x - mean, 0.0)
+        _var += x * x
+    var = tl.sum(_var, axis=0) / N
+    rstd = 1 / tl.sqrt(var + eps)
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+    for off in range(0, N, BLOCK_SIZE):
+        cols = off + tl.arange(0, BLOCK_SIZE)
+        mask = cols < N
+        w = tl.load(W + cols, mask=mask)
+        b = tl.load(B + cols, mask=mask)
+        x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd * w + b
+        tl.store(Y + cols, y, mask=mask)
+
+
+def _peer(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
+    block = triton.next_power_of_2(cols)
+    warps = min(max(block // 256, 1), 8)  # tutorial 05's choice, for both peers
+    x, y = torch.empty(rows, cols, dtype=dtype), torch.empty(rows, cols, dtype=dtype)
+    if name == "softmax":
+        call = SimpleNamespace(meta={"BLOCK_SIZE": block, "num_warps": warps}, args=[cols, cols, rows, cols])
+        facts = compile_call(tutorial_softmax, call, [y, x])
+    else:
+        w, b, stat = torch.empty(cols, dtype=dtype), torch.empty(cols, dtype=dtype), torch.empty(rows)
+        call = SimpleNamespace(meta={"BLOCK_SIZE": block, "num_warps": warps}, args=[cols, cols, 1e-5])
+        facts = compile_call(tutorial_layer_norm, call, [x, y, w, b, stat, stat])
+    return _row(f"Triton tutorial {name}", facts, warps, cols)
+
+
+def _ours(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
+    x, w, b = rx.var("x"), rx.var("w"), rx.var("b")
+    expr = {"softmax": rx.softmax(x), "layer_norm": rx.layer_norm(x, w, b), "rms_norm": rx.rms_norm(x, w)}[name]
+    ins = {"x": torch.empty(rows, cols, dtype=dtype), "w": torch.empty(cols, dtype=dtype)}
+    ins |= {"b": torch.empty(cols, dtype=dtype)} if name == "layer_norm" else {}
+    kernel = rx.compile(expr)
+    ins = {n: ins[n] for n in kernel.inputs}
+    program, _ = prepare(kernel, ins)
+    (facts,) = compile_kernel(kernel, ins)
+    (launch,) = program.kernels
+    meta = dict(launch.meta)
+    per_program = meta.get("ROWS", 1) * cols
+    return _row(f"rtxdsl {name}", facts, meta.get("num_warps", 4), per_program)
+
+
+def _row(kernel: str, facts, warps: int, per_program: int) -> dict:
+    sass = sass_counts(facts.ptx)
+    assert sass is not None, "no ptxas / cuobjdump in this Triton's wheel"
+    return {
+        "kernel": kernel,
+        "SASS instructions": sass.instructions,
+        "per element": round(sass.instructions * warps / per_program, 3),
+        "barriers": sass.barriers,
+        "warps": warps,
+        "registers": facts.registers,
+        "spills": facts.spill_bytes,
+    }
+
+
+CASES = [  # (pattern, rows, cols, dtype, a hand-written peer)
+    ("softmax", 4096, 4096, torch.float32, True),
+    ("softmax", 4096, 4096, torch.bfloat16, True),
+    ("layer_norm", 4096, 4096, torch.float32, True),
+    ("layer_norm", 4096, 4096, torch.bfloat16, True),
+    ("rms_norm", 4096, 4096, torch.bfloat16, False),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two cases (CI smoke)")
+    args = parser.parse_args()
+    rows = []
+    for name, r, c, dt, peer in CASES[:2] if args.quick else CASES:
+        size = f"{r} x {c} {str(dt).removeprefix('torch.')}"
+        rows.append({"case": size, **_ours(name, r, c, dt)})
+        if peer:
+            rows.append({"case": size, **_peer(name, r, c, dt)})
+    cols = ["case", "kernel", "SASS instructions", "per element", "barriers", "warps", "registers", "spills"]
+    print(markdown(rows, cols))
+    save("sass-sm90-quick" if args.quick else "sass-sm90", {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
