@@ -32,6 +32,7 @@ SIZES = [
     ((257,), 2, 8),  # rows spanning programs, a two-class vocabulary
     ((37,), 1, 33),  # one class: the softmax is 1, the gradient 0
     ((3, 13), 31, 33),  # batched hidden states: rows decomposed over (batch, token)
+    ((1,), 1, 1),  # every extent 1: each operand one element, its tile load still a block (a crash)
 ]
 
 # each exercises one option of rx.cross_entropy (plus the logit softcap)

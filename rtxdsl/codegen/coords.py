@@ -231,9 +231,12 @@ class CoordWriter(Writer):
         self.types[name] = accumulator(operand)
 
     def _operand_offset(self, j: int, idx: list[str]) -> str:
-        """A contraction operand's offset at index vectors ``idx`` (aligned to its trailing dims)."""
+        """A contraction operand's offset at index vectors ``idx`` (aligned to its trailing dims): a
+        block of the tile's shape even where the operand is one element (``[1, 1]``, every stride
+        dropped), as its mask is one."""
         classes = self.spec.loads[j].rows
-        return " + ".join(offset_terms(self.load_names[j], classes, idx[len(idx) - len(classes) :])) or "0"
+        terms = offset_terms(self.load_names[j], classes, idx[len(idx) - len(classes) :])
+        return " + ".join(terms) or f"({idx[-2]} * 0 + {idx[-1]} * 0)"
 
     # ---- stores -----------------------------------------------------------------------
     def _store(self, k: int, loop: Scope) -> str:
