@@ -97,6 +97,8 @@ class EmitCtx:
     attrs: dict[str, Any]
     tmp: Callable[[str], str]
     helper: Callable[[str, str], str]
+    #: sub-results an emitter publishes for the writer's rules (a logsumexp tile's ``exp``, ``shift``)
+    facts: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_float(self) -> bool:
@@ -133,6 +135,10 @@ class ReduceSpec:
     single: Callable[[EmitCtx, str], str]
     lanes: bool = False
     of_values: bool = True
+    #: ``tile_of(ctx, x, mask, count)``: a tile's states straight from its elements (``count`` of
+    #: them valid per row, an expression), where that beats lifting each element and reducing the
+    #: states (logsumexp: one exp per element; Welford: the mean, then squared deviations from it)
+    tile_of: Callable[[EmitCtx, str, str, str], tuple[str, ...]] | None = None
     #: the reduce op of DTensor's ``Partial`` placement holding pieces' values not yet merged (a
     #: sum's "sum"), where a sharded output may stay so; None: the pieces are merged in the kernel
     partial: str | None = None

@@ -212,9 +212,9 @@ def test_a_residual_gradient_is_the_cotangent_itself(gen):
 def test_tf32_follows_the_config_then_torch(gen):
     a, c = torch.randn(9, 17, generator=gen), torch.randn(17, 5, generator=gen)
     default = rx.compile(x @ w).sources(x=a, w=c)[0]
-    assert 'input_precision="ieee"' in default  # torch.backends.cuda.matmul.allow_tf32 is False by default
+    assert "input_precision='ieee'" in default  # torch.backends.cuda.matmul.allow_tf32 is False by default
     tf32 = rx.compile(x @ w, config=rx.FusionConfig(allow_tf32=True))
-    assert 'input_precision="tf32"' in tf32.sources(x=a, w=c)[0]
+    assert "input_precision='tf32'" in tf32.sources(x=a, w=c)[0]
     half = rx.compile(x @ w, config=rx.FusionConfig(allow_tf32=True)).sources(x=a.half(), w=c.half())[0]
     assert "input_precision" not in half  # 16-bit operands: tensor cores either way
     with pytest.raises(rx.ConfigError, match="allow_tf32"):

@@ -6,6 +6,7 @@ its new snapshot: ``python -m benches.replay --out tests/replay``.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import re
 from pathlib import Path
@@ -41,9 +42,11 @@ def test_generated_kernels_round_half_values_by_a_plain_cast():
     assert any(".to(tl.bfloat16)" in src for src in kept.values())
 
 
-#: forward row patterns -> their block reductions (tl.max / tl.min / tl.sum), as the tutorials run
-#: them: softmax and logsumexp a max and a sum (no NaN flag: the sum carries a NaN), RMSNorm a sum
-REDUCTIONS = {"softmax": 2, "logsumexp": 2, "log_softmax": 2, "rms_norm": 1}
+#: forward row patterns -> their block reductions (tl.max / tl.min / tl.sum) with the row whole
+#: and looped, as the tutorials run them: softmax and logsumexp a max and a sum (no NaN flag: the
+#: sum carries a NaN), RMSNorm a sum, layer norm a sum and the squared deviations' sum (a looped
+#: row: its lanes' sum, and each block's Welford mean and deviations)
+REDUCTIONS = {"softmax": (2, 2), "logsumexp": (2, 2), "log_softmax": (2, 2), "rms_norm": (1, 1), "layer_norm": (2, 3)}
 
 
 @pytest.mark.parametrize("pattern", sorted(REDUCTIONS))
@@ -54,4 +57,49 @@ def test_row_patterns_reduce_as_often_as_the_tutorials(pattern):
         src = path.read_text()
         if "SPLIT_BLOCK" in src:  # a split row: partials and their finish, one launch each
             continue
-        assert len(re.findall(r"tl\.(?:max|min|sum)\(", src)) == REDUCTIONS[pattern], path.name
+        want = REDUCTIONS[pattern]["for col_start" in src]
+        assert len(re.findall(r"tl\.(?:max|min|sum)\(", src)) == want, path.name
+
+
+def test_softmax_computes_one_exp_per_element():
+    """The output reuses the logsumexp tile's exp(x - max), as the tutorial's exp(x - max) / sum."""
+    for path in sorted(SNAPSHOT.glob("composite.softmax.5x33.*.fwd0.py")):
+        assert path.read_text().count("tl.exp(") == 2, path.name  # the tile's, and one per row
+
+
+def _bodies() -> dict[str, list[str]]:
+    """Each snapshot kernel's body lines, dedented (a module holds one function or two: a tail)."""
+    out = {}
+    for path in sorted(SNAPSHOT.glob("*.py")):
+        for k, fn in enumerate(path.read_text().split("@triton.jit")[1:]):
+            lines = fn.split("):\n", 1)[1].splitlines()
+            out[f"{path.name}#{k}"] = [ln[4:] for ln in lines if ln.strip()]
+    return out
+
+
+def test_snapshot_kernels_are_rewritten_to_their_fixpoint():
+    """No identity cast, no self-copy, no common subexpression, no dead value is left: the
+    rewrite table changes nothing in a generated kernel."""
+    from rtxdsl.codegen.rewrite import simplify
+
+    def printed(body: list[str]) -> list[str]:  # as the rewrite prints statements (no comments)
+        return [line for stmt in ast.parse("\n".join(body)).body for line in ast.unparse(stmt).splitlines()]
+
+    unsettled = [name for name, body in _bodies().items() if simplify(body) != printed(body)]
+    assert unsettled == []
+
+
+def test_snapshot_kernels_have_no_identity_cast_or_self_copy():
+    casts = re.compile(r"^(\w+) = .*\.to\((tl\.\w+)\)$")
+    copies, identity = [], []
+    for name, body in _bodies().items():
+        typed = {m.group(1): m.group(2) for m in map(casts.match, body) if m}
+        assigned = [ln.split(" = ")[0].strip() for ln in body if " = " in ln]
+        for ln in body:
+            m = re.match(r"^(\w+) = (\w+)$", ln.strip())
+            if m and assigned.count(m.group(1)) == 1:
+                copies.append(f"{name}: {ln}")
+            for v, t in re.findall(r"\b(\w+)\.to\((tl\.\w+)\)", ln):
+                if typed.get(v) == t and assigned.count(v) == 1:
+                    identity.append(f"{name}: {ln}")
+    assert copies == [] and identity == []

@@ -142,8 +142,12 @@ class CoordWriter(Writer):
                 assert c == self._default(i), "a product is computed at its own tile only"
                 self._product(i, name, c, scope)
             else:
-                operands = [self._value_at(r, self._adjust(c, self._ones(r)), scope, full) for r in node.srcs]
-                self._emit_with(node, name, scope, operands)
+
+                def operand(r: tuple) -> str:
+                    return self._value_at(r, self._adjust(c, self._ones(r)), scope, full)
+
+                if not (c == self._default(i) and self._shared_exp(node, name, scope, operand)):
+                    self._emit_with(node, name, scope, [operand(r) for r in node.srcs])
             if i in self.rounded:
                 name = self.round_stored(name, i, scope)
         scope.memo[(ref, c, full)] = name

@@ -17,6 +17,7 @@ from ..lower.spec import STRIDED, UNIT, KernelSpec, Src
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop, load_as
+from .rewrite import simplify
 from .source import Scope, Writer, offset_terms, state_name
 from .template import render
 
@@ -126,7 +127,8 @@ class GemmWriter(Writer):
             self.round_stored("acc", contraction, top) if contraction in self.rounded else "acc"
         )
         top.add_all(self.stores(range(len(self.spec.outputs)), top))
-        return render(GEMM, name=name, params="\n".join(f"{p}," for p in self.params), body="\n".join(self.top.lines))
+        params = "\n".join(f"{p}," for p in self.params)
+        return render(GEMM, name=name, params=params, body="\n".join(simplify(self.top.lines)))
 
     def _operand(self, op: str, j: int, ref: tuple, dtype: torch.dtype, scope: Scope) -> str:
         """Operand ``op``'s tile in the K loop: loaded through its strides, or its prologue computed

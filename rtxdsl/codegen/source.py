@@ -12,7 +12,7 @@ across loop iterations, read off at the end.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,6 +23,8 @@ from ..lower.roles import Role
 from ..lower.spec import BCAST, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split, Src, Stride
 from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
+from ..ops.reduction import exp_of_logsumexp
+from .rewrite import simplify
 from .template import render
 
 POINTWISE = """\
@@ -148,6 +150,8 @@ class Writer:
         #: half values rounded where computed (see ``rounded_values``)
         self.rounded = rounded_values(spec)
         self.half_copy: dict[str, str] = {}  # a rounded fp32 value's name -> its half value's name
+        #: a logsumexp computed whole -> its tile x, exp(x - shift) and shift (``_shared_exp``)
+        self.shared_exp: dict[int, tuple[str, str, str]] = {}
 
     # ---- what each family's writer says ----------------------------------------------
     def build_params(self) -> None:
@@ -204,10 +208,35 @@ class Writer:
                     raise AssertionError(f"reduction v{i} used before its pass finished")
                 name = self._emit_reduction_whole(i, scope)
             else:
-                name = self._emit_node(node, f"v{i}", scope, loop)
+                name = self._shared_exp(node, f"v{i}", scope, lambda r: self.value(r, loop))
+                name = name or self._emit_node(node, f"v{i}", scope, loop)
             if i in self.rounded:
                 name = self.round_stored(name, i, scope)
         scope.memo[ref] = name
+        return name
+
+    def _node_at(self, ref: tuple) -> tuple[int, NodeSpec] | None:
+        return (ref[1], self.spec.nodes[ref[1]]) if ref[0] is Src.NODE else None
+
+    def _shared_exp(self, node: NodeSpec, name: str, scope: Scope, operand: Callable[[tuple], str]) -> str | None:
+        """``exp(x - lse)`` where this kernel reduced ``lse = logsumexp(x)`` whole, over the very
+        tile ``x`` (``operand`` reads a source where ``node`` is): the tile's ``exp(x - shift)``
+        rescaled per row by ``exp(shift - lse)``, so a softmax computes one exp per element, as the
+        tutorial's ``exp(x - max) / sum`` does. None where the rule does not apply."""
+        found = None if self.spec.looped else exp_of_logsumexp(node, self._node_at)
+        if found is None:
+            return None
+        x_ref, lse, y_ref = found
+        if reduce_dtype(self.spec.nodes[lse]) != node.cdt or self.spec.nodes[node.srcs[0][1]].cdt != node.cdt:
+            return None
+        operand((Src.NODE, lse))  # the reduction, with its tile's exp
+        x = self.cast(operand(x_ref), node.cdt)
+        if lse not in self.shared_exp or self.shared_exp[lse][0] != x:
+            return None
+        _, e, shift = self.shared_exp[lse]
+        y = self.cast(operand(y_ref), node.cdt)
+        scope.add(f"{name} = {e} * tl.exp({shift} - {y})")
+        self.types[name] = node.cdt
         return name
 
     def round_stored(self, name: str, i: int, scope: Scope) -> str:
@@ -285,10 +314,22 @@ class Writer:
         self.types[name] = rdt
         return name
 
+    def _tile_state(self, i: int, ctx: EmitCtx, x: str, count: str | None) -> tuple[str, ...]:
+        """Reduction ``i``'s state over one tile of its input ``x``: from the elements where the
+        op says how and ``count``, the valid lanes per row, is known; else lifted and reduced."""
+        node = self.spec.nodes[i]
+        red = REGISTRY[node.op].reduce
+        if red.tile_of is not None and count is not None:
+            state = red.tile_of(ctx, x, "mask", count)
+            if "exp" in ctx.facts:
+                self.shared_exp[i] = (x, ctx.facts["exp"], ctx.facts["shift"])
+            return state
+        return red.tile(ctx, self._lifted(ctx, node, ctx.dtype, x))
+
     def _emit_reduction_whole(self, i: int, scope: Scope) -> str:
         node, rdt, ctx, x = self._reduce_input(i, scope, scope)
         red = REGISTRY[node.op].reduce
-        state = red.tile(ctx, self._lifted(ctx, node, rdt, x))
+        state = self._tile_state(i, ctx, x, "n_cols" if self.row and not self.spec.split else None)
         name = f"v{i}"
         scope.add(f"{name} = {red.value(ctx, state)}")
         self.types[name] = rdt
@@ -311,8 +352,11 @@ class Writer:
             for name, ident in zip(running, red.identity(rdt)):
                 self.top.add(f"{name} = tl.full({shape}, {ident}, dtype={tt})")
             _, _, ctx, x = self._reduce_input(i, loop, loop)
-            lifted = self._lifted(ctx, node, rdt, x)
-            new = red.merge(ctx, running, lifted if red.lanes else red.tile(ctx, lifted))
+            if red.lanes:
+                new = red.merge(ctx, running, self._lifted(ctx, node, rdt, x))
+            else:
+                count = f"tl.minimum({'col_hi' if self.spec.split else 'n_cols'} - col_start, BLOCK_SIZE)"
+                new = red.merge(ctx, running, self._tile_state(i, ctx, x, count))
             staged = [ctx.tmp(expr) for expr in new]
             for name, expr in zip(running, staged):
                 loop.add(f"{name} = {expr}")
@@ -411,7 +455,7 @@ class Writer:
             params="\n".join(f"{p}," for p in self.params),
             program=self.program,
             pid=f"{pid}.to(tl.int64)" if self.spec.big else pid,
-            body="\n".join(self.top.lines),
+            body="\n".join(simplify(self.top.lines)),
             **extra,
         )
 

@@ -927,6 +927,19 @@ _ew(
     ),
 )
 
+# x where finite, NaN where +-inf or NaN, gradient g likewise: a logsumexp guarded so, subtracted
+# from its row, makes the row NaN exactly where torch's log_softmax does (a +inf logit, only -inf
+# ones, a NaN), value and gradient; matched by the writer's shared-exp rule (softmax's one exp)
+_ew(
+    "finite_or_nan",
+    1,
+    lambda a: a * (1 + (a - a).detach()),  # autograd's gradient: g, NaN where a is not finite
+    lambda c, a: f"{a} + ({a} - {a})",
+    lambda d: (node("add", d.g, node("detach", node("sub", d.a, d.a))),),
+    accepts=FLOATING,
+    eager_launches=2,  # sub, add
+)
+
 # identity whose gradient is zero (the lazy stream's Tensor.detach, stop-gradient in composites)
 _ew(
     "detach",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import highest, lowest
+from ..dtypes import TRITON_TYPE, highest, lowest
 from ..errors import ShapeError
 from ..expr import Expr, node
 from ..registry import ANY, FLOATING, NUMERIC, EmitCtx, Front, OpDef, OpKind, Pattern, ReduceSpec, Unsupported, register
@@ -131,6 +131,17 @@ def _lse_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str,
     return big, f"{scale(*a)} + {scale(*b)}"
 
 
+def _lse_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
+    m = c.tmp(f"tl.where({mask}, {x}, float('-inf'))")
+    big = c.tmp(f"tl.max({m}, axis=1)[:, None]")
+    # shift by the max, or by 0 where it is +-inf: no lane computes inf - inf, so a row of -inf sums
+    # to 0 (logsumexp -inf) and one holding +inf to inf; a NaN lane's exp is NaN (tl.max may drop it)
+    shift = c.tmp(f"tl.where(tl.abs({big}) == float('inf'), 0.0, {big})")
+    e = c.tmp(f"tl.exp({m} - {shift})")
+    c.facts.update(exp=e, shift=shift)
+    return big, _tile_sum(e)
+
+
 #: online logsumexp: the running max and the sum of exp(x - max) (rescaled when the max grows)
 LOGSUMEXP = ReduceSpec(
     state=("m", "s"),
@@ -140,6 +151,7 @@ LOGSUMEXP = ReduceSpec(
     merge=_lse_merge,
     value=lambda c, st: f"{st[0]} + tl.log({st[1]})",
     single=lambda c, x: x,
+    tile_of=_lse_tile_of,
 )
 
 
@@ -158,6 +170,15 @@ def _m2_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, 
     return total, f"{mu1} + {delta} * ({n2} / {safe})", f"{q1} + {q2} + {delta} * {delta} * ({n1} * {n2} / {safe})"
 
 
+def _m2_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
+    n = c.tmp(f"({count}).to({TRITON_TYPE[c.dtype]})")
+    # the tile's mean (its sum spelled as a sum reduction's, so one shared with it is computed once),
+    # then the squared deviations from it: two-pass exact within the tile
+    mu = c.tmp(f"{_tile_sum(c.tmp(f'tl.where({mask}, {x}, 0)'))} / tl.maximum({n}, 1.0)")
+    d = c.tmp(f"tl.where({mask}, {x} - {mu}, 0.0)")
+    return n, mu, _tile_sum(f"{d} * {d}")
+
+
 #: Welford / Chan: count, mean and sum of squared deviations; two-pass exact within a tile
 M2 = ReduceSpec(
     state=("n", "mean", "m2"),
@@ -168,6 +189,7 @@ M2 = ReduceSpec(
     value=lambda c, st: st[2],
     single=lambda c, x: f"({x} - {x}) * ({x} - {x})",
     of_values=False,
+    tile_of=_m2_tile_of,
 )
 
 
@@ -241,12 +263,25 @@ def lse_shift(x: Expr, axis: Any) -> Expr:
     """logsumexp over ``axis`` (kept), as softmax, log_softmax and cross-entropy subtract it.
 
     torch takes log_softmax first: a row whose logsumexp is +-inf or NaN (a +inf logit, only -inf
-    ones, a NaN) is NaN at every element, value and gradient. ``lse - lse`` is NaN exactly then
-    and 0 elsewhere; as the factor ``1 + (lse - lse)``, outside autograd, it makes both NaN there
-    and changes nothing elsewhere (added, ``lse + (lse - lse)``, its gradient would be ``c + c - c``:
-    NaN wherever the row's cotangent is inf)."""
-    lse = node("logsumexp", x, axis=axis, keepdim=True)
-    return node("mul", lse, node("add", node("detach", node("sub", lse, lse)), 1.0))
+    ones, a NaN) is NaN at every element, value and gradient: ``finite_or_nan`` makes it so."""
+    return node("finite_or_nan", node("logsumexp", x, axis=axis, keepdim=True))
+
+
+def exp_of_logsumexp(node: Any, node_at: Any) -> tuple[Any, int, Any] | None:
+    """``exp(x - lse)`` with ``lse = logsumexp(x)`` (bare or guarded by ``finite_or_nan``, as
+    softmax writes it): ``(x, lse's node index, the subtrahend)``, refs as ``node.srcs`` holds
+    them; None for any other node. ``node_at(ref)`` is ``(index, node)`` for a node's ref, else
+    None. A writer that reduced ``lse`` whole computes the exp from the reduction's own tile."""
+    sub = node_at(node.srcs[0]) if node.op == "exp" else None
+    if sub is None or sub[1].op != "sub":
+        return None
+    x, y = sub[1].srcs
+    red = node_at(y)
+    while red is not None and red[1].op == "finite_or_nan":
+        red = node_at(red[1].srcs[0])
+    if red is None or red[1].op != "logsumexp" or red[1].srcs[0] != x:
+        return None
+    return x, red[0], y
 
 
 _reduction(

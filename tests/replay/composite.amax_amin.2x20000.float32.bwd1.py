@@ -26,13 +26,11 @@ def row_unsqueeze_eq_mul_sum_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x0_0 = tl.load(in0_ptr + rows, mask=mask, other=0)
-    v0 = x0_0
     x2_1 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
     x1_2 = tl.load(in1_ptr + rows, mask=mask, other=0)
-    v1 = x1_2
-    v2 = x2_1 == v1
+    v2 = x2_1 == x1_2
     v3 = v2.to(tl.float32)
-    v4 = v0 * v3
+    v4 = x0_0 * v3
     t3 = tl.where(mask, v3, 0)
     v5 = tl.sum(t3, axis=1)[:, None]
     v6 = v4 / v5

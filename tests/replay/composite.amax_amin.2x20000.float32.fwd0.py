@@ -17,13 +17,13 @@ def row_amax_SIG(
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
-    acc_0 = tl.full([ROWS, BLOCK_SIZE], float("-inf"), dtype=tl.float32)
+    acc_0 = tl.full([ROWS, BLOCK_SIZE], float('-inf'), dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        t1 = tl.where(mask, x0_0, float("-inf"))
+        t1 = tl.where(mask, x0_0, float('-inf'))
         t2 = tl.where(t1 != t1, t1, tl.where(t1 > acc_0, t1, acc_0))
         acc_0 = t2
     v0 = tl.where(tl.max((acc_0 != acc_0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(acc_0, axis=1)[:, None])

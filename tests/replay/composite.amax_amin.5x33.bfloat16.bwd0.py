@@ -26,13 +26,11 @@ def row_eq_mul_sum_div_SIG_tail(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x0_0 = tl.load(in0_ptr + rows, mask=mask, other=0).to(tl.float32)
-    v0 = x0_0
     x2_1 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
     x1_2 = tl.load(in1_ptr + rows, mask=mask, other=0)
-    v1 = x1_2
-    v2 = x2_1 == v1
+    v2 = x2_1 == x1_2
     v3 = v2.to(tl.float32)
-    v4 = v0 * v3
+    v4 = x0_0 * v3
     t3 = tl.where(mask, v3, 0)
     v5 = tl.sum(t3, axis=1)[:, None]
     v6 = v4 / v5
@@ -85,7 +83,7 @@ def row_eq_mul_sum_div_SIG(
     v4 = v2 / v3
     tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)
     tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_eq_mul_sum_div_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in2_stride1, t_in3_stride1, t_out0_stride1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)

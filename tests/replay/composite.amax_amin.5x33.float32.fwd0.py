@@ -21,7 +21,7 @@ def row_amax_SIG_tail(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    t1 = tl.where(mask, x0_0, float("inf"))
+    t1 = tl.where(mask, x0_0, float('inf'))
     v0 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(t1, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0, mask=row_mask)
 
@@ -51,11 +51,11 @@ def row_amax_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    t1 = tl.where(mask, x0_0, float("-inf"))
+    t1 = tl.where(mask, x0_0, float('-inf'))
     v0 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t1, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0, mask=row_mask)
     tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_amax_SIG_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)

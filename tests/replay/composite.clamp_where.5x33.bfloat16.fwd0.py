@@ -23,14 +23,12 @@ def pointwise_gt_ge_lt_add_SIG(
     v1 = x0_0 >= s1
     v2 = x0_0 < s1
     v3 = x0_0 + s1
-    v4 = v3
-    v5 = tl.where(v2, s1, v4)
+    v5 = tl.where(v2, s1, v3)
     v6 = tl.where(v1, x0_0, v5)
     v7 = v6 <= s2
     v8 = v6 > s2
     v9 = v6 + s2
-    v10 = v9
-    v11 = tl.where(v8, s2, v10)
+    v11 = tl.where(v8, s2, v9)
     v12 = tl.where(v7, v6, v11)
     x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0).to(tl.float32)
     v13 = tl.where(v0, v12, x1_1)

@@ -24,8 +24,7 @@ def pointwise_ge_lt_add_detach_SIG(
     v0 = x0_0 >= s0
     v1 = x0_0 < s0
     v2 = x0_0 + s0
-    v3 = v2
-    v4 = tl.where(v1, s0, v3)
+    v4 = tl.where(v1, s0, v2)
     v5 = tl.where(v0, x0_0, v4)
     v6 = v5 <= s1
     v7 = x0_0 > s2.to(tl.float32)

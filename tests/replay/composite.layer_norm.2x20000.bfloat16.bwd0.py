@@ -28,7 +28,7 @@ def row_mul_div_sub_sum_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     acc_4 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
-    acc_18 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    acc_18 = acc_4
     x4_6 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
     v6 = x4_6 / s0
     v7 = v6 + s2

@@ -24,8 +24,8 @@ def row_sum_div_sub_m2_SIG(
     row_mask = rows < n_rows
     acc_0 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     n_3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    mean_3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    m2_3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    mean_3 = n_3
+    m2_3 = n_3
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -34,36 +34,32 @@ def row_sum_div_sub_m2_SIG(
         t1 = tl.where(mask, x0_0, 0)
         t2 = acc_0 + t1
         acc_0 = t2
-        t3 = tl.where(mask, 1.0, 0.0)
-        t4 = tl.where(mask, x0_0, 0.0)
-        t5 = tl.where(mask, 0.0, 0.0)
-        t6 = tl.sum(t3, axis=1)[:, None]
-        t7 = tl.where(t6 == 0, 0.0, tl.sum(t3 * t4, axis=1)[:, None] / tl.where(t6 == 0, 1.0, t6))
-        t8 = n_3 + t6
-        t9 = tl.where(t8 == 0, 1.0, t8)
-        t10 = t7 - mean_3
-        t11 = t8
-        t12 = mean_3 + t10 * (t6 / t9)
-        t13 = m2_3 + tl.sum(t5 + t3 * (t4 - t7) * (t4 - t7), axis=1)[:, None] + t10 * t10 * (n_3 * t6 / t9)
-        n_3 = t11
-        mean_3 = t12
-        m2_3 = t13
+        t3 = tl.minimum(n_cols - col_start, BLOCK_SIZE).to(tl.float32)
+        t5 = tl.sum(t1, axis=1)[:, None] / tl.maximum(t3, 1.0)
+        t6 = tl.where(mask, x0_0 - t5, 0.0)
+        t7 = n_3 + t3
+        t8 = tl.where(t7 == 0, 1.0, t7)
+        t9 = t5 - mean_3
+        t11 = mean_3 + t9 * (t3 / t8)
+        t12 = m2_3 + tl.sum(t6 * t6, axis=1)[:, None] + t9 * t9 * (n_3 * t3 / t8)
+        n_3 = t7
+        mean_3 = t11
+        m2_3 = t12
     v0 = tl.sum(acc_0, axis=1)[:, None]
-    v3 = m2_3
     v1 = v0 / s0
-    v4 = v3 / s0
+    v4 = m2_3 / s0
     v5 = v4 + s1
     v6 = tl.rsqrt(v5)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_14 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        v2 = x0_14 - v1
+        x0_13 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        v2 = x0_13 - v1
         v7 = v2 * v6
-        x1_15 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
-        v8 = v7 * x1_15
-        x2_16 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
-        v9 = v8 + x2_16
+        x1_14 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
+        v8 = v7 * x1_14
+        x2_15 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
+        v9 = v8 + x2_15
         tl.store(out0_ptr + rows * out0_stride0 + cols, v9.to(tl.bfloat16), mask=mask)
 

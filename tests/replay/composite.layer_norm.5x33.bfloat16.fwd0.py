@@ -30,19 +30,17 @@ def row_sum_div_sub_m2_SIG(
     v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0
     v2 = x0_0 - v1
-    t2 = tl.where(mask, 1.0, 0.0)
-    t3 = tl.where(mask, x0_0, 0.0)
-    t4 = tl.where(mask, 0.0, 0.0)
-    t5 = tl.sum(t2, axis=1)[:, None]
-    t6 = tl.where(t5 == 0, 0.0, tl.sum(t2 * t3, axis=1)[:, None] / tl.where(t5 == 0, 1.0, t5))
-    v3 = tl.sum(t4 + t2 * (t3 - t6) * (t3 - t6), axis=1)[:, None]
+    t2 = n_cols.to(tl.float32)
+    t4 = v0 / tl.maximum(t2, 1.0)
+    t5 = tl.where(mask, x0_0 - t4, 0.0)
+    v3 = tl.sum(t5 * t5, axis=1)[:, None]
     v4 = v3 / s0
     v5 = v4 + s1
     v6 = tl.rsqrt(v5)
     v7 = v2 * v6
-    x1_7 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
-    v8 = v7 * x1_7
-    x2_8 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
-    v9 = v8 + x2_8
+    x1_6 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
+    v8 = v7 * x1_6
+    x2_7 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
+    v9 = v8 + x2_7
     tl.store(out0_ptr + rows * out0_stride0 + cols, v9.to(tl.bfloat16), mask=mask)
 

@@ -117,7 +117,7 @@ def row_mul_div_sub_sum_SIG(
     v20 = v16 + v19
     tl.store(out0_ptr + rows * out0_stride0 + cols, v20, mask=mask)
     tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_mul_div_sub_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_out1_ptr, t_n_rows, t_n_cols, t_in1_stride1, t_in3_stride1, t_s0, t_s1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)

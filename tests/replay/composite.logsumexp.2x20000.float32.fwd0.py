@@ -25,14 +25,14 @@ def row_logsumexp_SIG(
         mask = row_mask & col_mask
         x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
         t1 = tl.where(mask, x0_0, float('-inf'))
-        t2 = tl.where(mask, 1.0, 0.0)
-        t3 = tl.max(t1, axis=1)[:, None]
-        t4 = tl.where(m_0 != m_0, m_0, tl.where(m_0 > t3, m_0, t3))
-        t5 = tl.sum(tl.where(t1 == t3, t2, t2 * tl.exp(t1 - t3)), axis=1)[:, None]
-        t6 = t4
-        t7 = tl.where(m_0 == t4, s_0, s_0 * tl.exp(m_0 - t4)) + tl.where(t3 == t4, t5, t5 * tl.exp(t3 - t4))
-        m_0 = t6
-        s_0 = t7
+        t2 = tl.max(t1, axis=1)[:, None]
+        t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
+        t4 = tl.exp(t1 - t3)
+        t5 = tl.where(m_0 != m_0, m_0, tl.where(m_0 > t2, m_0, t2))
+        t6 = tl.sum(t4, axis=1)[:, None]
+        t8 = tl.where(m_0 == t5, s_0, s_0 * tl.exp(m_0 - t5)) + tl.where(t2 == t5, t6, t6 * tl.exp(t2 - t5))
+        m_0 = t5
+        s_0 = t8
     v0 = m_0 + tl.log(s_0)
     tl.store(out0_ptr + rows, v0, mask=row_mask)
 

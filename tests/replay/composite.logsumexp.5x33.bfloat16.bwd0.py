@@ -21,14 +21,11 @@ def pointwise_unsqueeze_sub_exp_mul_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    i0 = irem
-    x0_0 = tl.load(in0_ptr + i0, mask=mask, other=0).to(tl.float32)
-    v0 = x0_0
-    x2_1 = tl.load(in2_ptr + i0 * in2_stride0 + i1, mask=mask, other=0).to(tl.float32)
-    x1_2 = tl.load(in1_ptr + i0, mask=mask, other=0)
-    v1 = x1_2
-    v2 = x2_1 - v1
+    x0_0 = tl.load(in0_ptr + irem, mask=mask, other=0).to(tl.float32)
+    x2_1 = tl.load(in2_ptr + irem * in2_stride0 + i1, mask=mask, other=0).to(tl.float32)
+    x1_2 = tl.load(in1_ptr + irem, mask=mask, other=0)
+    v2 = x2_1 - x1_2
     v3 = tl.exp(v2)
-    v4 = v0 * v3
+    v4 = x0_0 * v3
     tl.store(out0_ptr + offs, v4, mask=mask)
 

@@ -22,8 +22,9 @@ def row_logsumexp_SIG(
     mask = row_mask & col_mask
     x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
     t1 = tl.where(mask, x0_0, float('-inf'))
-    t2 = tl.where(mask, 1.0, 0.0)
-    t3 = tl.max(t1, axis=1)[:, None]
-    v0 = t3 + tl.log(tl.sum(tl.where(t1 == t3, t2, t2 * tl.exp(t1 - t3)), axis=1)[:, None])
+    t2 = tl.max(t1, axis=1)[:, None]
+    t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
+    t4 = tl.exp(t1 - t3)
+    v0 = t2 + tl.log(tl.sum(t4, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
 

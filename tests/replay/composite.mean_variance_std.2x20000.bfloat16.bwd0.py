@@ -55,8 +55,7 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     v6 = v3 / v5
     v7 = tl.where(v1, s1, v6)
     v8 = v7 / s0
-    v9 = v8
-    v10 = v9 * s4
+    v10 = v8 * s4
     v12 = v11 / s5
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
@@ -72,8 +71,7 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
         v15 = v14 + x3_6
         x4_7 = tl.load(in4_ptr + c1, mask=mask, other=0).to(tl.float32)
         v16 = x4_7 / s4
-        v17 = v16
-        v18 = v15 + v17
+        v18 = v15 + v16
         tl.store(out0_ptr + c0 * out0_stride1 + c1 + rows * 0, v18, mask=mask)
 
 
@@ -129,7 +127,7 @@ def row_div_unsqueeze_mul_sum_SIG(
     v3 = tl.sum(acc_3, axis=1)[:, None]
     x0_4 = tl.load(in0_ptr + rows, mask=row_mask, other=0).to(tl.float32)
     v0_3 = x0_4 / s0
-    v1 = (v0_3).to(tl.float32)
+    v1 = v0_3.to(tl.float32)
     v2 = v1 * s1
     v4 = v3 / s2
     for col_start in range(0, n_cols, BLOCK_SIZE):
@@ -141,7 +139,7 @@ def row_div_unsqueeze_mul_sum_SIG(
         v6 = v2 * v5
         tl.store(out0_ptr + rows * out0_stride0 + cols, v6.to(tl.bfloat16), mask=mask)
     tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_div_unsqueeze_mul_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, t_s5, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)

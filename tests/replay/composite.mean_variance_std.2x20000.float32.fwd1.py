@@ -20,29 +20,26 @@ def row_m2_div_SIG_tail(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     n_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    mean_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    m2_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    mean_0 = n_0
+    m2_0 = n_0
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x0_0 = tl.load(in0_ptr + cols, mask=mask, other=0)
-        t1 = tl.where(mask, 1.0, 0.0)
-        t2 = tl.where(mask, x0_0, 0.0)
-        t3 = tl.where(mask, 0.0, 0.0)
-        t4 = tl.sum(t1, axis=1)[:, None]
-        t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
-        t6 = n_0 + t4
-        t7 = tl.where(t6 == 0, 1.0, t6)
-        t8 = t5 - mean_0
-        t9 = t6
-        t10 = mean_0 + t8 * (t4 / t7)
-        t11 = m2_0 + tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None] + t8 * t8 * (n_0 * t4 / t7)
-        n_0 = t9
-        mean_0 = t10
-        m2_0 = t11
-    v0 = m2_0
-    v1 = v0 / s0
+        t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE).to(tl.float32)
+        t2 = tl.where(mask, x0_0, 0)
+        t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
+        t4 = tl.where(mask, x0_0 - t3, 0.0)
+        t5 = n_0 + t1
+        t6 = tl.where(t5 == 0, 1.0, t5)
+        t7 = t3 - mean_0
+        t9 = mean_0 + t7 * (t1 / t6)
+        t10 = m2_0 + tl.sum(t4 * t4, axis=1)[:, None] + t7 * t7 * (n_0 * t1 / t6)
+        n_0 = t5
+        mean_0 = t9
+        m2_0 = t10
+    v1 = m2_0 / s0
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)
     v4 = tl.sqrt(v3)
@@ -75,32 +72,29 @@ def row_m2_div_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     n_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    mean_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    m2_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    mean_0 = n_0
+    m2_0 = n_0
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        t1 = tl.where(mask, 1.0, 0.0)
-        t2 = tl.where(mask, x0_0, 0.0)
-        t3 = tl.where(mask, 0.0, 0.0)
-        t4 = tl.sum(t1, axis=1)[:, None]
-        t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
-        t6 = n_0 + t4
-        t7 = tl.where(t6 == 0, 1.0, t6)
-        t8 = t5 - mean_0
-        t9 = t6
-        t10 = mean_0 + t8 * (t4 / t7)
-        t11 = m2_0 + tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None] + t8 * t8 * (n_0 * t4 / t7)
-        n_0 = t9
-        mean_0 = t10
-        m2_0 = t11
-    v0 = m2_0
-    v1 = v0 / s0
+        t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE).to(tl.float32)
+        t2 = tl.where(mask, x0_0, 0)
+        t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
+        t4 = tl.where(mask, x0_0 - t3, 0.0)
+        t5 = n_0 + t1
+        t6 = tl.where(t5 == 0, 1.0, t5)
+        t7 = t3 - mean_0
+        t9 = mean_0 + t7 * (t1 / t6)
+        t10 = m2_0 + tl.sum(t4 * t4, axis=1)[:, None] + t7 * t7 * (n_0 * t1 / t6)
+        n_0 = t5
+        mean_0 = t9
+        m2_0 = t10
+    v1 = m2_0 / s0
     tl.store(out0_ptr + rows, v1, mask=row_mask)
     tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_m2_div_SIG_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)

@@ -37,7 +37,6 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     mask = row_mask & col_mask
     c1 = cols % csize1
     crem = cols // csize1
-    c0 = crem
     x0_0 = tl.load(in0_ptr)
     v0 = x0_0 / s0
     v1 = v0 == s1
@@ -49,21 +48,19 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     v6 = v3 / v5
     v7 = tl.where(v1, s1, v6)
     v8 = v7 / s0
-    v9 = v8
-    v10 = v9 * s4
-    x2_2 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
+    v10 = v8 * s4
+    x2_2 = tl.load(in2_ptr + crem * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
     t3 = tl.where(mask, x2_2, 0)
     v11 = tl.sum(t3, axis=1)[:, None]
     v12 = v11 / s5
     v13 = x2_2 - v12
     v14 = v10 * v13
-    x3_4 = tl.load(in3_ptr + c0 * in3_stride1 + c1, mask=mask, other=0).to(tl.float32)
+    x3_4 = tl.load(in3_ptr + crem * in3_stride1 + c1, mask=mask, other=0).to(tl.float32)
     v15 = v14 + x3_4
     x4_5 = tl.load(in4_ptr + c1, mask=mask, other=0).to(tl.float32)
     v16 = x4_5 / s6
-    v17 = v16
-    v18 = v15 + v17
-    tl.store(out0_ptr + c0 * out0_stride1 + c1 + rows * 0, v18, mask=mask)
+    v18 = v15 + v16
+    tl.store(out0_ptr + crem * out0_stride1 + c1 + rows * 0, v18, mask=mask)
 
 
 @triton.jit
@@ -112,7 +109,7 @@ def row_div_unsqueeze_mul_sum_SIG(
     mask = row_mask & col_mask
     x0_1 = tl.load(in0_ptr + rows, mask=row_mask, other=0).to(tl.float32)
     v0_0 = x0_1 / s0
-    v1 = (v0_0).to(tl.float32)
+    v1 = v0_0.to(tl.float32)
     v2 = v1 * s1
     x1_2 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0).to(tl.float32)
     t3 = tl.where(mask, x1_2, 0)
@@ -122,7 +119,7 @@ def row_div_unsqueeze_mul_sum_SIG(
     v6 = v2 * v5
     tl.store(out0_ptr + rows * out0_stride0 + cols, v6.to(tl.bfloat16), mask=mask)
     tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_div_unsqueeze_mul_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, t_s5, t_s6, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)

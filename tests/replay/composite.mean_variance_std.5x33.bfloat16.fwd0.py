@@ -22,12 +22,11 @@ def row_sum_div_SIG_tail(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    t1 = tl.where(mask, 1.0, 0.0)
-    t2 = tl.where(mask, x0_0, 0.0)
-    t3 = tl.where(mask, 0.0, 0.0)
-    t4 = tl.sum(t1, axis=1)[:, None]
-    t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
-    v0 = tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None]
+    t1 = n_cols.to(tl.float32)
+    t2 = tl.where(mask, x0_0, 0)
+    t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
+    t4 = tl.where(mask, x0_0 - t3, 0.0)
+    v0 = tl.sum(t4 * t4, axis=1)[:, None]
     v1 = v0 / s0
     tl.store(out0_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
 
@@ -64,7 +63,7 @@ def row_sum_div_SIG(
     v1 = v0 / s0
     tl.store(out0_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
     tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_sum_div_SIG_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride0, t_s0, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)

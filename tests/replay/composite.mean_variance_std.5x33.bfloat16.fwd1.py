@@ -23,12 +23,11 @@ def row_m2_div_eq_where_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x0_0 = tl.load(in0_ptr + cols, mask=mask, other=0).to(tl.float32)
-    t1 = tl.where(mask, 1.0, 0.0)
-    t2 = tl.where(mask, x0_0, 0.0)
-    t3 = tl.where(mask, 0.0, 0.0)
-    t4 = tl.sum(t1, axis=1)[:, None]
-    t5 = tl.where(t4 == 0, 0.0, tl.sum(t1 * t2, axis=1)[:, None] / tl.where(t4 == 0, 1.0, t4))
-    v0 = tl.sum(t3 + t1 * (t2 - t5) * (t2 - t5), axis=1)[:, None]
+    t1 = n_cols.to(tl.float32)
+    t2 = tl.where(mask, x0_0, 0)
+    t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
+    t4 = tl.where(mask, x0_0 - t3, 0.0)
+    v0 = tl.sum(t4 * t4, axis=1)[:, None]
     v1 = v0 / s0
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)

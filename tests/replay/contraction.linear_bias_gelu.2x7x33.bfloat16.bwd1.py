@@ -75,10 +75,9 @@ def gemm_add_mul_erf_exp_SIG(
             acc_13 = t1
             b = tl.load(in3_ptr + batch * b_stride_b0 + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
             acc = tl.dot(a, b, acc)
-    v13 = acc_13
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
     tl.store(out0_ptr + rows * out0_stride0 + cols, acc.to(tl.bfloat16), mask=mask)
-    tl.store(out1_ptr + rows, v13.to(tl.bfloat16), mask=rows < tl.where(pid_n == 0, M, 0))
+    tl.store(out1_ptr + rows, acc_13.to(tl.bfloat16), mask=rows < tl.where(pid_n == 0, M, 0))
 

@@ -69,7 +69,7 @@ def gemm_add_mul_erf_exp_SIG(
         v11 = x2 * v10
         a = tl.where(a_mask, v11, 0)
         b = tl.load(in3_ptr + batch * b_stride_b0 + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a, b, acc, input_precision='ieee')
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)

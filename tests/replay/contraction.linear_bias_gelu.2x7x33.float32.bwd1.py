@@ -70,15 +70,13 @@ def gemm_add_mul_erf_exp_SIG(
             v10 = v4 + v9
             v11 = x2 * v10
             a = tl.where(a_mask, v11, 0)
-            t0 = tl.where(a_mask, v11, 0)
-            t1 = acc_13 + tl.sum(t0, axis=1)[:, None]
+            t1 = acc_13 + tl.sum(a, axis=1)[:, None]
             acc_13 = t1
             b = tl.load(in3_ptr + batch * b_stride_b0 + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-    v13 = acc_13
+            acc = tl.dot(a, b, acc, input_precision='ieee')
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
     tl.store(out0_ptr + rows * out0_stride0 + cols, acc, mask=mask)
-    tl.store(out1_ptr + rows, v13, mask=rows < tl.where(pid_n == 0, M, 0))
+    tl.store(out1_ptr + rows, acc_13, mask=rows < tl.where(pid_n == 0, M, 0))
 

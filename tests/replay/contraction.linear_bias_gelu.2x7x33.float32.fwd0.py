@@ -46,7 +46,7 @@ def gemm_contract_add_gelu_SIG(
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
         a = tl.load(in0_ptr + batch * a_stride_b0 + offs_m[:, None] * a_stride_m + ks[None, :], mask=a_mask, other=0)
         b = tl.load(in1_ptr + batch * b_stride_b0 + ks[:, None] + offs_n[None, :] * b_stride_n, mask=b_mask, other=0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a, b, acc, input_precision='ieee')
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)

@@ -20,8 +20,7 @@ def pointwise_add_gelu_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    i0 = irem
-    x0_0 = tl.load(in0_ptr + i0 * in0_stride0 + i1, mask=mask, other=0)
+    x0_0 = tl.load(in0_ptr + irem * in0_stride0 + i1, mask=mask, other=0)
     x1_1 = tl.load(in1_ptr + i1, mask=mask, other=0)
     v0 = x0_0 + x1_1
     v1 = 0.5 * v0 * (1.0 + tl.erf(v0 * 0.7071067811865476))

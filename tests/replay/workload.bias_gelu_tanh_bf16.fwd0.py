@@ -20,8 +20,7 @@ def pointwise_add_gelu_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    i0 = irem
-    x0_0 = tl.load(in0_ptr + i0 * in0_stride0 + i1, mask=mask, other=0).to(tl.float32)
+    x0_0 = tl.load(in0_ptr + irem * in0_stride0 + i1, mask=mask, other=0).to(tl.float32)
     x1_1 = tl.load(in1_ptr + i1, mask=mask, other=0).to(tl.float32)
     v0 = x0_0 + x1_1
     t2 = 0.7978845608028654 * (v0 + 0.044715 * v0 * v0 * v0)

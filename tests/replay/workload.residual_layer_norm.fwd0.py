@@ -36,20 +36,18 @@ def row_add_sum_div_sub_SIG(
     v1 = tl.sum(t2, axis=1)[:, None]
     v2 = v1 / s0
     v3 = v0 - v2
-    t3 = tl.where(mask, 1.0, 0.0)
-    t4 = tl.where(mask, v0, 0.0)
-    t5 = tl.where(mask, 0.0, 0.0)
-    t6 = tl.sum(t3, axis=1)[:, None]
-    t7 = tl.where(t6 == 0, 0.0, tl.sum(t3 * t4, axis=1)[:, None] / tl.where(t6 == 0, 1.0, t6))
-    v4 = tl.sum(t5 + t3 * (t4 - t7) * (t4 - t7), axis=1)[:, None]
+    t3 = n_cols.to(tl.float32)
+    t5 = v1 / tl.maximum(t3, 1.0)
+    t6 = tl.where(mask, v0 - t5, 0.0)
+    v4 = tl.sum(t6 * t6, axis=1)[:, None]
     v5 = v4 / s0
     v6 = v5 + s1
     v7 = tl.rsqrt(v6)
     v8 = v3 * v7
-    x2_8 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v9 = v8 * x2_8
-    x3_9 = tl.load(in3_ptr + cols, mask=mask, other=0)
-    v10 = v9 + x3_9
+    x2_7 = tl.load(in2_ptr + cols, mask=mask, other=0)
+    v9 = v8 * x2_7
+    x3_8 = tl.load(in3_ptr + cols, mask=mask, other=0)
+    v10 = v9 + x3_8
     tl.store(out0_ptr + rows * out0_stride0 + cols, v0, mask=mask)
     tl.store(out1_ptr + rows * out1_stride0 + cols, v10, mask=mask)
 

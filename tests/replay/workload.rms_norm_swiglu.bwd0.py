@@ -133,7 +133,7 @@ def row_mul_div_add_rsqrt_SIG(
     tl.store(out0_ptr + rows * out0_stride0 + cols, v23, mask=mask)
     tl.store(out1_ptr + rows * out1_stride0 + cols, v26, mask=mask)
     tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_mul_div_add_rsqrt_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride1, t_in1_stride1, t_in3_stride1, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)

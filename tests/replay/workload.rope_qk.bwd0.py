@@ -62,67 +62,66 @@ def pointwise_mul_slice_unslice_neg_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    i0 = irem
     t0 = i1 - m2_0
     t1 = t0 // m2_1
     t2 = (t0 >= 0) & (t0 % m2_1 == 0) & (t1 < m2_2)
-    x0_5 = tl.load(in0_ptr + i0 * in0_stride0 + ((m1_0 + m1_1 * t1)) + offs * 0, mask=mask & (t2), other=0)
-    x1_6 = tl.load(in1_ptr + i0 * in1_stride0 + ((m1_0 + m1_1 * t1)) + offs * 0, mask=mask & (t2), other=0)
+    x0_5 = tl.load(in0_ptr + irem * in0_stride0 + (m1_0 + m1_1 * t1) + offs * 0, mask=mask & t2, other=0)
+    x1_6 = tl.load(in1_ptr + irem * in1_stride0 + (m1_0 + m1_1 * t1) + offs * 0, mask=mask & t2, other=0)
     v0_4 = x0_5 * x1_6
-    v1_3 = (v0_4).to(tl.float32)
-    v2 = (tl.where(t2, v1_3, 0)).to(tl.float32)
+    v1_3 = v0_4.to(tl.float32)
+    v2 = tl.where(t2, v1_3, 0).to(tl.float32)
     t7 = i1 - m5_0
     t8 = t7 // m5_1
     t9 = (t7 >= 0) & (t7 % m5_1 == 0) & (t8 < m5_2)
-    x0_13 = tl.load(in0_ptr + i0 * in0_stride0 + ((m3_0 + m3_1 * t8)) + offs * 0, mask=mask & (t9), other=0)
-    x1_14 = tl.load(in1_ptr + i0 * in1_stride0 + ((m3_0 + m3_1 * t8)) + offs * 0, mask=mask & (t9), other=0)
+    x0_13 = tl.load(in0_ptr + irem * in0_stride0 + (m3_0 + m3_1 * t8) + offs * 0, mask=mask & t9, other=0)
+    x1_14 = tl.load(in1_ptr + irem * in1_stride0 + (m3_0 + m3_1 * t8) + offs * 0, mask=mask & t9, other=0)
     v0_12 = x0_13 * x1_14
-    v3_11 = (v0_12).to(tl.float32)
+    v3_11 = v0_12.to(tl.float32)
     v4_10 = -v3_11
-    v5 = (tl.where(t9, v4_10, 0)).to(tl.float32)
+    v5 = tl.where(t9, v4_10, 0).to(tl.float32)
     v6 = v2 + v5
-    x0_15 = tl.load(in0_ptr + i0 * in0_stride0 + i1, mask=mask, other=0)
-    x2_16 = tl.load(in2_ptr + i0 * in2_stride0 + i1, mask=mask, other=0)
+    x0_15 = tl.load(in0_ptr + irem * in0_stride0 + i1, mask=mask, other=0)
+    x2_16 = tl.load(in2_ptr + irem * in2_stride0 + i1, mask=mask, other=0)
     v7 = x0_15 * x2_16
     v8 = v6 + v7
-    x3_17 = tl.load(in3_ptr + i0 * in3_stride0 + i1, mask=mask, other=0)
-    x4_18 = tl.load(in4_ptr + i0 * in4_stride0 + i1, mask=mask, other=0)
+    x3_17 = tl.load(in3_ptr + irem * in3_stride0 + i1, mask=mask, other=0)
+    x4_18 = tl.load(in4_ptr + irem * in4_stride0 + i1, mask=mask, other=0)
     v9 = x3_17 * x4_18
-    x5_19 = tl.load(in5_ptr + i0 * in5_stride0 + i1, mask=mask, other=0)
+    x5_19 = tl.load(in5_ptr + irem * in5_stride0 + i1, mask=mask, other=0)
     v10 = x0_15 * x5_19
     v11 = v9 + v10
-    x4_22 = tl.load(in4_ptr + i0 * in4_stride0 + ((m12_0 + m12_1 * i1)) + offs * 0, mask=mask & (i1 < m15_0), other=0)
-    v12_21 = (x4_22).to(tl.float32)
+    x4_22 = tl.load(in4_ptr + irem * in4_stride0 + (m12_0 + m12_1 * i1) + offs * 0, mask=mask & (i1 < m15_0), other=0)
+    v12_21 = x4_22.to(tl.float32)
     v13_20 = -v12_21
-    x4_24 = tl.load(in4_ptr + i0 * in4_stride0 + ((m14_0 + m14_1 * (i1 - m15_0))) + offs * 0, mask=mask & (i1 >= m15_0), other=0)
-    v14_23 = (x4_24).to(tl.float32)
-    v15 = (tl.where(i1 < m15_0, v13_20, v14_23)).to(tl.float32)
+    x4_24 = tl.load(in4_ptr + irem * in4_stride0 + (m14_0 + m14_1 * (i1 - m15_0)) + offs * 0, mask=mask & (i1 >= m15_0), other=0)
+    v14_23 = x4_24.to(tl.float32)
+    v15 = tl.where(i1 < m15_0, v13_20, v14_23).to(tl.float32)
     v16 = x3_17 * v15
-    x5_27 = tl.load(in5_ptr + i0 * in5_stride0 + ((m17_0 + m17_1 * i1)) + offs * 0, mask=mask & (i1 < m20_0), other=0)
-    v17_26 = (x5_27).to(tl.float32)
+    x5_27 = tl.load(in5_ptr + irem * in5_stride0 + (m17_0 + m17_1 * i1) + offs * 0, mask=mask & (i1 < m20_0), other=0)
+    v17_26 = x5_27.to(tl.float32)
     v18_25 = -v17_26
-    x5_29 = tl.load(in5_ptr + i0 * in5_stride0 + ((m19_0 + m19_1 * (i1 - m20_0))) + offs * 0, mask=mask & (i1 >= m20_0), other=0)
-    v19_28 = (x5_29).to(tl.float32)
-    v20 = (tl.where(i1 < m20_0, v18_25, v19_28)).to(tl.float32)
+    x5_29 = tl.load(in5_ptr + irem * in5_stride0 + (m19_0 + m19_1 * (i1 - m20_0)) + offs * 0, mask=mask & (i1 >= m20_0), other=0)
+    v19_28 = x5_29.to(tl.float32)
+    v20 = tl.where(i1 < m20_0, v18_25, v19_28).to(tl.float32)
     v21 = x0_15 * v20
     v22 = v16 + v21
     t30 = i1 - m25_0
     t31 = t30 // m25_1
     t32 = (t30 >= 0) & (t30 % m25_1 == 0) & (t31 < m25_2)
-    x3_35 = tl.load(in3_ptr + i0 * in3_stride0 + ((m24_0 + m24_1 * t31)) + offs * 0, mask=mask & (t32), other=0)
-    x1_36 = tl.load(in1_ptr + i0 * in1_stride0 + ((m24_0 + m24_1 * t31)) + offs * 0, mask=mask & (t32), other=0)
+    x3_35 = tl.load(in3_ptr + irem * in3_stride0 + (m24_0 + m24_1 * t31) + offs * 0, mask=mask & t32, other=0)
+    x1_36 = tl.load(in1_ptr + irem * in1_stride0 + (m24_0 + m24_1 * t31) + offs * 0, mask=mask & t32, other=0)
     v23_34 = x3_35 * x1_36
-    v24_33 = (v23_34).to(tl.float32)
-    v25 = (tl.where(t32, v24_33, 0)).to(tl.float32)
+    v24_33 = v23_34.to(tl.float32)
+    v25 = tl.where(t32, v24_33, 0).to(tl.float32)
     t37 = i1 - m28_0
     t38 = t37 // m28_1
     t39 = (t37 >= 0) & (t37 % m28_1 == 0) & (t38 < m28_2)
-    x3_43 = tl.load(in3_ptr + i0 * in3_stride0 + ((m26_0 + m26_1 * t38)) + offs * 0, mask=mask & (t39), other=0)
-    x1_44 = tl.load(in1_ptr + i0 * in1_stride0 + ((m26_0 + m26_1 * t38)) + offs * 0, mask=mask & (t39), other=0)
+    x3_43 = tl.load(in3_ptr + irem * in3_stride0 + (m26_0 + m26_1 * t38) + offs * 0, mask=mask & t39, other=0)
+    x1_44 = tl.load(in1_ptr + irem * in1_stride0 + (m26_0 + m26_1 * t38) + offs * 0, mask=mask & t39, other=0)
     v23_42 = x3_43 * x1_44
-    v26_41 = (v23_42).to(tl.float32)
+    v26_41 = v23_42.to(tl.float32)
     v27_40 = -v26_41
-    v28 = (tl.where(t39, v27_40, 0)).to(tl.float32)
+    v28 = tl.where(t39, v27_40, 0).to(tl.float32)
     v29 = v25 + v28
     v30 = x3_17 * x2_16
     v31 = v29 + v30

@@ -36,27 +36,26 @@ def pointwise_mul_slice_neg_cat_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    i0 = irem
-    x0_0 = tl.load(in0_ptr + i0 * in0_stride0 + i1, mask=mask, other=0)
-    x1_1 = tl.load(in1_ptr + i0 * in1_stride0 + i1, mask=mask, other=0)
+    x0_0 = tl.load(in0_ptr + irem * in0_stride0 + i1, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + irem * in1_stride0 + i1, mask=mask, other=0)
     v0 = x0_0 * x1_1
-    x0_4 = tl.load(in0_ptr + i0 * in0_stride0 + ((m1_0 + m1_1 * i1)) + offs * 0, mask=mask & (i1 < m4_0), other=0)
-    v1_3 = (x0_4).to(tl.float32)
+    x0_4 = tl.load(in0_ptr + irem * in0_stride0 + (m1_0 + m1_1 * i1) + offs * 0, mask=mask & (i1 < m4_0), other=0)
+    v1_3 = x0_4.to(tl.float32)
     v2_2 = -v1_3
-    x0_6 = tl.load(in0_ptr + i0 * in0_stride0 + ((m3_0 + m3_1 * (i1 - m4_0))) + offs * 0, mask=mask & (i1 >= m4_0), other=0)
-    v3_5 = (x0_6).to(tl.float32)
-    v4 = (tl.where(i1 < m4_0, v2_2, v3_5)).to(tl.float32)
-    x2_7 = tl.load(in2_ptr + i0 * in2_stride0 + i1, mask=mask, other=0)
+    x0_6 = tl.load(in0_ptr + irem * in0_stride0 + (m3_0 + m3_1 * (i1 - m4_0)) + offs * 0, mask=mask & (i1 >= m4_0), other=0)
+    v3_5 = x0_6.to(tl.float32)
+    v4 = tl.where(i1 < m4_0, v2_2, v3_5).to(tl.float32)
+    x2_7 = tl.load(in2_ptr + irem * in2_stride0 + i1, mask=mask, other=0)
     v5 = v4 * x2_7
     v6 = v0 + v5
-    x3_8 = tl.load(in3_ptr + i0 * in3_stride0 + i1, mask=mask, other=0)
+    x3_8 = tl.load(in3_ptr + irem * in3_stride0 + i1, mask=mask, other=0)
     v7 = x3_8 * x1_1
-    x3_11 = tl.load(in3_ptr + i0 * in3_stride0 + ((m8_0 + m8_1 * i1)) + offs * 0, mask=mask & (i1 < m11_0), other=0)
-    v8_10 = (x3_11).to(tl.float32)
+    x3_11 = tl.load(in3_ptr + irem * in3_stride0 + (m8_0 + m8_1 * i1) + offs * 0, mask=mask & (i1 < m11_0), other=0)
+    v8_10 = x3_11.to(tl.float32)
     v9_9 = -v8_10
-    x3_13 = tl.load(in3_ptr + i0 * in3_stride0 + ((m10_0 + m10_1 * (i1 - m11_0))) + offs * 0, mask=mask & (i1 >= m11_0), other=0)
-    v10_12 = (x3_13).to(tl.float32)
-    v11 = (tl.where(i1 < m11_0, v9_9, v10_12)).to(tl.float32)
+    x3_13 = tl.load(in3_ptr + irem * in3_stride0 + (m10_0 + m10_1 * (i1 - m11_0)) + offs * 0, mask=mask & (i1 >= m11_0), other=0)
+    v10_12 = x3_13.to(tl.float32)
+    v11 = tl.where(i1 < m11_0, v9_9, v10_12).to(tl.float32)
     v12 = v11 * x2_7
     v13 = v7 + v12
     tl.store(out0_ptr + offs, v6, mask=mask)

@@ -1,0 +1,281 @@
+"""Rewrites of a kernel's body as a table: each rule a line, applied to a fixpoint.
+
+A writer emits a kernel body as straight-line Triton statements (and the loops around them); this
+pass reads them back as Python's AST, where a statement ``name = expr`` is a node keyed by its
+structure, and rewrites them. What the rules may assume: a name assigned once in
+the body holds one value wherever it is visible (a loop's running state, assigned again in the
+loop, is never copied or dropped); an expression a name holds is forgotten where a name it reads
+is assigned again; an expression is *pure* unless it calls one of ``EFFECTS`` (a load is kept
+where it is: an in-place output's store may follow it).
+
+=================  =========================================================================
+rule               what it does
+=================  =========================================================================
+identity_cast      ``x.to(T)`` where ``x`` already is a ``T``: ``x``
+common_subexpr     an expression a name still holds (visible here): that name
+copy               ``a = b``, ``a`` assigned once, ``b`` not after it: ``a`` read as ``b``
+dead               ``a = <pure>`` never read: dropped
+=================  =========================================================================
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+
+#: calls with effects or an order (loads, stores, atomics, barriers): never merged, moved or dropped
+EFFECTS = frozenset({"load", "store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "debug_barrier"})
+
+Types = dict[str, str]  # a name -> its Triton dtype ("tl.int64"), where a cast in the body says it
+
+
+def _calls(e: ast.AST) -> Iterator[str]:
+    for n in ast.walk(e):
+        if isinstance(n, ast.Call):
+            f = n.func
+            yield f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def _pure(e: ast.AST) -> bool:
+    return not any(c in EFFECTS for c in _calls(e))
+
+
+def _names(e: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(e) if isinstance(n, ast.Name)}
+
+
+def _assigned(body: Sequence[ast.stmt]) -> Counter[str]:
+    """How often each name is assigned in ``body`` (loop variables and running states included)."""
+    out: Counter[str] = Counter()
+    for stmt in body:
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                out[n.id] += 1
+    return out
+
+
+def _target(stmt: ast.stmt) -> str | None:
+    """``name`` of a statement ``name = expr``; None for any other statement."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        return stmt.targets[0].id
+    return None
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, names: dict[str, str]) -> None:
+        self.names = names
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if isinstance(node.ctx, ast.Load) and node.id in self.names:
+            return ast.copy_location(ast.Name(self.names[node.id], ast.Load()), node)
+        return node
+
+
+def identity_cast(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """``x.to(tl.int64)`` where ``x`` is an int64 already (an integer op's result cast by habit)."""
+    changed = False
+
+    class Drop(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            nonlocal changed
+            self.generic_visit(node)
+            f = node.func
+            if (
+                isinstance(f, ast.Attribute)
+                and f.attr == "to"
+                and len(node.args) == 1
+                and not node.keywords
+                and isinstance(f.value, ast.Name)
+                and once[f.value.id] == 1
+                and types.get(f.value.id) == ast.unparse(node.args[0])
+            ):
+                changed = True
+                return f.value
+            return node
+
+    for stmt in body:
+        Drop().visit(stmt)
+        name = _target(stmt)
+        if name is not None and once[name] == 1:  # what the cast made: its type is known
+            v = stmt.value
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "to" and v.args:
+                types.setdefault(name, ast.unparse(v.args[0]))
+            elif isinstance(v, ast.Name) and v.id in types:
+                types.setdefault(name, types[v.id])
+    return changed
+
+
+class _Keys:
+    """Structural keys of expressions: equal structures, one small int (each node's key built from its
+    children's, so keying a statement costs its size, not its size times its depth)."""
+
+    def __init__(self) -> None:
+        self.table: dict[tuple, int] = {}
+        self.memo: dict[int, tuple[ast.AST, int]] = {}  # id(node) -> (node, held so its id stays its, key)
+
+    def __call__(self, node: ast.AST) -> int:
+        hit = self.memo.get(id(node))
+        if hit is not None:
+            return hit[1]
+        parts: list = [type(node).__name__]
+        for f, v in ast.iter_fields(node):
+            if isinstance(v, ast.AST):
+                parts.append(self(v))
+            elif isinstance(v, list):
+                parts.append(tuple(self(x) if isinstance(x, ast.AST) else x for x in v))
+            elif f != "ctx":
+                parts.append(v)
+        k = self.table.setdefault(tuple(parts), len(self.table))
+        self.memo[id(node)] = (node, k)
+        return k
+
+
+#: the expressions a name may hold (not names, constants or attributes such as ``tl.float32``)
+_COMPUTED = (ast.Call, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp, ast.Subscript, ast.IfExp)
+
+
+def common_subexpr(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """An expression computed again where a name still holding it is visible: read the name."""
+    changed = False
+
+    def forget(held: dict[int, tuple[str, set[str]]], names: set[str]) -> None:
+        """Names assigned: what mentions them, or is held by them, no longer holds."""
+        for key in [k for k, (by, uses) in held.items() if by in names or uses & names]:
+            del held[key]
+
+    key = _Keys()
+
+    def block(stmts: list[ast.stmt], held: dict[int, tuple[str, set[str]]]) -> None:
+        nonlocal changed
+
+        class Reuse(ast.NodeTransformer):
+            def generic_visit(self, node: ast.AST) -> ast.AST:
+                nonlocal changed
+                if held and isinstance(node, _COMPUTED):
+                    hit = held.get(key(node))
+                    if hit is not None:
+                        changed = True
+                        return ast.copy_location(ast.Name(hit[0], ast.Load()), node)
+                return super().generic_visit(node)
+
+        for stmt in stmts:
+            key.memo.clear()  # what the last statement's nodes were keyed: no longer needed
+            if isinstance(stmt, (ast.For, ast.If, ast.While)):
+                Reuse().visit(stmt.test if isinstance(stmt, (ast.If, ast.While)) else stmt.iter)
+                inner = dict(held)  # a loop's body runs again: nothing it assigns holds at its top
+                forget(inner, set(_assigned([stmt])))
+                block(stmt.body, inner)
+                block(stmt.orelse, dict(inner))
+                forget(held, set(_assigned([stmt])))  # what the block assigned, after it
+                continue
+            name = _target(stmt)
+            if name is None:
+                Reuse().visit(stmt)
+                forget(held, set(_assigned([stmt])))
+                continue
+            stmt.value = Reuse().generic_visit(stmt.value)  # the whole value is its own name's
+            key.memo.clear()  # keys of nodes the reuse changed are stale
+            forget(held, {name})
+            v = stmt.value
+            uses = _names(v)
+            if isinstance(v, _COMPUTED) and _pure(v) and name not in uses:
+                held.setdefault(key(v), (name, uses))
+
+    block(body, {})
+    return changed
+
+
+def _preorder(stmts: list[ast.stmt]) -> Iterator[ast.stmt]:
+    for stmt in stmts:
+        yield stmt
+        for field in ("body", "orelse"):
+            yield from _preorder(getattr(stmt, field, []))
+
+
+def copy(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """``a = b`` (a self-copy: an identity op, a detach, a running state read off after its loop),
+    ``a`` assigned once and ``b`` never again after it: every ``a`` reads ``b``; the line goes."""
+    last: dict[str, int] = {}  # a name -> the last statement (in source order) assigning it
+    order = list(_preorder(body))
+    for k, stmt in enumerate(order):
+        for n in ast.walk(stmt if not hasattr(stmt, "body") else getattr(stmt, "target", stmt)):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                last[n.id] = k
+    at = {id(stmt): k for k, stmt in enumerate(order)}
+    names: dict[str, str] = {}
+
+    def drop(stmts: list[ast.stmt]) -> list[ast.stmt]:
+        kept = []
+        for stmt in stmts:
+            name = _target(stmt)
+            v = getattr(stmt, "value", None)
+            if (
+                name is not None
+                and isinstance(v, ast.Name)
+                and once[name] == 1
+                and v.id != name
+                and last.get(v.id, -1) < at[id(stmt)]
+            ):
+                names[name] = names.get(v.id, v.id)
+                continue
+            for field in ("body", "orelse"):
+                if hasattr(stmt, field):
+                    setattr(stmt, field, drop(getattr(stmt, field)))
+            kept.append(stmt)
+        return kept
+
+    body[:] = drop(body)
+    if names:
+        for stmt in body:
+            _Rename(names).visit(stmt)
+    return bool(names)
+
+
+def dead(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """A pure value no statement reads: dropped."""
+    read = Counter(
+        n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    )
+    changed = False
+
+    def drop(stmts: list[ast.stmt]) -> list[ast.stmt]:
+        nonlocal changed
+        kept = []
+        for stmt in stmts:
+            name = _target(stmt)
+            if name is not None and once[name] == 1 and not read[name] and _pure(stmt.value):
+                changed = True
+                continue
+            for field in ("body", "orelse"):
+                if hasattr(stmt, field):
+                    setattr(stmt, field, drop(getattr(stmt, field)))
+            kept.append(stmt)
+        return kept
+
+    body[:] = drop(body)
+    return changed
+
+
+Rule = Callable[[list[ast.stmt], Counter[str], Types], bool]
+
+#: the rules, in the order each round applies them
+RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, copy, dead)
+
+
+def simplify(lines: Sequence[str]) -> list[str]:
+    """A kernel body's ``lines`` rewritten by ``RULES`` until none applies.
+
+    Example:
+        >>> simplify(["a = x * 2", "b = x * 2", "c = b", "tl.store(p, c + a)"])
+        ['a = x * 2', 'tl.store(p, a + a)']
+    """
+    body = ast.parse("\n".join(lines)).body
+    types: Types = {}
+    while True:
+        changed = False
+        for rule in RULES:
+            changed |= rule(body, _assigned(body), types)
+        if not changed:
+            break
+    return [line for stmt in body for line in ast.unparse(stmt).splitlines()]
