@@ -29,7 +29,7 @@ from .log import log
 from .lower import plans
 from .lower.spec import KernelSpec
 from .lru import LRU
-from .ops import REGISTRY, DtypeRule
+from .ops import REGISTRY, DtypeRule, Pattern
 
 interpret.install()  # Triton's interpreter multiplies bf16 bits in tl.dot: converted first
 
@@ -94,7 +94,19 @@ def signature_of(spec: KernelSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def kernel_name(spec: KernelSpec, signature: str) -> str:
+#: patterns too general to name a kernel by: its first ops name it
+_GENERAL = frozenset(
+    {Pattern.CONTRACTION, Pattern.REDUCTION, Pattern.ACTIVATION, Pattern.ELEMENTWISE_CHAIN, Pattern.SINGLE}
+)
+
+
+def kernel_name(spec: KernelSpec, signature: str, summary: str = "") -> str:
+    """``softmax_row_8fd7e45e``: the fusion pattern its ``summary`` names first, the kernel's family
+    and signature; a kernel of a general pattern (an elementwise chain, a reduction) is named by
+    its first four ops, ``row_sum_div_sub_mul_<signature>``."""
+    pattern = next((p for p in Pattern if p.value == summary.split(":", 1)[0]), None)
+    if pattern is not None and pattern not in _GENERAL:
+        return f"{pattern.name.lower()}_{spec.kind}_{signature[:8]}"
     ops: list[str] = []
     for n in spec.nodes:
         if n.op not in ops and REGISTRY[n.op].rule is not DtypeRule.CAST:
@@ -159,11 +171,12 @@ class KernelCache:
     def _load_or_generate(
         self, spec: KernelSpec, sig: str, summary: str, cache_dir: Path, generate: Generator
     ) -> CompiledKernel:
-        name = kernel_name(spec, sig)
+        name = kernel_name(spec, sig, summary)
         directory = cache_dir / f"v{FORMAT_VERSION}"
         src_path, meta_path = directory / f"{sig}.py", directory / f"{sig}.json"
         cached = self._read(src_path, meta_path, spec)
         if cached is not None:
+            cached, name = cached  # the name it was generated under (another graph of this spec may name it)
             try:
                 jit = _import(f"rtxdsl_kernels.{name}", src_path, name)
                 self._counts["disk_hits"] += 1
@@ -178,8 +191,8 @@ class KernelCache:
         jit = _import(f"rtxdsl_kernels.{name}", path, name) if path else _import_text(name, sig, source)
         return CompiledKernel(sig, name, source, path, spec, jit)
 
-    def _read(self, src_path: Path, meta_path: Path, spec: KernelSpec) -> str | None:
-        """The cached source if its record matches this spec and its digest, else None."""
+    def _read(self, src_path: Path, meta_path: Path, spec: KernelSpec) -> tuple[str, str] | None:
+        """The cached source and kernel name if its record matches this spec and its digest, else None."""
         try:
             meta = json.loads(meta_path.read_text())
             source = src_path.read_text()
@@ -194,7 +207,11 @@ class KernelCache:
         if meta.get("digest") != _digest(source):
             self._heal(src_path, "its source does not match the recorded digest (truncated or edited)")
             return None
-        return source
+        name = meta.get("name")
+        if not isinstance(name, str) or not name.isidentifier():
+            self._heal(src_path, "its record names no kernel")
+            return None
+        return source, name
 
     def _heal(self, path: Path, why: str) -> None:
         self._counts["healed"] += 1

@@ -103,3 +103,11 @@ def test_snapshot_kernels_have_no_identity_cast_or_self_copy():
                 if typed.get(v) == t and assigned.count(v) == 1:
                     identity.append(f"{name}: {ln}")
     assert copies == [] and identity == []
+
+
+@pytest.mark.parametrize("pattern", ["softmax", "layer_norm", "rms_norm"])
+def test_a_row_patterns_forward_kernel_is_named_after_it(pattern):
+    """``softmax_row_<signature>``, as a tutorial names its kernel after what it computes."""
+    for path in sorted(SNAPSHOT.glob(f"composite.{pattern}.*.fwd0.py")):
+        if "SPLIT_BLOCK" not in path.read_text():
+            assert re.search(rf"^def {pattern}_row_SIG\(", path.read_text(), re.M), path.name

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_sum_div_sub_m2_SIG(
+def layer_norm_row_SIG(
     in0_ptr,
     in1_ptr,
     in2_ptr,

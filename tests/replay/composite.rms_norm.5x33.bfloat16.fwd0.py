@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_sum_div_add_SIG(
+def rms_norm_row_SIG(
     in0_ptr,
     in1_ptr,
     out0_ptr,

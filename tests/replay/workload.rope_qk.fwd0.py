@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def pointwise_mul_slice_neg_cat_SIG(
+def rope_pointwise_SIG(
     in0_ptr,
     in1_ptr,
     in2_ptr,

@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_mul_add_logsumexp_finite_or_nan_SIG(
+def softmax_row_SIG(
     in0_ptr,
     in1_ptr,
     out0_ptr,

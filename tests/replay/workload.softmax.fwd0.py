@@ -5,7 +5,7 @@ import triton.language as tl
 
 
 @triton.jit
-def row_logsumexp_finite_or_nan_sub_exp_SIG(
+def softmax_row_SIG(
     in0_ptr,
     out0_ptr,
     n_rows,
