@@ -4,12 +4,16 @@ Each kernel is compiled by Triton for an H100/H200 (``GPUTarget("cuda", 90, 32)`
 the ``ptxas`` in Triton's wheel and read back with its ``cuobjdump -sass``: static SASS
 instructions (NOPs excluded), barriers, registers and spills. The peers are the kernels of
 Triton's tutorials 02 (fused softmax) and 05 (layer norm forward), written here as the
-tutorials write them, with tutorial 05's block and warp choice; for bf16 the softmax
-peer computes in fp32, as every half-precision softmax does.
+tutorials write them, with tutorial 05's block and warp choice (for bf16 the softmax peer
+computes in fp32, as every half-precision softmax does), and Liger-Kernel's RMSNorm forward and
+cross-entropy, imported from ``liger-kernel`` (the ``bench`` extra; its rows are left out where it
+is not installed) and launched as Liger launches them.
 
-Static counts compare kernels whose rows fit one block (every size here): each loop body runs once
-per row, so the count is what each warp issues per row. Instructions per element are warp
-instructions: ``instructions * num_warps / elements per program``.
+Static counts compare kernels whose code runs once per block of a row: where a row fits one block,
+the count is what each warp issues per row. Instructions per element are warp instructions:
+``instructions * num_warps / elements per block``; for a row looped over in blocks (rtxdsl's
+cross-entropy at 32K classes, in 4096-wide blocks) that counts each block's pass once, and the
+statistics pass and the output pass both.
 
     python -m benches.sass_report            # every case
     python -m benches.sass_report --quick    # two cases
@@ -101,22 +105,59 @@ def _peer(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     return _row(f"Triton tutorial {name}", facts, warps, cols)
 
 
+def _liger(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
+    """Liger-Kernel's RMSNorm forward and cross-entropy (loss only, as rtxdsl's forward), at its own
+    launch choices: ``calculate_settings`` for RMSNorm; one block up to 32K and 32 warps on sm_90
+    for cross-entropy (looping over longer rows)."""
+    from liger_kernel.ops import cross_entropy, rms_norm
+    from liger_kernel.ops.utils import calculate_settings
+
+    x = torch.empty(rows, cols, dtype=dtype)
+    if name == "rms_norm":
+        block, warps = calculate_settings(cols)
+        w, rstd = torch.empty(cols, dtype=dtype), torch.empty(rows)
+        meta = {"casting_mode": 0, "elementwise_affine": True, "BLOCK_SIZE": block, "num_warps": warps}
+        args = [x, cols, x, cols, w, 1, rstd, 1, cols, 1e-6, 0.0]
+        facts = compile_call(rms_norm._rms_norm_forward_kernel, SimpleNamespace(meta=meta, args=args), [])
+        return _row("Liger-Kernel rms_norm", facts, warps, block)
+    block, warps = min(1 << 15, triton.next_power_of_2(cols)), 32
+    y, loss = torch.zeros(rows, dtype=torch.long), torch.empty(rows, dtype=dtype)
+    flags = ("RETURN_Z_LOSS", "RETURN_TOKEN_ACCURACY", "RETURN_PREDICTED_TOKENS", "HAS_WEIGHT", "HAS_SOFTCAPPING")
+    meta = {
+        "lse_square_scale": 0.0,
+        "label_smoothing": 0.0,
+        "reduction": "mean",
+        "BLOCK_SIZE": block,
+        "num_warps": warps,
+    }
+    meta |= dict.fromkeys(flags, False) | {"HAS_GRADIENTS": False}
+    args = [x, cols, y, 1, None, loss, None, 1, None, 0, None, 0, cols, rows, rows, 0.0, -100, 0.0, 0.0, "mean", None]
+    facts = compile_call(cross_entropy.liger_cross_entropy_kernel, SimpleNamespace(meta=meta, args=args), [])
+    return _row("Liger-Kernel cross_entropy", facts, warps, min(block, cols))
+
+
 def _ours(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     x, w, b = rx.var("x"), rx.var("w"), rx.var("b")
-    expr = {"softmax": rx.softmax(x), "layer_norm": rx.layer_norm(x, w, b), "rms_norm": rx.rms_norm(x, w)}[name]
+    exprs = {
+        "softmax": lambda: rx.softmax(x),
+        "layer_norm": lambda: rx.layer_norm(x, w, b),
+        "rms_norm": lambda: rx.rms_norm(x, w),
+        "cross_entropy": lambda: rx.cross_entropy(x, rx.var("t")),
+    }
     ins = {"x": torch.empty(rows, cols, dtype=dtype), "w": torch.empty(cols, dtype=dtype)}
-    ins |= {"b": torch.empty(cols, dtype=dtype)} if name == "layer_norm" else {}
-    kernel = rx.compile(expr)
+    ins |= {"b": torch.empty(cols, dtype=dtype), "t": torch.zeros(rows, dtype=torch.long)}
+    kernel = rx.compile(exprs[name]())
     ins = {n: ins[n] for n in kernel.inputs}
     program, _ = prepare(kernel, ins)
     (facts,) = compile_kernel(kernel, ins)
     (launch,) = program.kernels
     meta = dict(launch.meta)
-    per_program = meta.get("ROWS", 1) * cols
+    per_program = meta.get("ROWS", 1) * min(cols, meta["BLOCK_SIZE"])  # a looped row: per block
     return _row(f"rtxdsl {name}", facts, meta.get("num_warps", 4), per_program)
 
 
 def _row(kernel: str, facts, warps: int, per_program: int) -> dict:
+    """``per_program``: the elements one pass of the kernel's code covers (a looped row's block)."""
     sass = sass_counts(facts.ptx)
     assert sass is not None, "no ptxas / cuobjdump in this Triton's wheel"
     return {
@@ -130,13 +171,22 @@ def _row(kernel: str, facts, warps: int, per_program: int) -> dict:
     }
 
 
-CASES = [  # (pattern, rows, cols, dtype, a hand-written peer)
-    ("softmax", 4096, 4096, torch.float32, True),
-    ("softmax", 4096, 4096, torch.bfloat16, True),
-    ("layer_norm", 4096, 4096, torch.float32, True),
-    ("layer_norm", 4096, 4096, torch.bfloat16, True),
-    ("rms_norm", 4096, 4096, torch.bfloat16, False),
+CASES = [  # (pattern, rows, cols, dtype, the hand-written peer: Triton's tutorial, Liger-Kernel or none)
+    ("softmax", 4096, 4096, torch.float32, _peer),
+    ("softmax", 4096, 4096, torch.bfloat16, _peer),
+    ("layer_norm", 4096, 4096, torch.float32, _peer),
+    ("layer_norm", 4096, 4096, torch.bfloat16, _peer),
+    ("rms_norm", 4096, 4096, torch.bfloat16, _liger),
+    ("cross_entropy", 4096, 32000, torch.bfloat16, _liger),
 ]
+
+
+def _liger_installed() -> bool:
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -147,8 +197,8 @@ def main() -> None:
     for name, r, c, dt, peer in CASES[:2] if args.quick else CASES:
         size = f"{r} x {c} {str(dt).removeprefix('torch.')}"
         rows.append({"case": size, **_ours(name, r, c, dt)})
-        if peer:
-            rows.append({"case": size, **_peer(name, r, c, dt)})
+        if peer is _peer or peer is _liger and _liger_installed():  # Liger-Kernel: the bench extra
+            rows.append({"case": size, **peer(name, r, c, dt)})
     cols = ["case", "kernel", "SASS instructions", "per element", "barriers", "warps", "registers", "spills"]
     print(markdown(rows, cols))
     save("sass-sm90-quick" if args.quick else "sass-sm90", {"rows": rows})

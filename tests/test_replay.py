@@ -111,3 +111,13 @@ def test_a_row_patterns_forward_kernel_is_named_after_it(pattern):
     for path in sorted(SNAPSHOT.glob(f"composite.{pattern}.*.fwd0.py")):
         if "SPLIT_BLOCK" not in path.read_text():
             assert re.search(rf"^def {pattern}_row_SIG\(", path.read_text(), re.M), path.name
+
+
+def test_cross_entropy_reads_the_target_logit_once_per_row():
+    """The picked logit is a load at the target (as Liger's ``tl.load(X_ptr + y)``), not a select
+    and an add per element and a block reduction: the forward reduces the row three times (the
+    max, the sum of exps, and label smoothing's sum of the logits)."""
+    src = (SNAPSHOT / "workload.cross_entropy.fwd0.py").read_text()
+    head = src.split("@triton.jit")[-1]  # the row kernel (the first function is its tail)
+    assert len(re.findall(r"tl\.(?:max|min|sum)\(", head)) == 3
+    assert re.search(r"tl\.load\(in\d_ptr \+ rows \* in\d_stride0 \+ v\d+ ", head)

@@ -19,10 +19,11 @@ import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
-from ..lower.passes import remaps
+from ..lower.passes import reduce_dtype, remaps
 from ..lower.roles import Role
 from ..lower.spec import BCAST, NodeSpec, Src
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
+from ..ops.llm import picked_by_position
 from .dot import k_loop
 from .source import Scope, Writer, offset_terms
 
@@ -151,6 +152,50 @@ class CoordWriter(Writer):
             if i in self.rounded:
                 name = self.round_stored(name, i, scope)
         scope.memo[(ref, c, full)] = name
+        return name
+
+    def _ready(self, ref: tuple) -> bool:
+        """Can ``ref`` be computed at the top now (no reduction of a pass still open under it)?"""
+        if ref[0] is not Src.NODE:
+            return True
+        node = self.spec.nodes[ref[1]]
+        if REGISTRY[node.op].kind is OpKind.REDUCTION:
+            return not self.spec.looped or ref in self.top.memo
+        return node.role is not Role.FULL and all(self._ready(r) for r in node.srcs)
+
+    def _direct(self, i: int) -> str | None:
+        """``sum(where(positions == t, x, c))`` over a row's one reduced dim, ``x`` loaded (a
+        cross-entropy's target logit): ``x`` read at ``t`` once per row, ``n * c`` plus ``x[t] - c``
+        where ``t`` is in range (exactly the masked sum's terms), instead of a select and an add
+        per element and a block reduction."""
+        node = self.spec.nodes[i]
+        found = picked_by_position(node, self._node_at) if self.row and not self.spec.split and self.nc == 1 else None
+        if found is None:
+            return None
+        x, t, c = found
+        if (
+            x[0] is not Src.LOAD
+            or self.spec.loads[x[1]].role is not Role.FULL
+            or not (self._ready(t) and self._ready(c))
+        ):
+            return None
+
+        def per_row(ref: tuple) -> str:
+            return self._value_at(ref, self._adjust(Coords(self._domain(False)), self._ones(ref)), self.top, False)
+
+        tv = per_row(t)
+        if self.types[tv].is_floating_point or self.types[tv] is torch.bool:
+            return None
+        rdt = reduce_dtype(node)
+        inside = f"t{next(self.tmp_ids)}"
+        self.top.add(f"{inside} = ({tv} >= 0) & ({tv} < n_cols)")
+        at = Coords(tuple(tv if red else r for r, red in zip(self._domain(False), self.spec.domain)), (inside,))
+        xv = self.cast(self._value_at(x, at, self.top, False), rdt)
+        cv = self.cast(per_row(c), rdt)
+        n = f"n_cols.to({TRITON_TYPE[rdt]})"
+        name = f"v{i}"
+        self.top.add(f"{name} = tl.where({inside}, {xv} + ({n} - 1) * {cv}, {n} * {cv})")
+        self.types[name] = rdt
         return name
 
     def _load_at(self, j: int, c: Coords, scope: Scope, full: bool) -> str:

@@ -53,7 +53,12 @@ def compile_call(jit: Any, call: Any, tensors: list[torch.Tensor], arch: int = 9
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, (name, v) in enumerate(zip(names, values)):
-        if isinstance(v, torch.Tensor):
+        if name in call.meta:  # a constexpr passed in its place (a hand-written peer's argument list)
+            continue
+        if v is None:  # an absent optional pointer: specialized away, as Triton does
+            signature[name] = "constexpr"
+            meta[name] = None
+        elif isinstance(v, torch.Tensor):
             signature[name] = POINTER_TYPE[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):

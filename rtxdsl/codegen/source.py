@@ -326,7 +326,15 @@ class Writer:
             return state
         return red.tile(ctx, self._lifted(ctx, node, ctx.dtype, x))
 
+    def _direct(self, i: int) -> str | None:
+        """Reduction ``i`` computed once per row, at the top, without reducing a tile, where the
+        writer knows how (a coordinate writer's picked logit); None elsewhere."""
+        return None
+
     def _emit_reduction_whole(self, i: int, scope: Scope) -> str:
+        direct = self._direct(i)
+        if direct is not None:
+            return direct
         node, rdt, ctx, x = self._reduce_input(i, scope, scope)
         red = REGISTRY[node.op].reduce
         state = self._tile_state(i, ctx, x, "n_cols" if self.row and not self.spec.split else None)
@@ -338,6 +346,14 @@ class Writer:
     def _pass(self, reductions: list[int], stores: Sequence[int] = ()) -> None:
         """One loop over the row's column blocks, advancing every reduction of this level (and
         storing ``stores``, full outputs that need no reduction)."""
+        looped = []
+        for i in reductions:  # those read directly: once per row, before the loop
+            direct = self._direct(i)
+            if direct is None:
+                looped.append(i)
+            else:
+                self.top.memo[(Src.NODE, i)] = self.round_stored(direct, i, self.top) if i in self.rounded else direct
+        reductions = looped
         loop = self._open_loop()
         stored = self.stores(stores, loop)
         finals = []

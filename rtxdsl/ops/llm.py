@@ -263,6 +263,26 @@ def _ce_rows(
     return node("add", mean, node("div", node("sum", rows(z), axis=None, keepdim=False), tokens))
 
 
+def picked_by_position(node: Any, node_at: Any) -> tuple[Any, Any, Any] | None:
+    """``sum(where(positions == t, x, c))`` over the axis ``positions`` counts along (the target
+    logit as cross-entropy writes it, a masked sum so it merges tile by tile where the logits are
+    computed): ``(x, t, c)`` as ``node.srcs`` refs them; None for any other node. ``node_at(ref)``
+    is ``(index, node)`` for a node's ref, else None. A writer with ``x`` in memory reads ``x`` at
+    ``t`` once per row instead (``n * c`` plus ``x[t] - c`` where ``t`` is in range)."""
+    w = node_at(node.srcs[0]) if node.op == "sum" else None
+    if w is None or w[1].op != "where":
+        return None
+    hit, x, c = w[1].srcs
+    eq = node_at(hit)
+    if eq is None or eq[1].op != "eq":
+        return None
+    for pos, t in (eq[1].srcs, eq[1].srcs[::-1]):
+        p = node_at(pos)
+        if p is not None and p[1].op == "arange_like" and (dict(p[1].attrs)["axis"],) == dict(node.attrs)["axis"]:
+            return x, t, c
+    return None
+
+
 def _checked_class(positions: Expr, t: Expr, safe: Expr, ignore_index: int, cls: int, shape: tuple[int, ...]) -> Expr:
     """The target's class, range-checked: a gather of the class positions (the class itself, or a
     clear error naming the target). On ``[rows, classes]`` logits a 1-d gather of the positions
