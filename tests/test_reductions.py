@@ -273,3 +273,21 @@ def test_per_row_value_with_a_smaller_operand(case, rows, cols, gen):
     xs = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
     bs = torch.randn(b_shape, generator=gen, dtype=torch.float64)
     assert_close(rx.compile(expr)(x=xs, b=bs), ref(xs, bs), 1e-9, 1e-9, case)
+
+
+# a row of one class (no other lane), five, and one looped over in blocks; the target at the first
+# column, the last, out of range on both sides
+@pytest.mark.parametrize("n", [1, 5, 20001])
+@pytest.mark.parametrize("c", [0.0, 2.5, float("nan"), float("inf")])
+def test_a_masked_pick_of_a_loaded_row_is_a_load_at_the_index(n, c, gen):
+    """sum(where(positions == t, x, c)): x read at t once per row, plus c for each other lane,
+    exactly the masked sum's terms (NaN and inf c included, a row of one element adds no c)."""
+    x, t = rx.var("x"), rx.var("t")
+    k = rx.compile(rx.sum(rx.where(rx.arange_like(x, axis=-1) == t, x, c), axis=-1, keepdim=True))
+    xs = torch.randn(4, n, generator=gen)
+    ts = torch.tensor([[0], [n - 1], [n + 3], [-2]])
+    want = torch.where(torch.arange(n) == ts, xs.double(), c).sum(-1, keepdim=True)
+    got = k(x=xs, t=ts)
+    assert_close(got, want, 1e-5 * max(1, n), 1e-5)
+    src = k.sources(x=xs, t=ts)[0]
+    assert "tl.sum(" not in src and "for col_start" not in src  # the load at t: no row reduction, no loop

@@ -110,3 +110,8 @@ def test_a_running_state_read_off_after_its_loop_is_read_directly():
 def test_a_copy_of_a_name_assigned_later_stays():
     body = ["a = b", "b = x + 1", "tl.store(q, a + b)"]
     assert simplify(body) == body
+
+
+def test_a_loop_left_with_dead_statements_only_goes():
+    body = ["for i in range(0, n, B):", "    t = i * 2", "tl.store(p, 1)"]
+    assert simplify(body) == ["tl.store(p, 1)"]

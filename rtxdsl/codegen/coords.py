@@ -165,9 +165,9 @@ class CoordWriter(Writer):
 
     def _direct(self, i: int) -> str | None:
         """``sum(where(positions == t, x, c))`` over a row's one reduced dim, ``x`` loaded (a
-        cross-entropy's target logit): ``x`` read at ``t`` once per row, ``n * c`` plus ``x[t] - c``
-        where ``t`` is in range (exactly the masked sum's terms), instead of a select and an add
-        per element and a block reduction."""
+        cross-entropy's target logit): ``x`` read at ``t`` once per row (where ``t`` is in range)
+        plus ``c`` times the row's other lanes (exactly the masked sum's terms), instead of a select
+        and an add per element and a block reduction."""
         node = self.spec.nodes[i]
         found = picked_by_position(node, self._node_at) if self.row and not self.spec.split and self.nc == 1 else None
         if found is None:
@@ -192,9 +192,10 @@ class CoordWriter(Writer):
         at = Coords(tuple(tv if red else r for r, red in zip(self._domain(False), self.spec.domain)), (inside,))
         xv = self.cast(self._value_at(x, at, self.top, False), rdt)
         cv = self.cast(per_row(c), rdt)
-        n = f"n_cols.to({TRITON_TYPE[rdt]})"
+        others = f"t{next(self.tmp_ids)}"  # the row's other lanes, each adding c (none: nothing, if c is NaN too)
+        self.top.add(f"{others} = n_cols.to({TRITON_TYPE[rdt]}) - {inside}.to({TRITON_TYPE[rdt]})")
         name = f"v{i}"
-        self.top.add(f"{name} = tl.where({inside}, {xv} + ({n} - 1) * {cv}, {n} * {cv})")
+        self.top.add(f"{name} = tl.where({inside}, {xv}, 0.0) + tl.where({others} > 0, {others} * {cv}, 0.0)")
         self.types[name] = rdt
         return name
 

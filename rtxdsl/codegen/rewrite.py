@@ -14,7 +14,7 @@ rule               what it does
 identity_cast      ``x.to(T)`` where ``x`` already is a ``T``: ``x``
 common_subexpr     an expression a name still holds (visible here): that name
 copy               ``a = b``, ``a`` assigned once, ``b`` not after it: ``a`` read as ``b``
-dead               ``a = <pure>`` never read: dropped
+dead               ``a = <pure>`` never read, a loop left empty: dropped
 =================  =========================================================================
 """
 
@@ -233,7 +233,7 @@ def copy(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
 
 
 def dead(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
-    """A pure value no statement reads: dropped."""
+    """A pure value no statement reads: dropped (and a loop left with no statement)."""
     read = Counter(
         n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
     )
@@ -250,6 +250,11 @@ def dead(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
             for field in ("body", "orelse"):
                 if hasattr(stmt, field):
                     setattr(stmt, field, drop(getattr(stmt, field)))
+            if isinstance(stmt, (ast.For, ast.While)) and not stmt.body and not stmt.orelse:
+                changed = True  # a loop whose every statement was dead
+                continue
+            if isinstance(stmt, ast.If) and not stmt.body:
+                stmt.body = [ast.Pass()]
             kept.append(stmt)
         return kept
 

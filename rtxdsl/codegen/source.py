@@ -354,6 +354,8 @@ class Writer:
             else:
                 self.top.memo[(Src.NODE, i)] = self.round_stored(direct, i, self.top) if i in self.rounded else direct
         reductions = looped
+        if not reductions and not stores:
+            return
         loop = self._open_loop()
         stored = self.stores(stores, loop)
         finals = []

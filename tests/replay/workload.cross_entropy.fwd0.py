@@ -85,20 +85,21 @@ def cross_entropy_row_SIG(
     v5 = tl.where(v1, v0, s1).to(tl.int64)
     t6 = (v5 >= 0) & (v5 < n_cols)
     x1_7 = tl.load(in1_ptr + rows * in1_stride0 + v5 + rows * 0, mask=row_mask & t6, other=0)
-    v8 = tl.where(t6, x1_7 + (n_cols.to(tl.float32) - 1) * s2, n_cols.to(tl.float32) * s2)
+    t8 = n_cols.to(tl.float32) - t6.to(tl.float32)
+    v8 = tl.where(t6, x1_7, 0.0) + tl.where(t8 > 0, t8 * s2, 0.0)
     v9 = v3 - v8
-    v11_10 = x0_0 != s0
-    v12_9 = tl.where(v11_10, x0_0, s1).to(tl.int64)
-    t12 = (v12_9 >= 0) & (v12_9 < m13_0)
-    tl.store(flag_ptr + 0 + rows * 0, 1, mask=row_mask & ~t12)
-    v4_14 = (v12_9 + rows * 0).to(tl.int64)
-    v13_8 = tl.where(t12, v4_14, 0).to(tl.int64)
-    v15 = (v13_8 * s1).to(tl.int64)
+    v11_11 = x0_0 != s0
+    v12_10 = tl.where(v11_11, x0_0, s1).to(tl.int64)
+    t13 = (v12_10 >= 0) & (v12_10 < m13_0)
+    tl.store(flag_ptr + 0 + rows * 0, 1, mask=row_mask & ~t13)
+    v4_15 = (v12_10 + rows * 0).to(tl.int64)
+    v13_9 = tl.where(t13, v4_15, 0).to(tl.int64)
+    v15 = (v13_9 * s1).to(tl.int64)
     v17 = v9 + v15.to(tl.float32)
     v18 = v17 * s3
     v19 = v3 * s4
-    t15 = tl.where(mask, x1_1, 0)
-    v20 = tl.sum(t15, axis=1)[:, None]
+    t16 = tl.where(mask, x1_1, 0)
+    v20 = tl.sum(t16, axis=1)[:, None]
     v21 = v19 - v20
     v22 = v21 * s5
     v23 = v18 + v22
