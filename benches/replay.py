@@ -28,7 +28,7 @@ from rtxdsl.workloads import WORKLOADS
 
 x, y, w, b = (rx.var(n) for n in "xywb")
 #: (rows, hidden): on chip, and a row long enough to loop
-SHAPES = [(5, 33), (2, 20000)]
+SHAPES = [(5, 33), (2, 40000)]
 #: composites by name: expression and the inputs' kinds ("rh": rows x hidden, "h": hidden)
 COMPOSITES: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {
     "softmax": (lambda: rx.softmax(x), ("rh",)),

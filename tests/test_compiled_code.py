@@ -16,7 +16,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import json, torch, rtxdsl as rx
-    from rtxdsl.build import compile_kernel
+    from rtxdsl.build import compile_kernel, prepare
     from rtxdsl.codegen.ptx import sass_counts
     x, y, w, b = (rx.var(n) for n in "xywb")
     cases = {
@@ -32,6 +32,10 @@ SCRIPT = textwrap.dedent("""
         "rope": (rx.rope(x, y, w), dict(x=torch.empty(8, 16, 128), y=torch.empty(16, 128), w=torch.empty(16, 128))),
         "cross_entropy": (rx.cross_entropy(x, b, reduction="none"),
                           dict(x=torch.empty(64, 32000), b=torch.empty(64, dtype=torch.int64))),
+        # rows that fill the waves, kept whole in one 32K block of 32 warps (WIDE_TILES): no spill
+        "cross_entropy_wide": (rx.cross_entropy(x, b), dict(x=torch.empty(4096, 32000, dtype=torch.bfloat16),
+                                                            b=torch.empty(4096, dtype=torch.int64))),
+        "softmax_wide": (rx.softmax(x), dict(x=torch.empty(4096, 32768))),
         # ~27 dependent row reductions (a bisection) in registers: still no spills
         "sparsemax": (rx.sparsemax(x), dict(x=torch.empty(64, 4096))),
         # contractions: 128 x 128 tiles of 16-bit operands (Hopper's warpgroup MMA), a fused epilogue
@@ -73,7 +77,9 @@ SCRIPT = textwrap.dedent("""
     out = {}
     for name, (kernel, ins, which) in kernels.items():
         f = compile_kernel(kernel, ins)[which]
-        out[name] = dict(v4_loads=f.v4_loads, v4_stores=f.v4_stores, regs=f.registers, spills=f.spill_bytes,
+        meta = dict(prepare(kernel, ins)[0].kernels[which].meta)  # on the GPU target, as compiled
+        out[name] = dict(block=meta.get("BLOCK_SIZE"), warps=meta.get("num_warps"),
+                         v4_loads=f.v4_loads, v4_stores=f.v4_stores, regs=f.registers, spills=f.spill_bytes,
                          stores=f.ptx.count("st.global"), wgmma=f.ptx.count("wgmma.mma_async"),
                          bf16_cvt=f.ptx.count("cvt.rn.bf16"), hand_rounded=f.ptx.count("-65536"),
                          barriers=getattr(sass_counts(f.ptx), "barriers", None))
@@ -149,3 +155,11 @@ def test_every_generated_kernel_compiles_for_sm90(tmp_path):
     assert not [line for line in lines if line.startswith("FAIL")], "\n".join(lines)
     done, total = lines[-1].split()[0].split("/")
     assert done == total and int(total) > 250
+
+
+def test_wide_rows_are_one_block_of_32_warps_without_a_spill(facts):
+    """A softmax or cross-entropy row up to 32K, in rows that fill the GPU's waves, is one block (as
+    Liger-Kernel launches its cross-entropy); fewer rows loop in 4096-wide blocks."""
+    for name in ("cross_entropy_wide", "softmax_wide"):
+        assert (facts[name]["block"], facts[name]["warps"], facts[name]["spills"]) == (32768, 32, 0), name
+    assert facts["cross_entropy"]["block"] == 4096  # 64 rows

@@ -176,7 +176,7 @@ def test_a_per_row_value_is_computed_once_per_row_in_a_looped_kernel():
     reads at every column block is computed once per row, before the loop, as in a flat kernel."""
     m = (x * x).mean(-1, keepdim=True)
     k = rx.compile(rx.flip(x, -1) * rx.rsqrt(m + 1.0))
-    t = torch.randn(2, 20000)  # looped: a row longer than the interpreter's widest block
+    t = torch.randn(2, 40000)  # looped: a row longer than the interpreter's widest block
     (src,) = k.sources(x=t)
     assert src.count("for col_start") == 2  # the mean's pass, then the outputs'
     output_loop = src[src.rindex("for col_start") :]

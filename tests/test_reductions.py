@@ -277,7 +277,7 @@ def test_per_row_value_with_a_smaller_operand(case, rows, cols, gen):
 
 # a row of one class (no other lane), five, and one looped over in blocks; the target at the first
 # column, the last, out of range on both sides
-@pytest.mark.parametrize("n", [1, 5, 20001])
+@pytest.mark.parametrize("n", [1, 5, 40001])
 @pytest.mark.parametrize("c", [0.0, 2.5, float("nan"), float("inf")])
 def test_a_masked_pick_of_a_loaded_row_is_a_load_at_the_index(n, c, gen):
     """sum(where(positions == t, x, c)): x read at t once per row, plus c for each other lane,

@@ -103,16 +103,28 @@ def pointwise_config(numel: int, target: Target) -> Config:
     return Config(block, 1, False, _warps(min(block, GPU.pointwise_block)))
 
 
-def row_config(n_rows: int, n_cols: int, target: Target, column: bool = False) -> Config:
+#: full-size tiles (loads and outputs of the row's shape) a kernel may hold to keep a row up to
+#: ``Target.wide_row_block`` whole: at 32K and 32 warps a thread has 64 registers, a tile takes 32
+#: (a softmax, 55 registers, and a cross-entropy, 48, compile for sm_90 without a spill)
+WIDE_TILES = 2
+
+
+def row_config(n_rows: int, n_cols: int, target: Target, column: bool = False, tiles: int = WIDE_TILES + 1) -> Config:
     """A row kernel's tile. ``column``: the reduced axis is strided and a kept axis is contiguous
     (a column reduction, a bias gradient), so a program takes ``col_rows`` neighbouring kept
-    elements and loops over the reduced axis in blocks: every load runs along the contiguous axis."""
+    elements and loops over the reduced axis in blocks: every load runs along the contiguous axis.
+    ``tiles``: the kernel's full-size tiles; with at most ``WIDE_TILES`` a row up to
+    ``wide_row_block`` is kept whole, in one block of ``wide_warps`` warps, where its rows fill the
+    target's waves (fewer are looped in blocks, which a split may spread across the SMs)."""
     if column:
         warps = _warps(min(target.row_tile, GPU.row_tile))
         if n_cols * target.col_rows <= target.row_tile:  # the reduced extent fits: kept whole, read once
             block = _pow2(max(n_cols, 1))
             return Config(block, target.row_tile // block, False, warps)
         return Config(target.row_tile // target.col_rows, target.col_rows, True, warps)
+    wide = target.max_row_block < n_cols <= target.wide_row_block and tiles <= WIDE_TILES
+    if wide and n_rows >= target.waves:  # fewer rows: loop in blocks, so the row may split across SMs
+        return Config(_pow2(n_cols), 1, False, target.wide_warps)
     looped = n_cols > target.max_row_block
     block = target.loop_block if looped else _pow2(max(n_cols, 1))
     rows = 1 if looped else max(1, target.row_tile // block)  # never from the row count: one compile serves all
@@ -478,7 +490,8 @@ def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> 
         precision = "tf32" if tf32 and dtype == torch.float32 else "ieee"
         return Config(bn, bm, True, warps), GemmTile(bm, bn, bk, 1, warps, stages, precision=precision)
     if w.row:
-        return row_config(n_rows, n_cols, target, w.column), None
+        tiles = sum(ld.role is Role.FULL for ld in w.loads) + sum(o.role is Role.FULL for o in w.outputs)
+        return row_config(n_rows, n_cols, target, w.column, tiles), None
     return Config(0, 1, False, 0), None
 
 

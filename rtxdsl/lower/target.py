@@ -27,6 +27,11 @@ class Target:
     row_tile: int  # elements per program of a row kernel with short rows (several rows each)
     max_row_block: int  # the longest row kept whole in registers
     loop_block: int  # the column block of a looped row
+    #: the longest row kept whole by a kernel of at most ``WIDE_TILES`` full-size tiles (a softmax,
+    #: a cross-entropy), with ``wide_warps`` warps: one block and no loop where Liger-Kernel takes
+    #: one, the registers a tile needs per thread no more than at ``max_row_block``
+    wide_row_block: int = 32768
+    wide_warps: int = 32
     col_rows: int = 64  # kept elements per program of a column tile (reducing a strided axis)
     split_min: int = 0  # the fewest elements (all rows) a reduction needs to be split (0: never split)
     #: rows x columns of a 2-D pointwise tile for operands laid out differently (None: flat blocks)
