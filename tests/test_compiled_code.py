@@ -163,3 +163,21 @@ def test_wide_rows_are_one_block_of_32_warps_without_a_spill(facts):
     for name in ("cross_entropy_wide", "softmax_wide"):
         assert (facts[name]["block"], facts[name]["warps"], facts[name]["spills"]) == (32768, 32, 0), name
     assert facts["cross_entropy"]["block"] == 4096  # 64 rows
+
+
+def test_a_row_of_one_column_compiles_where_its_size_is_a_constexpr(tmp_path):
+    """Triton's launcher passes an integer argument equal to 1 as a constexpr (a Python int in the
+    kernel), as ``compile_call`` does: a one-column row's ``n_cols`` has no ``.to()``."""
+    script = textwrap.dedent("""
+        import torch, rtxdsl as rx
+        from rtxdsl.build import compile_kernel
+        x, w, b, t = (rx.var(n) for n in "xwbt")
+        for e, ins in [
+            (rx.layer_norm(x, w, b), dict(x=torch.empty(64, 1), w=torch.empty(1), b=torch.empty(1))),
+            (rx.cross_entropy(x, t), dict(x=torch.empty(64, 1), t=torch.empty(64, dtype=torch.int64))),
+        ]:
+            compile_kernel(rx.compile(e), ins)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1", "RTXDSL_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]

@@ -193,7 +193,10 @@ class CoordWriter(Writer):
         xv = self.cast(self._value_at(x, at, self.top, False), rdt)
         cv = self.cast(per_row(c), rdt)
         others = f"t{next(self.tmp_ids)}"  # the row's other lanes, each adding c (none: nothing, if c is NaN too)
-        self.top.add(f"{others} = n_cols.to({TRITON_TYPE[rdt]}) - {inside}.to({TRITON_TYPE[rdt]})")
+        # n_cols + zeros, not n_cols.to(...): a size argument equal to 1 is a constexpr on the GPU
+        self.top.add(
+            f"{others} = n_cols + tl.zeros([1, 1], dtype={TRITON_TYPE[rdt]}) - {inside}.to({TRITON_TYPE[rdt]})"
+        )
         name = f"v{i}"
         self.top.add(f"{name} = tl.where({inside}, {xv}, 0.0) + tl.where({others} > 0, {others} * {cv}, 0.0)")
         self.types[name] = rdt

@@ -55,9 +55,10 @@ def compile_call(jit: Any, call: Any, tensors: list[torch.Tensor], arch: int = 9
     for i, (name, v) in enumerate(zip(names, values)):
         if name in call.meta:  # a constexpr passed in its place (a hand-written peer's argument list)
             continue
-        if v is None:  # an absent optional pointer: specialized away, as Triton does
+        if v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1):
+            # an absent optional pointer, an integer equal to 1: constexprs, as Triton's launcher makes them
             signature[name] = "constexpr"
-            meta[name] = None
+            meta[name] = v
         elif isinstance(v, torch.Tensor):
             signature[name] = POINTER_TYPE[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]

@@ -152,6 +152,7 @@ class Writer:
         self.half_copy: dict[str, str] = {}  # a rounded fp32 value's name -> its half value's name
         #: a logsumexp computed whole -> its tile x, exp(x - shift) and shift (``_shared_exp``)
         self.shared_exp: dict[int, tuple[str, str, str]] = {}
+        self.scalar_args: set[str] = set()  # the scalar arguments' names (``_scalar_prelude``)
 
     # ---- what each family's writer says ----------------------------------------------
     def build_params(self) -> None:
@@ -188,6 +189,8 @@ class Writer:
             return name
         if want is torch.bool:
             return f"({name} != 0)"
+        if name in self.scalar_args:  # a scalar argument equal to 1 is a Python int (a constexpr) on the GPU
+            return f"tl.cast({name}, {TRITON_TYPE[want]})"
         return f"{name}.to({TRITON_TYPE[want]})"
 
     def value(self, ref: tuple, loop: Scope) -> str:
@@ -427,9 +430,10 @@ class Writer:
 
     # ---- kernels ----------------------------------------------------------------------
     def _scalar_prelude(self) -> None:
+        self.scalar_args = {f"s{k}" for k in range(len(self.spec.scalars))}
         for k, kind in enumerate(self.spec.scalars):
-            if kind == "f64":
-                self.top.add(f"s{k} = s{k}.to(tl.int64).to(tl.float64, bitcast=True)")
+            if kind == "f64":  # its bits, as an int64 (tl.cast: an argument equal to 1 is a constexpr)
+                self.top.add(f"s{k} = tl.cast(tl.cast(s{k}, tl.int64), tl.float64, bitcast=True)")
                 self.types[f"s{k}"] = torch.float64
             else:
                 self.types[f"s{k}"] = {"f32": torch.float32, "i": torch.int64, "b": torch.bool}[kind]

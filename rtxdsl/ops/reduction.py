@@ -171,7 +171,8 @@ def _m2_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, 
 
 
 def _m2_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
-    n = c.tmp(f"({count}).to({TRITON_TYPE[c.dtype]})")
+    # ``count + zeros``, not ``count.to(...)``: a size argument equal to 1 is a constexpr on the GPU
+    n = c.tmp(f"({count}) + tl.zeros([1, 1], dtype={TRITON_TYPE[c.dtype]})")
     # the tile's mean (its sum spelled as a sum reduction's, so one shared with it is computed once),
     # then the squared deviations from it: two-pass exact within the tile
     mu = c.tmp(f"{_tile_sum(c.tmp(f'tl.where({mask}, {x}, 0)'))} / tl.maximum({n}, 1.0)")

@@ -31,7 +31,7 @@ def tryc(name, k, ins):
         compile_kernel(k, ins)
     except Exception as e:  # report every failure, then the count
         fails += 1
-        print("FAIL", name, type(e).__name__, str(e).splitlines()[0][:300])
+        print("FAIL", name, type(e).__name__, " | ".join(str(e).splitlines()[-8:])[:900])
 
 
 for dt in (torch.float32, torch.float16, torch.bfloat16):

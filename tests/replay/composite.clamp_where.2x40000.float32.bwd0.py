@@ -27,7 +27,7 @@ def pointwise_ge_lt_add_detach_SIG(
     v4 = tl.where(v1, s0, v2)
     v5 = tl.where(v0, x0_0, v4)
     v6 = v5 <= s1
-    v7 = x0_0 > s2.to(tl.float32)
+    v7 = x0_0 > tl.cast(s2, tl.float32)
     x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
     v8 = tl.where(v7, x1_1, s3)
     v9 = tl.where(v6, v8, s3)

@@ -19,7 +19,7 @@ def pointwise_gt_ge_lt_add_SIG(
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
     x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    v0 = x0_0 > s0.to(tl.float32)
+    v0 = x0_0 > tl.cast(s0, tl.float32)
     v1 = x0_0 >= s1
     v2 = x0_0 < s1
     v3 = x0_0 + s1

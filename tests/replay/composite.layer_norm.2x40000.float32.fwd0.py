@@ -34,7 +34,7 @@ def layer_norm_row_SIG(
         t1 = tl.where(mask, x0_0, 0)
         t2 = acc_0 + t1
         acc_0 = t2
-        t3 = tl.minimum(n_cols - col_start, BLOCK_SIZE).to(tl.float32)
+        t3 = tl.minimum(n_cols - col_start, BLOCK_SIZE) + tl.zeros([1, 1], dtype=tl.float32)
         t5 = tl.sum(t1, axis=1)[:, None] / tl.maximum(t3, 1.0)
         t6 = tl.where(mask, x0_0 - t5, 0.0)
         t7 = n_3 + t3

@@ -30,7 +30,7 @@ def layer_norm_row_SIG(
     v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0
     v2 = x0_0 - v1
-    t2 = n_cols.to(tl.float32)
+    t2 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
     t4 = v0 / tl.maximum(t2, 1.0)
     t5 = tl.where(mask, x0_0 - t4, 0.0)
     v3 = tl.sum(t5 * t5, axis=1)[:, None]

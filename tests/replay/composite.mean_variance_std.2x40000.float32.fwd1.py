@@ -27,7 +27,7 @@ def row_m2_div_SIG_tail(
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x0_0 = tl.load(in0_ptr + cols, mask=mask, other=0)
-        t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE).to(tl.float32)
+        t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE) + tl.zeros([1, 1], dtype=tl.float32)
         t2 = tl.where(mask, x0_0, 0)
         t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
         t4 = tl.where(mask, x0_0 - t3, 0.0)
@@ -79,7 +79,7 @@ def row_m2_div_SIG(
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE).to(tl.float32)
+        t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE) + tl.zeros([1, 1], dtype=tl.float32)
         t2 = tl.where(mask, x0_0, 0)
         t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
         t4 = tl.where(mask, x0_0 - t3, 0.0)

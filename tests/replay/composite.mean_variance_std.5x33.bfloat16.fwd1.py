@@ -23,7 +23,7 @@ def row_m2_div_eq_where_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x0_0 = tl.load(in0_ptr + cols, mask=mask, other=0).to(tl.float32)
-    t1 = n_cols.to(tl.float32)
+    t1 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
     t2 = tl.where(mask, x0_0, 0)
     t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
     t4 = tl.where(mask, x0_0 - t3, 0.0)

@@ -85,7 +85,7 @@ def cross_entropy_row_SIG(
     v5 = tl.where(v1, v0, s1).to(tl.int64)
     t6 = (v5 >= 0) & (v5 < n_cols)
     x1_7 = tl.load(in1_ptr + rows * in1_stride0 + v5 + rows * 0, mask=row_mask & t6, other=0)
-    t8 = n_cols.to(tl.float32) - t6.to(tl.float32)
+    t8 = n_cols + tl.zeros([1, 1], dtype=tl.float32) - t6.to(tl.float32)
     v8 = tl.where(t6, x1_7, 0.0) + tl.where(t8 > 0, t8 * s2, 0.0)
     v9 = v3 - v8
     v11_11 = x0_0 != s0

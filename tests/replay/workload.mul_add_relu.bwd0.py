@@ -24,7 +24,7 @@ def pointwise_mul_add_le_where_SIG(
     x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
     v0 = x0_0 * x1_1
     v1 = v0 + s0
-    v2 = v1 <= s1.to(tl.float32)
+    v2 = v1 <= tl.cast(s1, tl.float32)
     x2_2 = tl.load(in2_ptr + offs, mask=mask, other=0)
     v3 = tl.where(v2, s2, x2_2)
     v4 = v3 * x1_1

@@ -36,7 +36,7 @@ def layer_norm_row_SIG(
     v1 = tl.sum(t2, axis=1)[:, None]
     v2 = v1 / s0
     v3 = v0 - v2
-    t3 = n_cols.to(tl.float32)
+    t3 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
     t5 = v1 / tl.maximum(t3, 1.0)
     t6 = tl.where(mask, v0 - t5, 0.0)
     v4 = tl.sum(t6 * t6, axis=1)[:, None]
