@@ -115,3 +115,31 @@ def test_a_copy_of_a_name_assigned_later_stays():
 def test_a_loop_left_with_dead_statements_only_goes():
     body = ["for i in range(0, n, B):", "    t = i * 2", "tl.store(p, 1)"]
     assert simplify(body) == ["tl.store(p, 1)"]
+
+
+def test_a_load_read_only_under_its_mask_fills_masked_lanes_itself():
+    """``tl.where(mask, x, -inf)`` of a load under ``mask``: the load's ``other`` (the tutorial's
+    ``other=-float('inf')``), one select per element fewer."""
+    body = [
+        "x = tl.load(p + cols, mask=mask, other=0).to(tl.float32)",
+        "t = tl.where(mask, x, float('-inf'))",
+        "tl.store(q, tl.max(t, axis=1))",
+    ]
+    want = ["x = tl.load(p + cols, mask=mask, other=float('-inf')).to(tl.float32)", "tl.store(q, tl.max(x, axis=1))"]
+    assert simplify(body) == want
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # the load is read elsewhere too: its masked lanes must stay 0 there
+        ["x = tl.load(p, mask=mask, other=0)", "t = tl.where(mask, x, float('-inf'))", "tl.store(q, t + x)"],
+        # another mask
+        ["x = tl.load(p, mask=mask, other=0)", "t = tl.where(row_mask, x, float('-inf'))", "tl.store(q, t)"],
+        # an integer load cast to float by the where's reader: not a float load
+        ["x = tl.load(p, mask=mask, other=0).to(tl.int64)", "t = tl.where(mask, x, 2.5)", "tl.store(q, t)"],
+    ],
+    ids=["read-elsewhere", "other-mask", "int-load"],
+)
+def test_load_other_leaves_other_loads_alone(body):
+    assert simplify(body) == body

@@ -14,6 +14,7 @@ rule               what it does
 identity_cast      ``x.to(T)`` where ``x`` already is a ``T``: ``x``
 common_subexpr     an expression a name still holds (visible here): that name
 copy               ``a = b``, ``a`` assigned once, ``b`` not after it: ``a`` read as ``b``
+load_other         ``tl.where(mask, a, c)``, ``a`` a load under ``mask`` read only there: ``other=c``
 dead               ``a = <pure>`` never read, a loop left empty: dropped
 =================  =========================================================================
 """
@@ -53,6 +54,13 @@ def _assigned(body: Sequence[ast.stmt]) -> Counter[str]:
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 out[n.id] += 1
     return out
+
+
+def _reads(body: Sequence[ast.stmt]) -> Counter[str]:
+    """How often each name is read in ``body``."""
+    return Counter(
+        n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    )
 
 
 def _target(stmt: ast.stmt) -> str | None:
@@ -234,9 +242,7 @@ def copy(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
 
 def dead(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     """A pure value no statement reads: dropped (and a loop left with no statement)."""
-    read = Counter(
-        n.id for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-    )
+    read = _reads(body)
     changed = False
 
     def drop(stmts: list[ast.stmt]) -> list[ast.stmt]:
@@ -262,10 +268,73 @@ def dead(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     return changed
 
 
+def _float_constant(e: ast.expr) -> bool:
+    """``2.5``, ``float('-inf')``: a float a load may fill its masked lanes with."""
+    if isinstance(e, ast.Constant):
+        return isinstance(e.value, float)
+    return (
+        isinstance(e, ast.Call)
+        and isinstance(e.func, ast.Name)
+        and e.func.id == "float"
+        and len(e.args) == 1
+        and isinstance(e.args[0], ast.Constant)
+        and isinstance(e.args[0].value, str)
+    )
+
+
+def _masked_load(e: ast.expr) -> ast.Call | None:
+    """The ``tl.load(..., mask=..., other=...)`` call ``e`` is, bare or cast to a float type; else None."""
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "to":
+        if not (len(e.args) == 1 and ast.unparse(e.args[0]) in ("tl.float32", "tl.float64")):
+            return None
+        e = e.func.value
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "load":
+        words = {k.arg for k in e.keywords}
+        return e if {"mask", "other"} <= words else None
+    return None
+
+
+def load_other(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """``b = tl.where(m, a, c)`` the only read of ``a = tl.load(p, mask=m, other=0)``, ``c`` a
+    float: the load fills its masked lanes with ``c`` itself (``other=c``), and ``b = a``."""
+    read = _reads(body)
+    changed = False
+
+    def block(stmts: list[ast.stmt]) -> None:
+        nonlocal changed
+        loads: dict[str, ast.Call] = {}
+        for stmt in stmts:
+            for field in ("body", "orelse"):
+                block(getattr(stmt, field, []))
+            name = _target(stmt)
+            if name is None:
+                continue
+            v = stmt.value
+            load = _masked_load(v)
+            if load is not None and once[name] == 1:
+                loads[name] = load
+                continue
+            if not (isinstance(v, ast.Call) and ast.unparse(v.func) == "tl.where" and len(v.args) == 3):
+                continue
+            cond, a, c = v.args
+            if not (isinstance(a, ast.Name) and a.id in loads and read[a.id] == 1 and _float_constant(c)):
+                continue
+            load = loads.pop(a.id)
+            mask = next(k for k in load.keywords if k.arg == "mask")
+            if ast.dump(mask.value) != ast.dump(cond):
+                continue
+            next(k for k in load.keywords if k.arg == "other").value = c
+            stmt.value = ast.Name(a.id, ast.Load())
+            changed = True
+
+    block(body)
+    return changed
+
+
 Rule = Callable[[list[ast.stmt], Counter[str], Types], bool]
 
 #: the rules, in the order each round applies them
-RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, copy, dead)
+RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, load_other, copy, dead)
 
 
 def simplify(lines: Sequence[str]) -> list[str]:

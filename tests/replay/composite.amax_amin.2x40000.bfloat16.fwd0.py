@@ -22,9 +22,8 @@ def row_amax_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        t1 = tl.where(mask, x0_0, float('-inf'))
-        t2 = tl.where(t1 != t1, t1, tl.where(t1 > acc_0, t1, acc_0))
+        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=float('-inf')).to(tl.float32)
+        t2 = tl.where(x0_0 != x0_0, x0_0, tl.where(x0_0 > acc_0, x0_0, acc_0))
         acc_0 = t2
     v0 = tl.where(tl.max((acc_0 != acc_0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(acc_0, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)

@@ -20,8 +20,7 @@ def row_amin_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    t1 = tl.where(mask, x0_0, float('inf'))
-    v0 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(t1, axis=1)[:, None])
+    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=float('inf'))
+    v0 = tl.where(tl.max((x0_0 != x0_0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(x0_0, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0, mask=row_mask)
 

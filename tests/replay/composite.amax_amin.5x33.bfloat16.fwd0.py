@@ -20,9 +20,8 @@ def row_amax_SIG_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
-    t1 = tl.where(mask, x0_0, float('inf'))
-    v0 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(t1, axis=1)[:, None])
+    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=float('inf')).to(tl.float32)
+    v0 = tl.where(tl.max((x0_0 != x0_0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(x0_0, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
 
 
@@ -50,9 +49,8 @@ def row_amax_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    t1 = tl.where(mask, x0_0, float('-inf'))
-    v0 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t1, axis=1)[:, None])
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=float('-inf')).to(tl.float32)
+    v0 = tl.where(tl.max((x0_0 != x0_0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(x0_0, axis=1)[:, None])
     tl.store(out0_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
