@@ -187,16 +187,14 @@ class CoordWriter(Writer):
         if self.types[tv].is_floating_point or self.types[tv] is torch.bool:
             return None
         rdt = reduce_dtype(node)
-        inside = f"t{next(self.tmp_ids)}"
-        self.top.add(f"{inside} = ({tv} >= 0) & ({tv} < n_cols)")
+        inside = self.tmp(self.top, f"({tv} >= 0) & ({tv} < n_cols)")
         at = Coords(tuple(tv if red else r for r, red in zip(self._domain(False), self.spec.domain)), (inside,))
         xv = self.cast(self._value_at(x, at, self.top, False), rdt)
         cv = self.cast(per_row(c), rdt)
-        others = f"t{next(self.tmp_ids)}"  # the row's other lanes, each adding c (none: nothing, if c is NaN too)
-        # n_cols + zeros, not n_cols.to(...): a size argument equal to 1 is a constexpr on the GPU
-        self.top.add(
-            f"{others} = n_cols + tl.zeros([1, 1], dtype={TRITON_TYPE[rdt]}) - {inside}.to({TRITON_TYPE[rdt]})"
-        )
+        # the row's other lanes, each adding c (none: nothing, if c is NaN too); n_cols + zeros, not
+        # n_cols.to(...): a size argument equal to 1 is a constexpr on the GPU
+        tt = TRITON_TYPE[rdt]
+        others = self.tmp(self.top, f"n_cols + tl.zeros([1, 1], dtype={tt}) - {inside}.to({tt})")
         name = f"v{i}"
         self.top.add(f"{name} = tl.where({inside}, {xv}, 0.0) + tl.where({others} > 0, {others} * {cv}, 0.0)")
         self.types[name] = rdt
@@ -234,11 +232,6 @@ class CoordWriter(Writer):
                 return self.cast(v, node.cdt)
             return v
 
-        def tmp(expr: str) -> str:
-            t = f"t{next(self.tmp_ids)}"
-            scope.add(f"{t} = {expr}")
-            return t
-
         def flag(bad: str) -> None:
             where = self._mask(full, c)
             scope.add(f"tl.store(flag_ptr + {self.flag_slot[i]} + {self._zero(full)}, 1, mask={where} & ({bad}))")
@@ -252,7 +245,7 @@ class CoordWriter(Writer):
             args=tuple(f"m{i}_{k}" for k in range(node.nargs)),
             src_ranks=tuple(len(self._ones(r)) for r in node.srcs),
             value=value,
-            tmp=tmp,
+            tmp=lambda e: self.tmp(scope, e),
             flag=flag,
             zero=zero,
         )

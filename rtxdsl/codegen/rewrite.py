@@ -207,7 +207,9 @@ def copy(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     last: dict[str, int] = {}  # a name -> the last statement (in source order) assigning it
     order = list(_preorder(body))
     for k, stmt in enumerate(order):
-        for n in ast.walk(stmt if not hasattr(stmt, "body") else getattr(stmt, "target", stmt)):
+        # a compound statement assigns its loop variable only (its body's statements follow in order)
+        head = [stmt.target] if isinstance(stmt, ast.For) else [] if hasattr(stmt, "body") else [stmt]
+        for n in (n for h in head for n in ast.walk(h)):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 last[n.id] = k
     at = {id(stmt): k for k, stmt in enumerate(order)}

@@ -262,13 +262,16 @@ class Writer:
         """Where a value of ``role`` is computed: full-size values in the loop, per-row ones once."""
         return loop if role is Role.FULL else self.top
 
-    def _ctx(self, node: NodeSpec, scope: Scope, cdt: torch.dtype) -> EmitCtx:
-        def tmp(expr: str) -> str:
-            t = f"t{next(self.tmp_ids)}"
-            scope.add(f"{t} = {expr}")
-            return t
+    def tmp(self, scope: Scope, expr: str) -> str:
+        """``expr`` bound to a fresh local in ``scope`` (an emitter reads it twice)."""
+        t = f"t{next(self.tmp_ids)}"
+        scope.add(f"{t} = {expr}")
+        return t
 
-        return EmitCtx(dtype=cdt, out=node.dtype, attrs=dict(node.attrs), tmp=tmp, helper=self.helper)
+    def _ctx(self, node: NodeSpec, scope: Scope, cdt: torch.dtype) -> EmitCtx:
+        return EmitCtx(
+            dtype=cdt, out=node.dtype, attrs=dict(node.attrs), tmp=lambda e: self.tmp(scope, e), helper=self.helper
+        )
 
     def helper(self, name: str, source: str) -> str:
         if self.helpers.setdefault(name, source) != source:
@@ -355,7 +358,7 @@ class Writer:
             if direct is None:
                 looped.append(i)
             else:
-                self.top.memo[(Src.NODE, i)] = self.round_stored(direct, i, self.top) if i in self.rounded else direct
+                self._row_value(i, direct)
         reductions = looped
         if not reductions and not stores:
             return
@@ -397,7 +400,11 @@ class Writer:
     def _finish_reduction(self, i: int, red: ReduceSpec, ctx: EmitCtx, state: tuple[str, ...]) -> None:
         self.top.add(f"v{i} = {red.value(ctx, state)}")
         self.types[f"v{i}"] = reduce_dtype(self.spec.nodes[i])
-        self.top.memo[(Src.NODE, i)] = self.round_stored(f"v{i}", i, self.top) if i in self.rounded else f"v{i}"
+        self._row_value(i, f"v{i}")
+
+    def _row_value(self, i: int, name: str) -> None:
+        """Reduction ``i``'s value, computed as ``name`` at the top: what the rest of the kernel reads."""
+        self.top.memo[(Src.NODE, i)] = self.round_stored(name, i, self.top) if i in self.rounded else name
 
     def _merge_partials(self) -> None:
         """A split row's finish: every program merges its rows' partial states (in a fixed order:
