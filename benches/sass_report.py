@@ -6,7 +6,8 @@ instructions (NOPs excluded), barriers, registers and spills. The peers are the 
 Triton's tutorials 02 (fused softmax) and 05 (layer norm forward), written here as the
 tutorials write them, with tutorial 05's block and warp choice (for bf16 the softmax peer
 computes in fp32, as every half-precision softmax does), and Liger-Kernel's RMSNorm forward and
-cross-entropy, imported from ``liger-kernel`` (the ``bench`` extra; its rows are left out where it
+cross-entropy (the loss alone, per row, and with its gradient: ``cross_entropy_grad``, rtxdsl's
+``grad_in_forward=True``), imported from ``liger-kernel`` (the ``bench`` extra; its rows are left out where it
 is not installed) and launched as Liger launches them.
 
 Static counts compare kernels whose code runs once per block of a row: where a row fits one block,
@@ -131,7 +132,7 @@ def _liger(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
         "BLOCK_SIZE": block,
         "num_warps": warps,
     }
-    meta |= dict.fromkeys(flags, False) | {"HAS_GRADIENTS": False}
+    meta |= dict.fromkeys(flags, False) | {"HAS_GRADIENTS": name.endswith("_grad")}
     # Liger's arguments in order: X and its stride, Y and its stride, weight, loss, z-loss, the loss
     # stride, token accuracy and predicted tokens with their strides; then n_cols, n_non_ignore,
     # sum_non_ignore_weight, weight_sum, ignore_index, lse_square_scale, label_smoothing, reduction, softcap
@@ -153,7 +154,12 @@ def _ours(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     }
     ins = {"x": torch.empty(rows, cols, dtype=dtype), "w": torch.empty(cols, dtype=dtype)}
     ins |= {"b": torch.empty(cols, dtype=dtype), "t": torch.zeros(rows, dtype=torch.long)}
-    kernel = rx.compile(exprs[name]())
+    if name == "cross_entropy_grad":  # the loss and its gradient: the forward's one-read program
+        ce = rx.compile(rx.cross_entropy(x, rx.var("t"), grad_in_forward=True))
+        kernel = ce.grad_plan(x=ins["x"].requires_grad_(), t=ins["t"]).forward.then
+        ins |= {"_g0": torch.ones((), dtype=dtype), "_p0": torch.ones(())}
+    else:
+        kernel = rx.compile(exprs[name]())
     ins = {n: ins[n] for n in kernel.inputs}
     program, _ = prepare(kernel, ins)
     (facts,) = compile_kernel(kernel, ins)
@@ -186,6 +192,7 @@ CASES = [  # (pattern, rows, cols, dtype, the hand-written peer: Triton's tutori
     ("rms_norm", 4096, 4096, torch.bfloat16, _liger),
     ("cross_entropy", 4096, 32000, torch.bfloat16, _liger),
     ("cross_entropy_none", 4096, 32000, torch.bfloat16, _liger),
+    ("cross_entropy_grad", 4096, 32000, torch.bfloat16, _liger),
 ]
 
 

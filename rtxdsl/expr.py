@@ -15,6 +15,7 @@ import hashlib
 import math
 import re
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -233,6 +234,26 @@ def walk(roots: list[Expr]) -> list[Expr]:
         stack.append((n, True))
         stack.extend((s, False) for s in reversed(n.srcs) if id(s) not in seen)
     return order
+
+
+def substitute(roots: list[Expr], replace: Callable[[Expr], Expr | None]) -> list[Expr]:
+    """``roots`` rebuilt with each node for which ``replace`` gives an expression replaced by it
+    (what it stood on is dropped); nodes whose operands are unchanged are kept as they are.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> x, y = rx.var("x"), rx.var("y")
+        >>> substitute([rx.exp(x) + x], lambda n: y if n is x else None)
+        [exp(y) + y]
+    """
+    memo: dict[int, Expr] = {}
+    for n in walk(roots):
+        new = replace(n)
+        if new is None:
+            srcs = tuple(memo[id(s)] for s in n.srcs)
+            new = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
+        memo[id(n)] = new
+    return [memo[id(r)] for r in roots]
 
 
 def variables(roots: list[Expr]) -> tuple[Expr, ...]:

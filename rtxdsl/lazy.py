@@ -53,7 +53,7 @@ from .config import FusionConfig, get_config
 from .dsl import var
 from .dtypes import SHORT_NAME
 from .errors import RtxError
-from .expr import BINARY_OPERATORS, COMPARISONS, UNARY_OPERATORS, Expr, as_expr, walk
+from .expr import BINARY_OPERATORS, COMPARISONS, UNARY_OPERATORS, Expr, as_expr, substitute, walk
 from .log import log
 from .lower.bind import Info, infer, infer_all
 from .lru import LRU
@@ -414,17 +414,13 @@ class OperationStream:
         if hit is not None:
             return hit
         of = {id(v): t for t, v in self.leaves.values()}
-        memo: dict[int, Expr] = {}
-        for n in walk([e]):
+
+        def detached(n: Expr) -> Expr | None:
             t = of.get(id(n)) if n.is_var else None
-            if t is not None and t.requires_grad:
-                memo[id(n)] = self.detached_leaf(t)
-            elif n.srcs:
-                srcs = tuple(memo[id(s)] for s in n.srcs)
-                memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
-            else:
-                memo[id(n)] = n
-        out = self.stops[id(e)] = memo[id(e)]
+            return self.detached_leaf(t) if t is not None and t.requires_grad else None
+
+        (out,) = substitute([e], detached)
+        self.stops[id(e)] = out
         self.keep.append(e)
         return out
 
@@ -880,16 +876,7 @@ class Fusion:
 
 def _bind(roots: list[Expr], values: dict[str, Expr]) -> list[Expr]:
     """``roots`` with each variable replaced by ``values[name]``."""
-    memo: dict[int, Expr] = {}
-    for n in walk(roots):
-        if n.is_var:
-            memo[id(n)] = values[n.attr("name")]
-        elif n.srcs:
-            srcs = tuple(memo[id(s)] for s in n.srcs)
-            memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
-        else:
-            memo[id(n)] = n
-    return [memo[id(r)] for r in roots]
+    return substitute(roots, lambda n: values[n.attr("name")] if n.is_var else None)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -44,7 +44,15 @@ from .lru import LRU
 from .ops import REGISTRY, apply_ref
 from .ops.random import SEED_PREFIX, draw_seed
 from .runtime_explain import PlanSummary, explain_text
-from .runtime_grad import GradFunction, GradPlan, InForward, dtype_of_input, gradient_in_forward, named_var
+from .runtime_grad import (
+    GradFunction,
+    GradPlan,
+    InForward,
+    dtype_of_input,
+    gradient_in_forward,
+    in_forward_programs,
+    named_var,
+)
 from .runtime_launch import (
     PreparedCall,
     backend_for,
@@ -325,12 +333,7 @@ class Kernel:
     def _grad_call(self, tensors: tuple, launch: PreparedCall, key: tuple) -> Any:
         """Through torch.autograd: fused forward (saving row statistics) and fused backward."""
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-        # the logits' memory holds the gradient, unless they are a leaf (their .grad would alias them)
-        mode = ""  # cross_entropy(..., grad_in_forward=True): "reuse" the logits' memory, or a "fresh" one
-        if self._in_forward is not None:
-            logits = tensors[self._index[self._in_forward]]
-            # DTensors run each kernel as a functional torch op (no input may be written): as usual
-            mode = "" if is_dtensor(logits) else "reuse" if logits.grad_fn is not None else "fresh"
+        mode = self._in_forward_mode(tensors)
         plan = self._grads.get((key, needs, mode))
         if plan is None:
             plan = self._grad_plan(launch.plan.graph, needs, mode)
@@ -339,6 +342,15 @@ class Kernel:
         if self._single:
             return results[0]
         return dict(zip(plan.grads.user_keys, results))
+
+    def _in_forward_mode(self, tensors: tuple) -> str:
+        """cross_entropy(..., grad_in_forward=True): "reuse" the logits' memory for their gradient,
+        or a "fresh" one where they are a leaf (their .grad would alias them); "" otherwise."""
+        if self._in_forward is None:
+            return ""
+        logits = tensors[self._index[self._in_forward]]
+        # DTensors run each kernel as a functional torch op (no input may be written): as usual
+        return "" if is_dtensor(logits) else "reuse" if logits.grad_fn is not None else "fresh"
 
     def _grad_plan(self, graph: Graph, needs: tuple[bool, ...], mode: str = "") -> GradPlan:
         if mode:
@@ -355,37 +367,38 @@ class Kernel:
         )
 
     def _plan_in_forward(self, graph: Graph, needs: tuple[bool, ...], reuse: bool) -> GradPlan:
-        """A loss marked ``grad_in_forward=True``: the forward runs the loss kernel (saving the row
-        statistics), then the fused backward kernels with a unit cotangent, keeping only the
-        gradients (cross-entropy's logits gradient written into the logits where that is safe and
-        ``reuse`` is on: a leaf's .grad must not alias it); the backward only scales each gradient,
-        in place, by the cotangent."""
+        """A loss marked ``grad_in_forward=True``: the forward runs the loss and its gradients for a
+        unit cotangent in one program where it can (:func:`in_forward_programs`; cross-entropy's logits gradient
+        written into the logits where that is safe and ``reuse`` is on: a leaf's .grad must not
+        alias it); the backward only scales each gradient, in place, by the cotangent."""
         name = self._in_forward
         grads = differentiate(graph, self._outputs, needs)
         input_of = {key: v for v, key in grads.grad_of}
-        units, scaled, kept, grad_of = {}, {}, {}, []
+        units, scaled, grad_of = {}, {}, []
         for k, (key, unit) in enumerate(grads.backward):
             dtype = dtype_of_input(graph, input_of[key])
-            units[key] = node("cast", unit, dtype=dtype)  # expand drops a cast to the dtype it has
-            kept[key] = f"{KEPT}{k}"
+            units[f"{KEPT}{k}"] = node("cast", unit, dtype=dtype)  # expand drops a cast to the dtype it has
             scaled[f"{GRADIENT}{k}"] = node(
                 "cast", node("mul", named_var(f"{KEPT}{k}"), named_var(f"{COTANGENT}0")), dtype=dtype
             )
             grad_of.append((input_of[key], f"{GRADIENT}{k}"))
-        stats = Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False)
-        into = {key: name for key in units if input_of[key] == name} if reuse else None
-        gradient = Kernel(units, self._config, stats=self._stats, draw_seeds=False, into=into)
-        in_place = {d: j for d, j in zip(scaled, kept.values())}
-        backward = Kernel(scaled, self._config, stats=self._stats, draw_seeds=False, into=in_place)
+        before, outs = in_forward_programs(dict(grads.forward), units, name)
+        config, stats = self._config, self._stats
+        into = dict.fromkeys((j for j, (key, _) in zip(units, grads.backward) if input_of[key] == name), name)
+        then = Kernel(outs, config, stats=stats, draw_seeds=False, into=into if reuse else None)
+        in_place = {d: j for d, j in zip(scaled, units)}
+        backward = Kernel(scaled, config, stats=stats, draw_seeds=False, into=in_place)
         plan = Gradients(
-            forward=(*grads.forward, *((kept[key], u) for key, u in units.items())),
+            forward=(*((k, e) for k, e in grads.forward if k in grads.user_keys), *units.items()),
             backward=tuple(scaled.items()),
             user_keys=grads.user_keys,
-            saved_keys=tuple(kept.values()),
+            saved_keys=tuple(units),
             grad_of=tuple(grad_of),
             float_outputs=grads.float_outputs,
         )
-        forward = InForward(stats, gradient, kept, grads.saved_keys, name)
+        dtype = graph.of(dict(graph.outputs)[grads.user_keys[0]]).dtype
+        first = Kernel(before, config, stats=stats, draw_seeds=False) if before else None
+        forward = InForward(first, then, tuple(units), name, dtype)
         return GradPlan(forward, backward, plan, tuple(v.attr("name") for v in self._vars))  # type: ignore[arg-type]
 
     def grad_plan(self, *args: Any, **kwargs: Any) -> GradPlan:
@@ -402,7 +415,7 @@ class Kernel:
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         if not any(needs):
             needs = tuple(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in tensors)
-        return self._grad_plan(self.analysis(*tensors).graph, needs)
+        return self._grad_plan(self.analysis(*tensors).graph, needs, self._in_forward_mode(tensors))
 
     def collect(self, args: tuple, kwargs: dict) -> tuple:
         """A call's inputs (positional or by name) in variable order, with fresh seeds for the hidden

@@ -12,10 +12,12 @@ import torch
 
 from .dtensor import is_dtensor
 from .errors import RtxError
-from .expr import Expr
+from .expr import Expr, substitute, walk
 from .handle import KernelHandle
 from .lower import Graph
-from .lower.vjp import COTANGENT, Gradients
+from .lower.analyze import read_srcs
+from .lower.vjp import COTANGENT, PRE, SAVED, Gradients
+from .ops import REGISTRY, OpKind
 
 
 @dataclass(frozen=True)
@@ -81,25 +83,68 @@ class GradFunction(torch.autograd.Function):
 
 
 class InForward:
-    """The forward of a loss marked ``grad_in_forward=True``: the loss kernel, then the gradient
-    kernels fed the loss's row statistics and a unit cotangent (``kept``: gradient key -> the name
-    it is saved under)."""
+    """The forward of a loss marked ``grad_in_forward=True``: two kernel programs (see
+    :func:`in_forward_programs`), the first one's outputs fed to the second, and the cotangent a 1
+    of the loss's dtype. ``kept``: the output names of the gradients, saved for the backward to
+    scale."""
 
     def __init__(
-        self, stats: KernelHandle, gradient: KernelHandle, kept: dict[str, str], saved: tuple[str, ...], first: str
+        self, first: KernelHandle | None, then: KernelHandle, kept: tuple[str, ...], logits: str, dtype: torch.dtype
     ) -> None:
-        self.stats, self.gradient, self.kept, self.saved, self.first = stats, gradient, kept, saved, first
-        self.inputs = stats.inputs
+        self.first, self.then, self.kept, self.logits, self.dtype = first, then, kept, logits, dtype
+        self.inputs = tuple(dict.fromkeys((*(first.inputs if first is not None else ()), *then.inputs)))
 
     def __call__(self, **feed: Any) -> dict[str, Any]:
-        outs = self.stats(**feed)
-        loss = outs["out"]
-        feed = {**feed, **{k: outs[k] for k in self.saved}, f"{COTANGENT}0": _one(loss.dtype, loss.device)}
-        grads = self.gradient(**{n: feed[n] for n in self.gradient.inputs})  # a dict: the kernel's outputs
-        for g in grads.values():
-            if g is feed[self.first]:  # the input's memory holds its gradient now: autograd must know
-                torch.autograd.graph.increment_version(g)
-        return {"out": loss, **{j: grads[key] for key, j in self.kept.items()}}
+        outs = dict(self.first(**{n: feed[n] for n in self.first.inputs})) if self.first is not None else {}
+        x = feed[self.logits]
+        feed = {**feed, **outs, f"{COTANGENT}0": _one(self.dtype, x.device)}
+        outs.update(self.then(**{n: feed[n] for n in self.then.inputs}))
+        for j in self.kept:
+            if outs[j] is x:  # the input's memory holds its gradient now: autograd must know
+                torch.autograd.graph.increment_version(x)
+        return {"out": outs["out"], **{j: outs[j] for j in self.kept}}
+
+
+def in_forward_programs(
+    forward: Mapping[str, Expr], units: Mapping[str, Expr], logits: str
+) -> tuple[dict[str, Expr], dict[str, Expr]]:
+    """The outputs of :class:`InForward`'s two programs, from ``forward`` (the loss and its saved
+    statistics ``_s<k>``) and ``units`` (gradients reading those and the cotangent ``_g0``).
+
+    One program computes the loss and the gradients, each saved statistic replaced by its own
+    expression, so a row kernel reads the logits once for both (Liger-Kernel's cross-entropy); the
+    first computes what the gradients reduce of the other inputs alone (``_p<k>``: the count of
+    non-ignored targets a mean divides by, which each row's gradient needs before the rows' losses
+    are summed), or nothing. Gradients computed by GEMMs (a linear cross-entropy's ``dh``, ``dw``)
+    keep the loss kernel apart, first: the GEMMs recompute the product from its statistics."""
+    saved = {k: e for k, e in forward.items() if k.startswith(SAVED)}
+    if any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in walk(list(units.values()))):
+        return dict(forward), dict(units)
+    grads = substitute(list(units.values()), lambda n: saved.get(n.attr("name")) if n.is_var else None)
+    apart: list[Expr] = []  # outermost first: a reduction inside another one stays inside it
+    inside: set[int] = set()
+    for n in reversed(walk(grads)):
+        if REGISTRY[n.op].kind is OpKind.REDUCTION and id(n) not in inside and not _reads(n, logits):
+            apart.append(n)
+            inside.update(map(id, walk([n])))
+    pre = {f"{PRE}{k}": r for k, r in enumerate(apart)}
+    read = {id(r): named_var(k) for k, r in pre.items()}
+    user = {k: e for k, e in forward.items() if k not in saved}
+    roots = substitute([*user.values(), *grads], lambda n: read.get(id(n)))
+    return pre, dict(zip([*user, *units], roots))
+
+
+def _reads(e: Expr, logits: str) -> bool:
+    """Does ``e`` read the values of input ``logits`` or of the cotangent (not only a shape, as
+    positions along the classes do)?"""
+    stack, seen = [e], set()
+    while stack:
+        n = stack.pop()
+        if n.is_var and n.attr("name") in (logits, f"{COTANGENT}0"):
+            return True
+        seen.add(id(n))
+        stack.extend(s for s in read_srcs(n) if id(s) not in seen)
+    return False
 
 
 def land(result: torch.Tensor, target: torch.Tensor) -> None:

@@ -61,6 +61,12 @@ SCRIPT = textwrap.dedent("""
     assert [k.summary.endswith("contract, sum") for k in bwd.program(**feed).kernels] == [False, True]
     kernels = {name: (rx.compile(e), ins, 0) for name, (e, ins) in cases.items()}
     kernels["gemm_bwd_bias_sum"] = (bwd, feed, -1)
+    # cross-entropy's loss and gradient in one read of the logits (grad_in_forward): its row kernel
+    ce_x = torch.empty(4096, 32000, **bf, requires_grad=True)
+    ce_t = torch.zeros(4096, dtype=torch.int64)
+    ce = rx.compile(rx.cross_entropy(x, b, grad_in_forward=True)).grad_plan(x=ce_x, b=ce_t).forward.then
+    ce_feed = dict(x=ce_x.detach(), b=ce_t, _g0=torch.ones((), **bf), _p0=torch.ones(()))
+    kernels["cross_entropy_grad_wide"] = (ce, {n: ce_feed[n] for n in ce.inputs}, 0)
     # linear cross-entropy at 4096 tokens x 32000 vocabulary x 1024 hidden: the forward computes the
     # logit tiles in its row loop, the backward's two GEMMs recompute them in their K loops
     lce_in = dict(h=torch.empty(4096, 1024, **bf), w=torch.empty(32000, 1024, **bf),
@@ -82,6 +88,8 @@ SCRIPT = textwrap.dedent("""
                          v4_loads=f.v4_loads, v4_stores=f.v4_stores, regs=f.registers, spills=f.spill_bytes,
                          stores=f.ptx.count("st.global"), wgmma=f.ptx.count("wgmma.mma_async"),
                          bf16_cvt=f.ptx.count("cvt.rn.bf16"), hand_rounded=f.ptx.count("-65536"),
+                         ex2_ftz=f.ptx.count("ex2.approx.ftz.f32"), ex2=f.ptx.count("ex2.approx"),
+                         compares_s64=f.ptx.count("setp.eq.s64") + f.ptx.count("setp.ne.s64"),
                          barriers=getattr(sass_counts(f.ptx), "barriers", None))
     print(json.dumps(out))
 """)
@@ -163,6 +171,30 @@ def test_wide_rows_are_one_block_of_32_warps_without_a_spill(facts):
     for name in ("cross_entropy_wide", "softmax_wide"):
         assert (facts[name]["block"], facts[name]["warps"], facts[name]["spills"]) == (32768, 32, 0), name
     assert facts["cross_entropy"]["block"] == 4096  # 64 rows
+
+
+def test_cross_entropy_loss_and_gradient_are_one_wide_block(facts):
+    """grad_in_forward's one row kernel (loss, gradient, the mean's tail) keeps a 32K row whole in
+    32 warps without a spill: its per-row loads (targets, the count, the cotangent) are no tiles."""
+    f = facts["cross_entropy_grad_wide"]
+    assert (f["block"], f["warps"], f["spills"]) == (32768, 32, 0)
+
+
+@pytest.mark.parametrize(("name", "per_thread"), [("softmax_bf16", 4096 // 256), ("cross_entropy_grad_wide", 32)])
+def test_one_flush_to_zero_exp_per_element(facts, name, per_thread):
+    """The logsumexp tile's ``exp2`` (Triton's ``ex2.approx.ftz``, no denormal rescale) is the only
+    exp per element: softmax and the cross-entropy gradient reuse it (the shared exp), leaving one
+    plain exp per row."""
+    f = facts[name]
+    assert f["ex2_ftz"] == per_thread
+    assert f["ex2"] - f["ex2_ftz"] <= 2  # per row: the rescale exp(shift - lse)
+
+
+def test_class_positions_compare_in_32_bits(facts):
+    """Cross-entropy's ``positions == target`` runs on int32 positions against the target narrowed
+    once per row: no 64-bit compare per element (32 per thread at 32K classes in 32 warps)."""
+    for name in ("cross_entropy_grad_wide", "cross_entropy_wide"):
+        assert facts[name]["compares_s64"] <= 2, name
 
 
 def test_a_row_of_one_column_compiles_where_its_size_is_a_constexpr(tmp_path):

@@ -293,17 +293,45 @@ def test_cross_entropy_grad_in_forward_leaves_leaf_logits_alone_and_fails_loudly
         k(x=saved, t=target).backward()
 
 
-def test_cross_entropy_grad_in_forward_launches_and_bad_input(gen):
+@pytest.mark.parametrize(
+    ("kw", "launches"),
+    [
+        # the count of non-ignored targets the mean divides by (each row's gradient needs it), then
+        # one row kernel: loss, gradient into the logits, the mean as its tail
+        ({}, 2),
+        ({"reduction": "sum"}, 1),  # nothing to count: the one row kernel
+        ({"label_smoothing": 0.1, "z_loss": 1e-3}, 2),  # every term in the same row kernel
+    ],
+)
+def test_cross_entropy_grad_in_forward_reads_the_logits_once(kw, launches, gen):
+    """Liger-Kernel's cross-entropy: the loss and its gradient from one read of the logits, the
+    gradient written over them; the backward only scales it."""
     logits, target, _ = _ce_inputs(gen, torch.float32, rows=9, classes=21)
-    k = rx.compile(rx.cross_entropy(x, t, grad_in_forward=True))
+    k = rx.compile(rx.cross_entropy(x, t, grad_in_forward=True, **kw))
     a = logits.clone().requires_grad_()
     logits_in = a * 1.0
     rx.reset_fusion_stats()
     loss = k(x=logits_in, t=target)
-    assert rx.fusion_stats().kernels_launched == 2  # the loss (its mean a tail), then the gradient into the logits
+    stats = rx.fusion_stats()
+    assert stats.kernels_launched == launches
+    # the logits read once and their gradient written once (a second read would be 3x), the rest
+    # per row (targets, losses, the count)
+    assert 2 * logits.nbytes <= stats.bytes_moved < 3 * logits.nbytes
     rx.reset_fusion_stats()
     loss.backward()
     assert rx.fusion_stats().kernels_launched == 1  # the backward only scales the saved gradient, in place
+    ref = logits.clone().requires_grad_()
+    opts = {key: v for key, v in kw.items() if key != "z_loss"}
+    want = F.cross_entropy(ref, target, **opts)
+    if kw.get("z_loss"):
+        valid = target != -100
+        want = want + (kw["z_loss"] * ref.logsumexp(-1) ** 2 * valid).sum() / valid.sum()
+    want.backward()
+    assert_close(loss, want.detach(), 1e-5, 1e-5, "loss")
+    assert_close(a.grad, ref.grad, 1e-5, 1e-5, "gradient")
+
+
+def test_cross_entropy_grad_in_forward_bad_input():
     with pytest.raises(rx.RtxError, match="grad_in_forward needs a scalar loss"):
         rx.cross_entropy(x, t, reduction="none", grad_in_forward=True)
     with pytest.raises(rx.RtxError, match="grad_in_forward must be a bool"):
@@ -334,7 +362,7 @@ def test_cross_entropy_grad_in_forward_with_autotune_times_no_kernel_that_writes
     ref = logits.clone().requires_grad_()
     F.cross_entropy(ref, target).backward()
     torch.testing.assert_close(a.grad, ref.grad)
-    assert timed  # the loss kernel was tuned; the in-place gradient and scaling kernels were not
+    assert timed  # the count was tuned; the loss kernel (its gradient in place) and the scaling were not
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

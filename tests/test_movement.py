@@ -219,3 +219,24 @@ def test_integer_index_of_a_join_masks_with_tiles():
     t = torch.ones(1, 1, dtype=torch.float64, requires_grad=True)
     k(x=t).sum().backward()
     assert t.grad.item() == 2.0  # row 0 of the join is the first copy only
+
+
+@pytest.mark.parametrize("negate", [False, True])
+def test_positions_against_per_row_values_beyond_int32(negate, gen):
+    """Positions compare in int32 against a per-row value narrowed once (-1 outside int32): values
+    at 2**32 + k or 2**31 + k must not match position k (a truncation would), negatives never match."""
+    k = rx.var("k")
+    pos = rx.arange_like(x, -1)
+    hit = (pos != k * 2) if negate else (pos == k * 2)
+    kernel = rx.compile(rx.sum(rx.where(hit, x, 0.0), -1))
+    xs = torch.randn(7, 37, generator=gen, dtype=torch.float64)
+    ks = torch.tensor([[3], [2**31 + 5], [2**31 + 1], [-1], [18], [2**62], [-(2**31)]], dtype=torch.int64)
+    got = kernel(x=xs, k=ks)
+    p = torch.arange(37)
+    want = torch.where((p != ks * 2) if negate else (p == ks * 2), xs, 0.0).sum(-1)
+    assert_close(got, want, 1e-12, 1e-12, "positions")
+    from rtxdsl.build import prepare
+    from rtxdsl.lower import GPU
+
+    (source,) = [c.source for c in prepare(kernel, {"x": xs, "k": ks}, GPU)[1]]
+    assert "<= 2147483647" in source  # the int32 comparison is what ran

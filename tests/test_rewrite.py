@@ -143,3 +143,32 @@ def test_a_load_read_only_under_its_mask_fills_masked_lanes_itself():
 )
 def test_load_other_leaves_other_loads_alone(body):
     assert simplify(body) == body
+
+
+def test_a_half_value_widened_then_narrowed_again_rounds_once():
+    """A gradient rounded to bf16 in fp32, then stored as bf16: one conversion, not three."""
+    body = ["v = a + b", "r = v.to(tl.bfloat16).to(tl.float32)", "tl.store(p, r.to(tl.bfloat16), mask=mask)"]
+    assert simplify(body) == ["v = a + b", "tl.store(p, v.to(tl.bfloat16), mask=mask)"]
+    fp16 = ["v = a + b", "r = v.to(tl.float16).to(tl.float32)", "tl.store(p, r.to(tl.float16) + r)"]
+    assert simplify(fp16) == ["v = a + b", "r = v.to(tl.float16).to(tl.float32)", "tl.store(p, v.to(tl.float16) + r)"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # narrowed to another half type: a second rounding, kept
+        ["v = a + b", "r = v.to(tl.bfloat16).to(tl.float32)", "tl.store(p, r.to(tl.float16))"],
+        # rounded from a wider type first (fp32 -> fp64 is exact, but fp32 is no half type here)
+        ["v = a + b", "r = v.to(tl.float32).to(tl.float64)", "tl.store(p, r.to(tl.float32))"],
+        # inside a loop whose next step changes ``v``: ``r`` is the value before it
+        [
+            "for i in range(0, n, B):",
+            "    r = v.to(tl.bfloat16).to(tl.float32)",
+            "    v = v + 1.0",
+            "tl.store(p, r.to(tl.bfloat16))",
+        ],
+    ],
+    ids=["other-half", "not-half", "in-a-loop"],
+)
+def test_round_trip_leaves_other_casts_alone(body):
+    assert simplify(body) == body

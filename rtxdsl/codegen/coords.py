@@ -147,6 +147,7 @@ class CoordWriter(Writer):
                 def operand(r: tuple) -> str:
                     return self._value_at(r, self._adjust(c, self._ones(r)), scope, full)
 
+                self._reductions_first(node, operand)
                 if not (c == self._default(i) and self._shared_exp(node, name, scope, operand)):
                     self._emit_with(node, name, scope, [operand(r) for r in node.srcs])
             if i in self.rounded:
@@ -250,7 +251,8 @@ class CoordWriter(Writer):
             zero=zero,
         )
         expr = op.remap(ctx)  # type: ignore[misc]
-        result = compute_dtype(node.dtype)
+        # positions at remapped coordinates are whatever index remapped them (a target): int64
+        result = self.result_dtype(node) if self._plain(c) else compute_dtype(node.dtype)
         expr = f"({expr}) != 0" if result is torch.bool else f"({expr}).to({TRITON_TYPE[result]})"
         scope.add(f"{name} = {expr}")
         self.types[name] = result

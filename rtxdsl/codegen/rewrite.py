@@ -15,6 +15,7 @@ identity_cast      ``x.to(T)`` where ``x`` already is a ``T``: ``x``
 common_subexpr     an expression a name still holds (visible here): that name
 copy               ``a = b``, ``a`` assigned once, ``b`` not after it: ``a`` read as ``b``
 load_other         ``tl.where(mask, a, c)``, ``a`` a load under ``mask`` read only there: ``other=c``
+round_trip         ``b.to(H)``, ``b = a.to(H).to(W)`` with ``W`` wider than the half type ``H``: ``a.to(H)``
 dead               ``a = <pure>`` never read, a loop left empty: dropped
 =================  =========================================================================
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ast
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from copy import deepcopy as copy_tree
 
 #: calls with effects or an order (loads, stores, atomics, barriers): never merged, moved or dropped
 EFFECTS = frozenset({"load", "store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "debug_barrier"})
@@ -333,10 +335,54 @@ def load_other(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     return changed
 
 
+#: half types, and the float types that hold each of their values exactly
+_WIDER = {"tl.bfloat16": ("tl.float32", "tl.float64"), "tl.float16": ("tl.float32", "tl.float64")}
+
+
+def _cast(e: ast.expr) -> tuple[ast.expr, str] | None:
+    """``(x, "tl.T")`` of ``x.to(tl.T)``; None for any other expression."""
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "to":
+        if len(e.args) == 1 and not e.keywords:
+            return e.func.value, ast.unparse(e.args[0])
+    return None
+
+
+def round_trip(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """``b.to(H)`` where ``b = a.to(H).to(W)``, ``H`` a half type and ``W`` a wider float: widening a
+    half value is exact, so narrowing it back gives the same half value: ``a.to(H)`` (a gradient
+    rounded to its dtype in fp32, then stored in that dtype, rounds once)."""
+    rounded: dict[str, tuple[ast.expr, str]] = {}  # b -> (a.to(H), "H")
+    for stmt in body:  # outside loops: ``a`` assigned once then holds, after ``b``, what ``b`` read
+        name = _target(stmt)
+        outer = _cast(stmt.value) if name is not None and once[name] == 1 else None
+        inner = _cast(outer[0]) if outer is not None else None
+        if inner is not None and inner[1] in _WIDER and outer[1] in _WIDER[inner[1]]:
+            if all(once[n] <= 1 for n in _names(outer[0])):  # it holds one value wherever ``b`` is read
+                rounded[name] = (outer[0], inner[1])
+    changed = False
+
+    class Narrow(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            nonlocal changed
+            self.generic_visit(node)
+            found = _cast(node)
+            if found is not None and isinstance(found[0], ast.Name) and found[0].id in rounded:
+                half, dtype = rounded[found[0].id]
+                if found[1] == dtype:
+                    changed = True
+                    return ast.copy_location(copy_tree(half), node)
+            return node
+
+    if rounded:
+        for stmt in body:
+            Narrow().visit(stmt)
+    return changed
+
+
 Rule = Callable[[list[ast.stmt], Counter[str], Types], bool]
 
 #: the rules, in the order each round applies them
-RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, load_other, copy, dead)
+RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, load_other, round_trip, copy, dead)
 
 
 def simplify(lines: Sequence[str]) -> list[str]:

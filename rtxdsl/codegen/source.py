@@ -21,8 +21,9 @@ from ..lower.params import kernel_params, load_names
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
 from ..lower.roles import Role
 from ..lower.spec import BCAST, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split, Src, Stride
-from ..ops import REGISTRY, DtypeRule, EmitCtx, OpKind, ReduceSpec
+from ..ops import REGISTRY, AxisRule, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
+from ..ops.movement import positions_compared
 from ..ops.reduction import exp_of_logsumexp
 from .rewrite import simplify
 from .template import render
@@ -152,6 +153,7 @@ class Writer:
         self.half_copy: dict[str, str] = {}  # a rounded fp32 value's name -> its half value's name
         #: a logsumexp computed whole -> its tile x, exp(x - shift) and shift (``_shared_exp``)
         self.shared_exp: dict[int, tuple[str, str, str]] = {}
+        self.reduced_from: dict[int, bool] = {}  # node index -> computed from a reduction (``_after_reduction``)
         self.scalar_args: set[str] = set()  # the scalar arguments' names (``_scalar_prelude``)
 
     # ---- what each family's writer says ----------------------------------------------
@@ -211,12 +213,59 @@ class Writer:
                     raise AssertionError(f"reduction v{i} used before its pass finished")
                 name = self._emit_reduction_whole(i, scope)
             else:
+                self._reductions_first(node, lambda r: self.value(r, loop))
                 name = self._shared_exp(node, f"v{i}", scope, lambda r: self.value(r, loop))
                 name = name or self._emit_node(node, f"v{i}", scope, loop)
             if i in self.rounded:
                 name = self.round_stored(name, i, scope)
         scope.memo[ref] = name
         return name
+
+    def _reductions_first(self, node: NodeSpec, operand: Callable[[tuple], str]) -> None:
+        """Compute ``node``'s operands that come from the row's reductions before the others: the
+        tiles those read are reduced before any other tile is made (a tile made first would be held
+        across the reduction, and a 32K row has registers for few)."""
+        for r in node.srcs:
+            if self._after_reduction(r):
+                operand(r)
+
+    def _row_constant(self, ref: tuple) -> bool:
+        """Is ``ref`` one value per row: a per-row load, a per-row node, or elementwise math on those
+        and scalars (a broadcast operand's producer runs at the full shape, role FULL, yet reads
+        only per-row values)?"""
+        kind, i = ref
+        if kind is Src.SLOT:
+            return True
+        if kind is Src.LOAD:
+            return self._per_row_load(i)
+        if kind is not Src.NODE:
+            return False
+        node = self.spec.nodes[i]
+        if node.role in (Role.KEEP, Role.DROP):
+            return True
+        elementwise = REGISTRY[node.op].kind is OpKind.ELEMENTWISE and bool(node.srcs)
+        return node.role is Role.FULL and elementwise and all(self._row_constant(r) for r in node.srcs)
+
+    def _per_row_load(self, j: int) -> bool:
+        """Is load ``j`` one value per row: broadcast along every reduced dim of the domain (its
+        dims aligned with the domain's trailing ones, as broadcasting aligns them)?"""
+        ld, domain = self.spec.loads[j], self.spec.domain
+        if ld.role is not Role.FULL:
+            return True
+        if domain is None or not any(domain) or len(ld.rows) > len(domain):
+            return False
+        return all(c == BCAST for c, reduced in zip(ld.rows, domain[len(domain) - len(ld.rows) :]) if reduced)
+
+    def _after_reduction(self, ref: tuple) -> bool:
+        """Is ``ref`` a node computed from a reduction of this kernel?"""
+        if ref[0] is not Src.NODE:
+            return False
+        hit = self.reduced_from.get(ref[1])
+        if hit is None:
+            node = self.spec.nodes[ref[1]]
+            hit = REGISTRY[node.op].kind is OpKind.REDUCTION or any(self._after_reduction(r) for r in node.srcs)
+            self.reduced_from[ref[1]] = hit
+        return hit
 
     def _node_at(self, ref: tuple) -> tuple[int, NodeSpec] | None:
         return (ref[1], self.spec.nodes[ref[1]]) if ref[0] is Src.NODE else None
@@ -292,13 +341,38 @@ class Writer:
 
     def _emit_with(self, node: NodeSpec, name: str, scope: Scope, operands: list[str]) -> str:
         args = self._operands(node, operands)
-        expr = REGISTRY[node.op].emit(self._ctx(node, scope, node.cdt), *args)
-        result = compute_dtype(node.dtype)
+        expr = self._positions_compare(node, operands, scope) or REGISTRY[node.op].emit(
+            self._ctx(node, scope, node.cdt), *args
+        )
+        result = self.result_dtype(node)
         if result is not torch.bool and not result.is_floating_point:
             expr = f"({expr}).to({TRITON_TYPE[result]})"
         scope.add(f"{name} = {expr}")
         self.types[name] = result
         return name
+
+    def result_dtype(self, node: NodeSpec) -> torch.dtype:
+        """The dtype ``node``'s value has in the kernel: its compute dtype, but positions stay int32
+        where the kernel's offsets fit 32 bits (a consumer wanting int64 casts them)."""
+        if REGISTRY[node.op].axes is AxisRule.POSITIONS and not self.spec.big:
+            return torch.int32
+        return compute_dtype(node.dtype)
+
+    def _positions_compare(self, node: NodeSpec, operands: list[str], scope: Scope) -> str | None:
+        """``positions == b`` (or ``!=``), ``b`` an integer per row, positions at the kernel's own
+        coordinates in int32 (``result_dtype``): they lie in ``[0, 2**31)``, so the comparison runs
+        in int32 against ``b`` narrowed once per row (-1, which no position equals, where ``b`` lies
+        outside): one 32-bit compare per element (``ops.movement.positions_compared``)."""
+        found = positions_compared(node, self._node_at)
+        if found is None or node.cdt.is_floating_point or self.types.get(operands[found[0]]) is not torch.int32:
+            return None  # (positions against a float compare as floats: 2 != 2.5)
+        k, operator = found
+        other = node.srcs[1 - k]
+        if other[0] is Src.SLOT or not self._row_constant(other):  # (narrowing every element gains nothing)
+            return None
+        b = self.cast(operands[1 - k], torch.int64)
+        narrow = self.tmp(scope, f"tl.where(({b} >= 0) & ({b} <= 2147483647), {b}, -1).to(tl.int32)")
+        return f"{operands[k]} {operator} {narrow}"
 
     # ---- reductions ------------------------------------------------------------------------
     def _reduce_input(self, i: int, scope: Scope, loop: Scope) -> tuple[NodeSpec, torch.dtype, EmitCtx, str]:

@@ -103,7 +103,8 @@ def pointwise_config(numel: int, target: Target) -> Config:
     return Config(block, 1, False, _warps(min(block, GPU.pointwise_block)))
 
 
-#: full-size tiles (loads and outputs of the row's shape) a kernel may hold to keep a row up to
+#: full-size tiles (loads varying along the row, outputs of the row's shape; per-row and 0-dim loads
+#: are none) a kernel may hold to keep a row up to
 #: ``Target.wide_row_block`` whole: at 32K and 32 warps a thread has 64 registers, a tile takes 32
 #: (a softmax, 55 registers, and a cross-entropy, 48, compile for sm_90 without a spill)
 WIDE_TILES = 2
@@ -490,7 +491,11 @@ def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> 
         precision = "tf32" if tf32 and dtype == torch.float32 else "ieee"
         return Config(bn, bm, True, warps), GemmTile(bm, bn, bk, 1, warps, stages, precision=precision)
     if w.row:
-        tiles = sum(ld.role is Role.FULL for ld in w.loads) + sum(o.role is Role.FULL for o in w.outputs)
+        # a load varying along the reduced dims is a tile; per-row ones (targets) and 0-dim ones (a
+        # scalar loss's cotangent) are not
+        reduced = len(w.cols)
+        full = [ld for ld in w.loads if len(ld.rows) > len(w.rows) and set(ld.rows[-reduced:]) != {BCAST}]
+        tiles = len(full) + sum(o.role is Role.FULL for o in w.outputs)
         return row_config(n_rows, n_cols, target, w.column, tiles), None
     return Config(0, 1, False, 0), None
 

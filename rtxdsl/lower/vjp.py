@@ -28,8 +28,9 @@ from .expand import Graph, is_leaf
 
 #: names of the backward's extra inputs and outputs (user inputs may not use them)
 #: placeholder input and output names of gradient kernels: cotangents, saved statistics,
-#: gradients, and the unit gradients a loss computed with ``grad_in_forward`` keeps
-COTANGENT, SAVED, GRADIENT, KEPT = "_g", "_s", "_d", "_j"
+#: gradients, the unit gradients a loss computed with ``grad_in_forward`` keeps, and what such a
+#: loss's gradients read of its other inputs, computed first
+COTANGENT, SAVED, GRADIENT, KEPT, PRE = "_g", "_s", "_d", "_j", "_p"
 
 
 @dataclass(frozen=True)

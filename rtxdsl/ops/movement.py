@@ -914,6 +914,17 @@ def arange_like(e: ExprLike, axis: int = -1) -> Expr:
     return node("arange_like", e, axis=axis)
 
 
+def positions_compared(node: Any, node_at: Any) -> tuple[int, str] | None:
+    """``positions == b`` or ``positions != b`` (cross-entropy's target against the class
+    positions): ``(the positions operand's place in node.srcs, the Python operator)``; None for any
+    other node. ``node_at(ref)`` is ``(index, node)`` for a node's ref, else None. A writer whose
+    positions fit 32 bits compares them in int32 against ``b`` narrowed once per row."""
+    operator = {"eq": "==", "ne": "!="}.get(node.op)
+    found = [node_at(r) for r in node.srcs] if operator else []
+    at = [k for k, f in enumerate(found) if f is not None and f[1].op == "arange_like"]
+    return (at[0], operator) if len(at) == 1 else None  # type: ignore[return-value]
+
+
 def _arange_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
     x = shapes[0]
     a = _axis(axis, len(x), "arange_like")

@@ -113,12 +113,23 @@ def _extreme_spec(which: str, identity, pick) -> ReduceSpec:
     )
 
 
+def _exp_below(x: str, big: str) -> str:
+    """``exp(x - big)`` per element of a tile whose ``big`` is its row's max, as Liger-Kernel
+    computes it: ``exp2`` of the difference in base 2, which Triton lowers to the flush-to-zero
+    ``ex2.approx.ftz`` (one FADD, FMUL and MUFU, where ``tl.exp`` adds a range test and two
+    rescales per element for results below 2**-126). Terms that small cannot move a sum that holds
+    the max's own term 1 (in fp32, anything under 2**-24 of it is rounded away); a softmax reading
+    the same tile (``Writer._shared_exp``) gives 0 for them, within 2**-126 of the exact value. The
+    interpreter's ``exp2`` (numpy's) flushes nothing."""
+    return f"tl.exp2(({x} - {big}) * 1.4426950408889634)"
+
+
 def _lse_tile(c: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
     m, s = st
     # tl.max may drop a NaN, and needs no flag for it here: the NaN lane's exp(NaN - big) makes
     # the sum NaN, and so the logsumexp (a row of +inf and NaN too: NaN != big)
     big = c.tmp(f"tl.max({m}, axis=1)[:, None]")
-    return big, _tile_sum(f"tl.where({m} == {big}, {s}, {s} * tl.exp({m} - {big}))")
+    return big, _tile_sum(f"tl.where({m} == {big}, {s}, {s} * {_exp_below(m, big)})")
 
 
 def _lse_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -137,7 +148,7 @@ def _lse_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
     # shift by the max, or by 0 where it is +-inf: no lane computes inf - inf, so a row of -inf sums
     # to 0 (logsumexp -inf) and one holding +inf to inf; a NaN lane's exp is NaN (tl.max may drop it)
     shift = c.tmp(f"tl.where(tl.abs({big}) == float('inf'), 0.0, {big})")
-    e = c.tmp(f"tl.exp({m} - {shift})")
+    e = c.tmp(_exp_below(m, shift))
     c.facts.update(exp=e, shift=shift)
     return big, _tile_sum(e)
 
@@ -269,16 +280,17 @@ def lse_shift(x: Expr, axis: Any) -> Expr:
 
 
 def exp_of_logsumexp(node: Any, node_at: Any) -> tuple[Any, int, Any] | None:
-    """``exp(x - lse)`` with ``lse = logsumexp(x)`` (bare or guarded by ``finite_or_nan``, as
-    softmax writes it): ``(x, lse's node index, the subtrahend)``, refs as ``node.srcs`` holds
-    them; None for any other node. ``node_at(ref)`` is ``(index, node)`` for a node's ref, else
-    None. A writer that reduced ``lse`` whole computes the exp from the reduction's own tile."""
+    """``exp(x - lse)`` with ``lse = logsumexp(x)`` (bare, guarded by ``finite_or_nan`` as softmax
+    writes it, or cast as a saved statistic is): ``(x, lse's node index, the subtrahend)``, refs as
+    ``node.srcs`` holds them; None for any other node. ``node_at(ref)`` is ``(index, node)`` for a
+    node's ref, else None. A writer that reduced ``lse`` whole computes the exp from the
+    reduction's own tile, times ``exp(shift - subtrahend)``: exact whatever the subtrahend holds."""
     sub = node_at(node.srcs[0]) if node.op == "exp" else None
     if sub is None or sub[1].op != "sub":
         return None
     x, y = sub[1].srcs
     red = node_at(y)
-    while red is not None and red[1].op == "finite_or_nan":
+    while red is not None and red[1].op in ("finite_or_nan", "cast"):
         red = node_at(red[1].srcs[0])
     if red is None or red[1].op != "logsumexp" or red[1].srcs[0] != x:
         return None

@@ -25,14 +25,14 @@ def row_unsqueeze_eq_mul_sum_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows, mask=mask, other=0)
-    x2_1 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
-    x1_2 = tl.load(in1_ptr + rows, mask=mask, other=0)
-    v2 = x2_1 == x1_2
+    x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows, mask=mask, other=0)
+    v2 = x2_0 == x1_1
     v3 = v2.to(tl.float32)
-    v4 = x0_0 * v3
-    t3 = tl.where(mask, v3, 0)
-    v5 = tl.sum(t3, axis=1)[:, None]
+    t2 = tl.where(mask, v3, 0)
+    v5 = tl.sum(t2, axis=1)[:, None]
+    x0_3 = tl.load(in0_ptr + rows, mask=mask, other=0)
+    v4 = x0_3 * v3
     v6 = v4 / v5
     x3_4 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
     v7 = v6 + x3_4

@@ -25,7 +25,7 @@ def softmax_row_SIG(
     t1 = tl.where(mask, x0_0, float('-inf'))
     t2 = tl.max(t1, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
-    t4 = tl.exp(t1 - t3)
+    t4 = tl.exp2((t1 - t3) * 1.4426950408889634)
     v0 = t2 + tl.log(tl.sum(t4, axis=1)[:, None])
     v1 = v0 + (v0 - v0)
     v2 = x0_0 - v1

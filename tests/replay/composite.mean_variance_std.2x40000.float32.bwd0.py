@@ -44,11 +44,12 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
         t2 = acc_11 + t1
         acc_11 = t2
     v11 = tl.sum(acc_11, axis=1)[:, None]
-    x0_3 = tl.load(in0_ptr)
-    v0 = x0_3 / s0
+    v12 = v11 / s5
+    x0_4 = tl.load(in0_ptr)
+    v0 = x0_4 / s0
     v1 = v0 == s1
-    x1_4 = tl.load(in1_ptr)
-    v2 = tl.where(v1, s1, x1_4)
+    x1_5 = tl.load(in1_ptr)
+    v2 = tl.where(v1, s1, x1_5)
     v3 = v2 * s2
     v4 = tl.where(v1, s3, v0)
     v5 = tl.sqrt(v4)
@@ -56,7 +57,6 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     v7 = tl.where(v1, s1, v6)
     v8 = v7 / s0
     v10 = v8 * s4
-    v12 = v11 / s5
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -64,8 +64,8 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
         c1 = cols % csize1
         crem = cols // csize1
         c0 = crem
-        x2_5 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0)
-        v13 = x2_5 - v12
+        x2_3 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0)
+        v13 = x2_3 - v12
         v14 = v10 * v13
         x3_6 = tl.load(in3_ptr + c0 * in3_stride1 + c1, mask=mask, other=0)
         v15 = v14 + x3_6
@@ -125,17 +125,17 @@ def row_div_unsqueeze_mul_sum_SIG(
         t2 = acc_3 + t1
         acc_3 = t2
     v3 = tl.sum(acc_3, axis=1)[:, None]
-    x0_4 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
-    v0_3 = x0_4 / s0
-    v1 = v0_3.to(tl.float32)
-    v2 = v1 * s1
     v4 = v3 / s2
+    x0_5 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
+    v0_4 = x0_5 / s0
+    v1 = v0_4.to(tl.float32)
+    v2 = v1 * s1
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x1_5 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        v5 = x1_5 - v4
+        x1_3 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+        v5 = x1_3 - v4
         v6 = v2 * v5
         tl.store(out0_ptr + rows * out0_stride0 + cols, v6, mask=mask)
     tl.debug_barrier()

@@ -37,11 +37,16 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     mask = row_mask & col_mask
     c1 = cols % csize1
     crem = cols // csize1
-    x0_0 = tl.load(in0_ptr)
-    v0 = x0_0 / s0
+    x2_0 = tl.load(in2_ptr + crem * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
+    t1 = tl.where(mask, x2_0, 0)
+    v11 = tl.sum(t1, axis=1)[:, None]
+    v12 = v11 / s5
+    v13 = x2_0 - v12
+    x0_2 = tl.load(in0_ptr)
+    v0 = x0_2 / s0
     v1 = v0 == s1
-    x1_1 = tl.load(in1_ptr).to(tl.float32)
-    v2 = tl.where(v1, s1, x1_1)
+    x1_3 = tl.load(in1_ptr).to(tl.float32)
+    v2 = tl.where(v1, s1, x1_3)
     v3 = v2 * s2
     v4 = tl.where(v1, s3, v0)
     v5 = tl.sqrt(v4)
@@ -49,11 +54,6 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     v7 = tl.where(v1, s1, v6)
     v8 = v7 / s0
     v10 = v8 * s4
-    x2_2 = tl.load(in2_ptr + crem * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
-    t3 = tl.where(mask, x2_2, 0)
-    v11 = tl.sum(t3, axis=1)[:, None]
-    v12 = v11 / s5
-    v13 = x2_2 - v12
     v14 = v10 * v13
     x3_4 = tl.load(in3_ptr + crem * in3_stride1 + c1, mask=mask, other=0).to(tl.float32)
     v15 = v14 + x3_4
@@ -107,15 +107,15 @@ def row_div_unsqueeze_mul_sum_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_1 = tl.load(in0_ptr + rows, mask=row_mask, other=0).to(tl.float32)
-    v0_0 = x0_1 / s0
-    v1 = v0_0.to(tl.float32)
-    v2 = v1 * s1
-    x1_2 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    t3 = tl.where(mask, x1_2, 0)
-    v3 = tl.sum(t3, axis=1)[:, None]
+    x1_0 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    t1 = tl.where(mask, x1_0, 0)
+    v3 = tl.sum(t1, axis=1)[:, None]
     v4 = v3 / s2
-    v5 = x1_2 - v4
+    v5 = x1_0 - v4
+    x0_3 = tl.load(in0_ptr + rows, mask=row_mask, other=0).to(tl.float32)
+    v0_2 = x0_3 / s0
+    v1 = v0_2.to(tl.float32)
+    v2 = v1 * s1
     v6 = v2 * v5
     tl.store(out0_ptr + rows * out0_stride0 + cols, v6.to(tl.bfloat16), mask=mask)
     tl.debug_barrier()

@@ -39,11 +39,11 @@ def row_mul_div_add_rsqrt_SIG(
         t4 = acc_6 + t3
         acc_6 = t4
     v6 = tl.sum(acc_6, axis=1)[:, None]
-    x2_8 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v1 = x2_8 / s0
+    v7 = v6 * s2
+    x2_5 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
+    v1 = x2_5 / s0
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
-    v7 = v6 * s2
     v8 = v3 * v3
     v9 = v3 * v8
     v10 = v7 * v9
@@ -52,12 +52,12 @@ def row_mul_div_add_rsqrt_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_6 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        x1_7 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v0_5 = x0_6 * x1_7
-        v4 = v0_5 * v3
-        x3_9 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        v12 = v11 * x3_9
+        x3_6 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+        v12 = v11 * x3_6
+        x0_8 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+        x1_9 = tl.load(in1_ptr + cols, mask=mask, other=0)
+        v0_7 = x0_8 * x1_9
+        v4 = v0_7 * v3
         v13 = v4 + v12
         v14 = v13 + v12
         tl.store(out0_ptr + rows * out0_stride0 + cols, v14, mask=mask)

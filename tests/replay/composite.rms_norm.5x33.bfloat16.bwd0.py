@@ -78,21 +78,21 @@ def row_mul_div_add_rsqrt_SIG(
     x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
     x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
     v0 = x0_0 * x1_1
-    x2_2 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v1 = x2_2 / s0
+    x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    v5 = v0 * x3_2
+    t3 = tl.where(mask, v5, 0)
+    v6 = tl.sum(t3, axis=1)[:, None]
+    v7 = v6 * s2
+    x2_4 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
+    v1 = x2_4 / s0
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
-    v4 = v0 * v3
-    x3_3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    v5 = v0 * x3_3
-    t4 = tl.where(mask, v5, 0)
-    v6 = tl.sum(t4, axis=1)[:, None]
-    v7 = v6 * s2
     v8 = v3 * v3
     v9 = v3 * v8
     v10 = v7 * v9
     v11 = v10 / s0
-    v12 = v11 * x3_3
+    v12 = v11 * x3_2
+    v4 = v0 * v3
     v13 = v4 + v12
     v14 = v13 + v12
     tl.store(out0_ptr + rows * out0_stride0 + cols, v14, mask=mask)

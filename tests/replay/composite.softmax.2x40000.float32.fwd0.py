@@ -27,7 +27,7 @@ def softmax_row_SIG(
         x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=float('-inf'))
         t2 = tl.max(x0_0, axis=1)[:, None]
         t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
-        t4 = tl.exp(x0_0 - t3)
+        t4 = tl.exp2((x0_0 - t3) * 1.4426950408889634)
         t5 = tl.where(m_0 != m_0, m_0, tl.where(m_0 > t2, m_0, t2))
         t6 = tl.sum(t4, axis=1)[:, None]
         t8 = tl.where(m_0 == t5, s_0, s_0 * tl.exp(m_0 - t5)) + tl.where(t2 == t5, t6, t6 * tl.exp(t2 - t5))

@@ -24,7 +24,7 @@ def softmax_row_SIG(
     x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=float('-inf')).to(tl.float32)
     t2 = tl.max(x0_0, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
-    t4 = tl.exp(x0_0 - t3)
+    t4 = tl.exp2((x0_0 - t3) * 1.4426950408889634)
     v0 = t2 + tl.log(tl.sum(t4, axis=1)[:, None])
     v1 = v0 + (v0 - v0)
     v3 = t4 * tl.exp(t3 - v1)

@@ -85,28 +85,28 @@ def row_mul_div_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3_0 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-    x0_1 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1_2 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    v0 = x0_1 * x1_2
-    x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v1 = x2_3 / s0
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0)
+    v0 = x0_0 * x1_1
+    x4_2 = tl.load(in4_ptr + rows * in4_stride0 + cols, mask=mask, other=0)
+    x5_3 = tl.load(in5_ptr + rows * in5_stride0 + cols, mask=mask, other=0)
+    v6 = x4_2 + x5_3
+    v7 = v0 * v6
+    t4 = tl.where(mask, v7, 0)
+    v8 = tl.sum(t4, axis=1)[:, None]
+    v9 = v8 * s2
+    x2_5 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
+    v1 = x2_5 / s0
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
-    v4 = v0 * v3
-    v5 = x3_0 + v4
-    x4_4 = tl.load(in4_ptr + rows * in4_stride0 + cols, mask=mask, other=0)
-    x5_5 = tl.load(in5_ptr + rows * in5_stride0 + cols, mask=mask, other=0)
-    v6 = x4_4 + x5_5
-    v7 = v0 * v6
-    t6 = tl.where(mask, v7, 0)
-    v8 = tl.sum(t6, axis=1)[:, None]
-    v9 = v8 * s2
     v10 = v3 * v3
     v11 = v3 * v10
     v12 = v9 * v11
     v13 = v12 / s0
     v14 = v13 * v6
+    x3_6 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+    v4 = v0 * v3
+    v5 = x3_6 + v4
     v15 = v5 + v14
     v16 = v15 + v14
     tl.store(out0_ptr + rows * out0_stride0 + cols, v16, mask=mask)

@@ -39,9 +39,9 @@ def pointwise_unsqueeze_ne_div_where_SIG(
     v5 = tl.where(v1, v3, s1)
     v6 = v5 * s2
     v7 = -v6
-    v8 = (i1 + offs * 0).to(tl.int64)
+    v8 = (i1 + offs * 0).to(tl.int32)
     v9 = tl.where(v1, v0, s3).to(tl.int64)
-    v10 = v8 == v9
+    v10 = v8.to(tl.int64) == v9
     v11 = v5 * s4
     v12 = -v11
     v13 = tl.where(v10, v12, s1)

@@ -72,24 +72,24 @@ def cross_entropy_row_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
-    v0 = x0_0.to(tl.int64)
-    v1 = v0 != s0
-    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    t2 = tl.where(mask, x1_1, float('-inf'))
-    t3 = tl.max(t2, axis=1)[:, None]
-    t4 = tl.where(tl.abs(t3) == float('inf'), 0.0, t3)
-    t5 = tl.exp(t2 - t4)
-    v2 = t3 + tl.log(tl.sum(t5, axis=1)[:, None])
+    x1_0 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+    t1 = tl.where(mask, x1_0, float('-inf'))
+    t2 = tl.max(t1, axis=1)[:, None]
+    t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
+    t4 = tl.exp2((t1 - t3) * 1.4426950408889634)
+    v2 = t2 + tl.log(tl.sum(t4, axis=1)[:, None])
     v3 = v2 + (v2 - v2)
+    x0_5 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
+    v0 = x0_5.to(tl.int64)
+    v1 = v0 != s0
     v5 = tl.where(v1, v0, s1).to(tl.int64)
     t6 = (v5 >= 0) & (v5 < n_cols)
     x1_7 = tl.load(in1_ptr + rows * in1_stride0 + v5 + rows * 0, mask=row_mask & t6, other=0)
     t8 = n_cols + tl.zeros([1, 1], dtype=tl.float32) - t6.to(tl.float32)
     v8 = tl.where(t6, x1_7, 0.0) + tl.where(t8 > 0, t8 * s2, 0.0)
     v9 = v3 - v8
-    v11_11 = x0_0 != s0
-    v12_10 = tl.where(v11_11, x0_0, s1).to(tl.int64)
+    v11_11 = x0_5 != s0
+    v12_10 = tl.where(v11_11, x0_5, s1).to(tl.int64)
     t13 = (v12_10 >= 0) & (v12_10 < m13_0)
     tl.store(flag_ptr + 0 + rows * 0, 1, mask=row_mask & ~t13)
     v4_15 = (v12_10 + rows * 0).to(tl.int64)
@@ -98,7 +98,7 @@ def cross_entropy_row_SIG(
     v17 = v9 + v15.to(tl.float32)
     v18 = v17 * s3
     v19 = v3 * s4
-    t16 = tl.where(mask, x1_1, 0)
+    t16 = tl.where(mask, x1_0, 0)
     v20 = tl.sum(t16, axis=1)[:, None]
     v21 = v19 - v20
     v22 = v21 * s5

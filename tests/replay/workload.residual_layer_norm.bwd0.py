@@ -97,22 +97,21 @@ def row_mul_add_div_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x6_0 = tl.load(in6_ptr + rows * in6_stride0 + cols, mask=mask, other=0)
-    x0_1 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1_2 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    v0 = x0_1 * x1_2
-    x2_3 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-    x3_4 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-    v1 = x2_3 + x3_4
-    x4_5 = tl.load(in4_ptr + rows, mask=mask, other=0)
-    v2 = x4_5 / s0
+    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0)
+    v0 = x0_0 * x1_1
+    x2_2 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
+    x3_3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+    v1 = x2_2 + x3_3
+    x4_4 = tl.load(in4_ptr + rows, mask=mask, other=0)
+    v2 = x4_4 / s0
     v3 = v1 - v2
     v4 = v0 * v3
-    t6 = tl.where(mask, v4, 0)
-    v5 = tl.sum(t6, axis=1)[:, None]
+    t5 = tl.where(mask, v4, 0)
+    v5 = tl.sum(t5, axis=1)[:, None]
     v6 = v5 * s1
-    x5_7 = tl.load(in5_ptr + rows, mask=row_mask, other=0)
-    v7 = x5_7 / s0
+    x5_6 = tl.load(in5_ptr + rows, mask=row_mask, other=0)
+    v7 = x5_6 / s0
     v8 = v7 + s2
     v9 = tl.rsqrt(v8)
     v10 = v9 * v9
@@ -121,7 +120,8 @@ def row_mul_add_div_sub_SIG(
     v13 = v12 / s0
     v14 = v13 * s3
     v15 = v14 * v3
-    v16 = x6_0 + v15
+    x6_7 = tl.load(in6_ptr + rows * in6_stride0 + cols, mask=mask, other=0)
+    v16 = x6_7 + v15
     v17 = v0 * v9
     v18 = v16 + v17
     v19 = -v17

@@ -116,7 +116,6 @@ def row_mul_div_add_rsqrt_SIG(
     v10 = v6 * v9
     v11 = v0 * v10
     v12 = v11 * x4_4
-    v13 = v12 * v3
     v14 = v12 * x3_2
     t5 = tl.where(mask, v14, 0)
     v15 = tl.sum(t5, axis=1)[:, None]
@@ -126,6 +125,7 @@ def row_mul_div_add_rsqrt_SIG(
     v19 = v16 * v18
     v20 = v19 / s0
     v21 = v20 * x3_2
+    v13 = v12 * v3
     v22 = v13 + v21
     v23 = v22 + v21
     v25 = v5 / (1.0 + tl.exp(-v5))

@@ -31,7 +31,7 @@ def softmax_row_SIG(
     t2 = tl.where(mask, v1, float('-inf'))
     t3 = tl.max(t2, axis=1)[:, None]
     t4 = tl.where(tl.abs(t3) == float('inf'), 0.0, t3)
-    t5 = tl.exp(t2 - t4)
+    t5 = tl.exp2((t2 - t4) * 1.4426950408889634)
     v2 = t3 + tl.log(tl.sum(t5, axis=1)[:, None])
     v3 = v2 + (v2 - v2)
     v5 = t5 * tl.exp(t4 - v3)
