@@ -158,6 +158,10 @@ def _ours(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
         ce = rx.compile(rx.cross_entropy(x, rx.var("t"), grad_in_forward=True))
         kernel = ce.grad_plan(x=ins["x"].requires_grad_(), t=ins["t"]).forward.then
         ins |= {"_g0": torch.ones((), dtype=dtype), "_p0": torch.ones(())}
+    elif name == "cross_entropy_backward":  # the gradient alone, as autograd's backward runs it later
+        plan = rx.compile(rx.cross_entropy(x, rx.var("t"))).grad_plan(x=ins["x"].requires_grad_(), t=ins["t"])
+        kernel = plan.backward
+        ins |= {"_g0": torch.ones((), dtype=dtype), "_s0": torch.empty(rows, 1), "_s4": torch.ones(())}
     else:
         kernel = rx.compile(exprs[name]())
     ins = {n: ins[n] for n in kernel.inputs}
@@ -193,6 +197,7 @@ CASES = [  # (pattern, rows, cols, dtype, the hand-written peer: Triton's tutori
     ("cross_entropy", 4096, 32000, torch.bfloat16, _liger),
     ("cross_entropy_none", 4096, 32000, torch.bfloat16, _liger),
     ("cross_entropy_grad", 4096, 32000, torch.bfloat16, _liger),
+    ("cross_entropy_backward", 4096, 32000, torch.bfloat16, None),  # Liger has none: its forward writes it
 ]
 
 

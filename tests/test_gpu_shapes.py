@@ -149,6 +149,46 @@ def test_pointwise_with_transposed_operands_uses_2d_tiles(make, aligned, gen):
         assert trace.sector_use == 1.0, trace.table()
 
 
+# pointwise kernels with re-indexed values (positions, views of per-row values): 2-D tiles
+# along the last axis at SMALL's 8 x 16 (odd sizes: partial tiles both ways)
+COORDINATE_TILES = [
+    # cross-entropy's gradient: per-row logsumexp, target and cotangent against class positions
+    ("ce_backward", (37, 53)),
+    # positions against a per-row value beyond int32 (narrowed once per row, -1 outside)
+    ("positions", (37, 53)),
+    ("positions", (3, 5, 40)),  # rows over two dims: decomposed once per row
+]
+
+
+@pytest.mark.parametrize("case,shape", COORDINATE_TILES, ids=[f"{c}-{s}" for c, s in COORDINATE_TILES])
+@pytest.mark.parametrize("dtype,atol,rtol", FLOAT_TOLERANCES, ids=lambda v: str(v).replace("torch.", ""))
+def test_pointwise_coordinate_kernels_use_2d_tiles(case, shape, dtype, atol, rtol, gen):
+    """No ``offs // size`` per element: the last axis is the tile's columns, per-row values are
+    computed once per tile row; values against float64 torch."""
+    xs = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if case == "ce_backward":
+        ts = torch.randint(0, shape[-1], shape[:-1], generator=gen)
+        ts[1] = -100
+        plan = rx.compile(rx.cross_entropy(x, y)).grad_plan(x=xs.to(dtype).requires_grad_(), y=ts)
+        feed = {"x": xs.to(dtype), "y": ts, "_g0": torch.tensor(1.5, dtype=dtype)}
+        feed |= {key: v for key, v in plan.forward(x=xs.to(dtype), y=ts).items() if key in plan.grads.saved_keys}
+        trace = rx.memory_trace(plan.backward, **{n: feed[n] for n in plan.backward.inputs}, **AT_SMALL)
+        ref = xs.to(dtype).double().requires_grad_()
+        (F.cross_entropy(ref, ts) * 1.5).backward()
+        (got,) = trace.result.values()
+        assert_close(got, ref.grad, atol * 10, rtol * 10, "cross-entropy gradient")
+    else:
+        ks = torch.tensor([3, 2**31 + 5, 2**31 + 1, -1, 18, 7, -(2**31)] * 6, dtype=torch.int64)
+        ks = ks[: math.prod(shape[:-1])].reshape(*shape[:-1], 1)
+        hit = rx.arange_like(x, -1) == y * 2
+        trace = rx.memory_trace(rx.compile(rx.where(hit, x * 2.0, x)), x=xs.to(dtype), y=ks, **AT_SMALL)
+        xd = xs.to(dtype).double()
+        want = torch.where(torch.arange(shape[-1]) == ks * 2, xd * 2.0, xd)
+        assert_close(trace.result, want, atol, rtol, "positions")
+    assert _split(trace) == ["tile"], trace.table()
+    assert all(launch.re_read <= 1.0 + 1e-9 for launch in trace.launches), trace.table()
+
+
 def test_empty_and_single_element_reductions_keep_torch_values():
     k = rx.compile({"s": rx.sum(x, axis=-1), "m": rx.mean(x, axis=-1)})
     out = rx.memory_trace(k, x=torch.empty(3, 0), **AT_SMALL).result

@@ -350,32 +350,42 @@ def _cast(e: ast.expr) -> tuple[ast.expr, str] | None:
 def round_trip(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     """``b.to(H)`` where ``b = a.to(H).to(W)``, ``H`` a half type and ``W`` a wider float: widening a
     half value is exact, so narrowing it back gives the same half value: ``a.to(H)`` (a gradient
-    rounded to its dtype in fp32, then stored in that dtype, rounds once)."""
-    rounded: dict[str, tuple[ast.expr, str]] = {}  # b -> (a.to(H), "H")
-    for stmt in body:  # outside loops: ``a`` assigned once then holds, after ``b``, what ``b`` read
-        name = _target(stmt)
-        outer = _cast(stmt.value) if name is not None and once[name] == 1 else None
-        inner = _cast(outer[0]) if outer is not None else None
-        if inner is not None and inner[1] in _WIDER and outer[1] in _WIDER[inner[1]]:
-            if all(once[n] <= 1 for n in _names(outer[0])):  # it holds one value wherever ``b`` is read
-                rounded[name] = (outer[0], inner[1])
+    rounded to its dtype in fp32, then stored in that dtype, rounds once). Read after ``b`` in its
+    own block, while nothing ``a`` reads has been assigned again."""
     changed = False
 
     class Narrow(ast.NodeTransformer):
+        def __init__(self, rounded: dict[str, tuple[ast.expr, str]]) -> None:
+            self.rounded = rounded
+
         def visit_Call(self, node: ast.Call) -> ast.AST:
             nonlocal changed
             self.generic_visit(node)
             found = _cast(node)
-            if found is not None and isinstance(found[0], ast.Name) and found[0].id in rounded:
-                half, dtype = rounded[found[0].id]
+            if found is not None and isinstance(found[0], ast.Name) and found[0].id in self.rounded:
+                half, dtype = self.rounded[found[0].id]
                 if found[1] == dtype:
                     changed = True
                     return ast.copy_location(copy_tree(half), node)
             return node
 
-    if rounded:
-        for stmt in body:
-            Narrow().visit(stmt)
+    def block(stmts: list[ast.stmt]) -> None:
+        rounded: dict[str, tuple[ast.expr, str]] = {}  # b -> (a.to(H), "H")
+        for stmt in stmts:
+            assigned = set(_assigned([stmt]))
+            for b in [b for b, (half, _) in rounded.items() if b in assigned or _names(half) & assigned]:
+                del rounded[b]  # ``b`` or what ``a`` reads is assigned here: its value is another one
+            if rounded:
+                Narrow(rounded).visit(stmt)
+            for field in ("body", "orelse"):
+                block(getattr(stmt, field, []))
+            name = _target(stmt)
+            outer = _cast(stmt.value) if name is not None and once[name] == 1 else None
+            inner = _cast(outer[0]) if outer is not None else None
+            if inner is not None and inner[1] in _WIDER and outer[1] in _WIDER[inner[1]]:
+                rounded[name] = (outer[0], inner[1])  # type: ignore[index]
+
+    block(body)
     return changed
 
 

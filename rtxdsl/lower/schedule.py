@@ -19,7 +19,7 @@ import torch
 
 from ..dtypes import compute_dtype
 from ..expr import Expr, walk
-from ..ops import REGISTRY, DtypeRule, OpKind
+from ..ops import REGISTRY, AxisRule, DtypeRule, OpKind
 from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
 from .params import inner_products, launch_ints, load_names, strided
@@ -439,7 +439,10 @@ def kernel_spec(
     A group without movement ops is walked flat (:func:`flat_walk`: dims every operand walks
     together coalesced), one with them by coordinates (:func:`coordinate_walk`); the rest (the
     tile, how rows are cut across programs, the launch) is the same for both."""
-    w = coordinate_walk(group, graph, layouts) if group.remaps else flat_walk(group, graph, layouts, target)
+    if group.remaps and _tiles_coordinates(group, graph, target):  # a 2-D tile: a row kernel's code
+        w = replace(coordinate_walk(_as_rows(group, graph), graph, layouts), tiled=True)
+    else:
+        w = coordinate_walk(group, graph, layouts) if group.remaps else flat_walk(group, graph, layouts, target)
     n_rows, n_cols = math.prod(w.rows), math.prod(w.cols)
     cfg, tile = _config(group, graph, w, target, tf32)
     kinds, vals = scalar_args(w.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
@@ -660,6 +663,40 @@ def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Lau
 
 
 # ---- coordinate kernels: movement ops inside ----------------------------------------------------
+def _tiles_coordinates(group: Group, graph: Graph, target: Target) -> bool:
+    """Does a pointwise coordinate kernel run in 2-D tiles along its last axis? Where that axis
+    fills a tile's width, other dims hold more than one row and every output has the group's
+    shape: flat blocks would recover every dim of every element by integer division
+    (``offs % size``, ``offs // size``) and gather each per-row operand per element, where a
+    tile's columns are the last axis itself, its rows are decomposed once per row and per-row
+    values are computed once per row (``_as_rows``)."""
+    shape = group.shape
+    if group.is_row or group.contraction is not None or target.tile is None or len(shape) < 2:
+        return False
+    if any(graph.of(o).shape != shape for o in group.outputs):
+        return False
+    # movement ops that re-index an axis (a cat, a slice: RoPE's halves) read across tile edges
+    # wherever their offsets do not fall on them; views, broadcasts and positions read none
+    ok = (AxisRule.VIEW, AxisRule.POSITIONS, AxisRule.SIZES)
+    moves = [REGISTRY[n.op] for n in (*group.nodes, *group.cone) if REGISTRY[n.op].kind is OpKind.MOVEMENT]
+    if any(op.axes not in ok for op in moves):
+        return False
+    return shape[-1] >= target.tile[1] and math.prod(shape[:-1]) > 1
+
+
+def _as_rows(group: Group, graph: Graph) -> Group:
+    """A pointwise group as a row group over its last axis with nothing to reduce (a 2-D tile's
+    columns run along it): a value of size 1 along that axis (or of no dims) is one value per row
+    (KEEP), computed once per tile row; the rest is full-size."""
+
+    def per_row(n: Expr) -> bool:
+        s = graph.of(n).shape
+        return not s or s[-1] == 1  # shapes broadcast from the right
+
+    roles = {id(n): Role.KEEP if group.role(n) is Role.FULL and per_row(n) else group.role(n) for n in group.nodes}
+    return replace(group, axes=(len(group.shape) - 1,), roles=MappingProxyType({**group.roles, **roles}))
+
+
 def coordinate_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -> Walk:
     """A group whose values are read at re-indexed coordinates (slices, ``cat``, ``gather``).
 
