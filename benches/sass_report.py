@@ -198,6 +198,9 @@ CASES = [  # (pattern, rows, cols, dtype, the hand-written peer: Triton's tutori
     ("cross_entropy_none", 4096, 32000, torch.bfloat16, _liger),
     ("cross_entropy_grad", 4096, 32000, torch.bfloat16, _liger),
     ("cross_entropy_backward", 4096, 32000, torch.bfloat16, None),  # Liger has none: its forward writes it
+    # a 128K vocabulary (Llama 3): looped over the row in 32K blocks of 32 warps, as Liger loops
+    ("cross_entropy_none", 4096, 128256, torch.bfloat16, _liger),
+    ("cross_entropy_grad", 4096, 128256, torch.bfloat16, _liger),
 ]
 
 

@@ -172,3 +172,14 @@ def test_a_half_value_widened_then_narrowed_again_rounds_once():
 )
 def test_round_trip_leaves_other_casts_alone(body):
     assert simplify(body) == body
+
+
+def test_round_trip_inside_a_loop_body():
+    """A tile rounded and stored in the same loop body (a looped row's output pass)."""
+    body = [
+        "for c in range(0, n, B):",
+        "    v = a + c",
+        "    r = v.to(tl.bfloat16).to(tl.float32)",
+        "    tl.store(p, r.to(tl.bfloat16))",
+    ]
+    assert simplify(body) == ["for c in range(0, n, B):", "    v = a + c", "    tl.store(p, v.to(tl.bfloat16))"]

@@ -24,7 +24,7 @@ from ..lower.spec import BCAST, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Spl
 from ..ops import REGISTRY, AxisRule, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from ..ops.movement import positions_compared
-from ..ops.reduction import exp_of_logsumexp
+from ..ops.reduction import exp_below, exp_of_logsumexp
 from .rewrite import simplify
 from .template import render
 
@@ -274,8 +274,10 @@ class Writer:
         """``exp(x - lse)`` where this kernel reduced ``lse = logsumexp(x)`` whole, over the very
         tile ``x`` (``operand`` reads a source where ``node`` is): the tile's ``exp(x - shift)``
         rescaled per row by ``exp(shift - lse)``, so a softmax computes one exp per element, as the
-        tutorial's ``exp(x - max) / sum`` does. None where the rule does not apply."""
-        found = None if self.spec.looped else exp_of_logsumexp(node, self._node_at)
+        tutorial's ``exp(x - max) / sum`` does. Where that tile is gone (a looped row's output pass
+        reads ``x`` again), ``exp(x - lse)`` in the flush-to-zero form the tile's exp has: its value
+        is at most 1, and what it flushes lies under 2**-126. None where the rule does not apply."""
+        found = exp_of_logsumexp(node, self._node_at)
         if found is None:
             return None
         x_ref, lse, y_ref = found
@@ -283,11 +285,12 @@ class Writer:
             return None
         operand((Src.NODE, lse))  # the reduction, with its tile's exp
         x = self.cast(operand(x_ref), node.cdt)
-        if lse not in self.shared_exp or self.shared_exp[lse][0] != x:
-            return None
-        _, e, shift = self.shared_exp[lse]
         y = self.cast(operand(y_ref), node.cdt)
-        scope.add(f"{name} = {e} * tl.exp({shift} - {y})")
+        if lse in self.shared_exp and self.shared_exp[lse][0] == x and not self.spec.looped:
+            _, e, shift = self.shared_exp[lse]
+            scope.add(f"{name} = {e} * tl.exp({shift} - {y})")
+        else:
+            scope.add(f"{name} = {exp_below(x, y)}")
         self.types[name] = node.cdt
         return name
 

@@ -116,16 +116,19 @@ def row_config(n_rows: int, n_cols: int, target: Target, column: bool = False, t
     elements and loops over the reduced axis in blocks: every load runs along the contiguous axis.
     ``tiles``: the kernel's full-size tiles; with at most ``WIDE_TILES`` a row up to
     ``wide_row_block`` is kept whole, in one block of ``wide_warps`` warps, where its rows fill the
-    target's waves (fewer are looped in blocks, which a split may spread across the SMs)."""
+    target's waves, and a longer one is looped in blocks that wide (fewer rows are looped in
+    ``loop_block`` blocks, which a split may spread across the SMs)."""
     if column:
         warps = _warps(min(target.row_tile, GPU.row_tile))
         if n_cols * target.col_rows <= target.row_tile:  # the reduced extent fits: kept whole, read once
             block = _pow2(max(n_cols, 1))
             return Config(block, target.row_tile // block, False, warps)
         return Config(target.row_tile // target.col_rows, target.col_rows, True, warps)
-    wide = target.max_row_block < n_cols <= target.wide_row_block and tiles <= WIDE_TILES
-    if wide and n_rows >= target.waves:  # fewer rows: loop in blocks, so the row may split across SMs
+    wide = n_cols > target.max_row_block and tiles <= WIDE_TILES and n_rows >= target.waves
+    if wide and n_cols <= target.wide_row_block:  # fewer rows: loop in blocks, so the row may split across SMs
         return Config(_pow2(n_cols), 1, False, target.wide_warps)
+    if wide:  # longer still (a 128K vocabulary): looped in blocks that wide, as Liger-Kernel loops
+        return Config(target.wide_row_block, 1, True, target.wide_warps)
     looped = n_cols > target.max_row_block
     block = target.loop_block if looped else _pow2(max(n_cols, 1))
     rows = 1 if looped else max(1, target.row_tile // block)  # never from the row count: one compile serves all

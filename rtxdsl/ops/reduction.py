@@ -113,7 +113,7 @@ def _extreme_spec(which: str, identity, pick) -> ReduceSpec:
     )
 
 
-def _exp_below(x: str, big: str) -> str:
+def exp_below(x: str, big: str) -> str:
     """``exp(x - big)`` per element of a tile whose ``big`` is its row's max, as Liger-Kernel
     computes it: ``exp2`` of the difference in base 2, which Triton lowers to the flush-to-zero
     ``ex2.approx.ftz`` (one FADD, FMUL and MUFU, where ``tl.exp`` adds a range test and two
@@ -129,7 +129,7 @@ def _lse_tile(c: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
     # tl.max may drop a NaN, and needs no flag for it here: the NaN lane's exp(NaN - big) makes
     # the sum NaN, and so the logsumexp (a row of +inf and NaN too: NaN != big)
     big = c.tmp(f"tl.max({m}, axis=1)[:, None]")
-    return big, _tile_sum(f"tl.where({m} == {big}, {s}, {s} * {_exp_below(m, big)})")
+    return big, _tile_sum(f"tl.where({m} == {big}, {s}, {s} * {exp_below(m, big)})")
 
 
 def _lse_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -148,7 +148,7 @@ def _lse_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
     # shift by the max, or by 0 where it is +-inf: no lane computes inf - inf, so a row of -inf sums
     # to 0 (logsumexp -inf) and one holding +inf to inf; a NaN lane's exp is NaN (tl.max may drop it)
     shift = c.tmp(f"tl.where(tl.abs({big}) == float('inf'), 0.0, {big})")
-    e = c.tmp(_exp_below(m, shift))
+    e = c.tmp(exp_below(m, shift))
     c.facts.update(exp=e, shift=shift)
     return big, _tile_sum(e)
 

@@ -41,6 +41,6 @@ def softmax_row_SIG(
         mask = row_mask & col_mask
         x0_9 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
         v2 = x0_9 - v1
-        v3 = tl.exp(v2)
+        v3 = tl.exp2(v2 * 1.4426950408889634)
         tl.store(out0_ptr + rows * out0_stride0 + cols, v3.to(tl.bfloat16), mask=mask)
 
