@@ -162,6 +162,10 @@ def linear_ce(tokens: int, vocab: int, hidden: int, dtype: torch.dtype) -> dict:
         "rtxdsl extra / logits": f"{max(fwd.scratch_bytes, bwd.scratch_bytes) / logits:.2%}",
         "eager tokens x vocab MB (fwd + bwd)": round(eager.bytes / 1e6, 1),
         "Liger chunk (tokens) / its logits MB": f"{chunk} / {chunk * vocab * dtype.itemsize / 1e6:.1f}",
+        # the compute model (lower.flops): tensor-core FLOPs against the logits' GEMM and the minimum
+        "rtxdsl TFLOP fwd / bwd (minimum bwd)": f"{fwd.flops / 1e12:.2f} / {bwd.flops / 1e12:.1f} "
+        f"({bwd.minimum_flops / 1e12:.1f})",
+        "bwd / logits GEMM": f"{bwd.flops / (2 * tokens * vocab * hidden):.0f}x",
     }
 
 
@@ -177,7 +181,7 @@ def main() -> None:
     lce_sizes = [(128, 4099, 32, torch.float32)] if args.quick else [
         (4096, 32000, 1024, torch.bfloat16), (8192, 128256, 4096, torch.bfloat16)]  # fmt: skip
     lce = [linear_ce(*size) for size in lce_sizes]
-    print("\n## Linear cross-entropy: memory beside the logits (planned; eager counted on meta tensors)\n")
+    print("\n## Linear cross-entropy: memory and FLOPs beside the logits (planned; eager counted on meta tensors)\n")
     print(markdown(lce, list(lce[0])))
     if not args.quick:
         print(f"\nwrote {save('contraction-cpu', {'contraction': table, 'linear_cross_entropy': lce})}")

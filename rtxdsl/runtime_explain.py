@@ -99,6 +99,7 @@ def explain_text(kernel: KernelHandle, launch: PreparedCall) -> str:
             passes = ", ".join(f"{n} x{r}" for n, r in zip(in_names, call.reads))
             lines.append(
                 f"    reads {passes or 'no input'}; {call.bytes} bytes"
+                + (f", {call.flops} FLOPs on tensor cores" if call.flops else "")
                 + (" (empty: not launched)" if call.empty else "")
             )
     torch_run = launch.backend == "torch"
@@ -107,5 +108,6 @@ def explain_text(kernel: KernelHandle, launch: PreparedCall) -> str:
     lines.append(
         f"total: {kernels} kernel launch(es) (eager torch: {p.eager_launches}), "
         f"{moved} bytes moved (eager: {p.eager_bytes}, minimum: {p.minimum_bytes})"
+        + (f", {p.flops} FLOPs on tensor cores (minimum: {p.minimum_flops})" if p.minimum_flops else "")
     )
     return "\n".join(lines)

@@ -480,3 +480,18 @@ def test_a_row_kernels_normalized_output_is_recomputed_at_load(dtype, atol, rtol
     big = torch.empty(1, 1, dtype=torch.bfloat16)
     llama = dict(x=big.expand(4096, 4096), w=big[0].expand(4096), b=big.expand(4096, 4096))
     assert "written and read back" in kernel.explain(**llama)
+
+
+def test_explain_reports_tensor_core_flops_beside_bytes(gen):
+    """The compute model: a GEMM's 2 * m * n * k, per kernel and in total beside its minimum (a
+    batched weight gradient's contracted batch counts too)."""
+    xs, ws = torch.randn(3, 5, 7, generator=gen), torch.randn(11, 7, generator=gen)
+    text = rx.compile(rx.linear(x, w)).explain(x=xs, w=ws)
+    flops = 2 * 15 * 11 * 7
+    assert f"{flops} FLOPs on tensor cores (minimum: {flops})" in text
+    assert rx.compile(rx.relu(x)).program(x=xs).minimum_flops == 0  # no product: no FLOPs line
+    assert "FLOPs" not in rx.compile(rx.relu(x)).explain(x=xs)
+    grad = rx.compile(rx.linear(x, w)).grad_plan(x=xs.clone().requires_grad_(), w=ws.clone().requires_grad_())
+    feed = {"_g0": torch.randn(3, 5, 11, generator=gen), "x": xs, "w": ws}
+    bwd = grad.backward.program(**{n: feed[n] for n in grad.backward.inputs})
+    assert bwd.flops == bwd.minimum_flops == 2 * flops  # dx and dw (its batch contracted)

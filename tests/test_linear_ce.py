@@ -146,6 +146,29 @@ def _programs(kernel, ins):
     return fwd, bwd
 
 
+def test_flops_at_llama3_sizes_are_the_compute_model_s(gen):
+    """Planned at 8192 tokens x 128256 classes x 4096 hidden (nothing runs): the forward computes the
+    logits' product once; each of the backward's two GEMMs computes its own product and recomputes
+    the logits once per block of its output's hidden columns (4096 / 128 at sm_90 tiles), 66x the
+    logits' GEMM where the minimum (each product once) is 3x. Issue 35's one-recompute backward is
+    to bring it to the minimum."""
+    tokens, vocab, hidden = 8192, 128256, 4096
+    bf = {"dtype": torch.bfloat16}
+    ins = {
+        "h": torch.empty(tokens, hidden, **bf, requires_grad=True),
+        "w": torch.empty(vocab, hidden, **bf, requires_grad=True),
+        "t": torch.zeros(tokens, dtype=torch.int64),
+    }
+    plan = rx.compile(rx.linear_cross_entropy(h, w, t)).grad_plan(**ins)
+    logits = 2 * tokens * vocab * hidden
+    fwd = plan.forward.program(**{n: ins[n].detach() for n in plan.forward.inputs})
+    assert (fwd.flops, fwd.minimum_flops) == (logits, logits)
+    stats = {"_g0": torch.ones((), **bf), "_s0": torch.empty(tokens, 1), "_s4": torch.ones(())}
+    bwd = plan.backward.program(**{n: ins[n].detach() if n in ins else stats[n] for n in plan.backward.inputs})
+    assert [k.flops for k in bwd.launched] == [logits * (1 + hidden // 128)] * 2
+    assert (bwd.flops, bwd.minimum_flops) == (66 * logits, 3 * logits)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_no_logits_buffer_and_launch_counts(bias, gen):
     tokens, vocab, hidden = 128, 4099, 32  # the interpreter's size of the 4096 x 32000 x 1024 case

@@ -22,6 +22,7 @@ from ..recursion import deep
 from .analyze import Group, Plan, Role, analyze, read_srcs
 from .bind import Info
 from .expand import Graph, expand
+from .flops import kernel_flops, minimum_flops
 from .gemm import gemm_spec
 from .params import ParamKind, pointer_slots, with_tail_slots
 from .passes import early_outputs, input_reads, input_scopes, partial_states, remaps
@@ -118,7 +119,7 @@ def program(
         call
         for gi, (g, sched) in enumerate(zip(plan.groups, scheduled))
         if sched is not None
-        for call in _calls(gi, g, *sched, slots, lay, buffers, n_inputs)
+        for call in _calls(gi, g, *sched, slots, lay, buffers, n_inputs, kernel_flops(g, graph))
     ]
     calls = _with_tails(calls, buffers, n_inputs)
     outputs: list[tuple[str, int | None]] = []
@@ -142,6 +143,7 @@ def program(
         eager_launches=graph.eager_launches,
         eager_bytes=graph.eager_bytes,
         minimum_bytes=minimum,
+        minimum_flops=minimum_flops(graph),
     )
 
 
@@ -154,9 +156,11 @@ def _calls(
     lay: dict[int, Layout],
     buffers: list[Buffer],
     n_inputs: int,
+    flops: int,
 ) -> list[KernelCall]:
     """Group ``gi``'s kernel calls (a split row's partial and finish kernels), with the buffers they
-    add (index-check flags, partial states) appended to ``buffers``."""
+    add (index-check flags, partial states) appended to ``buffers``; ``flops``: the group's (a
+    split row's partial kernel computes them)."""
     in_slots = tuple(slots[id(i)] for i in g.inputs)
     out_slots = tuple(slots[id(o)] for o in g.outputs)
     flags: tuple[int, ...] = ()
@@ -198,6 +202,7 @@ def _calls(
                 meta=ln.meta,
                 ops=len(g.nodes),
                 bytes=0 if ln.empty else moved,
+                flops=0 if ln.empty or sp.split is Split.FINISH else flops,
                 passes=max(reads, default=1),
                 empty=ln.empty,
                 scalar_inputs=ln.scalar_inputs,

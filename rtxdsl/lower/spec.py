@@ -151,6 +151,7 @@ class KernelCall:
     meta: tuple[tuple[str, int], ...]  # constexprs and launch options
     ops: int
     bytes: int  # traffic model: every pass over each input, each output once
+    flops: int  # compute model: tensor-core FLOPs of its products (``lower.flops``)
     passes: int  # reads of the most-read input (1: on chip, 2: looped statistics + output)
     empty: bool  # a zero-size domain: nothing to launch
     scalar_inputs: tuple[tuple[int, int, str], ...] = ()  # (position in args, input index, kind)
@@ -173,6 +174,7 @@ class Program:
     eager_launches: int
     eager_bytes: int
     minimum_bytes: int
+    minimum_flops: int = 0  # each contraction of the graph once
 
     @property
     def launched(self) -> tuple[KernelCall, ...]:
@@ -189,6 +191,11 @@ class Program:
     @property
     def bytes_moved(self) -> int:
         return sum(k.bytes for k in self.launched)
+
+    @property
+    def flops(self) -> int:
+        """Tensor-core FLOPs of every launch (a tail computes no product)."""
+        return sum(k.flops for k in self.launched)
 
     @property
     def scratch_bytes(self) -> int:
