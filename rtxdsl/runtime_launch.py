@@ -51,7 +51,7 @@ class PreparedCall:
 
             def run(ts: tuple[Any, ...]) -> Any:
                 results = kernel.reference(ts)
-                record(p.eager_launches, 0, p.eager_launches, p.eager_bytes, p.eager_bytes)
+                record(p.eager_launches, 0, p.eager_launches, p.eager_bytes, p.eager_bytes, p.minimum_flops)
                 return results
 
             self.run, self.source = run, ""
@@ -85,7 +85,8 @@ def generate_run(
             p = program
             scope["record"] = kernel.stats.record
             lines.append(
-                f"    record({p.kernels_launched}, {p.fused}, {p.eager_launches}, {p.bytes_moved}, {p.eager_bytes})"
+                f"    record({p.kernels_launched}, {p.fused}, {p.eager_launches}, {p.bytes_moved}, {p.eager_bytes}, "
+                f"{p.flops})"
             )
     if program.scalar_outputs:
         scope["finish"] = _finisher(kernel, program, scope["DEV"])

@@ -1,4 +1,4 @@
-"""FusionStats: what ran, what eager torch would have run, and the bytes each moved."""
+"""FusionStats: what ran, what eager torch would have run, the bytes each moved and the FLOPs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class FusionStatsSnapshot:
     """Counters at one moment; ``bytes_*`` follow the traffic model (every pass over an input, each
-    output written once)."""
+    output written once), ``flops`` the compute model (tensor-core FLOPs of the products the
+    launched kernels computed, recomputed ones included: ``rtxdsl.lower.flops``)."""
 
     kernels_launched: int = 0
     fused_executions: int = 0  # launches of kernels that fuse two or more ops
@@ -17,6 +18,7 @@ class FusionStatsSnapshot:
     bytes_moved: int = 0
     bytes_eager: int = 0
     calls: int = 0
+    flops: int = 0
 
     @property
     def bytes_saved(self) -> int:
@@ -46,6 +48,7 @@ class FusionStats:
         "bytes_moved",
         "bytes_eager",
         "calls",
+        "flops",
         "_lock",
         "_process_wide",
     )
@@ -59,9 +62,11 @@ class FusionStats:
         """Zero these counters (the process-wide ones stay as they are)."""
         with self._lock:
             self.kernels_launched = self.fused_executions = self.kernel_launches_saved = 0
-            self.bytes_moved = self.bytes_eager = self.calls = 0
+            self.bytes_moved = self.bytes_eager = self.calls = self.flops = 0
 
-    def record(self, kernels: int, fused: int, eager_launches: int, bytes_moved: int, bytes_eager: int) -> None:
+    def record(
+        self, kernels: int, fused: int, eager_launches: int, bytes_moved: int, bytes_eager: int, flops: int = 0
+    ) -> None:
         with self._lock:
             self.kernels_launched += kernels
             self.fused_executions += fused
@@ -69,8 +74,9 @@ class FusionStats:
             self.bytes_moved += bytes_moved
             self.bytes_eager += bytes_eager
             self.calls += 1
+            self.flops += flops
         if not self._process_wide:
-            GLOBAL_STATS.record(kernels, fused, eager_launches, bytes_moved, bytes_eager)
+            GLOBAL_STATS.record(kernels, fused, eager_launches, bytes_moved, bytes_eager, flops)
 
     def snapshot(self) -> FusionStatsSnapshot:
         with self._lock:
@@ -81,6 +87,7 @@ class FusionStats:
                 self.bytes_moved,
                 self.bytes_eager,
                 self.calls,
+                self.flops,
             )
 
 

@@ -104,3 +104,18 @@ def test_eager_traffic_of_linear_cross_entropy_writes_and_reads_its_logits(bias,
         logits_expr = rx.tanh(logits_expr / softcap) * softcap
     spelled_out = rx.compile(rx.cross_entropy(logits_expr, T)).program(**feed)
     assert (spelled_out.eager_bytes, spelled_out.eager_launches) == (eager, 1 + capped + 2)
+
+
+def test_stats_count_the_tensor_core_flops_of_what_ran(gen):
+    """The compute model in the counters: a GEMM's 2 * m * n * k per call, through the lazy stream
+    too; elementwise kernels add none."""
+    x, w = rx.var("x"), rx.var("w")
+    xs, ws = torch.randn(5, 7, generator=gen), torch.randn(3, 7, generator=gen)
+    rx.reset_fusion_stats()
+    rx.compile(rx.linear(x, w))(x=xs, w=ws)
+    rx.compile(rx.relu(x))(x=xs)
+    assert rx.fusion_stats().flops == 2 * 5 * 3 * 7
+    f = rx.Fusion()
+    _ = torch.nn.functional.linear(f.lazy(xs), ws).torch()
+    assert f.stats().flops == 2 * 5 * 3 * 7
+    assert rx.fusion_stats().flops == 2 * 2 * 5 * 3 * 7
