@@ -82,6 +82,14 @@ class _Rename(ast.NodeTransformer):
         return node
 
 
+def _cast(e: ast.expr) -> tuple[ast.expr, str] | None:
+    """``(x, "tl.T")`` of ``x.to(tl.T)``; None for any other expression."""
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "to":
+        if len(e.args) == 1 and not e.keywords:
+            return e.func.value, ast.unparse(e.args[0])
+    return None
+
+
 def identity_cast(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     """``x.to(tl.int64)`` where ``x`` is an int64 already (an integer op's result cast by habit)."""
     changed = False
@@ -90,18 +98,12 @@ def identity_cast(body: list[ast.stmt], once: Counter[str], types: Types) -> boo
         def visit_Call(self, node: ast.Call) -> ast.AST:
             nonlocal changed
             self.generic_visit(node)
-            f = node.func
-            if (
-                isinstance(f, ast.Attribute)
-                and f.attr == "to"
-                and len(node.args) == 1
-                and not node.keywords
-                and isinstance(f.value, ast.Name)
-                and once[f.value.id] == 1
-                and types.get(f.value.id) == ast.unparse(node.args[0])
-            ):
-                changed = True
-                return f.value
+            found = _cast(node)
+            if found is not None and isinstance(found[0], ast.Name):
+                x, dtype = found
+                if once[x.id] == 1 and types.get(x.id) == dtype:
+                    changed = True
+                    return x
             return node
 
     for stmt in body:
@@ -337,14 +339,6 @@ def load_other(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
 
 #: half types, and the float types that hold each of their values exactly
 _WIDER = {"tl.bfloat16": ("tl.float32", "tl.float64"), "tl.float16": ("tl.float32", "tl.float64")}
-
-
-def _cast(e: ast.expr) -> tuple[ast.expr, str] | None:
-    """``(x, "tl.T")`` of ``x.to(tl.T)``; None for any other expression."""
-    if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "to":
-        if len(e.args) == 1 and not e.keywords:
-            return e.func.value, ast.unparse(e.args[0])
-    return None
 
 
 def round_trip(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
