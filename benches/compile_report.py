@@ -90,8 +90,9 @@ def warm_start(cache_dir: str) -> float:
 
 
 def linear_ce() -> list[dict]:
-    """Linear cross-entropy's three kernels at 4096 tokens x 32000 vocabulary x 1024 hidden, bf16:
-    the forward (the logit tiles in its row loop), the backward's dh and dw GEMMs (recomputing them)."""
+    """Linear cross-entropy's kernels at 4096 tokens x 32000 vocabulary x 1024 hidden, bf16: the
+    forward (the logit tiles in its row loop), the backward's chunk loop (0: a chunk of the logits
+    and its dP, 1: dh summing the chunks, 2: the chunk's rows of dw)."""
     bf = {"dtype": torch.bfloat16}
     ins = {"h": torch.empty(4096, 1024, **bf), "w": torch.empty(32000, 1024, **bf),
            "t": torch.zeros(4096, dtype=torch.int64)}  # fmt: skip

@@ -84,6 +84,16 @@ def cases() -> dict[str, tuple[rx.Kernel, dict[str, Any]]]:
             rx.compile(rx.gelu(rx.linear(x, w, b))),
             ins,
         )
+    # linear cross-entropy with a bias: the forward's product rows, the backward's chunk loop (hidden
+    # above 128: dP's fp32 chunk, dh summing the chunks, dw's rows with db)
+    t = rx.var("t")
+    ins = {
+        "x": torch.randn(37, 257, generator=gen).to(torch.bfloat16),
+        "w": torch.randn(300, 257, generator=gen).to(torch.bfloat16),
+        "t": torch.randint(0, 300, (37,), generator=gen),
+        "b": torch.randn(300, generator=gen).to(torch.bfloat16),
+    }
+    out["contraction.linear_cross_entropy.37x300x257.bfloat16"] = (rx.compile(rx.linear_cross_entropy(x, w, t, b)), ins)
     return out
 
 

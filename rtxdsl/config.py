@@ -61,6 +61,12 @@ class FusionConfig(BaseModel):
     product is summed by one program, in a fixed order). Every kernel rtxdsl generates is
     deterministic today (linear cross-entropy's backward recomputes logit tiles instead of adding
     partial gradients atomically); False only permits atomics where a later kernel is faster with them."""
+    chunk_budget: float = 0.02
+    """Memory a backward may spend to compute a product once instead of recomputing it in every
+    GEMM tile that needs it (linear cross-entropy's logits: their gradient feeds the hidden states'
+    and the weight's GEMMs), as a fraction of the product's bytes: the product is then computed
+    one chunk of its last dim at a time (at least one 128-wide tile) into a buffer of that size,
+    which both GEMMs read in the same loop. 0 keeps the recompute plan (no buffer)."""
     autotune: bool = False
     """Time each kernel's launch options (warps, stages, a pointwise block) on its first launch and
     keep the fastest, stored under ``cache_dir/tuned`` per signature, device and Triton version.
@@ -77,6 +83,8 @@ class FusionConfig(BaseModel):
         for name in ("min_fusion_ops", "max_fusion_ops", "cache_size", "max_queued_ops", "launch_cache_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.chunk_budget <= 1:
+            raise ValueError(f"chunk_budget must be within [0, 1], got {self.chunk_budget}")
         if self.min_fusion_ops > self.max_fusion_ops:
             raise ValueError(
                 f"min_fusion_ops ({self.min_fusion_ops}) must be <= max_fusion_ops ({self.max_fusion_ops})"

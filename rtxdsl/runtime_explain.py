@@ -57,6 +57,9 @@ def _launch_shape(call: Any) -> str:
             Split.PARTIAL: ", split: each program reduces a chunk of a row to partial states",
             Split.FINISH: ", split: merges the partial states, writes its chunk",
         }.get(spec.split, "")
+    if call.chunk is not None:
+        c = call.chunk
+        mode += f"; launched once per chunk of {c.size} ({c.chunks} chunk(s) of {c.extent}, loop {c.loop})"
     return f"grid {call.grid} ({programs} programs), {mode}"
 
 

@@ -23,6 +23,7 @@ from .handle import KernelHandle
 from .lower import Plan, Program
 from .lower.params import ParamKind, slots
 from .lower.schedule import IndexCheck, candidates, encode_scalar
+from .lower.spec import ChunkLoop
 from .ops import REGISTRY, apply_ref
 from .tune import Tuned, tuned_path
 
@@ -158,7 +159,15 @@ def _launch_lines(
         else:
             scope[f"ARGS{j}"] = call.args
             args = f"*ARGS{j}"
-        lines.append(f"    L{j}({operands}, {args}, **META{j})")
+        if call.chunk is None:
+            lines.append(f"    L{j}({operands}, {args}, **META{j})")
+            continue
+        loop = call.chunk
+        before = program.launched[j - 1].chunk if j else None
+        if before is None or before.loop != loop.loop:  # the loop's first kernel: the loop begins
+            lines.append(f"    for lo in range(0, {loop.extent}, {loop.size}):  # chunk loop {loop.loop}")
+        scope[f"CHUNK{j}"] = _Chunked(loop)
+        lines.append(f"        L{j}({operands}, *CHUNK{j}(lo, [{args}]), **META{j})")
     for j, call in enumerate(program.launched):
         if call.checks and checking(config, scope["DEV"]):  # one flag read after the launch
             scope[f"CHECK{j}"] = _IndexCheck(call.checks)
@@ -235,6 +244,22 @@ def first_out_of_range(check: IndexCheck, tensors: tuple[Any, ...]) -> str:
         return "..."
     bad = index[(index < 0) | (index >= check.size)]
     return str(int(bad[0])) if bad.numel() else "..."
+
+
+class _Chunked:
+    """A chunk loop's kernel's arguments for the chunk starting at ``lo``: the windowed dim's
+    extent cut to the chunk's end, ``W_LO`` and (accumulating) ``W_LAST``."""
+
+    def __init__(self, loop: ChunkLoop) -> None:
+        self.loop = loop
+
+    def __call__(self, lo: int, args: list[Any]) -> list[Any]:
+        loop = self.loop
+        hi = min(lo + loop.size, loop.extent)
+        args[loop.hi_arg], args[loop.lo_arg] = hi, lo
+        if loop.last_arg >= 0:
+            args[loop.last_arg] = int(hi == loop.extent)
+        return args
 
 
 class _ArgFill:

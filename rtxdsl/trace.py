@@ -263,7 +263,7 @@ def memory_trace(
         kernel, kernel.analysis(*args, **kwargs), program, kernel.config.replace(backend="interpreter"), tensors
     )
     recorder = _Recorder(reuse_bytes)
-    calls = iter(program.launched)
+    calls = iter(program.launch_order())
     traces: list[LaunchTrace] = []
     real_call = Interpreted.__call__
 
@@ -278,7 +278,7 @@ def memory_trace(
                 spec_call.summary,
                 spec_call.spec.split.value,
                 int(np.prod(spec_call.grid)),
-                spec_call.bytes,
+                spec_call.bytes // (spec_call.chunk.chunks if spec_call.chunk else 1),  # a chunk loop's: per chunk
                 recorder.traffic(names, ptrs),
             )
         )

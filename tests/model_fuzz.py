@@ -210,9 +210,12 @@ class _Gen:
             self.heads = r.randint(1, 3)
             self.hd = r.randint(max(2, math.ceil(3 / self.heads)), 8)
             self.H = self.heads * self.hd
-        else:
-            self.H = r.randint(3, 24)
-        self.V = r.randint(5, 37)
+        # a tenth (drawn apart) has a hidden size and a vocabulary above 128: a loss head's backward
+        # then runs the chunk loop over two chunks (lower/chunk.py)
+        wide = not self.attention and random.Random(pid * 7919 + 1).random() < 0.1
+        if not self.attention:
+            self.H = r.randint(129, 140) if wide else r.randint(3, 24)
+        self.V = r.randint(129, 160) if wide else r.randint(5, 37)
         self.inputs: list[Input] = []
         self.torch: list[str] = []
         self.dsl: list[str] = []

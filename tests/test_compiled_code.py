@@ -68,18 +68,22 @@ SCRIPT = textwrap.dedent("""
     ce_feed = dict(x=ce_x.detach(), b=ce_t, _g0=torch.ones((), **bf), _p0=torch.ones(()))
     kernels["cross_entropy_grad_wide"] = (ce, {n: ce_feed[n] for n in ce.inputs}, 0)
     # linear cross-entropy at 4096 tokens x 32000 vocabulary x 1024 hidden: the forward computes the
-    # logit tiles in its row loop, the backward's two GEMMs recompute them in their K loops
-    lce_in = dict(h=torch.empty(4096, 1024, **bf), w=torch.empty(32000, 1024, **bf),
-                  t=torch.empty(4096, dtype=torch.int64), b=torch.empty(32000, **bf))
-    lce = rx.compile(rx.linear_cross_entropy(x, w, y, b)).grad_plan(x=lce_in["h"], w=lce_in["w"], y=lce_in["t"],
-                                                                    b=lce_in["b"])
-    lce_in = dict(x=lce_in["h"], w=lce_in["w"], y=lce_in["t"], b=lce_in["b"])
+    # logit tiles in its row loop; the backward's chunk loop computes them once per chunk of 256
+    # classes (dP's fp32 chunk, which the bias gradient sums, within 2% of the bf16 logits; then dh
+    # summing the chunks, then dw's rows: 125 chunks); with
+    # chunk_budget=0 its two GEMMs recompute them in their K loops instead
+    lce_in = dict(x=torch.empty(4096, 1024, **bf), w=torch.empty(32000, 1024, **bf),
+                  y=torch.empty(4096, dtype=torch.int64), b=torch.empty(32000, **bf))
     stats = dict(_g0=torch.empty((), **bf), _s0=torch.empty(4096, 1))
-    lce_feed = {n: lce_in[n] if n in lce_in else stats.get(n, torch.empty(())) for n in lce.backward.inputs}
-    assert lce.backward.program(**lce_feed).kernels_launched == 2
-    kernels["gemm_lce_forward"] = (lce.forward, lce_in, 0)
-    kernels["gemm_lce_dh"] = (lce.backward, lce_feed, 0)
-    kernels["gemm_lce_dw"] = (lce.backward, lce_feed, 1)
+    for suffix, budget, launches in (("", 0.02, 3 * 125), ("_recompute", 0.0, 2)):
+        config = rx.FusionConfig(chunk_budget=budget)
+        lce = rx.compile(rx.linear_cross_entropy(x, w, y, b), config=config).grad_plan(**lce_in)
+        lce_feed = {n: lce_in[n] if n in lce_in else stats.get(n, torch.empty(())) for n in lce.backward.inputs}
+        assert lce.backward.program(**lce_feed).kernels_launched == launches
+        kernels["gemm_lce_forward"] = (lce.forward, lce_in, 0)
+        names = ["gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw"] if budget else ["gemm_lce_dh", "gemm_lce_dw"]
+        for which, name in enumerate(names):
+            kernels[name + suffix] = (lce.backward, lce_feed, which)
     out = {}
     for name, (kernel, ins, which) in kernels.items():
         f = compile_kernel(kernel, ins)[which]
@@ -120,7 +124,8 @@ def test_contiguous_path_uses_128_bit_loads_and_stores(facts):
 def test_contractions_use_hopper_warpgroup_mma(facts):
     for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu", "gemm_bwd_bias_sum"):
         assert facts[name]["wgmma"] > 0, name
-    for name in ("gemm_lce_forward", "gemm_lce_dh", "gemm_lce_dw"):  # every product tile, recomputed too
+    lce = ("gemm_lce_forward", "gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw")
+    for name in (*lce, "gemm_lce_dh_recompute", "gemm_lce_dw_recompute"):  # every product tile, recomputed too
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0
 

@@ -148,10 +148,10 @@ def _programs(kernel, ins):
 
 def test_flops_at_llama3_sizes_are_the_compute_model_s(gen):
     """Planned at 8192 tokens x 128256 classes x 4096 hidden (nothing runs): the forward computes the
-    logits' product once; each of the backward's two GEMMs computes its own product and recomputes
-    the logits once per block of its output's hidden columns (4096 / 128 at sm_90 tiles), 66x the
-    logits' GEMM where the minimum (each product once) is 3x. Issue 35's one-recompute backward is
-    to bring it to the minimum."""
+    logits' product once; the backward computes it once more, a chunk of 2560 classes at a time (2%
+    of the logits' bytes), and its two gradient GEMMs read each chunk: 3x the logits' GEMM, the
+    minimum. Recomputing the logits in the GEMMs' tiles instead would cost 66x
+    (``chunk_budget=0``: each GEMM recomputes them once per block of its 4096 / 128 hidden columns)."""
     tokens, vocab, hidden = 8192, 128256, 4096
     bf = {"dtype": torch.bfloat16}
     ins = {
@@ -159,14 +159,71 @@ def test_flops_at_llama3_sizes_are_the_compute_model_s(gen):
         "w": torch.empty(vocab, hidden, **bf, requires_grad=True),
         "t": torch.zeros(tokens, dtype=torch.int64),
     }
-    plan = rx.compile(rx.linear_cross_entropy(h, w, t)).grad_plan(**ins)
     logits = 2 * tokens * vocab * hidden
-    fwd = plan.forward.program(**{n: ins[n].detach() for n in plan.forward.inputs})
-    assert (fwd.flops, fwd.minimum_flops) == (logits, logits)
     stats = {"_g0": torch.ones((), **bf), "_s0": torch.empty(tokens, 1), "_s4": torch.ones(())}
-    bwd = plan.backward.program(**{n: ins[n].detach() if n in ins else stats[n] for n in plan.backward.inputs})
-    assert [k.flops for k in bwd.launched] == [logits * (1 + hidden // 128)] * 2
-    assert (bwd.flops, bwd.minimum_flops) == (66 * logits, 3 * logits)
+    for budget, launches, flops in ((0.02, 3 * 51, 3 * logits), (0.0, 2, 66 * logits)):
+        kernel = rx.compile(rx.linear_cross_entropy(h, w, t), config=rx.FusionConfig(chunk_budget=budget))
+        plan = kernel.grad_plan(**ins)
+        fwd = plan.forward.program(**{n: ins[n].detach() for n in plan.forward.inputs})
+        assert (fwd.flops, fwd.minimum_flops) == (logits, logits)
+        bwd = plan.backward.program(**{n: ins[n].detach() if n in ins else stats[n] for n in plan.backward.inputs})
+        assert (bwd.flops, bwd.minimum_flops, bwd.kernels_launched) == (flops, 3 * logits, launches)
+    chunk = tokens * 2560 * 2  # dP, one chunk of bf16 columns: within 2% of the bf16 logits
+    assert chunk <= 0.02 * tokens * vocab * 2
+    assert bwd.scratch_bytes == 0
+    bwd = rx.compile(rx.linear_cross_entropy(h, w, t)).grad_plan(**ins).backward
+    program = bwd.program(**{n: ins[n].detach() if n in ins else stats[n] for n in bwd.inputs})
+    assert program.scratch_bytes == chunk + tokens * hidden * 4  # and dh's fp32 sum across chunks
+
+
+# (tokens, vocabulary, hidden) where the backward's GEMMs would recompute the logits more than twice
+# (hidden > 128: each recomputes them once per 128 of its hidden columns), so it runs a chunk loop
+CHUNKED = [
+    ((37,), 300, 257),  # three chunks of 128 classes, the last one of 44; odd tokens and hidden
+    ((1,), 129, 129),  # one token; a last chunk of one class
+    ((3, 13), 200, 130),  # batched hidden states: rows decomposed over (batch, token)
+]
+
+
+@pytest.mark.parametrize(("shape", "vocab", "hidden"), CHUNKED)
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+def test_chunk_loop_against_float64(shape, vocab, hidden, dtype, atol, rtol, gen):
+    """The one-recompute backward: values and every gradient (bias and class weights included)."""
+    _check(gen, shape, vocab, hidden, {}, dtype, atol, rtol, bias=True, weight=True)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_chunk_loop_options_against_float64(options, gen):
+    """Every option through the chunk loop: positions compared with the targets in the chunk's
+    kernel (an ignore index inside the vocabulary too), the smoothing and z-loss terms."""
+    _check(gen, (37,), 300, 257, options, torch.float32, 2e-5, 2e-5, bias=False, weight=False)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunk_loop_plan(bias, gen):
+    """Three kernels per chunk, each product once (the compute model's minimum), a buffer of one
+    chunk (fp32 when a bias gradient sums dP before its bf16 rounding), bit-identical reruns, and
+    the same gradients as the recompute plan (``chunk_budget=0``)."""
+    ins = _inputs(gen, (37,), 300, 257, torch.bfloat16, bias=bias)
+    _, bwd = _programs(rx.compile(_expr(bias, False, {})), ins)
+    assert bwd.kernels_launched == 3 * 3 and bwd.flops == bwd.minimum_flops
+    assert [c.chunk.size for c in bwd.launched] == [128] * 3
+    stored = 4 if bias else 2
+    assert bwd.scratch_bytes == 37 * 128 * stored + 37 * 257 * 4  # one chunk of dP, dh's fp32 sum
+    grads = []
+    for budget in (0.02, 0.02, 0.0):
+        kernel = rx.compile(_expr(bias, False, {}), config=rx.FusionConfig(chunk_budget=budget))
+        leaves = {n: v.clone().requires_grad_() for n, v in ins.items() if n in ("h", "w", "b")}
+        kernel(**(ins | leaves)).backward()
+        grads.append([v.grad for v in leaves.values()])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))  # reruns: bit-identical
+    for a, b in zip(grads[0], grads[2]):
+        assert_close(a, b, 2e-2, 2e-2, "chunk loop vs recompute plan")
+
+
+def test_chunk_budget_is_validated():
+    with pytest.raises(RtxError, match="chunk_budget"):
+        rx.FusionConfig(chunk_budget=1.5)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -289,6 +346,32 @@ def test_memory_trace_on_the_sm90_configuration_stores_no_logits(gen):
     for launch in launches:  # the largest tensors are w and dw (vocabulary x hidden), each written once
         for t in launch.tensors:
             assert t.nbytes < logits // 2 and t.stored <= t.nbytes, (launch.summary, t)
+
+
+def test_memory_trace_of_the_chunk_loop(gen):
+    """The chunk loop traced at sm_90's tiles: each chunk's kernel stores its chunk of dP (one
+    buffer of 128 columns, rewritten by every chunk) and the GEMMs load it; each element of dw is
+    stored once, dh's sum carried in its fp32 buffer and dh stored by the last chunk only."""
+    tokens, vocab, hidden = 130, 300, 257
+    ins = _inputs(gen, (tokens,), vocab, hidden, torch.bfloat16)
+    plan = rx.compile(_expr(False, False, {})).grad_plan(**ins)
+    forward = rx.memory_trace(plan.forward, **ins)
+    feed = ins | {k: forward.result[k] for k in plan.grads.saved_keys} | {"_g0": torch.ones((), dtype=torch.bfloat16)}
+    launches = rx.memory_trace(plan.backward, **{n: feed[n] for n in plan.backward.inputs}).launches
+    assert len(launches) == 3 * 3  # three chunks: 128, 128 and 44 classes
+    chunk = tokens * 128 * 2  # dP in bf16 (no bias: the operand itself is stored)
+    written = {}  # tensor address -> bytes stored over the loop
+    for launch in launches:
+        for t in launch.tensors:
+            known = (vocab * hidden * 2, tokens * hidden * 4)  # w and dw; dh's fp32 sum
+            assert t.nbytes < tokens * vocab * 2 or t.nbytes in known, (launch.summary, t)
+            written[t.address] = written.get(t.address, 0) + t.stored
+    sizes = {t.address: t.nbytes for launch in launches for t in launch.tensors}
+    assert [written[a] for a, n in sizes.items() if n == chunk] == [tokens * vocab * 2]  # each chunk once
+    for nbytes in (tokens * hidden * 2, vocab * hidden * 2):  # dh and dw: each element stored once
+        assert [written[a] for a, n in sizes.items() if n == nbytes and written[a]] == [nbytes]
+    carried = [written[a] for a, n in sizes.items() if n == tokens * hidden * 4]
+    assert carried == [2 * tokens * hidden * 4]  # dh's sum: stored by every chunk but the last
 
 
 # (expression, float64 reference over the logits): why each is there

@@ -13,7 +13,7 @@ from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
-from ..lower.spec import STRIDED, UNIT, KernelSpec, Src
+from ..lower.spec import BCAST, STRIDED, UNIT, KernelSpec, NodeSpec, Src
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
 from .dot import k_loop, load_as
@@ -31,17 +31,16 @@ def ${name}(
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    batch = tl.program_id(1)
     # grouped order: GROUP_M row blocks side by side reuse the same columns of B from L2
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.cdiv(${m_span}, BLOCK_M)
+    num_pid_n = tl.cdiv(${n_span}, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
     first_pid_m = (pid // num_pid_in_group) * GROUP_M
     group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
     pid_n = (pid % num_pid_in_group) // group_size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = ${m_start}pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = ${n_start}pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     ${body}
 """
@@ -49,11 +48,16 @@ def ${name}(
 #: one batch's K loop: A [BLOCK_M, BLOCK_K] and B [BLOCK_K, BLOCK_N] tiles, masked at the edges
 #: (an operand with a prologue is computed from its own loads instead, zero outside the mask)
 K_LOOP = """\
-for k_start in range(0, K, BLOCK_K):
+for k_start in range(${k_start}, K, BLOCK_K):
     ks = k_start + offs_k
     a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
     b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
 """
+
+#: an accumulating chunk loop's kernel: its running sum (contiguous, the product's shape) at the tile
+ACC_OFFSET = "(batch * M + offs_m[:, None]) * N + offs_n[None, :]"
+#: (a scalar condition as a bound: the interpreter takes no scalar in a mask)
+ACC_MASK = "(offs_m[:, None] < tl.where(W_LO > 0, M, 0)) & (offs_n[None, :] < N)"
 
 #: the index vectors along an operand tile's rows and columns, with the extents that mask them
 TILE_VECTORS = {"a": (("offs_m", "M"), ("ks", "K")), "b": (("ks", "K"), ("offs_n", "N"))}
@@ -63,6 +67,12 @@ OPERAND_TILE = {
     op: ((f"{rows}[:, None]", f"{cols}[None, :]"), dims, f"{op}_mask")
     for (op, ((rows, _), (cols, _))), dims in zip(TILE_VECTORS.items(), ("mk", "kn"))
 }
+
+
+def _positions_op(node: NodeSpec) -> bool:
+    """An index-only movement op (positions along a dim): computed from the tile's coordinates."""
+    op = REGISTRY[node.op]
+    return op.kind is OpKind.MOVEMENT and not op.view
 
 
 def _matrix_offset(op: str, idx: tuple[str, str], dims: str, classes: tuple[str, str]) -> str:
@@ -79,6 +89,7 @@ class GemmWriter(Writer):
         super().__init__(spec)
         #: reductions of A merged in the K loop: (node, its reduction, context, running state)
         self.k_reductions: list[tuple[int, ReduceSpec, EmitCtx, tuple[str, ...]]] = []
+        self.store_mask = "mask"  # an accumulating chunk loop's kernel stores its outputs in the last chunk
 
     def build_params(self) -> None:
         g = self.spec.gemm
@@ -92,6 +103,7 @@ class GemmWriter(Writer):
         assert g is not None
         self.build_params()
         self.top = Scope()
+        self.top.add("batch = tl.program_id(1)")  # (dropped where nothing reads it)
         self._scalar_prelude()
         top = self.top
         if self.spec.big:
@@ -105,7 +117,13 @@ class GemmWriter(Writer):
         self.swapped = {"a": attrs["ta"], "b": attrs["tb"]}  # is the operand read transposed?
         operand_dtype = self.spec.nodes[contraction].dtype
         acc_dtype = accumulator(operand_dtype)
-        top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
+        window = g.window
+        self._relative(top)
+        if window is not None and window.accumulate is not None:  # the sum so far: every chunk's before this one
+            top.add("# the sum over the chunks before this one (none before the first)")
+            top.add(f"acc = tl.load(acc_ptr + {ACC_OFFSET}, mask={ACC_MASK}, other=0.0)")
+        else:
+            top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
         batches = Scope(indent="    ") if g.sum_batch and self.nb else top  # every batch into one accumulator
         self.batch_idx = self._decompose(batches, "batch", "b", "bsize", self.nb)  # the batch's coordinates
         k_scope = Scope(indent=batches.indent + "    ")
@@ -113,7 +131,8 @@ class GemmWriter(Writer):
         tiles = [self._operand(op, j, ref, operand_dtype, k_scope) for op, j, ref in zip("ab", (g.a, g.b), srcs)]
         precision = f', input_precision="{g.precision}"' if operand_dtype == torch.float32 else ""
         k_scope.add(f"acc = tl.dot({tiles[0]}, {tiles[1]}, acc{precision})")
-        batches.add_all(K_LOOP.rstrip("\n").splitlines())
+        k_start = "W_LO" if window is not None and window.axis == "k" else "0"
+        batches.add_all(render(K_LOOP, k_start=k_start).rstrip("\n").splitlines())
         batches.lines.extend(k_scope.lines)
         if batches is not top:
             top.add(f"for batch in range(0, {' * '.join(f'bsize{d}' for d in range(self.nb))}):")
@@ -126,9 +145,38 @@ class GemmWriter(Writer):
         top.memo[(Src.NODE, contraction)] = (
             self.round_stored("acc", contraction, top) if contraction in self.rounded else "acc"
         )
+        if window is not None and window.accumulate is not None:  # carried to the next chunk; stored by the last
+            carried = "(rows < tl.where(W_LAST == 0, M, 0)) & (cols < N)"
+            top.add(f"tl.store(acc_ptr + (batch * M + rows) * N + cols, acc, mask={carried})")
+            self.store_mask = "(rows < tl.where(W_LAST != 0, M, 0)) & (cols < N)"
         top.add_all(self.stores(range(len(self.spec.outputs)), top))
         params = "\n".join(f"{p}," for p in self.params)
-        return render(GEMM, name=name, params=params, body="\n".join(simplify(self.top.lines)))
+        spans = {
+            d: (f"({e} - W_LO)", "W_LO + ") if window is not None and window.axis == d else (e, "")
+            for d, e in (("m", "M"), ("n", "N"))
+        }
+        return render(
+            GEMM,
+            name=name,
+            params=params,
+            body="\n".join(simplify(self.top.lines)),
+            m_span=spans["m"][0],
+            n_span=spans["n"][0],
+            m_start=spans["m"][1],
+            n_start=spans["n"][1],
+        )
+
+    def _relative(self, top: Scope) -> None:
+        """A chunk loop's buffers hold one chunk, its element 0 at ``W_LO`` of the windowed dim
+        (their last, unit-stride dim): their pointers start ``W_LO`` elements early."""
+        g = self.spec.gemm
+        assert g is not None
+        if g.window is None:
+            return
+        for j in g.window.relative:
+            top.add(f"in{j}_ptr = in{j}_ptr - W_LO  # one chunk of the loop, stored from column W_LO")
+        for k in g.window.relative_out:
+            top.add(f"out{k}_ptr = out{k}_ptr - W_LO  # one chunk of the loop, stored from column W_LO")
 
     def _operand(self, op: str, j: int, ref: tuple, dtype: torch.dtype, scope: Scope) -> str:
         """Operand ``op``'s tile in the K loop: loaded through its strides, or its prologue computed
@@ -142,10 +190,15 @@ class GemmWriter(Writer):
             offset = base + _matrix_offset(op, (r, c), dims, g.a_classes if op == "a" else g.b_classes)
             tile = f"tl.load(in{j}_ptr + {offset}, mask={mask}, other=0)"
             scope.add(f"{op} = {load_as(tile, self.spec.in_dtypes[j], dtype)}")
-            return op
-        v = self.value(ref, scope)
-        scope.add(f"{op} = tl.where({mask}, {to_storage(v, self.types[v], dtype)}, 0)")
-        for i, node in enumerate(self.spec.nodes):  # reductions of the prologue's values over K
+            if self.spec.in_dtypes[j] == dtype:  # a reduction of the operand itself reads the tile
+                for k, ld in enumerate(self.spec.loads):
+                    if ld.input == j and ld.role == op:
+                        scope.memo[(Src.LOAD, k)] = op
+                self.types[op] = dtype
+        else:
+            v = self.value(ref, scope)
+            scope.add(f"{op} = tl.where({mask}, {to_storage(v, self.types[v], dtype)}, 0)")
+        for i, node in enumerate(self.spec.nodes):  # reductions of the operand's (prologue's) values over K
             if REGISTRY[node.op].kind is OpKind.REDUCTION and node.role == op:
                 self._k_reduction(i, self.value(node.srcs[0], scope), mask, scope)
         return op
@@ -156,6 +209,8 @@ class GemmWriter(Writer):
         tile, and positions (indices along a dim) there."""
         kind, i = ref
         node = self.spec.nodes[i] if kind is Src.NODE else None
+        if node is not None and node.role is Role.FULL and _positions_op(node) and ref not in loop.memo:
+            loop.memo[ref] = self._positions(i, loop)  # the epilogue's positions: at the product's tile
         if node is None or node.role not in OPERAND_TILE:
             return super().value(ref, loop)
         op = REGISTRY[node.op]
@@ -170,9 +225,12 @@ class GemmWriter(Writer):
         """The index (source text) of each dim of a value of ``rank`` dims at operand ``role``'s tile:
         its batch dims at the batch's coordinates, its matrix dims along the tile's rows and columns
         (swapped when the kernel reads the operand transposed)."""
-        (r, c), _, _ = OPERAND_TILE[role]
-        matrix = [c, r] if self.swapped[role] else [r, c]
-        batch = ["0"] * max(0, rank - 2 - self.nb) + list(self.batch_idx)[max(0, self.nb - (rank - 2)) :]
+        if role is Role.FULL:  # the epilogue's: the product's tile
+            (r, c), matrix, idx = ("rows", "cols"), ["rows", "cols"], list(self.out_idx)
+        else:
+            (r, c), _, _ = OPERAND_TILE[role]
+            matrix, idx = ([c, r] if self.swapped[role] else [r, c]), list(self.batch_idx)
+        batch = ["0"] * max(0, rank - 2 - len(idx)) + idx[max(0, len(idx) - (rank - 2)) :]
         return (batch + matrix)[-rank:] if rank else []
 
     def _positions(self, i: int, scope: Scope) -> str:
@@ -183,13 +241,32 @@ class GemmWriter(Writer):
         def unread(*_: object) -> str:
             raise AssertionError(f"{node.op} reads no operand")
 
-        (r, c), _, _ = OPERAND_TILE[node.role]
-        zero = f"({r} * 0 + {c} * 0)"  # the tile's shape, even where every index is 0
+        if node.role is Role.FULL:  # the epilogue's: broadcast against the product's tile where used
+            zero = "tl.zeros((1, 1), dtype=tl.int32)"
+        else:
+            (r, c), _, _ = OPERAND_TILE[node.role]
+            zero = f"({r} * 0 + {c} * 0)"  # the tile's shape, even where every index is 0
         ctx = RemapCtx(Coords(tuple(idx)), dict(node.attrs), (), (), unread, unread, unread, zero)  # type: ignore[arg-type]
         name = f"v{i}"
-        scope.add(f"{name} = ({REGISTRY[node.op].remap(ctx)}).to({TRITON_TYPE[compute_dtype(node.dtype)]})")  # type: ignore[misc]
-        self.types[name] = compute_dtype(node.dtype)
+        # the epilogue's positions are int32 where offsets fit (a per-row compare then narrows its
+        # other side once per row, ``Writer._positions_compare``)
+        dtype = self.result_dtype(node) if node.role is Role.FULL else compute_dtype(node.dtype)
+        scope.add(f"{name} = ({REGISTRY[node.op].remap(ctx)}).to({TRITON_TYPE[dtype]})")  # type: ignore[misc]
+        self.types[name] = dtype
         return name
+
+    def _row_constant(self, ref: tuple) -> bool:
+        """As the Writer's, and a view of per-row values: an epilogue reads a view through its
+        load's strides at the tile, so the view is its load there."""
+        kind, i = ref
+        if kind is Src.NODE and self.spec.nodes[i].role is Role.FULL and REGISTRY[self.spec.nodes[i].op].view:
+            return all(self._row_constant(r) for r in self.spec.nodes[i].srcs)
+        return super()._row_constant(ref)
+
+    def _per_row_load(self, j: int) -> bool:
+        """An epilogue load broadcast along the product's columns is one value per row."""
+        ld = self.spec.loads[j]
+        return ld.role is not Role.FULL or all(c == BCAST for c in ld.cols)
 
     def _inner_product(self, i: int, scope: Scope) -> str:
         """A product no kernel writes, at the operand's ``[rows, cols]`` tile: a K loop of its own
@@ -274,9 +351,15 @@ class GemmWriter(Writer):
         if ld.role in OPERAND_TILE:  # a prologue's load, at the operand's tile in the K loop
             index, _, mask = OPERAND_TILE[ld.role]
             offset = self._tile_offset(self.load_names[k], classes, self.batch_idx, index)
+        else:  # at the product's tile: a value per row (or per column) loads one column (row) of it
+            offset = self._tile_offset(self.load_names[k], classes, self.out_idx)
+            mask = {(False, True): "rows < M", (True, False): "cols < N"}.get(
+                (ld.rows == (BCAST,), ld.cols == (BCAST,)), "mask"
+            )
+        if offset == "(rows * 0 + cols * 0)":  # one element for the whole tile: a scalar load
+            text = f"tl.load(in{ld.input}_ptr)"
         else:
-            offset, mask = self._tile_offset(self.load_names[k], classes, self.out_idx), "mask"
-        text = f"tl.load(in{ld.input}_ptr + {offset}, mask={mask}, other=0)"
+            text = f"tl.load(in{ld.input}_ptr + {offset}, mask={mask}, other=0)"
         cdt = compute_dtype(dtype)
         if cdt != dtype:
             text += f".to({TRITON_TYPE[cdt]})"
@@ -292,4 +375,4 @@ class GemmWriter(Writer):
         if o.role is not Role.FULL:  # a reduction of A, one value per row: the first column of tiles writes it
             return f"tl.store(out{k}_ptr + rows, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
         offset = self._tile_offset(f"out{k}", (STRIDED, UNIT), self.out_idx)
-        return f"tl.store(out{k}_ptr + {offset}, {val}, mask=mask)"
+        return f"tl.store(out{k}_ptr + {offset}, {val}, mask={self.store_mask})"

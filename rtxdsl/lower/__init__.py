@@ -24,11 +24,11 @@ from .bind import Info
 from .expand import Graph, expand
 from .flops import kernel_flops, minimum_flops
 from .gemm import gemm_spec
-from .params import ParamKind, pointer_slots, with_tail_slots
+from .params import ParamKind, own_params, pointer_slots, slots, with_tail_slots
 from .passes import early_outputs, input_reads, input_scopes, partial_states, remaps
 from .plans import plan_of
 from .schedule import Launch, Layout, contiguous_strides, kernel_spec, split_specs
-from .spec import TAIL_CONSTEXPRS, Buffer, KernelCall, KernelSpec, Program, Split
+from .spec import TAIL_CONSTEXPRS, Buffer, ChunkLoop, KernelCall, KernelSpec, Program, Split
 from .target import GPU, INTERPRETER, Target, target_for
 
 #: what a call gives for one input: a tensor's layout, or a python number (a scalar input)
@@ -94,6 +94,7 @@ def program(
             info = graph.of(o)
             dtype = info.dtype if id(o) in requested else intermediate_dtype(g, info)
             lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), dtype)
+    stored = _chunk_buffers(plan, lay)
     views = _views(plan, lay, slots, requested)
     scheduled = [
         None
@@ -114,14 +115,14 @@ def program(
                 slots[id(o)] = aliases[id(o)]
                 continue
             slots[id(o)] = n_inputs + len(buffers)
-            buffers.append(Buffer(lay[id(o)].shape, lay[id(o)].dtype))
+            buffers.append(Buffer(stored.get(id(o), lay[id(o)].shape), lay[id(o)].dtype))
     calls = [
         call
         for gi, (g, sched) in enumerate(zip(plan.groups, scheduled))
         if sched is not None
         for call in _calls(gi, g, *sched, slots, lay, buffers, n_inputs, kernel_flops(g, graph))
     ]
-    calls = _with_tails(calls, buffers, n_inputs)
+    calls = _with_tails(_loops_together(calls), buffers, n_inputs)
     outputs: list[tuple[str, int | None]] = []
     scalars = {}
     for key, root in graph.outputs:
@@ -171,6 +172,12 @@ def _calls(
     out_bytes = [0 if launch.empty else lay[id(o)].nbytes for o in g.outputs]
     parts: tuple[int, ...] = ()
     part_bytes = 0
+    window = spec.gemm.window if spec.gemm is not None else None
+    if window is not None and window.accumulate is not None:  # the sum across a chunk loop's chunks
+        parts = (n_inputs + len(buffers),)
+        buffers.append(Buffer(g.shape, window.accumulate))  # the product's (batches, rows, columns)
+        # read by each chunk but the first, written by each but the last
+        part_bytes = 2 * (g.chunk.chunks - 1) * math.prod(g.shape) * window.accumulate.itemsize  # type: ignore[union-attr]
     if launch.split > 1:  # partial states of every reduction, one buffer each
         for _, n_state, dtype in partial_states(spec):
             parts += (n_inputs + len(buffers),)
@@ -179,7 +186,7 @@ def _calls(
         (partial, p_launch), (finish, f_launch) = split_specs(spec, launch)
         phases = [(partial, p_launch, 0, part_bytes), (finish, f_launch, part_bytes, 0)]
     else:
-        phases = [(spec, launch, 0, 0)]
+        phases = [(spec, launch, part_bytes, 0)]
     by_kind = {ParamKind.INPUT: in_slots, ParamKind.OUTPUT: out_slots, ParamKind.PARTIAL: parts, ParamKind.FLAGS: flags}
     calls = []
     for sp, ln, part_read, part_written in phases:
@@ -209,9 +216,52 @@ def _calls(
                 checks=ln.checks,
                 group=gi,
                 reads=tuple(reads),
+                chunk=_chunk_loop(g, sp),
             )
         )
     return calls
+
+
+def _chunk_buffers(plan: Plan, lay: dict[int, Layout]) -> dict[int, tuple[int, ...]]:
+    """Values a chunk loop stores one chunk at a time (``lower/chunk.py``): laid out over their full
+    shape with one chunk's strides (column ``c`` of a chunk starting at ``lo`` at ``c - lo``), their
+    buffer one chunk: node id -> the buffer's shape."""
+    found = {}
+    for g in plan.groups:
+        if g.chunk is None:
+            continue
+        for v in g.chunk.values:
+            if any(v is o for o in g.outputs):
+                have = lay[id(v)]
+                found[id(v)] = (*have.shape[:-1], g.chunk.size)
+                lay[id(v)] = Layout(have.shape, contiguous_strides(found[id(v)]), have.dtype)
+    return found
+
+
+def _chunk_loop(g: Group, spec: KernelSpec) -> ChunkLoop | None:
+    """How a chunk loop's kernel is launched: each chunk's end replaces the windowed dim's extent
+    (``M``, ``N`` or ``K``: arguments 0, 1, 2), its start ``W_LO`` (and ``W_LAST``)."""
+    if g.chunk is None:
+        return None
+    ints = [p.name for p in own_params(spec) if p.kind is ParamKind.INT]
+    last = ints.index("W_LAST") if "W_LAST" in ints else -1
+    return ChunkLoop(g.chunk.loop, g.chunk.extent, g.chunk.size, "mnk".index(g.chunk.axis), ints.index("W_LO"), last)
+
+
+def _loops_together(calls: list[KernelCall]) -> list[KernelCall]:
+    """The kernels of each chunk loop made adjacent, in launch order: each moves up to the one
+    before it in its loop, over kernels whose outputs it does not read."""
+    out: list[KernelCall] = []
+    for call in calls:
+        loop = call.chunk.loop if call.chunk is not None else None
+        at = [k for k, c in enumerate(out) if loop is not None and c.chunk is not None and c.chunk.loop == loop]
+        if not at:
+            out.append(call)
+            continue
+        passed = {s for c in out[at[-1] + 1 :] for s in slots(c, ParamKind.OUTPUT)}
+        assert not passed & set(slots(call, ParamKind.INPUT)), "a chunk loop's kernel reads a kernel it would pass"
+        out.insert(at[-1] + 1, call)
+    return out
 
 
 def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested: set[int]) -> dict[int, int]:

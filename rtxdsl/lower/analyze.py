@@ -21,7 +21,11 @@ The analysis is a sequence of passes, each a function from (graph, groups) to ne
    product tile by tile itself (the product is never written: linear cross-entropy).
 6. ``absorb_prologues``: a GEMM recomputes an elementwise operand at load time (its prologue)
    where the traffic model says that is cheaper than writing the operand and reading it back.
-7. ``finish``: what each kernel reads and writes (a value is written only when requested or
+7. ``chunk_recomputed`` (``lower/chunk.py``): a product that GEMM prologues would recompute
+   many times (linear cross-entropy's backward) is computed once instead, a chunk of its last
+   dim at a time, by a GEMM of its own whose epilogue writes the prologue's value to a buffer
+   of one chunk; the GEMMs read it there, in the same loop.
+8. ``finish``: what each kernel reads and writes (a value is written only when requested or
    read by a kernel that does not compute it), its pattern, and a launch order.
 
 Movement ops that re-index (slices, ``cat``, ``flip``, ``gather``) are evaluated inside the
@@ -41,9 +45,11 @@ from types import MappingProxyType
 from ..config import FusionConfig
 from ..expr import Expr
 from ..ops import REGISTRY, OpKind, Pattern
+from .chunk import chunk_recomputed
 from .expand import Graph, is_leaf
 from .prologue import Operand, choose, reloads
 from .roles import Role
+from .spec import Chunk
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class Group:
     pattern: Pattern = Pattern.SINGLE
     cone: tuple[Expr, ...] = ()  # free nodes its movement ops evaluate at remapped coordinates
     notes: tuple[str, ...] = ()  # the analyzer's choices for this kernel, with their figures (explain)
+    chunk: Chunk | None = None  # a kernel of a chunk loop (``lower/chunk.py``)
 
     @property
     def remaps(self) -> bool:
@@ -117,6 +124,7 @@ def analyze(graph: Graph, config: FusionConfig) -> Plan:
     groups = recompute_elementwise(graph, fl, groups, config, small)
     groups = fuse_product_rows(graph, fl, groups, small)
     groups = absorb_prologues(graph, fl, groups, config, small)
+    groups = chunk_recomputed(graph, groups, config)
     return finish(graph, fl, groups)
 
 
@@ -1265,6 +1273,7 @@ def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
                 _pattern(g, graph),
                 tuple(sorted(cone.values(), key=lambda c: order[id(c)])),
                 g.notes,
+                g.chunk,
             ),
         )
     return Plan(_topo(done, homes), graph)

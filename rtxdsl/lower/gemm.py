@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+from ..dtypes import accumulator
 from ..errors import RtxError
 from ..expr import Expr
 from .analyze import Group, Role
@@ -42,7 +43,7 @@ from .schedule import (
     stride_class,
     viewed,
 )
-from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, OutSpec, Src
+from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, OutSpec, Src, Window
 from .target import Target
 
 MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
@@ -116,16 +117,20 @@ def gemm_spec(
             a_classes=(_unit(sa[0], sa[1]), _unit(sa[1], sa[0])),
             b_classes=(_unit(sb[0], sb[1]), _unit(sb[1], sb[0])),
             precision="tf32" if tf32 and a.dtype == torch.float32 else "ieee",
+            window=_window(group, graph.of(c).dtype),
         ),
     )
     values = {"M": m, "N": n, "K": k} | {f"bsize{d}": v for d, v in enumerate(batch)}
     values |= _operand_values(spec, (a, b), (sa, sb), batch)
-    values |= _tile_values(spec, group, graph, bd, strides, inner)
+    values |= _tile_values(spec, group, graph, layouts, bd, strides, inner)
+    values |= _window_values(spec)
     ints = list(launch_ints(spec, values))
     kinds, vals = scalar_args(bd.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = replace(spec, scalars=tuple(kinds))
     scalar_inputs = scalar_positions(bd.slots, kinds, graph, len(ints))
-    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    chunk = group.chunk
+    rows, cols = (chunk.size if chunk is not None and chunk.axis == d else e for d, e in (("m", m), ("n", n)))
+    tiles = -(-rows // tile.block_m) * -(-cols // tile.block_n)  # a chunk loop's kernel: one chunk's
     batches = 1 if sum_batch else math.prod(batch)
     if batches > MAX_BATCH_GRID:
         raise RtxError(f"matmul: {batches} batches exceed the grid's limit of {MAX_BATCH_GRID}; fold the batch dims")
@@ -159,10 +164,31 @@ def _operand_values(
     return values
 
 
+def _window(group: Group, dtype: torch.dtype) -> Window | None:
+    """A chunk loop's kernel: the dim its programs or K loop window, the inputs and outputs stored
+    one chunk at a time, the accumulator's dtype where the sum runs across chunks."""
+    chunk = group.chunk
+    if chunk is None:
+        return None
+    relative = tuple(j for j, s in enumerate(group.inputs) if any(s is v for v in chunk.values))
+    relative_out = tuple(k for k, o in enumerate(group.outputs) if any(o is v for v in chunk.values))
+    return Window(chunk.axis, relative, relative_out, accumulator(dtype) if chunk.axis == "k" else None)
+
+
+def _window_values(spec: KernelSpec) -> dict[str, int]:
+    """A chunk loop's kernel: the first chunk's start and, accumulating, whether it is the last
+    (the runtime passes each chunk's own, :class:`~rtxdsl.lower.spec.ChunkLoop`)."""
+    w = spec.gemm.window if spec.gemm is not None else None
+    if w is None:
+        return {}
+    return {"W_LO": 0} | ({"W_LAST": 1} if w.accumulate is not None else {})
+
+
 def _tile_values(
     spec: KernelSpec,
     group: Group,
     graph: Graph,
+    layouts: Mapping[int, Layout],
     bd: Body,
     strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]],
     inner: list[int],
@@ -178,7 +204,7 @@ def _tile_values(
         values |= {f"{names[i]}_stride{n_b + d}": v for d, v in enumerate(tile_strides) if stride_class(v) == STRIDED}
     for k, o in enumerate(group.outputs):
         if group.role(o) is Role.FULL:  # a reduction of A is one contiguous value per row of the product
-            row_strides = contiguous_strides(graph.of(o).shape)[:-1]  # the columns' stride is 1
+            row_strides = layouts[id(o)].strides[:-1]  # contiguous (one chunk's, in a chunk loop): columns' is 1
             values |= {f"out{k}_stride{d}": v for d, v in enumerate(row_strides)}
     for p in group.nodes:  # each recomputed product: its contracted size, its operands' strides
         i = bd.index.get(id(p))

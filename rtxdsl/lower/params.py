@@ -28,7 +28,7 @@ class ParamKind(enum.Enum):
 
     INPUT = "input"  # ``in{j}_ptr``: the group's j-th input
     OUTPUT = "output"  # ``out{k}_ptr``: its k-th output
-    PARTIAL = "partial"  # ``part{i}_ptr``: a split row's partial states of reduction i
+    PARTIAL = "partial"  # ``part{i}_ptr``: a split row's partial states of reduction i (a chunk loop's ``acc_ptr``)
     FLAGS = "flags"  # ``flag_ptr``: gathers' index-check flags
     COUNTER = "counter"  # ``count_ptr``: the ticket counter of a tail's head
     INT = "int"  # a size, stride, split or movement argument: a launch integer
@@ -143,6 +143,10 @@ def _gemm(spec: KernelSpec) -> list[Param]:
             ld = spec.loads[k]
             ints += [f"{names[k]}_stride_b{d}" for d in range(nb)]
             ints += strided(names[k], (*ld.rows, *ld.cols))
+    if g.window is not None:  # a chunk loop's kernel: where its chunk starts; accumulating, is it the last
+        ints += ["W_LO", *(["W_LAST"] if g.window.accumulate is not None else [])]
+        if g.window.accumulate is not None:
+            params.append(Param("acc_ptr", ParamKind.PARTIAL, 0))
     return params + _ints(ints) + _scalars(spec)
 
 

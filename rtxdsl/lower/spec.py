@@ -78,6 +78,36 @@ class OutSpec:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """A group run once per chunk of one dim, in a loop with the other groups of ``loop``: the
+    product a backward would recompute many times (linear cross-entropy's logits) computed once,
+    one chunk of its last dim at a time (``FusionConfig.chunk_budget``; ``lower/chunk.py``)."""
+
+    loop: int  # the groups of one loop run together, once per chunk, in launch order
+    axis: str  # the GEMM dim the chunk windows: "n" (the product's columns), "m" (rows) or "k" (the sum)
+    extent: int  # the dim's size
+    size: int  # elements per chunk (a multiple of the GPU tile; the last chunk may be shorter)
+    values: tuple[Any, ...] = ()  # the values stored one chunk at a time (each chunk at index 0)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.extent // self.size)
+
+
+@dataclass(frozen=True)
+class Window:
+    """A GEMM kernel's share of a chunk loop: its programs (or, for "k", its K loop) cover
+    ``[W_LO, hi)`` of ``axis``, with ``hi`` passed as that dim's extent (``M``, ``N`` or ``K``)."""
+
+    axis: str
+    relative: tuple[int, ...] = ()  # inputs stored one chunk at a time: their pointers start at W_LO
+    relative_out: tuple[int, ...] = ()  # outputs stored one chunk at a time
+    #: "k": the sum goes on across chunks in a buffer of the accumulator's dtype (``acc_ptr``); the
+    #: outputs are stored by the last chunk's launch (``W_LAST``)
+    accumulate: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
 class GemmTile:
     """A contraction kernel's tile and pipeline, and which inputs are its operands."""
 
@@ -96,6 +126,7 @@ class GemmTile:
     a_classes: tuple[Stride, Stride] = (STRIDED, STRIDED)
     b_classes: tuple[Stride, Stride] = (STRIDED, STRIDED)
     precision: str = "ieee"  # fp32 operands: "ieee" (exact products) or "tf32" (FusionConfig.allow_tf32)
+    window: Window | None = None  # a kernel of a chunk loop
 
 
 @dataclass(frozen=True)
@@ -160,6 +191,25 @@ class KernelCall:
     reads: tuple[int, ...] = ()  # per input of the group: how many times this launch reads it
     #: the next kernel, run by this launch's last program (``lower.params`` orders its buffers)
     tail: KernelCall | None = None
+    chunk: ChunkLoop | None = None  # a kernel of a chunk loop: launched once per chunk
+
+
+@dataclass(frozen=True)
+class ChunkLoop:
+    """How the runtime launches a kernel of a chunk loop: once per chunk ``[lo, hi)`` of ``extent``,
+    with ``hi`` at argument ``hi_arg`` (the windowed dim's extent), ``lo`` at ``lo_arg`` and, for
+    an accumulating kernel, whether the chunk is the last at ``last_arg``."""
+
+    loop: int
+    extent: int
+    size: int
+    hi_arg: int
+    lo_arg: int
+    last_arg: int = -1
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.extent // self.size)
 
 
 @dataclass(frozen=True)
@@ -180,13 +230,27 @@ class Program:
     def launched(self) -> tuple[KernelCall, ...]:
         return tuple(k for k in self.kernels if not k.empty)
 
+    def launch_order(self) -> list[KernelCall]:
+        """Each launch as it happens: a chunk loop's kernels once per chunk, in turn."""
+        out: list[KernelCall] = []
+        calls = list(self.launched)
+        while calls:
+            loop = calls[0].chunk
+            members = [c for c in calls if loop is not None and c.chunk is not None and c.chunk.loop == loop.loop]
+            if loop is None:
+                out.append(calls.pop(0))
+                continue
+            out += members * loop.chunks
+            calls = calls[len(members) :]
+        return out
+
     @property
     def kernels_launched(self) -> int:
-        return len(self.launched)
+        return sum(k.chunk.chunks if k.chunk else 1 for k in self.launched)
 
     @property
     def fused(self) -> int:
-        return sum(1 for k in self.launched if k.ops >= 2)
+        return sum(k.chunk.chunks if k.chunk else 1 for k in self.launched if k.ops >= 2)
 
     @property
     def bytes_moved(self) -> int:

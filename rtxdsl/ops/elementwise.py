@@ -886,6 +886,11 @@ def cast(x: ExprLike, dtype: torch.dtype) -> Expr:
     return node("cast", x, dtype=dtype)
 
 
+def is_cast(n: Expr) -> bool:
+    """Is ``n`` a conversion (``x.to(T)``): the same value, only its dtype changed?"""
+    return n.op == "cast"
+
+
 def _to_builder(a: Any, *args: Any, **kwargs: Any) -> Expr:
     dtype = kwargs.pop("dtype", None)
     kwargs.pop("non_blocking", None)

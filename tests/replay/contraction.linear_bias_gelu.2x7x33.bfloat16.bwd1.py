@@ -35,7 +35,6 @@ def gemm_add_mul_erf_exp_SIG(
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    batch = tl.program_id(1)
     # grouped order: GROUP_M row blocks side by side reuse the same columns of B from L2
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -47,6 +46,7 @@ def gemm_add_mul_erf_exp_SIG(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    batch = tl.program_id(1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_13 = tl.full([BLOCK_M, 1], 0, dtype=tl.float32)
     for batch in range(0, bsize0):

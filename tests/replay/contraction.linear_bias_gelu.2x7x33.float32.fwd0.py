@@ -27,7 +27,6 @@ def gemm_contract_add_gelu_SIG(
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    batch = tl.program_id(1)
     # grouped order: GROUP_M row blocks side by side reuse the same columns of B from L2
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -39,6 +38,7 @@ def gemm_contract_add_gelu_SIG(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    batch = tl.program_id(1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + offs_k
@@ -50,7 +50,7 @@ def gemm_contract_add_gelu_SIG(
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
-    x2 = tl.load(in2_ptr + batch * in2_stride0 + cols, mask=mask, other=0)
+    x2 = tl.load(in2_ptr + batch * in2_stride0 + cols, mask=cols < N, other=0)
     v1 = acc + x2
     v2 = 0.5 * v1 * (1.0 + tl.erf(v1 * 0.7071067811865476))
     tl.store(out0_ptr + batch * out0_stride0 + rows * out0_stride1 + cols, v2, mask=mask)
