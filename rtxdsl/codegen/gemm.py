@@ -120,7 +120,6 @@ class GemmWriter(Writer):
         window = g.window
         self._relative(top)
         if window is not None and window.accumulate is not None:  # the sum so far: every chunk's before this one
-            top.add("# the sum over the chunks before this one (none before the first)")
             top.add(f"acc = tl.load(acc_ptr + {ACC_OFFSET}, mask={ACC_MASK}, other=0.0)")
         else:
             top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
@@ -174,9 +173,9 @@ class GemmWriter(Writer):
         if g.window is None:
             return
         for j in g.window.relative:
-            top.add(f"in{j}_ptr = in{j}_ptr - W_LO  # one chunk of the loop, stored from column W_LO")
+            top.add(f"in{j}_ptr = in{j}_ptr - W_LO")
         for k in g.window.relative_out:
-            top.add(f"out{k}_ptr = out{k}_ptr - W_LO  # one chunk of the loop, stored from column W_LO")
+            top.add(f"out{k}_ptr = out{k}_ptr - W_LO")
 
     def _operand(self, op: str, j: int, ref: tuple, dtype: torch.dtype, scope: Scope) -> str:
         """Operand ``op``'s tile in the K loop: loaded through its strides, or its prologue computed
@@ -356,7 +355,7 @@ class GemmWriter(Writer):
             mask = {(False, True): "rows < M", (True, False): "cols < N"}.get(
                 (ld.rows == (BCAST,), ld.cols == (BCAST,)), "mask"
             )
-        if offset == "(rows * 0 + cols * 0)":  # one element for the whole tile: a scalar load
+        if ld.role is Role.FULL and not self.out_idx and all(c == BCAST for c in classes):  # one element: a scalar
             text = f"tl.load(in{ld.input}_ptr)"
         else:
             text = f"tl.load(in{ld.input}_ptr + {offset}, mask={mask}, other=0)"
