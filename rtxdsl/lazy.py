@@ -759,7 +759,7 @@ class Fusion:
         # canonical form; a loop whose constants change misses here and pays one walk per flush
         self._canon: LRU[tuple[Expr, ...], tuple[tuple[Expr, ...], tuple[Expr, ...]]] = LRU(16)
         self._last: tuple[str, Kernel, tuple] | None = None
-        self.eager_ops = 0  # ops run eagerly at sync points (matmuls, attention, unsupported calls)
+        self.eager_ops = 0  # ops run eagerly at sync points (unsupported calls)
         # the tensors this fusion wrapped, by the memory they live in (a write through one guards all)
         self._known: dict[tuple[torch.device, int], list[weakref.ref[torch.Tensor]]] = {}
 

@@ -53,6 +53,7 @@ class Pattern(Word):
     a group holding several is named by the first."""
 
     LINEAR_CROSS_ENTROPY = "LinearCrossEntropy"
+    ATTENTION = "Attention"
     CONTRACTION = "Contraction"
     CROSS_ENTROPY = "CrossEntropy"
     LAYER_NORM = "LayerNorm"

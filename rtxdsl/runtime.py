@@ -81,7 +81,7 @@ class Kernel:
 
     def __init__(
         self,
-        outputs: Expr | Mapping[str, Any],
+        outputs: Expr | Mapping[str, Any] | tuple | list,
         config: FusionConfig | None = None,
         *,
         inputs: tuple[str, ...] | None = None,
@@ -99,9 +99,15 @@ class Kernel:
                     raise RtxError(f"output keys must be strings, got {key!r}")
             self._outputs = tuple((k, as_expr(e, f"output {k!r}")) for k, e in outputs.items())
             self._single = False
+        elif isinstance(outputs, (tuple, list)):  # several outputs returned as a tuple, keyed "0", "1", ...
+            if not outputs:
+                raise RtxError("compile needs at least one output expression")
+            self._outputs = tuple((str(i), as_expr(e, f"output {i}")) for i, e in enumerate(outputs))
+            self._single = False
         else:
             self._outputs = (("out", as_expr(outputs, "compile")),)
             self._single = True
+        self._tuple = isinstance(outputs, (tuple, list))
         found = variables([e for _, e in self._outputs])
         if inputs is not None:  # an explicit positional order (@rx.fuse: the function's parameters)
             by_name = {v.attr("name"): v for v in found}
@@ -180,10 +186,15 @@ class Kernel:
 
     def __repr__(self) -> str:
         body = self._outputs[0][1] if self._single else dict(self._outputs)
+        body = tuple(e for _, e in self._outputs) if self._tuple else body
         return f"rx.Kernel({body!r}, inputs={self.inputs})"
 
     # ---- calling --------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._call(args, kwargs)
+        return tuple(out.values()) if self._tuple else out
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         if is_dynamo_compiling():  # inside torch.compile: one opaque custom op in the graph
             return self._traced(args, kwargs)
         cfg = self._current_config()
@@ -566,7 +577,7 @@ class Kernel:
             elif e.is_var:
                 r = r.clone()
             res[k] = r
-        return res["out"] if self._single else res
+        return res["out"] if self._single else tuple(res.values()) if self._tuple else res
 
     # ---- inspection ---------------------------------------------------------------------
     def _launch_for(self, args: tuple, kwargs: dict) -> PreparedCall:
@@ -660,8 +671,9 @@ def _mixed_key(tensors: tuple[Any, ...]) -> tuple:
     )
 
 
-def compile(outputs: Expr | Mapping[str, Any], config: FusionConfig | None = None) -> Kernel:  # noqa: A001
-    """Compile an expression, or a dict of them, into a :class:`Kernel`.
+def compile(outputs: Expr | Mapping[str, Any] | tuple | list, config: FusionConfig | None = None) -> Kernel:  # noqa: A001
+    """Compile an expression, or a dict of them, into a :class:`Kernel`; a tuple (or list) of them
+    returns a tuple (``rx.attention(..., return_lse=True)``).
 
     Example:
         >>> import torch, rtxdsl as rx

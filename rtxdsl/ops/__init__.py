@@ -2,8 +2,8 @@
 
 ``base`` holds the table's types; ``leaf``, ``elementwise``, ``reduction`` and ``composite``
 fill it (``movement`` adds slices, joins, gathers and positions, ``random`` Philox numbers and
-dropout, ``llm`` cross-entropy and rotary embeddings). Importing this package
-loads every declaration.
+dropout, ``llm`` cross-entropy and rotary embeddings, ``attention`` scaled dot-product
+attention). Importing this package loads every declaration.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..registry import (
     category,
     register,
 )
-from . import composite, contraction, divergence, elementwise, leaf, llm, movement, random, reduction  # noqa: F401  (fill the registry)
+from . import attention, composite, contraction, divergence, elementwise, leaf, llm, movement, random, reduction  # noqa: F401  (fill the registry)
 
 __all__ = [
     "AxisRule",

@@ -1,0 +1,380 @@
+"""Attention: ``softmax(q @ k.mT * scale + score terms) @ v`` as one composite (DESIGN section 8).
+
+``rx.attention`` is declared once, as a decomposition into primitives (two contractions, the
+row statistics of the scores, the masks): its derivatives (dq, dk, dv, and the gradient of every
+float tensor a ``score_mod`` reads) come from the VJP of that decomposition, and its torch
+reference (``backend="torch"``, the tests' oracle) is written out with torch ops beside it.
+
+``score_mod(s, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` are python functions
+over expressions, called once when the attention is built. What they return is kept as a
+*template*: an expression whose leaves are ``attention_slot`` nodes, standing for the scaled
+scores and the four positions (``b``, ``h``, ``q_idx``, ``kv_idx``, int64, broadcasting over the
+scores ``[B, Hq, Tq, Tk]``) and for the tensors the function reads, which become operands of the
+attention node. The decomposition fills the slots; the reference evaluates the template with
+torch ops. A change of sequence length changes no template, so it compiles nothing new.
+
+A fully masked row gives output 0, logsumexp ``-inf`` and zero gradients, never NaN: the row's
+statistics are made finite where its sum is 0 (the ``where`` sits on the statistic, not on the
+probabilities, so no branch of the backward divides by 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import DtypeMismatchError, RtxError, ShapeError
+from ..expr import Expr, as_expr, node, substitute, walk
+from ..registry import ANY, REGISTRY, Front, OpDef, OpKind, Pattern, Unsupported, apply_ref, register
+from .contraction import contract
+from .helpers import ExprLike, scalar_arg, torch_fns
+from .random import draw_seed, seed_operand, seeded_generator
+
+#: the positions a score or mask function receives, in order, and the axis of the scores each counts
+POSITIONS = ("b", "h", "q_idx", "kv_idx")
+
+
+def _slot(name: str | int) -> Expr:
+    return Expr("attention_slot", (), {"slot": name})
+
+
+# a hole in a score_mod / mask_mod template: the scores, a position, or operand ``slot`` (an int)
+register(OpDef(name="attention_slot", kind=OpKind.LEAF, arity=0, ref=lambda **_: None, eager_launches=0))
+
+
+def _template(fn: Callable[..., Any], slots: tuple[str, ...], what: str, operands: list[Expr]) -> Expr:
+    """``fn`` called on slots; each subexpression it reads that holds no slot (a tensor, a lazy
+    value) becomes an operand (appended to ``operands``, offset 3 past q, k, v) and a slot."""
+    try:
+        out = fn(*[_slot(s) for s in slots])
+    except RtxError as exc:
+        raise type(exc)(f"attention: {what}: {exc}") from None
+    if isinstance(out, bool) or not isinstance(out, (Expr, int, float)):
+        raise RtxError(f"attention: {what} must return an expression, got {type(out).__name__}")
+    out = as_expr(out, f"attention: {what}")
+    free: dict[int, bool] = {}
+    maximal: set[int] = set()
+    for n in walk([out]):
+        free[id(n)] = n.op != "attention_slot" and all(free[id(s)] for s in n.srcs)
+        if not free[id(n)]:
+            maximal.update(id(s) for s in n.srcs if free[id(s)] and not s.is_const)
+    if free[id(out)] and not out.is_const:
+        maximal.add(id(out))
+
+    def lift(n: Expr) -> Expr | None:
+        if id(n) not in maximal:
+            return None
+        at = next((i for i, o in enumerate(operands) if o is n), None)
+        if at is None:
+            at = len(operands)
+            operands.append(n)
+        return _slot(3 + at)
+
+    return substitute([out], lift)[0]
+
+
+def attention(
+    q: ExprLike,
+    k: ExprLike,
+    v: ExprLike,
+    scale: float | None = None,
+    causal: bool = False,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    *,
+    attn_mask: ExprLike | None = None,
+    seed: int | None = None,
+) -> Any:
+    """Scaled dot-product attention: ``softmax(q @ k.mT * scale + score terms) @ v``.
+
+    ``q`` is ``[B, Hq, Tq, D]``, ``k`` ``[B, Hkv, Tk, D]``, ``v`` ``[B, Hkv, Tk, Dv]``; ``scale``
+    defaults to ``1 / sqrt(D)``. ``causal=True`` keeps ``q_idx >= kv_idx`` (torch SDPA's top-left
+    alignment). ``score_mod(s, b, h, q_idx, kv_idx)`` returns the modified score (``s`` arrives
+    scaled; positions are int64 expressions broadcasting over ``[B, Hq, Tq, Tk]``, ``h`` the query
+    head); ``mask_mod(b, h, q_idx, kv_idx)`` returns a bool expression, True where a score is
+    kept. Tensors they read are ``rx.var`` inputs and get gradients. ``dropout_p`` drops
+    probabilities after the softmax (scaled by ``1 / (1 - p)``; the mask is regenerated, never
+    stored; ``seed=None`` draws one per call from torch's generator). With ``enable_gqa`` ``Hq``
+    is a multiple of ``Hkv`` and each key/value head serves ``Hq / Hkv`` query heads (broadcast,
+    not copied). A fully masked row gives 0 and a logsumexp of ``-inf``. ``return_lse=True``
+    returns ``(out, lse)``, the natural-log logsumexp of the scores, ``[B, Hq, Tq]``, float32
+    (float64 for float64 inputs), differentiable. ``attn_mask`` is SDPA's: a bool tensor (True
+    keeps) or a float one added to the scores, broadcasting to ``[B, Hq, Tq, Tk]``.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+        >>> kern = rx.compile(rx.attention(rx.var("q"), rx.var("k"), rx.var("v"), causal=True))
+        >>> out = kern(q=q, k=k, v=v)
+        >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> bool(torch.allclose(out, ref, atol=1e-5))
+        True
+    """
+    if scale is not None:
+        scale = scalar_arg(scale, "attention", "scale")
+    for name, flag in (("causal", causal), ("enable_gqa", enable_gqa), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise RtxError(f"attention: {name} must be a bool, got {flag!r}")
+    p = scalar_arg(dropout_p, "attention", "dropout_p")
+    if not 0.0 <= p < 1.0:
+        raise RtxError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")
+    operands: list[Expr] = []
+    mods = {
+        "score_mod": None if score_mod is None else _template(score_mod, ("s", *POSITIONS), "score_mod", operands),
+        "mask_mod": None if mask_mod is None else _template(mask_mod, POSITIONS, "mask_mod", operands),
+    }
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise RtxError(f"attention: {name} must be a function, got {fn!r}")
+    mask_at = None
+    if attn_mask is not None:
+        mask_at = 3 + len(operands)
+        operands.append(as_expr(attn_mask, "attention: attn_mask"))
+    srcs = [q, k, v, *operands]
+    if p > 0.0:
+        srcs.append(seed_operand(seed, "attention"))
+    attrs = dict(scale=scale, causal=causal, dropout_p=p, enable_gqa=enable_gqa, attn_mask=mask_at, **mods)
+    out = node("attention", *srcs, output="out", **attrs)
+    return (out, node("attention", *srcs, output="lse", **attrs)) if return_lse else out
+
+
+# ---- shapes and dtypes ------------------------------------------------------------------------------
+def _check(shapes: list[tuple[int, ...]], enable_gqa: bool) -> tuple[int, int, int, int, int, int, int]:
+    """(B, Hq, Hkv, Tq, Tk, D, Dv), or an error naming the input at fault."""
+    q, k, v = shapes[:3]
+    for name, s in (("q", q), ("k", k), ("v", v)):
+        if len(s) != 4:
+            raise ShapeError(f"attention: {name} must be 4-D [B, H, T, D], got shape {list(s)}")
+    (b, hq, tq, d), (bk, hkv, tk, dk), (bv, hv, tv, dv) = q, k, v
+    if bk != b or dk != d:
+        raise ShapeError(f"attention: k has shape {list(k)}; expected [{b}, H, Tk, {d}] (q is {list(q)})")
+    if (bv, hv, tv) != (b, hkv, tk):
+        raise ShapeError(f"attention: v has shape {list(v)}; expected [{b}, {hkv}, {tk}, Dv] (k is {list(k)})")
+    if hkv != hq and not (enable_gqa and hkv > 0 and hq % hkv == 0):
+        why = "a multiple of k's" if enable_gqa else "k's (or pass enable_gqa=True)"
+        raise ShapeError(f"attention: q has {hq} heads and k {hkv}; q's heads must equal {why}")
+    return b, hq, hkv, tq, tk, d, dv
+
+
+def _shape(shapes: list[tuple[int, ...]], enable_gqa: bool, output: str, **_: Any) -> tuple[int, ...]:
+    b, hq, _hkv, tq, _tk, _d, dv = _check(shapes, enable_gqa)
+    return (b, hq, tq, dv) if output == "out" else (b, hq, tq)
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _dtype(dtypes: list[torch.dtype], output: str, **_: Any) -> torch.dtype:
+    q, k, v = dtypes[:3]
+    for name, d in (("k", k), ("v", v)):
+        if d != q:
+            raise DtypeMismatchError(f"attention: q is {q} and {name} is {d}; q, k and v must have one dtype")
+    if not q.is_floating_point:
+        raise RtxError(f"attention: q, k and v must be floating point, got {q}")
+    return q if output == "out" else _stat_dtype(q)
+
+
+# ---- the templates, filled ----------------------------------------------------------------------
+def _fill(template: Expr, values: dict[str | int, Any]) -> Any:
+    """The template with its slots replaced by expressions (``substitute``)."""
+    return substitute([template], lambda n: values[n.attr("slot")] if n.op == "attention_slot" else None)[0]
+
+
+def _evaluate(template: Expr, values: dict[str | int, Any]) -> Any:
+    """The template evaluated with torch ops (each op's reference) on ``values``."""
+    vals: dict[int, Any] = {}
+    for n in walk([template]):
+        if n.op == "attention_slot":
+            vals[id(n)] = values[n.attr("slot")]
+        elif n.is_const:
+            vals[id(n)] = n.attr("value")
+        else:
+            vals[id(n)] = apply_ref(REGISTRY[n.op], [vals[id(s)] for s in n.srcs], n.attr_dict)
+    return vals[id(template)]
+
+
+def _probe(
+    template: Expr, what: str, scores: tuple[int, ...], s_dtype: torch.dtype, shapes: list, dtypes: list
+) -> None:  # noqa: E501
+    """The template's result on meta tensors: shaped as the scores (or broadcasting to them), and
+    float for a score_mod, bool for a mask_mod; otherwise an error naming the function."""
+    meta = torch.device("meta")
+    values: dict[str | int, Any] = {"s": torch.empty(scores, dtype=s_dtype, device=meta)}
+    for axis, name in enumerate(POSITIONS):
+        shape = [n if a == axis else 1 for a, n in enumerate(scores)]
+        values[name] = torch.empty(shape, dtype=torch.int64, device=meta)
+    for i, (s, d) in enumerate(zip(shapes, dtypes)):
+        values[i] = torch.empty(s, dtype=d, device=meta) if d is not None else 1
+    try:
+        out = torch.as_tensor(_evaluate(template, values))
+        shape = torch.broadcast_shapes(out.shape, scores)
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        if isinstance(exc, RtxError):
+            raise
+        raise ShapeError(f"attention: {what} does not apply to scores of shape {list(scores)}: {exc}") from None
+    if tuple(shape) != scores:
+        raise ShapeError(f"attention: {what} gives shape {list(out.shape)}, which does not broadcast to {list(scores)}")
+    want = "bool" if what == "mask_mod" else "floating"
+    if (out.dtype == torch.bool) != (want == "bool") or (want == "floating" and not out.dtype.is_floating_point):
+        raise RtxError(f"attention: {what} must return a {want} expression, got {out.dtype}")
+
+
+def _mask_shape(mask: tuple[int, ...], scores: tuple[int, ...]) -> None:
+    try:
+        if tuple(torch.broadcast_shapes(mask, scores)) == scores:
+            return
+    except RuntimeError:
+        pass
+    raise ShapeError(f"attention: attn_mask has shape {list(mask)}, which does not broadcast to {list(scores)}")
+
+
+def _positions(scores: Expr) -> dict[str | int, Any]:
+    return {name: node("arange_like", scores, axis=axis) for axis, name in enumerate(POSITIONS)}
+
+
+def _heads(e: Expr, b: int, hkv: int, groups: int, t: int, d: int) -> Expr:
+    """``[B, Hq, T, D]`` as ``[B, Hkv, G, T, D]`` (a free regroup): key/value heads broadcast."""
+    return e if groups == 1 else node("reshape", e, shape=(b, hkv, groups, t, d))
+
+
+def _decompose(
+    q: Expr, k: Expr, v: Expr, *rest: Expr, scale: float | None, causal: bool, dropout_p: float, enable_gqa: bool,
+    score_mod: Expr | None, mask_mod: Expr | None, attn_mask: int | None, output: str, shapes: list, dtypes: list,
+) -> Expr:  # fmt: skip
+    b, hq, hkv, tq, tk, d, dv = _check(shapes, enable_gqa)
+    f = _stat_dtype(dtypes[0])
+    g = hq // hkv
+    if g > 1:  # one key/value head per G query heads: a batch dim of the products, broadcast
+        k, v = node("unsqueeze", k, axes=(2,)), node("unsqueeze", v, axes=(2,))
+    qk = contract(_heads(q, b, hkv, g, tq, d), k, tb=True)
+    s = node("mul", node("cast", qk, dtype=f), 1.0 / math.sqrt(d) if scale is None else scale)
+    if g > 1:
+        s = node("reshape", s, shape=(b, hq, tq, tk))
+    scores = (b, hq, tq, tk)
+    values = {**_positions(s), **dict(enumerate(rest, 3)), "s": s}
+    if score_mod is not None:
+        _probe(score_mod, "score_mod", scores, f, shapes, dtypes)
+        s = node("cast", _fill(score_mod, values), dtype=f)
+    keep = None
+    if mask_mod is not None:
+        _probe(mask_mod, "mask_mod", scores, f, shapes, dtypes)
+        keep = _fill(mask_mod, values)
+    if causal:
+        tri = node("ge", values["q_idx"], values["kv_idx"])
+        keep = tri if keep is None else node("and", keep, tri)
+    if attn_mask is not None:
+        _mask_shape(shapes[attn_mask], scores)
+        mask = values[attn_mask]
+        if dtypes[attn_mask] == torch.bool:
+            keep = mask if keep is None else node("and", keep, mask)
+        elif dtypes[attn_mask].is_floating_point:
+            s = node("add", s, mask)
+        else:
+            raise RtxError(f"attention: attn_mask must be bool or floating point, got {dtypes[attn_mask]}")
+    if keep is not None:
+        s = node("where", keep, s, float("-inf"))
+    # the row statistics, finite on a fully masked row (its sum is 0): exp(s - lse) is then 0 there
+    m = node("detach", node("amax", s, axis=-1, keepdim=True))
+    m = node("where", node("eq", m, float("-inf")), 0.0, m)
+    total = node("sum", node("exp", node("sub", s, m)), axis=-1, keepdim=True)
+    empty = node("eq", total, 0.0)
+    lse = node("add", m, node("log", node("where", empty, 1.0, total)))
+    if output == "lse":
+        rows = (b, hq, tq)
+        return node("where", node("reshape", empty, shape=rows), float("-inf"), node("reshape", lse, shape=rows))
+    p = node("exp", node("sub", s, lse))
+    if dropout_p > 0.0:
+        p = node("dropout", p, rest[-1], p=dropout_p)
+    p = node("cast", p, dtype=dtypes[2])
+    if g > 1:
+        p = node("reshape", p, shape=(b, hkv, g, tq, tk))
+    out = contract(p, v)
+    return out if g == 1 else node("reshape", out, shape=(b, hq, tq, dv))
+
+
+# ---- the reference: the same math with torch ops ---------------------------------------------------
+def _ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, scale: float | None, causal: bool,
+    dropout_p: float, enable_gqa: bool, score_mod: Expr | None, mask_mod: Expr | None, attn_mask: int | None,
+    output: str,
+) -> torch.Tensor:  # fmt: skip
+    f = _stat_dtype(q.dtype)
+    g = q.shape[1] // max(k.shape[1], 1)
+    kf, vf = (t.to(f).repeat_interleave(g, dim=1) for t in (k, v))
+    s = q.to(f) @ kf.mT * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    values: dict[str | int, Any] = dict(enumerate(rest, 3))
+    for axis, name in enumerate(POSITIONS):
+        shape = [n if a == axis else 1 for a, n in enumerate(s.shape)]
+        values[name] = torch.arange(s.shape[axis], device=s.device).reshape(shape)
+    if score_mod is not None:
+        s = torch.as_tensor(_evaluate(score_mod, {**values, "s": s})).to(f).expand(s.shape)
+    keep = torch.ones((), dtype=torch.bool, device=s.device)
+    if mask_mod is not None:
+        keep = torch.as_tensor(_evaluate(mask_mod, values)).to(s.device)
+    if causal:
+        keep = keep & (values["q_idx"] >= values["kv_idx"])
+    if attn_mask is not None:
+        mask = values[attn_mask]
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            s = s + mask.to(f)
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    if output == "lse":
+        return lse
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    if dropout_p > 0.0:
+        drawn = torch.rand(p.shape, generator=seeded_generator(rest[-1], p.device), device=p.device, dtype=p.dtype)
+        p = torch.where(drawn >= dropout_p, p, 0.0) / (1.0 - dropout_p)
+    return (p.to(v.dtype).to(f) @ vf).to(q.dtype)
+
+
+def _eager(operands: list[int], result: int, shapes: list, dtypes: list, *, output: str, **_: Any) -> tuple[int, int]:
+    """Eager torch's SDPA: one fused kernel reading q, k, v (and a mask) and writing the output
+    (the logsumexp beside it: no second launch)."""
+    if output == "lse":
+        return 0, 0
+    return 1, sum(operands) + result
+
+
+def _torch_sdpa(
+    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+    scale: float | None = None, enable_gqa: bool = False,
+) -> Expr:  # fmt: skip
+    """``F.scaled_dot_product_attention`` recorded by the lazy stream: a bool ``attn_mask`` is a
+    ``mask_mod``, a float one a score term; a dropout seed is drawn now, in program order."""
+    if not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
+        raise Unsupported
+    if attn_mask is not None and not isinstance(attn_mask, Expr):
+        raise Unsupported
+    seed = draw_seed() if dropout_p else None
+    return attention(
+        query, key, value, scale, is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa, attn_mask=attn_mask, seed=seed
+    )
+
+
+register(
+    OpDef(
+        name="attention",
+        kind=OpKind.COMPOSITE,
+        arity=None,
+        ref=_ref,
+        decompose=_decompose,
+        typed_decompose=True,
+        shape=_shape,
+        result_dtype=_dtype,
+        eager_launches=1,
+        eager=_eager,
+        pattern=Pattern.ATTENTION,
+        accepts=ANY,
+        front=Front(fn=attention, torch=dict.fromkeys(torch_fns("scaled_dot_product_attention"), _torch_sdpa)),
+    )
+)

@@ -1,0 +1,247 @@
+"""rx.attention (DESIGN section 8): forward, logsumexp and every gradient against float64 torch, on
+odd sizes, with GQA, causal and data masks, score modifications that read tensors (and get their
+gradients), dropout, fully masked rows, SDPA's attn_mask, the lazy stream's
+F.scaled_dot_product_attention, and the errors that name the input at fault."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close
+
+import rtxdsl as rx
+from rtxdsl.errors import DtypeMismatchError, RtxError, ShapeError
+
+q, k, v = rx.var("q"), rx.var("k"), rx.var("v")
+
+# (dtype, atol, rtol): scores and row statistics are fp32 (fp64 for fp64); half types round the
+# scores' product, the probabilities before P @ v (as FlashAttention does) and the outputs
+TOLERANCES = [
+    (torch.float64, 1e-10, 1e-10),
+    (torch.float32, 2e-5, 2e-5),
+    (torch.float16, 4e-3, 4e-3),
+    (torch.bfloat16, 3e-2, 3e-2),
+]
+
+# (B, Hq, Hkv, Tq, Tk, D, Dv): why each is there
+SIZES = [
+    (2, 3, 3, 7, 5, 16, 16),  # odd lengths, Tq > Tk (causal rows past the keys)
+    (1, 2, 2, 5, 9, 12, 7),  # Tq < Tk, a head dim that is no power of two, Dv != D
+    (1, 1, 1, 1, 1, 8, 8),  # one query, one key: the softmax is 1
+    (1, 4, 2, 6, 6, 8, 8),  # GQA: each key/value head serves two query heads
+    (2, 3, 1, 4, 7, 8, 4),  # MQA
+]
+
+
+def _inputs(gen, b, hq, hkv, tq, tk, d, dv, dtype):
+    def t(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    return {"q": t(b, hq, tq, d), "k": t(b, hkv, tk, d), "v": t(b, hkv, tk, dv)}
+
+
+def _reference(ins, scale=None, keep=None, bias=None):
+    """float64 attention written out: scores, an additive bias, a kept mask, softmax with fully
+    masked rows giving 0 (and logsumexp -inf)."""
+    qd, kd, vd = (ins[n].double() for n in "qkv")
+    g = qd.shape[1] // kd.shape[1]
+    kd, vd = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
+    s = qd @ kd.mT * (1 / math.sqrt(qd.shape[-1]) if scale is None else scale)
+    if bias is not None:
+        s = s + bias
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p @ vd, lse
+
+
+def _grads(out, leaves, cot):
+    return torch.autograd.grad(out, leaves, cot, allow_unused=True)
+
+
+def _check(expr, ins, ref_fn, dtype, atol, rtol, gen, grad=True):
+    """The kernel's outputs and gradients (every float input) against ``ref_fn`` on float64 leaves."""
+    kern = rx.compile(expr)
+    leaves = {n: t.clone().requires_grad_(grad and t.dtype.is_floating_point) for n, t in ins.items()}
+    out = kern(**leaves)
+    ref_leaves = {n: t.double().requires_grad_(t.requires_grad) for n, t in leaves.items()}
+    ref = ref_fn(ref_leaves)
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert o.dtype == (dtype if i == 0 else (torch.float64 if dtype == torch.float64 else torch.float32))
+        assert_close(o, r, atol, rtol, f"output {i}")
+    if not grad:
+        return
+    cots = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+    names = [n for n, t in leaves.items() if t.requires_grad]
+    got = _grads(outs, [leaves[n] for n in names], [c.to(o.dtype) for c, o in zip(cots, outs)])
+    want = _grads(refs, [ref_leaves[n] for n in names], cots)
+    for n, a, e in zip(names, got, want):
+        assert a is not None and torch.isfinite(a).all(), f"d/d{n} not finite"
+        scale = max(1.0, float(e.abs().max()))
+        assert_close(a, e, atol * scale, rtol, f"d/d{n}")
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES, ids=lambda x: str(x).removeprefix("torch."))
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_float64_with_every_gradient(size, dtype, atol, rtol, causal, gen):
+    ins = _inputs(gen, *size, dtype)
+    tq, tk = size[3], size[4]
+    keep = torch.ones(tq, tk, dtype=torch.bool).tril() if causal else None
+    expr = rx.attention(q, k, v, causal=causal, enable_gqa=size[1] != size[2])
+    _check(expr, ins, lambda r: _reference(r, keep=keep)[0], dtype, atol, rtol, gen)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[1:2] + TOLERANCES[3:], ids=["float32", "bfloat16"])
+def test_logsumexp_and_its_gradient(dtype, atol, rtol, gen):
+    ins = _inputs(gen, 1, 2, 2, 6, 5, 8, 8, dtype)
+    expr = rx.attention(q, k, v, scale=0.3, return_lse=True)
+    assert isinstance(expr, tuple) and len(expr) == 2
+    _check(expr, ins, lambda r: _reference(r, scale=0.3), dtype, atol, rtol, gen)
+
+
+def test_score_mods_read_tensors_and_get_their_gradients(gen):
+    """Softcap, ALiBi from positions with learned slopes, and a learned relative bias: each tensor
+    the score_mod reads is an input with a gradient."""
+    b_, h_, t_ = 1, 2, 6
+    ins = _inputs(gen, b_, h_, h_, t_, t_, 8, 8, torch.float32)
+    ins["slopes"] = torch.rand(1, h_, 1, 1, generator=gen)
+    ins["bias"] = torch.randn(h_, t_, t_, generator=gen)
+    slopes, bias = rx.var("slopes"), rx.var("bias")
+
+    def mod(s, b, h, qi, ki):
+        return 4.0 * rx.tanh(s / 4.0) - slopes * (qi - ki).abs() + bias
+
+    def ref(r):
+        dist = (torch.arange(t_)[:, None] - torch.arange(t_)[None, :]).abs()
+        qd, kd = r["q"], r["k"]
+        s = qd @ kd.mT / math.sqrt(8)
+        s = 4.0 * torch.tanh(s / 4.0) - r["slopes"] * dist + r["bias"]
+        return torch.softmax(s, -1) @ r["v"]
+
+    _check(rx.attention(q, k, v, score_mod=mod), ins, ref, torch.float32, 2e-5, 2e-5, gen)
+
+
+def test_mask_mods_sliding_window_and_documents(gen):
+    """A sliding window over causal positions and packed documents (ids given as tensors)."""
+    ins = _inputs(gen, 1, 2, 2, 9, 9, 8, 8, torch.float32)
+    docs = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    ins["dq"], ins["dk"] = docs.reshape(1, 1, 9, 1), docs.reshape(1, 1, 1, 9)
+    dq, dk = rx.var("dq"), rx.var("dk")
+
+    def mask(b, h, qi, ki):
+        return (qi - ki < 3) & (dq == dk)
+
+    pos = torch.arange(9)
+    keep = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 3) & (docs[:, None] == docs[None, :])
+    expr = rx.attention(q, k, v, causal=True, mask_mod=mask)
+    _check(expr, ins, lambda r: _reference(r, keep=keep)[0], torch.float32, 2e-5, 2e-5, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_fully_masked_row_gives_zero_and_no_nan(dtype, gen):
+    ins = _inputs(gen, 1, 2, 2, 5, 4, 8, 8, dtype)
+    expr = rx.attention(q, k, v, mask_mod=lambda b, h, qi, ki: qi >= 2, return_lse=True)
+    leaves = {n: t.clone().requires_grad_() for n, t in ins.items()}
+    out, lse = rx.compile(expr)(**leaves)
+    assert torch.equal(out[:, :, :2], torch.zeros_like(out[:, :, :2]))
+    assert torch.isneginf(lse[:, :, :2]).all() and torch.isfinite(lse[:, :, 2:]).all()
+    (out.float().sum() + lse[:, :, 2:].sum()).backward()
+    for n, t in leaves.items():
+        assert torch.isfinite(t.grad).all(), f"d/d{n} has NaN or inf"
+    assert torch.equal(leaves["q"].grad[:, :, :2], torch.zeros_like(leaves["q"].grad[:, :, :2]))
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attn_mask_as_sdpa_takes_it(kind, gen):
+    ins = _inputs(gen, 2, 2, 2, 5, 6, 8, 8, torch.float32)
+    keep = torch.rand(2, 1, 5, 6, generator=gen) > 0.3
+    keep[..., 0] = True
+    ins["m"] = keep if kind == "bool" else torch.randn(2, 1, 5, 6, generator=gen)
+    expr = rx.attention(q, k, v, attn_mask=rx.var("m"))
+    mask = ins["m"] if kind == "bool" else ins["m"].double()
+    want = F.scaled_dot_product_attention(*(ins[n].double() for n in "qkv"), attn_mask=mask)
+    assert_close(rx.compile(expr)(**ins), want, 2e-5, 2e-5, "out")
+
+
+def test_dropout_regenerates_its_mask_in_the_backward(gen):
+    """With ``v`` the identity, the output is the dropped probabilities themselves, so ``dv`` must be
+    ``out.T @ g``: the backward drew the same mask. The kept ones average 1 / (1 - p) of p's sum."""
+    t_, p = 16, 0.25
+    ins = _inputs(gen, 1, 2, 2, t_, t_, 8, t_, torch.float32)
+    ins["v"] = torch.eye(t_).expand(1, 2, t_, t_).contiguous().requires_grad_()
+    kern = rx.compile(rx.attention(q, k, v, dropout_p=p, seed=11))
+    out = kern(**ins)
+    assert torch.equal(out, kern(**ins))  # the same seed: the same mask
+    dropped = (out == 0).float().mean()
+    assert 0.1 < float(dropped) < 0.4
+    torch.testing.assert_close(out.sum(-1).mean(), torch.tensor(1.0), atol=0.15, rtol=0)
+    g = torch.randn(out.shape, generator=gen)
+    (dv,) = torch.autograd.grad(out, ins["v"], g)
+    torch.testing.assert_close(dv, out.mT @ g, atol=1e-5, rtol=1e-5)
+    fresh = rx.compile(rx.attention(q, k, v, dropout_p=p))
+    assert not torch.equal(fresh(**ins), fresh(**ins))  # seed=None: a new mask per call
+
+
+def test_lazy_records_scaled_dot_product_attention(gen):
+    ins = _inputs(gen, 1, 4, 2, 6, 7, 8, 8, torch.float32)
+    f = rx.Fusion()
+    lq, lk, lv = (f.lazy(ins[n]) for n in "qkv")
+    out = F.scaled_dot_product_attention(torch.relu(lq), lk, lv, is_causal=True, enable_gqa=True)
+    want = F.scaled_dot_product_attention(torch.relu(ins["q"]), ins["k"], ins["v"], is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out.torch(), want, atol=2e-5, rtol=2e-5)
+    assert f.eager_ops == 0  # recorded, not run eagerly
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda: rx.attention(q, k, v, dropout_p=1.0), RtxError, "dropout_p"),
+        (lambda: rx.attention(q, k, v, causal=1), RtxError, "causal"),
+        (lambda: rx.attention(q, k, v, mask_mod=lambda b, h, i, j: i * 1.0), RtxError, "mask_mod"),
+        (lambda: rx.attention(q, k, v, score_mod=lambda s, b, h, i, j: s > 0), RtxError, "score_mod"),
+        (lambda: rx.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + rx.var("wide")), ShapeError, "score_mod"),
+    ],
+    ids=["dropout_p", "causal", "mask_mod-dtype", "score_mod-dtype", "score_mod-shape"],
+)
+def test_mistakes_name_the_argument(call, error, words, gen):
+    ins = _inputs(gen, 1, 2, 2, 3, 4, 8, 8, torch.float32)
+    ins["wide"] = torch.zeros(5, 1, 1, 1)
+    with pytest.raises(error, match=words):
+        kern = rx.compile(call())
+        kern(**{n: ins[n] for n in kern.inputs})
+
+
+@pytest.mark.parametrize(
+    "shapes, error, words",
+    [
+        (((1, 2, 3, 8), (1, 2, 4, 6), (1, 2, 4, 8)), ShapeError, "k has shape"),
+        (((1, 2, 3, 8), (1, 2, 4, 8), (1, 2, 5, 8)), ShapeError, "v has shape"),
+        (((1, 4, 3, 8), (1, 2, 4, 8), (1, 2, 4, 8)), ShapeError, "enable_gqa"),
+        (((2, 3, 8), (2, 4, 8), (2, 4, 8)), ShapeError, "q must be 4-D"),
+    ],
+    ids=["head-dim", "v-length", "heads", "rank"],
+)
+def test_shape_mistakes_name_the_input(shapes, error, words):
+    ins = {n: torch.zeros(s) for n, s in zip("qkv", shapes)}
+    with pytest.raises(error, match=words):
+        rx.compile(rx.attention(q, k, v))(**ins)
+
+
+def test_dtype_mismatch_names_the_input():
+    ins = {"q": torch.zeros(1, 1, 2, 4), "k": torch.zeros(1, 1, 2, 4).half(), "v": torch.zeros(1, 1, 2, 4)}
+    with pytest.raises(DtypeMismatchError, match="k is torch.float16"):
+        rx.compile(rx.attention(q, k, v))(**ins)
+
+
+def test_torch_backend_is_the_same_math(gen):
+    ins = _inputs(gen, 1, 4, 2, 5, 6, 8, 8, torch.float32)
+    expr = rx.attention(q, k, v, causal=True, enable_gqa=True, score_mod=lambda s, b, h, i, j: s * (h + 1))
+    fused = rx.compile(expr)(**ins)
+    ref = rx.compile(expr, config=rx.FusionConfig(backend="torch"))(**ins)
+    torch.testing.assert_close(fused, ref, atol=2e-5, rtol=2e-5)
