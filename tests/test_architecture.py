@@ -29,7 +29,7 @@ LAYERS = [
     {"runtime_launch", "runtime_grad", "runtime_explain"},
     {"runtime"},
     {"dsl", "build", "trace", "parse", "lazy", "library", "nn", "optim"},
-    {"cli", "commands", "workloads", "__init__", "__main__"},
+    {"cli", "commands", "workloads", "liger", "__init__", "__main__"},
 ]
 
 

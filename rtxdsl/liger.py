@@ -1,0 +1,361 @@
+"""Liger-Kernel's public names on rtxdsl kernels: a Liger user switches by changing an import.
+
+``from rtxdsl.liger import LigerRMSNorm, LigerFusedLinearCrossEntropyLoss, ...`` gives modules
+with Liger-Kernel's (0.8) constructor arguments, argument orders, flags and outputs
+(``CrossEntropyOutput`` with ``.loss``, ``.z_loss``, ``.token_accuracy``), each a thin layer over
+an ``rx.nn`` module or an rtxdsl expression, so kernels, derived backwards and caches are
+rtxdsl's. Where Liger's and torch's orders differ, these follow Liger's (``lin_weight`` first in
+the fused linear loss, ``num_channels`` first in group norm); ``rx.nn`` keeps DESIGN's.
+
+A flag rtxdsl does not implement raises an :class:`~rtxdsl.errors.RtxError` naming it (nothing
+is silently ignored): ``use_token_scaling``, ``return_predicted_tokens`` of the fused linear
+loss, an ``accum_dtype`` other than float32 (rtxdsl accumulates in float32 always).
+``apply_liger_kernel_to_<model>(..., model=m)`` calls :func:`rtxdsl.nn.replace_modules` on the
+instance ``m`` (Liger's class-level patching, without ``model``, is not done: it raises).
+
+Example:
+    >>> import torch
+    >>> from rtxdsl.liger import LigerFusedLinearCrossEntropyLoss
+    >>> loss_fn = LigerFusedLinearCrossEntropyLoss(return_z_loss=True, lse_square_scale=1e-4)
+    >>> out = loss_fn(torch.randn(11, 8), torch.randn(6, 8), torch.tensor([1, 2, 3, 4, 5, -100]))
+    >>> out.loss.shape, out.z_loss.shape
+    (torch.Size([]), torch.Size([]))
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import dsl
+from .errors import RtxError
+from .nn import modules as _m
+from .nn.swap import replace_modules
+from .ops import REGISTRY
+from .ops.llm import capped_logits, cross_entropy_outputs
+from .runtime import Kernel, compile
+
+
+@dataclass
+class CrossEntropyOutput:
+    """What Liger's cross-entropy losses return when an extra output is asked for."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
+
+
+def _init(hidden_size: int, init_fn: str) -> torch.Tensor:
+    if init_fn not in ("ones", "zeros"):
+        raise RtxError(f"init_fn must be 'ones' or 'zeros', got {init_fn!r}")
+    return torch.ones(hidden_size) if init_fn == "ones" else torch.zeros(hidden_size)
+
+
+def _casting(casting_mode: str) -> None:
+    # every mode computes in fp32 and rounds once: "llama" and "none" differ from it by roundings only
+    if casting_mode not in ("llama", "gemma", "none"):
+        raise RtxError(f"casting_mode must be 'llama', 'gemma' or 'none', got {casting_mode!r}")
+
+
+# ---- norms ----------------------------------------------------------------------------------------------
+class LigerRMSNorm(_m.RMSNorm):
+    """Liger's ``LigerRMSNorm(hidden_size, eps, offset, casting_mode, init_fn, in_place, row_mode)``."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
+        init_fn: str = "ones", in_place: bool = True, row_mode: Any = None, elementwise_affine: bool = True,
+    ) -> None:  # fmt: skip
+        _casting(casting_mode)
+        super().__init__(hidden_size, eps=eps, elementwise_affine=elementwise_affine, offset=offset)
+        if self.weight is not None:
+            self.weight.data.copy_(_init(hidden_size, init_fn))
+        self.casting_mode, self.in_place, self.row_mode = casting_mode, in_place, row_mode
+        self.variance_epsilon = eps
+
+
+class LigerFusedAddRMSNorm(_m.AddRMSNorm):
+    """Liger's ``LigerFusedAddRMSNorm``: ``forward(hidden_states, residual)`` -> ``(normed, sum)``."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
+        init_fn: str = "ones", in_place: bool = False,
+    ) -> None:  # fmt: skip
+        _casting(casting_mode)
+        super().__init__(hidden_size, eps=eps, offset=offset, in_place=in_place)
+        self.weight.data.copy_(_init(hidden_size, init_fn))
+        self.casting_mode, self.variance_epsilon = casting_mode, eps
+
+
+class LigerLayerNorm(_m.LayerNorm):
+    """Liger's ``LigerLayerNorm(hidden_size, eps=1e-6, bias=False, init_fn="ones")``: a weight and a
+    bias always (the bias random when ``bias=True``, zeros otherwise, as Liger's)."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, bias: bool = False, init_fn: str = "ones", **_: Any
+    ) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.data.copy_(_init(hidden_size, init_fn))
+        self.bias.data.copy_(torch.randn(hidden_size) if bias else torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+
+
+class LigerGroupNorm(_m.GroupNorm):
+    """Liger's ``LigerGroupNorm(num_channels, num_groups, eps=1e-6, bias=False, init_fn="ones")``
+    (channels first, where torch's ``GroupNorm`` takes the groups first)."""
+
+    def __init__(
+        self, num_channels: int, num_groups: int, eps: float = 1e-6, bias: bool = False, init_fn: str = "ones"
+    ):
+        super().__init__(num_groups, num_channels, eps=eps)
+        self.weight.data.copy_(_init(num_channels, init_fn))
+        self.bias.data.copy_(torch.randn(num_channels) if bias else torch.zeros(num_channels))
+
+
+LigerDyT = _m.DyT  # (hidden_size, beta=True, init_alpha=0.5): Liger's arguments already
+LigerSparsemax = _m.Sparsemax  # (dim=-1)
+LigerJSD = _m.JSD  # (beta=0.5, ignore_index=-100); forward(log_q, log_p, shift_labels=None)
+LigerTVDLoss = _m.TVDLoss  # (reduction="batchmean", ignore_index=-100); forward(p, q, shift_labels=None)
+
+
+class LigerPolyNorm(_m.PolyNorm):
+    """Liger's ``LigerPolyNorm(eps=1e-6, in_place=True)`` (``in_place`` is a memory choice of
+    Liger's backward; rtxdsl's backward is derived)."""
+
+    def __init__(self, eps: float = 1e-6, in_place: bool = True) -> None:
+        super().__init__(eps=eps)
+        self.in_place = in_place
+
+
+class LigerKLDIVLoss(_m.KLDivLoss):
+    """Liger's ``LigerKLDIVLoss(eps=1e-10, *args, **kwargs)``: torch's KLDivLoss arguments after eps."""
+
+    def __init__(self, eps: float = 1e-10, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.eps = eps
+
+
+class LigerSoftmax(torch.nn.Module):
+    """Liger's ``LigerSoftmax()``: softmax over the last axis, one kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _softmax()(x)
+
+
+class LigerReLUSquared(torch.nn.Module):
+    """Liger's ``LigerReLUSquared()``: ``relu(x) ** 2``, one kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _relu_squared()(x)
+
+
+@functools.cache
+def _softmax() -> Kernel:
+    return compile(REGISTRY.functions["softmax"](dsl.var("x"), -1))
+
+
+@functools.cache
+def _relu_squared() -> Kernel:
+    return compile(REGISTRY.functions["relu_squared"](dsl.var("x")))
+
+
+# ---- MLPs: built from a Hugging Face config, as Liger's -----------------------------------------------
+def _mlp_sizes(config: Any, intermediate_size: int | None = None) -> tuple[int, int]:
+    return config.hidden_size, intermediate_size if intermediate_size is not None else config.intermediate_size
+
+
+class LigerSwiGLUMLP(_m.SwiGLU):
+    """Liger's ``LigerSwiGLUMLP(config, intermediate_size=None)``: Llama's MLP, ``hidden_act`` silu."""
+
+    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise RtxError(f"LigerSwiGLUMLP: hidden_act must be silu or swish, got {config.hidden_act!r}")
+        super().__init__(*_mlp_sizes(config, intermediate_size))
+        self.config = config
+        self.hidden_size, self.intermediate_size = _mlp_sizes(config, intermediate_size)
+
+
+class LigerGEGLUMLP(_m.GeGLU):
+    """Liger's ``LigerGEGLUMLP(config)``: Gemma's MLP with tanh-approximated GELU (as Liger's)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(*_mlp_sizes(config), approximate="tanh")
+        self.config = config
+        self.hidden_size, self.intermediate_size = _mlp_sizes(config)
+
+
+class LigerPhi3SwiGLUMLP(_m.GateUpMLP):
+    """Liger's ``LigerPhi3SwiGLUMLP(config)``: Phi-3's MLP (one ``gate_up_proj``)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(*_mlp_sizes(config), activation="silu")
+        self.config = config
+
+
+# ---- losses ---------------------------------------------------------------------------------------------
+def _extras(return_z_loss: bool, return_token_accuracy: bool, return_predicted_tokens: bool) -> tuple[bool, bool]:
+    for name, flag in (("return_z_loss", return_z_loss), ("return_token_accuracy", return_token_accuracy)):
+        if not isinstance(flag, bool):
+            raise RtxError(f"{name} must be a bool, got {flag!r}")
+    if return_predicted_tokens:
+        raise RtxError("return_predicted_tokens is not supported by rtxdsl's kernels yet")
+    return return_z_loss, return_token_accuracy
+
+
+@functools.cache
+def _loss_kernel(linear: bool, bias: bool, weight: bool, options: tuple, extras: tuple[bool, bool]) -> Kernel:
+    """The loss (and the z-loss term, the token accuracy) of logits given, or of ``h @ w.T (+ b)``,
+    soft-capped: one dict of outputs the analyzer fuses as one row kernel (no logits written when
+    the logits are a product)."""
+    opts = dict(options)
+    cap = opts.pop("softcap")
+    x = dsl.var("x")
+    if linear:
+        x = capped_logits(dsl.var("h"), dsl.var("w"), dsl.var("b") if bias else None, cap)
+    elif cap is not None:
+        x = cap * REGISTRY.functions["tanh"](x / cap)
+    outs = cross_entropy_outputs(x, dsl.var("t"), dsl.var("cw") if weight else None, **opts)
+    keys = ["loss"] + [k for k, on in zip(("z_loss", "accuracy"), extras) if on]
+    return compile({k: outs[k] for k in keys})
+
+
+def _options(ignore_index: int, lse_square_scale: float, label_smoothing: float, reduction: str, softcap: Any) -> tuple:
+    cap = None if softcap is None else float(softcap)
+    return tuple(
+        sorted(
+            {
+                "ignore_index": ignore_index,
+                "z_loss": float(lse_square_scale),
+                "label_smoothing": float(label_smoothing),
+                "reduction": reduction,
+                "softcap": cap,
+            }.items()  # fmt: skip
+        )
+    )
+
+
+def _output(out: dict[str, torch.Tensor], extras: tuple[bool, bool]) -> Any:
+    if not any(extras):
+        return out["loss"]
+    return CrossEntropyOutput(loss=out["loss"], z_loss=out.get("z_loss"), token_accuracy=out.get("accuracy"))
+
+
+class LigerCrossEntropyLoss(torch.nn.Module):
+    """Liger's ``LigerCrossEntropyLoss``: ``forward(_input, target)`` over ``[tokens, classes]``
+    logits; ``lse_square_scale`` is the z-loss, ``softcap`` caps the logits first; with
+    ``return_z_loss`` / ``return_token_accuracy`` a :class:`CrossEntropyOutput`."""
+
+    def __init__(
+        self, weight: torch.Tensor | None = None, ignore_index: int = -100, lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0, reduction: str = "mean", softcap: float | None = None,
+        return_z_loss: bool = False, return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.weight, self.ignore_index, self.reduction = weight, ignore_index, reduction
+        self.lse_square_scale, self.label_smoothing, self.softcap = lse_square_scale, label_smoothing, softcap
+        self.extras = _extras(return_z_loss, return_token_accuracy, return_predicted_tokens)
+        self.return_z_loss, self.return_token_accuracy = self.extras
+        opts = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap)
+        self._kernel = _loss_kernel(False, False, weight is not None, opts, self.extras)
+
+    def forward(self, _input: torch.Tensor, target: torch.Tensor) -> Any:
+        ins = {"x": _input, "t": target} | ({"cw": self.weight} if self.weight is not None else {})
+        return _output(self._kernel(**ins), self.extras)
+
+
+class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
+    """Liger's ``LigerFusedLinearCrossEntropyLoss``: ``forward(lin_weight, _input, target,
+    bias=None)``, the weight first; the logits ``_input @ lin_weight.T (+ bias)`` are never
+    written (:func:`rtxdsl.linear_cross_entropy`'s kernels). The loss is float32, as Liger's."""
+
+    def __init__(
+        self, ce_weight: torch.Tensor | None = None, ignore_index: int = -100, lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0, reduction: str = "mean", softcap: float | None = None,
+        return_z_loss: bool = False, accum_dtype: torch.dtype | None = None, use_token_scaling: bool = False,
+        return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if accum_dtype not in (None, torch.float32):
+            raise RtxError(f"accum_dtype: rtxdsl accumulates in float32; got {accum_dtype}")
+        if use_token_scaling:
+            raise RtxError("use_token_scaling is not supported by rtxdsl's kernels yet")
+        self.ce_weight, self.ignore_index, self.reduction = ce_weight, ignore_index, reduction
+        self.lse_square_scale, self.label_smoothing, self.softcap = lse_square_scale, label_smoothing, softcap
+        self.extras = _extras(return_z_loss, return_token_accuracy, return_predicted_tokens)
+        self.return_z_loss, self.return_token_accuracy = self.extras
+        self._options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap)
+
+    def forward(
+        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Any:
+        kern = _loss_kernel(True, bias is not None, self.ce_weight is not None, self._options, self.extras)
+        ins = {"h": _input, "w": lin_weight, "t": target}
+        ins |= ({"b": bias} if bias is not None else {}) | (
+            {"cw": self.ce_weight} if self.ce_weight is not None else {}
+        )
+        out = {k: v.float() for k, v in kern(**ins).items()}
+        return _output(out, self.extras)
+
+
+# ---- Liger's model patches: replace_modules on an instance ---------------------------------------------
+def _apply(family: str) -> Any:
+    def apply(
+        rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
+        rms_norm: bool = True, swiglu: bool = True, model: torch.nn.Module | None = None, **_: Any,
+    ) -> None:  # fmt: skip
+        if model is None:
+            raise RtxError(
+                f"apply_liger_kernel_to_{family}: pass model= (rtxdsl swaps the modules of an instance, "
+                "rx.nn.replace_modules; it does not patch transformers' classes)"
+            )
+        if not (rms_norm and swiglu):
+            raise RtxError(f"apply_liger_kernel_to_{family}: rtxdsl swaps norms and MLPs together (rms_norm, swiglu)")
+        replace_modules(model, rope=rope, loss=cross_entropy or fused_linear_cross_entropy,
+                        logits=not fused_linear_cross_entropy)  # fmt: skip
+
+    apply.__name__ = apply.__qualname__ = f"apply_liger_kernel_to_{family}"
+    apply.__doc__ = (
+        f"Liger's ``apply_liger_kernel_to_{family}(..., model=m)``: :func:`rtxdsl.nn.replace_modules` on ``m``."
+    )
+    return apply
+
+
+FAMILIES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
+)
+globals().update({f"apply_liger_kernel_to_{f}": _apply(f) for f in FAMILIES})
+
+__all__ = [
+    "CrossEntropyOutput",
+    "LigerCrossEntropyLoss",
+    "LigerDyT",
+    "LigerFusedAddRMSNorm",
+    "LigerFusedLinearCrossEntropyLoss",
+    "LigerGEGLUMLP",
+    "LigerGroupNorm",
+    "LigerJSD",
+    "LigerKLDIVLoss",
+    "LigerLayerNorm",
+    "LigerPhi3SwiGLUMLP",
+    "LigerPolyNorm",
+    "LigerRMSNorm",
+    "LigerReLUSquared",
+    "LigerSoftmax",
+    "LigerSparsemax",
+    "LigerSwiGLUMLP",
+    "LigerTVDLoss",
+    *(f"apply_liger_kernel_to_{f}" for f in FAMILIES),
+]
