@@ -288,7 +288,9 @@ def test_bounds_checks_catch_an_access_outside_every_tensor():
         offs = tl.arange(0, 8)
         tl.store(y_ptr + offs, tl.load(x_ptr + offs + 1, mask=offs < n))
 
-    x, y = torch.zeros(8), torch.zeros(8)
+    # x is the first half of a buffer: the element past it is that buffer's, never another tensor's
+    # (two separate allocations may lie end to end, and a read past x would land inside y)
+    x, y = torch.zeros(16)[:8], torch.zeros(8)
     with interpret.bounds_checked("past_the_end", ["x_ptr", "y_ptr"], [x, y]):
         past_the_end[(1,)](x, y, 7)  # every lane in bounds: no error
         with pytest.raises(Exception, match="past_the_end: a load of 1 element"):

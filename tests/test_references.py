@@ -170,6 +170,12 @@ def _product_cases() -> list[Case]:
             {"x": h, "w": vocab, "t": LABELS},
             lambda x, w, t: F.cross_entropy(F.linear(x, w), t, label_smoothing=0.1),
         ),
+        Case(
+            "attention",
+            rx.attention(x, y, w, causal=True, enable_gqa=True),
+            {"x": _randn(1, 4, 5, 3, seed=11), "y": _randn(1, 2, 7, 3, seed=12), "w": _randn(1, 2, 7, 2, seed=13)},
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        ),
     ]
 
 
@@ -259,6 +265,7 @@ def _movement_cases() -> list[Case]:
 SKIP = {
     "var": "a leaf: the input itself",
     "const": "a leaf: a python number",
+    "attention_slot": "a placeholder inside a score_mod / mask_mod template, never an expression's own node",
 }
 
 OWN = [*_elementwise_cases(), *_row_cases(), *_product_cases(), *_loss_cases(), *_rope_cases(), *_movement_cases()]

@@ -235,6 +235,12 @@ def _own_cases() -> list[Case]:
         Case("contract", rx.contract(x, y, tb=True), {"x": ROWS, "y": _randn(2, 6, seed=1)}),
         Case("linear", rx.linear(x, w, b), {"x": ROWS, "w": _randn(2, 6, seed=1), "b": _randn(2, seed=2)}),
         Case("dropout", rx.dropout(x, 0.5, seed=3), {"x": POINTS}, {"dropout": _dropout_ref}),
+        # rows 0 and 1 fully masked (output 0, zero gradients), the others causal
+        Case(
+            "attention",
+            rx.attention(x, y, w, causal=True, mask_mod=lambda b, h, i, j: i >= 2),
+            {"x": _randn(1, 2, 5, 3, seed=1), "y": _randn(1, 2, 4, 3, seed=2), "w": _randn(1, 2, 4, 2, seed=3)},
+        ),
         *_movement_cases(),
         *_llm_cases(),
     ]

@@ -305,6 +305,7 @@ def _ref(
     dropout_p: float, enable_gqa: bool, score_mod: Expr | None, mask_mod: Expr | None, attn_mask: int | None,
     output: str,
 ) -> torch.Tensor:  # fmt: skip
+    _dtype([q.dtype, k.dtype, v.dtype], output)  # torch's SDPA refuses mixed dtypes too
     f = _stat_dtype(q.dtype)
     g = q.shape[1] // max(k.shape[1], 1)
     kf, vf = (t.to(f).repeat_interleave(g, dim=1) for t in (k, v))
