@@ -68,7 +68,9 @@ def _check(expr, ins, ref_fn, dtype, atol, rtol, gen, grad=True):
     kern = rx.compile(expr)
     leaves = {n: t.clone().requires_grad_(grad and t.dtype.is_floating_point) for n, t in ins.items()}
     out = kern(**leaves)
-    ref_leaves = {n: t.double().requires_grad_(t.requires_grad) for n, t in leaves.items()}
+    ref_leaves = {
+        n: t.double().requires_grad_(t.requires_grad) if t.dtype.is_floating_point else t for n, t in leaves.items()
+    }
     ref = ref_fn(ref_leaves)
     outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
     for i, (o, r) in enumerate(zip(outs, refs)):
@@ -245,3 +247,101 @@ def test_torch_backend_is_the_same_math(gen):
     fused = rx.compile(expr)(**ins)
     ref = rx.compile(expr, config=rx.FusionConfig(backend="torch"))(**ins)
     torch.testing.assert_close(fused, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_a_new_sequence_length_in_the_same_tiles_compiles_nothing(gen):
+    kern = rx.compile(rx.attention(q, k, v, causal=True, score_mod=lambda s, b, h, i, j: s * 0.5))
+    kern(**_inputs(gen, 1, 2, 2, 5, 5, 8, 8, torch.float32))
+    misses = rx.cache_stats().misses
+    for t in (6, 7):  # the same power-of-two tiles as 5: the same kernels, new launch sizes only
+        kern(**_inputs(gen, 1, 2, 2, t, t, 8, 8, torch.float32))
+    assert rx.cache_stats().misses == misses
+
+
+# ---- random draws: every feature at once, on odd sizes and each dtype ---------------------------------
+def _draw(rnd):
+    """One attention: sizes, dtype, and a choice of each feature, with its float64 reference."""
+    hkv, g = rnd.choice([1, 2]), rnd.choice([1, 2, 3])
+    size = (
+        rnd.choice([1, 2]),
+        hkv * g,
+        hkv,
+        rnd.randint(1, 11),
+        rnd.randint(1, 11),
+        rnd.choice([4, 8, 12]),
+        rnd.choice([3, 8]),
+    )
+    dtype, atol, rtol = rnd.choice(TOLERANCES[1:])
+    causal, mod, mask = (
+        rnd.random() < 0.5,
+        rnd.choice(["none", "softcap", "bias", "alibi"]),
+        rnd.choice(["none", "window", "bool", "float"]),
+    )
+    return size, (dtype, atol, rtol), causal, mod, mask, rnd.random() < 0.5
+
+
+@pytest.mark.parametrize("draw", range(16))
+def test_random_attentions_match_float64(draw, gen):
+    import random
+
+    from conftest import commit_seed
+
+    rnd = random.Random(commit_seed("RTXDSL_ATTENTION_SEED") * 100 + draw)
+    size, (dtype, atol, rtol), causal, mod, mask, lse = _draw(rnd)
+    b_, hq, hkv, tq, tk, d, dv = size
+    ins = _inputs(gen, *size, dtype)
+    extra = {}
+    if mod == "bias":
+        ins["bias"] = torch.randn(hq, tq, tk, generator=gen, dtype=torch.float64).to(dtype)
+    if mod == "alibi":
+        ins["slopes"] = torch.rand(1, hq, 1, 1, generator=gen, dtype=torch.float64)
+    if mask in ("bool", "float"):
+        m = (
+            torch.rand(b_, 1, tq, tk, generator=gen) > 0.3
+            if mask == "bool"
+            else torch.randn(b_, 1, tq, tk, generator=gen)
+        )
+        ins["m"] = m if mask == "bool" else m.double().to(dtype)
+        extra["attn_mask"] = rx.var("m")
+    mods = {
+        "none": None,
+        "softcap": lambda s, *_: 3.0 * rx.tanh(s / 3.0),
+        "bias": lambda s, *_: s + rx.var("bias"),
+        "alibi": lambda s, b, h, i, j: s - rx.var("slopes") * (i - j).abs(),
+    }
+    window = (lambda b, h, i, j: (i - j < 3) & (j - i < 3)) if mask == "window" else None
+    expr = rx.attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        score_mod=mods[mod],
+        mask_mod=window,
+        enable_gqa=hq != hkv,
+        return_lse=lse,
+        **extra,
+    )
+
+    def ref(r):
+        qd, kd, vd = r["q"], r["k"].repeat_interleave(hq // hkv, 1), r["v"].repeat_interleave(hq // hkv, 1)
+        s = qd @ kd.mT / math.sqrt(d)
+        i, j = torch.arange(tq)[:, None], torch.arange(tk)[None, :]
+        s = {
+            "none": s,
+            "softcap": 3.0 * torch.tanh(s / 3.0),
+            "bias": s + r.get("bias", 0),
+            "alibi": s - r.get("slopes", 0) * (i - j).abs(),
+        }[mod]
+        keep = torch.ones(tq, tk, dtype=torch.bool)
+        keep = keep & (i >= j) if causal else keep
+        keep = keep & ((i - j).abs() < 3) if mask == "window" else keep
+        if mask == "bool":
+            keep = keep & r["m"]
+        if mask == "float":
+            s = s + r["m"]
+        s = s.masked_fill(~keep, float("-inf"))
+        lse_ = torch.logsumexp(s, -1)
+        out = torch.exp(s - torch.where(torch.isinf(lse_), 0.0, lse_)[..., None]) @ vd
+        return (out, lse_) if lse else out
+
+    _check(expr, ins, ref, dtype, atol, rtol, gen)
