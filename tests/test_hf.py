@@ -31,7 +31,7 @@ def test_replace_modules_fuses_a_hugging_face_model_and_changes_nothing_it_compu
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing norm- or MLP-like left unrecognised
         n = rx.nn.replace_modules(fused)
-    want = {"rms_norm": NORMS_PER_LAYER.get(family, 2) * LAYERS + 1, "rope": LAYERS, "loss": 1}
+    want = {"rms_norm": NORMS_PER_LAYER.get(family, 2) * LAYERS + 1, "rope": LAYERS, "loss": 1, "attention": LAYERS}
     if family not in NO_MLP:
         want["mlp"] = LAYERS
     assert n.by_kind == want and n == sum(want.values())
@@ -45,7 +45,7 @@ def test_replace_modules_fuses_a_hugging_face_model_and_changes_nothing_it_compu
     for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
         torch.testing.assert_close(p1.grad, p0.grad, atol=2e-6, rtol=2e-5, msg=name)
     again = rx.nn.replace_modules(fused)  # idempotent: its own modules are left as they are
-    assert again.by_kind.keys() <= {"rope", "loss"}
+    assert again.by_kind.keys() <= {"rope", "loss", "attention"}
 
 
 def test_replaced_llama_in_bf16_and_generate_agree():
@@ -279,3 +279,31 @@ def test_the_ops_a_replaced_model_calls_are_opchecked(family, monkeypatch):
     assert any(len(args[-1][0].shape) == 4 and not args[-1][0].is_contiguous() for _, args in ops)  # q, k
     for op, args in ops:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mistral"])  # GQA; + logit softcap; + sliding window
+def test_attention_routed_through_rtxdsl_matches_and_generates(family, monkeypatch):
+    import rtxdsl.nn.attention as routed
+
+    model = tiny_model(family)
+    model.config._attn_implementation = "eager" if family == "gemma2" else "sdpa"  # softcap: eager's
+    if family == "mistral":
+        model.config.sliding_window = 3  # shorter than the tokens: the mask carries the window
+    fused = copy.deepcopy(model)
+    assert rx.nn.replace_modules(fused).by_kind["attention"] == LAYERS
+    assert fused.config._attn_implementation == "rtxdsl"
+    calls = []
+    real = routed._call
+    monkeypatch.setattr(routed, "_call", lambda *a: calls.append(a[4] is None) or real(*a))
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    out0, out1 = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert len(calls) == LAYERS  # each layer's attention ran rtxdsl's kernel
+    torch.testing.assert_close(out1.logits, out0.logits, atol=2e-6, rtol=2e-6)
+    out0.loss.backward()
+    out1.loss.backward()
+    for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(p1.grad, p0.grad, atol=2e-6, rtol=2e-5, msg=name)
+    with torch.no_grad():  # decoding with the KV cache: one query row against the cached keys
+        want = model.generate(ids[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        got = fused.generate(ids[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)

@@ -33,6 +33,7 @@ from .. import dsl
 from ..ops.elementwise import cast
 from ..ops.llm import capped_logits, cross_entropy, rope
 from ..runtime import Kernel, compile
+from .attention import route_attention
 from .memo import made_once
 from .modules import GatedMLP, GateUpMLP, GeGLU, LayerNorm, RMSNorm, SwiGLU
 
@@ -46,7 +47,7 @@ class Replaced(int):
     """How many modules ``replace_modules`` swapped (an int), with ``by_kind``: kind -> count.
 
     Kinds: ``layer_norm``, ``rms_norm``, ``mlp``, ``rope`` (attention modules whose rotary
-    embedding is fused), ``loss``.
+    embedding is fused), ``loss``, ``attention`` (attention modules routed through rtxdsl's).
     """
 
     by_kind: dict[str, int]
@@ -60,8 +61,12 @@ class Replaced(int):
         return f"Replaced({int(self)}, by_kind={self.by_kind})"
 
 
-def replace_modules(model: torch.nn.Module, *, rope: bool = True, loss: bool = True, logits: bool = True) -> Replaced:
-    """Swap ``model``'s norms, gated MLPs, rotary embedding and causal-LM loss for fused ones, in place.
+def replace_modules(
+    model: torch.nn.Module, *, rope: bool = True, loss: bool = True, logits: bool = True, attention: bool = True
+) -> Replaced:
+    """Swap ``model``'s norms, gated MLPs, rotary embedding and causal-LM loss for fused ones, in place;
+    with ``attention`` a transformers model's attention runs :func:`rtxdsl.attention`'s kernels
+    (transformers' attention interface, :mod:`rtxdsl.nn.attention`).
 
     Parameters stay the same objects under the same names. Returns the number swapped, an int
     with ``.by_kind``; warns about norm- or MLP-like modules it left alone.
@@ -80,7 +85,7 @@ def replace_modules(model: torch.nn.Module, *, rope: bool = True, loss: bool = T
         >>> int(n), n.by_kind, type(m[1]).__module__
         (1, {'layer_norm': 1}, 'rtxdsl.nn.modules')
     """
-    counts = {"layer_norm": 0, "rms_norm": 0, "mlp": 0, "rope": 0, "loss": 0}
+    counts = {"layer_norm": 0, "rms_norm": 0, "mlp": 0, "rope": 0, "loss": 0, "attention": 0}
     left: set[str] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -95,6 +100,8 @@ def replace_modules(model: torch.nn.Module, *, rope: bool = True, loss: bool = T
         counts["rope"] = _fuse_rotary(model)
     if loss and _fuse_loss(model, logits):
         counts["loss"] = 1
+    if attention:
+        counts["attention"] = route_attention(model)
     if left:
         warnings.warn(
             f"rx.nn.replace_modules left {sorted(left)} alone: their output matched no formula rtxdsl fuses",

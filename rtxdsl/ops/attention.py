@@ -20,6 +20,7 @@ probabilities, so no branch of the backward divides by 0).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -205,6 +206,21 @@ def _probe(
 ) -> None:  # noqa: E501
     """The template's result on meta tensors: shaped as the scores (or broadcasting to them), and
     float for a score_mod, bool for a mask_mod; otherwise an error naming the function."""
+    with _outside_fake_mode():  # planned inside torch.compile's fake mode too: these are real meta tensors
+        _probe_meta(template, what, scores, s_dtype, shapes, dtypes)
+
+
+def _outside_fake_mode() -> Any:
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # another torch: no fake mode to leave
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
+def _probe_meta(
+    template: Expr, what: str, scores: tuple[int, ...], s_dtype: torch.dtype, shapes: list, dtypes: list
+) -> None:  # noqa: E501
     meta = torch.device("meta")
     values: dict[str | int, Any] = {"s": torch.empty(scores, dtype=s_dtype, device=meta)}
     for axis, name in enumerate(POSITIONS):

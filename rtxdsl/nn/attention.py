@@ -1,0 +1,131 @@
+"""Hugging Face models' attention through :func:`rtxdsl.attention` (transformers' attention interface).
+
+``route_attention(model)`` registers an ``"rtxdsl"`` attention function (and SDPA's mask format
+for it) with transformers and points the model's configs at it; each attention call is one
+rtxdsl kernel for its options (causal or masked, the mask's kind, Gemma 2's logit softcap, GQA,
+dropout while training), made once per option set. What it does not cover (attention weights
+asked for, a position bias, tensors of another kind) runs the model's own eager attention.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch.compiler import is_dynamo_compiling
+
+from .. import dsl
+from ..ops import REGISTRY
+from ..ops.attention import attention
+from ..runtime import Kernel, compile
+
+NAME = "rtxdsl"
+
+#: option set -> its kernel: made when a model is routed (every set its modules can ask for), found
+#: by a plain dict lookup inside torch.compile (``rtxdsl.nn.memo``'s rule; a miss there runs eager)
+_MADE: dict[tuple, Kernel] = {}
+
+
+def _kernel(causal: bool, mask: str, softcap: float, scale: float, gqa: bool, dropout: float) -> Kernel | None:
+    key = (causal, mask, softcap, scale, gqa, dropout)
+    kern = _MADE.get(key)
+    if kern is None and not is_dynamo_compiling():
+        kern = _MADE[key] = _make(*key)
+    return kern
+
+
+def _make(causal: bool, mask: str, softcap: float, scale: float, gqa: bool, dropout: float) -> Kernel:
+    """One attention kernel per option set (``mask``: "", "bool" or "float"; softcap 0: none)."""
+    score_mod = None if not softcap else (lambda s, *_: softcap * REGISTRY.functions["tanh"](s / softcap))
+    extra = {"attn_mask": dsl.var("m")} if mask else {}
+    e = attention(dsl.var("q"), dsl.var("k"), dsl.var("v"), scale, causal, score_mod, None, dropout, gqa, **extra)
+    return compile(e)
+
+
+def _eager(module: torch.nn.Module) -> Any:
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def rtxdsl_attention_forward(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    is_causal: bool | None = None, softcap: float | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """transformers' attention signature: ``query [B, Hq, Tq, D]``, ``key / value [B, Hkv, Tk, D]``,
+    an additive or bool ``attention_mask`` (or None: causal when the module is); returns the
+    output as ``[B, Tq, Hq, D]`` and no weights, as SDPA's integration does."""
+    plain = all(type(t) is torch.Tensor for t in (query, key, value)) and query.dim() == 4
+    kern = None
+    if plain and not kwargs.get("output_attentions") and kwargs.get("position_bias") is None:
+        kern, ins = _call(module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap)
+    if kern is None:
+        eager = _eager(module)
+        if eager is None:
+            raise NotImplementedError(f"rtxdsl attention: {type(module).__name__} asks for what it cannot give")
+        return eager(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
+        )
+    return kern(**ins).transpose(1, 2).contiguous(), None
+
+
+def _call(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, is_causal: bool | None,
+    softcap: float | None,
+) -> tuple[Kernel | None, dict[str, torch.Tensor]]:  # fmt: skip
+    """The kernel for this call's options and its inputs."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    ins = {"q": query, "k": key, "v": value}
+    kind = ""
+    if attention_mask is not None:
+        ins["m"] = attention_mask[:, :, :, : key.shape[-2]]
+        kind = "bool" if attention_mask.dtype == torch.bool else "float"
+        if kind == "float" and attention_mask.dtype != query.dtype:
+            ins["m"] = ins["m"].to(query.dtype)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    gqa = query.shape[1] != key.shape[1]
+    return _kernel(causal, kind, float(softcap or 0.0), scale, gqa, float(dropout)), ins
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, rtxdsl_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def route_attention(model: torch.nn.Module) -> int:
+    """Point a transformers model's attention at rtxdsl's; the count is its attention modules (0
+    for a model that is not a transformers one, or whose transformers lacks the interface)."""
+    configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+    if not configs or "transformers" not in sys.modules:
+        return 0
+    try:
+        _register()
+    except ImportError:
+        return 0
+    for c in {id(c): c for c in configs}.values():
+        c._attn_implementation = NAME
+        for sub in (getattr(c, k, None) for k in getattr(c, "sub_configs", {}) or {}):
+            if hasattr(sub, "_attn_implementation"):
+                sub._attn_implementation = NAME
+    modules = [m for m in model.modules() if "Attention" in type(m).__name__ and hasattr(m, "config")]
+    for m in modules:  # every kernel a forward can ask for, made now (never inside a trace)
+        _premake(m)
+    return len(modules)
+
+
+def _premake(m: torch.nn.Module) -> None:
+    c = m.config
+    heads, kv = getattr(c, "num_attention_heads", 0), getattr(c, "num_key_value_heads", None) or 0
+    scale = getattr(m, "scaling", None)
+    if scale is None:
+        return
+    softcap = float(getattr(c, "attn_logit_softcapping", None) or 0.0)
+    drops = {0.0, float(getattr(m, "attention_dropout", 0.0) or 0.0)}
+    for causal, kind in ((True, ""), (False, ""), (False, "bool"), (False, "float")):
+        for p in drops:
+            _kernel(causal, kind, softcap, float(scale), bool(kv and heads != kv), p)
