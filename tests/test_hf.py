@@ -307,3 +307,10 @@ def test_attention_routed_through_rtxdsl_matches_and_generates(family, monkeypat
         want = model.generate(ids[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0)
         got = fused.generate(ids[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_a_model_set_to_a_flash_or_flex_kernel_keeps_it():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flex_attention"
+    assert "attention" not in rx.nn.replace_modules(model).by_kind
+    assert model.config._attn_implementation == "flex_attention"

@@ -1,7 +1,8 @@
 """Hugging Face models' attention through :func:`rtxdsl.attention` (transformers' attention interface).
 
 ``route_attention(model)`` registers an ``"rtxdsl"`` attention function (and SDPA's mask format
-for it) with transformers and points the model's configs at it; each attention call is one
+for it) with transformers and points the model's configs at it (those on ``eager`` or ``sdpa``:
+a model set to a flash or flex kernel keeps it); each attention call is one
 rtxdsl kernel for its options (causal or masked, the mask's kind, Gemma 2's logit softcap, GQA,
 dropout while training), made once per option set. What it does not cover (attention weights
 asked for, a position bias, tensors of another kind) runs the model's own eager attention.
@@ -21,6 +22,8 @@ from ..ops.attention import attention
 from ..runtime import Kernel, compile
 
 NAME = "rtxdsl"
+#: the implementations routed through rtxdsl's; a chosen flash / flex kernel is the user's to keep
+ROUTED = (None, "eager", "sdpa", NAME)
 
 #: option set -> its kernel: made when a model is routed (every set its modules can ask for), found
 #: by a plain dict lookup inside torch.compile (``rtxdsl.nn.memo``'s rule; a miss there runs eager)
@@ -108,11 +111,11 @@ def route_attention(model: torch.nn.Module) -> int:
     except ImportError:
         return 0
     for c in {id(c): c for c in configs}.values():
-        c._attn_implementation = NAME
-        for sub in (getattr(c, k, None) for k in getattr(c, "sub_configs", {}) or {}):
-            if hasattr(sub, "_attn_implementation"):
-                sub._attn_implementation = NAME
-    modules = [m for m in model.modules() if "Attention" in type(m).__name__ and hasattr(m, "config")]
+        for cfg in (c, *(getattr(c, k, None) for k in getattr(c, "sub_configs", {}) or {})):
+            if getattr(cfg, "_attn_implementation", "") in ROUTED:
+                cfg._attn_implementation = NAME
+    modules = [m for m in model.modules() if "Attention" in type(m).__name__ and getattr(m, "config", None) is not None]
+    modules = [m for m in modules if getattr(m.config, "_attn_implementation", None) == NAME]
     for m in modules:  # every kernel a forward can ask for, made now (never inside a trace)
         _premake(m)
     return len(modules)
