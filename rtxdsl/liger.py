@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 from . import dsl
 from .errors import RtxError
 from .nn import modules as _m
+from .nn.memo import made_once
 from .nn.swap import replace_modules
 from .ops import REGISTRY
 from .ops.llm import capped_logits, cross_entropy_outputs
@@ -141,6 +141,10 @@ class LigerKLDIVLoss(_m.KLDivLoss):
 class LigerSoftmax(torch.nn.Module):
     """Liger's ``LigerSoftmax()``: softmax over the last axis, one kernel."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        _softmax()  # made now, found by the forward (rtxdsl.nn.memo: never built inside a trace)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _softmax()(x)
 
@@ -148,16 +152,20 @@ class LigerSoftmax(torch.nn.Module):
 class LigerReLUSquared(torch.nn.Module):
     """Liger's ``LigerReLUSquared()``: ``relu(x) ** 2``, one kernel."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        _relu_squared()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _relu_squared()(x)
 
 
-@functools.cache
+@made_once
 def _softmax() -> Kernel:
     return compile(REGISTRY.functions["softmax"](dsl.var("x"), -1))
 
 
-@functools.cache
+@made_once
 def _relu_squared() -> Kernel:
     return compile(REGISTRY.functions["relu_squared"](dsl.var("x")))
 
@@ -205,7 +213,7 @@ def _extras(return_z_loss: bool, return_token_accuracy: bool, return_predicted_t
     return return_z_loss, return_token_accuracy
 
 
-@functools.cache
+@made_once
 def _loss_kernel(linear: bool, bias: bool, weight: bool, options: tuple, extras: tuple[bool, bool]) -> Kernel:
     """The loss (and the z-loss term, the token accuracy) of logits given, or of ``h @ w.T (+ b)``,
     soft-capped: one dict of outputs the analyzer fuses as one row kernel (no logits written when
@@ -258,12 +266,13 @@ class LigerCrossEntropyLoss(torch.nn.Module):
         self.lse_square_scale, self.label_smoothing, self.softcap = lse_square_scale, label_smoothing, softcap
         self.extras = _extras(return_z_loss, return_token_accuracy, return_predicted_tokens)
         self.return_z_loss, self.return_token_accuracy = self.extras
-        opts = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap)
-        self._kernel = _loss_kernel(False, False, weight is not None, opts, self.extras)
+        self._options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap)
+        _loss_kernel(False, False, weight is not None, self._options, self.extras)  # made now, found by forward
 
     def forward(self, _input: torch.Tensor, target: torch.Tensor) -> Any:
+        kern = _loss_kernel(False, False, self.weight is not None, self._options, self.extras)
         ins = {"x": _input, "t": target} | ({"cw": self.weight} if self.weight is not None else {})
-        return _output(self._kernel(**ins), self.extras)
+        return _output(kern(**ins), self.extras)
 
 
 class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
@@ -287,6 +296,8 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
         self.extras = _extras(return_z_loss, return_token_accuracy, return_predicted_tokens)
         self.return_z_loss, self.return_token_accuracy = self.extras
         self._options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap)
+        for bias in (False, True):  # made now, found by the forward (never built inside a trace)
+            _loss_kernel(True, bias, ce_weight is not None, self._options, self.extras)
 
     def forward(
         self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None

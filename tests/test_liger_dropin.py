@@ -136,3 +136,16 @@ def test_apply_liger_kernel_swaps_an_instance():
 def test_unsupported_flags_name_themselves(make, words):
     with pytest.raises(RtxError, match=words):
         make()
+
+
+def test_modules_run_inside_torch_compile(gen):
+    """Their kernels are made when the module is (rtxdsl.nn.memo): the forward only finds them, so a
+    whole-graph trace holds one custom op per kernel."""
+    h, w = torch.randn(ROWS, HIDDEN, generator=gen), torch.randn(VOCAB, HIDDEN, generator=gen)
+    target = torch.tensor([1, -100, 3, 4, 12, 0, 2])
+    for fn, args in (
+        (liger.LigerFusedLinearCrossEntropyLoss(), (w, h, target)),
+        (liger.LigerCrossEntropyLoss(), (h @ w.T, target)),
+        (liger.LigerSoftmax(), (h,)),
+    ):
+        torch.testing.assert_close(torch.compile(fn, fullgraph=True)(*args), fn(*args))

@@ -32,7 +32,7 @@ from ..expr import Expr, as_expr, node, substitute, walk
 from ..registry import ANY, REGISTRY, Front, OpDef, OpKind, Pattern, Unsupported, apply_ref, register
 from .contraction import contract
 from .helpers import ExprLike, scalar_arg, torch_fns
-from .random import draw_seed, seed_operand, seeded_generator
+from .random import draw_seed, seed_operand
 
 #: the positions a score or mask function receives, in order, and the axis of the scores each counts
 POSITIONS = ("b", "h", "q_idx", "kv_idx")
@@ -125,14 +125,14 @@ def attention(
     p = scalar_arg(dropout_p, "attention", "dropout_p")
     if not 0.0 <= p < 1.0:
         raise RtxError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise RtxError(f"attention: {name} must be a function, got {fn!r}")
     operands: list[Expr] = []
     mods = {
         "score_mod": None if score_mod is None else _template(score_mod, ("s", *POSITIONS), "score_mod", operands),
         "mask_mod": None if mask_mod is None else _template(mask_mod, POSITIONS, "mask_mod", operands),
     }
-    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-        if fn is not None and not callable(fn):
-            raise RtxError(f"attention: {name} must be a function, got {fn!r}")
     mask_at = None
     if attn_mask is not None:
         mask_at = 3 + len(operands)
@@ -348,9 +348,8 @@ def _ref(
     if output == "lse":
         return lse
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    if dropout_p > 0.0:
-        drawn = torch.rand(p.shape, generator=seeded_generator(rest[-1], p.device), device=p.device, dtype=p.dtype)
-        p = torch.where(drawn >= dropout_p, p, 0.0) / (1.0 - dropout_p)
+    if dropout_p > 0.0:  # rx.dropout's own reference: the same draws from the seed
+        p = REGISTRY["dropout"].ref(p, rest[-1], p=dropout_p)
     return (p.to(v.dtype).to(f) @ vf).to(q.dtype)
 
 

@@ -41,7 +41,7 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
 
 
-def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+def _generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(seed))
 
 
@@ -60,7 +60,7 @@ def _rand_ref(x: torch.Tensor, seed: int) -> torch.Tensor:
     # torch.rand's own draws (it is empty + uniform_), written so fake tensors of symbolic sizes run
     # it too (torch.rand with a generator needs concrete sizes): torch.compile's fakes run this
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    return out.uniform_(0.0, 1.0, generator=seeded_generator(seed, x.device))
+    return out.uniform_(0.0, 1.0, generator=_generator(seed, x.device))
 
 
 def _rand_remap(c: RemapCtx) -> str:
