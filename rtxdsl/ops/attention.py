@@ -203,11 +203,30 @@ def _evaluate(template: Expr, values: dict[str | int, Any]) -> Any:
 
 def _probe(
     template: Expr, what: str, scores: tuple[int, ...], s_dtype: torch.dtype, shapes: list, dtypes: list
-) -> None:  # noqa: E501
+) -> None:
     """The template's result on meta tensors: shaped as the scores (or broadcasting to them), and
-    float for a score_mod, bool for a mask_mod; otherwise an error naming the function."""
-    with _outside_fake_mode():  # planned inside torch.compile's fake mode too: these are real meta tensors
-        _probe_meta(template, what, scores, s_dtype, shapes, dtypes)
+    float for a score_mod, bool for a mask_mod; otherwise an error naming the function. Planned
+    inside torch.compile's fake mode too: these are real meta tensors, made outside it."""
+    meta = torch.device("meta")
+    with _outside_fake_mode():
+        values: dict[str | int, Any] = {"s": torch.empty(scores, dtype=s_dtype, device=meta)}
+        for axis, name in enumerate(POSITIONS):
+            shape = [n if a == axis else 1 for a, n in enumerate(scores)]
+            values[name] = torch.empty(shape, dtype=torch.int64, device=meta)
+        for i, (s, d) in enumerate(zip(shapes, dtypes)):
+            values[i] = torch.empty(s, dtype=d, device=meta) if d is not None else 1
+        try:
+            out = torch.as_tensor(_evaluate(template, values))
+            shape = torch.broadcast_shapes(out.shape, scores)
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            if isinstance(exc, RtxError):
+                raise
+            raise ShapeError(f"attention: {what} does not apply to scores of shape {list(scores)}: {exc}") from None
+    if tuple(shape) != scores:
+        raise ShapeError(f"attention: {what} gives shape {list(out.shape)}, which does not broadcast to {list(scores)}")
+    want = "bool" if what == "mask_mod" else "floating"
+    if (out.dtype == torch.bool) != (want == "bool") or (want == "floating" and not out.dtype.is_floating_point):
+        raise RtxError(f"attention: {what} must return a {want} expression, got {out.dtype}")
 
 
 def _outside_fake_mode() -> Any:
@@ -216,30 +235,6 @@ def _outside_fake_mode() -> Any:
     except ImportError:  # another torch: no fake mode to leave
         return contextlib.nullcontext()
     return unset_fake_temporarily()
-
-
-def _probe_meta(
-    template: Expr, what: str, scores: tuple[int, ...], s_dtype: torch.dtype, shapes: list, dtypes: list
-) -> None:  # noqa: E501
-    meta = torch.device("meta")
-    values: dict[str | int, Any] = {"s": torch.empty(scores, dtype=s_dtype, device=meta)}
-    for axis, name in enumerate(POSITIONS):
-        shape = [n if a == axis else 1 for a, n in enumerate(scores)]
-        values[name] = torch.empty(shape, dtype=torch.int64, device=meta)
-    for i, (s, d) in enumerate(zip(shapes, dtypes)):
-        values[i] = torch.empty(s, dtype=d, device=meta) if d is not None else 1
-    try:
-        out = torch.as_tensor(_evaluate(template, values))
-        shape = torch.broadcast_shapes(out.shape, scores)
-    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-        if isinstance(exc, RtxError):
-            raise
-        raise ShapeError(f"attention: {what} does not apply to scores of shape {list(scores)}: {exc}") from None
-    if tuple(shape) != scores:
-        raise ShapeError(f"attention: {what} gives shape {list(out.shape)}, which does not broadcast to {list(scores)}")
-    want = "bool" if what == "mask_mod" else "floating"
-    if (out.dtype == torch.bool) != (want == "bool") or (want == "floating" and not out.dtype.is_floating_point):
-        raise RtxError(f"attention: {what} must return a {want} expression, got {out.dtype}")
 
 
 def _mask_shape(mask: tuple[int, ...], scores: tuple[int, ...]) -> None:
