@@ -589,7 +589,7 @@ def merge_siblings(
             for b in members[k + 1 :]:
                 if not alive[b] or graph.ops(work[a].nodes + work[b].nodes) > config.max_fusion_ops:
                     continue
-                if not _contractions_fit(work[a], work[b]):
+                if not _contractions_fit(work[a], work[b]) or _two_products(graph, work, reads[a], reads[b]):
                     continue
                 if _reaches(reads, a, b) or _reaches(reads, b, a):
                     continue
@@ -606,6 +606,18 @@ def merge_siblings(
                     r.discard(i)
     order = _order(graph)
     return tuple(g.freeze(order) for g, ok in zip(work, alive) if ok)
+
+
+def _two_products(graph: Graph, work: list[_Work], a: set[int], b: set[int]) -> bool:
+    """Do siblings reading ``a`` and ``b`` read two different products a row kernel would compute
+    inside itself (:func:`fuse_product_rows`)? One kernel computes one: merged, the other product
+    would be written and read back (a policy's and a reference model's logits)."""
+
+    def products(reads: set[int]) -> set[int]:
+        return {i for i in reads if (c := work[i].contraction) is not None and reduced_in_rows(graph, c)}
+
+    pa, pb = products(a), products(b)
+    return bool(pa and pb and pa != pb)
 
 
 # ---- pass 3: per-row math on leaves ------------------------------------------------------------
@@ -871,7 +883,7 @@ def absorb_prologues(
     stored = {id(x) for n in graph.nodes if n.attr_dict.get("recompute") for x in n.srcs}
     for s in (n for n in graph.nodes if id(n) in readers and id(n) not in stored):
         home = work[homes[id(s)]]
-        tiled = _tiled_cone(s, graph)
+        tiled = _tiled_cone(s, graph, bounded=True)
         if tiled is not None:  # a product no kernel writes: every reader computes it in its K loop
             found = _recompute_in_prologues(s, tiled, readers[id(s)], work, graph, consumers, requested)
             if found is not None:
@@ -938,22 +950,28 @@ def _gemm_readers(work: list[_Work], homes: dict[int, int]) -> dict[int, list[tu
     return readers
 
 
-def _tiled_cone(s: Expr, graph: Graph, needs_product: bool = True) -> list[Expr] | None:
+def _tiled_cone(s: Expr, graph: Graph, needs_product: bool = True, bounded: bool = False) -> list[Expr] | None:
     """``s`` and what it is computed from, down to the graph's leaves, when that includes a product
     marked ``recompute`` (one the forward never wrote): elementwise ops, views of leaves and of
     one-element values, index-only movement ops (positions) and the product itself (its operands
     read from memory).
     None when ``s`` computes no such product (unless not ``needs_product``) or needs anything else
-    (a reduction, a re-indexing)."""
+    (a reduction, a re-indexing). ``bounded``: a smaller value computed without such a product,
+    and not from leaves by elementwise ops alone (a per-row cotangent: a preference loss's
+    per-sequence term, sliced and broadcast to its tokens), is read from memory like a leaf
+    instead, its own kernel writing it."""
     out: list[Expr] = []
     seen: set[int] = set()
     stack, found = [s], False
+    size = graph.of(s).numel
     while stack:
         n = stack.pop()
         if id(n) in seen or is_leaf(n, graph.info):
             continue
         seen.add(id(n))
         op = REGISTRY[n.op]
+        if bounded and graph.of(n).numel < size and _untiled(n, graph) and _tiled_cone(n, graph, False) is None:
+            continue  # a boundary: loaded where the cone reads it
         if op.kind is OpKind.CONTRACTION:  # its operands are read from memory, as a GEMM's are
             if not n.attr_dict.get("recompute"):
                 return None
@@ -971,6 +989,21 @@ def _tiled_cone(s: Expr, graph: Graph, needs_product: bool = True) -> list[Expr]
         out.append(n)
         stack.extend(read_srcs(n))
     return out if found or not needs_product else None
+
+
+def _untiled(n: Expr, graph: Graph) -> bool:
+    """Is ``n`` computed without a product marked ``recompute`` (so a kernel can write it before a
+    GEMM that recomputes the product reads it)?"""
+    stack, seen = [n], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen or is_leaf(x, graph.info):
+            continue
+        seen.add(id(x))
+        if REGISTRY[x.op].kind is OpKind.CONTRACTION and x.attr_dict.get("recompute"):
+            return False
+        stack.extend(x.srcs)
+    return True
 
 
 def _recompute_in_prologues(
