@@ -36,6 +36,7 @@ from .nn.memo import made_once
 from .nn.swap import replace_modules
 from .ops import REGISTRY
 from .ops.llm import capped_logits, cross_entropy_outputs
+from .ops.preference import preference_outputs
 from .runtime import Kernel, compile
 
 
@@ -311,6 +312,175 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
         return _output(out, self.extras)
 
 
+# ---- chunked preference losses: one row kernel per model, no chunks ------------------------------------
+#: Liger's auxiliary outputs after the loss, in its order (``nll_loss`` is 0 where it is not computed)
+_AUX = ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss",
+        "chosen_rewards", "rejected_rewards", "log_odds_ratio", "log_odds_chosen")  # fmt: skip
+
+
+@made_once
+def _preference_kernel(
+    loss: str, bias: bool, ref: tuple[bool, bool] | None, nll_target: bool, options: tuple
+) -> Kernel:
+    """The loss and its outputs (:func:`rtxdsl.ops.preference.preference_outputs`) for one
+    configuration: which operands are given, and the loss's options."""
+    var = dsl.var
+    refs = (var("ref_h"), var("ref_w"), var("ref_b") if ref[1] else None) if ref is not None and ref[0] else None
+    outs = preference_outputs(
+        loss, var("h"), var("w"), var("t"), var("b") if bias else None, ref=refs,
+        nll_target=var("nll_t") if nll_target else None, **dict(options),
+    )  # fmt: skip
+    return compile(outs)
+
+
+class _FusedLinearPreference(torch.nn.Module):
+    """What Liger's chunked preference losses share: the stacked batch (chosen sequences, then their
+    rejected ones), ``forward(lin_weight, _input, target, bias=None, ...)`` returning
+    ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss,
+    *extras))``. ``compiled`` and ``chunk_size`` are accepted and change nothing: rtxdsl's kernels
+    are compiled per structure and take every token at once, with no logits buffer to chunk."""
+
+    loss = ""
+    uses_ref = False
+
+    def __init__(self, options: dict[str, Any], use_ref_model: bool = False, chunk_size: int = 1) -> None:
+        super().__init__()
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise RtxError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        for name, value in options.items():
+            setattr(self, name, value)
+        self.use_ref_model, self.chunk_size = use_ref_model, chunk_size
+        self._options = tuple(sorted(options.items()))
+        self._ref_options = (None,) if not use_ref_model else ((True, False), (True, True))
+        for bias in (False, True):  # every configuration made now: a forward only finds its kernel
+            for ref in self._ref_options:
+                for nll_target in (False, True) if self.loss == "orpo" else (False,):
+                    _preference_kernel(self.loss, bias, ref, nll_target, self._options)
+
+    def _run(
+        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+        ref: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
+        nll_target: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
+        if target.dim() < 1 or target.shape[0] % 2:
+            raise RtxError(
+                f"target: a preference batch stacks chosen then rejected sequences, so its first dim must be "
+                f"even; got shape {list(target.shape)}"
+            )
+        ins = {"h": _input, "w": lin_weight, "t": target} | ({"b": bias} if bias is not None else {})
+        key = None
+        if self.use_ref_model:
+            assert ref is not None
+            for name, given in zip(("ref_input", "ref_weight"), ref[:2]):
+                if given is None:
+                    raise RtxError(f"{name}: use_ref_model=True needs the reference model's {name}")
+            ins |= {"ref_h": ref[0], "ref_w": ref[1]} | ({"ref_b": ref[2]} if ref[2] is not None else {})
+            key = (True, ref[2] is not None)
+        if nll_target is not None:
+            ins["nll_t"] = nll_target
+        kern = _preference_kernel(self.loss, bias is not None, key, nll_target is not None, self._options)
+        out = kern(**ins)
+        out.setdefault("nll_loss", torch.zeros((), device=out["loss"].device))
+        return out["loss"], tuple(out[k] for k in _AUX if k in out)
+
+
+class LigerFusedLinearDPOLoss(_FusedLinearPreference):
+    """Liger's ``LigerFusedLinearDPOLoss``: ``forward(lin_weight, _input, target, bias=None,
+    ref_input=None, ref_weight=None, ref_bias=None)``; every ``loss_type`` Liger ships
+    (:data:`rtxdsl.ops.preference.DPO_LOSSES`). The reference model's log-probabilities come from its
+    own row kernel, logits unwritten, without a gradient."""
+
+    loss = "dpo"
+
+    def __init__(
+        self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, compute_nll_loss: bool = False,
+        compiled: bool = True, use_ref_model: bool = True, average_log_prob: bool = False, chunk_size: int = 1,
+        loss_type: str = "sigmoid", label_smoothing: float = 0.0, discopop_tau: float = 0.05,
+    ) -> None:  # fmt: skip
+        options = {
+            "ignore_index": ignore_index, "beta": beta, "alpha": alpha, "compute_nll_loss": compute_nll_loss,
+            "average_log_prob": average_log_prob, "loss_type": loss_type, "label_smoothing": label_smoothing,
+            "discopop_tau": discopop_tau,
+        }  # fmt: skip
+        super().__init__(options, use_ref_model, chunk_size)
+        self.compiled = compiled
+
+    def forward(
+        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
+        ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
+        ref_bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
+        return self._run(lin_weight, _input, target, bias, (ref_input, ref_weight, ref_bias))
+
+
+class LigerFusedLinearORPOLoss(_FusedLinearPreference):
+    """Liger's ``LigerFusedLinearORPOLoss``: ``forward(lin_weight, _input, target, bias=None,
+    nll_target=None)``; the log-probabilities are averaged over each sequence's tokens, and the
+    extras are ``chosen_rewards, rejected_rewards, log_odds_ratio, log_odds_chosen``."""
+
+    loss = "orpo"
+
+    def __init__(
+        self, ignore_index: int = -100, beta: float = 0.1, compute_nll_loss: bool = True, compiled: bool = True,
+        chunk_size: int = 1,
+    ) -> None:  # fmt: skip
+        options = {"ignore_index": ignore_index, "beta": beta, "compute_nll_loss": compute_nll_loss,
+                   "average_log_prob": True}  # fmt: skip
+        super().__init__(options, chunk_size=chunk_size)
+        self.compiled = compiled
+
+    def forward(
+        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
+        nll_target: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
+        return self._run(lin_weight, _input, target, bias, nll_target=nll_target)
+
+
+class LigerFusedLinearCPOLoss(_FusedLinearPreference):
+    """Liger's ``LigerFusedLinearCPOLoss``: ``forward(lin_weight, _input, target, bias=None)``."""
+
+    loss = "cpo"
+
+    def __init__(
+        self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
+        compute_nll_loss: bool = True, compiled: bool = True, average_log_prob: bool = False, chunk_size: int = 1,
+    ) -> None:  # fmt: skip
+        options = {
+            "ignore_index": ignore_index, "beta": beta, "alpha": alpha, "label_smoothing": label_smoothing,
+            "compute_nll_loss": compute_nll_loss, "average_log_prob": average_log_prob,
+        }  # fmt: skip
+        super().__init__(options, chunk_size=chunk_size)
+        self.compiled = compiled
+
+    def forward(
+        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        return self._run(lin_weight, _input, target, bias)
+
+
+class LigerFusedLinearSimPOLoss(_FusedLinearPreference):
+    """Liger's ``LigerFusedLinearSimPOLoss``: ``forward(lin_weight, _input, target, bias=None)``;
+    the log-probabilities are averaged over each sequence's tokens, ``gamma`` the reward margin."""
+
+    loss = "simpo"
+
+    def __init__(
+        self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
+        compute_nll_loss: bool = True, compiled: bool = True, gamma: float = 0.5, chunk_size: int = 1,
+    ) -> None:  # fmt: skip
+        options = {
+            "ignore_index": ignore_index, "beta": beta, "alpha": alpha, "label_smoothing": label_smoothing,
+            "compute_nll_loss": compute_nll_loss, "average_log_prob": True, "gamma": gamma,
+        }  # fmt: skip
+        super().__init__(options, chunk_size=chunk_size)
+        self.compiled = compiled
+
+    def forward(
+        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        return self._run(lin_weight, _input, target, bias)
+
+
 # ---- Liger's model patches: replace_modules on an instance ---------------------------------------------
 def _apply(family: str) -> Any:
     def apply(
@@ -354,7 +524,11 @@ __all__ = [
     "LigerCrossEntropyLoss",
     "LigerDyT",
     "LigerFusedAddRMSNorm",
+    "LigerFusedLinearCPOLoss",
     "LigerFusedLinearCrossEntropyLoss",
+    "LigerFusedLinearDPOLoss",
+    "LigerFusedLinearORPOLoss",
+    "LigerFusedLinearSimPOLoss",
     "LigerGEGLUMLP",
     "LigerGroupNorm",
     "LigerJSD",

@@ -96,3 +96,18 @@ def commit_seed(env: str) -> int:
 def pytest_report_header(config) -> str:
     seeds = {env: commit_seed(env) for env in ("RTXDSL_FUZZ_SEED", "RTXDSL_LAZY_FUZZ_SEED")}
     return "fuzz seeds from the commit: " + ", ".join(f"{env}={s}" for env, s in seeds.items()) + " (set to reproduce)"
+
+
+class ShapesSeen(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor shape an aten op returns while the mode is on (our kernels' buffers included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from aot_checked import fake_checked
+from conftest import ShapesSeen
 
 import rtxdsl as rx
 
@@ -72,21 +73,6 @@ def test_replaced_models_copy_and_pickle():
             torch.testing.assert_close(clone(input_ids=ids).logits, want)
 
 
-class _ShapesSeen(torch.utils._python_dispatch.TorchDispatchMode):
-    """Every tensor shape an aten op returns while the mode is on (our kernels' buffers included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.shapes.append(tuple(t.shape))
-        return out
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2"])
 def test_training_without_logits_never_makes_a_tokens_by_vocabulary_tensor(family):
     """``replace_modules(model, logits=False)``: the loss from the hidden states (Gemma 2's logit
@@ -99,7 +85,7 @@ def test_training_without_logits_never_makes_a_tokens_by_vocabulary_tensor(famil
     out0 = model(input_ids=ids, labels=ids)
     out0.loss.backward()
     vocab, tokens = out0.logits.shape[-1], ids.numel()
-    with _ShapesSeen() as seen:
+    with ShapesSeen() as seen:
         out1 = fused(input_ids=ids, labels=ids)
         out1.loss.backward()
     assert out1.logits is None

@@ -171,6 +171,14 @@ def _product_cases() -> list[Case]:
             lambda x, w, t: F.cross_entropy(F.linear(x, w), t, label_smoothing=0.1),
         ),
         Case(
+            "linear_logps",
+            rx.linear_logps(x, w, t, b),
+            {"x": h, "w": vocab, "t": LABELS, "b": _randn(6, seed=9)},
+            lambda x, w, t, b: (
+                -F.cross_entropy(F.linear(x, w, b).to(torch.promote_types(x.dtype, F32)), t, reduction="none")
+            ),
+        ),
+        Case(
             "attention",
             rx.attention(x, y, w, causal=True, enable_gqa=True),
             {"x": _randn(1, 4, 5, 3, seed=11), "y": _randn(1, 2, 7, 3, seed=12), "w": _randn(1, 2, 7, 2, seed=13)},

@@ -145,6 +145,8 @@ def _llm_cases() -> list[Case]:
         Case("z_loss_term-none", rx.z_loss_term(x, t, 0.01, reduction="none"), {"x": ROWS, "t": LABELS}),
         Case("linear_cross_entropy", rx.linear_cross_entropy(x, w, t), {"x": h, "w": vocab, "t": LABELS}),
         Case("linear_cross_entropy-all-ignored", rx.linear_cross_entropy(x, w, t), {"x": h, "w": vocab} | none),
+        Case("linear_logps", rx.linear_logps(x, w, t), {"x": h, "w": vocab, "t": LABELS}),
+        Case("linear_logps-all-ignored", rx.linear_logps(x, w, t), {"x": h, "w": vocab} | none),
         Case("rope", rx.rope(x, y, w), {"x": ROWS, "y": _randn(6, seed=7), "w": _randn(6, seed=8)}),
         Case(
             "rope-interleaved",

@@ -456,6 +456,91 @@ register(
 )
 
 
+# ---- log-probabilities of targets over a product: what preference losses sum per sequence -------------
+def linear_logps(
+    h: ExprLike, w: ExprLike, target: ExprLike, bias: ExprLike | None = None, ignore_index: int = -100,
+    softcap: float | None = None,
+) -> Expr:  # fmt: skip
+    """Each token's log-probability of its target under ``softmax(h @ w.T (+ bias))``, computed in
+    float32 (float64 for float64 inputs), 0 where the target is ``ignore_index``; the logits are
+    never written (the analyzer fuses the product into the row kernel, as for
+    :func:`linear_cross_entropy`, whose per-token loss this is, negated, in float32).
+
+    ``h`` is ``[..., hidden]``, ``w`` ``[vocab, hidden]``, ``target`` int64 shaped like ``h``
+    without its last axis; the result has the target's shape. Per-sequence sums and means of it
+    are what DPO, ORPO, CPO and SimPO compare (:mod:`rtxdsl.ops.preference`).
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> lp = rx.linear_logps(rx.var("h"), rx.var("w"), rx.var("t"))
+        >>> out = rx.compile(lp)(h=torch.zeros(2, 3, 4), w=torch.zeros(8, 4), t=torch.ones(2, 3, dtype=torch.long))
+        >>> out.dtype, out.shape, round(out[0, 0].item(), 4)  # uniform over 8 classes: log(1/8)
+        (torch.float32, torch.Size([2, 3]), -2.0794)
+    """
+    linear_cross_entropy(h, w, target, bias, ignore_index=ignore_index, reduction="none", softcap=softcap)  # checks
+    cap = None if softcap is None else scalar_arg(softcap, "linear_logps", "softcap")
+    return node("linear_logps", h, w, target, 0.0 if bias is None else bias, ignore_index=ignore_index, softcap=cap)
+
+
+def _logps_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
+    return torch.promote_types(_lce_dtype(dtypes), torch.float32)
+
+
+def _logps_ref(
+    h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, b: Any, *, ignore_index: int, softcap: float | None
+) -> torch.Tensor:
+    if isinstance(b, torch.Tensor) and b.dtype != h.dtype:  # as F.linear's bias, and the kernel's
+        raise DtypeMismatchError(f"linear_logps: bias is {b.dtype} and h is {h.dtype}; they must match")
+    logits = _lce_logits(h, w, b, softcap)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, w.shape[0])
+    nll = F.cross_entropy(logits, t.reshape(-1), ignore_index=ignore_index, reduction="none")
+    return (-nll).reshape(t.shape)
+
+
+def _logps_eager(
+    operands: list[int], result: int, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], *,
+    softcap: float | None, **_: Any,
+) -> tuple[int, int]:  # fmt: skip
+    """:func:`_lce_eager`, and for half logits their float32 copy: one more kernel reading them and
+    writing 4 bytes a logit, which the loss then reads instead of the half ones."""
+    launches, moved = _lce_eager(operands, result, shapes, dtypes, softcap=softcap)
+    if dtypes[0].itemsize >= 4:
+        return launches, moved
+    logits = math.prod(shapes[0][:-1]) * shapes[1][0]
+    return launches + 1, moved + logits * (dtypes[0].itemsize + 4) + logits * (4 - dtypes[0].itemsize)
+
+
+def _logps_decompose(
+    h: Expr, w: Expr, t: Expr, b: Expr, *, ignore_index: int, softcap: float | None, shapes: list, dtypes: list
+) -> Expr:
+    wide = _logps_dtype(dtypes)
+    logits = node("cast", capped_logits(h, w, b, softcap), dtype=wide)  # the row math in float32
+    x_shape = (*shapes[0][:-1], shapes[1][0])
+    options = {"ignore_index": ignore_index, "reduction": "none", "label_smoothing": 0.0, "z_loss": 0.0}
+    nll = _ce_rows(logits, t, None, len(x_shape) - 1, [x_shape, shapes[2]], [wide, dtypes[2]], **options)
+    return node("neg", nll)
+
+
+register(
+    OpDef(
+        name="linear_logps",
+        kind=OpKind.COMPOSITE,
+        arity=4,
+        ref=_logps_ref,
+        decompose=_logps_decompose,
+        typed_decompose=True,
+        shape=lambda shapes, **_: _lce_shape(shapes, "none"),
+        result_dtype=_logps_dtype,
+        eager_launches=4,  # the logits' GEMM, the cast, log_softmax, gather
+        eager=_logps_eager,
+        range_error=_range_error("linear_logps"),
+        pattern=Pattern.LINEAR_CROSS_ENTROPY,
+        accepts=ANY,
+        front=Front(fn=linear_logps),
+    )
+)
+
+
 # ---- cross-entropy's extra outputs: its z-loss term and the token accuracy ----------------------------
 def cross_entropy_outputs(
     logits: ExprLike, target: ExprLike, weight: ExprLike | None = None, ignore_index: int = -100,
