@@ -10,6 +10,9 @@ the fused linear loss, ``num_channels`` first in group norm); ``rx.nn`` keeps DE
 A flag rtxdsl does not implement raises an :class:`~rtxdsl.errors.RtxError` naming it (nothing
 is silently ignored): ``use_token_scaling``, ``return_predicted_tokens`` of the fused linear
 loss, an ``accum_dtype`` other than float32 (rtxdsl accumulates in float32 always).
+The chunked preference losses (``LigerFusedLinearDPOLoss``, ``...ORPOLoss``, ``...CPOLoss``,
+``...SimPOLoss``) are :func:`rtxdsl.ops.preference.preference_outputs` kernels: one row kernel per
+model, no chunks, the logits never written.
 ``apply_liger_kernel_to_<model>(..., model=m)`` calls :func:`rtxdsl.nn.replace_modules` on the
 instance ``m`` (Liger's class-level patching, without ``model``, is not done: it raises).
 
