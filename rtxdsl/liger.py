@@ -338,13 +338,13 @@ def _preference_kernel(
 
 class _FusedLinearPreference(torch.nn.Module):
     """What Liger's chunked preference losses share: the stacked batch (chosen sequences, then their
-    rejected ones), ``forward(lin_weight, _input, target, bias=None, ...)`` returning
+    rejected ones), ``forward(lin_weight, _input, target, bias=None, ...)`` (DPO adds the reference
+    model's inputs, ORPO ``nll_target``) returning
     ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss,
     *extras))``. ``compiled`` and ``chunk_size`` are accepted and change nothing: rtxdsl's kernels
     are compiled per structure and take every token at once, with no logits buffer to chunk."""
 
     loss = ""
-    uses_ref = False
 
     def __init__(self, options: dict[str, Any], use_ref_model: bool = False, chunk_size: int = 1) -> None:
         super().__init__()
@@ -354,11 +354,16 @@ class _FusedLinearPreference(torch.nn.Module):
             setattr(self, name, value)
         self.use_ref_model, self.chunk_size = use_ref_model, chunk_size
         self._options = tuple(sorted(options.items()))
-        self._ref_options = (None,) if not use_ref_model else ((True, False), (True, True))
+        refs = (None,) if not use_ref_model else ((True, False), (True, True))
         for bias in (False, True):  # every configuration made now: a forward only finds its kernel
-            for ref in self._ref_options:
+            for ref in refs:
                 for nll_target in (False, True) if self.loss == "orpo" else (False,):
                     _preference_kernel(self.loss, bias, ref, nll_target, self._options)
+
+    def forward(
+        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        return self._run(lin_weight, _input, target, bias)
 
     def _run(
         self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
@@ -455,11 +460,6 @@ class LigerFusedLinearCPOLoss(_FusedLinearPreference):
         super().__init__(options, chunk_size=chunk_size)
         self.compiled = compiled
 
-    def forward(
-        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        return self._run(lin_weight, _input, target, bias)
-
 
 class LigerFusedLinearSimPOLoss(_FusedLinearPreference):
     """Liger's ``LigerFusedLinearSimPOLoss``: ``forward(lin_weight, _input, target, bias=None)``;
@@ -477,11 +477,6 @@ class LigerFusedLinearSimPOLoss(_FusedLinearPreference):
         }  # fmt: skip
         super().__init__(options, chunk_size=chunk_size)
         self.compiled = compiled
-
-    def forward(
-        self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        return self._run(lin_weight, _input, target, bias)
 
 
 # ---- Liger's model patches: replace_modules on an instance ---------------------------------------------

@@ -94,15 +94,11 @@ def _check(name: str, opts: dict, dtype, atol, rtol, gen, bias: bool = True) -> 
     peer = getattr(chunked, f"LigerFusedLinear{name}Loss")(compiled=False, **opts)
     uses_ref = name == "DPO" and opts.get("use_ref_model", True)
     x = _batch(gen, dtype, bias)
-    mine, wide = _wide(x), _wide(x)
-    for k in ("h", "w", "b"):
-        if mine[k] is not None:
-            mine[k] = x[k].detach().clone().requires_grad_(True)
-    for k in ("ref_h", "ref_w", "ref_b"):
-        mine[k] = x[k]
+    mine = {k: v.clone().requires_grad_(True) if k in ("h", "w", "b") and v is not None else v for k, v in x.items()}
+    wide = _wide(x)
     loss, aux = _call(ours, mine, uses_ref)
     want_loss, want_aux = _call(peer, wide, uses_ref)
-    assert loss.dtype == torch.float32 if dtype != torch.float64 else loss.dtype == torch.float64
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert len(aux) == len(want_aux)
     assert_close(loss, want_loss.detach().double(), atol, rtol, "loss")
     for i, (got, want) in enumerate(zip(aux, want_aux)):

@@ -582,6 +582,8 @@ def merge_siblings(
     alive = [True] * len(work)
     homes = _homes(work)
     reads = [_group_reads(g, fl, homes, i) for i, g in enumerate(work)]
+    # GEMMs whose product a row kernel would compute inside itself (fuse_product_rows): one per row kernel
+    products = {i for i, g in enumerate(work) if (c := g.contraction) is not None and reduced_in_rows(graph, c)}
     for members in by_domain.values():
         for k, a in enumerate(members):
             if not alive[a]:
@@ -589,7 +591,7 @@ def merge_siblings(
             for b in members[k + 1 :]:
                 if not alive[b] or graph.ops(work[a].nodes + work[b].nodes) > config.max_fusion_ops:
                     continue
-                if not _contractions_fit(work[a], work[b]) or _two_products(graph, work, reads[a], reads[b]):
+                if not _contractions_fit(work[a], work[b]) or _two_products(products, reads[a], reads[b]):
                     continue
                 if _reaches(reads, a, b) or _reaches(reads, b, a):
                     continue
@@ -608,15 +610,11 @@ def merge_siblings(
     return tuple(g.freeze(order) for g, ok in zip(work, alive) if ok)
 
 
-def _two_products(graph: Graph, work: list[_Work], a: set[int], b: set[int]) -> bool:
-    """Do siblings reading ``a`` and ``b`` read two different products a row kernel would compute
-    inside itself (:func:`fuse_product_rows`)? One kernel computes one: merged, the other product
-    would be written and read back (a policy's and a reference model's logits)."""
-
-    def products(reads: set[int]) -> set[int]:
-        return {i for i in reads if (c := work[i].contraction) is not None and reduced_in_rows(graph, c)}
-
-    pa, pb = products(a), products(b)
+def _two_products(products: set[int], a: set[int], b: set[int]) -> bool:
+    """Do siblings reading groups ``a`` and ``b`` read two different ``products`` (GEMMs a row
+    kernel would compute inside itself)? One kernel computes one: merged, the other product would be
+    written and read back (a policy's and a reference model's logits)."""
+    pa, pb = products & a, products & b
     return bool(pa and pb and pa != pb)
 
 

@@ -164,7 +164,7 @@ DPO_LOSSES: dict[str, Callable[[Pair], Expr]] = {
 
 #: each preference loss: its loss per pair and its extra outputs, over the pair
 PAIR_LOSSES: dict[str, Callable[[Pair, str], dict[str, Expr]]] = {
-    "dpo": lambda p, kind: {"loss": _all_mean(DPO_LOSSES[kind](p)), **_rewards(p, p.chosen_reward, p.rejected_reward)},
+    "dpo": lambda p, kind: {"loss": _all_mean(DPO_LOSSES[kind](p)), **_rewards(p)},
     "cpo": lambda p, _: {  # CPO (arXiv 2401.08417): DPO without a reference, smoothed
         "loss": _all_mean(p.smoothed(node("mul", node("sub", p.chosen, p.rejected), p.beta))),
         **_rewards(p),
@@ -182,12 +182,10 @@ PAIR_LOSSES: dict[str, Callable[[Pair, str], dict[str, Expr]]] = {
 }
 
 
-def _rewards(p: Pair, chosen: Expr | None = None, rejected: Expr | None = None) -> dict[str, Expr]:
-    """The rewards Liger reports: ``beta`` times the log-ratios (log-probabilities without a reference)."""
-    return {
-        "chosen_rewards": chosen if chosen is not None else node("mul", p.chosen, p.beta),
-        "rejected_rewards": rejected if rejected is not None else node("mul", p.rejected, p.beta),
-    }
+def _rewards(p: Pair) -> dict[str, Expr]:
+    """The rewards Liger reports: ``beta`` times the log-ratios (the log-probabilities themselves
+    without a reference model)."""
+    return {"chosen_rewards": p.chosen_reward, "rejected_rewards": p.rejected_reward}
 
 
 def _halves(x: Expr) -> tuple[Expr, Expr]:
