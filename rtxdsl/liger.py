@@ -11,7 +11,7 @@ A flag rtxdsl does not implement raises an :class:`~rtxdsl.errors.RtxError` nami
 is silently ignored): ``use_token_scaling``, ``return_predicted_tokens`` of the fused linear
 loss, an ``accum_dtype`` other than float32 (rtxdsl accumulates in float32 always).
 The chunked preference losses (``LigerFusedLinearDPOLoss``, ``...ORPOLoss``, ``...CPOLoss``,
-``...SimPOLoss``) are :func:`rtxdsl.ops.preference.preference_outputs` kernels: one row kernel per
+``...SimPOLoss``, ``...KTOLoss``) are :func:`rtxdsl.ops.preference.preference_outputs` kernels: one row kernel per
 model, no chunks, the logits never written.
 ``apply_liger_kernel_to_<model>(..., model=m)`` calls :func:`rtxdsl.nn.replace_modules` on the
 instance ``m`` (Liger's class-level patching, without ``model``, is not done: it raises).
@@ -39,7 +39,7 @@ from .nn.memo import made_once
 from .nn.swap import replace_modules
 from .ops import REGISTRY
 from .ops.llm import capped_logits, cross_entropy_outputs
-from .ops.preference import preference_outputs
+from .ops.preference import kto_outputs, preference_outputs
 from .runtime import Kernel, compile
 
 
@@ -323,28 +323,35 @@ _AUX = ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits
 
 @made_once
 def _preference_kernel(
-    loss: str, bias: bool, ref: tuple[bool, bool] | None, nll_target: bool, options: tuple
+    loss: str, bias: bool, ref: tuple[bool, bool] | None, given: tuple[str, ...], options: tuple
 ) -> Kernel:
-    """The loss and its outputs (:func:`rtxdsl.ops.preference.preference_outputs`) for one
-    configuration: which operands are given, and the loss's options."""
+    """The loss and its outputs (:func:`rtxdsl.ops.preference.preference_outputs`, or
+    :func:`~rtxdsl.ops.preference.kto_outputs`) for one configuration: which operands are given
+    (``given``: the optional ones, by input name), and the loss's options."""
     var = dsl.var
     refs = (var("ref_h"), var("ref_w"), var("ref_b") if ref[1] else None) if ref is not None and ref[0] else None
-    outs = preference_outputs(
-        loss, var("h"), var("w"), var("t"), var("b") if bias else None, ref=refs,
-        nll_target=var("nll_t") if nll_target else None, **dict(options),
-    )  # fmt: skip
+    head = (var("h"), var("w"), var("t"))
+    b = var("b") if bias else None
+    kl, nll = (var(n) if n in given else None for n in ("kl", "nll_t"))
+    if loss == "kto":  # unpaired: each sequence labelled desirable or not
+        outs = kto_outputs(*head, var("labels"), b, ref=refs, kl=kl, **dict(options))
+    else:
+        outs = preference_outputs(loss, *head, b, ref=refs, nll_target=nll, **dict(options))
     return compile(outs)
 
 
 class _FusedLinearPreference(torch.nn.Module):
-    """What Liger's chunked preference losses share: the stacked batch (chosen sequences, then their
-    rejected ones), ``forward(lin_weight, _input, target, bias=None, ...)`` (DPO adds the reference
-    model's inputs, ORPO ``nll_target``) returning
+    """What Liger's chunked preference losses share: ``forward(lin_weight, _input, target,
+    bias=None, ...)`` (DPO adds the reference model's inputs, ORPO ``nll_target``) returning
     ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss,
-    *extras))``. ``compiled`` and ``chunk_size`` are accepted and change nothing: rtxdsl's kernels
+    *extras))``, over a batch that stacks the chosen sequences, then their rejected ones
+    (``paired``). ``compiled`` and ``chunk_size`` are accepted and change nothing: rtxdsl's kernels
     are compiled per structure and take every token at once, with no logits buffer to chunk."""
 
     loss = ""
+    paired = True
+    optional: tuple[str, ...] = ()  # inputs a forward may leave out: a kernel for each choice
+    aux = _AUX
 
     def __init__(self, options: dict[str, Any], use_ref_model: bool = False, chunk_size: int = 1) -> None:
         super().__init__()
@@ -355,10 +362,11 @@ class _FusedLinearPreference(torch.nn.Module):
         self.use_ref_model, self.chunk_size = use_ref_model, chunk_size
         self._options = tuple(sorted(options.items()))
         refs = (None,) if not use_ref_model else ((True, False), (True, True))
+        choices = [(), *((n,) for n in self.optional)]
         for bias in (False, True):  # every configuration made now: a forward only finds its kernel
             for ref in refs:
-                for nll_target in (False, True) if self.loss == "orpo" else (False,):
-                    _preference_kernel(self.loss, bias, ref, nll_target, self._options)
+                for given in choices:
+                    _preference_kernel(self.loss, bias, ref, given, self._options)
 
     def forward(
         self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
@@ -368,9 +376,9 @@ class _FusedLinearPreference(torch.nn.Module):
     def _run(
         self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
         ref: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
-        nll_target: torch.Tensor | None = None,
+        **extra: torch.Tensor | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
-        if target.dim() < 1 or target.shape[0] % 2:
+        if self.paired and (target.dim() < 1 or target.shape[0] % 2):
             raise RtxError(
                 f"target: a preference batch stacks chosen then rejected sequences, so its first dim must be "
                 f"even; got shape {list(target.shape)}"
@@ -384,12 +392,11 @@ class _FusedLinearPreference(torch.nn.Module):
                     raise RtxError(f"{name}: use_ref_model=True needs the reference model's {name}")
             ins |= {"ref_h": ref[0], "ref_w": ref[1]} | ({"ref_b": ref[2]} if ref[2] is not None else {})
             key = (True, ref[2] is not None)
-        if nll_target is not None:
-            ins["nll_t"] = nll_target
-        kern = _preference_kernel(self.loss, bias is not None, key, nll_target is not None, self._options)
-        out = kern(**ins)
+        ins |= {n: v for n, v in extra.items() if v is not None}
+        given = tuple(n for n in self.optional if extra.get(n) is not None)
+        out = _preference_kernel(self.loss, bias is not None, key, given, self._options)(**ins)
         out.setdefault("nll_loss", torch.zeros((), device=out["loss"].device))
-        return out["loss"], tuple(out[k] for k in _AUX if k in out)
+        return out["loss"], tuple(out[k] for k in self.aux if k in out)
 
 
 class LigerFusedLinearDPOLoss(_FusedLinearPreference):
@@ -427,6 +434,7 @@ class LigerFusedLinearORPOLoss(_FusedLinearPreference):
     extras are ``chosen_rewards, rejected_rewards, log_odds_ratio, log_odds_chosen``."""
 
     loss = "orpo"
+    optional = ("nll_t",)
 
     def __init__(
         self, ignore_index: int = -100, beta: float = 0.1, compute_nll_loss: bool = True, compiled: bool = True,
@@ -441,7 +449,7 @@ class LigerFusedLinearORPOLoss(_FusedLinearPreference):
         self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
         nll_target: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
-        return self._run(lin_weight, _input, target, bias, nll_target=nll_target)
+        return self._run(lin_weight, _input, target, bias, nll_t=nll_target)
 
 
 class LigerFusedLinearCPOLoss(_FusedLinearPreference):
@@ -477,6 +485,38 @@ class LigerFusedLinearSimPOLoss(_FusedLinearPreference):
         }  # fmt: skip
         super().__init__(options, chunk_size=chunk_size)
         self.compiled = compiled
+
+
+class LigerFusedLinearKTOLoss(_FusedLinearPreference):
+    """Liger's ``LigerFusedLinearKTOLoss``: ``forward(_input, lin_weight, target, bias=None,
+    preference_labels=None, ref_input=None, ref_weight=None, ref_bias=None, kl=None)`` (the input
+    first, as Liger's KTO takes it), over unpaired sequences labelled desirable or not; returns
+    ``(loss, (chosen_logps_sum, rejected_logps_sum, chosen_logits_sum, rejected_logits_sum,
+    chosen_rewards_sum, rejected_rewards_sum))`` (:func:`rtxdsl.ops.preference.kto_outputs`)."""
+
+    loss = "kto"
+    paired = False
+    optional = ("kl",)
+    aux = ("chosen_logps_sum", "rejected_logps_sum", "chosen_logits_sum", "rejected_logits_sum",
+           "chosen_rewards_sum", "rejected_rewards_sum")  # fmt: skip
+
+    def __init__(
+        self, ignore_index: int = -100, beta: float = 0.1, compiled: bool = True, use_ref_model: bool = False,
+        average_log_prob: bool = False, chunk_size: int = 1,
+    ) -> None:  # fmt: skip
+        options = {"ignore_index": ignore_index, "beta": beta, "average_log_prob": average_log_prob}
+        super().__init__(options, use_ref_model, chunk_size)
+        self.compiled = compiled
+
+    def forward(  # type: ignore[override]  (Liger's own order: the input first)
+        self, _input: torch.Tensor, lin_weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
+        preference_labels: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
+        ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None, kl: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
+        if preference_labels is None or preference_labels.dtype != torch.bool:
+            raise RtxError("preference_labels: KTO needs a bool tensor saying which sequences are desirable")
+        ref = (ref_input, ref_weight, ref_bias)
+        return self._run(lin_weight, _input, target, bias, ref, labels=preference_labels, kl=kl)
 
 
 # ---- Liger's model patches: replace_modules on an instance ---------------------------------------------
@@ -525,6 +565,7 @@ __all__ = [
     "LigerFusedLinearCPOLoss",
     "LigerFusedLinearCrossEntropyLoss",
     "LigerFusedLinearDPOLoss",
+    "LigerFusedLinearKTOLoss",
     "LigerFusedLinearORPOLoss",
     "LigerFusedLinearSimPOLoss",
     "LigerGEGLUMLP",

@@ -126,6 +126,57 @@ def test_without_a_bias(gen):
     _check("DPO", {"compute_nll_loss": True}, torch.float64, 2e-5, 2e-5, gen, bias=False)
 
 
+#: KTO's options: with and without a reference model, averaged log-probabilities, a given KL estimate
+KTO_CASES = [
+    ({"use_ref_model": True}, False),
+    ({"use_ref_model": True, "average_log_prob": True, "beta": 0.3}, True),
+    ({"use_ref_model": False}, True),
+    ({"use_ref_model": False, "average_log_prob": True}, False),
+]
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), [TOLERANCES[0], TOLERANCES[2]])
+@pytest.mark.parametrize(("opts", "with_kl"), KTO_CASES, ids=lambda v: str(v))
+def test_kto_agrees_with_liger(opts, with_kl, dtype, atol, rtol, gen):
+    """Unpaired sequences (an odd count here), each desirable or not; the input first, as Liger's."""
+    x = _batch(gen, dtype)
+    x = {k: v[:3] if v is not None and k in ("h", "t", "ref_h") else v for k, v in x.items()}
+    labels = torch.tensor([True, False, True])
+    # a 0-dim estimate, as TRL passes it (Liger chunks by sequence but not kl: a [B] one would count B times there)
+    kl = torch.tensor(0.2, dtype=torch.float64) if with_kl else None
+    mine = {k: v.clone().requires_grad_(True) if k in ("h", "w", "b") else v for k, v in x.items()}
+    wide = _wide(x)
+
+    def call(module, v):
+        return module(v["h"], v["w"], v["t"], v["b"], labels, v["ref_h"], v["ref_w"], v["ref_b"],
+                      None if kl is None else kl.to(v["h"].dtype))  # fmt: skip
+
+    loss, aux = call(liger.LigerFusedLinearKTOLoss(**opts), mine)
+    want, want_aux = call(chunked.LigerFusedLinearKTOLoss(compiled=False, **opts), wide)
+    assert_close(loss.detach(), want.detach().double(), atol, rtol, "loss")
+    assert len(aux) == len(want_aux) == 6
+    for i, (got, ref) in enumerate(zip(aux, want_aux)):
+        scale = max(1.0, ref.abs().item())  # sums over sequences and the vocabulary
+        assert_close(got.detach(), ref.detach().double(), atol * scale, rtol, f"aux output {i}")
+    grads = torch.autograd.grad(loss, [mine[k] for k in "hwb"])
+    for k, got, ref in zip("hwb", grads, torch.autograd.grad(want, [wide[k] for k in "hwb"])):
+        assert_close(got, ref, atol * max(1.0, ref.abs().max().item()), rtol, f"d{k}")
+
+
+def test_kto_keeps_the_logits_unwritten(gen):
+    x = _batch(gen, torch.float32)
+    h, w = x["h"][:3].clone().requires_grad_(True), x["w"].clone().requires_grad_(True)
+    m = liger.LigerFusedLinearKTOLoss(use_ref_model=True)
+    with ShapesSeen() as seen:
+        loss, _ = m(h, w, x["t"][:3], x["b"], torch.tensor([True, False, True]), x["ref_h"][:3], x["ref_w"],
+                    x["ref_b"], torch.tensor(0.1))  # fmt: skip
+        rx.reset_fusion_stats()
+        loss.backward()
+    assert rx.fusion_stats().kernels_launched == 3  # the per-token cotangent, dh, dw (db in its K loop)
+    logits = 3 * T * VOCAB
+    assert not [s for s in seen.shapes if math.prod(s) and math.prod(s) % logits == 0], seen.shapes
+
+
 def test_orpo_nll_target_is_its_own_target(gen):
     x = _wide(_batch(gen, torch.float64))
     nll_target = x["t"].clone()
@@ -201,8 +252,17 @@ def test_each_model_is_one_row_kernel_and_no_logits_are_written(gen):
         (lambda: liger.LigerFusedLinearCPOLoss(chunk_size=0), None, "chunk_size"),
         (liger.LigerFusedLinearDPOLoss, lambda m, x: m(x["w"], x["h"], x["t"], x["b"]), "ref_input"),
         (liger.LigerFusedLinearSimPOLoss, lambda m, x: m(x["w"], x["h"][:3], x["t"][:3]), "first dim must be even"),
+        (liger.LigerFusedLinearKTOLoss, lambda m, x: m(x["h"], x["w"], x["t"]), "preference_labels"),
     ],
-    ids=["unknown-loss-type", "exo-without-smoothing", "robust-smoothing", "chunk-size", "no-ref", "odd-batch"],
+    ids=[
+        "unknown-loss-type",
+        "exo-without-smoothing",
+        "robust-smoothing",
+        "chunk-size",
+        "no-ref",
+        "odd-batch",
+        "kto-without-labels",
+    ],  # fmt: skip
 )
 def test_bad_options_and_inputs_name_what_is_wrong(make, call, message, gen):
     with pytest.raises(RtxError, match=message):

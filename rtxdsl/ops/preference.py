@@ -271,3 +271,61 @@ def _nll(h: ExprLike, w: ExprLike, target: ExprLike, bias: ExprLike | None, igno
     valid = _halves(node("where", node("ne", target, ignore_index), 1.0, 0.0))[0]
     total = node("sum", logps, axis=None, keepdim=False)
     return node("neg", node("div", total, node("sum", valid, axis=None, keepdim=False)))
+
+
+def kto_outputs(
+    h: ExprLike, w: ExprLike, target: ExprLike, labels: ExprLike, bias: ExprLike | None = None, *,
+    ref: tuple[ExprLike, ExprLike, ExprLike | None] | None = None, kl: ExprLike | None = None,
+    ignore_index: int = -100, beta: float = 0.1, average_log_prob: bool = False,
+) -> dict[str, Expr]:  # fmt: skip
+    """KTO (arXiv 2402.01306) over the linear head ``h @ w.T (+ bias)``: unpaired sequences, each
+    desirable or not (``labels``, bool ``[B]``), with Liger-Kernel's outputs (logits never written).
+
+    Each sequence's loss is ``1 - sigmoid(beta * (log-ratio - kl))`` when desirable and
+    ``1 - sigmoid(beta * (kl - log-ratio))`` when not, the log-ratio against ``ref=(ref_h, ref_w,
+    ref_bias)`` (the log-probability itself without one), ``kl`` a given estimate (a tensor that
+    broadcasts to ``[B]``; 0 without one); ``loss`` is their mean. Outputs, in Liger's order:
+    ``loss``, ``chosen_logps_sum``, ``rejected_logps_sum``, ``chosen_logits_sum``,
+    ``rejected_logits_sum``, ``chosen_rewards_sum``, ``rejected_rewards_sum`` (sums over the
+    desirable, or undesirable, sequences; metrics without a gradient).
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> outs = rx.kto_outputs(rx.var("h"), rx.var("w"), rx.var("t"), rx.var("y"))
+        >>> got = rx.compile(outs)(h=torch.zeros(3, 2, 8), w=torch.zeros(16, 8),
+        ...                        t=torch.ones(3, 2, dtype=torch.long), y=torch.tensor([True, False, True]))
+        >>> round(got["loss"].item(), 4), round(got["rejected_logps_sum"].item(), 4)  # 2 log(1/16) for the one
+        (0.5451, -5.5452)
+    """
+    beta = scalar_arg(beta, "kto_outputs", "beta")
+    seq = sequence_logps(h, w, target, bias, ignore_index, average_log_prob)
+    ratio = seq
+    if ref is not None:
+        ref_h, ref_w, ref_b = ref
+        ratio = node(
+            "sub", seq, node("detach", sequence_logps(ref_h, ref_w, target, ref_b, ignore_index, average_log_prob))
+        )
+    shifted = ratio if kl is None else node("sub", ratio, kl)
+    sign = node("where", labels, 1.0, -1.0)
+    loss = _all_mean(node("sub", 1.0, _sigmoid(node("mul", node("mul", shifted, beta), sign))))
+    per_seq_logits = node(
+        "sum", node("sum", capped_logits(h, w, bias, None), axis=(-1,), keepdim=False), axis=(-1,), keepdim=False
+    )
+    rewards = node("mul", ratio, beta)
+
+    def split(x: Expr) -> tuple[Expr, Expr]:  # sums over the desirable sequences, then the others
+        def total(v: Expr) -> Expr:
+            return node("detach", node("sum", v, axis=None, keepdim=False))
+
+        return total(node("where", labels, x, 0.0)), total(node("where", labels, 0.0, x))
+
+    (cl, rl), (cg, rg), (cr, rr) = split(seq), split(per_seq_logits), split(rewards)
+    return {
+        "loss": loss,
+        "chosen_logps_sum": cl,
+        "rejected_logps_sum": rl,
+        "chosen_logits_sum": cg,
+        "rejected_logits_sum": rg,
+        "chosen_rewards_sum": cr,
+        "rejected_rewards_sum": rr,
+    }
