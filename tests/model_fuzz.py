@@ -663,6 +663,49 @@ class _Gen:
         self.mark(loss)
         self.outputs.append(loss)
 
+    def preference_head(self, h: str) -> None:
+        """Per-sequence log-probabilities of the targets under the head, the first half of the batch
+        against the second (DPO's shape: ``-logsigmoid(beta * (chosen - rejected))``), sometimes
+        with a term over the logits' row means beside them: ``rx.sequence_logps`` in the DSL."""
+        r, H, V = self.r, self.H, self.V
+        avg, beta = r.random() < 0.5, r.choice([0.1, 1.0])
+        ignore = r.choice([-100, V - 1])
+        t = self.targets(self.rows, V, ignore)
+        tw, dw, _, _ = self.weight(H, V)
+        b = self.bias(V, 0.3)
+        self.tags += ["preference head"] + (["averaged"] if avg else [])
+        arg = f", {b}" if b else ""
+        logits = self.name("logits")
+        self.torch.append(f"{logits} = F.linear({h}, {tw}{arg})")
+        lp = self.name("lp")
+        self.torch.append(
+            f"{lp} = torch.where({t} != {ignore}, torch.log_softmax({logits}.float(), -1)"
+            f".gather(-1, {t}.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)"
+        )
+        count = f" / ({t} != {ignore}).sum(-1)" if avg else ""
+        seq = self.let(
+            "seq",
+            f"{lp}.sum(-1){count}",
+            f"rx.sequence_logps({h}, {dw}, {t}, bias={b or None}, ignore_index={ignore}, average={avg})",
+        )
+        c, rej = self.name("chosen"), self.name("rejected")
+        self.torch.append(f"{c}, {rej} = {seq}.chunk(2, 0)")
+        self.dsl.append(f"{c}, {rej} = rx.chunk({seq}, 2, 0)")
+        loss = self.let(
+            "loss",
+            f"-F.logsigmoid({beta} * ({c} - {rej})).mean()",
+            f"rx.mean(rx.softplus(-{beta} * ({c} - {rej})))",
+        )
+        if r.random() < 0.3:  # the logits' row means beside the log-probabilities (one row kernel reads both)
+            self.tags.append("row means")
+            loss = self.let(
+                "loss",
+                f"{loss} + torch.sigmoid({logits}.float().mean(-1)).mean()",
+                f"{loss} + rx.mean(rx.sigmoid(rx.mean(rx.cast(rx.linear({h}, {dw}{arg}), ACC), -1)))",
+            )
+        self.mark(loss)
+        self.outputs.append(loss)
+
     def pool_head(self, h: str) -> None:
         """Mean over tokens, a classifier, and its cross-entropy (or the class scores)."""
         r, H = self.r, self.H
@@ -699,7 +742,9 @@ class _Gen:
         if r.random() < 0.4:  # the final norm before the head
             h = self.norm(h)
         head = r.choice(["logits", "logits", "pool", "none"])
-        if head == "logits":
+        if head == "logits" and self.batch[:1] == (2,) and r.random() < 0.4:  # pairs: chosen, rejected
+            self.preference_head(h)
+        elif head == "logits":
             self.logits_head(h)
         elif head == "pool":
             self.pool_head(h)

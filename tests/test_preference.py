@@ -296,3 +296,34 @@ def test_a_per_sequence_cotangent_keeps_the_logits_unwritten_in_the_backward(los
     k.reference((rh, rw, x["t"])).backward()
     assert_close(hh.grad, rh.grad, 1e-12, 1e-12, "dh")
     assert_close(ww.grad, rw.grad, 1e-12, 1e-12, "dw")
+
+
+def _halves(seq: rx.Expr) -> rx.Expr:
+    """The first half of the batch minus the second (chosen minus rejected)."""
+    chosen, rejected = rx.chunk(seq, 2, 0)
+    return chosen - rejected
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda lp, z: rx.sum(lp) + rx.sum(rx.sigmoid(rx.mean(z, -1))),  # crashed in planning (a value cut twice)
+        lambda lp, z: rx.sum(lp) + rx.mean(z),  # the logits mean differentiable: dP is written (noted as work)
+        # DPO's term beside the row means: crashed in planning (a cotangent cut where a kernel
+        # recomputes it only at a view, and so cannot write it)
+        lambda lp, z: rx.mean(rx.softplus(-_halves(rx.sum(lp, -1)))) + rx.mean(rx.sigmoid(rx.mean(z, -1))),
+    ],
+    ids=["sigmoid-of-row-means", "logits-mean", "pair-margin-beside-row-means"],
+)
+def test_log_probabilities_beside_other_sums_of_the_logits(loss, gen):
+    h, w, t = (rx.var(n) for n in "hwt")
+    k = rx.compile(loss(rx.linear_logps(h, w, t), rx.linear(h, w)))
+    x = _batch(gen, torch.float64)
+    ours = [x["h"].clone().requires_grad_(True), x["w"].clone().requires_grad_(True)]
+    ref = [v.detach().clone().requires_grad_(True) for v in ours]
+    out, want = k(h=ours[0], w=ours[1], t=x["t"]), k.reference((*ref, x["t"]))
+    assert_close(out, want, 1e-12, 1e-12, "loss")
+    out.backward()
+    want.backward()
+    for name, a, e in zip("hw", ours, ref):
+        assert_close(a.grad, e.grad, 1e-12, 1e-12, f"d{name}")

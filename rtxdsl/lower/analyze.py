@@ -879,9 +879,12 @@ def absorb_prologues(
     # a product recomputed in tiles reads its operands from memory wherever it is computed: they
     # are written, and no GEMM recomputes them (it would hold the value both as a member and a load)
     stored = {id(x) for n in graph.nodes if n.attr_dict.get("recompute") for x in n.srcs}
+    # the values a kernel can write: at its own coordinates (per row in a row kernel), not a GEMM's
+    writable = frozenset(id(m) for w in work if w.contraction is None for m in w.nodes if _own_value(w, m, graph))
+    in_kernels = {id(m) for w in work for m in w.nodes}  # not the free nodes: recomputed, never written
     for s in (n for n in graph.nodes if id(n) in readers and id(n) not in stored):
         home = work[homes[id(s)]]
-        tiled = _tiled_cone(s, graph, bounded=True)
+        tiled = _product_cone(s, graph, consumers, writable, in_kernels)
         if tiled is not None:  # a product no kernel writes: every reader computes it in its K loop
             found = _recompute_in_prologues(s, tiled, readers[id(s)], work, graph, consumers, requested)
             if found is not None:
@@ -934,6 +937,31 @@ def absorb_prologues(
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
 
 
+def _product_cone(
+    s: Expr, graph: Graph, consumers: dict[int, list[Expr]], writable: frozenset[int], in_kernels: set[int]
+) -> list[Expr] | None:
+    """:func:`_tiled_cone` of ``s`` down to the leaves or, failing that, down to per-row values a
+    kernel writes (``writable``), unless a value of that cone is also read by a node no kernel
+    computes (a free node recomputing it inline, where it would not be cut)."""
+    tiled = _tiled_cone(s, graph)
+    if tiled is not None:
+        return tiled
+    tiled = _tiled_cone(s, graph, bounded=writable)
+    members = {id(m) for m in tiled or ()}
+    if any(id(c) not in members and id(c) not in in_kernels for m in tiled or () for c in consumers.get(id(m), ())):
+        return None
+    return tiled
+
+
+def _own_value(w: _Work, m: Expr, graph: Graph) -> bool:
+    """Is ``m`` a value kernel ``w`` computes at its own coordinates (one per element of its
+    domain, or one per row of a row kernel), so that it can write it?"""
+    role = w.role(m)
+    if w.is_row:
+        return role in (Role.KEEP, Role.DROP) or (role is Role.FULL and graph.of(m).shape == w.shape)
+    return role is Role.FULL and graph.of(m).shape == w.shape
+
+
 def _gemm_readers(work: list[_Work], homes: dict[int, int]) -> dict[int, list[tuple[_Work, Role]]]:
     """operand id -> the GEMM kernels reading it from another kernel, as A or B (a product of a
     value with itself has no prologue: one tile cannot be both operands)."""
@@ -948,16 +976,18 @@ def _gemm_readers(work: list[_Work], homes: dict[int, int]) -> dict[int, list[tu
     return readers
 
 
-def _tiled_cone(s: Expr, graph: Graph, needs_product: bool = True, bounded: bool = False) -> list[Expr] | None:
+def _tiled_cone(
+    s: Expr, graph: Graph, needs_product: bool = True, bounded: frozenset[int] = frozenset()
+) -> list[Expr] | None:
     """``s`` and what it is computed from, down to the graph's leaves, when that includes a product
     marked ``recompute`` (one the forward never wrote): elementwise ops, views of leaves and of
     one-element values, index-only movement ops (positions) and the product itself (its operands
     read from memory).
     None when ``s`` computes no such product (unless not ``needs_product``) or needs anything else
-    (a reduction, a re-indexing). ``bounded``: a smaller value computed without such a product,
-    and not from leaves by elementwise ops alone (a per-row cotangent: a preference loss's
-    per-sequence term, sliced and broadcast to its tokens), is read from memory like a leaf
-    instead, its own kernel writing it."""
+    (a reduction, a re-indexing). ``bounded`` (values kernels write at their own coordinates): a smaller value one
+    of them computes without such a product, and not from leaves by elementwise ops alone (a
+    per-row cotangent: a preference loss's per-sequence term, sliced and broadcast to its tokens),
+    is read from memory like a leaf instead, that kernel writing it."""
     out: list[Expr] = []
     seen: set[int] = set()
     stack, found = [s], False
@@ -968,7 +998,12 @@ def _tiled_cone(s: Expr, graph: Graph, needs_product: bool = True, bounded: bool
             continue
         seen.add(id(n))
         op = REGISTRY[n.op]
-        if bounded and graph.of(n).numel < size and _untiled(n, graph) and _tiled_cone(n, graph, False) is None:
+        if (
+            id(n) in bounded
+            and graph.of(n).numel < size
+            and _untiled(n, graph)
+            and _tiled_cone(n, graph, False) is None
+        ):
             continue  # a boundary: loaded where the cone reads it
         if op.kind is OpKind.CONTRACTION:  # its operands are read from memory, as a GEMM's are
             if not n.attr_dict.get("recompute"):
