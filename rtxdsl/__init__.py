@@ -44,6 +44,7 @@ from .lazy import Fusion, LazyTensor, OperationStream, lazy, sync  # noqa: E402
 from .library import Library, LibraryError, load_library  # noqa: E402
 from .ops import REGISTRY as _REGISTRY  # noqa: E402
 from .ops.llm import cross_entropy_outputs  # noqa: E402
+from .ops.policy import grpo_outputs  # noqa: E402
 from .ops.preference import kto_outputs, preference_outputs, sequence_logps  # noqa: E402
 from .parse import parse  # noqa: E402
 from .runtime import Kernel, compile  # noqa: E402
@@ -81,6 +82,7 @@ __all__ = [
     "LazyTensor",
     "Library",
     "cross_entropy_outputs",
+    "grpo_outputs",
     "kto_outputs",
     "preference_outputs",
     "sequence_logps",

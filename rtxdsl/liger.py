@@ -11,7 +11,8 @@ A flag rtxdsl does not implement raises an :class:`~rtxdsl.errors.RtxError` nami
 is silently ignored): ``use_token_scaling``, ``return_predicted_tokens`` of the fused linear
 loss, an ``accum_dtype`` other than float32 (rtxdsl accumulates in float32 always).
 The chunked preference losses (``LigerFusedLinearDPOLoss``, ``...ORPOLoss``, ``...CPOLoss``,
-``...SimPOLoss``, ``...KTOLoss``) are :func:`rtxdsl.ops.preference.preference_outputs` kernels: one row kernel per
+``...SimPOLoss``, ``...KTOLoss``) are :func:`rtxdsl.ops.preference.preference_outputs` kernels,
+``LigerFusedLinearGRPOLoss`` a :func:`rtxdsl.ops.policy.grpo_outputs` one: one row kernel per
 model, no chunks, the logits never written.
 ``apply_liger_kernel_to_<model>(..., model=m)`` calls :func:`rtxdsl.nn.replace_modules` on the
 instance ``m`` (Liger's class-level patching, without ``model``, is not done: it raises).
@@ -39,6 +40,7 @@ from .nn.memo import made_once
 from .nn.swap import replace_modules
 from .ops import REGISTRY
 from .ops.llm import capped_logits, cross_entropy_outputs
+from .ops.policy import grpo_outputs
 from .ops.preference import kto_outputs, preference_outputs
 from .runtime import Kernel, compile
 
@@ -519,6 +521,122 @@ class LigerFusedLinearKTOLoss(_FusedLinearPreference):
         return self._run(lin_weight, _input, target, bias, ref, labels=preference_labels, kl=kl)
 
 
+_DAPO_LIKE = ("dapo", "cispo", "vespo")  # the losses that divide by the batch's token count
+
+
+@made_once
+def _grpo_kernel(bias: bool, ref: str, given: tuple[str, ...], options: tuple) -> Kernel:
+    """:func:`rtxdsl.ops.policy.grpo_outputs` for one configuration: the reference (``""`` none,
+    ``"logps"`` given, ``"model"`` / ``"model+bias"`` its head), which optional inputs are given
+    (``old``, ``ratio``, ``norm``), and the loss's options."""
+    var = dsl.var
+    head = (var("h"), var("w"), var("t"), var("mask"), var("adv"), var("b") if bias else None)
+    model = (
+        (var("ref_h"), var("ref_w"), var("ref_b") if ref == "model+bias" else None) if ref.startswith("model") else None
+    )
+    optional = {n: var(n) if n in given else None for n in ("old", "ratio", "norm")}
+    return compile(
+        grpo_outputs(
+            *head, ref=model, ref_logps=var("ref_lp") if ref == "logps" else None, old_logps=optional["old"],
+            is_ratio=optional["ratio"], normalizer=optional["norm"], **dict(options),
+        )
+    )  # fmt: skip
+
+
+class LigerFusedLinearGRPOLoss(torch.nn.Module):
+    """Liger's ``LigerFusedLinearGRPOLoss``: ``forward(_input, lin_weight, selected_token_ids,
+    attention_mask, advantages, bias=None, ref_per_token_logps=None, old_per_token_logps=None,
+    ref_input=None, ref_weight=None, ref_bias=None, vllm_is_ratio=None, num_items_in_batch=None)``
+    returning ``(loss, (kl, clip_ratio))`` (``kl`` only when ``beta`` is not 0), every ``loss_type``
+    Liger ships (:data:`rtxdsl.ops.policy.TOKEN_LOSSES`): one row kernel per model, the logits
+    never written. ``compiled`` and ``chunk_size`` are accepted and change nothing."""
+
+    def __init__(
+        self, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
+        epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
+        max_completion_length: int | None = None, importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
+        delta: float | None = None, use_bias_correction_kl: bool = False, vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise RtxError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        options = {
+            "beta": beta, "epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "loss_type": loss_type,
+            "max_completion_length": max_completion_length, "importance_sampling_level": importance_sampling_level,
+            "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+            "temperature": temperature, "delta": delta, "use_bias_correction_kl": use_bias_correction_kl,
+            "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+            "vespo_lambda_neg": vespo_lambda_neg,
+        }  # fmt: skip
+        for name, value in options.items():
+            setattr(self, name, value)
+        self.compiled, self.use_ref_model, self.chunk_size = compiled, use_ref_model, chunk_size
+        self._options = tuple(sorted(options.items()))
+        refs = ("logps", "model", "model+bias") if use_ref_model and beta != 0.0 else ("",)
+        optional = ("old", "ratio", "norm") if loss_type in _DAPO_LIKE else ("old", "ratio")
+        choices = [tuple(n for i, n in enumerate(optional) if bits >> i & 1) for bits in range(1 << len(optional))]
+        for bias in (False, True):  # every configuration made now: a forward only finds its kernel
+            for ref in refs:
+                for given in choices:
+                    _grpo_kernel(bias, ref, given, self._options)
+
+    def forward(
+        self, _input: torch.Tensor, lin_weight: torch.Tensor, selected_token_ids: torch.Tensor,
+        attention_mask: torch.Tensor, advantages: torch.Tensor, bias: torch.Tensor | None = None,
+        ref_per_token_logps: torch.Tensor | None = None, old_per_token_logps: torch.Tensor | None = None,
+        ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
+        ref_bias: torch.Tensor | None = None, vllm_is_ratio: torch.Tensor | None = None,
+        num_items_in_batch: int | float | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
+        ins: dict[str, Any] = {"h": _input, "w": lin_weight, "t": selected_token_ids, "mask": attention_mask,
+                               "adv": advantages, "b": bias, "old": old_per_token_logps}  # fmt: skip
+        ref = ""
+        if self.use_ref_model and self.beta != 0.0:  # Liger's KL term: the reference given, or its model's head
+            if ref_per_token_logps is not None:
+                ref, ins["ref_lp"] = "logps", ref_per_token_logps
+            elif ref_input is None:
+                raise RtxError("ref_input: use_ref_model=True needs ref_per_token_logps or ref_input (and ref_weight)")
+            elif ref_weight is None:
+                raise RtxError("ref_weight: use_ref_model=True with ref_input needs the reference model's ref_weight")
+            else:
+                ref = "model+bias" if ref_bias is not None else "model"
+                ins |= {"ref_h": ref_input, "ref_w": ref_weight, "ref_b": ref_bias}
+        ins["ratio"] = _is_ratio(vllm_is_ratio, attention_mask)
+        if self.loss_type in _DAPO_LIKE:
+            ins["norm"] = _token_count(attention_mask, num_items_in_batch)
+        given = tuple(n for n in ("old", "ratio", "norm") if ins.get(n) is not None)
+        kernel = _grpo_kernel(bias is not None, ref, given, self._options)
+        out = kernel(**{n: ins[n] for n in kernel.inputs})
+        return out["loss"], tuple(out[k] for k in ("kl", "clip_ratio") if k in out)
+
+
+def _is_ratio(ratio: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """vLLM's importance-sampling ratio as Liger takes it: ``[B]`` (a column), ``[B, 1]`` or ``[B, T]``."""
+    if ratio is None:
+        return None
+    b, t = mask.shape
+    if ratio.dim() == 1 and ratio.shape[0] == b:
+        return ratio.unsqueeze(-1)
+    if ratio.dim() == 2 and ratio.shape[0] == b and ratio.shape[1] in (1, t):
+        return ratio
+    raise RtxError(f"vllm_is_ratio: shape must be ({b},), ({b}, 1) or ({b}, {t}); got {tuple(ratio.shape)}")
+
+
+def _token_count(mask: torch.Tensor, num_items: int | float | torch.Tensor | None) -> torch.Tensor | None:
+    """DAPO's normalizer per process, as Liger's: ``num_items_in_batch`` over the processes, or the
+    mask's token count summed across them (None on one process without it: the kernel sums the mask)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if num_items is not None:
+        return torch.as_tensor(num_items, dtype=torch.float32, device=mask.device) / world
+    if world == 1:
+        return None
+    count = mask.to(torch.float32).sum()
+    torch.distributed.all_reduce(count)
+    return count / world
+
+
 # ---- Liger's model patches: replace_modules on an instance ---------------------------------------------
 def _apply(family: str) -> Any:
     def apply(
@@ -565,6 +683,7 @@ __all__ = [
     "LigerFusedLinearCPOLoss",
     "LigerFusedLinearCrossEntropyLoss",
     "LigerFusedLinearDPOLoss",
+    "LigerFusedLinearGRPOLoss",
     "LigerFusedLinearKTOLoss",
     "LigerFusedLinearORPOLoss",
     "LigerFusedLinearSimPOLoss",

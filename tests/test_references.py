@@ -179,6 +179,14 @@ def _product_cases() -> list[Case]:
             ),
         ),
         Case(
+            "linear_logps-temperature",
+            rx.linear_logps(x, w, t, temperature=0.7),
+            {"x": h, "w": vocab, "t": LABELS},
+            lambda x, w, t: (
+                -F.cross_entropy(F.linear(x, w).to(torch.promote_types(x.dtype, F32)) / 0.7, t, reduction="none")
+            ),
+        ),
+        Case(
             "attention",
             rx.attention(x, y, w, causal=True, enable_gqa=True),
             {"x": _randn(1, 4, 5, 3, seed=11), "y": _randn(1, 2, 7, 3, seed=12), "w": _randn(1, 2, 7, 2, seed=13)},

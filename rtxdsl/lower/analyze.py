@@ -333,6 +333,7 @@ class _Partitioner:
         self.consumers = _consumers(graph, fl)
         self.groups: list[_Work] = []
         self.deps = _Deps(fl)
+        self._reduced: dict[int, bool] = {}  # contraction id -> reduced_in_rows
 
     def new(self, n: Expr, shape: tuple[int, ...], axes: tuple[int, ...], role: Role) -> _Work:
         g = _Work(tuple(shape), tuple(axes))
@@ -404,7 +405,18 @@ class _Partitioner:
         same = a.shape == b.shape and (a.axes == b.axes or not a.is_row or not b.is_row)
         if not same or len(a.nodes) + len(b.nodes) > self.cap or not _contractions_fit(a, b):
             return False
+        if _two_products(self.products(), self.deps.reads[id(a)], self.deps.reads[id(b)]):
+            return False  # a policy's and a reference model's rows: one kernel computes one product in tiles
         return not self.deps.reaches(a, b) and not self.deps.reaches(b, a)
+
+    def products(self) -> set[int]:
+        """The GEMM groups whose product a row kernel would compute inside itself (:func:`reduced_in_rows`)."""
+        return {id(g) for g in self.groups if (c := g.contraction) is not None and self._in_rows(c)}
+
+    def _in_rows(self, c: Expr) -> bool:
+        if id(c) not in self._reduced:
+            self._reduced[id(c)] = reduced_in_rows(self.graph, c)
+        return self._reduced[id(c)]
 
     def merge(self, a: _Work, b: _Work) -> _Work:
         a.nodes.extend(b.nodes)

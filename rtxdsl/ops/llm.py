@@ -459,10 +459,12 @@ register(
 # ---- log-probabilities of targets over a product: what preference losses sum per sequence -------------
 def linear_logps(
     h: ExprLike, w: ExprLike, target: ExprLike, bias: ExprLike | None = None, ignore_index: int = -100,
-    softcap: float | None = None,
+    softcap: float | None = None, temperature: float = 1.0,
 ) -> Expr:  # fmt: skip
     """Each token's log-probability of its target under ``softmax(h @ w.T (+ bias))``, computed in
-    float32 (float64 for float64 inputs), 0 where the target is ``ignore_index``; the logits are
+    float32 (float64 for float64 inputs), 0 where the target is ``ignore_index``; with a
+    ``temperature``, of ``softmax(logits / temperature)`` (the float32 logits scaled by its
+    inverse, as Liger's policy losses and TRL sample them); the logits are
     never written (the analyzer fuses the product into the row kernel, as for
     :func:`linear_cross_entropy`, whose per-token loss this is, negated, in float32).
 
@@ -479,7 +481,11 @@ def linear_logps(
     """
     linear_cross_entropy(h, w, target, bias, ignore_index=ignore_index, reduction="none", softcap=softcap)  # checks
     cap = None if softcap is None else scalar_arg(softcap, "linear_logps", "softcap")
-    return node("linear_logps", h, w, target, 0.0 if bias is None else bias, ignore_index=ignore_index, softcap=cap)
+    temp = scalar_arg(temperature, "linear_logps", "temperature")
+    if not temp > 0 or math.isinf(temp):
+        raise RtxError(f"linear_logps: temperature must be a positive finite number, got {temperature!r}")
+    b = 0.0 if bias is None else bias
+    return node("linear_logps", h, w, target, b, ignore_index=ignore_index, softcap=cap, temperature=temp)
 
 
 def _logps_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
@@ -487,12 +493,14 @@ def _logps_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
 
 
 def _logps_ref(
-    h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, b: Any, *, ignore_index: int, softcap: float | None
-) -> torch.Tensor:
+    h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, b: Any, *, ignore_index: int, softcap: float | None,
+    temperature: float,
+) -> torch.Tensor:  # fmt: skip
     if isinstance(b, torch.Tensor) and b.dtype != h.dtype:  # as F.linear's bias, and the kernel's
         raise DtypeMismatchError(f"linear_logps: bias is {b.dtype} and h is {h.dtype}; they must match")
     logits = _lce_logits(h, w, b, softcap)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, w.shape[0])
+    logits = logits if temperature == 1.0 else logits * (1.0 / temperature)
     nll = F.cross_entropy(logits, t.reshape(-1), ignore_index=ignore_index, reduction="none")
     return (-nll).reshape(t.shape)
 
@@ -511,10 +519,13 @@ def _logps_eager(
 
 
 def _logps_decompose(
-    h: Expr, w: Expr, t: Expr, b: Expr, *, ignore_index: int, softcap: float | None, shapes: list, dtypes: list
-) -> Expr:
+    h: Expr, w: Expr, t: Expr, b: Expr, *, ignore_index: int, softcap: float | None, temperature: float,
+    shapes: list, dtypes: list,
+) -> Expr:  # fmt: skip
     wide = _logps_dtype(dtypes)
     logits = node("cast", capped_logits(h, w, b, softcap), dtype=wide)  # the row math in float32
+    if temperature != 1.0:  # scaled by its inverse after the cast, as Liger's policy losses
+        logits = node("mul", logits, 1.0 / temperature)
     x_shape = (*shapes[0][:-1], shapes[1][0])
     options = {"ignore_index": ignore_index, "reduction": "none", "label_smoothing": 0.0, "z_loss": 0.0}
     nll = _ce_rows(logits, t, None, len(x_shape) - 1, [x_shape, shapes[2]], [wide, dtypes[2]], **options)
