@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,22 @@ class CompileFacts:
     seconds: float  # Triton's own compile, cold (empty Triton cache)
     v4_loads: int  # ld.global.v4 (128-bit for 32-bit elements) in the PTX
     v4_stores: int
-    registers: int | None  # per thread, from ptxas -v
-    spill_bytes: int | None
     ptx: str
+    arch: int = 90
     signature: str = ""  # the kernel's structural signature (filled by rtxdsl.build)
+
+    @cached_property
+    def _usage(self) -> tuple[int | None, int | None]:  # ptxas -v once, on the first read
+        return _ptxas_usage(self.ptx, self.arch)
+
+    @property
+    def registers(self) -> int | None:
+        """Registers per thread, from ``ptxas -v`` (run when first asked: a compile check needs none)."""
+        return self._usage[0]
+
+    @property
+    def spill_bytes(self) -> int | None:
+        return self._usage[1]
 
 
 def _int_type(v: int) -> str:
@@ -87,15 +100,13 @@ def compile_call(jit: Any, call: Any, tensors: list[torch.Tensor], arch: int = 9
             else:
                 os.environ["TRITON_CACHE_DIR"] = old
     ptx = compiled.asm["ptx"]
-    regs, spills = _ptxas_usage(ptx, arch)
     return CompileFacts(
         fn.__name__,
         seconds,
         len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
         len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx)),
-        regs,
-        spills,
         ptx,
+        arch,
     )
 
 
