@@ -94,7 +94,7 @@ def commit_seed(env: str) -> int:
 
 
 def pytest_report_header(config) -> str:
-    seeds = {env: commit_seed(env) for env in ("RTXDSL_FUZZ_SEED", "RTXDSL_LAZY_FUZZ_SEED")}
+    seeds = {env: commit_seed(env) for env in ("RTXDSL_FUZZ_SEED", "RTXDSL_LAZY_FUZZ_SEED", "RTXDSL_OPINFO_OFFSET")}
     return "fuzz seeds from the commit: " + ", ".join(f"{env}={s}" for env, s in seeds.items()) + " (set to reproduce)"
 
 
