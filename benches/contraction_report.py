@@ -10,6 +10,8 @@ small tensors of the same ranks; eager bytes charge each op of the gradient expr
 The second table is linear cross-entropy's memory: the buffers rtxdsl's forward and backward
 allocate beyond their inputs and results, every tokens x vocabulary tensor eager torch makes
 (``F.linear`` + ``F.cross_entropy``, forward and backward), and Liger-Kernel's logits chunk.
+The third is the post-training losses (DPO, KTO, GRPO) with a reference model's head: kernels,
+bytes and the backward's buffers, beside the logits neither model writes.
 
     python -m benches.contraction_report [--quick]
 """
@@ -169,6 +171,47 @@ def linear_ce(tokens: int, vocab: int, hidden: int, dtype: torch.dtype) -> dict:
     }
 
 
+# ---- post-training losses over the head: no logits for either model ------------------------------------
+def head_losses(seqs: int, tokens: int, vocab: int, hidden: int, dtype: torch.dtype) -> list[dict]:
+    """DPO (with its reference model's head), KTO and GRPO (a reference head, the sampling policy's
+    log-probabilities) over ``seqs`` sequences of ``tokens``: kernels and bytes forward (planned,
+    against eager's per-op bytes), the backward's launches and the buffers it allocates beyond its
+    inputs and results, beside one model's logits."""
+    v = rx.var
+    head = dict(h=torch.empty(seqs, tokens, hidden, dtype=dtype), w=torch.empty(vocab, hidden, dtype=dtype),
+                t=torch.zeros(seqs, tokens, dtype=torch.int64))  # fmt: skip
+    ref = dict(rh=torch.empty(seqs, tokens, hidden, dtype=dtype), rw=torch.empty(vocab, hidden, dtype=dtype))
+    models = (v("rh"), v("rw"), None)
+    losses = {
+        "DPO (sigmoid, reference head)": (
+            rx.preference_outputs("dpo", v("h"), v("w"), v("t"), ref=models, compute_nll_loss=False)["loss"],
+            head | ref,
+        ),
+        "KTO (reference head)": (
+            rx.kto_outputs(v("h"), v("w"), v("t"), v("y"), ref=models)["loss"],
+            head | ref | {"y": torch.zeros(seqs, dtype=torch.bool)},
+        ),  # fmt: skip
+        "GRPO (dapo, reference head)": (
+            rx.grpo_outputs(v("h"), v("w"), v("t"), v("m"), v("a"), ref=models, old_logps=v("old"))["loss"],
+            head | ref | {"m": torch.ones(seqs, tokens), "a": torch.zeros(seqs), "old": torch.zeros(seqs, tokens)},
+        ),
+    }
+    rows = []
+    for name, (expr, ins) in losses.items():
+        k = rx.compile(expr)
+        fwd = k.summary(**ins)
+        plan = k.grad_plan(**{n: t.requires_grad_() if n in ("h", "w") else t for n, t in ins.items()})
+        bwd = plan.backward.program(**backward_feed(plan, ins))
+        rows.append({
+            "loss": name,
+            "kernels fwd / bwd": f"{fwd.kernels} / {bwd.kernels_launched}",
+            "forward GB (eager)": f"{fwd.bytes_moved / 1e9:.2f} ({fwd.bytes_eager / 1e9:.1f})",
+            "backward extra MB": round(bwd.scratch_bytes / 1e6, 1),
+            "one model's logits MB": round(seqs * tokens * vocab * dtype.itemsize / 1e6, 1),
+        })  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -183,8 +226,12 @@ def main() -> None:
     lce = [linear_ce(*size) for size in lce_sizes]
     print("\n## Linear cross-entropy: memory and FLOPs beside the logits (planned; eager counted on meta tensors)\n")
     print(markdown(lce, list(lce[0])))
+    heads = head_losses(*((4, 6, 37, 16, torch.float32) if args.quick else (8, 4096, 128256, 4096, torch.bfloat16)))
+    print("\n## Post-training losses over the head: no logits for either model (planned)\n")
+    print(markdown(heads, list(heads[0])))
     if not args.quick:
-        print(f"\nwrote {save('contraction-cpu', {'contraction': table, 'linear_cross_entropy': lce})}")
+        saved = {"contraction": table, "linear_cross_entropy": lce, "head_losses": heads}
+        print(f"\nwrote {save('contraction-cpu', saved)}")
 
 
 if __name__ == "__main__":
