@@ -38,6 +38,16 @@ FLOAT_TOLERANCES = [
 ]
 
 
+def assert_grads_agree(loss, want_loss, leaves: list, atol: float, rtol: float) -> None:
+    """The gradients of ``loss`` and of a peer's ``want_loss`` (``leaves``: ``(name, ours, theirs)``)
+    agree, ``atol`` scaled by the largest expected magnitude (at least 1)."""
+    grads = torch.autograd.grad(loss, [ours for _, ours, _ in leaves])
+    want_grads = torch.autograd.grad(want_loss, [theirs for _, _, theirs in leaves])
+    for (name, _, _), got, want in zip(leaves, grads, want_grads):
+        scale = max(1.0, want.abs().max().item())
+        assert_close(got, want, atol * scale, rtol, f"d{name}")
+
+
 def assert_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float, what: str = "") -> None:
     """``out`` against a float64 (or exact) reference, NaNs in the same places."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"

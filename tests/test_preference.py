@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ShapesSeen, assert_close
+from conftest import ShapesSeen, assert_close, assert_grads_agree
 
 import rtxdsl as rx
 from rtxdsl import liger
@@ -104,11 +104,7 @@ def _check(name: str, opts: dict, dtype, atol, rtol, gen, bias: bool = True) -> 
     for i, (got, want) in enumerate(zip(aux, want_aux)):
         assert_close(got.detach(), want.detach().double(), atol, rtol, f"aux output {i}")
     leaves = [k for k in ("h", "w", "b") if mine[k] is not None]
-    grads = torch.autograd.grad(loss, [mine[k] for k in leaves])
-    want_grads = torch.autograd.grad(want_loss, [wide[k] for k in leaves])
-    for k, got, want in zip(leaves, grads, want_grads):
-        scale = max(1.0, want.abs().max().item())
-        assert_close(got, want, atol * scale, rtol, f"d{k}")
+    assert_grads_agree(loss, want_loss, [(k, mine[k], wide[k]) for k in leaves], atol, rtol)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
