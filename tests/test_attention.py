@@ -14,6 +14,7 @@ from conftest import assert_close
 
 import rtxdsl as rx
 from rtxdsl.errors import DtypeMismatchError, RtxError, ShapeError
+from rtxdsl.lower.target import GPU
 
 q, k, v = rx.var("q"), rx.var("k"), rx.var("v")
 
@@ -97,6 +98,75 @@ def test_matches_float64_with_every_gradient(size, dtype, atol, rtol, causal, ge
     keep = torch.ones(tq, tk, dtype=torch.bool).tril() if causal else None
     expr = rx.attention(q, k, v, causal=causal, enable_gqa=size[1] != size[2])
     _check(expr, ins, lambda r: _reference(r, keep=keep)[0], dtype, atol, rtol, gen)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[1:2], ids=["float32"])  # the layout, not the dtype
+def test_query_rows_past_one_block_keep_to_their_head(dtype, atol, rtol, gen):
+    """70 query rows are two of the interpreter's 64-row blocks per head: each program's rows keep
+    to one (batch, head), whose keys the row kernel's product reads (``BATCH_ROWS``)."""
+    ins = _inputs(gen, 2, 2, 1, 70, 67, 8, 8, dtype)
+    keep = torch.ones(70, 67, dtype=torch.bool).tril()
+    expr = rx.attention(q, k, v, causal=True, enable_gqa=True)
+    _check(expr, ins, lambda r: _reference(r, keep=keep)[0], dtype, atol, rtol, gen)
+
+
+# ---- the plan: the scores are never written in the forward ------------------------------------------
+B_, H_, T_ = 2, 4, 33  # scores of 2 x 4 x 33 x 33: larger than any per-row or [T, D] buffer
+
+PLANS = {  # what the attention reads beside q, k, v: (expression, extra inputs, launches)
+    "full": (lambda: rx.attention(q, k, v), {}, 2),
+    "causal": (lambda: rx.attention(q, k, v, causal=True), {}, 2),
+    "window-softcap": (
+        lambda: rx.attention(
+            q, k, v, score_mod=lambda s, b, h, i, j: 5.0 * rx.tanh(s / 5.0), mask_mod=lambda b, h, i, j: i - j < 4
+        ),
+        {},
+        2,
+    ),
+    "bias": (
+        lambda: rx.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + rx.var("bias")),
+        {"bias": (H_, T_, T_)},
+        2,
+    ),
+    "padding-mask": (lambda: rx.attention(q, k, v, attn_mask=rx.var("m")), {"m": (B_, 1, 1, T_)}, 2),
+    "gqa": (lambda: rx.attention(q, k, v, causal=True, enable_gqa=True), {}, 3),  # + K and V per query head
+}
+
+
+@pytest.mark.parametrize("kind", list(PLANS))
+def test_the_forward_writes_no_scores(kind, gen):
+    """A row kernel computes the scores' product tile by tile (their logsumexp and row sum), and
+    the ``P @ v`` GEMM recomputes the probabilities in its K loop: no buffer of the scores' size,
+    on the interpreter's plan and on sm_90's. The backward still writes up to three (the
+    probabilities, their gradient, which the dq and dk GEMMs read, and a score_mod's derivative)."""
+    make, extra, launches = PLANS[kind]
+    hkv = 1 if kind == "gqa" else H_
+    ins = _inputs(gen, B_, H_, hkv, T_, T_, 8, 8, torch.float32)
+    for n, shape in extra.items():
+        ins[n] = torch.rand(shape, generator=gen) > 0.2 if n == "m" else torch.randn(shape, generator=gen)
+    kern = rx.compile(make())
+    scores = B_ * H_ * T_ * T_
+    for program in (kern.program(**ins), kern.lower_for(GPU, **ins)):
+        assert len(program.launched) == launches
+        assert all(math.prod(b.shape) < scores for b in program.buffers), [b.shape for b in program.buffers]
+    grads = {n: t.requires_grad_(t.dtype.is_floating_point) for n, t in ins.items()}
+    plan = kern.grad_plan(**grads)
+    assert all(math.prod(b.shape) < scores for b in plan.forward.program(**grads).buffers)
+    saved = plan.forward(**grads)
+    feed = grads | dict(saved) | {"_g0": torch.ones(B_, H_, T_, 8)}
+    backward = plan.backward.program(**{n: feed[n] for n in plan.backward.inputs})
+    assert sum(math.prod(b.shape) >= scores for b in backward.buffers) <= 3
+
+
+def test_the_compute_model_counts_each_pass_that_computes_the_scores(gen):
+    """The forward computes the scores twice (the row kernel's logsumexp, the P @ v GEMM's K loop,
+    which also sums the probabilities) and P @ v once; the logsumexp alone is a row kernel of two
+    passes (the statistic, then the row sum), each computing the scores' product."""
+    ins = _inputs(gen, B_, H_, H_, T_, T_, 8, 8, torch.float32)
+    scores = 2 * B_ * H_ * T_ * T_ * 8  # the q @ k.mT product's FLOPs, as P @ v's at Dv = D
+    program = rx.compile(rx.attention(q, k, v)).program(**ins)
+    assert (program.flops, program.minimum_flops) == (3 * scores, 2 * scores)
+    assert rx.compile(rx.attention(q, k, v, return_lse=True)[1]).program(**ins).flops == 2 * scores
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[1:2] + TOLERANCES[3:], ids=["float32", "bfloat16"])

@@ -271,6 +271,7 @@ class CoordWriter(Writer):
         a_idx = [*c.idx[:-1], "ks[None, :]"]  # A's (..., m, k) at the tile's rows
         a_idx[-2:] = a_idx[-2:][::-1] if attrs["ta"] else a_idx[-2:]
         b_idx = ["ks[:, None]", c.idx[-1]][:: -1 if attrs["tb"] else 1]
+        b_idx[:0] = self.rbatch  # its batch dims at the program's batch (its rows keep to one)
         operand = node.dtype  # a product's operands share its dtype (an fp32 buffer is cast as loaded)
         left = (f"in{ja}_ptr + {self._operand_offset(ja, a_idx)}", f"row_mask & (ks[None, :] < {size})")
         right = (f"in{jb}_ptr + {self._operand_offset(jb, b_idx)}", f"(ks[:, None] < {size}) & col_mask")
@@ -309,3 +310,6 @@ class CoordWriter(Writer):
     def _begin(self, flat: str, prefix: str, size: str) -> None:
         self.named: set[tuple] = set()
         super()._begin(flat, prefix, size)
+        # a product's right operand with batch dims: the program's batch coordinates (BATCH_ROWS)
+        batch = self.spec.gemm.batch if self.spec.gemm is not None else 0
+        self.rbatch = self._decompose(self.top, "batch", "rb", "rsize", batch)

@@ -372,6 +372,7 @@ class GemmWriter(Writer):
         v = self.value((Src.NODE, o.node), loop)
         val = self.storage(v, o.dtype)
         if o.role is not Role.FULL:  # a reduction of A, one value per row: the first column of tiles writes it
-            return f"tl.store(out{k}_ptr + rows, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
+            rows = "batch * M + rows" if self.out_idx else "rows"  # each batch's rows (a contiguous buffer)
+            return f"tl.store(out{k}_ptr + {rows}, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
         offset = self._tile_offset(f"out{k}", (STRIDED, UNIT), self.out_idx)
         return f"tl.store(out{k}_ptr + {offset}, {val}, mask={self.store_mask})"

@@ -50,10 +50,23 @@ def ${name}(
 ):
     pid = ${program}
     ${split}
-    rows = ${pid} * ROWS + tl.arange(0, ROWS)[:, None]
-    row_mask = rows < n_rows
+    ${rows}
     ${body}
 """
+
+#: a row kernel's rows: consecutive blocks of ``ROWS``
+ROWS = """\
+rows = ${pid} * ROWS + tl.arange(0, ROWS)[:, None]
+row_mask = rows < n_rows"""
+
+#: a row kernel's rows kept to one batch (a product whose right operand has batch dims): the
+#: program's batch, then a block of the ``${m}`` rows of its last row dim
+BATCH_ROWS = """\
+m_blocks = tl.cdiv(${m}, ROWS)
+batch = ${pid} // m_blocks
+rows_m = (${pid} % m_blocks) * ROWS + tl.arange(0, ROWS)[:, None]
+rows = batch * ${m} + rows_m
+row_mask = rows_m < ${m}"""
 
 #: a split row: programs ``split`` of ``n_split`` per row block, each over ``chunk`` reduced elements
 SPLIT = """\
@@ -547,11 +560,15 @@ class Writer:
         if self.tail is not None:
             self._tail_call()
         pid = "row_block" if self.spec.split else "pid"
-        extra = {}
+        pid = f"{pid}.to(tl.int64)" if self.spec.big else pid
+        extra = {"pid": pid}
         if template is ROW:
             split_idx = "split.to(tl.int64)" if self.spec.big else "split"
             parts = "n_part = n_rows * n_split" if self.spec.split in (Split.PARTIAL, Split.FINISH) else ""
+            batched = self.spec.gemm is not None and self.spec.gemm.batch
+            rows = render(BATCH_ROWS, pid=pid, m=f"rsize{self.nr - 1}") if batched else render(ROWS, pid=pid)
             extra = {
+                "rows": rows.rstrip("\n"),
                 "split": render(SPLIT, split_idx=split_idx, parts=parts).rstrip("\n") if self.spec.split else "",
                 "constexprs": "\n".join(f"{c}: tl.constexpr," for c in self._row_constexprs()),
             }
@@ -560,7 +577,6 @@ class Writer:
             name=name,
             params="\n".join(f"{p}," for p in self.params),
             program=self.program,
-            pid=f"{pid}.to(tl.int64)" if self.spec.big else pid,
             body="\n".join(simplify(self.top.lines)),
             **extra,
         )

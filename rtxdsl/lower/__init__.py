@@ -28,7 +28,7 @@ from .params import ParamKind, own_params, pointer_slots, slots, with_tail_slots
 from .passes import early_outputs, input_reads, input_scopes, partial_states, remaps
 from .plans import plan_of
 from .schedule import Launch, Layout, contiguous_strides, kernel_spec, split_specs
-from .spec import TAIL_CONSTEXPRS, Buffer, ChunkLoop, KernelCall, KernelSpec, Program, Split
+from .spec import TAIL_CONSTEXPRS, Buffer, ChunkLoop, KernelCall, KernelSpec, Program, Split, Src
 from .target import GPU, INTERPRETER, Target, target_for
 
 #: what a call gives for one input: a tensor's layout, or a python number (a scalar input)
@@ -209,7 +209,7 @@ def _calls(
                 meta=ln.meta,
                 ops=len(g.nodes),
                 bytes=0 if ln.empty else moved,
-                flops=0 if ln.empty or sp.split is Split.FINISH else flops,
+                flops=0 if ln.empty or sp.split is Split.FINISH else flops * _product_passes(sp, reads),
                 passes=max(reads, default=1),
                 empty=ln.empty,
                 scalar_inputs=ln.scalar_inputs,
@@ -220,6 +220,16 @@ def _calls(
             )
         )
     return calls
+
+
+def _product_passes(spec: KernelSpec, reads: list[int]) -> int:
+    """How many times a row kernel computes its product: once per looped pass over the row that
+    reads its right operand (which nothing but the product's K loop loads); a GEMM's, once."""
+    if spec.kind != "row" or spec.gemm is None:
+        return 1
+    product = next(nd for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
+    kind, j = product.srcs[1]
+    return reads[spec.loads[j].input] if kind is Src.LOAD else 1
 
 
 def _chunk_buffers(plan: Plan, lay: dict[int, Layout]) -> dict[int, tuple[int, ...]]:

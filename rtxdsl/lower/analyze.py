@@ -734,13 +734,13 @@ def recompute_elementwise(
             if (
                 id(n) in solo
                 or id(n) in requested
-                or kind is not OpKind.ELEMENTWISE
+                or (kind is not OpKind.ELEMENTWISE and not positions_only(n))  # positions read nothing
                 or r1.role(n) is Role.DROP
                 or not _broadcasts(graph.of(n).shape, r2.shape)
             ):
                 return None
             out.append(n)
-            for src in n.srcs:
+            for src in read_srcs(n):
                 if id(src) in homes and work[homes[id(src)]] is r1:
                     stack.append(src)
                 elif not is_leaf(src, graph.info):
@@ -766,8 +766,10 @@ def recompute_elementwise(
                 for n in chain:
                     r2.roles[id(n)] = _per_row(r2, graph.of(n).shape)
                 r2.nodes[:0] = chain
+    # a kernel whose every value its readers now recompute (a causal mask's positions) is gone
+    consumers = _consumers(graph, fl)
     order = _order(graph)
-    return tuple(g.freeze(order) for g in work)
+    return tuple(g.freeze(order) for g in work if _writes(g, work, requested, consumers))
 
 
 # ---- pass 5: reductions over a product ----------------------------------------------------------
@@ -805,13 +807,24 @@ def fuse_product_rows(graph: Graph, fl: Flow, groups: tuple[Group, ...], solo: f
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
 
 
+#: the widest product a GEMM reading a tiled product as its A operand may have: one tile of its
+#: columns, so the prologue recomputes each tile of the tiled product once (attention's ``P @ v``
+#: over a head dim)
+NARROW_PRODUCT = 256
+
+
 def reduced_in_rows(graph: Graph, c: Expr) -> bool:
     """Is contraction ``c``'s product only reduced over its last axis, through elementwise ops of
     its shape, and never requested? A row kernel then computes it in tiles
-    (:func:`fuse_product_rows`) and a backward recomputes it rather than the forward saving it."""
+    (:func:`fuse_product_rows`) and a backward recomputes it rather than the forward saving it.
+    Where its right operand has batch dims (an activation: attention's keys), a value of it may
+    also be the A operand of a narrow product (:data:`NARROW_PRODUCT`), whose prologue recomputes
+    it: attention's probabilities, reduced to their row statistics and multiplied by ``v``."""
     shape = graph.of(c).shape
-    if c.attr("sum_batch") or len(graph.of(c.srcs[1]).shape) != 2:
+    if c.attr("sum_batch"):
         return False
+    # a right operand with batch dims is an activation (attention's keys), not a layer's weight
+    batched = len(graph.of(c.srcs[1]).shape) > 2
     requested = {id(e) for _, e in graph.outputs}
     readers: dict[int, list[Expr]] = {}
     for n in graph.nodes:
@@ -826,12 +839,40 @@ def reduced_in_rows(graph: Graph, c: Expr) -> bool:
             kind = REGISTRY[r.op].kind
             if kind is OpKind.REDUCTION and tuple(r.attr("axis")) == (len(shape) - 1,):
                 continue
+            if kind is OpKind.CONTRACTION and batched and _narrow_reader(graph, r, n):
+                continue
             if kind is not OpKind.ELEMENTWISE or graph.of(r).shape != shape:
                 return False
             if id(r) not in seen:
                 seen.add(id(r))
                 stack.append(r)
     return True
+
+
+def _narrow_reader(graph: Graph, r: Expr, n: Expr) -> bool:
+    """Does contraction ``r`` read ``n`` only as its untransposed A operand (the product's rows,
+    contracted along its last axis) with at most :data:`NARROW_PRODUCT` columns?"""
+    a, b = r.srcs
+    return (
+        a is n
+        and b is not n
+        and not r.attr("ta")
+        and not r.attr("sum_batch")
+        and graph.of(r).shape[-1] <= NARROW_PRODUCT
+        and graph.of(r).shape[:-1] == graph.of(n).shape[:-1]
+    )
+
+
+def _recomputable(x: Expr, n: Expr, graph: Graph) -> bool:
+    """Is ``x`` (a reader of ``n``) a narrow GEMM reading it as its A operand
+    (:func:`_narrow_reader`), or elementwise on the way to such GEMMs only? Their prologues
+    recompute it from the product."""
+    if REGISTRY[x.op].kind is OpKind.CONTRACTION:
+        return _narrow_reader(graph, x, n)
+    if REGISTRY[x.op].kind is not OpKind.ELEMENTWISE:
+        return False
+    readers = [r for r in graph.nodes if any(s is x for s in read_srcs(r))]
+    return bool(readers) and all(_recomputable(r, x, graph) for r in readers)
 
 
 def _product_of(
@@ -846,7 +887,11 @@ def _product_of(
     """The GEMM kernel row kernel ``r`` can compute inside itself (see :func:`fuse_product_rows`)."""
     members = {id(m) for m in r.nodes}
     full = [m for m in r.nodes if r.role(m) is Role.FULL]
-    if any(id(m) in requested or any(id(x) not in members for x in consumers.get(id(m), ())) for m in full):
+
+    def outside(x: Expr, m: Expr) -> bool:  # read by another kernel that does not recompute it from the product
+        return id(x) not in members and not _recomputable(x, m, graph)
+
+    if any(id(m) in requested or any(outside(x, m) for x in consumers.get(id(m), ())) for m in full):
         return None  # it writes a value of the product's size: the product would be computed twice
     homes = _homes(work)
     read = {homes[id(s)] for m in r.nodes for s in fl.reads[id(m)] if id(s) in homes and id(s) not in members}
@@ -862,8 +907,9 @@ def _product_of(
             continue
         if any(id(s) in inside or id(s) in members for s in c.srcs):
             continue  # an operand computed beside the product: its tiles would need a prologue
-        readers = [x for m in gemm.nodes for x in consumers.get(id(m), ()) if id(x) not in inside]
-        if any(id(x) not in members or reindexes(x) for x in readers):
+        readers = [(x, m) for m in gemm.nodes for x in consumers.get(id(m), ()) if id(x) not in inside]
+        # a reader elsewhere recomputes the product in a narrow GEMM's prologue (attention's P @ v)
+        if any(reindexes(x) or outside(x, m) for x, m in readers):
             continue
         return gemm
     return None
@@ -892,7 +938,9 @@ def absorb_prologues(
     # are written, and no GEMM recomputes them (it would hold the value both as a member and a load)
     stored = {id(x) for n in graph.nodes if n.attr_dict.get("recompute") for x in n.srcs}
     # the values a kernel can write: at its own coordinates (per row in a row kernel), not a GEMM's
-    writable = frozenset(id(m) for w in work if w.contraction is None for m in w.nodes if _own_value(w, m, graph))
+    writable = frozenset(
+        id(m) for w in work if w.contraction is None or w.is_row for m in w.nodes if _own_value(w, m, graph)
+    )
     in_kernels = {id(m) for w in work for m in w.nodes}  # not the free nodes: recomputed, never written
     for s in (n for n in graph.nodes if id(n) in readers and id(n) not in stored):
         home = work[homes[id(s)]]
@@ -1018,7 +1066,7 @@ def _tiled_cone(
         ):
             continue  # a boundary: loaded where the cone reads it
         if op.kind is OpKind.CONTRACTION:  # its operands are read from memory, as a GEMM's are
-            if not n.attr_dict.get("recompute"):
+            if not (n.attr_dict.get("recompute") or reduced_in_rows(graph, n)):
                 return None
             found = True
             out.append(n)
@@ -1151,9 +1199,19 @@ def _reduce_in_k_loop(
     shape = graph.of(values[0]).shape
     nd = len(shape)
     k_axis = nd - 2 if c.attr("ta") else nd - 1
-    if nd > 2 and not c.attr("sum_batch"):
-        return []  # the product has batch dims: the sum over them crosses programs
-    contracted = tuple(sorted({*range(nd - 2), k_axis}))
+    if nd <= 2 or c.attr("sum_batch"):
+        contracted = tuple(sorted({*range(nd - 2), k_axis}))  # the batches too: one accumulator
+    elif not c.attr("ta"):
+        contracted = (k_axis,)  # each batch's rows: attention's row sum of P in the P @ v GEMM
+    else:
+        return []  # A's columns per batch: a sum over the batches would cross programs
+
+    # what the operand is computed from: a reduction it reads (softmax's logsumexp) is not its K loop's
+    deps, stack = set(), [x for v in values for x in v.srcs]
+    while stack:
+        if id(x := stack.pop()) not in deps:
+            deps.add(id(x))
+            stack.extend(x.srcs)
     by_home: dict[int, tuple[_Work, list[Expr]]] = {}
     for v in (v for v in values if graph.of(v).shape == shape):
         for r in consumers.get(id(v), ()):
@@ -1161,11 +1219,13 @@ def _reduce_in_k_loop(
             if op.kind is not OpKind.REDUCTION or op.reduce is None or tuple(sorted(r.attr("axis"))) != contracted:
                 continue
             home = next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)
-            if home is not None:
+            if home is not None and id(r) not in deps and not any(r is x for x in by_home.get(id(home), (0, []))[1]):
                 by_home.setdefault(id(home), (home, []))[1].append(r)
     moved = []
     for home, reductions in by_home.values():
-        cones = _tiled_reductions(home, reductions, contracted, shape, graph)
+        cones = {
+            r: c for r, c in _tiled_reductions(home, reductions, contracted, shape, graph).items() if id(r) not in deps
+        }
         reductions = reductions + list(cones)
         after = _per_row_after(home, reductions, graph, consumers)
         if after is None:
@@ -1173,8 +1233,10 @@ def _reduce_in_k_loop(
         taken = {id(m) for m in (*reductions, *after)}
         kept = home.nodes
         home.nodes = [m for m in kept if id(m) not in taken]
-        if _writes(home, work, requested, consumers):
-            home.nodes = kept  # the kernel stays for other values: nothing saved
+        # the kernel stays for other values: nothing saved, unless it is a row kernel computing a
+        # product, whose pass for these reductions (a recompute of the product) is saved
+        if _writes(home, work, requested, consumers) and not (home.is_row and home.contraction is not None):
+            home.nodes = kept
             continue
         computed = {id(m) for m in w.nodes}
         for m in (m for cone in cones.values() for m in reversed(cone) if id(m) not in computed):

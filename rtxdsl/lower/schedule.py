@@ -319,8 +319,11 @@ def body(group: Group, graph: Graph) -> Body:
         # a reduction reads its input over the whole domain; one in a GEMM's K loop (role a / b)
         # reads it at the operand's tile, as the rest of that prologue does
         load_role = Role.FULL if kind is OpKind.REDUCTION and role not in (Role.A, Role.B) else role
-        view = tuple(sorted(n.attr("axes"))) if REGISTRY[n.op].view else None
-        add(n, tuple(ref(s, load_role, view) for s in n.srcs), role)
+        op = REGISTRY[n.op]
+        view = tuple(sorted(n.attr("axes"))) if op.view else None
+        # positions take only a shape from their operand: nothing is read (or loaded) for it
+        srcs = tuple((Src.SHAPE, 0) if k in op.shape_only else ref(s, load_role, view) for k, s in enumerate(n.srcs))
+        add(n, srcs, role)
     return Body(tuple(specs), MappingProxyType(index), tuple(loads), tuple(slots))
 
 
@@ -493,9 +496,13 @@ def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> 
         bm, bn, bk, _, warps, stages = target.gemm
         # half the GEMM's columns: the reductions' states and per-tile temporaries live beside
         # the accumulator (at sm_90's 128 x 128 a cross-entropy's forward spilled)
-        bm, bn, bk = gemm_block(bm, max(16, bn // 2), bk, n_rows, n_cols, dtype)
+        # a right operand with batch dims (attention's keys) is read at the rows' batch: each
+        # program's rows keep to one batch, blocks of its last row dim
+        batch = len(w.rows) - 1 if len(graph.of(c.srcs[1]).shape) > 2 else 0
+        m = w.rows[-1] if batch else n_rows
+        bm, bn, bk = gemm_block(bm, max(16, bn // 2), bk, m, n_cols, dtype)
         precision = "tf32" if tf32 and dtype == torch.float32 else "ieee"
-        return Config(bn, bm, True, warps), GemmTile(bm, bn, bk, 1, warps, stages, precision=precision)
+        return Config(bn, bm, True, warps), GemmTile(bm, bn, bk, 1, warps, stages, batch=batch, precision=precision)
     if w.row:
         # a load varying along the reduced dims is a tile; per-row ones (targets) and 0-dim ones (a
         # scalar loss's cotangent) are not
@@ -514,6 +521,9 @@ def _programs(spec: KernelSpec, w: Walk, target: Target) -> tuple[KernelSpec, in
     if not w.row:
         return spec, 0, 1, n_cols
     programs = -(-n_rows // spec.rows_per_program)
+    if spec.gemm is not None and spec.gemm.batch:  # each batch's rows in whole blocks of their own
+        m = w.rows[-1]
+        programs = (n_rows // m) * -(-m // spec.rows_per_program) if m else 0
     if w.tiled:
         return replace(spec, split=Split.TILE, looped=True), programs, max(1, -(-n_cols // spec.block)), spec.block
     if spec.gemm is not None or not splittable(spec):

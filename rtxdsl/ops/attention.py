@@ -251,8 +251,13 @@ def _positions(scores: Expr) -> dict[str | int, Any]:
 
 
 def _heads(e: Expr, b: int, hkv: int, groups: int, t: int, d: int) -> Expr:
-    """``[B, Hq, T, D]`` as ``[B, Hkv, G, T, D]`` (a free regroup): key/value heads broadcast."""
-    return e if groups == 1 else node("reshape", e, shape=(b, hkv, groups, t, d))
+    """Key or value heads ``[B, Hkv, T, D]`` repeated for their ``G`` query heads, ``[B, Hq, T, D]``
+    (``repeat_interleave``): a copy of ``G`` times the keys, so each product is one batched
+    ``[Tq, Tk]`` per query head, never the scores' size."""
+    if groups == 1:
+        return e
+    wide = node("expand", node("unsqueeze", e, axes=(2,)), shape=(b, hkv, groups, t, d))
+    return node("reshape", wide, shape=(b, hkv * groups, t, d))
 
 
 def _decompose(
@@ -262,12 +267,10 @@ def _decompose(
     b, hq, hkv, tq, tk, d, dv = _check(shapes, enable_gqa)
     f = _stat_dtype(dtypes[0])
     g = hq // hkv
-    if g > 1:  # one key/value head per G query heads: a batch dim of the products, broadcast
-        k, v = node("unsqueeze", k, axes=(2,)), node("unsqueeze", v, axes=(2,))
-    qk = contract(_heads(q, b, hkv, g, tq, d), k, tb=True)
+    # one key/value head per G query heads
+    k, v = _heads(k, b, hkv, g, tk, d), _heads(v, b, hkv, g, tk, dv)
+    qk = contract(q, k, tb=True)
     s = node("mul", node("cast", qk, dtype=f), 1.0 / math.sqrt(d) if scale is None else scale)
-    if g > 1:
-        s = node("reshape", s, shape=(b, hq, tq, tk))
     scores = (b, hq, tq, tk)
     values = {**_positions(s), **dict(enumerate(rest, 3)), "s": s}
     if score_mod is not None:
@@ -291,23 +294,23 @@ def _decompose(
             raise RtxError(f"attention: attn_mask must be bool or floating point, got {dtypes[attn_mask]}")
     if keep is not None:
         s = node("where", keep, s, float("-inf"))
-    # the row statistics, finite on a fully masked row (its sum is 0): exp(s - lse) is then 0 there
-    m = node("detach", node("amax", s, axis=-1, keepdim=True))
-    m = node("where", node("eq", m, float("-inf")), 0.0, m)
-    total = node("sum", node("exp", node("sub", s, m)), axis=-1, keepdim=True)
+    # the row statistic in one online pass (logsumexp's state), made finite and detached: a shift,
+    # not a value the gradient flows through (a fully masked row's -inf would give exp(-inf + inf))
+    lse0 = node("logsumexp", s, axis=-1, keepdim=True)
+    m = node("detach", node("where", node("eq", lse0, float("-inf")), 0.0, lse0))
+    u = node("exp", node("sub", s, m))  # the probabilities (0 on a fully masked row)
+    # their row sum, 1 up to rounding (0 on a fully masked row): dividing by it after P @ v gives
+    # the softmax's gradient its row term, and a kernel computes it in the P @ v product's K loop
+    total = node("sum", u, axis=-1, keepdim=True)
     empty = node("eq", total, 0.0)
-    lse = node("add", m, node("log", node("where", empty, 1.0, total)))
+    total = node("where", empty, 1.0, total)
     if output == "lse":
         rows = (b, hq, tq)
+        lse = node("add", m, node("log", total))
         return node("where", node("reshape", empty, shape=rows), float("-inf"), node("reshape", lse, shape=rows))
-    p = node("exp", node("sub", s, lse))
-    if dropout_p > 0.0:
-        p = node("dropout", p, rest[-1], p=dropout_p)
+    p = node("dropout", u, rest[-1], p=dropout_p) if dropout_p > 0.0 else u
     p = node("cast", p, dtype=dtypes[2])
-    if g > 1:
-        p = node("reshape", p, shape=(b, hkv, g, tq, tk))
-    out = contract(p, v)
-    return out if g == 1 else node("reshape", out, shape=(b, hq, tq, dv))
+    return node("cast", node("div", contract(p, v), total), dtype=dtypes[2])
 
 
 # ---- the reference: the same math with torch ops ---------------------------------------------------
@@ -339,13 +342,17 @@ def _ref(
         else:
             s = s + mask.to(f)
     s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    # the decomposition's statistics: a finite shift, the probabilities and their row sum
+    lse = torch.logsumexp(s, dim=-1, keepdim=True).detach()
+    u = torch.exp(s - torch.where(lse == float("-inf"), 0.0, lse))
+    total = u.sum(-1, keepdim=True)
+    empty = total == 0
+    total = torch.where(empty, 1.0, total)
     if output == "lse":
-        return lse
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+        return torch.where(empty, float("-inf"), torch.where(lse == float("-inf"), 0.0, lse) + total.log()).squeeze(-1)
     if dropout_p > 0.0:  # rx.dropout's own reference: the same draws from the seed
-        p = REGISTRY["dropout"].ref(p, rest[-1], p=dropout_p)
-    return (p.to(v.dtype).to(f) @ vf).to(q.dtype)
+        u = REGISTRY["dropout"].ref(u, rest[-1], p=dropout_p)
+    return ((u.to(v.dtype).to(f) @ vf).to(v.dtype).to(f) / total).to(q.dtype)
 
 
 def _eager(operands: list[int], result: int, shapes: list, dtypes: list, *, output: str, **_: Any) -> tuple[int, int]:
