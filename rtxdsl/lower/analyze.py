@@ -1219,8 +1219,11 @@ def _reduce_in_k_loop(
             if op.kind is not OpKind.REDUCTION or op.reduce is None or tuple(sorted(r.attr("axis"))) != contracted:
                 continue
             home = next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)
-            if home is not None and id(r) not in deps and not any(r is x for x in by_home.get(id(home), (0, []))[1]):
-                by_home.setdefault(id(home), (home, []))[1].append(r)
+            if home is None or id(r) in deps:
+                continue
+            listed = by_home.setdefault(id(home), (home, []))[1]
+            if not any(r is x for x in listed):  # read by the operand and by its prologue's values alike
+                listed.append(r)
     moved = []
     for home, reductions in by_home.values():
         cones = {
