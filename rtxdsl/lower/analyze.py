@@ -850,16 +850,19 @@ def reduced_in_rows(graph: Graph, c: Expr) -> bool:
 
 
 def _narrow_reader(graph: Graph, r: Expr, n: Expr) -> bool:
-    """Does contraction ``r`` read ``n`` only as its untransposed A operand (the product's rows,
-    contracted along its last axis) with at most :data:`NARROW_PRODUCT` columns?"""
+    """Does contraction ``r`` read ``n`` only as its A operand, with at most :data:`NARROW_PRODUCT`
+    columns: untransposed (``n``'s rows kept, its last axis contracted: attention's ``P @ v``,
+    ``dS @ k``) or transposed (its columns kept, its rows contracted: ``P.T @ dO``, ``dS.T @ q``)?"""
     a, b = r.srcs
+    kept = -1 if r.attr("ta") else -2  # the axis of ``n`` the product's rows run along
+    out, shape = graph.of(r).shape, graph.of(n).shape
     return (
         a is n
         and b is not n
-        and not r.attr("ta")
         and not r.attr("sum_batch")
-        and graph.of(r).shape[-1] <= NARROW_PRODUCT
-        and graph.of(r).shape[:-1] == graph.of(n).shape[:-1]
+        and out[-1] <= NARROW_PRODUCT
+        and out[:-2] == shape[:-2]
+        and out[-2] == shape[kept]
     )
 
 
@@ -936,7 +939,7 @@ def absorb_prologues(
     emptied: list[_Work] = []  # kernels that computed an operand now recomputed: still needed?
     # a product recomputed in tiles reads its operands from memory wherever it is computed: they
     # are written, and no GEMM recomputes them (it would hold the value both as a member and a load)
-    stored = {id(x) for n in graph.nodes if n.attr_dict.get("recompute") for x in n.srcs}
+    stored = {id(x) for n in graph.nodes if _tileable(graph, n) for x in n.srcs}
     # the values a kernel can write: at its own coordinates (per row in a row kernel), not a GEMM's
     writable = frozenset(
         id(m) for w in work if w.contraction is None or w.is_row for m in w.nodes if _own_value(w, m, graph)
@@ -946,7 +949,7 @@ def absorb_prologues(
         home = work[homes[id(s)]]
         tiled = _product_cone(s, graph, consumers, writable, in_kernels)
         if tiled is not None:  # a product no kernel writes: every reader computes it in its K loop
-            found = _recompute_in_prologues(s, tiled, readers[id(s)], work, graph, consumers, requested)
+            found = _recompute_in_prologues(s, tiled, readers, work, graph, consumers, requested)
             if found is not None:
                 emptied += found
                 continue
@@ -1066,7 +1069,7 @@ def _tiled_cone(
         ):
             continue  # a boundary: loaded where the cone reads it
         if op.kind is OpKind.CONTRACTION:  # its operands are read from memory, as a GEMM's are
-            if not (n.attr_dict.get("recompute") or reduced_in_rows(graph, n)):
+            if not _tileable(graph, n):
                 return None
             found = True
             out.append(n)
@@ -1082,6 +1085,13 @@ def _tiled_cone(
         out.append(n)
         stack.extend(read_srcs(n))
     return out if found or not needs_product else None
+
+
+def _tileable(graph: Graph, n: Expr) -> bool:
+    """Is ``n`` a product a kernel may compute in tiles where it is read, never written: one the
+    forward did not save (``recompute``), or one only reduced over its rows or read by narrow
+    products (:func:`reduced_in_rows`: attention's scores, and in its backward ``dO @ v.T``)?"""
+    return REGISTRY[n.op].kind is OpKind.CONTRACTION and bool(n.attr_dict.get("recompute") or reduced_in_rows(graph, n))
 
 
 def _untiled(n: Expr, graph: Graph) -> bool:
@@ -1102,39 +1112,49 @@ def _untiled(n: Expr, graph: Graph) -> bool:
 def _recompute_in_prologues(
     s: Expr,
     chain: list[Expr],
-    gemm_readers: list[tuple[_Work, Role]],
+    readers: dict[int, list[tuple[_Work, Role]]],
     work: list[_Work],
     graph: Graph,
     consumers: dict[int, list[Expr]],
     requested: set[int],
 ) -> list[_Work] | None:
-    """Operand ``s`` of ``gemm_readers``, computed from a product no kernel writes (``chain``, see
-    :func:`_tiled_cone`), becomes each reader's prologue whatever the traffic model would say:
-    keeping a tokens x vocabulary buffer unwritten is the point. The kernels that computed parts
-    of it keep only what their other nodes need; those left with nothing to write are returned.
-    Undone (None) when a value of ``chain`` would still be read by a kernel other than the GEMMs
-    (:func:`_leaks`): the product is then written as usual."""
-    if any(_epilogue_reads(w, chain, consumers) for w, _ in gemm_readers):
+    """Operand ``s`` of its GEMM ``readers``, computed from a product no kernel writes (``chain``,
+    see :func:`_tiled_cone`), becomes each reader's prologue whatever the traffic model would say:
+    keeping a tokens x vocabulary buffer unwritten is the point. A value of ``chain`` that other
+    GEMMs read as an operand is recomputed in theirs at once (attention's backward: ``P`` in
+    ``P.T @ dO``, and ``dS``, computed from ``P``, in ``dS @ k`` and ``dS.T @ q``; neither alone
+    would leave the other unwritten). The kernels that computed parts of it keep only what their
+    other nodes need; those left with nothing to write are returned. Undone (None) when a value of
+    ``chain`` would still be read by a kernel other than the GEMMs (:func:`_leaks`): the product
+    is then written as usual."""
+    members = {id(m) for m in chain}
+    operands = [(s, chain)] + [
+        (m, cone)
+        for m in chain
+        if m is not s and id(m) in readers and (cone := _tiled_cone(m, graph)) and {id(x) for x in cone} <= members
+    ]
+    gemm_readers = [(w, side, v, cone) for v, cone in operands for w, side in readers[id(v)]]
+    if any(_epilogue_reads(w, cone, consumers) for w, _, _, cone in gemm_readers):
         return None
     before = [(w.nodes[:], dict(w.roles), w.notes[:]) for w in work]
-    members = {id(m) for m in chain}
-    for w, side in gemm_readers:
-        for m in chain:
+    for w, side, v, cone in gemm_readers:
+        for m in cone:
             w.roles[id(m)] = side
-        w.nodes[:0] = [m for m in chain if not any(m is x for x in w.nodes)]
+        w.nodes[:0] = [m for m in cone if not any(m is x for x in w.nodes)]
         w.notes.append(
-            f"{_label(s, graph)}: computed from a product the forward never wrote, recomputed in tiles "
-            f"in the K loop ({graph.of(s).nbytes} bytes not written)"
+            f"{_label(v, graph)}: computed from a product the forward never wrote, recomputed in tiles "
+            f"in the K loop ({graph.of(v).nbytes} bytes not written)"
         )
-    homes = {id(h): h for h in work for m in h.nodes if id(m) in members and all(h is not w for w, _ in gemm_readers)}
+    gemms = [(w, side) for w, side, _, _ in gemm_readers]
+    homes = {id(h): h for h in work for m in h.nodes if id(m) in members and all(h is not w for w, _ in gemms)}
     for home in homes.values():
         kept = _still_needed([m for m in home.nodes if id(m) in members], home, members, consumers)
         home.nodes = [m for m in home.nodes if id(m) not in members or id(m) in kept]
     emptied = list(homes.values())
-    for w, side in gemm_readers:
+    for w, side, v, cone in gemm_readers:
         if side is Role.A:
-            emptied += _reduce_in_k_loop(w, [s, *chain], work, graph, consumers, requested)
-    if not _leaks(chain, gemm_readers, work, requested, consumers):
+            emptied += _reduce_in_k_loop(w, [v, *cone], work, graph, consumers, requested)
+    if not _leaks(chain, gemms, work, requested, consumers):
         return emptied
     for w, (nodes, roles, notes) in zip(work, before):  # written after all: as it was
         w.nodes, w.roles, w.notes = nodes, roles, notes
