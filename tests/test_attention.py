@@ -177,10 +177,11 @@ def test_the_backward_computes_each_product_once_per_gemm_that_reads_it(gen):
     """The backward's three GEMMs recompute what they read in their K loops: ``P.T @ dO`` the scores
     (2 products), ``dS @ k`` and ``dS.T @ q`` the scores and ``dO @ v.T`` (3 each): 8 products where
     the minimum is FlashAttention-2's 5 (Triton's fused-attention tutorial computes 7: its dK/dV
-    kernel shares one recompute). Planned for sm_90 at 1 x 32 heads x 4096 x 128 (nothing runs)."""
+    kernel shares one recompute). Planned for sm_90 at 1 x 32 heads x 4096 x 128 (nothing runs),
+    without a mask (a causal one skips about half the tiles: see the block sparsity test)."""
     bf = {"dtype": torch.bfloat16, "requires_grad": True}
     ins = {n: torch.empty(1, 32, 4096, 128, **bf) for n in "qkv"}
-    plan = rx.compile(rx.attention(q, k, v, causal=True)).grad_plan(**ins)
+    plan = rx.compile(rx.attention(q, k, v)).grad_plan(**ins)
     saved = plan.forward.program(**ins)
     feed = {n: t.detach() for n, t in ins.items()} | {"_g0": torch.empty(1, 32, 4096, 128, dtype=torch.bfloat16)}
     for key, slot in saved.outputs:
@@ -191,6 +192,60 @@ def test_the_backward_computes_each_product_once_per_gemm_that_reads_it(gen):
     assert (backward.flops, backward.minimum_flops) == (8 * product, 5 * product)
     assert len(backward.launched) == 5  # the row term, dO over the row sum, then the three GEMMs
     assert all(math.prod(b.shape) < 32 * 4096 * 4096 for b in backward.buffers)
+
+
+# ---- block sparsity: tiles the mask's positions rule out are not computed -----------------------------
+SPARSE = {  # mask_mod over positions, and its float64 form over (i, j)
+    "causal": (lambda b, h, i, j: i >= j, lambda i, j: i >= j),
+    "window": (lambda b, h, i, j: (i - j < 40) & (j - i < 40), lambda i, j: (i - j).abs() < 40),
+    "prefix": (lambda b, h, i, j: (j < 20) | (i >= j), lambda i, j: (j < 20) | (i >= j)),
+    "shifted": (lambda b, h, i, j: i + 30 >= j, lambda i, j: i + 30 >= j),  # (bottom-right causal at Tk = Tq + 30)
+}
+
+
+@pytest.mark.parametrize("mask", list(SPARSE))
+def test_tiles_the_mask_rules_out_are_skipped_and_the_result_is_unchanged(mask, gen):
+    """130 queries and 97 keys are several of the interpreter's row blocks, column tiles and K
+    slices: each loop runs only over the tiles the mask may keep (a scan of the tiles' position
+    ranges), forward and every gradient against float64."""
+    mod, keep = SPARSE[mask]
+    ins = _inputs(gen, 1, 2, 2, 130, 97, 8, 8, torch.float32)
+    i, j = torch.arange(130)[:, None], torch.arange(97)[None, :]
+    expr = rx.attention(q, k, v, mask_mod=mod)
+    _check(expr, ins, lambda r: _reference(r, keep=keep(i, j))[0], torch.float32, 2e-5, 2e-5, gen)
+
+
+def _planned_flops(expr, extra=None):
+    """Forward and backward tensor-core FLOPs planned for sm_90 at 1 x 8 heads x 4096 x 64, bf16."""
+    bf = {"dtype": torch.bfloat16}
+    ins = {n: torch.empty(1, 8, 4096, 64, **bf, requires_grad=True) for n in "qkv"} | (extra or {})
+    kern = rx.compile(expr)
+    plan = kern.grad_plan(**ins)
+    fwd = plan.forward.lower_for(GPU, **{n: ins[n].detach() for n in plan.forward.inputs})
+    feed = {n: t.detach() for n, t in ins.items()} | {"_g0": torch.empty(1, 8, 4096, 64, **bf)}
+    for key, slot in fwd.outputs:
+        buf = fwd.buffers[slot - fwd.n_inputs]
+        feed[key] = torch.empty(buf.shape, dtype=buf.dtype)
+    bwd = plan.backward.lower_for(GPU, **{n: feed[n] for n in plan.backward.inputs})
+    return fwd.flops, bwd.flops, kern.lower_for(GPU, **{n: ins[n].detach() for n in kern.inputs})
+
+
+def test_the_compute_model_counts_only_the_tiles_that_run():
+    """Causal attention computes about half the tiles (up to the diagonal's, at most 128 of 4096:
+    <= 51.6%), a window of 256 under 10%, a padding mask (data, not positions) all of them; the
+    generated loops scan the tiles' ranges only where the guard is positions."""
+    full = _planned_flops(rx.attention(q, k, v))
+    causal = _planned_flops(rx.attention(q, k, v, causal=True))
+    window = _planned_flops(rx.attention(q, k, v, causal=True, mask_mod=lambda b, h, i, j: i - j < 256))
+    pad = {"m": torch.ones(1, 1, 1, 4096, dtype=torch.bool)}
+    padded = _planned_flops(rx.attention(q, k, v, attn_mask=rx.var("m")), pad)
+    for part in (0, 1):
+        assert 0.5 <= causal[part] / full[part] <= 0.516, part
+        assert window[part] / full[part] < 0.1, part
+        assert padded[part] == full[part], part
+    scans = [(c.spec.gemm.skip >= 0) for c in causal[2].kernels]
+    assert scans == [True, True]  # the logsumexp's row kernel and the P @ v GEMM
+    assert not any(c.spec.gemm.skip >= 0 for c in padded[2].kernels if c.spec.gemm is not None)
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[1:2] + TOLERANCES[3:], ids=["float32", "bfloat16"])

@@ -68,6 +68,16 @@ rows_m = (${pid} % m_blocks) * ROWS + tl.arange(0, ROWS)[:, None]
 rows = batch * ${m} + rows_m
 row_mask = rows_m < ${m}"""
 
+#: block sparsity: the column tiles where the guard may hold, ``[c_lo, c_hi)`` (a scan of scalars)
+COL_SCAN = """\
+c_lo = tl.zeros((), dtype=tl.int32) + n_cols
+c_hi = tl.zeros((), dtype=tl.int32)
+for col_start in range(0, n_cols, BLOCK_SIZE):
+    c_keep = ${keep}
+    c_lo = tl.minimum(c_lo, tl.where(c_keep, col_start, n_cols))
+    c_hi = tl.maximum(c_hi, tl.where(c_keep, col_start + BLOCK_SIZE, 0))
+"""
+
 #: a split row: programs ``split`` of ``n_split`` per row block, each over ``chunk`` reduced elements
 SPLIT = """\
 row_block = pid // n_split
@@ -637,5 +647,15 @@ class Writer:
 
     def _close_loop(self, loop: Scope) -> None:
         span = "col_lo, col_hi" if self.spec.split else "0, n_cols"
+        keep = self._skip_test()
+        if keep is not None:  # block sparsity: only the column tiles where the guard may hold
+            if not any(line.strip().startswith("c_lo =") for line in self.top.lines):  # once, before the first pass
+                self.top.add_all(render(COL_SCAN, keep=keep).rstrip("\n").splitlines())
+            span = "c_lo, c_hi"
         self.top.add(f"for col_start in range({span}, BLOCK_SIZE):")
         self.top.lines.extend(loop.lines)
+
+    def _skip_test(self) -> str | None:
+        """Block sparsity: may the guard hold in the loop's tile at ``col_start``? Only a product's
+        row kernel has a guard (``CoordWriter``'s)."""
+        return None

@@ -209,7 +209,7 @@ def _calls(
                 meta=ln.meta,
                 ops=len(g.nodes),
                 bytes=0 if ln.empty else moved,
-                flops=0 if ln.empty or sp.split is Split.FINISH else flops * _product_passes(sp, reads),
+                flops=0 if ln.empty or sp.split is Split.FINISH else _kernel_flops(flops, sp, reads, ln),
                 passes=max(reads, default=1),
                 empty=ln.empty,
                 scalar_inputs=ln.scalar_inputs,
@@ -220,6 +220,12 @@ def _calls(
             )
         )
     return calls
+
+
+def _kernel_flops(flops: int, spec: KernelSpec, reads: list[int], launch: Launch) -> int:
+    """A launch's FLOPs: its group's, times its passes over a product computed in tiles, times the
+    fraction of tiles block sparsity runs."""
+    return round(flops * _product_passes(spec, reads) * launch.kept)
 
 
 def _product_passes(spec: KernelSpec, reads: list[int]) -> int:

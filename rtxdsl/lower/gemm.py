@@ -26,6 +26,7 @@ import torch
 from ..dtypes import accumulator
 from ..errors import RtxError
 from ..expr import Expr
+from ..registry import REGISTRY, OpKind
 from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
 from .params import inner_products, launch_ints, load_names, tile_loads
@@ -43,6 +44,7 @@ from .schedule import (
     stride_class,
     viewed,
 )
+from .sparsity import NEUTRAL, kept_fraction, vanishing_guard
 from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, OutSpec, Src, Window
 from .target import Target
 
@@ -118,6 +120,7 @@ def gemm_spec(
             b_classes=(_unit(sb[0], sb[1]), _unit(sb[1], sb[0])),
             precision="tf32" if tf32 and a.dtype == torch.float32 else "ieee",
             window=_window(group, graph.of(c).dtype),
+            skip=_skip(group, graph, bd),
         ),
     )
     values = {"M": m, "N": n, "K": k} | {f"bsize{d}": v for d, v in enumerate(batch)}
@@ -136,7 +139,9 @@ def gemm_spec(
         raise RtxError(f"matmul: {batches} batches exceed the grid's limit of {MAX_BATCH_GRID}; fold the batch dims")
     meta = tuple((name, getattr(tile, attr)) for name, attr in TILE_META)
     empty = math.prod(domain) == 0
-    return spec, Launch(tuple(ints), tuple(vals), (max(1, tiles), max(1, batches)), meta, empty, scalar_inputs)
+    kept = kept_fraction(spec, {"m": (m, tile.block_m), "k": (k, tile.block_k)}, vals)
+    grid = (max(1, tiles), max(1, batches))
+    return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, kept=kept)
 
 
 #: a GEMM launch's meta-parameters: (name, GemmTile field)
@@ -173,6 +178,25 @@ def _window(group: Group, dtype: torch.dtype) -> Window | None:
     relative = tuple(j for j, s in enumerate(group.inputs) if any(s is v for v in chunk.values))
     relative_out = tuple(k for k, o in enumerate(group.outputs) if any(o is v for v in chunk.values))
     return Window(chunk.axis, relative, relative_out, accumulator(dtype) if chunk.axis == "k" else None)
+
+
+def _skip(group: Group, graph: Graph, bd: Body) -> int:
+    """Block sparsity: the guard (its node) under which the K loop's A tile is 0 and each
+    reduction in the K loop reads its neutral value (``lower.sparsity``), or -1."""
+    c = group.contraction
+    assert c is not None
+    a = c.srcs[0]
+    if group.chunk is not None or c.attr("sum_batch") or group.roles.get(id(a)) is not Role.A:
+        return -1
+    prologue = [n for n in group.nodes if group.role(n) is Role.A]
+    targets = [(a, 0.0)]
+    for n in prologue:
+        if REGISTRY[n.op].kind is OpKind.REDUCTION:
+            if n.op not in NEUTRAL:
+                return -1
+            targets.append((n.srcs[0], NEUTRAL[n.op]))
+    guard = vanishing_guard(prologue, graph, targets)
+    return -1 if guard is None or group.roles.get(id(guard)) is not Role.A else bd.index[id(guard)]
 
 
 def _window_values(spec: KernelSpec) -> dict[str, int]:

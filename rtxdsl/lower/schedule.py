@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -24,6 +24,7 @@ from .analyze import Group, Role, positions_only
 from .expand import Graph, float_dtype_of
 from .params import inner_products, launch_ints, load_names, strided
 from .passes import levels
+from .sparsity import NEUTRAL, kept_fraction, vanishing_guard
 from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split, Src, Stride
 from .target import GPU, Target
 
@@ -60,6 +61,7 @@ class Launch:
     checks: tuple[IndexCheck, ...] = ()  # per index-check flag: the error it means
     split: int = 1  # programs per row of a split reduction (1: not split)
     rows: int = 0  # rows of a split reduction (its partial buffers hold split * rows states)
+    kept: float = 1.0  # block sparsity: the fraction of the loop's tiles that run (``lower.sparsity``)
 
 
 #: an operand of a host step: an earlier step's number, ("in", the call's input position) or ("const", value)
@@ -434,6 +436,7 @@ class Walk:
     domain: tuple[bool, ...] | None = None  # a coordinate kernel's: per domain dim, is it reduced?
     flags: tuple[int, ...] = ()  # nodes that report an out-of-range index
     checks: tuple[IndexCheck, ...] = ()  # per flag: what an out-of-range index there means
+    index: Mapping[int, int] = field(default_factory=dict)  # a coordinate kernel's: id(node) -> its spec
 
 
 def kernel_spec(
@@ -481,7 +484,10 @@ def kernel_spec(
     empty = all(graph.of(o).numel == 0 for o in group.outputs)
     split = 1 if spec.split is Split.TILE else n_split
     scalar_inputs = scalar_positions(w.slots, kinds, graph, len(ints))
-    return spec, Launch(ints, tuple(vals), grid, meta, empty, scalar_inputs, w.checks, split, n_rows)
+    kept = 1.0
+    if spec.gemm is not None and spec.gemm.skip >= 0:  # block sparsity: the tiles that run
+        kept = kept_fraction(spec, {"rows": (w.rows[-1], cfg.rows_per_program), "cols": (n_cols, cfg.block)}, vals)
+    return spec, Launch(ints, tuple(vals), grid, meta, empty, scalar_inputs, w.checks, split, n_rows, kept)
 
 
 def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> tuple[Config, GemmTile | None]:
@@ -502,7 +508,9 @@ def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> 
         m = w.rows[-1] if batch else n_rows
         bm, bn, bk = gemm_block(bm, max(16, bn // 2), bk, m, n_cols, dtype)
         precision = "tf32" if tf32 and dtype == torch.float32 else "ieee"
-        return Config(bn, bm, True, warps), GemmTile(bm, bn, bk, 1, warps, stages, batch=batch, precision=precision)
+        skip = _row_skip(group, graph, w) if batch else -1
+        tile = GemmTile(bm, bn, bk, 1, warps, stages, batch=batch, precision=precision, skip=skip)
+        return Config(bn, bm, True, warps), tile
     if w.row:
         # a load varying along the reduced dims is a tile; per-row ones (targets) and 0-dim ones (a
         # scalar loss's cotangent) are not
@@ -511,6 +519,19 @@ def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> 
         tiles = len(full) + sum(o.role is Role.FULL for o in w.outputs)
         return row_config(n_rows, n_cols, target, w.column, tiles), None
     return Config(0, 1, False, 0), None
+
+
+def _row_skip(group: Group, graph: Graph, w: Walk) -> int:
+    """Block sparsity in a row kernel computing a product in tiles (its rows in one batch): the
+    guard under which every reduction reads its neutral value (``lower.sparsity``), when the
+    kernel writes per-row values only; or -1."""
+    if any(group.role(o) is Role.FULL for o in group.outputs):
+        return -1
+    reductions = [n for n in group.nodes if REGISTRY[n.op].kind is OpKind.REDUCTION]
+    if any(n.op not in NEUTRAL for n in reductions):
+        return -1
+    guard = vanishing_guard(group.nodes, graph, [(n.srcs[0], NEUTRAL[n.op]) for n in reductions])
+    return -1 if guard is None or id(guard) not in w.index else w.index[id(guard)]
 
 
 def _programs(spec: KernelSpec, w: Walk, target: Target) -> tuple[KernelSpec, int, int, int]:
@@ -742,6 +763,7 @@ def coordinate_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -
         domain=tuple(d in group.axes for d in range(len(domain))),
         flags=flags,
         checks=tuple(_check_message(by_index[i], graph) for i in flags),
+        index=index,
     )
 
 

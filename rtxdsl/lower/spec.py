@@ -127,6 +127,9 @@ class GemmTile:
     b_classes: tuple[Stride, Stride] = (STRIDED, STRIDED)
     precision: str = "ieee"  # fp32 operands: "ieee" (exact products) or "tf32" (FusionConfig.allow_tf32)
     window: Window | None = None  # a kernel of a chunk loop
+    #: block sparsity: the node (a condition of positions) over whose tiles, where it is false
+    #: everywhere, the loop computes nothing (``lower.sparsity``); -1: every tile runs
+    skip: int = -1
 
 
 @dataclass(frozen=True)
