@@ -54,9 +54,13 @@ MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
 def gemm_tile(target: Target, m: int, n: int, dtype: torch.dtype, inner: bool = False) -> GemmTile:
     """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum).
     ``inner``: a prologue recomputes a product of its own, whose accumulator (an operand tile of
-    fp32) lives beside the kernel's: the rows halve, so both fit in registers without spills."""
+    fp32) lives beside the kernel's: the rows halve, so both fit in registers without spills, and
+    halve again for 4-byte operands (no 16-bit tensor-core tiles: at head dim 128 attention's fp32
+    ``P @ v`` spilled 712 bytes at 64 rows)."""
     bm, bn, bk, group_m, warps, stages = target.gemm
-    return GemmTile(*gemm_block(bm // 2 if inner else bm, bn, bk, m, n, dtype), group_m, warps, stages)
+    if inner:
+        bm //= 4 if dtype.itemsize >= 4 else 2
+    return GemmTile(*gemm_block(bm, bn, bk, m, n, dtype), group_m, warps, stages)
 
 
 def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:
@@ -181,14 +185,17 @@ def _window(group: Group, dtype: torch.dtype) -> Window | None:
 
 
 def _skip(group: Group, graph: Graph, bd: Body) -> int:
-    """Block sparsity: the guard (its node) under which the K loop's A tile is 0 and each
-    reduction in the K loop reads its neutral value (``lower.sparsity``), or -1."""
+    """Block sparsity: the guard (its node) under which the K loop's A tile, a product computed in
+    tiles, is 0 and each reduction in the K loop reads its neutral value (``lower.sparsity``), or -1."""
     c = group.contraction
     assert c is not None
     a = c.srcs[0]
     if group.chunk is not None or c.attr("sum_batch") or group.roles.get(id(a)) is not Role.A:
         return -1
     prologue = [n for n in group.nodes if group.role(n) is Role.A]
+    if not any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in prologue):
+        return -1  # only where A is a product computed in tiles (attention's P, dS): a masked
+        # operand read from memory keeps eager's 0 * inf in every tile
     targets = [(a, 0.0)]
     for n in prologue:
         if REGISTRY[n.op].kind is OpKind.REDUCTION:
