@@ -86,6 +86,9 @@ def _check(expr, ins, ref_fn, dtype, atol, rtol, gen, grad=True):
     for n, a, e in zip(names, got, want):
         assert a is not None and torch.isfinite(a).all(), f"d/d{n} not finite"
         scale = max(1.0, float(e.abs().max()))
+        if dtype in (torch.float16, torch.bfloat16):  # a tensor the scores read sums the rounding of
+            # every score it touches (a random walk): an ALiBi slope's gradient, 0 where Tk = 1
+            scale *= math.sqrt(max(1, max(o.numel() for o in outs) // max(e.numel(), 1)))
         assert_close(a, e, atol * scale, rtol, f"d/d{n}")
 
 
@@ -411,16 +414,11 @@ def test_a_new_sequence_length_in_the_same_tiles_compiles_nothing(gen):
 def _draw(rnd):
     """One attention: sizes, dtype, and a choice of each feature, with its float64 reference."""
     hkv, g = rnd.choice([1, 2]), rnd.choice([1, 2, 3])
-    size = (
-        rnd.choice([1, 2]),
-        hkv * g,
-        hkv,
-        rnd.randint(1, 11),
-        rnd.randint(1, 11),
-        rnd.choice([4, 8, 12]),
-        rnd.choice([3, 8]),
-    )
-    dtype, atol, rtol = rnd.choice(TOLERANCES[1:])
+    # one draw in four spans several of the interpreter's tiles (block sparsity skips some), in fp32
+    wide = rnd.random() < 0.25
+    lengths = (rnd.randint(40, 140), rnd.randint(40, 140)) if wide else (rnd.randint(1, 11), rnd.randint(1, 11))
+    size = (1 if wide else rnd.choice([1, 2]), hkv * g, hkv, *lengths, rnd.choice([4, 8, 12]), rnd.choice([3, 8]))
+    dtype, atol, rtol = TOLERANCES[1] if wide else rnd.choice(TOLERANCES[1:])
     causal, mod, mask = (
         rnd.random() < 0.5,
         rnd.choice(["none", "softcap", "bias", "alibi"]),
