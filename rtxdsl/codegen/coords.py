@@ -21,18 +21,11 @@ from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
 from ..lower.passes import reduce_dtype, remaps
 from ..lower.roles import Role
-from ..lower.sparsity import TEXT, may_hold
 from ..lower.spec import BCAST, NodeSpec, Src
 from ..ops import REGISTRY, Coords, DtypeRule, OpKind, RemapCtx
 from ..ops.llm import picked_by_position
 from .dot import k_loop
 from .source import Scope, Writer, offset_terms
-
-#: each dim of a product row kernel's tile, its range over the tile (block sparsity's bounds)
-ROW_RANGES = {
-    "rows": ("(pid % m_blocks) * ROWS", "(pid % m_blocks) * ROWS + ROWS - 1"),
-    "cols": ("col_start", "col_start + BLOCK_SIZE - 1"),
-}
 
 
 class CoordWriter(Writer):
@@ -263,15 +256,6 @@ class CoordWriter(Writer):
         expr = f"({expr}) != 0" if result is torch.bool else f"({expr}).to({TRITON_TYPE[result]})"
         scope.add(f"{name} = {expr}")
         self.types[name] = result
-
-    def _skip_test(self) -> str | None:
-        """Block sparsity (a product's row kernel, its rows in one batch): may the guard hold in
-        the tile of the program's rows by the column block at ``col_start``?"""
-        g = self.spec.gemm
-        if g is None or g.skip < 0 or not g.batch:
-            return None
-        keep = may_hold(self.spec, TEXT, ROW_RANGES, [f"s{k}" for k in range(len(self.spec.scalars))])
-        return None if keep == TEXT.TRUE else keep
 
     def _product(self, i: int, name: str, c: Coords, scope: Scope) -> None:
         """A contraction's ``[ROWS, BLOCK_SIZE]`` tile at the row block and column block ``c``: Triton

@@ -13,7 +13,6 @@ from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import own_params
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
-from ..lower.sparsity import TEXT, may_hold
 from ..lower.spec import BCAST, STRIDED, UNIT, KernelSpec, NodeSpec, Src
 from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
@@ -55,18 +54,8 @@ for k_start in range(${k_start}, ${k_end}, BLOCK_K):
     b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
 """
 
-#: block sparsity: the K slices where the guard may hold, ``[k_lo, k_hi)`` (a scan of scalars)
-K_SCAN = """\
-k_lo = tl.zeros((), dtype=tl.int32) + K
-k_hi = tl.zeros((), dtype=tl.int32)
-for k_start in range(0, K, BLOCK_K):
-    k_keep = ${keep}
-    k_lo = tl.minimum(k_lo, tl.where(k_keep, k_start, K))
-    k_hi = tl.maximum(k_hi, tl.where(k_keep, k_start + BLOCK_K, 0))
-"""
-
 #: each dim of a GEMM's A tile, its range over the tile (block sparsity's bounds)
-TILE_RANGES = {"m": ("pid_m * BLOCK_M", "pid_m * BLOCK_M + BLOCK_M - 1"), "k": ("k_start", "k_start + BLOCK_K - 1")}
+GEMM_RANGES = {"m": ("pid_m * BLOCK_M", "pid_m * BLOCK_M + BLOCK_M - 1"), "k": ("k_start", "k_start + BLOCK_K - 1")}
 
 #: an accumulating chunk loop's kernel: its running sum (contiguous, the product's shape) at the tile
 ACC_OFFSET = "(batch * M + offs_m[:, None]) * N + offs_n[None, :]"
@@ -98,6 +87,8 @@ class GemmWriter(Writer):
     """Parameters: the inputs' and outputs' pointers, ``M, N, K``, the batch sizes, A's and B's
     strides (batch dims, then ``m, k`` / ``k, n``), each epilogue load's and output's strides over
     the product's dims, the scalars (the order :func:`rtxdsl.lower.gemm.gemm_spec` passes them)."""
+
+    TILE_RANGES = GEMM_RANGES
 
     def __init__(self, spec: KernelSpec) -> None:
         super().__init__(spec)
@@ -145,10 +136,8 @@ class GemmWriter(Writer):
         precision = f', input_precision="{g.precision}"' if operand_dtype == torch.float32 else ""
         k_scope.add(f"acc = tl.dot({tiles[0]}, {tiles[1]}, acc{precision})")
         k_start, k_end = "W_LO" if window is not None and window.axis == "k" else "0", "K"
-        keep = self._skip_test()
-        if keep is not None:  # block sparsity: only the K slices where the guard may hold
-            batches.add_all(render(K_SCAN, keep=keep).rstrip("\n").splitlines())
-            k_start, k_end = "k_lo", "k_hi"
+        if self.tile_scan(batches, ("k_lo", "k_hi"), "k_start", "K", "BLOCK_K"):  # block sparsity
+            k_start, k_end = "k_lo", "k_hi"  # only the K slices where the guard may hold
         batches.add_all(render(K_LOOP, k_start=k_start, k_end=k_end).rstrip("\n").splitlines())
         batches.lines.extend(k_scope.lines)
         if batches is not top:
@@ -182,15 +171,6 @@ class GemmWriter(Writer):
             m_start=spans["m"][1],
             n_start=spans["n"][1],
         )
-
-    def _skip_test(self) -> str | None:
-        """Block sparsity: may the guard hold in the A tile of the K slice at ``k_start``?"""
-        g = self.spec.gemm
-        assert g is not None
-        if g.skip < 0:
-            return None
-        keep = may_hold(self.spec, TEXT, TILE_RANGES, [f"s{k}" for k in range(len(self.spec.scalars))])
-        return None if keep == TEXT.TRUE else keep
 
     def _relative(self, top: Scope) -> None:
         """A chunk loop's buffers hold one chunk, its element 0 at ``W_LO`` of the windowed dim

@@ -12,7 +12,7 @@ across loop iterations, read off at the end.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.params import kernel_params, load_names
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
 from ..lower.roles import Role
+from ..lower.sparsity import TEXT, may_hold
 from ..lower.spec import BCAST, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split, Src, Stride
 from ..ops import REGISTRY, AxisRule, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
@@ -68,15 +69,22 @@ rows_m = (${pid} % m_blocks) * ROWS + tl.arange(0, ROWS)[:, None]
 rows = batch * ${m} + rows_m
 row_mask = rows_m < ${m}"""
 
-#: block sparsity: the column tiles where the guard may hold, ``[c_lo, c_hi)`` (a scan of scalars)
-COL_SCAN = """\
-c_lo = tl.zeros((), dtype=tl.int32) + n_cols
-c_hi = tl.zeros((), dtype=tl.int32)
-for col_start in range(0, n_cols, BLOCK_SIZE):
-    c_keep = ${keep}
-    c_lo = tl.minimum(c_lo, tl.where(c_keep, col_start, n_cols))
-    c_hi = tl.maximum(c_hi, tl.where(c_keep, col_start + BLOCK_SIZE, 0))
+#: block sparsity: a loop's tiles where the guard may hold, ``[${lo}, ${hi})`` (a scan of scalars)
+TILE_SCAN = """\
+${lo} = tl.zeros((), dtype=tl.int32) + ${extent}
+${hi} = tl.zeros((), dtype=tl.int32)
+for ${start} in range(0, ${extent}, ${block}):
+    tile_keep = ${keep}
+    ${lo} = tl.minimum(${lo}, tl.where(tile_keep, ${start}, ${extent}))
+    ${hi} = tl.maximum(${hi}, tl.where(tile_keep, ${start} + ${block}, 0))
 """
+
+#: each dim of a product row kernel's tile (rows kept to one batch), its range over the tile:
+#: block sparsity's bounds
+ROW_RANGES = {
+    "rows": ("(pid % m_blocks) * ROWS", "(pid % m_blocks) * ROWS + ROWS - 1"),
+    "cols": ("col_start", "col_start + BLOCK_SIZE - 1"),
+}
 
 #: a split row: programs ``split`` of ``n_split`` per row block, each over ``chunk`` reduced elements
 SPLIT = """\
@@ -161,6 +169,9 @@ class Scope:
 
 
 class Writer:
+    #: block sparsity: each dim of the guarded loop's tile, its range over the tile (``tile_scan``)
+    TILE_RANGES: Mapping[str, tuple[str, str]] = ROW_RANGES
+
     def __init__(self, spec: KernelSpec) -> None:
         self.spec = spec
         self.row = spec.kind == "row"
@@ -551,6 +562,7 @@ class Writer:
         """Parameters, the kernel's top scope, scalar arguments and the row (or flat) index."""
         self.build_params()
         self.cidx: list[str] = []  # the column index per reduced dim (a row kernel's, once its loop opens)
+        self.scanned = False  # block sparsity: the row's column tiles scanned (``tile_scan``)
         self.top = Scope()
         self._scalar_prelude()
         self.ridx = self._decompose(self.top, flat, prefix, size, self.nr)
@@ -647,15 +659,23 @@ class Writer:
 
     def _close_loop(self, loop: Scope) -> None:
         span = "col_lo, col_hi" if self.spec.split else "0, n_cols"
-        keep = self._skip_test()
-        if keep is not None:  # block sparsity: only the column tiles where the guard may hold
-            if not any(line.strip().startswith("c_lo =") for line in self.top.lines):  # once, before the first pass
-                self.top.add_all(render(COL_SCAN, keep=keep).rstrip("\n").splitlines())
+        # block sparsity: only the column tiles where the guard may hold (scanned before the first pass)
+        self.scanned = self.scanned or self.tile_scan(self.top, ("c_lo", "c_hi"), "col_start", "n_cols", "BLOCK_SIZE")
+        if self.scanned:
             span = "c_lo, c_hi"
         self.top.add(f"for col_start in range({span}, BLOCK_SIZE):")
         self.top.lines.extend(loop.lines)
 
-    def _skip_test(self) -> str | None:
-        """Block sparsity: may the guard hold in the loop's tile at ``col_start``? Only a product's
-        row kernel has a guard (``CoordWriter``'s)."""
-        return None
+    def tile_scan(self, scope: Scope, bounds: tuple[str, str], start: str, extent: str, block: str) -> bool:
+        """Block sparsity (``lower.sparsity``): where the kernel has a guard, scan the loop's tiles
+        (``start`` over ``extent`` in steps of ``block``) into ``bounds``, the first and past-the-last
+        tile where the guard may hold over the tile's ranges (``TILE_RANGES``). Was a scan added?"""
+        g = self.spec.gemm
+        if g is None or g.skip < 0:
+            return False
+        keep = may_hold(self.spec, TEXT, self.TILE_RANGES, [f"s{k}" for k in range(len(self.spec.scalars))])
+        if keep == TEXT.TRUE:
+            return False
+        scan = render(TILE_SCAN, lo=bounds[0], hi=bounds[1], start=start, extent=extent, block=block, keep=keep)
+        scope.add_all(scan.rstrip("\n").splitlines())
+        return True

@@ -6,8 +6,8 @@ tile by tile) or over K slices of a GEMM whose A operand is a prologue (``P @ v`
 a condition of positions only (causal ``q_idx >= kv_idx``, a sliding window, a prefix) under
 which every value the loop accumulates is its reduction's neutral value (0 for a sum or a
 ``tl.dot``, ``-inf`` for a max or a logsumexp). The generated kernel evaluates the guard over
-each tile's ranges of positions (``codegen.sparsity``) and runs the loop over the tiles where it
-may hold (``[lo, hi)``; a tile between two kept ones still runs).
+each tile's ranges of positions (:func:`may_hold`, the writers' ``tile_scan``) and runs the loop
+over the tiles where it may hold (``[lo, hi)``; a tile between two kept ones still runs).
 
 A skipped tile's values are taken as the neutral ones, as FlashAttention and FlexAttention take
 them: where the guard is false the decomposition multiplies ``0`` by values from its other
