@@ -10,8 +10,9 @@ small tensors of the same ranks; eager bytes charge each op of the gradient expr
 The second table is linear cross-entropy's memory: the buffers rtxdsl's forward and backward
 allocate beyond their inputs and results, every tokens x vocabulary tensor eager torch makes
 (``F.linear`` + ``F.cross_entropy``, forward and backward), and Liger-Kernel's logits chunk.
-The third is the post-training losses (DPO, KTO, GRPO) with a reference model's head: kernels,
-bytes and the backward's buffers, beside the logits neither model writes.
+The third is the post-training losses with a second model's head (DPO, KTO, GRPO with a
+reference model's; JSD and cosine distillation, and fused linear JSD, with a teacher's): kernels,
+bytes, FLOPs and the backward's buffers, beside the logits neither model writes.
 
     python -m benches.contraction_report [--quick]
 """
@@ -27,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rtxdsl as rx
 from benches.common import backward_feed, machine, markdown, save
+from rtxdsl.lower.target import GPU
 
 x, w, b, r, wg, wu, wd = (rx.var(n) for n in ("x", "w", "b", "r", "wg", "wu", "wd"))
 
@@ -195,18 +197,32 @@ def head_losses(seqs: int, tokens: int, vocab: int, hidden: int, dtype: torch.dt
             rx.grpo_outputs(v("h"), v("w"), v("t"), v("m"), v("a"), ref=models, old_logps=v("old"))["loss"],
             head | ref | {"m": torch.ones(seqs, tokens), "a": torch.zeros(seqs), "old": torch.zeros(seqs, tokens)},
         ),
+        # distillation: the teacher's head (here as wide as the student's) in the student's row kernel
+        "JSD distillation (teacher head)": (
+            rx.distillation_outputs("jsd", v("h"), v("w"), v("rh"), v("rw"), v("t"), temperature=2.0)["loss"],
+            head | ref,
+        ),
+        "cosine distillation (teacher head)": (
+            rx.distillation_outputs("cosine", v("h"), v("w"), v("rh"), v("rw"), v("t"))["loss"],
+            head | ref,
+        ),
+        "fused linear JSD (teacher head)": (rx.linear_jsd(v("h"), v("w"), v("rh"), v("rw"), v("t")), head | ref),
     }
     rows = []
     for name, (expr, ins) in losses.items():
         k = rx.compile(expr)
         fwd = k.summary(**ins)
         plan = k.grad_plan(**{n: t.requires_grad_() if n in ("h", "w") else t for n, t in ins.items()})
-        bwd = plan.backward.program(**backward_feed(plan, ins))
+        feed = backward_feed(plan, ins)
+        bwd = plan.backward.program(**feed)
+        # the compute model on sm_90's tiles (how often a GEMM recomputes a product depends on them)
+        flops = (k.lower_for(GPU, **ins).flops, *((p := plan.backward.lower_for(GPU, **feed)).flops, p.minimum_flops))
         rows.append({
             "loss": name,
             "kernels fwd / bwd": f"{fwd.kernels} / {bwd.kernels_launched}",
             "forward GB (eager)": f"{fwd.bytes_moved / 1e9:.2f} ({fwd.bytes_eager / 1e9:.1f})",
             "backward extra MB": round(bwd.scratch_bytes / 1e6, 1),
+            "sm_90 TFLOP fwd / bwd (min bwd)": f"{flops[0] / 1e12:.1f} / {flops[1] / 1e12:.1f} ({flops[2] / 1e12:.1f})",
             "one model's logits MB": round(seqs * tokens * vocab * dtype.itemsize / 1e6, 1),
         })  # fmt: skip
     return rows

@@ -43,6 +43,7 @@ from .expr import Expr  # noqa: E402
 from .lazy import Fusion, LazyTensor, OperationStream, lazy, sync  # noqa: E402
 from .library import Library, LibraryError, load_library  # noqa: E402
 from .ops import REGISTRY as _REGISTRY  # noqa: E402
+from .ops.distill import distillation_outputs, linear_jsd  # noqa: E402
 from .ops.llm import cross_entropy_outputs  # noqa: E402
 from .ops.policy import grpo_outputs  # noqa: E402
 from .ops.preference import kto_outputs, preference_outputs, sequence_logps  # noqa: E402
@@ -82,8 +83,10 @@ __all__ = [
     "LazyTensor",
     "Library",
     "cross_entropy_outputs",
+    "distillation_outputs",
     "grpo_outputs",
     "kto_outputs",
+    "linear_jsd",
     "preference_outputs",
     "sequence_logps",
     "LibraryError",

@@ -12,8 +12,11 @@ is silently ignored): ``use_token_scaling``, ``return_predicted_tokens`` of the 
 loss, an ``accum_dtype`` other than float32 (rtxdsl accumulates in float32 always).
 The chunked preference losses (``LigerFusedLinearDPOLoss``, ``...ORPOLoss``, ``...CPOLoss``,
 ``...SimPOLoss``, ``...KTOLoss``) are :func:`rtxdsl.ops.preference.preference_outputs` kernels,
-``LigerFusedLinearGRPOLoss`` a :func:`rtxdsl.ops.policy.grpo_outputs` one: one row kernel per
-model, no chunks, the logits never written.
+``LigerFusedLinearGRPOLoss`` a :func:`rtxdsl.ops.policy.grpo_outputs` one, the distillation losses
+(``LigerFusedLinearJSDLoss``, ``...CosineSimilarityLoss``, and ``LigerFusedLinearJSD``)
+:func:`rtxdsl.ops.distill.distillation_outputs` and :func:`rtxdsl.linear_jsd` ones: no chunks, the
+logits never written (a policy's and a reference model's, a student's and a teacher's, computed
+tile by tile in one row kernel).
 ``apply_liger_kernel_to_<model>(..., model=m)`` calls :func:`rtxdsl.nn.replace_modules` on the
 instance ``m`` (Liger's class-level patching, without ``model``, is not done: it raises).
 
@@ -39,6 +42,7 @@ from .nn import modules as _m
 from .nn.memo import made_once
 from .nn.swap import replace_modules
 from .ops import REGISTRY
+from .ops.distill import distillation_outputs, linear_jsd
 from .ops.llm import capped_logits, cross_entropy_outputs
 from .ops.policy import grpo_outputs
 from .ops.preference import kto_outputs, preference_outputs
@@ -637,6 +641,116 @@ def _token_count(mask: torch.Tensor, num_items: int | float | torch.Tensor | Non
     return count / world
 
 
+# ---- distillation over a student's and a teacher's heads: one row kernel, no chunks ---------------------
+@made_once
+def _distill_kernel(loss: str, biases: tuple[bool, bool], options: tuple) -> Kernel:
+    """:func:`rtxdsl.ops.distill.distillation_outputs` for one loss, the biases given, its options."""
+    var = dsl.var
+    bs, bt = (var(n) if on else None for n, on in zip(("bs", "bt"), biases))
+    return compile(distillation_outputs(loss, var("hs"), var("ws"), var("ht"), var("wt"), var("t"), bs, bt,
+                                        **dict(options)))  # fmt: skip
+
+
+class _FusedLinearDistillation(torch.nn.Module):
+    """What Liger's chunked distillation losses share (its ``LigerFusedLinearDistillationBase``):
+    ``forward(student_input, student_weight, teacher_input, teacher_weight, true_labels,
+    student_bias=None, teacher_bias=None)`` returns the loss, or ``(loss, soft_loss, hard_loss)``
+    with ``return_soft_hard_loss``; the student's head gets gradients, the teacher's none.
+    ``compiled`` and ``chunk_size`` are accepted and change nothing: both heads' logits are computed
+    tile by tile in one row kernel, never written."""
+
+    loss = ""
+
+    def __init__(
+        self, weight_hard_loss: float = 0.5, weight_soft_loss: float = 0.5, beta: float = 0.5,
+        ignore_index: int = -100, temperature: float = 1.0, compiled: bool = True, chunk_size: int = 1024,
+        return_soft_hard_loss: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise RtxError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if not isinstance(return_soft_hard_loss, bool):
+            raise RtxError(f"return_soft_hard_loss must be a bool, got {return_soft_hard_loss!r}")
+        self.weight_hard_loss, self.weight_soft_loss, self.beta = weight_hard_loss, weight_soft_loss, beta
+        self.ignore_index, self.temperature, self.compiled = ignore_index, temperature, compiled
+        self.chunk_size, self.return_soft_hard_loss = chunk_size, return_soft_hard_loss
+        self._options = tuple(
+            sorted(
+                {
+                    "weight_hard_loss": weight_hard_loss,
+                    "weight_soft_loss": weight_soft_loss,
+                    "beta": beta,
+                    "ignore_index": ignore_index,
+                    "temperature": temperature,
+                }.items()  # fmt: skip
+            )
+        )
+        for biases in ((False, False), (True, False), (False, True), (True, True)):  # made now, found by forward
+            _distill_kernel(self.loss, biases, self._options)
+
+    def forward(
+        self, student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+        teacher_weight: torch.Tensor, true_labels: torch.Tensor, student_bias: torch.Tensor | None = None,
+        teacher_bias: torch.Tensor | None = None,
+    ) -> Any:  # fmt: skip
+        ins = {"hs": student_input, "ws": student_weight, "ht": teacher_input, "wt": teacher_weight, "t": true_labels}
+        ins |= ({"bs": student_bias} if student_bias is not None else {}) | (
+            {"bt": teacher_bias} if teacher_bias is not None else {}
+        )
+        out = _distill_kernel(self.loss, (student_bias is not None, teacher_bias is not None), self._options)(**ins)
+        return (out["loss"], out["soft_loss"], out["hard_loss"]) if self.return_soft_hard_loss else out["loss"]
+
+
+class LigerFusedLinearJSDLoss(_FusedLinearDistillation):
+    """Liger's ``LigerFusedLinearJSDLoss`` (chunked): ``weight_hard_loss`` x the student's
+    cross-entropy plus ``weight_soft_loss`` x the generalized JSD of the two softmaxes at
+    ``temperature`` (``beta`` 0: KL(teacher || student); 1: KL(student || teacher)), each summed
+    over the tokens whose label counts and divided by their number."""
+
+    loss = "jsd"
+
+
+class LigerFusedLinearCosineSimilarityLoss(_FusedLinearDistillation):
+    """Liger's ``LigerFusedLinearCosineSimilarityLoss`` (chunked): the soft term is ``beta * (1 -
+    cos)`` of each token's two logit vectors at ``temperature``, summed over the tokens whose
+    label counts and divided by their number."""
+
+    loss = "cosine"
+
+
+@made_once
+def _linear_jsd_kernel(labelled: bool, beta: float, ignore_index: int, temperature: float) -> Kernel:
+    var = dsl.var
+    label = var("t") if labelled else None
+    return compile(linear_jsd(var("hs"), var("ws"), var("ht"), var("wt"), label, beta, ignore_index, temperature))
+
+
+class LigerFusedLinearJSD(torch.nn.Module):
+    """Liger's ``LigerFusedLinearJSD``: ``forward(student_input, student_weight, teacher_input,
+    teacher_weight, shift_labels=None)``, the generalized JSD of the two heads' softmaxes at
+    ``temperature`` averaged over the tokens whose label is not ``ignore_index`` (every token
+    without labels): :func:`rtxdsl.linear_jsd`, one row kernel, no logits written."""
+
+    def __init__(
+        self, jsd_beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
+        accum_dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if accum_dtype not in (None, torch.float32):
+            raise RtxError(f"accum_dtype: rtxdsl accumulates in float32; got {accum_dtype}")
+        self.jsd_beta, self.ignore_index, self.temperature = jsd_beta, ignore_index, temperature
+        for labelled in (False, True):  # made now, found by forward
+            _linear_jsd_kernel(labelled, jsd_beta, ignore_index, temperature)
+
+    def forward(
+        self, student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+        teacher_weight: torch.Tensor, shift_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        ins = {"hs": student_input, "ws": student_weight, "ht": teacher_input, "wt": teacher_weight}
+        ins |= {"t": shift_labels} if shift_labels is not None else {}
+        return _linear_jsd_kernel(shift_labels is not None, self.jsd_beta, self.ignore_index, self.temperature)(**ins)
+
+
 # ---- Liger's model patches: replace_modules on an instance ---------------------------------------------
 def _apply(family: str) -> Any:
     def apply(
@@ -681,9 +795,12 @@ __all__ = [
     "LigerDyT",
     "LigerFusedAddRMSNorm",
     "LigerFusedLinearCPOLoss",
+    "LigerFusedLinearCosineSimilarityLoss",
     "LigerFusedLinearCrossEntropyLoss",
     "LigerFusedLinearDPOLoss",
     "LigerFusedLinearGRPOLoss",
+    "LigerFusedLinearJSD",
+    "LigerFusedLinearJSDLoss",
     "LigerFusedLinearKTOLoss",
     "LigerFusedLinearORPOLoss",
     "LigerFusedLinearSimPOLoss",

@@ -706,6 +706,66 @@ class _Gen:
         self.mark(loss)
         self.outputs.append(loss)
 
+    def distill_head(self, h: str) -> None:
+        """A teacher's head (its own hidden states, of another width) beside the student's:
+        ``rx.linear_jsd``, or ``rx.distillation_outputs``' JSD or cosine loss with the student's
+        cross-entropy; the teacher's inputs take no gradient (its logits are detached)."""
+        r, H, V = self.r, self.H, self.V
+        kind = r.choice(["fused", "jsd", "cosine"])
+        beta, temp = r.choice([0.0, 0.3, 0.5, 1.0]), r.choice([1.0, 2.0, 0.7])
+        ignore = r.choice([-100, V - 1])
+        Ht = r.choice([H, H + 3, max(2, H // 2)])
+        t = self.targets(self.rows, V, ignore)
+        tw, dw, _, _ = self.weight(H, V)
+        ht = self.input("ht", (*self.rows, Ht), grad=False)
+        wt = self.input("wt", (V, Ht), scale=round(1 / math.sqrt(Ht), 3), grad=False)
+        b = self.bias(V, 0.3) if kind != "fused" else None
+        self.tags += [f"distill {kind}", f"beta={beta}", f"T={temp}", f"Ht={Ht}"]
+        arg = f", {b}" if b else ""
+        s, te = self.name("s"), self.name("te")
+        self.torch.append(f"{s} = F.linear({h}, {tw}{arg}).to(ACC) / {temp}")
+        self.torch.append(f"{te} = (F.linear({ht}, {wt}).to(ACC) / {temp}).detach()")
+        valid = self.name("valid")
+        self.torch.append(f"{valid} = {t} != {ignore}")
+        rows = self.name("rows")
+        if kind == "cosine":
+            self.torch.append(f"{rows} = {beta} * (1 - F.cosine_similarity(F.normalize({s}, dim=-1), "
+                              f"F.normalize({te}, dim=-1), dim=-1))")  # fmt: skip
+        else:
+            lq, lp = self.name("lq"), self.name("lp")
+            self.torch.append(f"{lq}, {lp} = torch.log_softmax({s}, -1), torch.log_softmax({te}, -1)")
+            p, q = f"{lp}.exp()", f"{lq}.exp()"
+            if beta == 0.0:
+                terms = f"{p} * ({lp} - {lq})"
+            elif beta == 1.0:
+                terms = f"{q} * ({lq} - {lp})"
+            else:
+                m = self.name("m")
+                self.torch.append(f"{m} = torch.log({beta} * {p} + {1 - beta} * {q})")
+                terms = f"{beta} * {p} * ({lp} - {m}) + {1 - beta} * {q} * ({lq} - {m})"
+            self.torch.append(f"{rows} = ({terms}).sum(-1)")
+        count = f"{valid}.sum().clamp(min=1)"
+        loss = self.name("loss")
+        self.torch.append(f"{loss} = torch.where({valid}, {rows}, 0.0).sum() / {count}")
+        if kind == "fused":
+            self.dsl.append(f"{loss} = rx.linear_jsd({h}, {dw}, {ht}, {wt}, {t}, beta={beta}, ignore_index={ignore}, "
+                            f"temperature={temp})")  # fmt: skip
+        else:
+            wh = r.choice([0.0, 0.5])
+            nll = self.name("nll")
+            self.torch.append(
+                f"{nll} = F.cross_entropy((F.linear({h}, {tw}{arg}).to(ACC)).reshape(-1, {V}), {t}.reshape(-1), "
+                f"ignore_index={ignore}, reduction='sum') / {count}"
+            )
+            self.torch.append(f"{loss} = {wh} * {nll} + {1 - wh} * {loss}")
+            bias = f", {b}" if b else ", None"
+            self.dsl.append(
+                f"{loss} = rx.distillation_outputs({kind!r}, {h}, {dw}, {ht}, {wt}, {t}{bias}, weight_hard_loss={wh}, "
+                f"weight_soft_loss={1 - wh}, beta={beta}, ignore_index={ignore}, temperature={temp})['loss']"
+            )
+        self.mark(loss)
+        self.outputs.append(loss)
+
     def pool_head(self, h: str) -> None:
         """Mean over tokens, a classifier, and its cross-entropy (or the class scores)."""
         r, H = self.r, self.H
@@ -744,6 +804,8 @@ class _Gen:
         head = r.choice(["logits", "logits", "pool", "none"])
         if head == "logits" and self.batch[:1] == (2,) and r.random() < 0.4:  # pairs: chosen, rejected
             self.preference_head(h)
+        elif head == "logits" and r.random() < 0.2:  # a teacher's head beside the student's
+            self.distill_head(h)
         elif head == "logits":
             self.logits_head(h)
         elif head == "pool":

@@ -129,10 +129,10 @@ def test_temperature_scales_the_float32_logits(gen):
     assert_close(k(h=h, w=w, t=t).double(), want, 1e-5, 1e-5, "logps")
 
 
-def test_each_model_is_one_row_kernel_and_no_logits_are_written(gen):
-    """With the reference model's head: its rows and the policy's are two row kernels, each computing
-    its logit tiles inside itself (before, the per-token KL term merged them into one, whose
-    second product was written); the backward's GEMMs recompute the policy's tiles."""
+def test_both_models_share_one_row_kernel_and_no_logits_are_written(gen):
+    """With the reference model's head: its rows and the policy's are one row kernel computing both
+    products' logit tiles inside itself (the per-token KL term reads both); the backward's GEMMs
+    recompute the policy's tiles."""
     m = liger.LigerFusedLinearGRPOLoss(beta=0.1)
     x = _batch(gen, torch.float64, True, "model", True, None)
     x = {k: v for k, v in x.items() if v is not None}
@@ -144,7 +144,7 @@ def test_each_model_is_one_row_kernel_and_no_logits_are_written(gen):
         forward = rx.fusion_stats().kernels_launched
         rx.reset_fusion_stats()
         loss.backward()
-    assert forward == 3  # the advantages' signs, the reference's rows, the policy's rows (the sums as its tail)
+    assert forward == 2  # the advantages' signs, then both models' rows (the sums as its tail)
     assert rx.fusion_stats().kernels_launched == 4  # the cotangent, dh, dw and the bias gradient's sum
     logits = B * T * VOCAB
     assert not [s for s in seen.shapes if math.prod(s) and math.prod(s) % logits == 0], seen.shapes

@@ -187,6 +187,12 @@ def _product_cases() -> list[Case]:
             ),
         ),
         Case(
+            "linear_logits",
+            rx.linear_logits(x, w, b, temperature=2.0),
+            {"x": h, "w": vocab, "b": _randn(6, seed=9)},
+            lambda x, w, b: F.linear(x, w, b).to(torch.promote_types(x.dtype, F32)) / 2.0,
+        ),
+        Case(
             "attention",
             rx.attention(x, y, w, causal=True, enable_gqa=True),
             {"x": _randn(1, 4, 5, 3, seed=11), "y": _randn(1, 2, 7, 3, seed=12), "w": _randn(1, 2, 7, 2, seed=13)},

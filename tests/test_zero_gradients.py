@@ -147,6 +147,7 @@ def _llm_cases() -> list[Case]:
         Case("linear_cross_entropy-all-ignored", rx.linear_cross_entropy(x, w, t), {"x": h, "w": vocab} | none),
         Case("linear_logps", rx.linear_logps(x, w, t), {"x": h, "w": vocab, "t": LABELS}),
         Case("linear_logps-all-ignored", rx.linear_logps(x, w, t), {"x": h, "w": vocab} | none),
+        Case("linear_logits", rx.linear_logits(x, w, temperature=2.0), {"x": h, "w": vocab}),
         Case("rope", rx.rope(x, y, w), {"x": ROWS, "y": _randn(6, seed=7), "w": _randn(6, seed=8)}),
         Case(
             "rope-interleaved",

@@ -222,20 +222,20 @@ def _calls(
     return calls
 
 
-def _kernel_flops(flops: int, spec: KernelSpec, reads: list[int], launch: Launch) -> int:
-    """A launch's FLOPs: its group's, times its passes over a product computed in tiles, times the
-    fraction of tiles block sparsity runs."""
-    return round(flops * _product_passes(spec, reads) * launch.kept)
+def _kernel_flops(flops: list[int], spec: KernelSpec, reads: list[int], launch: Launch) -> int:
+    """A launch's FLOPs: its group's (``flops.kernel_flops``), each product's times its passes,
+    times the fraction of tiles block sparsity runs."""
+    return round(sum(f * p for f, p in zip(flops, _product_passes(spec, reads))) * launch.kept)
 
 
-def _product_passes(spec: KernelSpec, reads: list[int]) -> int:
-    """How many times a row kernel computes its product: once per looped pass over the row that
-    reads its right operand (which nothing but the product's K loop loads); a GEMM's, once."""
+def _product_passes(spec: KernelSpec, reads: list[int]) -> list[int]:
+    """How many times a row kernel computes each of its products: once per looped pass over the
+    row that reads its right operand (which nothing but the product's K loop loads); a GEMM's,
+    once."""
     if spec.kind != "row" or spec.gemm is None:
-        return 1
-    product = next(nd for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
-    kind, j = product.srcs[1]
-    return reads[spec.loads[j].input] if kind is Src.LOAD else 1
+        return [1]
+    products = [nd for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION]
+    return [reads[spec.loads[j].input] if kind is Src.LOAD else 1 for kind, j in (p.srcs[1] for p in products)]
 
 
 def _chunk_buffers(plan: Plan, lay: dict[int, Layout]) -> dict[int, tuple[int, ...]]:

@@ -17,8 +17,9 @@ The analysis is a sequence of passes, each a function from (graph, groups) to ne
 3. ``absorb_per_row``: math on leaves only is recomputed in every kernel that reads it.
 4. ``recompute_elementwise``: a kernel reading another kernel's elementwise value recomputes
    it from leaves instead of reading it back.
-5. ``fuse_product_rows``: a row kernel reducing a GEMM's product over its last axis computes the
-   product tile by tile itself (the product is never written: linear cross-entropy).
+5. ``fuse_product_rows``: a row kernel reducing GEMMs' products over their last axis computes
+   each product tile by tile itself (never written: linear cross-entropy; a student's and a
+   teacher's logits in one distillation loss).
 6. ``absorb_prologues``: a GEMM recomputes an elementwise operand at load time (its prologue)
    where the traffic model says that is cheaper than writing the operand and reading it back.
 7. ``chunk_recomputed`` (``lower/chunk.py``): a product that GEMM prologues would recompute
@@ -333,7 +334,7 @@ class _Partitioner:
         self.consumers = _consumers(graph, fl)
         self.groups: list[_Work] = []
         self.deps = _Deps(fl)
-        self._reduced: dict[int, bool] = {}  # contraction id -> reduced_in_rows
+        self._alone: dict[int, bool] = {}  # contraction id -> alone_in_rows
 
     def new(self, n: Expr, shape: tuple[int, ...], axes: tuple[int, ...], role: Role) -> _Work:
         g = _Work(tuple(shape), tuple(axes))
@@ -406,17 +407,18 @@ class _Partitioner:
         if not same or len(a.nodes) + len(b.nodes) > self.cap or not _contractions_fit(a, b):
             return False
         if _two_products(self.products(), self.deps.reads[id(a)], self.deps.reads[id(b)]):
-            return False  # a policy's and a reference model's rows: one kernel computes one product in tiles
+            return False  # attention's rows: a kernel computing one of them in tiles computes no other
         return not self.deps.reaches(a, b) and not self.deps.reaches(b, a)
 
     def products(self) -> set[int]:
-        """The GEMM groups whose product a row kernel would compute inside itself (:func:`reduced_in_rows`)."""
+        """The GEMM groups whose product a row kernel would compute inside itself, alone
+        (:func:`alone_in_rows`)."""
         return {id(g) for g in self.groups if (c := g.contraction) is not None and self._in_rows(c)}
 
     def _in_rows(self, c: Expr) -> bool:
-        if id(c) not in self._reduced:
-            self._reduced[id(c)] = reduced_in_rows(self.graph, c)
-        return self._reduced[id(c)]
+        if id(c) not in self._alone:
+            self._alone[id(c)] = alone_in_rows(self.graph, c)
+        return self._alone[id(c)]
 
     def merge(self, a: _Work, b: _Work) -> _Work:
         a.nodes.extend(b.nodes)
@@ -594,8 +596,8 @@ def merge_siblings(
     alive = [True] * len(work)
     homes = _homes(work)
     reads = [_group_reads(g, fl, homes, i) for i, g in enumerate(work)]
-    # GEMMs whose product a row kernel would compute inside itself (fuse_product_rows): one per row kernel
-    products = {i for i, g in enumerate(work) if (c := g.contraction) is not None and reduced_in_rows(graph, c)}
+    # GEMMs whose product a row kernel would compute inside itself, alone (fuse_product_rows)
+    products = {i for i, g in enumerate(work) if (c := g.contraction) is not None and alone_in_rows(graph, c)}
     for members in by_domain.values():
         for k, a in enumerate(members):
             if not alive[a]:
@@ -624,8 +626,8 @@ def merge_siblings(
 
 def _two_products(products: set[int], a: set[int], b: set[int]) -> bool:
     """Do siblings reading groups ``a`` and ``b`` read two different ``products`` (GEMMs a row
-    kernel would compute inside itself)? One kernel computes one: merged, the other product would be
-    written and read back (a policy's and a reference model's logits)."""
+    kernel would compute inside itself, alone: :func:`alone_in_rows`)? Merged, the other product
+    would be written and read back."""
     pa, pb = products & a, products & b
     return bool(pa and pb and pa != pb)
 
@@ -789,20 +791,19 @@ def fuse_product_rows(graph: Graph, fl: Flow, groups: tuple[Group, ...], solo: f
     for r in work:
         if not r.is_row or r.contraction is not None or r.axes != (len(r.shape) - 1,):
             continue
-        gemm = _product_of(r, work, graph, fl, consumers, requested, solo)
-        if gemm is None:
-            continue
-        c = gemm.contraction
-        assert c is not None
-        for m in gemm.nodes:
-            r.roles[id(m)] = Role.FULL
-        r.nodes[:0] = gemm.nodes
-        info = graph.of(c)
-        r.notes.append(
-            f"{_label(c, graph)}: the product is computed tile by tile in this row kernel and never "
-            f"written ({info.nbytes} bytes not stored or read back)"
-        )
-        dead.add(id(gemm))
+        # every product the row kernel reads, each tile computed where it is read (one if alone_in_rows)
+        while gemm := _product_of(r, [w for w in work if id(w) not in dead], graph, fl, consumers, requested, solo):
+            c = gemm.contraction
+            assert c is not None
+            for m in gemm.nodes:
+                r.roles[id(m)] = Role.FULL
+            r.nodes[:0] = gemm.nodes
+            info = graph.of(c)
+            r.notes.append(
+                f"{_label(c, graph)}: the product is computed tile by tile in this row kernel and never "
+                f"written ({info.nbytes} bytes not stored or read back)"
+            )
+            dead.add(id(gemm))
     order = _order(graph)
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
 
@@ -811,6 +812,14 @@ def fuse_product_rows(graph: Graph, fl: Flow, groups: tuple[Group, ...], solo: f
 #: columns, so the prologue recomputes each tile of the tiled product once (attention's ``P @ v``
 #: over a head dim)
 NARROW_PRODUCT = 256
+
+
+def alone_in_rows(graph: Graph, c: Expr) -> bool:
+    """Is ``c`` a product a row kernel computes in tiles (:func:`reduced_in_rows`) and no other with
+    it: one whose right operand has batch dims (attention's keys), the kernel's rows kept to its
+    batch? Products of a layer's weight share a row kernel (a student's and a teacher's logits,
+    each tile of both computed where the loss reads them)."""
+    return len(graph.of(c.srcs[1]).shape) > 2 and reduced_in_rows(graph, c)
 
 
 def reduced_in_rows(graph: Graph, c: Expr) -> bool:
@@ -868,10 +877,17 @@ def _narrow_reader(graph: Graph, r: Expr, n: Expr) -> bool:
 
 def _recomputable(x: Expr, n: Expr, graph: Graph) -> bool:
     """Is ``x`` (a reader of ``n``) a narrow GEMM reading it as its A operand
-    (:func:`_narrow_reader`), or elementwise on the way to such GEMMs only? Their prologues
-    recompute it from the product."""
+    (:func:`_narrow_reader`), any GEMM reading it as an operand where ``n`` is computed from a
+    product marked ``recompute`` (a backward's: never written, whatever the GEMM's width), a sum
+    of it over its rows (a mergeable reduction: a bias gradient, summed in the K loop of the GEMM
+    reading it transposed, ``_reduce_in_k_loop``), or elementwise on the way to such readers only?
+    Their prologues recompute it from the product."""
     if REGISTRY[x.op].kind is OpKind.CONTRACTION:
-        return _narrow_reader(graph, x, n)
+        return _narrow_reader(graph, x, n) or (any(s is n for s in x.srcs) and not _untiled(n, graph))
+    if REGISTRY[x.op].kind is OpKind.REDUCTION:
+        rank = len(graph.of(n).shape)
+        leading = tuple(range(rank - 1))
+        return REGISTRY[x.op].reduce is not None and rank >= 2 and tuple(sorted(x.attr("axis"))) == leading
     if REGISTRY[x.op].kind is not OpKind.ELEMENTWISE:
         return False
     readers = [r for r in graph.nodes if any(s is x for s in read_srcs(r))]
@@ -898,13 +914,16 @@ def _product_of(
         return None  # it writes a value of the product's size: the product would be computed twice
     homes = _homes(work)
     read = {homes[id(s)] for m in r.nodes for s in fl.reads[id(m)] if id(s) in homes and id(s) not in members}
+    own = [m for m in r.nodes if REGISTRY[m.op].kind is OpKind.CONTRACTION]
     for h in read:
         gemm = work[h]
         c = gemm.contraction
         if c is None or gemm.is_row or gemm.shape != r.shape or any(id(m) in solo for m in gemm.nodes):
             continue
-        if not reduced_in_rows(graph, c):  # as the backward decides not to save it
+        if not _tileable(graph, c):  # as the backward decides not to save it (or it is the backward's)
             continue
+        if own and any(alone_in_rows(graph, x) for x in (c, *own)):
+            continue  # a batched right operand keeps the kernel's rows to one batch: no other product
         inside = {id(m) for m in gemm.nodes}
         if any(gemm.role(m) is not Role.FULL or id(m) in requested for m in gemm.nodes):
             continue
@@ -940,10 +959,7 @@ def absorb_prologues(
     # a product recomputed in tiles reads its operands from memory wherever it is computed: they
     # are written, and no GEMM recomputes them (it would hold the value both as a member and a load)
     stored = {id(x) for n in graph.nodes if _tileable(graph, n) for x in n.srcs}
-    # the values a kernel can write: at its own coordinates (per row in a row kernel), not a GEMM's
-    writable = frozenset(
-        id(m) for w in work if w.contraction is None or w.is_row for m in w.nodes if _own_value(w, m, graph)
-    )
+    writable = _writable(work, graph)
     in_kernels = {id(m) for w in work for m in w.nodes}  # not the free nodes: recomputed, never written
     for s in (n for n in graph.nodes if id(n) in readers and id(n) not in stored):
         home = work[homes[id(s)]]
@@ -1016,6 +1032,19 @@ def _product_cone(
     return tiled
 
 
+def _writable(work: list[_Work], graph: Graph) -> frozenset[int]:
+    """The values a kernel can write before the GEMMs reading them run: at its own coordinates (per
+    row in a row kernel), not a GEMM's; computed without a product marked ``recompute``, unless the
+    kernel computes its products in tiles itself (a backward's row sums over them)."""
+    return frozenset(
+        id(m)
+        for w in work
+        if w.contraction is None or w.is_row
+        for m in w.nodes
+        if _own_value(w, m, graph) and (w.contraction is not None or _untiled(m, graph))
+    )
+
+
 def _own_value(w: _Work, m: Expr, graph: Graph) -> bool:
     """Is ``m`` a value kernel ``w`` computes at its own coordinates (one per element of its
     domain, or one per row of a row kernel), so that it can write it?"""
@@ -1047,10 +1076,11 @@ def _tiled_cone(
     one-element values, index-only movement ops (positions) and the product itself (its operands
     read from memory).
     None when ``s`` computes no such product (unless not ``needs_product``) or needs anything else
-    (a reduction, a re-indexing). ``bounded`` (values kernels write at their own coordinates): a smaller value one
-    of them computes without such a product, and not from leaves by elementwise ops alone (a
-    per-row cotangent: a preference loss's per-sequence term, sliced and broadcast to its tokens),
-    is read from memory like a leaf instead, that kernel writing it."""
+    (a reduction, a re-indexing). ``bounded`` (values kernels can write before the GEMMs read them):
+    a smaller one not computed from leaves by elementwise ops alone (a per-row cotangent: a
+    preference loss's per-sequence term, sliced and broadcast to its tokens; a distillation loss's
+    row sum over the products' tiles, in a row kernel computing them) is read from memory like a
+    leaf instead, that kernel writing it."""
     out: list[Expr] = []
     seen: set[int] = set()
     stack, found = [s], False
@@ -1061,12 +1091,7 @@ def _tiled_cone(
             continue
         seen.add(id(n))
         op = REGISTRY[n.op]
-        if (
-            id(n) in bounded
-            and graph.of(n).numel < size
-            and _untiled(n, graph)
-            and _tiled_cone(n, graph, False) is None
-        ):
+        if id(n) in bounded and graph.of(n).numel < size and _tiled_cone(n, graph, False) is None:
             continue  # a boundary: loaded where the cone reads it
         if op.kind is OpKind.CONTRACTION:  # its operands are read from memory, as a GEMM's are
             if not _tileable(graph, n):
@@ -1186,8 +1211,8 @@ def _leaks(
     for h in work:
         if id(h) in readers:
             continue
-        own = {id(m) for m in h.nodes}
-        if any(id(x) in members and id(x) not in own for m in h.nodes for x in m.srcs):
+        own = {id(m) for m in (*h.nodes, *h.free)}  # a free node is recomputed where a view reads it
+        if any(id(x) in members and id(x) not in own for m in (*h.nodes, *h.free) for x in m.srcs):
             if _writes(h, work, requested, consumers):
                 return True
     return False

@@ -30,21 +30,26 @@ def product_flops(c: Expr, graph: Graph) -> int:
     return 2 * math.prod(out[-2:]) * k * batches
 
 
-def kernel_flops(group: Group, graph: Graph) -> int:
-    """Tensor-core FLOPs of ``group``'s kernel: its own product once (a GEMM's, or the one a row
-    kernel computes in tiles), and each product its prologues recompute once per output tile that
-    loads its operand (``prologue.reloads``: the tiles along the GEMM's other dim)."""
+def kernel_flops(group: Group, graph: Graph) -> list[int]:
+    """Tensor-core FLOPs of ``group``'s kernel, one entry per product it computes in tiles of its
+    own: a row kernel's products (in graph order: each computed once per pass that reads it,
+    ``lower._product_passes``), or a GEMM's product once plus each product its prologues
+    recompute once per output tile that loads its operand (``prologue.reloads``: the tiles along
+    the GEMM's other dim)."""
+    products = [n for n in group.nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION]
+    if group.is_row:
+        return [product_flops(n, graph) for n in products]
     own = group.contraction
     total = product_flops(own, graph) if own is not None else 0
-    for n in group.nodes:
-        if n is own or REGISTRY[n.op].kind is not OpKind.CONTRACTION:
+    for n in products:
+        if n is own:
             continue
         side = group.role(n)
-        assert own is not None and side in (Role.A, Role.B), "a product inside a kernel is its GEMM's prologue"
+        assert own is not None and side in (Role.A, Role.B), "a product inside a GEMM is its prologue's"
         operand = own.srcs[0 if side is Role.A else 1]
         times = reloads(side.value.upper(), graph.of(own).shape, graph.of(operand).shape, own.attr("sum_batch"))
         total += product_flops(n, graph) * times
-    return total
+    return [total]
 
 
 def minimum_flops(graph: Graph) -> int:

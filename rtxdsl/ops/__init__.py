@@ -3,7 +3,8 @@
 ``base`` holds the table's types; ``leaf``, ``elementwise``, ``reduction`` and ``composite``
 fill it (``movement`` adds slices, joins, gathers and positions, ``random`` Philox numbers and
 dropout, ``llm`` cross-entropy and rotary embeddings, ``attention`` scaled dot-product
-attention). Importing this package loads every declaration.
+attention, ``distill`` a linear head's float32 logits and the distillation losses over two
+heads). Importing this package loads every declaration.
 """
 
 from __future__ import annotations
@@ -34,7 +35,19 @@ from ..registry import (
     category,
     register,
 )
-from . import attention, composite, contraction, divergence, elementwise, leaf, llm, movement, random, reduction  # noqa: F401  (fill the registry)
+from . import (  # noqa: F401  (fill the registry)
+    attention,
+    composite,
+    contraction,
+    distill,
+    divergence,
+    elementwise,
+    leaf,
+    llm,
+    movement,
+    random,
+    reduction,
+)
 
 __all__ = [
     "AxisRule",

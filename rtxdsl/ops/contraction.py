@@ -256,7 +256,8 @@ def linear(x: ExprLike, weight: ExprLike, bias: ExprLike | None = None) -> Expr:
     return node("linear", x, weight, 0.0 if bias is None else bias)
 
 
-def _linear_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+def linear_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """``F.linear``'s result shape from ``[x, weight(, bias)]``'s, or a ShapeError naming the mismatch."""
     x, w = shapes[0], shapes[1]
     b = shapes[2] if len(shapes) > 2 else ()
     if len(w) != 2:
@@ -296,7 +297,7 @@ register(
         ref=_linear_ref,
         decompose=_linear_decompose,
         typed_decompose=True,
-        shape=_linear_shape,
+        shape=linear_shape,
         result_dtype=lambda dtypes, **_: _contract_dtype(list(dtypes[:2])),
         eager_launches=1,
         accepts=FLOATING,

@@ -160,7 +160,7 @@ def jsd(
     return node("jsd", *operands, beta=b, ignore_index=ignore_index)
 
 
-def _jsd_rows(log_q: Expr, log_p: Expr, beta: float) -> Expr:
+def jsd_rows(log_q: Expr, log_p: Expr, beta: float) -> Expr:
     """Each row's divergence (summed over the last axis)."""
     p, q = node("exp", log_p), node("exp", log_q)
     if beta == 0.0:
@@ -180,7 +180,7 @@ def _jsd_rows(log_q: Expr, log_p: Expr, beta: float) -> Expr:
 def _jsd_decompose(
     log_q: Expr, log_p: Expr, *label: Expr, beta: float, ignore_index: int, shapes: list, dtypes: list
 ) -> Expr:
-    rows = _jsd_rows(log_q, log_p, beta)
+    rows = jsd_rows(log_q, log_p, beta)
     valid, count = valid_rows(label[0] if label else None, ignore_index, shapes[0][:-1])
     if valid is not None:
         rows = node("where", valid, rows, 0.0)
