@@ -85,6 +85,19 @@ SCRIPT = textwrap.dedent("""
         names = ["gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw"] if budget else ["gemm_lce_dh", "gemm_lce_dw"]
         for which, name in enumerate(names):
             kernels[name + suffix] = (lce.backward, lce_feed, which)
+    # JSD distillation's backward at 4096 tokens x 32000 classes, student hidden 1024, teacher 2048:
+    # the chunk loop's first kernel computes both heads' products at its output tile (the
+    # teacher's in its epilogue), then dh and dw read the chunk
+    hs, ws, ht, wt = (rx.var(n) for n in ("hs", "ws", "ht", "wt"))
+    jsd_in = dict(hs=torch.empty(4096, 1024, **bf).requires_grad_(), ws=torch.empty(32000, 1024, **bf).requires_grad_(),
+                  ht=torch.empty(4096, 2048, **bf), wt=torch.empty(32000, 2048, **bf),
+                  y=torch.zeros(4096, dtype=torch.int64))
+    jsd = rx.compile(rx.linear_jsd(hs, ws, ht, wt, y, temperature=2.0)).grad_plan(**jsd_in)
+    saved = dict(_g0=torch.empty(()), _s0=torch.empty(4096, 1), _s1=torch.empty(4096, 1), _s4=torch.empty(()))
+    jsd_feed = {n: jsd_in[n].detach() if n in jsd_in else saved[n] for n in jsd.backward.inputs}
+    launched = [k.summary for k in jsd.backward.program(**jsd_feed).kernels]
+    chunk = next(i for i, k in enumerate(launched) if k.startswith("Contraction") and k.count("contract") == 2)
+    kernels["gemm_distill_chunk"] = (jsd.backward, jsd_feed, chunk)
     out = {}
     SASS = ("softmax_bf16", "rms_norm_bf16")
     for name, (kernel, ins, which) in kernels.items():
@@ -135,7 +148,7 @@ def test_contiguous_path_uses_128_bit_loads_and_stores(facts):
 def test_contractions_use_hopper_warpgroup_mma(facts):
     for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu", "gemm_bwd_bias_sum"):
         assert facts[name]["wgmma"] > 0, name
-    lce = ("gemm_lce_forward", "gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw")
+    lce = ("gemm_lce_forward", "gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw", "gemm_distill_chunk")
     for name in (*lce, "gemm_lce_dh_recompute", "gemm_lce_dw_recompute"):  # every product tile, recomputed too
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0

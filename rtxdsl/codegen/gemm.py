@@ -64,6 +64,8 @@ ACC_MASK = "(offs_m[:, None] < tl.where(W_LO > 0, M, 0)) & (offs_n[None, :] < N)
 
 #: the index vectors along an operand tile's rows and columns, with the extents that mask them
 TILE_VECTORS = {"a": (("offs_m", "M"), ("ks", "K")), "b": (("ks", "K"), ("offs_n", "N"))}
+#: the output tile's: where an epilogue computes a second product (a chunk loop's)
+OUTPUT_VECTORS = (("offs_m", "M"), ("offs_n", "N"))
 
 #: where each operand's tile lies: its (row, column) index vectors as a tile's, dims and mask
 OPERAND_TILE = {
@@ -118,8 +120,10 @@ class GemmWriter(Writer):
             for i, nd in enumerate(self.spec.nodes)
             if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role is Role.FULL
         )
+        self.own = contraction
         attrs = dict(self.spec.nodes[contraction].attrs)
-        self.swapped = {"a": attrs["ta"], "b": attrs["tb"]}  # is the operand read transposed?
+        # is the operand read transposed? (an epilogue's product is at the output tile as it is)
+        self.swapped = {"a": attrs["ta"], "b": attrs["tb"], Role.FULL: False}
         operand_dtype = self.spec.nodes[contraction].dtype
         acc_dtype = accumulator(operand_dtype)
         window = g.window
@@ -217,6 +221,10 @@ class GemmWriter(Writer):
         node = self.spec.nodes[i] if kind is Src.NODE else None
         if node is not None and node.role is Role.FULL and _positions_op(node) and ref not in loop.memo:
             loop.memo[ref] = self._positions(i, loop)  # the epilogue's positions: at the product's tile
+        epilogue_product = node is not None and node.role is Role.FULL and REGISTRY[node.op].kind is OpKind.CONTRACTION
+        if epilogue_product and i != self.own and ref not in self.top.memo:  # a second product at the output tile
+            name = self._inner_product(i, self.top)
+            self.top.memo[ref] = self.round_stored(name, i, self.top) if i in self.rounded else name
         if node is None or node.role not in OPERAND_TILE:
             return super().value(ref, loop)
         op = REGISTRY[node.op]
@@ -275,14 +283,15 @@ class GemmWriter(Writer):
         return ld.role is not Role.FULL or all(c == BCAST for c in ld.cols)
 
     def _inner_product(self, i: int, scope: Scope) -> str:
-        """A product no kernel writes, at the operand's ``[rows, cols]`` tile: a K loop of its own
-        over ``BLOCK_K`` slices. Element ``(m, n)`` of the product sits at the tile's ``(m, n)``, or
-        at ``(n, m)`` when the kernel reads the operand transposed: then the product's right operand
-        gives the tile's rows and its left one the columns."""
+        """A product no kernel writes, at the operand's ``[rows, cols]`` tile (or the output tile,
+        an epilogue's): a K loop of its own over ``BLOCK_K`` slices. Element ``(m, n)`` of the
+        product sits at the tile's ``(m, n)``, or at ``(n, m)`` when the kernel reads the operand
+        transposed: then the product's right operand gives the tile's rows and its left one the
+        columns."""
         node = self.spec.nodes[i]
         attrs = dict(node.attrs)
         role = node.role
-        (rv, r_size), (cv, c_size) = TILE_VECTORS[role]
+        (rv, r_size), (cv, c_size) = TILE_VECTORS[role] if role in TILE_VECTORS else OUTPUT_VECTORS
         (_, la), (_, lb) = node.srcs
         size = f"K{i}"
         # each operand's stored (-2, -1) dims, named: the product's rows "m", columns "n", the sum "k"
@@ -298,7 +307,7 @@ class GemmWriter(Writer):
                 (lb, b_dims, {"n": f"{rv}[:, None]", "k": "kk[None, :]"}),
                 (la, a_dims, {"m": f"{cv}[None, :]", "k": "kk[:, None]"}),
             )
-        shape = {"a": "(BLOCK_M, BLOCK_K)", "b": "(BLOCK_K, BLOCK_N)"}[role]
+        shape = {"a": "(BLOCK_M, BLOCK_K)", "b": "(BLOCK_K, BLOCK_N)", Role.FULL: "(BLOCK_M, BLOCK_N)"}[role]
         masks = (
             f"({rv}[:, None] < {r_size}) & (kk[None, :] < {size})",
             f"(kk[:, None] < {size}) & ({cv}[None, :] < {c_size})",

@@ -18,6 +18,10 @@ at a time, in a loop of three kernels (Cut Cross-Entropy's order of work, withou
 3. ``dw``'s GEMM runs its programs over the chunk's rows of ``dw`` (a bias gradient's column sum
    merged in its K loop, as before).
 
+A second product of the same shape in the readers' prologues (a distillation loss's teacher logits
+beside the student's) joins the chunk: the first kernel computes it at its output tile, in a K
+loop of its own in the epilogue (``codegen.gemm``'s ``_inner_product`` at ``OUTPUT_VECTORS``).
+
 Every element is summed by one program in a fixed order (chunks in order): bit-identical reruns.
 The backward computes the product once (3x the logits GEMM in all); it costs the chunk buffer
 (at most ``chunk_budget`` of the product's bytes, at least one 128-wide tile) and ``dh``'s fp32
@@ -178,8 +182,10 @@ def _reader(g: Group, p: Expr, shape: tuple[int, ...], graph: Graph) -> tuple[st
     """How GEMM ``g`` reads product ``p`` through its A prologue: the window axis of its own
     product that is ``p``'s last dim ("k": it sums over it; "m": its rows), the prologue's values,
     and those its other nodes read (the operand, the inputs of reductions merged in the K loop).
-    None for readers the loop does not handle: a B prologue, another product recomputed, a
-    reduction over the chunked dim (it would need an accumulator of its own)."""
+    Another product of ``p``'s shape recomputed beside it (a teacher's logits beside a student's)
+    joins the chunk: the first kernel computes it at its output tile. None for readers the loop
+    does not handle: a B prologue, another product of another shape, a reduction over the
+    chunked dim (it would need an accumulator of its own)."""
     c = g.contraction
     assert c is not None
     if graph.of(c.srcs[0]).shape != shape:
@@ -190,7 +196,7 @@ def _reader(g: Group, p: Expr, shape: tuple[int, ...], graph: Graph) -> tuple[st
     kinds = [REGISTRY[m.op].kind for m in prologue]
     values = [m for m, k in zip(prologue, kinds) if k is not OpKind.REDUCTION]
     reductions = [m for m, k in zip(prologue, kinds) if k is OpKind.REDUCTION]
-    if any(k is OpKind.CONTRACTION and m is not p for m, k in zip(prologue, kinds)):
+    if any(k is OpKind.CONTRACTION and m is not p and graph.of(m).shape != shape for m, k in zip(prologue, kinds)):
         return None
     axis = "m" if c.attr("ta") else "k"
     if axis == "k" and reductions:

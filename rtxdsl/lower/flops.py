@@ -33,9 +33,9 @@ def product_flops(c: Expr, graph: Graph) -> int:
 def kernel_flops(group: Group, graph: Graph) -> list[int]:
     """Tensor-core FLOPs of ``group``'s kernel, one entry per product it computes in tiles of its
     own: a row kernel's products (in graph order: each computed once per pass that reads it,
-    ``lower._product_passes``), or a GEMM's product once plus each product its prologues
-    recompute once per output tile that loads its operand (``prologue.reloads``: the tiles along
-    the GEMM's other dim)."""
+    ``lower._product_passes``), or a GEMM's product and any its epilogue computes at the output
+    tile once, plus each product its prologues recompute once per output tile that loads its
+    operand (``prologue.reloads``: the tiles along the GEMM's other dim)."""
     products = [n for n in group.nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION]
     if group.is_row:
         return [product_flops(n, graph) for n in products]
@@ -45,7 +45,10 @@ def kernel_flops(group: Group, graph: Graph) -> list[int]:
         if n is own:
             continue
         side = group.role(n)
-        assert own is not None and side in (Role.A, Role.B), "a product inside a GEMM is its prologue's"
+        assert own is not None
+        if side is Role.FULL:  # an epilogue's, at the output tile: once
+            total += product_flops(n, graph)
+            continue
         operand = own.srcs[0 if side is Role.A else 1]
         times = reloads(side.value.upper(), graph.of(own).shape, graph.of(operand).shape, own.attr("sum_batch"))
         total += product_flops(n, graph) * times

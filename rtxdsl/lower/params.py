@@ -114,8 +114,12 @@ def tile_loads(nodes: tuple[NodeSpec, ...]) -> list[int]:
 
 
 def inner_products(nodes: tuple[NodeSpec, ...]) -> list[int]:
-    """The products a prologue recomputes at an operand's tiles (each with a K loop of its own)."""
-    return [i for i, nd in enumerate(nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role is not Role.FULL]
+    """The products a GEMM computes beside its own (the first of its output tile's), each with a K
+    loop of its own: a prologue's at an operand's tiles, an epilogue's at the output tile (a chunk
+    loop's second product)."""
+    products = [i for i, nd in enumerate(nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION]
+    own = next((i for i in products if nodes[i].role is Role.FULL), None)
+    return [i for i in products if i != own]
 
 
 def _gemm(spec: KernelSpec) -> list[Param]:
