@@ -323,6 +323,20 @@ def test_attn_mask_as_sdpa_takes_it(kind, gen):
     assert_close(rx.compile(expr)(**ins), want, 2e-5, 2e-5, "out")
 
 
+def test_one_tensor_as_both_queries_and_keys(gen):
+    """``q @ q.mT`` (a model's q and k projections tied): the backward's GEMMs recompute a product
+    whose two operands are one load, whose strides are one set of parameters (they were declared
+    twice: a SyntaxError, found by the model fuzzer)."""
+    x = torch.randn(1, 2, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    val = torch.randn(1, 2, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = rx.compile(rx.attention(q, q, v, causal=True))(q=x, v=val)
+    want = F.scaled_dot_product_attention(x, x, val, is_causal=True)
+    assert_close(out, want, 1e-12, 1e-12, "out")
+    cot = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    for name, g, w in zip("qv", torch.autograd.grad(out, [x, val], cot), torch.autograd.grad(want, [x, val], cot)):
+        assert_close(g, w, 1e-10, 1e-10, f"d{name}")
+
+
 def test_dropout_regenerates_its_mask_in_the_backward(gen):
     """With ``v`` the identity, the output is the dropped probabilities themselves, so ``dv`` must be
     ``out.T @ g``: the backward drew the same mask. The kept ones average 1 / (1 - p) of p's sum."""
@@ -424,7 +438,12 @@ def _draw(rnd):
         rnd.choice(["none", "softcap", "bias", "alibi"]),
         rnd.choice(["none", "window", "bool", "float"]),
     )
-    return size, (dtype, atol, rtol), causal, mod, mask, rnd.random() < 0.5
+    # one draw in eight takes the keys as queries too (q and k projections tied): one tensor is
+    # both operands of the scores' product
+    tied = rnd.random() < 0.125
+    if tied:
+        size = (size[0], hkv, hkv, size[4], size[4], *size[5:])
+    return size, (dtype, atol, rtol), causal, mod, mask, rnd.random() < 0.5, tied
 
 
 @pytest.mark.parametrize("draw", range(16))
@@ -434,9 +453,11 @@ def test_random_attentions_match_float64(draw, gen):
     from conftest import commit_seed
 
     rnd = random.Random(commit_seed("RTXDSL_ATTENTION_SEED") * 100 + draw)
-    size, (dtype, atol, rtol), causal, mod, mask, lse = _draw(rnd)
+    size, (dtype, atol, rtol), causal, mod, mask, lse, tied = _draw(rnd)
     b_, hq, hkv, tq, tk, d, dv = size
     ins = _inputs(gen, *size, dtype)
+    if tied:
+        del ins["q"]
     extra = {}
     if mod == "bias":
         ins["bias"] = torch.randn(hq, tq, tk, generator=gen, dtype=torch.float64).to(dtype)
@@ -458,7 +479,7 @@ def test_random_attentions_match_float64(draw, gen):
     }
     window = (lambda b, h, i, j: (i - j < 3) & (j - i < 3)) if mask == "window" else None
     expr = rx.attention(
-        q,
+        k if tied else q,
         k,
         v,
         causal=causal,
@@ -470,7 +491,8 @@ def test_random_attentions_match_float64(draw, gen):
     )
 
     def ref(r):
-        qd, kd, vd = r["q"], r["k"].repeat_interleave(hq // hkv, 1), r["v"].repeat_interleave(hq // hkv, 1)
+        qd = r["k"] if tied else r["q"]
+        kd, vd = r["k"].repeat_interleave(hq // hkv, 1), r["v"].repeat_interleave(hq // hkv, 1)
         s = qd @ kd.mT / math.sqrt(d)
         i, j = torch.arange(tq)[:, None], torch.arange(tk)[None, :]
         s = {
@@ -491,4 +513,6 @@ def test_random_attentions_match_float64(draw, gen):
         out = torch.exp(s - torch.where(torch.isinf(lse_), 0.0, lse_)[..., None]) @ vd
         return (out, lse_) if lse else out
 
+    if tied and dtype in (torch.float16, torch.bfloat16):  # k's gradient sums both operands' rounding
+        atol *= 2  # (Tk = 1: dS is 0 in float64, bf16's O - v rounding twice over, 0.035 at seed 41)
     _check(expr, ins, ref, dtype, atol, rtol, gen)

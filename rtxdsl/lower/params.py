@@ -151,7 +151,9 @@ def _gemm(spec: KernelSpec) -> list[Param]:
         ints += ["W_LO", *(["W_LAST"] if g.window.accumulate is not None else [])]
         if g.window.accumulate is not None:
             params.append(Param("acc_ptr", ParamKind.PARTIAL, 0))
-    return params + _ints(ints) + _scalars(spec)
+    # a load two products read (attention's ``q @ k.mT`` with q and k one tensor: both operands of
+    # one product) has its strides once
+    return params + _ints(list(dict.fromkeys(ints))) + _scalars(spec)
 
 
 @functools.lru_cache(maxsize=4096)
