@@ -86,11 +86,15 @@ def _check(loss: str, options: tuple, bias: bool, ignore_index: int, dtype, atol
     return got
 
 
-@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
 @pytest.mark.parametrize("loss", sorted(MODULES))
-def test_each_distillation_loss_agrees_with_liger_in_float64(loss, options, bias, gen):
-    _check(loss, options, bias, -100, *TOLERANCES[0], gen)
+def test_each_distillation_loss_agrees_with_liger_in_float64(loss, options, gen):
+    _check(loss, options, True, -100, *TOLERANCES[0], gen)
+
+
+@pytest.mark.parametrize("loss", sorted(MODULES))
+def test_without_biases(loss, gen):  # one option set: the biases change the plan, not the options' math
+    _check(loss, OPTIONS[0], False, -100, *TOLERANCES[0], gen)
 
 
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES[1:])
