@@ -111,18 +111,22 @@ def test_no_counted_token_gives_the_soft_term_over_one(gen):
         assert [v.item() for v in out] == [0.0, 0.0, 0.0]
 
 
-def _jsd_reference(x: dict, beta: float, temperature: float, labelled: bool, ignore_index: int = -100):
-    """Liger's ``TorchLMHeadJSD`` with its ``JSD``, in float64: the mean over the counted rows."""
-    log_q = torch.log_softmax(F.linear(x["hs"], x["ws"]).double() / temperature, -1)
-    log_p = torch.log_softmax(F.linear(x["ht"], x["wt"]).double() / temperature, -1)
+def _jsd_rows_of(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
+    """Each row's generalized JSD of the two heads' scaled logits' softmaxes (Liger's ``JSD``)."""
+    log_q, log_p = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)
     p, q = log_p.exp(), log_q.exp()
     if beta == 0.0:
-        rows = (p * (log_p - log_q)).sum(-1)
-    elif beta == 1.0:
-        rows = (q * (log_q - log_p)).sum(-1)
-    else:
-        log_m = torch.log(beta * p + (1 - beta) * q)
-        rows = (beta * p * (log_p - log_m) + (1 - beta) * q * (log_q - log_m)).sum(-1)
+        return (p * (log_p - log_q)).sum(-1)
+    if beta == 1.0:
+        return (q * (log_q - log_p)).sum(-1)
+    log_m = torch.log(beta * p + (1 - beta) * q)
+    return (beta * p * (log_p - log_m) + (1 - beta) * q * (log_q - log_m)).sum(-1)
+
+
+def _jsd_reference(x: dict, beta: float, temperature: float, labelled: bool, ignore_index: int = -100):
+    """Liger's ``TorchLMHeadJSD`` with its ``JSD``, in float64: the mean over the counted rows."""
+    rows = _jsd_rows_of(F.linear(x["hs"], x["ws"]).double() / temperature,
+                        F.linear(x["ht"], x["wt"]).double() / temperature, beta)  # fmt: skip
     if not labelled:
         return rows.mean()
     valid = x["t"] != ignore_index
@@ -277,13 +281,6 @@ def test_the_chunk_loops_flops_at_4096_tokens(gen):
     student, teacher = 2 * 4096 * 32000 * 1024, 2 * 4096 * 32000 * 2048
     assert (backward.flops, backward.minimum_flops) == (2 * (student + teacher) + 2 * student, 3 * student + teacher)
     assert all(math.prod(b.shape) < 4096 * 32000 for b in backward.buffers)  # a chunk of 640 classes, dh's carry
-
-
-def _jsd_rows_of(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
-    log_q, log_p = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)
-    p, q = log_p.exp(), log_q.exp()
-    log_m = torch.log(beta * p + (1 - beta) * q)
-    return (beta * p * (log_p - log_m) + (1 - beta) * q * (log_q - log_m)).sum(-1)
 
 
 def test_bad_arguments_name_what_is_wrong():
