@@ -27,6 +27,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
+#: mixture-of-experts families beside Mixtral (tests/test_moe.py): their experts run rx.nn.moe_experts
+MOE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                   "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",  # a shared expert (a gated MLP) too
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                   "shared_expert_intermediate_size": 40}),
+}  # fmt: skip
 LAYERS = 2
 
 
@@ -35,7 +46,7 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Modu
     start at zero, where ``w`` and ``1 + w`` would not be told apart by a test)."""
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = {**FAMILIES, **MOE_FAMILIES}[family]
     cfg = getattr(transformers, config_cls)(
         hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, **extra,

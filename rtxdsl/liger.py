@@ -16,7 +16,8 @@ The chunked preference losses (``LigerFusedLinearDPOLoss``, ``...ORPOLoss``, ``.
 (``LigerFusedLinearJSDLoss``, ``...CosineSimilarityLoss``, and ``LigerFusedLinearJSD``)
 :func:`rtxdsl.ops.distill.distillation_outputs` and :func:`rtxdsl.linear_jsd` ones: no chunks, the
 logits never written (a policy's and a reference model's, a student's and a teacher's, computed
-tile by tile in one row kernel).
+tile by tile in one row kernel). ``LigerExperts`` (a mixture of experts' routed MLPs) is
+:func:`rtxdsl.nn.moe_experts`' grouped GEMMs.
 ``apply_liger_kernel_to_<model>(..., model=m)`` calls :func:`rtxdsl.nn.replace_modules` on the
 instance ``m`` (Liger's class-level patching, without ``model``, is not done: it raises).
 
@@ -40,6 +41,7 @@ from . import dsl
 from .errors import RtxError
 from .nn import modules as _m
 from .nn.memo import made_once
+from .nn.moe import moe_experts as rx_moe_experts
 from .nn.swap import replace_modules
 from .ops import REGISTRY
 from .ops.distill import distillation_outputs, linear_jsd
@@ -211,6 +213,29 @@ class LigerPhi3SwiGLUMLP(_m.GateUpMLP):
     def __init__(self, config: Any) -> None:
         super().__init__(*_mlp_sizes(config), activation="silu")
         self.config = config
+
+
+class LigerExperts(torch.nn.Module):
+    """Liger's ``LigerExperts(config)``: transformers v5's experts (``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``, SwiGLU) as :func:`rtxdsl.nn.moe_experts`' grouped GEMMs; the expert
+    count from ``num_experts``, ``num_local_experts`` or ``n_routed_experts``, the intermediate size
+    from ``moe_intermediate_size`` or ``intermediate_size``, as Liger reads them."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise RtxError(f"LigerExperts: hidden_act must be silu or swish, got {config.hidden_act!r}")
+        names = ("num_experts", "num_local_experts", "n_routed_experts")
+        self.num_experts = next(getattr(config, n) for n in names if getattr(config, n, None) is not None)
+        self.intermediate_dim = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.hidden_dim = config.hidden_size
+        e, i, h = self.num_experts, self.intermediate_dim, self.hidden_dim
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = torch.nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        out = rx_moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+        return out.to(hidden_states.dtype)
 
 
 # ---- losses ---------------------------------------------------------------------------------------------
@@ -793,6 +818,7 @@ __all__ = [
     "CrossEntropyOutput",
     "LigerCrossEntropyLoss",
     "LigerDyT",
+    "LigerExperts",
     "LigerFusedAddRMSNorm",
     "LigerFusedLinearCPOLoss",
     "LigerFusedLinearCosineSimilarityLoss",

@@ -100,9 +100,7 @@ SCRIPT = textwrap.dedent("""
     kernels["gemm_distill_chunk"] = (jsd.backward, jsd_feed, chunk)
     out = {}
     SASS = ("softmax_bf16", "rms_norm_bf16")
-    for name, (kernel, ins, which) in kernels.items():
-        f = compile_kernel(kernel, ins)[which]
-        meta = dict(prepare(kernel, ins)[0].kernels[which].meta)  # on the GPU target, as compiled
+    def record(name, f, meta):
         out[name] = dict(block=meta.get("BLOCK_SIZE"), warps=meta.get("num_warps"),
                          v4_loads=f.v4_loads, v4_stores=f.v4_stores, regs=f.registers, spills=f.spill_bytes,
                          stores=f.ptx.count("st.global"), wgmma=f.ptx.count("wgmma.mma_async"),
@@ -111,6 +109,24 @@ SCRIPT = textwrap.dedent("""
                          compares_s64=f.ptx.count("setp.eq.s64") + f.ptx.count("setp.ne.s64"),
                          # SASS only where a test reads it (assembling every GEMM again costs seconds)
                          barriers=getattr(sass_counts(f.ptx), "barriers", None) if name in SASS else None)
+    for name, (kernel, ins, which) in kernels.items():
+        meta = dict(prepare(kernel, ins)[0].kernels[which].meta)  # on the GPU target, as compiled
+        record(name, compile_kernel(kernel, ins)[which], meta)
+    # a mixture of experts' grouped GEMMs (rtxdsl.nn.moe): 256 tokens x top-2 of 8 experts, hidden
+    # 1024, intermediate 512, bf16; the up projection gathers token rows, the down projection scales
+    # by the routing weights, the weight gradient loops over each expert's rows
+    from types import SimpleNamespace
+    from rtxdsl.codegen.ptx import compile_call
+    from rtxdsl.nn.moe import grouped_call, route, segment_call
+    r = route(torch.randint(0, 8, (256, 2)), 8, 64)
+    xm, hm = torch.empty(256, 1024, **bf), torch.empty(512, 1024, **bf)
+    gum = torch.empty(8, 1024, 1024, **bf).transpose(1, 2)
+    moe = {"gemm_moe_up": grouped_call(xm, gum, hm, r, True, None, "gpu"),
+           "gemm_moe_down": grouped_call(hm[:, :512], gum[:, :512], torch.empty(512, 1024), r, False,
+                                         torch.rand(512), "gpu"),
+           "gemm_moe_weight_grad": segment_call(xm, True, hm, False, None, r, torch.empty_like(gum), "gpu")}
+    for name, call in moe.items():
+        record(name, compile_call(call.kernel, SimpleNamespace(meta=call.meta, args=call.args), []), call.meta)
     print(json.dumps(out))
 """)
 
@@ -149,7 +165,8 @@ def test_contractions_use_hopper_warpgroup_mma(facts):
     for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu", "gemm_bwd_bias_sum"):
         assert facts[name]["wgmma"] > 0, name
     lce = ("gemm_lce_forward", "gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw", "gemm_distill_chunk")
-    for name in (*lce, "gemm_lce_dh_recompute", "gemm_lce_dw_recompute"):  # every product tile, recomputed too
+    moe = ("gemm_moe_up", "gemm_moe_down", "gemm_moe_weight_grad")  # grouped GEMMs: gathered rows too
+    for name in (*lce, *moe, "gemm_lce_dh_recompute", "gemm_lce_dw_recompute"):  # every product tile, recomputed too
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0
 

@@ -22,7 +22,7 @@ from benches.hf_report import FAMILIES, LAYERS, tiny_model  # noqa: E402
 
 #: what replace_modules must find per layer besides the final norm and the loss
 NORMS_PER_LAYER = {"qwen3": 4, "gemma2": 4, "gemma3": 6}
-NO_MLP = {"mixtral"}  # experts are a sparse mixture: only its norms, rotary and loss are fused
+NO_MLP = {"mixtral"}  # experts are a sparse mixture: grouped GEMMs (rx.nn.moe_experts), not a gated MLP
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -33,8 +33,7 @@ def test_replace_modules_fuses_a_hugging_face_model_and_changes_nothing_it_compu
         warnings.simplefilter("error")  # nothing norm- or MLP-like left unrecognised
         n = rx.nn.replace_modules(fused)
     want = {"rms_norm": NORMS_PER_LAYER.get(family, 2) * LAYERS + 1, "rope": LAYERS, "loss": 1, "attention": LAYERS}
-    if family not in NO_MLP:
-        want["mlp"] = LAYERS
+    want["experts" if family in NO_MLP else "mlp"] = LAYERS
     assert n.by_kind == want and n == sum(want.values())
     assert fused.state_dict().keys() == model.state_dict().keys()  # checkpoints load both ways
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -46,7 +45,7 @@ def test_replace_modules_fuses_a_hugging_face_model_and_changes_nothing_it_compu
     for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
         torch.testing.assert_close(p1.grad, p0.grad, atol=2e-6, rtol=2e-5, msg=name)
     again = rx.nn.replace_modules(fused)  # idempotent: its own modules are left as they are
-    assert again.by_kind.keys() <= {"rope", "loss", "attention"}
+    assert again.by_kind.keys() <= {"rope", "loss", "attention", "experts"}
 
 
 def test_replaced_llama_in_bf16_and_generate_agree():

@@ -28,6 +28,7 @@ from .modules import (
     add_rms_norm_,
     rms_norm_,
 )
+from .moe import moe_experts
 from .swap import Replaced, causal_lm_loss, replace_modules
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "TVDLoss",
     "add_rms_norm_",
     "causal_lm_loss",
+    "moe_experts",
     "replace_modules",
     "rms_norm_",
 ]

@@ -10,9 +10,11 @@ embedding and loss for these, in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .. import dsl
 from ..errors import RtxError
@@ -429,11 +431,19 @@ class GeGLU(GatedMLP):
 
 
 @made_once
-def _gate_up(activation: str) -> Kernel:
+def gate_up_kernel(activation: str) -> Kernel:
+    """``act(gate) * up`` of ``h = [gate | up]`` (chunked along its last dim), one kernel per activation."""
     h = dsl.var("h")
     gate, up = REGISTRY.functions["chunk"](h, 2, -1)
     return compile(_ACTIVATED[activation](gate, up))
 
+
+#: activations by name: the torch function each is (``replace_modules`` probes a module's against them)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 #: the gated products by activation name: silu (SwiGLU), gelu_tanh and gelu (GeGLU)
 _ACTIVATED = {
@@ -463,7 +473,7 @@ class GateUpMLP(_Fused, torch.nn.Module):
         self.attach()
 
     def _make_kernel(self) -> Kernel:
-        return _gate_up(self.activation)
+        return gate_up_kernel(self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._kernel(self.gate_up_proj(x)))

@@ -35,7 +35,8 @@ from ..ops.llm import capped_logits, cross_entropy, rope
 from ..runtime import Kernel, compile
 from .attention import route_attention
 from .memo import made_once
-from .modules import GatedMLP, GateUpMLP, GeGLU, LayerNorm, RMSNorm, SwiGLU
+from .modules import ACTIVATIONS, GatedMLP, GateUpMLP, GeGLU, LayerNorm, RMSNorm, SwiGLU
+from .moe import route_experts
 
 #: attributes Hugging Face norms keep their epsilon in
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
@@ -47,7 +48,8 @@ class Replaced(int):
     """How many modules ``replace_modules`` swapped (an int), with ``by_kind``: kind -> count.
 
     Kinds: ``layer_norm``, ``rms_norm``, ``mlp``, ``rope`` (attention modules whose rotary
-    embedding is fused), ``loss``, ``attention`` (attention modules routed through rtxdsl's).
+    embedding is fused), ``loss``, ``attention`` (attention modules routed through rtxdsl's),
+    ``experts`` (mixture-of-experts layers computed by :func:`rtxdsl.nn.moe_experts`).
     """
 
     by_kind: dict[str, int]
@@ -62,11 +64,19 @@ class Replaced(int):
 
 
 def replace_modules(
-    model: torch.nn.Module, *, rope: bool = True, loss: bool = True, logits: bool = True, attention: bool = True
+    model: torch.nn.Module,
+    *,
+    rope: bool = True,
+    loss: bool = True,
+    logits: bool = True,
+    attention: bool = True,
+    experts: bool = True,
 ) -> Replaced:
     """Swap ``model``'s norms, gated MLPs, rotary embedding and causal-LM loss for fused ones, in place;
     with ``attention`` a transformers model's attention runs :func:`rtxdsl.attention`'s kernels
-    (transformers' attention interface, :mod:`rtxdsl.nn.attention`).
+    (transformers' attention interface, :mod:`rtxdsl.nn.attention`); with ``experts`` its
+    mixture-of-experts layers run :func:`rtxdsl.nn.moe_experts`' grouped GEMMs (transformers' experts
+    interface, :mod:`rtxdsl.nn.moe`).
 
     Parameters stay the same objects under the same names. Returns the number swapped, an int
     with ``.by_kind``; warns about norm- or MLP-like modules it left alone.
@@ -85,7 +95,7 @@ def replace_modules(
         >>> int(n), n.by_kind, type(m[1]).__module__
         (1, {'layer_norm': 1}, 'rtxdsl.nn.modules')
     """
-    counts = {"layer_norm": 0, "rms_norm": 0, "mlp": 0, "rope": 0, "loss": 0, "attention": 0}
+    counts = {"layer_norm": 0, "rms_norm": 0, "mlp": 0, "rope": 0, "loss": 0, "attention": 0, "experts": 0}
     left: set[str] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -102,6 +112,8 @@ def replace_modules(
         counts["loss"] = 1
     if attention:
         counts["attention"] = route_attention(model)
+    if experts:
+        counts["experts"] = route_experts(model)
     if left:
         warnings.warn(
             f"rx.nn.replace_modules left {sorted(left)} alone: their output matched no formula rtxdsl fuses",
@@ -177,14 +189,6 @@ def _rms_norm_like(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
     return None
 
 
-#: activations by probe: name -> torch function
-_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-    "gelu": F.gelu,
-}
-
-
 def _gated_mlp_like(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
     """``down(act(gate(x)) * up(x))`` with linears named as Llama's, or Phi-3's fused ``gate_up_proj``."""
     lin = {n: c for n, c in m.named_children() if type(c) is torch.nn.Linear}
@@ -207,7 +211,7 @@ def _gated_mlp_like(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
         except Exception:  # noqa: BLE001 - the probe's input may not fit this module
             return None
         errors = {}
-        for name, act in _ACTS.items():  # the closest formula (tanh-GELU and GELU differ little)
+        for name, act in ACTIVATIONS.items():  # the closest formula (tanh-GELU and GELU differ little)
             want = lin["down_proj"](act(gate) * up)
             if got.shape == want.shape:
                 errors[name] = (got.double() - want.double()).abs().max().item() / (1 + want.abs().max().item())
