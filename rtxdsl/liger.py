@@ -2,14 +2,14 @@
 
 ``from rtxdsl.liger import LigerRMSNorm, LigerFusedLinearCrossEntropyLoss, ...`` gives modules
 with Liger-Kernel's (0.8) constructor arguments, argument orders, flags and outputs
-(``CrossEntropyOutput`` with ``.loss``, ``.z_loss``, ``.token_accuracy``), each a thin layer over
+(``CrossEntropyOutput`` with ``.loss``, ``.z_loss``, ``.token_accuracy``, ``.predicted_tokens``), each a thin layer over
 an ``rx.nn`` module or an rtxdsl expression, so kernels, derived backwards and caches are
 rtxdsl's. Where Liger's and torch's orders differ, these follow Liger's (``lin_weight`` first in
 the fused linear loss, ``num_channels`` first in group norm); ``rx.nn`` keeps DESIGN's.
 
 A flag rtxdsl does not implement raises an :class:`~rtxdsl.errors.RtxError` naming it (nothing
-is silently ignored): ``use_token_scaling``, ``return_predicted_tokens`` of the fused linear
-loss, an ``accum_dtype`` other than float32 (rtxdsl accumulates in float32 always).
+is silently ignored): ``use_token_scaling`` of the fused linear loss, an ``accum_dtype`` other
+than float32 (rtxdsl accumulates in float32 always).
 The chunked preference losses (``LigerFusedLinearDPOLoss``, ``...ORPOLoss``, ``...CPOLoss``,
 ``...SimPOLoss``, ``...KTOLoss``) are :func:`rtxdsl.ops.preference.preference_outputs` kernels,
 ``LigerFusedLinearGRPOLoss`` a :func:`rtxdsl.ops.policy.grpo_outputs` one, the distillation losses
@@ -100,6 +100,26 @@ class LigerFusedAddRMSNorm(_m.AddRMSNorm):
         super().__init__(hidden_size, eps=eps, offset=offset, in_place=in_place)
         self.weight.data.copy_(_init(hidden_size, init_fn))
         self.casting_mode, self.variance_epsilon = casting_mode, eps
+
+
+class LigerModulatedRMSNorm(_m.ModulatedRMSNorm):
+    """Liger's ``LigerModulatedRMSNorm(hidden_size, eps, offset, casting_mode, init_fn, in_place,
+    elementwise_affine)``: ``forward(hidden_states, scale, shift=None)`` is ``(1 + scale) *
+    RMSNorm(x) + shift``, with Liger's broadcast of the modulation; the result has ``x``'s dtype, as
+    Liger's."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
+        init_fn: str = "ones", in_place: bool = True, elementwise_affine: bool = True,
+    ) -> None:  # fmt: skip
+        _casting(casting_mode)
+        super().__init__(hidden_size, eps=eps, offset=offset, elementwise_affine=elementwise_affine)
+        if self.weight is not None:
+            self.weight.data.copy_(_init(hidden_size, init_fn))
+        self.casting_mode, self.in_place, self.variance_epsilon = casting_mode, in_place, eps
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x, scale, shift).to(x.dtype)
 
 
 class LigerLayerNorm(_m.LayerNorm):
@@ -207,6 +227,29 @@ class LigerGEGLUMLP(_m.GeGLU):
         self.hidden_size, self.intermediate_size = _mlp_sizes(config)
 
 
+class LigerTiledSwiGLUMLP(LigerSwiGLUMLP):
+    """Liger's ``LigerTiledSwiGLUMLP(config, num_shards=None)``: Llama's MLP computed a slice of the
+    sequence at a time, recomputed in the backward (:func:`rtxdsl.nn.tiled_mlp`; ``num_shards=None``:
+    ``ceil(tokens / hidden_size)``)."""
+
+    def __init__(self, config: Any, num_shards: int | None = None) -> None:
+        super().__init__(config)
+        self._tiling("auto" if num_shards is None else num_shards)
+        self.num_shards = num_shards
+
+
+class LigerTiledGEGLUMLP(LigerGEGLUMLP):
+    """Liger's ``LigerTiledGEGLUMLP(config, num_shards=None)``: Gemma's MLP (tanh-approximated GELU,
+    ``hidden_act`` a GELU), a slice of the sequence at a time as :class:`LigerTiledSwiGLUMLP`."""
+
+    def __init__(self, config: Any, num_shards: int | None = None) -> None:
+        if getattr(config, "hidden_act", "gelu") not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise RtxError(f"LigerTiledGEGLUMLP: hidden_act must be a GELU, got {config.hidden_act!r}")
+        super().__init__(config)
+        self._tiling("auto" if num_shards is None else num_shards)
+        self.num_shards = num_shards
+
+
 class LigerPhi3SwiGLUMLP(_m.GateUpMLP):
     """Liger's ``LigerPhi3SwiGLUMLP(config)``: Phi-3's MLP (one ``gate_up_proj``)."""
 
@@ -239,19 +282,25 @@ class LigerExperts(torch.nn.Module):
 
 
 # ---- losses ---------------------------------------------------------------------------------------------
-def _extras(return_z_loss: bool, return_token_accuracy: bool, return_predicted_tokens: bool) -> tuple[bool, bool]:
-    for name, flag in (("return_z_loss", return_z_loss), ("return_token_accuracy", return_token_accuracy)):
+#: Liger's extra outputs: its flag, rtxdsl's output name (:func:`rtxdsl.cross_entropy_outputs`), its field
+_EXTRAS = (
+    ("return_z_loss", "z_loss", "z_loss"),
+    ("return_token_accuracy", "accuracy", "token_accuracy"),
+    ("return_predicted_tokens", "predicted_tokens", "predicted_tokens"),
+)
+
+
+def _extras(*flags: bool) -> tuple[bool, ...]:
+    for (name, _, _), flag in zip(_EXTRAS, flags):
         if not isinstance(flag, bool):
             raise RtxError(f"{name} must be a bool, got {flag!r}")
-    if return_predicted_tokens:
-        raise RtxError("return_predicted_tokens is not supported by rtxdsl's kernels yet")
-    return return_z_loss, return_token_accuracy
+    return flags
 
 
 @made_once
-def _loss_kernel(linear: bool, bias: bool, weight: bool, options: tuple, extras: tuple[bool, bool]) -> Kernel:
-    """The loss (and the z-loss term, the token accuracy) of logits given, or of ``h @ w.T (+ b)``,
-    soft-capped: one dict of outputs the analyzer fuses as one row kernel (no logits written when
+def _loss_kernel(linear: bool, bias: bool, weight: bool, options: tuple, extras: tuple[bool, ...]) -> Kernel:
+    """The loss (and the z-loss term, the token accuracy, the predicted tokens) of logits given, or
+    of ``h @ w.T (+ b)``, soft-capped: one dict of outputs the analyzer fuses as one row kernel (no logits written when
     the logits are a product)."""
     opts = dict(options)
     cap = opts.pop("softcap")
@@ -261,7 +310,7 @@ def _loss_kernel(linear: bool, bias: bool, weight: bool, options: tuple, extras:
     elif cap is not None:
         x = cap * REGISTRY.functions["tanh"](x / cap)
     outs = cross_entropy_outputs(x, dsl.var("t"), dsl.var("cw") if weight else None, **opts)
-    keys = ["loss"] + [k for k, on in zip(("z_loss", "accuracy"), extras) if on]
+    keys = ["loss"] + [key for (_, key, _), on in zip(_EXTRAS, extras) if on]
     return compile({k: outs[k] for k in keys})
 
 
@@ -280,16 +329,17 @@ def _options(ignore_index: int, lse_square_scale: float, label_smoothing: float,
     )
 
 
-def _output(out: dict[str, torch.Tensor], extras: tuple[bool, bool]) -> Any:
+def _output(out: dict[str, torch.Tensor], extras: tuple[bool, ...]) -> Any:
     if not any(extras):
         return out["loss"]
-    return CrossEntropyOutput(loss=out["loss"], z_loss=out.get("z_loss"), token_accuracy=out.get("accuracy"))
+    return CrossEntropyOutput(loss=out["loss"], **{field: out.get(key) for _, key, field in _EXTRAS})
 
 
 class LigerCrossEntropyLoss(torch.nn.Module):
     """Liger's ``LigerCrossEntropyLoss``: ``forward(_input, target)`` over ``[tokens, classes]``
     logits; ``lse_square_scale`` is the z-loss, ``softcap`` caps the logits first; with
-    ``return_z_loss`` / ``return_token_accuracy`` a :class:`CrossEntropyOutput`."""
+    ``return_z_loss`` / ``return_token_accuracy`` / ``return_predicted_tokens`` a
+    :class:`CrossEntropyOutput`."""
 
     def __init__(
         self, weight: torch.Tensor | None = None, ignore_index: int = -100, lse_square_scale: float = 0.0,
@@ -300,7 +350,7 @@ class LigerCrossEntropyLoss(torch.nn.Module):
         self.weight, self.ignore_index, self.reduction = weight, ignore_index, reduction
         self.lse_square_scale, self.label_smoothing, self.softcap = lse_square_scale, label_smoothing, softcap
         self.extras = _extras(return_z_loss, return_token_accuracy, return_predicted_tokens)
-        self.return_z_loss, self.return_token_accuracy = self.extras
+        self.return_z_loss, self.return_token_accuracy, self.return_predicted_tokens = self.extras
         self._options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap)
         _loss_kernel(False, False, weight is not None, self._options, self.extras)  # made now, found by forward
 
@@ -329,7 +379,7 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
         self.ce_weight, self.ignore_index, self.reduction = ce_weight, ignore_index, reduction
         self.lse_square_scale, self.label_smoothing, self.softcap = lse_square_scale, label_smoothing, softcap
         self.extras = _extras(return_z_loss, return_token_accuracy, return_predicted_tokens)
-        self.return_z_loss, self.return_token_accuracy = self.extras
+        self.return_z_loss, self.return_token_accuracy, self.return_predicted_tokens = self.extras
         self._options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap)
         for bias in (False, True):  # made now, found by the forward (never built inside a trace)
             _loss_kernel(True, bias, ce_weight is not None, self._options, self.extras)
@@ -342,7 +392,7 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
         ins |= ({"b": bias} if bias is not None else {}) | (
             {"cw": self.ce_weight} if self.ce_weight is not None else {}
         )
-        out = {k: v.float() for k, v in kern(**ins).items()}
+        out = {k: v.float() if v.is_floating_point() else v for k, v in kern(**ins).items()}
         return _output(out, self.extras)
 
 

@@ -127,11 +127,10 @@ def test_apply_liger_kernel_swaps_an_instance():
     [
         (lambda: liger.LigerFusedLinearCrossEntropyLoss(use_token_scaling=True), "use_token_scaling"),
         (lambda: liger.LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float16), "accum_dtype"),
-        (lambda: liger.LigerCrossEntropyLoss(return_predicted_tokens=True), "return_predicted_tokens"),
         (lambda: liger.LigerRMSNorm(8, casting_mode="fp8"), "casting_mode"),
         (lambda: liger.LigerRMSNorm(8, init_fn="randn"), "init_fn"),
     ],
-    ids=["use_token_scaling", "accum_dtype", "predicted_tokens", "casting_mode", "init_fn"],
+    ids=["use_token_scaling", "accum_dtype", "casting_mode", "init_fn"],
 )
 def test_unsupported_flags_name_themselves(make, words):
     with pytest.raises(RtxError, match=words):

@@ -228,6 +228,12 @@ def _loss_cases() -> list[Case]:
         Case("z_loss_term", rx.z_loss_term(x, t, 0.01), {"x": X, "t": LABELS}),
         Case("token_accuracy", rx.token_accuracy(x, t), {"x": X, "t": LABELS}),
         Case(
+            "predicted_tokens",
+            rx.predicted_tokens(x, t),
+            {"x": X, "t": LABELS},
+            lambda x, t: torch.where(t != -100, x.argmax(-1), -1),
+        ),
+        Case(
             "kl_div",
             rx.kl_div(x, y, "batchmean"),
             {"x": LOGQ, "y": probs},

@@ -253,6 +253,7 @@ def _own_cases() -> list[Case]:
 SKIP = {
     "detach": "the identity that stops the gradient: none to compare (torch's detach)",
     "token_accuracy": "a share of argmax hits: no gradient (torch's argmax has none)",
+    "predicted_tokens": "an argmax per token: integer, no gradient",
     "arange_like": "int64 positions: no gradient",
     "rand_like": "uniform draws from a seed: no gradient",
 }

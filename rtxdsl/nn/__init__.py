@@ -20,6 +20,7 @@ from .modules import (
     KLDivLoss,
     LayerNorm,
     LinearCrossEntropyLoss,
+    ModulatedRMSNorm,
     PolyNorm,
     RMSNorm,
     Sparsemax,
@@ -30,6 +31,7 @@ from .modules import (
 )
 from .moe import moe_experts
 from .swap import Replaced, causal_lm_loss, replace_modules
+from .tiled import tiled_mlp
 
 __all__ = [
     "JSD",
@@ -42,6 +44,7 @@ __all__ = [
     "KLDivLoss",
     "LayerNorm",
     "LinearCrossEntropyLoss",
+    "ModulatedRMSNorm",
     "PolyNorm",
     "RMSNorm",
     "Replaced",
@@ -53,4 +56,5 @@ __all__ = [
     "moe_experts",
     "replace_modules",
     "rms_norm_",
+    "tiled_mlp",
 ]

@@ -26,6 +26,7 @@ from ..ops.llm import cross_entropy, cross_entropy_outputs, linear_cross_entropy
 from ..runtime import Kernel, compile
 from ..runtime_grad import land
 from .memo import made_once
+from .tiled import shard_count, tiled_mlp
 
 _x, _w, _b, _t = dsl.var("x"), dsl.var("w"), dsl.var("b"), dsl.var("t")
 
@@ -272,12 +273,89 @@ class AddRMSNorm(_Fused, torch.nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, in_place={self.in_place}"
 
 
+class ModulatedRMSNorm(_Fused, torch.nn.Module):
+    """AdaLN's modulated RMSNorm (diffusion transformers): ``(1 + scale) * rms_norm(x) * (offset +
+    weight) + shift`` over the last axis, one kernel; the backward is derived (``x``, ``weight``,
+    ``scale``, ``shift``: the modulation's gradients summed over the rows that share it, in the
+    kernel). ``forward(x, scale, shift=None)``: ``scale`` (and ``shift``, shaped as ``scale``)
+    hold ``R`` rows of ``hidden_size`` where ``R`` divides ``x``'s rows, which take them in
+    consecutive runs: ``[H]`` shares one row with every token, ``[B, H]`` one row per sequence of
+    ``[B, T, H]``, ``x``'s own shape one per token (Liger's broadcast). The result has the dtype
+    torch gives the formula (the normed ``x`` in ``x``'s dtype, promoted with ``scale`` /
+    ``shift``); it is computed in float32 and rounded once.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> norm = rx.nn.ModulatedRMSNorm(8)
+        >>> norm(torch.randn(2, 5, 8), torch.randn(2, 8), torch.randn(2, 8)).shape
+        torch.Size([2, 5, 8])
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, elementwise_affine: bool = True,
+        **factory: Any,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        weight = torch.nn.Parameter(torch.ones(hidden_size, **factory)) if elementwise_affine else None
+        self.register_parameter("weight", weight)
+        self.hidden_size, self.eps, self.offset = int(hidden_size), float(eps), float(offset)
+        self.attach()
+
+    def _kernel_for(self, shift: bool) -> Kernel:
+        return _modulated_kernel(self.eps, self.weight is not None, self.offset, shift)
+
+    def _make_kernel(self) -> Kernel:
+        return self._kernel_for(False)
+
+    def _make_variants(self) -> dict[Any, Kernel]:
+        return {"shift": self._kernel_for(True)}
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        rows = modulation_rows(x, scale, shift, self.hidden_size)
+        ins = {"x": x.reshape(rows, -1, self.hidden_size), "scale": scale.reshape(rows, 1, self.hidden_size)}
+        ins |= {} if self.weight is None else {"w": self.weight}
+        if shift is None:
+            return self._kernel(**ins).reshape(x.shape)
+        return self._variants["shift"](**ins, shift=shift.reshape(rows, 1, self.hidden_size)).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}, elementwise_affine={self.weight is not None}"
+
+
+def modulation_rows(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, hidden_size: int) -> int:
+    """How many modulation rows ``scale`` holds (``shift`` the same), checked against ``x``: a
+    clear :class:`~rtxdsl.errors.RtxError` naming the tensor whose shape does not fit."""
+    for name, t in (("x", x), ("scale", scale), ("shift", shift)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[-1] != hidden_size):
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise RtxError(f"ModulatedRMSNorm: {name} must end in the hidden size {hidden_size}, got {got}")
+    rows, tokens = scale.numel() // hidden_size, x.numel() // hidden_size
+    if rows == 0 or tokens % rows:
+        raise RtxError(
+            f"ModulatedRMSNorm: scale holds {rows} rows of {hidden_size}, which must divide x's {tokens} rows "
+            f"(x {list(x.shape)}, scale {list(scale.shape)})"
+        )
+    if shift is not None and shift.numel() != scale.numel():
+        raise RtxError(f"ModulatedRMSNorm: shift must hold scale's {rows} rows, got shape {list(shift.shape)}")
+    return rows
+
+
+@made_once
+def _modulated_kernel(eps: float, weight: bool, offset: float, shift: bool) -> Kernel:
+    """``(1 + scale) * rms_norm(x, offset + w) (+ shift)`` over ``x [R, rows, H]`` and a modulation
+    ``[R, 1, H]``: one row kernel, the modulation broadcast along the rows that share it."""
+    w = (_w + offset if offset else _w) if weight else None
+    e = rms_norm(_x, w, eps) * (1.0 + dsl.var("scale"))
+    return compile(e + dsl.var("shift") if shift else e)
+
+
 class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
     """``torch.nn.CrossEntropyLoss`` as one row kernel (+ the mean), fused backward.
 
-    Liger-Kernel's options: ``z_loss`` (PaLM's ``z * lse**2``, added to the loss),
-    ``return_z_loss`` and ``return_token_accuracy`` (the forward then returns a tuple: the loss,
-    then the z-loss term and / or the token accuracy, all from the same kernel).
+    Liger-Kernel's options: ``z_loss`` (PaLM's ``z * lse**2``, added to the loss), and three extra
+    outputs, ``return_z_loss``, ``return_token_accuracy`` and ``return_predicted_tokens`` (each
+    token's argmax, -1 where ignored): the forward then returns a tuple, the loss first, then the
+    extras asked for in that order, all from the same kernel.
 
     Example:
         >>> import torch, rtxdsl as rx
@@ -290,17 +368,21 @@ class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
 
     def __init__(
         self, *args: Any, z_loss: float = 0.0, return_z_loss: bool = False, return_token_accuracy: bool = False,
-        **kwargs: Any,
+        return_predicted_tokens: bool = False, **kwargs: Any,
     ) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.z_loss, self.return_z_loss = float(z_loss), bool(return_z_loss)
         self.return_token_accuracy = bool(return_token_accuracy)
+        self.return_predicted_tokens = bool(return_predicted_tokens)
         self.attach()
+
+    def _extras(self) -> tuple[bool, ...]:
+        return (self.return_z_loss, self.return_token_accuracy, self.return_predicted_tokens)
 
     def _make_kernel(self) -> Kernel:
         return _ce_kernel(
             self.weight is not None, self.ignore_index, self.reduction, float(self.label_smoothing), self.z_loss,
-            (self.return_z_loss, self.return_token_accuracy),
+            self._extras(),
         )  # fmt: skip
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> Any:  # noqa: A002
@@ -308,21 +390,22 @@ class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
         out = k(input, target, self.weight) if self.weight is not None else k(input, target)
         if not isinstance(out, dict):
             return out
-        extra = [
-            out[key] for key, on in (("z_loss", self.return_z_loss), ("accuracy", self.return_token_accuracy)) if on
-        ]
-        return (out["loss"], *extra)
+        return (out["loss"], *(out[key] for key, on in zip(EXTRA_OUTPUTS, self._extras()) if on))
+
+
+#: cross-entropy's extra outputs in the order a loss module returns them (:func:`rtxdsl.cross_entropy_outputs`)
+EXTRA_OUTPUTS = ("z_loss", "accuracy", "predicted_tokens")
 
 
 @made_once
 def _ce_kernel(
-    weight: bool, ignore_index: int, reduction: str, smoothing: float, z: float, extra: tuple[bool, bool]
+    weight: bool, ignore_index: int, reduction: str, smoothing: float, z: float, extra: tuple[bool, ...]
 ) -> Kernel:
     w = _w if weight else None
     if not any(extra):
         return compile(cross_entropy(_x, _t, w, ignore_index, reduction, smoothing, z))
     outs = cross_entropy_outputs(_x, _t, w, ignore_index, reduction, smoothing, z)
-    wanted = {"loss"} | {key for key, on in zip(("z_loss", "accuracy"), extra) if on}
+    wanted = {"loss"} | {key for key, on in zip(EXTRA_OUTPUTS, extra) if on}
     return compile({key: e for key, e in outs.items() if key in wanted})
 
 
@@ -378,14 +461,39 @@ def _lce_kernel(bias: bool, weight: bool, options: tuple[tuple[str, Any], ...]) 
     return compile(linear_cross_entropy(dsl.var("h"), _w, _t, b, cw, **dict(options)))
 
 
-class GatedMLP(_Fused, torch.nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: bool = False, **factory: Any) -> None:
+class _Tileable(_Fused, torch.nn.Module):
+    """An MLP whose ``shards`` option (an int, or ``"auto"``: ``ceil(tokens / hidden)``) computes it
+    a slice of tokens at a time (:func:`rtxdsl.nn.tiled_mlp`: the intermediate activations of one
+    slice at a time, recomputed in the backward); None (the default) in one pass."""
+
+    shards: int | str | None = None  # a class default: modules built by replace_modules, old pickles
+
+    def _tiling(self, shards: int | str | None) -> None:
+        if shards not in (None, "auto"):
+            shard_count(torch.empty(1, 1), shards)  # a positive int, or a clear error
+        self.shards = shards
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shards is None:
+            return self._mlp(x)
+        shards = None if self.shards == "auto" else self.shards
+        return tiled_mlp(self._mlp, x, shards, [p for p in self.parameters() if p.requires_grad])
+
+
+class GatedMLP(_Tileable):
+    def __init__(
+        self, dim: int, hidden: int, bias: bool = False, shards: int | str | None = None, **factory: Any
+    ) -> None:
         super().__init__()
         self.gate_proj = torch.nn.Linear(dim, hidden, bias=bias, **factory)
         self.up_proj = torch.nn.Linear(dim, hidden, bias=bias, **factory)
         self.down_proj = torch.nn.Linear(hidden, dim, bias=bias, **factory)
+        self._tiling(shards)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._kernel(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -404,8 +512,10 @@ class SwiGLU(GatedMLP):
         torch.Size([2, 8])
     """
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False, **factory: Any) -> None:
-        super().__init__(dim, hidden, bias, **factory)
+    def __init__(
+        self, dim: int, hidden: int, bias: bool = False, shards: int | str | None = None, **factory: Any
+    ) -> None:
+        super().__init__(dim, hidden, bias, shards, **factory)
         self.attach()
 
     def _make_kernel(self) -> Kernel:
@@ -421,8 +531,11 @@ class GeGLU(GatedMLP):
         torch.Size([2, 8])
     """
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False, approximate: str = "tanh", **factory: Any) -> None:
-        super().__init__(dim, hidden, bias, **factory)
+    def __init__(
+        self, dim: int, hidden: int, bias: bool = False, approximate: str = "tanh",
+        shards: int | str | None = None, **factory: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(dim, hidden, bias, shards, **factory)
         self.approximate = approximate
         self.attach()
 
@@ -453,7 +566,7 @@ _ACTIVATED = {
 }
 
 
-class GateUpMLP(_Fused, torch.nn.Module):
+class GateUpMLP(_Tileable):
     """Phi-3's MLP: one ``gate_up_proj`` (gate first, then up), ``down_proj(act(gate) * up)``;
     the chunk and the activation product are one kernel.
 
@@ -463,19 +576,23 @@ class GateUpMLP(_Fused, torch.nn.Module):
         torch.Size([2, 8])
     """
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False, activation: str = "silu", **factory: Any) -> None:
+    def __init__(
+        self, dim: int, hidden: int, bias: bool = False, activation: str = "silu",
+        shards: int | str | None = None, **factory: Any,
+    ) -> None:  # fmt: skip
         if activation not in _ACTIVATED:
             raise RtxError(f"GateUpMLP: activation must be one of {sorted(_ACTIVATED)}, got {activation!r}")
         super().__init__()
         self.gate_up_proj = torch.nn.Linear(dim, 2 * hidden, bias=bias, **factory)
         self.down_proj = torch.nn.Linear(hidden, dim, bias=bias, **factory)
         self.activation = activation
+        self._tiling(shards)
         self.attach()
 
     def _make_kernel(self) -> Kernel:
         return gate_up_kernel(self.activation)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._kernel(self.gate_up_proj(x)))
 
 

@@ -271,7 +271,10 @@ def _fuse_rotary(model: torch.nn.Module) -> int:
         fn = getattr(home, "apply_rotary_pos_emb", None) if isinstance(home, types.ModuleType) else None
         if fn is None or not callable(fn) or "Attention" not in type(m).__name__:
             continue
-        if not hasattr(fn, "__rtxdsl_original__"):
+        if isinstance(fn, torch.nn.Module):  # a `kernels` hub function (transformers with `kernels`)
+            if not hasattr(fn.forward, "__rtxdsl_original__"):  # the module stays: pickles name it
+                fn.forward = _fused_rotary(fn.forward)
+        elif not hasattr(fn, "__rtxdsl_original__"):
             home.apply_rotary_pos_emb = _fused_rotary(fn)  # type: ignore[union-attr]
         users += 1
     return users

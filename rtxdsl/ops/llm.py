@@ -552,7 +552,7 @@ register(
 )
 
 
-# ---- cross-entropy's extra outputs: its z-loss term and the token accuracy ----------------------------
+# ---- cross-entropy's extra outputs: its z-loss term, the token accuracy, the predicted tokens --------------------
 def cross_entropy_outputs(
     logits: ExprLike, target: ExprLike, weight: ExprLike | None = None, ignore_index: int = -100,
     reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -560,19 +560,21 @@ def cross_entropy_outputs(
     """``rx.cross_entropy`` with Liger-Kernel's extra outputs, for ``rx.compile`` (one row kernel
     computes all three): ``loss`` (z-loss included), ``z_loss`` (the z-loss term alone, reduced like
     the loss: the mean over non-ignored tokens, their sum, or per token; 0 when no token counts, as
-    Liger's) and ``accuracy`` (the share of non-ignored tokens whose target is the logits' argmax,
+    Liger's), ``accuracy`` (the share of non-ignored tokens whose target is the logits' argmax,
     ties going to the first index as ``torch.argmax``; per token for ``reduction="none"``; NaN when no
-    token counts, as Liger's). Class indices only.
+    token counts, as Liger's) and ``predicted_tokens`` (each token's argmax, -1 where ignored: always
+    per token). Class indices only.
 
     Example:
         >>> import rtxdsl as rx
         >>> sorted(rx.cross_entropy_outputs(rx.var("x"), rx.var("t"), z_loss=1e-4))
-        ['accuracy', 'loss', 'z_loss']
+        ['accuracy', 'loss', 'predicted_tokens', 'z_loss']
     """
     return {
         "loss": cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss),
         "z_loss": z_loss_term(logits, target, z_loss, ignore_index, reduction),
         "accuracy": token_accuracy(logits, target, ignore_index, reduction),
+        "predicted_tokens": predicted_tokens(logits, target, ignore_index),
     }
 
 
@@ -613,6 +615,20 @@ def token_accuracy(logits: ExprLike, target: ExprLike, ignore_index: int = -100,
     return node("token_accuracy", logits, target, **_stat_args("token_accuracy", ignore_index, reduction))
 
 
+def predicted_tokens(logits: ExprLike, target: ExprLike, ignore_index: int = -100) -> Expr:
+    """Each token's predicted class: the logits' argmax over the class axis (ties to the first
+    class, a NaN's class where a row holds one, as ``torch.argmax``), ``-1`` where the target is
+    ``ignore_index`` (Liger's ``return_predicted_tokens``). int64, one per token, no gradient; over
+    a product (``h @ w.T``) it is a row reduction like the loss, so the logits are never written.
+
+    Example:
+        >>> import rtxdsl as rx
+        >>> rx.predicted_tokens(rx.var("x"), rx.var("t"))
+        predicted_tokens(x, t, ignore_index=-100, reduction='none')
+    """
+    return node("predicted_tokens", logits, target, **_stat_args("predicted_tokens", ignore_index, "none"))
+
+
 def _rows_stat(per: Expr, valid: Expr, count: Expr, reduction: str) -> Expr:
     """A per-token statistic reduced as cross-entropy's z-loss: its mean over the non-ignored tokens
     (``count`` of them), its sum, or none."""
@@ -634,20 +650,26 @@ def _z_loss_decompose(
     return _rows_stat(node("mul", node("mul", lse, lse), z_loss), valid, count, reduction)
 
 
-def _accuracy_decompose(x: Expr, t: Expr, *, ignore_index: int, reduction: str, shapes: list, dtypes: list) -> Expr:
-    cls = _class_axis(len(shapes[0]))
-    # torch.argmax: the first class holding the row's max (two row reductions in one row kernel)
+def _argmax(x: Expr, shape: tuple[int, ...]) -> Expr:
+    """torch.argmax over the class axis: the first class holding the row's max, or its first NaN
+    (where ``amax`` is NaN and no class equals it); two row reductions in one row kernel."""
+    cls = _class_axis(len(shape))
     top = node("amax", x, axis=(cls,), keepdim=False)
-    ties = node("eq", x, node("unsqueeze", top, axes=(cls,)))
-    first = node(
-        "amin", node("where", ties, node("arange_like", x, axis=cls), shapes[0][cls]), axis=(cls,), keepdim=False
-    )
-    hit = node("cast", node("eq", first, t), dtype=dtypes[0])  # 1 or 0 in the logits' dtype
+    ties = node("or", node("eq", x, node("unsqueeze", top, axes=(cls,))), node("ne", x, x))
+    return node("amin", node("where", ties, node("arange_like", x, axis=cls), shape[cls]), axis=(cls,), keepdim=False)
+
+
+def _accuracy_decompose(x: Expr, t: Expr, *, ignore_index: int, reduction: str, shapes: list, dtypes: list) -> Expr:
+    hit = node("cast", node("eq", _argmax(x, shapes[0]), t), dtype=dtypes[0])  # 1 or 0 in the logits' dtype
     valid = node("ne", t, ignore_index)
     # the share of no token is 0 / 0 = NaN, as Liger's (torch.sum(hits) / n_non_ignore): unlike the
     # z-loss (a loss), a metric with no gradient, and none was measured
     count = node("sum", node("where", valid, 1.0, 0.0), axis=None, keepdim=False)
     return _rows_stat(hit, valid, count, reduction)
+
+
+def _predicted_decompose(x: Expr, t: Expr, *, ignore_index: int, reduction: str, shapes: list, dtypes: list) -> Expr:
+    return node("where", node("ne", t, ignore_index), _argmax(x, shapes[0]), -1)
 
 
 def _z_loss_ref(x: torch.Tensor, t: torch.Tensor, *, z_loss: float, ignore_index: int, reduction: str):
@@ -661,6 +683,10 @@ def _accuracy_ref(x: torch.Tensor, t: torch.Tensor, *, ignore_index: int, reduct
     valid = t != ignore_index
     per = torch.where(valid, (x.argmax(_class_axis(x.ndim)) == t).to(x.dtype), 0)
     return per if reduction == "none" else per.sum() if reduction == "sum" else per.sum() / valid.sum()
+
+
+def _predicted_ref(x: torch.Tensor, t: torch.Tensor, *, ignore_index: int, reduction: str):
+    return torch.where(t != ignore_index, x.argmax(_class_axis(x.ndim)), -1)
 
 
 def _stat_shape(shapes: list[tuple[int, ...]], reduction: str, **_: Any) -> tuple[int, ...]:
@@ -677,9 +703,15 @@ def _stat_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
     return dtypes[0]
 
 
-for _name, _fn, _ref, _decompose in (
-    ("z_loss_term", z_loss_term, _z_loss_ref, _z_loss_decompose),
-    ("token_accuracy", token_accuracy, _accuracy_ref, _accuracy_decompose),
+def _predicted_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
+    _stat_dtype(dtypes)
+    return torch.int64
+
+
+for _name, _fn, _ref, _decompose, _dtype in (
+    ("z_loss_term", z_loss_term, _z_loss_ref, _z_loss_decompose, _stat_dtype),
+    ("token_accuracy", token_accuracy, _accuracy_ref, _accuracy_decompose, _stat_dtype),
+    ("predicted_tokens", predicted_tokens, _predicted_ref, _predicted_decompose, _predicted_dtype),
 ):
     register(
         OpDef(
@@ -690,7 +722,7 @@ for _name, _fn, _ref, _decompose in (
             decompose=_decompose,
             typed_decompose=True,
             shape=_stat_shape,
-            result_dtype=_stat_dtype,
+            result_dtype=_dtype,
             eager_launches=3,
             pattern=Pattern.CROSS_ENTROPY,
             accepts=ANY,
