@@ -582,8 +582,12 @@ class OperationStream:
                 raise
             written.extend(homes)
             outs = [outs] if not isinstance(outs, dict) else list(outs.values())
-            for lt, out, o in zip(firsts.values(), outs, orders):
+            landed = {id(t) for t in into.values()}
+            for k, (lt, out, o) in enumerate(zip(firsts.values(), outs, orders)):
                 with torch._C.DisableTorchFunctionSubclass():
+                    if id(out) in landed and k not in into:  # another root's tensor (one node): its own copy
+                        self._copy_record(out, eager=True)
+                        out = out.clone()
                     if out.requires_grad and not lt._grad:  # a kernel's outputs all have its history
                         out = out.detach()
                     if o is not None:  # (a view made as eager would: with the value's grad mode)

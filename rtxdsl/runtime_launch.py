@@ -7,6 +7,7 @@ interpreter on CPU tensors), reads index-check flags, counts, and packs the resu
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -80,14 +81,16 @@ def generate_run(
         lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
     names = [f"t{i}" for i in range(n)]
     lines += _buffer_lines(program, tensors, graph, scope, names)
+    repeats = repeated_outputs(program)
     if not config.dry_run:
         lines += _launch_lines(program, config, interpret, graph, scope, names)
         if not graph:
             p = program
+            copies = sum(_nbytes(p.buffers[slot - p.n_inputs]) for slot in repeats.values() if slot >= p.n_inputs)
             scope["record"] = kernel.stats.record
             lines.append(
-                f"    record({p.kernels_launched}, {p.fused}, {p.eager_launches}, {p.bytes_moved}, {p.eager_bytes}, "
-                f"{p.flops})"
+                f"    record({p.kernels_launched + len(repeats)}, {p.fused}, {p.eager_launches}, "
+                f"{p.bytes_moved + 2 * copies}, {p.eager_bytes}, {p.flops})"
             )
     if program.scalar_outputs:
         scope["finish"] = _finisher(kernel, program, scope["DEV"])
@@ -95,7 +98,9 @@ def generate_run(
     elif kernel.returns_tensor:
         lines.append(f"    return {names[program.outputs[0][1]]}")
     else:
-        packed = ", ".join(f"{key!r}: {names[slot]}" for key, slot in program.outputs)
+        packed = ", ".join(
+            f"{key!r}: {names[slot]}{'.clone()' if key in repeats else ''}" for key, slot in program.outputs
+        )
         lines.append(f"    return {{{packed}}}")
     source = "\n".join(lines) + "\n"
     exec(source, scope)  # noqa: S102 - generated from the program's structure, no user text
@@ -329,19 +334,37 @@ def device_of(tensors: tuple[Any, ...]) -> torch.device:
     return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
+def repeated_outputs(program: Program) -> dict[str, int]:
+    """Output keys whose buffer an earlier key returns, with its slot: two roots that are one node
+    (a key given twice; a reduction over no extent, simplified away) get a copy each, as eager's
+    two results are two tensors (an in-place write to one must not change the other)."""
+    seen: set[int] = set()
+    repeats = {}
+    for key, slot in program.outputs:
+        if slot is not None and slot in seen:
+            repeats[key] = slot
+        seen.add(slot)  # type: ignore[arg-type]
+    return repeats
+
+
+def _nbytes(b: Any) -> int:
+    return math.prod(b.shape) * b.dtype.itemsize
+
+
 def _finisher(kernel: KernelHandle, program: Program, device: torch.device) -> Any:
     """Packs the call's buffers into its result: one tensor, or a dict by output key."""
     slots = list(program.outputs)
     scalars = program.scalar_outputs
+    repeats = repeated_outputs(program)
     if kernel.returns_tensor and not scalars:
         slot = slots[0][1]
         return lambda bufs: bufs[slot]
-    if not scalars:
-        return lambda bufs: {k: bufs[s] for k, s in slots}
 
     def finish(bufs: list[Any]) -> Any:
         res = {
-            k: bufs[s] if s is not None else torch.tensor(scalars[k][0], dtype=scalars[k][1], device=device)
+            k: (bufs[s].clone() if k in repeats else bufs[s])
+            if s is not None
+            else torch.tensor(scalars[k][0], dtype=scalars[k][1], device=device)
             for k, s in slots
         }
         return res["out"] if kernel.returns_tensor else res

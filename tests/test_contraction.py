@@ -342,6 +342,22 @@ def test_prologues_in_batched_and_transposed_operands(gen):
     assert torch.autograd.gradcheck(lambda p, q, r_: k2(g=p, u=q, w=r_), (gs, us, ws), fast_mode=True)
 
 
+def test_a_prologue_never_computes_the_gemms_other_operand(gen):
+    """``linear(t * 2, t)`` with ``t = tanh(sigmoid(x))``: A's prologue would hold t at A's tile,
+    where B needs it at B's (a node has one role; the kernel mixed a [M, K] tile into B's [K, N]
+    and crashed). Found by the lazy fuzzer (seed 25386736000029): another GEMM reading t decided
+    the order the prologues were considered in."""
+    x = rx.var("x")
+    t = rx.tanh(rx.sigmoid(x))
+    k = rx.compile({"v6": rx.linear(t * 2, t), "v2": rx.linear(rx.sigmoid(x), t)})
+    for shape in ((4, 1), (7, 5), (33, 40)):
+        xs = torch.randn(shape, generator=gen)
+        out = k(x=xs)
+        t64 = torch.tanh(torch.sigmoid(xs.double()))
+        _close(out["v6"], F.linear(t64 * 2, t64), torch.float32, 2e-6, 1e-5, shape[1])
+        _close(out["v2"], F.linear(torch.sigmoid(xs.double()), t64), torch.float32, 2e-6, 1e-5, shape[1])
+
+
 def test_the_traffic_model_keeps_a_costly_prologue_apart():
     """Llama-7B's down projection: silu(gate) * up recomputed by each of 32 tile columns costs more
     than writing it and reading it back; a cast of the activation to bf16 costs less."""

@@ -242,6 +242,34 @@ def test_inplace_write_to_a_tensor_with_pending_readers_is_a_sync_point(f):
     assert t.tolist() == [2.0, 2.0, 2.0]
 
 
+@pytest.mark.parametrize("shape", [(), (1,)])  # 0-dim: amax over dim -1 is the value itself (one node)
+def test_a_value_equal_to_an_in_place_result_is_a_tensor_of_its_own(f, shape):
+    """``m = x.amax(-1)`` after ``x.mul_(...)`` is the same node as x's pending value: the flush
+    writes x's tensor, and m must not be that tensor (x's next in-place write would change it).
+    Found by the lazy fuzzer (seed 25386736000047)."""
+    t = torch.full(shape, -0.8)
+    x = f.lazy(t)
+    x.mul_(0.25)
+    m = x.amax(-1, keepdim=True)
+    x.torch()  # the flush: both land
+    x.sub_(x * x, alpha=2)
+    torch.testing.assert_close(m.torch(), torch.full(shape, -0.2))
+    torch.testing.assert_close(x.torch(), torch.full(shape, -0.28))
+
+
+def test_outputs_that_are_one_node_are_two_tensors():
+    """Two keys whose expressions simplify to one node get a tensor each (eager's two results are
+    two), the copy counted as a launch."""
+    x = rx.var("x")
+    k = rx.compile({"a": x * 2, "b": rx.amax(x * 2, -1, keepdim=True), "c": x * 2})
+    rx.reset_fusion_stats()
+    out = k(x=torch.tensor(1.5))
+    assert len({id(v) for v in out.values()}) == 3
+    assert rx.fusion_stats().kernels_launched == k.launches(x=torch.tensor(1.5)) + 2
+    out["a"].add_(1)
+    assert out["b"].item() == out["c"].item() == 3.0
+
+
 def test_slices_joins_gathers_and_cross_entropy_are_recorded(f, gen):
     t = torch.randn(6, 10, generator=gen)
     target = torch.randint(0, 5, (6,), generator=gen)

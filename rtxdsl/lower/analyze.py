@@ -976,7 +976,8 @@ def absorb_prologues(
             taken[id(w)] & {id(m) for m in chain}
             or graph.ops(w.nodes + chain) > config.max_fusion_ops
             or _epilogue_reads(w, chain, consumers)
-            for w, _ in gemm_readers
+            or _holds_other_operand(w, side, chain)
+            for w, side in gemm_readers
         ):
             continue
         inside = {id(m) for m in home.nodes}
@@ -1014,6 +1015,14 @@ def absorb_prologues(
     dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
     order = _order(graph)
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
+
+
+def _holds_other_operand(w: _Work, side: Role, chain: list[Expr]) -> bool:
+    """Would ``side``'s prologue compute the GEMM's other operand (``mm(t * 2, t)``)? A node has one
+    role: at one operand's tile, never at both; the other operand is then read from memory."""
+    assert w.contraction is not None
+    other = w.contraction.srcs[1 if side is Role.A else 0]
+    return any(m is other for m in chain)
 
 
 def _product_cone(
