@@ -113,15 +113,20 @@ SCRIPT = textwrap.dedent("""
         meta = dict(prepare(kernel, ins)[0].kernels[which].meta)  # on the GPU target, as compiled
         record(name, compile_kernel(kernel, ins)[which], meta)
     # a mixture of experts' grouped GEMMs (rtxdsl.nn.moe): 256 tokens x top-2 of 8 experts, hidden
-    # 1024, intermediate 512, bf16; the up projection gathers token rows, the down projection scales
-    # by the routing weights, the weight gradient loops over each expert's rows
+    # 1024, intermediate 512, bf16; the up projection gathers token rows and computes SwiGLU in its
+    # epilogue, the down projection scales by the routing weights, its input gradient computes
+    # SwiGLU's gradient and the routing weights' in its epilogue, the weight gradient loops over
+    # each expert's rows
     from types import SimpleNamespace
     from rtxdsl.codegen.ptx import compile_call
-    from rtxdsl.nn.moe import grouped_call, route, segment_call
+    from rtxdsl.nn.moe import Gated, gated_columns, grouped_call, route, segment_call
     r = route(torch.randint(0, 8, (256, 2)), 8, 64)
-    xm, hm = torch.empty(256, 1024, **bf), torch.empty(512, 1024, **bf)
+    xm, hm, am = torch.empty(256, 1024, **bf), torch.empty(512, 1024, **bf), torch.empty(512, 512, **bf)
     gum = torch.empty(8, 1024, 1024, **bf).transpose(1, 2)
-    moe = {"gemm_moe_up": grouped_call(xm, gum, hm, r, True, None, "gpu"),
+    part = torch.empty(gated_columns(512, "gpu"), 512)
+    dgated = Gated("dgated", "silu", am, hm, part)
+    moe = {"gemm_moe_up": grouped_call(xm, gum, hm, r, True, None, "gpu", Gated("gated", "silu", am)),
+           "gemm_moe_down_grad": grouped_call(xm, gum[:, :, :512], hm, r, True, torch.rand(512), "gpu", dgated),
            "gemm_moe_down": grouped_call(hm[:, :512], gum[:, :512], torch.empty(512, 1024), r, False,
                                          torch.rand(512), "gpu"),
            "gemm_moe_weight_grad": segment_call(xm, True, hm, False, None, r, torch.empty_like(gum), "gpu")}
@@ -165,7 +170,7 @@ def test_contractions_use_hopper_warpgroup_mma(facts):
     for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu", "gemm_bwd_bias_sum"):
         assert facts[name]["wgmma"] > 0, name
     lce = ("gemm_lce_forward", "gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw", "gemm_distill_chunk")
-    moe = ("gemm_moe_up", "gemm_moe_down", "gemm_moe_weight_grad")  # grouped GEMMs: gathered rows too
+    moe = ("gemm_moe_up", "gemm_moe_down", "gemm_moe_down_grad", "gemm_moe_weight_grad")  # gathered rows too
     for name in (*lce, *moe, "gemm_lce_dh_recompute", "gemm_lce_dw_recompute"):  # every product tile, recomputed too
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0

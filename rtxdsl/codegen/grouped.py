@@ -21,14 +21,42 @@ import triton.language as tl
 
 
 @triton.jit
+def _activation(g, ACTIVATION: tl.constexpr):
+    """``act(g)`` and ``act'(g)`` in fp32: silu (SwiGLU), gelu's tanh form and gelu (GeGLU)."""
+    if ACTIVATION == "silu":
+        s = tl.sigmoid(g)
+        y = g * s
+        dy = s * (1.0 + g * (1.0 - s))
+    elif ACTIVATION == "gelu_tanh":
+        # tanh(u) = 2 * sigmoid(2u) - 1
+        t = 2.0 * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g)) - 1.0
+        y = 0.5 * g * (1.0 + t)
+        dy = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        y = g * cdf
+        dy = cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
+    return y, dy
+
+
+@triton.jit
 def grouped_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, rows_ptr, scale_ptr, tile_expert_ptr, tile_lo_ptr, tile_hi_ptr,
+    a_ptr, w_ptr, c_ptr, rows_ptr, scale_ptr, tile_expert_ptr, tile_lo_ptr, tile_hi_ptr, h_ptr, act_ptr, part_ptr,
     N, K,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_cm, stride_cn,
-    GATHER: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_hm, stride_hn, stride_actm, stride_actn, stride_part,
+    GATHER: tl.constexpr, SCALE: tl.constexpr, EPILOGUE: tl.constexpr, ACTIVATION: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """``c[s, n] = scale[s] * sum_k a[row(s), k] * w[expert(s), k, n]`` over one tile of sorted rows."""
+    """``c[s, n] = scale[s] * sum_k a[row(s), k] * w[expert(s), k, n]`` over one tile of sorted rows.
+
+    ``EPILOGUE``: ``"none"``; ``"gated"`` (the up projection): ``w`` holds ``[gate | up]`` columns
+    (``2N``), ``c`` gets both (the pre-activations the backward reads) and ``act`` gets
+    ``act(gate) * up``; ``"dgated"`` (the down projection's input gradient): the product is the
+    gradient of ``scale * act(gate) * up`` with ``gate, up`` read from ``h``, ``c`` gets
+    ``[dgate | dup]``, ``act`` the recomputed ``act(gate) * up`` (the down weights' gradient reads
+    it) and ``part`` each row's sum over this block of columns of the product times it (the routing
+    weight's gradient, summed over the column blocks by the caller: no atomics)."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     # the tile's expert and its rows of the sorted order
@@ -46,20 +74,47 @@ def grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_tile = w_ptr + expert * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # the K loop (none for an empty tile)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the K loop (none for an empty tile); the gated epilogue's up columns are N further on
     k_end = tl.where(hi > lo, K, 0)
     for k_start in range(0, k_end, BLOCK_K):
         ks = k_start + offs_k
         a_mask = row_mask[:, None] & (ks[None, :] < K)
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=a_mask, other=0)
-        b = tl.load(w_tile + ks[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=b_mask, other=0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    # the routing weight of each row, in fp32 before the product is rounded
-    if SCALE:
-        acc = acc * tl.load(scale_ptr + offs_m, mask=row_mask, other=0).to(tl.float32)[:, None]
+        b_ptrs = w_tile + ks[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0), acc, input_precision=PRECISION)
+        if EPILOGUE == "gated":
+            b_up = tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+    mask = row_mask[:, None] & (offs_n[None, :] < N)
     c_offs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))
+    act_offs = offs_m.to(tl.int64)[:, None] * stride_actm + offs_n[None, :] * stride_actn
+    if EPILOGUE == "gated":
+        # the pre-activations, then act(gate) * up from the fp32 accumulators
+        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptr + c_offs + N * stride_cn, acc_up.to(c_ptr.dtype.element_ty), mask=mask)
+        y, _ = _activation(acc, ACTIVATION)
+        tl.store(act_ptr + act_offs, (y * acc_up).to(act_ptr.dtype.element_ty), mask=mask)
+    elif EPILOGUE == "dgated":
+        # recompute act(gate) * up from the saved pre-activations
+        h_offs = offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
+        gate = tl.load(h_ptr + h_offs, mask=mask, other=0).to(tl.float32)
+        up = tl.load(h_ptr + h_offs + N * stride_hn, mask=mask, other=0).to(tl.float32)
+        y, dy = _activation(gate, ACTIVATION)
+        tl.store(act_ptr + act_offs, (y * up).to(act_ptr.dtype.element_ty), mask=mask)
+        # the routing weight's gradient over this block of columns (masked columns add zeros)
+        part = tl.sum(acc * (y * up), axis=1)
+        tl.store(part_ptr + pid_n.to(tl.int64) * stride_part + offs_m, part, mask=row_mask)
+        # d(act(gate) * up): the cotangent scaled by the routing weight, in fp32
+        acc = acc * tl.load(scale_ptr + offs_m, mask=row_mask, other=0).to(tl.float32)[:, None]
+        tl.store(c_ptr + c_offs, (acc * up * dy).to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptr + c_offs + N * stride_cn, (acc * y).to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        # the routing weight of each row, in fp32 before the product is rounded
+        if SCALE:
+            acc = acc * tl.load(scale_ptr + offs_m, mask=row_mask, other=0).to(tl.float32)[:, None]
+        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -12,17 +12,20 @@ with ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (``transposed``: ``
 
 1. routing (:func:`route`): the ``T * top_k`` (token, expert) rows sorted by expert, each expert's
    segment and a table of row tiles that share an expert; torch ops on the device, no host sync;
-2. the up projection: one grouped GEMM whose prologue gathers each row's token (no permuted copy);
-3. ``act(gate) * up``: one rtxdsl kernel (its backward derived);
-4. the down projection: one grouped GEMM, each row scaled by its routing weight in fp32;
-5. the combine: each token's ``top_k`` rows summed in a fixed order (deterministic, no atomics).
+2. the up projection: one grouped GEMM whose prologue gathers each row's token (no permuted copy)
+   and whose epilogue computes ``act(gate) * up`` from its two fp32 accumulators (it writes the
+   pre-activations too: the backward reads them);
+3. the down projection: one grouped GEMM, each row scaled by its routing weight in fp32;
+4. the combine: each token's ``top_k`` rows summed in a fixed order (deterministic, no atomics).
 
-Backward: the output gradient is read through the tokens' gather (never copied per row); the down
-projection's input gradient and the routing weights' gradient come from one grouped GEMM
-(``dw[s] = a[s] . (dout[t] @ down[e])``, as Liger-Kernel's MoE); weight gradients are segment
-GEMMs (a K loop over each expert's rows; an expert no token chose gets zeros); the input gradient
-is the combine again. Without Triton (CPU tensors, TRITON_INTERPRET unset) the same math runs in
-torch ops, one expert at a time.
+Backward: the output gradient is read through the tokens' gather (never copied per row); one
+grouped GEMM computes the down projection's input gradient and, in its epilogue, the activation's
+gradient (``[dgate | dup]``), the activation recomputed (the down weights' gradient reads it) and
+the routing weights' gradient (``dw[s] = a[s] . (dout[t] @ down[e])``, as Liger-Kernel's MoE, per
+block of columns, summed after: no atomics); weight gradients are segment GEMMs (a K loop over each
+expert's rows; an expert no token chose gets zeros); the input gradient is a grouped GEMM and the
+combine. 3 launches forward, 5 backward. Without Triton (CPU tensors, TRITON_INTERPRET unset) the
+same math runs in torch ops, one expert at a time.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ..errors import RtxError
 from ..lower import tf32_of
 from ..runtime_launch import backend_for
 from ..stats import GLOBAL_STATS
-from .modules import ACTIVATIONS, gate_up_kernel
+from .modules import ACTIVATIONS
 
 #: launch tables by target: the grouped GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages),
 #: BLOCK_M being the routing's row tile; 4-byte operands halve BLOCK_K and double the warps
@@ -151,28 +154,62 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class Gated:
+    """A grouped GEMM's gated epilogue (:func:`rtxdsl.codegen.grouped.grouped_gemm_kernel`):
+    ``kind`` ``"gated"`` writes ``act`` (``act(gate) * up``) beside the pre-activations; ``"dgated"``
+    reads them from ``h`` and writes their gradient, ``act`` recomputed and the routing weight's
+    gradient per block of columns into ``part``."""
+
+    kind: str
+    activation: str
+    act: torch.Tensor
+    h: torch.Tensor | None = None
+    part: torch.Tensor | None = None
+
+
+def gated_columns(n: int, family: str) -> int:
+    """The column blocks of a gated epilogue over ``n`` columns: ``part``'s leading dimension."""
+    return -(-n // (GROUPED[family][1] // 2))
+
+
 def grouped_call(
     a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, r: Routing, gather: bool, scale: torch.Tensor | None,
-    family: str,
+    family: str, gated: Gated | None = None,
 ) -> Call:  # fmt: skip
-    """``c[s] = scale[s] * a[row(s)] @ w[expert(s)]``, ``w`` read as ``[E, K, N]`` through its strides."""
+    """``c[s] = scale[s] * a[row(s)] @ w[expert(s)]``, ``w`` read as ``[E, K, N]`` through its strides;
+    ``gated``: the epilogue of the up projection (``w``'s ``N`` columns are ``[gate | up]``) or of the
+    down projection's input gradient."""
     rows, (k, n) = r.tokens.numel(), w.shape[1:]
     _, bn, bk, warps, stages = GROUPED[family]
+    kind = "none" if gated is None else gated.kind
+    if kind == "gated":
+        n //= 2
+    if kind != "none":
+        bn //= 2  # two accumulators (or the pre-activations' loads): half the columns, no spills on sm_90
     meta = {
         "GATHER": gather,
         "SCALE": scale is not None,
+        "EPILOGUE": kind,
+        "ACTIVATION": "silu" if gated is None else gated.activation,
         "PRECISION": _precision(),
         "BLOCK_M": r.block_m,
         "BLOCK_N": bn,
     }
     wide = a.element_size() == 4  # fp32 operands: half the K slice, twice the warps (no spills on sm_90)
     meta |= {"BLOCK_K": bk // 2 if wide else bk, "num_warps": 2 * warps if wide else warps, "num_stages": stages}
+    act = c if gated is None else gated.act
+    h = c if gated is None or gated.h is None else gated.h
+    part = r.tokens if gated is None or gated.part is None else gated.part
     args = (
-        a, w, c, r.tokens, r.tokens if scale is None else scale, r.tile_expert, r.tile_lo, r.tile_hi,
-        n, k, a.stride(0), a.stride(1), *w.stride(), *c.stride(),
+        a, w, c, r.tokens, r.tokens if scale is None else scale, r.tile_expert, r.tile_lo, r.tile_hi, h, act, part,
+        n, k, a.stride(0), a.stride(1), *w.stride(), *c.stride(), *h.stride(), *act.stride(), part.stride(0),
     )  # fmt: skip
-    nbytes = rows * k * a.element_size() + _bytes(w, c)
-    return Call(grouped_gemm_kernel, (r.tile_expert.numel(), -(-n // bn)), args, meta, 2 * rows * n * k, nbytes)
+    nbytes = rows * k * a.element_size() + _bytes(w, c) + (0 if gated is None else _bytes(gated.act))
+    if kind == "dgated":
+        nbytes += _bytes(h, part)
+    flops = 2 * rows * w.shape[2] * k
+    return Call(grouped_gemm_kernel, (r.tile_expert.numel(), -(-n // bn)), args, meta, flops, nbytes)
 
 
 def segment_call(
@@ -231,35 +268,44 @@ def _kn(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     return w if transposed else w.transpose(1, 2)
 
 
-class _Projection(torch.autograd.Function):
-    """``c[s] = scale[s] * a[row(s)] @ w[e]``; ``combine``: summed back to tokens."""
+class _Experts(torch.autograd.Function):
+    """The routed experts, ``gate_up`` ``[E, H, 2I]`` and ``down`` ``[E, I, H]`` read as ``[E, K, N]``:
+    forward 3 launches (the up projection with ``act(gate) * up`` in its epilogue, the down
+    projection scaled by the routing weights, the combine), backward 5 (the down projection's
+    input gradient with the activation's gradient and the routing weights' in its epilogue, two
+    segment GEMMs, the up projection's input gradient and its combine)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, r: Routing, gather: bool, combine: bool
-    ) -> torch.Tensor:
-        ctx.save_for_backward(a, w, scale)
-        ctx.r, ctx.gather, ctx.combine = r, gather, combine
-        if not combine:
-            return _grouped(a, w, r, gather, scale, a.dtype)
-        return _combine(_grouped(a, w, r, gather, scale, torch.float32), r, a.dtype)
+        ctx: Any, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, r: Routing,
+        activation: str,
+    ) -> torch.Tensor:  # fmt: skip
+        rows, inter = r.tokens.numel(), down.shape[1]
+        h = x.new_empty(rows, 2 * inter)
+        a = x.new_empty(rows, inter)
+        if a.numel():
+            gated = Gated("gated", activation, a)
+            grouped_call(x, gate_up, h, r, True, None, _family(x.device), gated).launch(x.device)
+        ctx.save_for_backward(x, gate_up, down, weights, h)
+        ctx.r, ctx.activation = r, activation
+        return _combine(_grouped(a, down, r, False, weights, torch.float32), r, x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        a, w, scale = ctx.saved_tensors
-        r, gather, combine = ctx.r, ctx.gather, ctx.combine
-        da = dw = dscale = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
-            # dout's rows (through the tokens' gather when combined) times each row's expert matrix
-            wide = gather or scale is not None
-            g = _grouped(dout, w.transpose(1, 2), r, combine, None, torch.float32 if wide else a.dtype)
-            if scale is not None:
-                dscale = (a.float() * g).sum(-1).to(scale.dtype) if ctx.needs_input_grad[2] else None
-                g = g * scale.float()[:, None]
-            da = _combine(g, r, a.dtype) if gather else g.to(a.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = _segment(a, gather, dout, combine, scale, r, torch.empty_like(w))
-        return da, dw, dscale, None, None, None
+        x, gate_up, down, weights, h = ctx.saved_tensors
+        r, family = ctx.r, _family(x.device)
+        inter = down.shape[1]
+        dh, a = torch.empty_like(h), x.new_empty(h.shape[0], inter)
+        part = torch.zeros(gated_columns(inter, family), h.shape[0], device=x.device, dtype=torch.float32)
+        if a.numel():
+            gated = Gated("dgated", ctx.activation, a, h, part)
+            grouped_call(dout, down.transpose(1, 2), dh, r, True, weights, family, gated).launch(x.device)
+        else:
+            dh.zero_()
+        dx = _combine(_grouped(dh, gate_up.transpose(1, 2), r, False, None, torch.float32), r, x.dtype)
+        dgate_up = _segment(x, True, dh, False, None, r, torch.empty_like(gate_up)) if ctx.needs_input_grad[1] else None
+        ddown = _segment(a, False, dout, True, weights, r, torch.empty_like(down)) if ctx.needs_input_grad[2] else None
+        return dx, dgate_up, ddown, part.sum(0).to(weights.dtype), None, None
 
 
 def _torch_experts(
@@ -338,9 +384,7 @@ def moe_experts(
     weights = top_k_weights.reshape(-1)[r.order]
     if backend == "torch":
         return _torch_experts(x, _kn(gate_up, False), _kn(down, False), r, weights, activation).view(shape)
-    h = _Projection.apply(x, _kn(gate_up, False), None, r, True, False)
-    a = gate_up_kernel(activation)(h)
-    return _Projection.apply(a, _kn(down, False), weights, r, False, True).view(shape)
+    return _Experts.apply(x, _kn(gate_up, False), _kn(down, False), weights, r, activation).view(shape)
 
 
 # ---- transformers' experts interface ------------------------------------------------------------
