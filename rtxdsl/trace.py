@@ -229,11 +229,19 @@ def _instrumented(recorder: _Recorder) -> Iterator[None]:
         recorder.store(ptrs, mask)
         return store(ptrs, value, mask, cache_policy)
 
+    # the builder's own attributes before (none: its class's methods, which other wrappers such as
+    # rtxdsl.interpret's bounds checks may patch later): restored as they were, never pinned
+    names = ("create_masked_load", "create_masked_store")
+    own = {n: vars(builder)[n] for n in names if n in vars(builder)}
     builder.create_masked_load, builder.create_masked_store = traced_load, traced_store
     try:
         yield
     finally:
-        builder.create_masked_load, builder.create_masked_store = load, store
+        for n in names:
+            if n in own:
+                setattr(builder, n, own[n])
+            else:
+                delattr(builder, n)
 
 
 def memory_trace(
