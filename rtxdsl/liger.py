@@ -61,10 +61,12 @@ class CrossEntropyOutput:
     predicted_tokens: torch.Tensor | None = None
 
 
-def _init(hidden_size: int, init_fn: str) -> torch.Tensor:
+def _init(weight: torch.Tensor | None, init_fn: str) -> None:
+    """Liger's ``init_fn`` of a norm's weight (none without an affine weight: still checked)."""
     if init_fn not in ("ones", "zeros"):
         raise RtxError(f"init_fn must be 'ones' or 'zeros', got {init_fn!r}")
-    return torch.ones(hidden_size) if init_fn == "ones" else torch.zeros(hidden_size)
+    if weight is not None:
+        weight.data.fill_(1.0 if init_fn == "ones" else 0.0)
 
 
 def _casting(casting_mode: str) -> None:
@@ -83,8 +85,7 @@ class LigerRMSNorm(_m.RMSNorm):
     ) -> None:  # fmt: skip
         _casting(casting_mode)
         super().__init__(hidden_size, eps=eps, elementwise_affine=elementwise_affine, offset=offset)
-        if self.weight is not None:
-            self.weight.data.copy_(_init(hidden_size, init_fn))
+        _init(self.weight, init_fn)
         self.casting_mode, self.in_place, self.row_mode = casting_mode, in_place, row_mode
         self.variance_epsilon = eps
 
@@ -98,7 +99,7 @@ class LigerFusedAddRMSNorm(_m.AddRMSNorm):
     ) -> None:  # fmt: skip
         _casting(casting_mode)
         super().__init__(hidden_size, eps=eps, offset=offset, in_place=in_place)
-        self.weight.data.copy_(_init(hidden_size, init_fn))
+        _init(self.weight, init_fn)
         self.casting_mode, self.variance_epsilon = casting_mode, eps
 
 
@@ -114,8 +115,7 @@ class LigerModulatedRMSNorm(_m.ModulatedRMSNorm):
     ) -> None:  # fmt: skip
         _casting(casting_mode)
         super().__init__(hidden_size, eps=eps, offset=offset, elementwise_affine=elementwise_affine)
-        if self.weight is not None:
-            self.weight.data.copy_(_init(hidden_size, init_fn))
+        _init(self.weight, init_fn)
         self.casting_mode, self.in_place, self.variance_epsilon = casting_mode, in_place, eps
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +130,7 @@ class LigerLayerNorm(_m.LayerNorm):
         self, hidden_size: int, eps: float = 1e-6, bias: bool = False, init_fn: str = "ones", **_: Any
     ) -> None:
         super().__init__(hidden_size, eps=eps)
-        self.weight.data.copy_(_init(hidden_size, init_fn))
+        _init(self.weight, init_fn)
         self.bias.data.copy_(torch.randn(hidden_size) if bias else torch.zeros(hidden_size))
         self.variance_epsilon = eps
 
@@ -143,7 +143,7 @@ class LigerGroupNorm(_m.GroupNorm):
         self, num_channels: int, num_groups: int, eps: float = 1e-6, bias: bool = False, init_fn: str = "ones"
     ):
         super().__init__(num_groups, num_channels, eps=eps)
-        self.weight.data.copy_(_init(num_channels, init_fn))
+        _init(self.weight, init_fn)
         self.bias.data.copy_(torch.randn(num_channels) if bias else torch.zeros(num_channels))
 
 
