@@ -72,6 +72,93 @@ def test_replaced_models_copy_and_pickle():
             torch.testing.assert_close(clone(input_ids=ids).logits, want)
 
 
+def _counting_rope(monkeypatch) -> list[int]:
+    """Calls of the fused rope kernel from now on (the forward looks it up at each call)."""
+    from rtxdsl.nn import swap
+
+    calls, kernel = [], swap._rope_kernel()
+    monkeypatch.setattr(swap, "_rope_kernel", lambda: lambda **kw: calls.append(1) or kernel(**kw))
+    return calls
+
+
+def test_rope_is_fused_in_the_replaced_model_and_in_no_other(monkeypatch):
+    """The rotary patch was process-wide (the model module's function): after one Llama was replaced,
+    every Llama, an unreplaced one or one replaced with ``rope=False``, ran the fused kernel. Each
+    replaced attention module now has it (its own hub function), copies and pickles keep it."""
+    plain = tiny_model("llama")
+    fused, no_rope = copy.deepcopy(plain), copy.deepcopy(plain)
+    assert rx.nn.replace_modules(fused).by_kind["rope"] == LAYERS
+    assert "rope" not in rx.nn.replace_modules(no_rope, rope=False).by_kind
+    calls = _counting_rope(monkeypatch)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        for name, model, launches in [
+            ("plain", plain, 0),
+            ("rope=False", no_rope, 0),
+            ("replaced", fused, LAYERS),
+            ("copied", copy.deepcopy(fused), LAYERS),
+            ("pickled", pickle.loads(pickle.dumps(fused)), LAYERS),
+            ("plain again", plain, 0),
+        ]:
+            calls.clear()
+            torch.testing.assert_close(model(input_ids=ids).logits, want, atol=2e-6, rtol=2e-6, msg=name)
+            assert len(calls) == launches, name
+
+
+@pytest.mark.parametrize("hub", [False, True])  # a plain function (Phi-3); a hub function shared by all
+def test_rope_of_a_module_function_is_gated_by_the_replaced_attention(hub, monkeypatch):
+    """Where transformers gives attention modules no function of their own (Phi-3; before version 5,
+    or without ``kernels``), the model module's function (or the shared hub function's forward) is
+    patched but fuses only while an attention module ``replace_modules`` hooked runs; the gate
+    closes when its forward raises."""
+    import sys
+    import types
+
+    from rtxdsl.nn import swap
+
+    home = types.ModuleType("rope_home")
+    exec(
+        "import torch\n"
+        "def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):\n"
+        "    def rot(x):\n"
+        "        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)\n"
+        "    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)\n"
+        "    return q * cos + rot(q) * sin, k * cos + rot(k) * sin\n"
+        "class ToyAttention(torch.nn.Module):\n"
+        "    def forward(self, q, k, cos, sin):\n"
+        "        if q.shape[0] == 0:\n"
+        "            raise ValueError('no batch')\n"
+        "        return apply_rotary_pos_emb(q, k, cos, sin)\n",
+        home.__dict__,
+    )
+    monkeypatch.setitem(sys.modules, "rope_home", home)
+    original = home.apply_rotary_pos_emb
+    if hub:
+        from transformers.integrations.hub_kernels import use_kernel_forward_from_hub
+
+        home.apply_rotary_pos_emb = use_kernel_forward_from_hub("rotary_pos_emb")(original)
+        assert isinstance(home.apply_rotary_pos_emb, torch.nn.Module)
+    replaced, other = home.ToyAttention(), home.ToyAttention()
+    assert rx.nn.replace_modules(torch.nn.Sequential(replaced)).by_kind["rope"] == 1
+    assert rx.nn.replace_modules(torch.nn.Sequential(replaced)).by_kind["rope"] == 1  # hooked once
+    calls = _counting_rope(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 3, 5, 6, generator=gen), torch.randn(2, 1, 5, 6, generator=gen)
+    cos, sin = torch.randn(2, 5, 6, generator=gen), torch.randn(2, 5, 6, generator=gen)
+    want = original(q, k, cos, sin)
+    for model, launches in [(other, 0), (replaced, 1), (copy.deepcopy(replaced), 1), (other, 0)]:
+        calls.clear()
+        for got, ref in zip(model(q, k, cos, sin), want):
+            torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+        assert len(calls) == launches
+    with pytest.raises(ValueError, match="no batch"):
+        replaced(q[:0], k[:0], cos[:0], sin[:0])
+    assert swap._RopeGate.open == 0
+    other(q, k, cos, sin)
+    assert not calls
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2"])
 def test_training_without_logits_never_makes_a_tokens_by_vocabulary_tensor(family):
     """``replace_modules(model, logits=False)``: the loss from the hidden states (Gemma 2's logit

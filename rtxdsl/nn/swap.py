@@ -11,15 +11,18 @@ Gemma 1/2/3, Phi-3 and Mixtral norms are found without a table of their classes,
 whose norm differs in a way the probe sees keeps its own module (and a warning says so).
 
 Hugging Face's rotary embedding is a free function (``apply_rotary_pos_emb``) in each model's
-module; it is replaced there by one kernel for q and k (the original still runs for inputs it
-does not cover, e.g. partial rotary). The causal-LM loss (``model.loss_function``) becomes
-``rx.cross_entropy`` over the logits as they are (no float32 copy of them); with
-``logits=False`` it is taken from the hidden states without ever making the logits.
+module; the replaced model's attention modules run it as one kernel for q and k (the original
+still runs for inputs it does not cover, e.g. partial rotary), and only they: another model of
+the family, or this one replaced with ``rope=False``, keeps the original.
+The causal-LM loss (``model.loss_function``) becomes ``rx.cross_entropy`` over the logits as
+they are (no float32 copy of them); with ``logits=False`` it is taken from the hidden states
+without ever making the logits.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
 import warnings
@@ -245,37 +248,96 @@ def _rope_kernel() -> Kernel:
     return compile({"q": rope(q, cos, sin), "k": rope(k, cos, sin)})
 
 
-def _fused_rotary(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` as one kernel for q and k."""
-    kernel = _rope_kernel()  # made here: never inside a torch.compile trace (rtxdsl.nn.memo)
+def _rope_fused(original: Callable[..., Any], q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
+    """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` as one kernel for q and k; ``original``
+    for what it does not cover (more arguments, partial rotary, an odd head dim, tensor subclasses)."""
+    unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
+    whole = all(type(t) is torch.Tensor for t in (q, k, cos, sin)) and cos.shape[-1] == q.shape[-1]
+    if args or kwargs.keys() - {"unsqueeze_dim"} or not whole or q.shape[-1] % 2:
+        return original(q, k, cos, sin, *args, **kwargs)
+    out = _rope_kernel()(q=q, k=k, cos=cos.unsqueeze(unsqueeze_dim), sin=sin.unsqueeze(unsqueeze_dim))
+    return out["q"], out["k"]
+
+
+def _hub_original(func_class: type) -> Callable[..., Any]:
+    """The torch function a ``kernels`` hub function class wraps (its forward closes over it), kept
+    on the class once found (Dynamo reads a class attribute; it cannot trace ``inspect``)."""
+    original = getattr(func_class, "rtxdsl_original", None)  # read on the class: the function itself
+    if original is None:
+        original = inspect.getclosurevars(func_class.forward).nonlocals["func"]
+        func_class.rtxdsl_original = original  # type: ignore[attr-defined]
+    return original
+
+
+def _rotary_forward(self: torch.nn.Module, q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
+    """The forward of one attention module's own ``kernels`` hub function (transformers >= 5 with the
+    ``kernels`` package): set on that instance only, so other models keep theirs. A module-level
+    function: a pickled instance names it (``kernels`` pickles an instance's forward by reference)."""
+    return _rope_fused(_hub_original(type(self)), q, k, cos, sin, *args, **kwargs)
+
+
+class _RopeGate:
+    """How many attention modules ``replace_modules`` hooked are running now: the patched module
+    function fuses only inside them. A plain attribute, not a ``ContextVar`` (Dynamo traces
+    neither ``ContextVar.get`` nor ``set``; it replays an attribute's writes): another thread
+    running another model of the family meanwhile runs the fused kernel too (the same values)."""
+
+    open = 0
+
+
+def _rope_enter(module: torch.nn.Module, args: Any) -> None:
+    _RopeGate.open += 1
+
+
+def _rope_leave(module: torch.nn.Module, args: Any, out: Any) -> None:
+    _RopeGate.open -= 1
+
+
+def _gated_rotary(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A model module's plain ``apply_rotary_pos_emb`` (transformers without per-instance hub
+    functions), fused only while an attention module ``replace_modules`` hooked is running."""
 
     @functools.wraps(original)
-    def apply_rotary_pos_emb(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
-        unsqueeze_dim = kwargs.pop("unsqueeze_dim", 1) if not args else None
-        whole = all(type(t) is torch.Tensor for t in (q, k, cos, sin)) and cos.shape[-1] == q.shape[-1]
-        if args or kwargs or unsqueeze_dim is None or not whole or q.shape[-1] % 2:
-            return original(q, k, cos, sin, *args, **kwargs)
-        out = kernel(q=q, k=k, cos=cos.unsqueeze(unsqueeze_dim), sin=sin.unsqueeze(unsqueeze_dim))
-        return out["q"], out["k"]
+    def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
+        return _rope_fused(original, *args, **kwargs) if _RopeGate.open else original(*args, **kwargs)
 
     apply_rotary_pos_emb.__rtxdsl_original__ = original  # type: ignore[attr-defined]
     return apply_rotary_pos_emb
 
 
+def _gate_rotary(attention: torch.nn.Module, home: types.ModuleType, fn: Callable[..., Any]) -> None:
+    """Gate the rotary function ``attention`` calls (``home``'s, or a hub function's forward shared by
+    every model), and hook ``attention`` to open the gate while it runs."""
+    if isinstance(fn, torch.nn.Module):
+        if not hasattr(fn.forward, "__rtxdsl_original__"):
+            fn.forward = _gated_rotary(fn.forward)
+    elif not hasattr(fn, "__rtxdsl_original__"):
+        home.apply_rotary_pos_emb = _gated_rotary(fn)  # type: ignore[attr-defined]
+    if _rope_enter not in attention._forward_pre_hooks.values():
+        attention.register_forward_pre_hook(_rope_enter)
+        attention.register_forward_hook(_rope_leave, always_call=True)
+
+
 def _fuse_rotary(model: torch.nn.Module) -> int:
-    """Patch ``apply_rotary_pos_emb`` in the modules that define the model's attention classes;
-    the count is the attention modules that call it."""
+    """Fuse ``apply_rotary_pos_emb`` for the model's attention modules, and for no other model: the
+    count is the attention modules that call it. Each one's own hub function gets the fused forward
+    where transformers gives each its own (``_kernel_funcs``); otherwise the function in the module
+    defining the attention class (or a shared hub function's forward) is gated, and the attention
+    modules here are hooked to open the gate while they run."""
+    _rope_kernel()  # made here: never inside a torch.compile trace (rtxdsl.nn.memo)
     users = 0
     for m in model.modules():
         home = sys.modules.get(type(m).__module__)
         fn = getattr(home, "apply_rotary_pos_emb", None) if isinstance(home, types.ModuleType) else None
         if fn is None or not callable(fn) or "Attention" not in type(m).__name__:
             continue
-        if isinstance(fn, torch.nn.Module):  # a `kernels` hub function (transformers with `kernels`)
-            if not hasattr(fn.forward, "__rtxdsl_original__"):  # the module stays: pickles name it
-                fn.forward = _fused_rotary(fn.forward)
-        elif not hasattr(fn, "__rtxdsl_original__"):
-            home.apply_rotary_pos_emb = _fused_rotary(fn)  # type: ignore[union-attr]
+        own = next((f for f in m.__dict__.get("_kernel_funcs", {}).values() if type(f) is type(fn)), None)
+        if own is not None and isinstance(fn, torch.nn.Module):
+            if getattr(own.__dict__.get("forward"), "__func__", None) is not _rotary_forward:
+                _hub_original(type(own))  # found now: a torch.compile trace only reads it
+                own.forward = types.MethodType(_rotary_forward, own)
+        else:
+            _gate_rotary(m, home, fn)
         users += 1
     return users
 
