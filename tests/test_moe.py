@@ -200,6 +200,42 @@ def test_launches_and_flops(gen):
     assert bwd.flops == 2 * gemms + rows * hidden
 
 
+def test_frozen_experts_run_no_weight_gradient_gemm(gen):
+    """Experts frozen (LoRA-style fine-tuning of the rest): the backward runs neither segment GEMM,
+    3 launches; tokens frozen too (only the routing weights learn): the up projection's input
+    gradient and its combine go as well, 1 launch."""
+    x, gate_up, down, index, weights = _draw(gen, 9, 16, 8, 4, 2, torch.float32)
+    x, gate_up, down = (t.detach() for t in (x, gate_up, down))
+    cot = _reference(x, gate_up, down, index, weights).detach()  # a cotangent of the output's scale
+    for learns, launches in (((True, False, False), 3), ((False, False, False), 1)):  # x, gate_up, down
+        ins = [t.detach().requires_grad_(g) for t, g in zip((x, gate_up, down), learns)]
+        w = weights.detach().requires_grad_()
+        out = rx.nn.moe_experts(*ins, index, w)
+        rx.reset_fusion_stats()
+        (out * cot).sum().backward()
+        assert rx.fusion_stats().kernels_launched == launches
+        assert [t.grad is not None for t in ins] == list(learns)
+        ref_w = weights.detach().double().requires_grad_()
+        (_reference(x.double(), gate_up.double(), down.double(), index, ref_w) * cot.double()).sum().backward()
+        torch.testing.assert_close(w.grad.double(), ref_w.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_the_experts_ops_are_opchecked(gen):
+    """``rtxdsl::moe_experts`` (what torch.compile sees): schema, fake against real (shapes, strides:
+    the outputs are contiguous whatever the inputs' layouts) and autograd registration, on
+    transposed expert matrices and strided tokens, with every input's gradient and with frozen ones."""
+    from rtxdsl.nn.moe import experts_op
+
+    x, gate_up, down, index, weights = _draw(gen, 7, 16, 8, 3, 2, torch.float32)
+    wide = torch.randn(7, 32, generator=gen)[:, ::2]  # strided tokens
+    gu, dn = gate_up.transpose(1, 2), down.transpose(1, 2).contiguous()  # [E, K, N]: a view, a copy
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for grads in ((True, True, True, True), (True, False, False, True)):
+        ins = [t.detach().requires_grad_(g) for t, g in zip((wide, gu, dn), grads)]
+        args = (*ins, index, weights.detach().requires_grad_(grads[3]), "silu")
+        torch.library.opcheck(experts_op, args, test_utils=checks)
+
+
 @pytest.mark.parametrize(
     "change, fault",
     [

@@ -24,7 +24,9 @@ gradient (``[dgate | dup]``), the activation recomputed (the down weights' gradi
 the routing weights' gradient (``dw[s] = a[s] . (dout[t] @ down[e])``, as Liger-Kernel's MoE, per
 block of columns, summed after: no atomics); weight gradients are segment GEMMs (a K loop over each
 expert's rows; an expert no token chose gets zeros); the input gradient is a grouped GEMM and the
-combine. 3 launches forward, 5 backward. Without Triton (CPU tensors, TRITON_INTERPRET unset) the
+combine. 3 launches forward, 5 backward (fewer where a gradient is not wanted). The forward and
+backward are ``torch.library`` ops (``rtxdsl::moe_experts``, ``rtxdsl::moe_experts_backward``),
+so ``torch.compile`` traces a model through them. Without Triton (CPU tensors, TRITON_INTERPRET unset) the
 same math runs in torch ops, one expert at a time.
 """
 
@@ -35,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.compiler import is_dynamo_compiling
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..codegen.grouped import combine_kernel, grouped_gemm_kernel, segment_gemm_kernel
@@ -268,44 +269,112 @@ def _kn(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     return w if transposed else w.transpose(1, 2)
 
 
-class _Experts(torch.autograd.Function):
-    """The routed experts, ``gate_up`` ``[E, H, 2I]`` and ``down`` ``[E, I, H]`` read as ``[E, K, N]``:
-    forward 3 launches (the up projection with ``act(gate) * up`` in its epilogue, the down
-    projection scaled by the routing weights, the combine), backward 5 (the down projection's
-    input gradient with the activation's gradient and the routing weights' in its epilogue, two
-    segment GEMMs, the up projection's input gradient and its combine)."""
+def _experts_forward(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, r: Routing, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts, ``gate_up`` ``[E, H, 2I]`` and ``down`` ``[E, I, H]`` read as ``[E, K, N]``
+    and ``weights`` in sorted order, in 3 launches (the up projection with ``act(gate) * up`` in its
+    epilogue, the down projection scaled by the routing weights, the combine): the output, and
+    the pre-activations the backward reads."""
+    rows, inter = r.tokens.numel(), down.shape[1]
+    h = x.new_empty(rows, 2 * inter)
+    a = x.new_empty(rows, inter)
+    if a.numel():
+        gated = Gated("gated", activation, a)
+        grouped_call(x, gate_up, h, r, True, None, _family(x.device), gated).launch(x.device)
+    return _combine(_grouped(a, down, r, False, weights, torch.float32), r, x.dtype), h
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, r: Routing,
-        activation: str,
-    ) -> torch.Tensor:  # fmt: skip
-        rows, inter = r.tokens.numel(), down.shape[1]
-        h = x.new_empty(rows, 2 * inter)
-        a = x.new_empty(rows, inter)
-        if a.numel():
-            gated = Gated("gated", activation, a)
-            grouped_call(x, gate_up, h, r, True, None, _family(x.device), gated).launch(x.device)
-        ctx.save_for_backward(x, gate_up, down, weights, h)
-        ctx.r, ctx.activation = r, activation
-        return _combine(_grouped(a, down, r, False, weights, torch.float32), r, x.dtype)
 
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, gate_up, down, weights, h = ctx.saved_tensors
-        r, family = ctx.r, _family(x.device)
-        inter = down.shape[1]
-        dh, a = torch.empty_like(h), x.new_empty(h.shape[0], inter)
-        part = torch.zeros(gated_columns(inter, family), h.shape[0], device=x.device, dtype=torch.float32)
-        if a.numel():
-            gated = Gated("dgated", ctx.activation, a, h, part)
-            grouped_call(dout, down.transpose(1, 2), dh, r, True, weights, family, gated).launch(x.device)
-        else:
-            dh.zero_()
-        dx = _combine(_grouped(dh, gate_up.transpose(1, 2), r, False, None, torch.float32), r, x.dtype)
-        dgate_up = _segment(x, True, dh, False, None, r, torch.empty_like(gate_up)) if ctx.needs_input_grad[1] else None
-        ddown = _segment(a, False, dout, True, weights, r, torch.empty_like(down)) if ctx.needs_input_grad[2] else None
-        return dx, dgate_up, ddown, part.sum(0).to(weights.dtype), None, None
+def _experts_backward(
+    dout: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+    h: torch.Tensor, r: Routing, activation: str, needs: list[bool],
+) -> list[torch.Tensor | None]:  # fmt: skip
+    """Gradients of ``x``, ``gate_up``, ``down`` and the sorted ``weights`` (None where ``needs`` says
+    none is wanted) in 5 launches: the down projection's input gradient with the activation's
+    gradient and the routing weights' in its epilogue, two segment GEMMs, the up projection's
+    input gradient and its combine."""
+    family, inter = _family(x.device), down.shape[1]
+    dh, a = torch.empty_like(h), x.new_empty(h.shape[0], inter)
+    part = torch.zeros(gated_columns(inter, family), h.shape[0], device=x.device, dtype=torch.float32)
+    if a.numel():
+        gated = Gated("dgated", activation, a, h, part)
+        grouped_call(dout, down.transpose(1, 2), dh, r, True, weights, family, gated).launch(x.device)
+    else:
+        dh.zero_()
+    dx = (
+        _combine(_grouped(dh, gate_up.transpose(1, 2), r, False, None, torch.float32), r, x.dtype) if needs[0] else None
+    )
+    dgate_up = _segment(x, True, dh, False, None, r, gate_up.new_empty(gate_up.shape)) if needs[1] else None
+    ddown = _segment(a, False, dout, True, weights, r, down.new_empty(down.shape)) if needs[2] else None
+    return [dx, dgate_up, ddown, part.sum(0).to(weights.dtype) if needs[3] else None]
+
+
+# ---- the experts as torch.library ops: what torch.compile sees ----------------------------------------
+# Routing is recomputed in the backward (sort and count of T * top_k indices on the device: small
+# beside the GEMMs), so the forward op returns two tensors, not the routing's seven.
+def _routing(index: torch.Tensor, experts: int) -> Routing:
+    _check_range(index, experts)
+    return route(index, experts, GROUPED[_family(index.device)][0])
+
+
+@torch.library.custom_op("rtxdsl::moe_experts", mutates_args=())
+def experts_op(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Tokens ``x [T, H]`` through experts ``gate_up [E, H, 2I]`` and ``down [E, I, H]`` (any
+    strides), routed by ``index`` / ``weights [T, top_k]``: the output ``[T, H]`` and the
+    pre-activations ``[T * top_k, 2I]`` in routed order (saved for the backward)."""
+    r = _routing(index, gate_up.shape[0])
+    return _experts_forward(x, gate_up, down, weights.reshape(-1)[r.order], r, activation)
+
+
+@experts_op.register_fake
+def _experts_fake(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return x.new_empty(x.shape), x.new_empty(index.numel(), gate_up.shape[2])
+
+
+@torch.library.custom_op("rtxdsl::moe_experts_backward", mutates_args=())
+def experts_backward_op(
+    dout: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor,
+    weights: torch.Tensor, h: torch.Tensor, activation: str, needs: list[bool],
+) -> list[torch.Tensor]:  # fmt: skip
+    """Gradients of ``x``, ``gate_up``, ``down`` and ``weights`` (``[T, top_k]``); an empty tensor
+    where ``needs`` (those four flags) says none is wanted."""
+    r = _routing(index, gate_up.shape[0])
+    grads = _experts_backward(dout, x, gate_up, down, weights.reshape(-1)[r.order], h, r, activation, needs)
+    if grads[3] is not None:  # the weights' gradient back in (token, j) order
+        grads[3] = grads[3].new_empty(r.order.shape).index_copy_(0, r.order, grads[3]).view(weights.shape)
+    return [g if g is not None else x.new_empty(0) for g in grads]
+
+
+@experts_backward_op.register_fake
+def _experts_backward_fake(
+    dout: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, index: torch.Tensor,
+    weights: torch.Tensor, h: torch.Tensor, activation: str, needs: list[bool],
+) -> list[torch.Tensor]:  # fmt: skip
+    return [t.new_empty(t.shape) if need else x.new_empty(0) for t, need in zip((x, gate_up, down, weights), needs)]
+
+
+def _experts_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, gate_up, down, index, weights, ctx.activation = inputs
+    ctx.save_for_backward(x, gate_up, down, index, weights, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _experts_grad(ctx: Any, dout: torch.Tensor, _dh: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    x, gate_up, down, index, weights, h = ctx.saved_tensors
+    dx, dgu, dd, dw = ctx.needs_input_grad[:3] + ctx.needs_input_grad[4:5]
+    needs = [bool(dx), bool(dgu), bool(dd), bool(dw)]
+    grads = experts_backward_op(dout, x, gate_up, down, index, weights, h, ctx.activation, needs)
+    g = [t if need else None for t, need in zip(grads, needs)]
+    return g[0], g[1], g[2], None, g[3], None
+
+
+experts_op.register_autograd(_experts_grad, setup_context=_experts_setup)
 
 
 def _torch_experts(
@@ -349,10 +418,16 @@ def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, index: to
         fail("hidden_states", f"{x.dtype} and the experts' {gate_up.dtype} / {down.dtype} must be one floating dtype")
     if len({t.device for t in (x, gate_up, down, index, w)}) != 1:
         fail("hidden_states", "and every other input must be on one device")
-    if index.numel() and index.device.type != "cuda" and not (0 <= int(index.min()) and int(index.max()) < e):
-        fail("top_k_index", f"holds an expert outside [0, {e})")
+
+
+def _check_range(index: torch.Tensor, experts: int) -> None:
+    """Every routed expert in ``[0, experts)``: raised on the host for CPU tensors, asserted on the
+    device for CUDA ones (no sync). Run where the experts are computed (inside the op: a traced call
+    checks its values when it runs)."""
+    if index.numel() and index.device.type != "cuda" and not (0 <= int(index.min()) and int(index.max()) < experts):
+        raise RtxError(f"moe_experts: top_k_index holds an expert outside [0, {experts})")
     if index.numel() and index.device.type == "cuda":
-        torch._assert_async(((index >= 0) & (index < e)).all(), "moe_experts: top_k_index outside [0, experts)")
+        torch._assert_async(((index >= 0) & (index < experts)).all(), "moe_experts: top_k_index outside [0, experts)")
 
 
 def moe_experts(
@@ -378,13 +453,13 @@ def moe_experts(
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     index = top_k_index.reshape(x.shape[0], top_k_index.shape[-1])
+    weights = top_k_weights.reshape(index.shape)
     backend, _ = backend_for(get_config(), x.device)
-    family = "gpu" if backend == "triton" else "interpreter"
-    r = route(index, gate_up.shape[0], GROUPED[family][0])
-    weights = top_k_weights.reshape(-1)[r.order]
     if backend == "torch":
-        return _torch_experts(x, _kn(gate_up, False), _kn(down, False), r, weights, activation).view(shape)
-    return _Experts.apply(x, _kn(gate_up, False), _kn(down, False), weights, r, activation).view(shape)
+        r = _routing(index, gate_up.shape[0])
+        out = _torch_experts(x, _kn(gate_up, False), _kn(down, False), r, weights.reshape(-1)[r.order], activation)
+        return out.view(shape)
+    return experts_op(x, _kn(gate_up, False), _kn(down, False), index, weights, activation)[0].view(shape)
 
 
 # ---- transformers' experts interface ------------------------------------------------------------
@@ -427,13 +502,13 @@ def rtxdsl_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts signature: ``hidden_states [T, H]``, ``top_k_index / top_k_weights
     [T, top_k]``; a module rtxdsl does not compute (a bias, interleaved gates, its own gating, a
-    sharded expert set), inputs of another dtype, or a torch.compile trace (the grouped GEMMs are
-    no custom op yet) run the implementation it had."""
+    sharded expert set) or inputs of another dtype run the implementation it had. Inside
+    ``torch.compile`` the experts are the ops ``rtxdsl::moe_experts`` and ``rtxdsl::moe_experts_backward``."""
     activation, previous = self.__dict__.get("_rtxdsl_experts", (None, None))
     x, gate_up, down = hidden_states, self.gate_up_proj, self.down_proj
     plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, gate_up, down))
     plain = plain and not getattr(self, "_is_expert_parallel", True)
-    plain = plain and x.dtype == gate_up.dtype == down.dtype and not is_dynamo_compiling()
+    plain = plain and x.dtype == gate_up.dtype == down.dtype
     if activation is None or not plain:
         interface = sys.modules["transformers.integrations.moe"].ALL_EXPERTS_FUNCTIONS
         original = type(self).forward.__wrapped__
