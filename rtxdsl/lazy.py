@@ -1535,6 +1535,10 @@ def _inplace(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
         result = _nested(torch.Tensor.to, (result, target.dtype))
     if result is target:  # an identity (eval-mode dropout): nothing to write
         return plain if plain is not None else target
+    if plain is not None and torch.is_grad_enabled() and (plain.requires_grad or result._grad):
+        # a plain tensor's autograd history is torch's: eager's write gives it the new one (p += x,
+        # x requiring grad: p requires grad from here, and a plain op reading p differentiates to x)
+        return _eager_write(func, args, kwargs, fusion, plain)
     if target.is_pending and target._grad and not result._grad:
         # under no_grad, or an op with no derivative (logical_not_): eager keeps the value's history
         # (a pending one: what the recorded ops made it) with the new values: the real tensor's

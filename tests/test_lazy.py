@@ -689,3 +689,25 @@ def test_a_tensor_a_failed_flush_began_writing_raises_until_overwritten(f, gen, 
     m.fill_(2.0)
     assert type(m) is torch.Tensor and (m + 1).tolist() == [3.0] * 7
     torch.testing.assert_close((f.lazy(m) * 2).torch(), torch.full((7,), 4.0))
+
+
+@pytest.mark.parametrize("grad_first", [False, True])  # a plain tensor without history; one with history
+def test_a_plain_tensor_written_with_operands_that_require_grad_gets_eager_s_history(f, gen, grad_first):
+    """``p += x`` (``p`` plain, ``x`` lazy requiring grad) made ``p``'s new values pending and left its
+    autograd history as it was: ``p.requires_grad`` stayed False (eager: True) and a plain op reading
+    ``p`` after the flush differentiated to nothing (found by the lazy fuzzer, seed 2026150200032).
+    Torch writes it now, with the history eager gives it."""
+    t = torch.randn(5, generator=gen, requires_grad=True)
+    w = torch.randn(5, generator=gen, requires_grad=True)
+    results = []
+    for lazy in (False, True):
+        p = torch.full((5,), 1.5)
+        if grad_first:
+            p = p * w  # history already: p's grad_fn is a MulBackward
+        x = f.lazy(t * 1) if lazy else t * 1
+        p += x.exp()
+        assert p.requires_grad and p.grad_fn is not None
+        y = torch.sin(p).sum()  # a plain op: flushes first, then differentiates through p
+        results.append([y.detach(), *torch.autograd.grad(y, (t, w) if grad_first else (t,))])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want)
