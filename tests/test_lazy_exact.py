@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from conftest import commit_seed
-from lazy_fuzz import ACCEPTED, Program, _deferred, check, generate
+from lazy_fuzz import ACCEPTED, Program, _deferred, _differ, check, generate
 
 import rtxdsl as rx
 
@@ -230,6 +230,17 @@ def test_an_index_error_raised_at_the_flush_is_the_eager_one_deferred():
     assert _deferred(p, 1, [None, None])[0] == "wrong"
     assert _deferred(p, 1, [None, ValueError("out of bounds")])[0] == "wrong"
     assert _deferred(p, 1, [None, index_error])[0] == "deferred"
+
+
+def test_half_precision_gradients_are_compared_at_the_scale_of_the_largest():
+    """Eager's bf16 backward is off by its steps at the largest gradient's scale (seed
+    2026150400020); a small gradient of the wrong sign, or one beyond the relative tolerance, still differs."""
+    want = torch.tensor([44.0, -0.75, 28.5])
+    assert _differ(want, torch.tensor([43.92, -0.875, 28.56]), torch.bfloat16, grads=True) is None
+    assert _differ(want, torch.tensor([43.92, -0.875, 28.56]), torch.bfloat16) is not None  # not a gradient
+    assert _differ(want, torch.tensor([44.0, 0.75, 28.5]), torch.bfloat16, grads=True) is not None
+    assert _differ(want, torch.tensor([44.0, -0.75, 32.0]), torch.bfloat16, grads=True) is not None
+    assert _differ(want, torch.tensor([44.0, -0.875, 28.5]), None, grads=True) is not None  # an fp32 program
 
 
 @pytest.mark.parametrize("label,seed", FUZZ_SEEDS, ids=[s[0] for s in FUZZ_SEEDS])
