@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from . import dsl
 from .errors import RtxError
@@ -44,7 +45,7 @@ from .nn.memo import made_once
 from .nn.moe import moe_experts as rx_moe_experts
 from .nn.swap import replace_modules
 from .ops import REGISTRY
-from .ops.distill import distillation_outputs, linear_jsd
+from .ops.distill import distillation_outputs, hard_loss, linear_jsd
 from .ops.llm import capped_logits, cross_entropy_outputs
 from .ops.policy import grpo_outputs
 from .ops.preference import kto_outputs, preference_outputs
@@ -726,6 +727,12 @@ def _distill_kernel(loss: str, biases: tuple[bool, bool], options: tuple) -> Ker
                                         **dict(options)))  # fmt: skip
 
 
+@made_once
+def _hard_kernel(biased: bool, ignore_index: int) -> Kernel:
+    var = dsl.var
+    return compile(hard_loss(var("h"), var("w"), var("t"), var("b") if biased else None, ignore_index=ignore_index))
+
+
 class _FusedLinearDistillation(torch.nn.Module):
     """What Liger's chunked distillation losses share (its ``LigerFusedLinearDistillationBase``):
     ``forward(student_input, student_weight, teacher_input, teacher_weight, true_labels,
@@ -762,6 +769,7 @@ class _FusedLinearDistillation(torch.nn.Module):
         )
         for biases in ((False, False), (True, False), (False, True), (True, True)):  # made now, found by forward
             _distill_kernel(self.loss, biases, self._options)
+            _hard_kernel(biases[0], ignore_index)
 
     def forward(
         self, student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
@@ -769,11 +777,29 @@ class _FusedLinearDistillation(torch.nn.Module):
         teacher_bias: torch.Tensor | None = None,
     ) -> Any:  # fmt: skip
         ins = {"hs": student_input, "ws": student_weight, "ht": teacher_input, "wt": teacher_weight, "t": true_labels}
-        ins |= ({"bs": student_bias} if student_bias is not None else {}) | (
-            {"bt": teacher_bias} if teacher_bias is not None else {}
-        )
-        out = _distill_kernel(self.loss, (student_bias is not None, teacher_bias is not None), self._options)(**ins)
+        biases = (student_bias, teacher_bias)
+        pad = teacher_weight.shape[0] - student_weight.shape[0] if student_weight.dim() == teacher_weight.dim() else 0
+        if pad > 0:  # a teacher's padded vocabulary: Liger pads the student's logits with zeros (zero rows)
+            ins["ws"] = F.pad(student_weight, (0, 0, 0, pad))
+            biases = (None if student_bias is None else F.pad(student_bias, (0, pad)), teacher_bias)
+        ins |= {n: b for n, b in zip(("bs", "bt"), biases) if b is not None}
+        out = _distill_kernel(self.loss, (biases[0] is not None, biases[1] is not None), self._options)(**ins)
+        if pad > 0:
+            out = self._own_classes_hard(out, student_input, student_weight, true_labels, student_bias)
         return (out["loss"], out["soft_loss"], out["hard_loss"]) if self.return_soft_hard_loss else out["loss"]
+
+    def _own_classes_hard(
+        self, out: dict[str, torch.Tensor], h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, b: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """The outputs with the hard term over the student's own classes (as Liger's: the padded
+        head's zero logits would join its logsumexp)."""
+        hard = _hard_kernel(b is not None, self.ignore_index)(h=h, w=w, t=t, **({"b": b} if b is not None else {}))
+        soft = out["soft_loss"]
+        return {
+            "loss": self.weight_hard_loss * hard + self.weight_soft_loss * soft,
+            "soft_loss": soft,
+            "hard_loss": hard,
+        }
 
 
 class LigerFusedLinearJSDLoss(_FusedLinearDistillation):

@@ -64,8 +64,11 @@ def _student(x: dict, dtype: torch.dtype | None = None) -> dict:
     return {k: v.requires_grad_(k in ("hs", "ws", "bs")) for k, v in out.items()}
 
 
-def _check(loss: str, options: tuple, bias: bool, ignore_index: int, dtype, atol, rtol, gen, none=False) -> tuple:
-    """Ours against Liger's (``none``: no label counts); returns our outputs."""
+def _check(
+    loss: str, options: tuple, bias: bool, ignore_index: int, dtype, atol, rtol, gen, none=False, pad=0
+) -> tuple:
+    """Ours against Liger's (``none``: no label counts; ``pad``: classes the teacher has beyond the
+    student's, a padded vocabulary); returns our outputs."""
     temperature, hard, soft, beta = options
     opts = dict(weight_hard_loss=hard, weight_soft_loss=soft, beta=beta, ignore_index=ignore_index,
                 temperature=temperature, return_soft_hard_loss=True)  # fmt: skip
@@ -73,6 +76,9 @@ def _check(loss: str, options: tuple, bias: bool, ignore_index: int, dtype, atol
     x = _batch(gen, dtype, ignore_index)
     if none:
         x["t"][:] = ignore_index
+    if pad:
+        extra = _batch(gen, dtype, ignore_index)
+        x["wt"], x["bt"] = torch.cat([x["wt"], extra["wt"][:pad]]), torch.cat([x["bt"], extra["bt"][:pad]])
     mine, wide = _student(x), _student(x, torch.float64)
     got = ours(**opts)(*_args(mine, bias))
     want = getattr(chunked, name)(compiled=False, **opts)(*_args(wide, bias))
@@ -109,6 +115,17 @@ def test_no_counted_token_gives_the_soft_term_over_one(gen):
     for loss in MODULES:
         out = _check(loss, OPTIONS[0], True, -100, *TOLERANCES[0], gen, none=True)
         assert [v.item() for v in out] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("loss", sorted(MODULES))
+def test_a_teacher_with_a_padded_vocabulary_pads_the_student_s_logits_as_liger(loss, bias, gen):
+    """A teacher's vocabulary padded beyond the student's (Qwen1.5-72B's): Liger pads the student's
+    logits with zeros for the soft term and keeps the hard term over the student's own classes;
+    rtxdsl.liger raised for vocabularies of different sizes. Values and every student gradient
+    (the padded rows' gradients dropped) against Liger's classes in float64."""
+    _check(loss, OPTIONS[0], bias, -100, *TOLERANCES[0], gen, pad=5)
+    _check(loss, OPTIONS[1], bias, -100, *TOLERANCES[1], gen, pad=3)
 
 
 def _jsd_rows_of(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:

@@ -155,6 +155,33 @@ SOFT_LOSSES: dict[str, Callable[[Expr, Expr, Expr | None, float], Expr]] = {
 }
 
 
+def _counted(target: ExprLike, ignore_index: int) -> tuple[Expr, Expr]:
+    """The tokens whose label counts, and their number clamped to 1 (Liger's ``clamp_min(1)``: with
+    no token counted, each term is a sum over one)."""
+    valid = node("ne", target, ignore_index)
+    count = node("sum", node("where", valid, 1.0, 0.0), axis=None, keepdim=False)
+    return valid, node("maximum", count, 1.0)
+
+
+def hard_loss(
+    student_h: ExprLike, student_w: ExprLike, target: ExprLike, student_bias: ExprLike | None = None, *,
+    ignore_index: int = -100,
+) -> Expr:  # fmt: skip
+    """A distillation's hard term: the student's token cross-entropy of ``target`` (unscaled logits,
+    float32), summed over the tokens that count and divided by their number, at least 1.
+
+    Example:
+        >>> import torch, rtxdsl as rx
+        >>> from rtxdsl.ops.distill import hard_loss
+        >>> k = rx.compile(hard_loss(rx.var("h"), rx.var("w"), rx.var("t")))
+        >>> round(k(h=torch.zeros(2, 3), w=torch.ones(4, 3), t=torch.tensor([1, -100])).item(), 4)  # log(4)
+        1.3863
+    """
+    _, count = _counted(target, ignore_index)
+    logps = linear_logps(student_h, student_w, target, student_bias, ignore_index)
+    return node("div", node("neg", node("sum", logps, axis=None, keepdim=False)), count)
+
+
 def distillation_outputs(
     loss: str, student_h: ExprLike, student_w: ExprLike, teacher_h: ExprLike, teacher_w: ExprLike,
     target: ExprLike, student_bias: ExprLike | None = None, teacher_bias: ExprLike | None = None, *,
@@ -191,12 +218,8 @@ def distillation_outputs(
     w_soft = scalar_arg(weight_soft_loss, "distillation_outputs", "weight_soft_loss")
     student = linear_logits(student_h, student_w, student_bias, temperature)
     teacher = node("detach", linear_logits(teacher_h, teacher_w, teacher_bias, temperature))
-    valid = node("ne", target, ignore_index)
-    count = node("sum", node("where", valid, 1.0, 0.0), axis=None, keepdim=False)
-    count = node("maximum", count, 1.0)  # Liger's clamp_min(1): no token counts, both terms are sums over 1
-    nll = node("neg", node("sum", linear_logps(student_h, student_w, target, student_bias, ignore_index), axis=None,
-                           keepdim=False))  # fmt: skip
-    hard = node("div", nll, count)
+    valid, count = _counted(target, ignore_index)
+    hard = hard_loss(student_h, student_w, target, student_bias, ignore_index=ignore_index)
     soft_loss = node("div", node("sum", soft(student, teacher, valid, b), axis=None, keepdim=False), count)
     total = node("add", node("mul", hard, w_hard), node("mul", soft_loss, w_soft))
     return {"loss": total, "soft_loss": soft_loss, "hard_loss": hard}
