@@ -778,7 +778,7 @@ class _FusedLinearDistillation(torch.nn.Module):
     ) -> Any:  # fmt: skip
         ins = {"hs": student_input, "ws": student_weight, "ht": teacher_input, "wt": teacher_weight, "t": true_labels}
         biases = (student_bias, teacher_bias)
-        pad = teacher_weight.shape[0] - student_weight.shape[0] if student_weight.dim() == teacher_weight.dim() else 0
+        pad = teacher_weight.shape[0] - student_weight.shape[0]
         if pad > 0:  # a teacher's padded vocabulary: Liger pads the student's logits with zeros (zero rows)
             ins["ws"] = F.pad(student_weight, (0, 0, 0, pad))
             biases = (None if student_bias is None else F.pad(student_bias, (0, pad)), teacher_bias)

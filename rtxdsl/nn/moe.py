@@ -344,7 +344,7 @@ def experts_backward_op(
 ) -> list[torch.Tensor]:  # fmt: skip
     """Gradients of ``x``, ``gate_up``, ``down`` and ``weights`` (``[T, top_k]``); an empty tensor
     where ``needs`` (those four flags) says none is wanted."""
-    r = _routing(index, gate_up.shape[0])
+    r = route(index, gate_up.shape[0], GROUPED[_family(index.device)][0])  # checked by the forward
     grads = _experts_backward(dout, x, gate_up, down, weights.reshape(-1)[r.order], h, r, activation, needs)
     if grads[3] is not None:  # the weights' gradient back in (token, j) order
         grads[3] = grads[3].new_empty(r.order.shape).index_copy_(0, r.order, grads[3]).view(weights.shape)

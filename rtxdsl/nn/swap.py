@@ -332,7 +332,7 @@ def _fuse_rotary(model: torch.nn.Module) -> int:
         if fn is None or not callable(fn) or "Attention" not in type(m).__name__:
             continue
         own = next((f for f in m.__dict__.get("_kernel_funcs", {}).values() if type(f) is type(fn)), None)
-        if own is not None and isinstance(fn, torch.nn.Module):
+        if own is not None:  # a hub function module of this instance's own (fn's class)
             if getattr(own.__dict__.get("forward"), "__func__", None) is not _rotary_forward:
                 _hub_original(type(own))  # found now: a torch.compile trace only reads it
                 own.forward = types.MethodType(_rotary_forward, own)
