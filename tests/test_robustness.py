@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -184,8 +185,9 @@ def test_lru_evicts_least_recently_used():
 
 
 def test_long_lazy_training_loop_memory_is_flat_and_planning_stops():
-    """500 steps, a changing learning rate, 30 input shapes: memory flat, planning stops (a leak
-    of a kilobyte a step, one kept tensor header, shows over the 300 steps measured)."""
+    """500 steps, a changing learning rate, 30 input shapes: memory flat, planning stops (one lazy
+    tensor kept a step grows the traced memory by 38 KB over the 300 steps measured; a flat loop by
+    2 KB, once garbage is collected)."""
     f = rx.Fusion()
     shapes = [(n, 17) for n in range(1, 31)]
     params = {s: torch.randn(s) for s in shapes}
@@ -206,13 +208,21 @@ def test_long_lazy_training_loop_memory_is_flat_and_planning_stops():
     tracemalloc.start()
     for i in range(60, 200):
         step(i)
-    first, _ = tracemalloc.get_traced_memory()
+    first = _held_by_steps()
     for i in range(200, 500):
         step(i)
-    last, _ = tracemalloc.get_traced_memory()
+    last = _held_by_steps()
     tracemalloc.stop()
     assert rx.cache_stats().plans_built == planned  # no planning after the first steps
-    assert last - first < 256 * 1024, f"memory grew by {last - first} bytes over 300 steps"
+    assert last - first < 16 * 1024, f"memory grew by {last - first} bytes over 300 steps"
+
+
+def _held_by_steps() -> int:
+    """The bytes traced still held once cyclic garbage is collected (Triton's interpreter leaves
+    some each launch, and a test before may have left the collector disabled or its generations
+    full: the garbage of 300 launches is half a megabyte)."""
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
 
 
 # 7. threads ---------------------------------------------------------------------------------
