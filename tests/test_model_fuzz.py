@@ -47,3 +47,19 @@ def test_model_programs_match_float64_torch(mode: str, label: str, seed: int) ->
     assert refused <= max(1, math.floor(REFUSALS * PROGRAMS)), f"{refused} of {PROGRAMS} refused"
     # a program eager itself rejects is skipped: rare by construction, never the whole budget
     assert skipped <= PROGRAMS // 2, f"{skipped} of {PROGRAMS} skipped (eager raised): the draw is broken"
+
+
+#: programs the fuzzer found failing, each with the mode it failed in and what it hit
+FOUND = [
+    # attention into a JSD distillation, lazily: a node a kernel recomputes only at a view's
+    # coordinates (its cone) read a value another kernel computes; the analyzer's output pass
+    # looked for its readers among members only (KeyError)
+    (2026150500026, "lazy"),
+]
+
+
+@pytest.mark.parametrize(("pid", "mode"), FOUND)
+def test_found_programs_match_float64_torch(pid: int, mode: str) -> None:
+    p = generate(pid)
+    out = check(p, mode)
+    assert out.verdict == "ok", f"program {pid} ({mode}): {out.verdict}: {out.detail}\n{p.source()}"

@@ -1029,14 +1029,20 @@ def _product_cone(
     s: Expr, graph: Graph, consumers: dict[int, list[Expr]], writable: frozenset[int], in_kernels: set[int]
 ) -> list[Expr] | None:
     """:func:`_tiled_cone` of ``s`` down to the leaves or, failing that, down to per-row values a
-    kernel writes (``writable``), unless a value of that cone is also read by a node no kernel
-    computes (a free node recomputing it inline, where it would not be cut)."""
+    kernel writes (``writable``), unless a value of that cone computed from the product is also
+    read by a node no kernel computes (a free node recomputing it inline, where it would not be
+    cut; one computed from leaves alone, a loss's scale from its cotangents, is recomputed there
+    as it is)."""
     tiled = _tiled_cone(s, graph)
     if tiled is not None:
         return tiled
     tiled = _tiled_cone(s, graph, bounded=writable)
     members = {id(m) for m in tiled or ()}
-    if any(id(c) not in members and id(c) not in in_kernels for m in tiled or () for c in consumers.get(id(m), ())):
+    if any(
+        id(c) not in members and id(c) not in in_kernels and not _untiled(m, graph)
+        for m in tiled or ()
+        for c in consumers.get(id(m), ())
+    ):
         return None
     return tiled
 
@@ -1180,15 +1186,17 @@ def _recompute_in_prologues(
             f"in the K loop ({graph.of(v).nbytes} bytes not written)"
         )
     gemms = [(w, side) for w, side, _, _ in gemm_readers]
-    homes = {id(h): h for h in work for m in h.nodes if id(m) in members and all(h is not w for w, _ in gemms)}
+    others = [h for h in work if all(h is not w for w, _ in gemms)]
+    loaded = _loaded_rows(chain, others, graph.of(s).numel, graph)
+    homes = {id(h): h for h in others for m in h.nodes if id(m) in members}
     for home in homes.values():
-        kept = _still_needed([m for m in home.nodes if id(m) in members], home, members, consumers)
+        kept = _still_needed([m for m in home.nodes if id(m) in members], home, members, consumers, loaded)
         home.nodes = [m for m in home.nodes if id(m) not in members or id(m) in kept]
     emptied = list(homes.values())
     for w, side, v, cone in gemm_readers:
         if side is Role.A:
             emptied += _reduce_in_k_loop(w, [v, *cone], work, graph, consumers, requested)
-    if not _leaks(chain, gemms, work, requested, consumers):
+    if not _leaks(chain, gemms, work, requested, consumers, loaded):
         return emptied
     for w, (nodes, roles, notes) in zip(work, before):  # written after all: as it was
         w.nodes, w.roles, w.notes = nodes, roles, notes
@@ -1203,17 +1211,35 @@ def _epilogue_reads(w: _Work, chain: list[Expr], consumers: dict[int, list[Expr]
     return any(id(c) in epilogue for m in chain for c in consumers.get(id(m), ()))
 
 
+def _loaded_rows(chain: list[Expr], others: list[_Work], size: int, graph: Graph) -> set[int]:
+    """The values of a recomputed ``chain`` smaller than its operand (per row: a cross-entropy's
+    per-row weight, beside the one-hot it scales) that kernels other than the GEMMs load, not
+    computing them: their homes keep computing and writing them."""
+    members = {id(m) for m in chain}
+    return {
+        id(x)
+        for h in others
+        for m in (*h.nodes, *h.free)
+        if id(m) not in members
+        for x in read_srcs(m)
+        if id(x) in members and graph.of(x).numel < size and not any(x is y for y in (*h.nodes, *h.free))
+    }
+
+
 def _leaks(
     chain: list[Expr],
     gemm_readers: list[tuple[_Work, Role]],
     work: list[_Work],
     requested: set[int],
     consumers: dict[int, list[Expr]],
+    loaded: set[int],
 ) -> bool:
     """Would a value of a recomputed ``chain`` still be read by a kernel that writes something, other
     than the GEMMs recomputing it (or be an output)? A GEMM writes no operand tile, so the product
-    is then computed and written as usual."""
-    members = {id(m) for m in chain}
+    is then computed and written as usual. A node taking only a shape from it (the positions of a
+    one-hot over the product, a cross-entropy's target gradient) reads nothing; a ``loaded`` per-row
+    value (:func:`_loaded_rows`) is written by its home."""
+    members = {id(m) for m in chain} - loaded
     if members & requested:
         return True
     readers = {id(w) for w, _ in gemm_readers}
@@ -1221,7 +1247,7 @@ def _leaks(
         if id(h) in readers:
             continue
         own = {id(m) for m in (*h.nodes, *h.free)}  # a free node is recomputed where a view reads it
-        if any(id(x) in members and id(x) not in own for m in (*h.nodes, *h.free) for x in m.srcs):
+        if any(id(x) in members and id(x) not in own for m in (*h.nodes, *h.free) for x in read_srcs(m)):
             if _writes(h, work, requested, consumers):
                 return True
     return False
@@ -1389,11 +1415,13 @@ def _elementwise_cone(s: Expr, home: _Work, solo: frozenset[int]) -> tuple[list[
     return out, bounds
 
 
-def _still_needed(chain: list[Expr], home: _Work, members: set[int], consumers: dict[int, list[Expr]]) -> set[int]:
+def _still_needed(
+    chain: list[Expr], home: _Work, members: set[int], consumers: dict[int, list[Expr]], loaded: set[int] = frozenset()
+) -> set[int]:
     """The nodes of a prologue's ``chain`` its home kernel still computes: those read by its other
-    nodes, and what they are computed from."""
+    nodes or ``loaded`` by other kernels, and what they are computed from."""
     others = {id(x) for x in home.nodes} - members
-    kept = {id(m) for m in chain if any(id(c) in others for c in consumers.get(id(m), ()))}
+    kept = {id(m) for m in chain if id(m) in loaded or any(id(c) in others for c in consumers.get(id(m), ()))}
     stack = [m for m in chain if id(m) in kept]
     while stack:
         for x in stack.pop().srcs:
@@ -1427,8 +1455,11 @@ def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
     groups = _own_kernels_for_broadcast_values(graph, groups, requested, consumers)
     homes = _writers(graph, groups)
     members = [{id(m) for m in g.nodes} for g in groups]
+    # a node's readers: the kernels computing it, as a member or in a cone (recomputed at a view's
+    # coordinates, from what that kernel computes or loads); what a cone reads it computes or loads
+    computing = [members[i] | {id(c) for c in g.cone} for i, g in enumerate(groups)]
     containing: dict[int, list[int]] = {}
-    for i, ms in enumerate(members):
+    for i, ms in enumerate(computing):
         for m in ms:
             containing.setdefault(m, []).append(i)
     done: list[Group] = []
@@ -1440,7 +1471,7 @@ def finish(graph: Graph, fl: Flow, groups: tuple[Group, ...]) -> Plan:
             if homes[id(m)] == i
             and (
                 id(m) in requested
-                or any(id(m) not in members[j] for c in consumers.get(id(m), ()) for j in containing[id(c)])
+                or any(id(m) not in computing[j] for c in consumers.get(id(m), ()) for j in containing[id(c)])
             )
         )
         seen = {id(f) for f in g.cone}  # free nodes: recomputed here, never read
