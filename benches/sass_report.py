@@ -106,6 +106,32 @@ def _peer(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     return _row(f"Triton tutorial {name}", facts, warps, cols)
 
 
+def _liger_norm_backward(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
+    """Liger-Kernel's RMSNorm and LayerNorm backward kernels as Liger launches them: one program per
+    SM (132 on sm_90), each looping over its rows, accumulating dW (and dB) per program; the sum over
+    the programs' partials is a torch reduction after it (not counted here)."""
+    from liger_kernel.ops import layer_norm, rms_norm
+    from liger_kernel.ops.utils import calculate_settings
+
+    block, warps = calculate_settings(cols)
+    x, w, stat = torch.empty(rows, cols, dtype=dtype), torch.empty(cols, dtype=dtype), torch.empty(rows)
+    per_program, partial = -(-rows // 132), torch.empty(132, cols)
+    if name == "rms_norm_backward":
+        meta = {"X_dtype": tl.bfloat16 if dtype == torch.bfloat16 else tl.float32, "casting_mode": 0}
+        meta |= {"elementwise_affine": True, "BLOCK_SIZE": block, "COMPUTE_DW": True, "num_warps": warps}
+        # dY, dX, X with their row strides; W, RSTD, dW with theirs; n_rows, n_cols, offset, rows per program
+        args = [x, cols, x, cols, x, cols, None, w, 1, stat, 1, partial, cols, rows, cols, 0.0, per_program]
+        kernel = rms_norm._rms_norm_backward_kernel
+    else:
+        meta = {"rows_per_program": per_program, "BLOCK_SIZE": block, "COMPUTE_DW": True, "COMPUTE_DB": True}
+        meta["num_warps"] = warps
+        # X, W, Mean, RSTD, dX, dW, dB, dY with their row strides; n_rows, n_cols
+        args = [x, cols, w, stat, 1, stat, 1, x, cols, partial, cols, partial, cols, x, cols, rows, cols]
+        kernel = layer_norm._layer_norm_backward_kernel
+    facts = compile_call(kernel, SimpleNamespace(meta=meta, args=args), [])
+    return _row(f"Liger-Kernel {name}", facts, warps, block)
+
+
 def _liger(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     """Liger-Kernel's RMSNorm forward and cross-entropy (loss only, as rtxdsl's forward), at its own
     launch choices: ``calculate_settings`` for RMSNorm; one block up to 32K and 32 warps on sm_90
@@ -113,6 +139,8 @@ def _liger(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     from liger_kernel.ops import cross_entropy, rms_norm
     from liger_kernel.ops.utils import calculate_settings
 
+    if name.endswith("_backward"):
+        return _liger_norm_backward(name, rows, cols, dtype)
     x = torch.empty(rows, cols, dtype=dtype)
     if name == "rms_norm":
         block, warps = calculate_settings(cols)
@@ -162,12 +190,17 @@ def _ours(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
         plan = rx.compile(rx.cross_entropy(x, rx.var("t"))).grad_plan(x=ins["x"].requires_grad_(), t=ins["t"])
         kernel = plan.backward
         ins |= {"_g0": torch.ones((), dtype=dtype), "_s0": torch.empty(rows, 1), "_s4": torch.ones(())}
+    elif name.endswith("_backward"):  # a norm's backward: dx with dW (and dB) over each program's rows
+        norm = rx.compile(exprs[name.removesuffix("_backward")]())
+        plan = norm.grad_plan(**{n: ins[n].requires_grad_() for n in norm.inputs})
+        kernel = plan.backward
+        ins |= {"_g0": torch.empty(rows, cols, dtype=dtype)} | {k: torch.empty(rows, 1) for k in plan.grads.saved_keys}
     else:
         kernel = rx.compile(exprs[name]())
-    ins = {n: ins[n] for n in kernel.inputs}
+    ins = {n: ins[n].detach() for n in kernel.inputs}
     program, _ = prepare(kernel, ins)
-    (facts,) = compile_kernel(kernel, ins)
-    (launch,) = program.kernels
+    facts, *_ = compile_kernel(kernel, ins)  # a norm's backward: its row kernel (the merge after it is small)
+    launch, *_ = program.kernels
     meta = dict(launch.meta)
     per_program = meta.get("ROWS", 1) * min(cols, meta["BLOCK_SIZE"])  # a looped row: per block
     return _row(f"rtxdsl {name}", facts, meta.get("num_warps", 4), per_program)
@@ -198,6 +231,9 @@ CASES = [  # (pattern, rows, cols, dtype, the hand-written peer: Triton's tutori
     ("cross_entropy_none", 4096, 32000, torch.bfloat16, _liger),
     ("cross_entropy_grad", 4096, 32000, torch.bfloat16, _liger),
     ("cross_entropy_backward", 4096, 32000, torch.bfloat16, None),  # Liger has none: its forward writes it
+    # dx with dW (and dB) accumulated per program over its rows (the merge of the partials after it)
+    ("rms_norm_backward", 4096, 4096, torch.bfloat16, _liger),
+    ("layer_norm_backward", 4096, 4096, torch.bfloat16, _liger),
     # a 128K vocabulary (Llama 3): looped over the row in 32K blocks of 32 warps, as Liger loops
     ("cross_entropy_none", 4096, 128256, torch.bfloat16, _liger),
     ("cross_entropy_grad", 4096, 128256, torch.bfloat16, _liger),

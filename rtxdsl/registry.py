@@ -140,6 +140,9 @@ class ReduceSpec:
     #: them valid per row, an expression), where that beats lifting each element and reducing the
     #: states (logsumexp: one exp per element; Welford: the mean, then squared deviations from it)
     tile_of: Callable[[EmitCtx, str, str, str], tuple[str, ...]] | None = None
+    #: ``lanes`` states of a ``[ROWS, BLOCK]`` tile reduced along its rows to ``[1, BLOCK]``: a
+    #: column reduction a row kernel merges over its rows (``Role.COLUMN``); None: none such
+    columns: Callable[[EmitCtx, tuple[str, ...]], tuple[str, ...]] | None = None
     #: the reduce op of DTensor's ``Partial`` placement holding pieces' values not yet merged (a
     #: sum's "sum"), where a sharded output may stay so; None: the pieces are merged in the kernel
     partial: str | None = None

@@ -56,7 +56,13 @@ def _launch_shape(call: Any) -> str:
         mode += {
             Split.PARTIAL: ", split: each program reduces a chunk of a row to partial states",
             Split.FINISH: ", split: merges the partial states, writes its chunk",
+            Split.MERGE: f", merges {meta.get('SPLIT_BLOCK')} lanes of partial states per row (its row kernel's)",
         }.get(spec.split, "")
+        if spec.columns:
+            mode += (
+                f"; each program loops over blocks of rows, {len(spec.columns)} column reduction(s) over them "
+                "(partial states per program, merged by the column group's kernel)"
+            )
     if call.chunk is not None:
         c = call.chunk
         mode += f"; launched once per chunk of {c.size} ({c.chunks} chunk(s) of {c.extent}, loop {c.loop})"

@@ -102,11 +102,12 @@ def test_gradients_match_eager(name, dtype, atol, rtol, gen):
 
 
 # op: backward kernels (dx, and the column reductions for weight/bias grads, fused together)
-# (launches here, launches for sm_90 at 4096 x 1024): the bias and weight gradients are a
-# one-program column sum on the interpreter target, run as the tail of the dx kernel; on a GPU
-# column tiles of their own, split in two (partial, finish) for the norms' 4096 rows
+# (launches here, launches for sm_90 at 4096 x 1024): the norms' weight and bias gradients are
+# accumulated by the dx kernel's programs over their rows, their partial states merged by a small
+# kernel (on the interpreter target the dx kernel's tail); a bias gradient after a pointwise
+# kernel is a column sum of its own (the tail here; column tiles on a GPU)
 BACKWARD_KERNELS = {
-    "bias_gelu": (1, 2), "silu_mul": (1, 1), "softmax": (1, 1), "layer_norm": (1, 3), "rms_norm": (1, 3)
+    "bias_gelu": (1, 2), "silu_mul": (1, 1), "softmax": (1, 1), "layer_norm": (1, 2), "rms_norm": (1, 2)
 }  # fmt: skip
 
 
@@ -131,6 +132,22 @@ def test_backward_kernel_counts(name, gen):
     assert not [n for n in plan.backward.inputs if not (n in names or n.startswith(("_g", "_s")))]
     if name in ("softmax", "layer_norm", "rms_norm"):  # row statistics saved by the forward, not recomputed
         assert plan.grads.saved_keys
+
+
+# half inputs: the backward reads fp32 statistics, yet writes each gradient in its input's dtype
+# (a wider result was cast by autograd's engine in a launch of its own, after twice the bytes)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", PARITY)
+def test_backward_writes_gradients_in_their_inputs_dtype(name, dtype, gen):
+    expr, _, names = PARITY[name]
+    shapes = {"x": (6, 40), "y": (6, 40), "w": (40,), "b": (40,)}
+    ins = {n: torch.randn(shapes[n], generator=gen).to(dtype).requires_grad_() for n in names}
+    plan = rx.compile(expr).grad_plan(**ins)
+    feed = {n: t.detach() for n, t in ins.items()} | dict(plan.forward(**ins)) | {"_g0": torch.ones(6, 40, dtype=dtype)}
+    program = plan.backward.lower_for(GPU, **{n: feed[n] for n in plan.backward.inputs})
+    slots = dict(program.outputs)
+    for name_in, key in plan.grads.grad_of:
+        assert program.buffers[slots[key] - program.n_inputs].dtype == dtype, name_in
 
 
 def test_layer_norm_backward_reads_only_inputs_and_statistics(gen):

@@ -84,6 +84,15 @@ class CoordWriter(Writer):
             return self.spec.loads[i].role is not Role.FULL
         return self.spec.nodes[i].role in (Role.KEEP, Role.DROP) and c == self._default(i)
 
+    def _per_column(self, j: int, c: Coords) -> bool:
+        """Is load ``j`` at ``c`` one value per column of a row kernel with column reductions (a
+        norm's weight in its backward), whose programs loop over rows: loaded before that loop?"""
+        assert self.spec.domain is not None
+        classes = list(zip(self.spec.loads[j].rows, self.spec.domain))
+        rows, cols = [cls for cls, red in classes if not red], [cls for cls, red in classes if red]
+        along = any(cls != BCAST for cls in cols)  # (a 0-dim value: one element, loaded where read)
+        return bool(self.spec.columns) and self.nc == 1 and self._plain(c) and along and all(r == BCAST for r in rows)
+
     def _plain(self, c: Coords) -> bool:
         """Coordinates that are the kernel's own indices (no remapped index, no predicate)."""
         own = {*self.ridx, *self.cidx}
@@ -122,6 +131,8 @@ class CoordWriter(Writer):
                 return self.value(ref, scope)  # one value per row: the same at every column
         if self._per_row(ref, c):  # computed (or loaded) once per row, before any loop over columns
             scope, full = self.top, False
+        elif kind is Src.LOAD and self._per_column(i, c):  # once per program, before its loop over rows
+            scope = self.before
         # a value made for the whole tile is not a per-row value (its shape is the tile's); a
         # per-row value serves the tile too (it broadcasts)
         keys = [(ref, c, False), (ref, c, True)] if full else [(ref, c, False)]
@@ -212,7 +223,8 @@ class CoordWriter(Writer):
             # the kernel's own indices broadcast against the mask; remapped ones (and an offset of no
             # index at all) get the mask's tile shape, even where every index is a scalar
             pad = [] if terms and self._plain(c) else [self._zero(full)]
-            text = f"tl.load({ptr} + {' + '.join([*terms, *pad])}, mask={self._mask(full, c)}, other=0)"
+            mask = "col_mask" if scope is self.before else self._mask(full, c)  # (no rows there)
+            text = f"tl.load({ptr} + {' + '.join([*terms, *pad])}, mask={mask}, other=0)"
         dtype = self.spec.in_dtypes[ld.input]
         cdt = compute_dtype(dtype)
         if cdt != dtype:

@@ -111,7 +111,7 @@ class GemmWriter(Writer):
         self.build_params()
         self.top = Scope()
         self.top.add("batch = tl.program_id(1)")  # (dropped where nothing reads it)
-        self._scalar_prelude()
+        self._scalar_prelude(self.top)
         top = self.top
         if self.spec.big:
             top.add_all(["offs_m = offs_m.to(tl.int64)", "offs_n = offs_n.to(tl.int64)"])

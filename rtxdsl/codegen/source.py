@@ -21,7 +21,7 @@ from ..lower.params import kernel_params, load_names
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
 from ..lower.roles import Role
 from ..lower.sparsity import TEXT, may_hold
-from ..lower.spec import BCAST, TAIL_CONSTEXPRS, UNIT, KernelSpec, NodeSpec, Split, Src, Stride
+from ..lower.spec import BCAST, UNIT, KernelSpec, NodeSpec, Split, Src, Stride, tail_constexprs
 from ..ops import REGISTRY, AxisRule, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from ..ops.movement import positions_compared
@@ -59,6 +59,13 @@ def ${name}(
 ROWS = """\
 rows = ${pid} * ROWS + tl.arange(0, ROWS)[:, None]
 row_mask = rows < n_rows"""
+
+#: a row kernel with column reductions: each program loops over blocks of rows, the grid apart, and
+#: its column reductions' lanes run across the loop (``Writer.column_lanes``)
+ROW_LOOP = """\
+for row_block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+    ${rows}
+    ${body}"""
 
 #: a row kernel's rows kept to one batch (a product whose right operand has batch dims): the
 #: program's batch, then a block of the ``${m}`` rows of its last row dim
@@ -502,9 +509,8 @@ class Writer:
             state = red.tile(top, running) if red.lanes else running
             if self.spec.split is Split.PARTIAL:  # this program's share of the row: stored, merged later
                 for k, comp in enumerate(state):
-                    self.top.add(
-                        f"tl.store(part{i}_ptr + {k} * n_part + rows * n_split + split, {comp}, mask=row_mask)"
-                    )
+                    at = self._partial_at(k, "split", "rows")
+                    self.top.add(f"tl.store(part{i}_ptr + {at}, {comp}, mask=row_mask)")
                 continue
             self._finish_reduction(i, red, top, state)
 
@@ -517,9 +523,19 @@ class Writer:
         """Reduction ``i``'s value, computed as ``name`` at the top: what the rest of the kernel reads."""
         self.top.memo[(Src.NODE, i)] = self.round_stored(name, i, self.top) if i in self.rounded else name
 
+    def _partial_at(self, k: int, part: str, at: str, count: str = "n_rows") -> str:
+        """The offset of state component ``k`` of partial ``part`` at ``at`` in a partial buffer:
+        per component, a block of ``count`` states per part (a part's states are contiguous, so
+        its program stores them side by side)."""
+        part = f"{part}.to(tl.int64)" if self.spec.big else part
+        return f"{k} * n_part + {part} * {count} + {at}"
+
     def _merge_partials(self) -> None:
-        """A split row's finish: every program merges its rows' partial states (in a fixed order:
-        the result does not depend on which program finished first)."""
+        """A split row's finish (or a merge of a row kernel's column reductions): every program
+        merges its rows' partial states (in a fixed order: the result does not depend on which
+        program finished first)."""
+        if self.spec.split is Split.MERGE:
+            self.top.add("n_part = n_rows * n_split")
         self.top.add("parts = tl.arange(0, SPLIT_BLOCK)[None, :]")
         self.top.add("part_mask = row_mask & (parts < n_split)")
         for i, _, rdt in partial_states(self.spec):
@@ -528,17 +544,44 @@ class Writer:
             ctx = self._ctx(node, self.top, rdt)
             lanes = []
             for k, (comp, ident) in enumerate(zip(red.state, red.identity(rdt))):
-                off = f"{k} * n_part + rows * n_split + parts"
                 name = state_name(comp, i)
-                self.top.add(f"{name} = tl.load(part{i}_ptr + {off}, mask=part_mask, other={ident})")
+                at = self._partial_at(k, "parts", "rows")
+                self.top.add(f"{name} = tl.load(part{i}_ptr + {at}, mask=part_mask, other={ident})")
                 lanes.append(name)
             self._finish_reduction(i, red, ctx, red.tile(ctx, tuple(lanes)))
+
+    def column_lanes(self) -> None:
+        """A row kernel's column reductions (``KernelSpec.columns``): each merges its input's lanes
+        over the program's blocks of rows (``ROW_LOOP``), and after the loop their states, reduced
+        along the tile's rows, are stored as the program's partial states, column by column, for
+        a merge kernel (``Split.MERGE``) to finish."""
+        if self.spec.columns:  # (the loop's columns are its own: the stores index them again)
+            self.after.add("n_part = tl.num_programs(0) * n_cols")
+            self._col_setup(self.after, None, "col_mask")
+        for i in self.spec.columns:
+            node = self.spec.nodes[i]
+            red = REGISTRY[node.op].reduce
+            assert red.lanes and red.columns is not None
+            rdt = reduce_dtype(node)
+            running = tuple(state_name(c, i) for c in red.state)
+            for name, ident in zip(running, red.identity(rdt)):
+                self.before.add(f"{name} = tl.full([ROWS, BLOCK_SIZE], {ident}, dtype={TRITON_TYPE[rdt]})")
+            ctx = self._ctx(node, self.top, rdt)
+            x = self.cast(self.value(node.srcs[0], self.top), rdt)
+            staged = [ctx.tmp(e) for e in red.merge(ctx, running, self._lifted(ctx, node, rdt, x))]
+            for name, e in zip(running, staged):
+                self.top.add(f"{name} = {e}")
+            after = self._ctx(node, self.after, rdt)
+            for k, comp in enumerate(red.columns(after, running)):
+                at = self._partial_at(k, "pid", "cols", "n_cols")
+                self.after.add(f"tl.store(part{i}_ptr + {at}, {comp}, mask=col_mask)")
 
     # ---- stores -----------------------------------------------------------------------
     @property
     def row_store_mask(self) -> str:
         """Where a per-row value is written: every program of a split row holds it, the first writes it."""
-        return "rows < tl.where(split == 0, n_rows, 0)" if self.spec.split else "row_mask"
+        split = self.spec.split in (Split.PARTIAL, Split.FINISH)
+        return "rows < tl.where(split == 0, n_rows, 0)" if split else "row_mask"
 
     def stores(self, ks: Sequence[int], scope: Scope) -> list[str]:
         """The stores of outputs ``ks`` in ``scope``, every value computed first: the caller adds
@@ -547,16 +590,17 @@ class Writer:
         return [self._store(k, scope) for k in ks]
 
     # ---- kernels ----------------------------------------------------------------------
-    def _scalar_prelude(self) -> None:
+    def _scalar_prelude(self, scope: Scope) -> None:
+        """The scalar arguments as the kernel computes with them (once: ``scope`` is outside any loop)."""
         self.scalar_args = {f"s{k}" for k in range(len(self.spec.scalars))}
         for k, kind in enumerate(self.spec.scalars):
             if kind == "f64":  # its bits, as an int64 (tl.cast: an argument equal to 1 is a constexpr)
-                self.top.add(f"s{k} = tl.cast(tl.cast(s{k}, tl.int64), tl.float64, bitcast=True)")
+                scope.add(f"s{k} = tl.cast(tl.cast(s{k}, tl.int64), tl.float64, bitcast=True)")
                 self.types[f"s{k}"] = torch.float64
             else:
                 self.types[f"s{k}"] = {"f32": torch.float32, "i": torch.int64, "b": torch.bool}[kind]
                 if kind == "b":
-                    self.top.add(f"s{k} = s{k} != 0")
+                    scope.add(f"s{k} = s{k} != 0")
 
     def _begin(self, flat: str, prefix: str, size: str) -> None:
         """Parameters, the kernel's top scope, scalar arguments and the row (or flat) index."""
@@ -564,7 +608,9 @@ class Writer:
         self.cidx: list[str] = []  # the column index per reduced dim (a row kernel's, once its loop opens)
         self.scanned = False  # block sparsity: the row's column tiles scanned (``tile_scan``)
         self.top = Scope()
-        self._scalar_prelude()
+        # a row kernel with column reductions: what runs before its loop over blocks of rows and after
+        self.before, self.after = Scope(), Scope()
+        self._scalar_prelude(self.before if self.spec.columns else self.top)
         self.ridx = self._decompose(self.top, flat, prefix, size, self.nr)
 
     def _tail_call(self) -> None:
@@ -574,14 +620,25 @@ class Writer:
         params = kernel_params(self.spec)  # the head's and the tail's, in signature order
         self.params = [p.name for p in params]
         targs = [p.name for p in params if p.name.startswith("t_")]
-        constexprs = [f"T_{c}" for c in TAIL_CONSTEXPRS]
+        assert self.spec.tail is not None
+        constexprs = [f"T_{c}" for c in tail_constexprs(self.spec.tail)]
         self.params += [f"{c}: tl.constexpr" for c in constexprs]
         self.top.lines.extend(render(TAIL, tail=fn, args=", ".join([*targs, *constexprs])).splitlines())
 
+    def _loop_rows(self) -> None:
+        """A row kernel with column reductions: its body in a loop over blocks of rows (``ROW_LOOP``),
+        between what runs before it and after it (``column_lanes``)."""
+        block = "row_block.to(tl.int64)" if self.spec.big else "row_block"
+        loop = render(ROW_LOOP, rows=render(ROWS, pid=block).rstrip("\n"), body="\n".join(self.top.lines))
+        self.top.lines = [*self.before.lines, *loop.rstrip("\n").splitlines(), *self.after.lines]
+
     def _render(self, template: str, name: str) -> str:
+        if self.spec.columns:
+            self._loop_rows()
         if self.tail is not None:
             self._tail_call()
-        pid = "row_block" if self.spec.split else "pid"
+        split_rows = self.spec.split in (Split.PARTIAL, Split.FINISH, Split.TILE)  # (SPLIT's programs)
+        pid = "row_block" if split_rows else "pid"
         pid = f"{pid}.to(tl.int64)" if self.spec.big else pid
         extra = {"pid": pid}
         if template is ROW:
@@ -590,8 +647,8 @@ class Writer:
             batched = self.spec.gemm is not None and self.spec.gemm.batch
             rows = render(BATCH_ROWS, pid=pid, m=f"rsize{self.nr - 1}") if batched else render(ROWS, pid=pid)
             extra = {
-                "rows": rows.rstrip("\n"),
-                "split": render(SPLIT, split_idx=split_idx, parts=parts).rstrip("\n") if self.spec.split else "",
+                "rows": "" if self.spec.columns else rows.rstrip("\n"),  # (``_loop_rows``: in its loop)
+                "split": render(SPLIT, split_idx=split_idx, parts=parts).rstrip("\n") if split_rows else "",
                 "constexprs": "\n".join(f"{c}: tl.constexpr," for c in self._row_constexprs()),
             }
         return render(
@@ -606,19 +663,24 @@ class Writer:
     def _row_constexprs(self) -> list[str]:
         """A row kernel's constexprs beyond ``ROWS`` and ``BLOCK_SIZE``: a split row's finish lanes,
         a product's K slice."""
-        return (["SPLIT_BLOCK"] if self.spec.split is Split.FINISH else []) + (["BLOCK_K"] if self.spec.gemm else [])
+        merges = self.spec.split in (Split.FINISH, Split.MERGE)
+        return (["SPLIT_BLOCK"] if merges else []) + (["BLOCK_K"] if self.spec.gemm else [])
 
     def pointwise(self, name: str) -> str:
         self._begin("offs", "i", "size")
         self.top.add_all(self.stores(range(len(self.spec.outputs)), self.top))
         return self._render(POINTWISE, name)
 
-    def _col_setup(self, scope: Scope, start: str | None) -> None:
+    def _col_setup(self, scope: Scope, start: str | None, upto: str = "mask") -> None:
+        """The columns of a tile (from ``start``), their mask and the tile's (``upto="col_mask"``:
+        not the rows')."""
         base = "tl.arange(0, BLOCK_SIZE)[None, :]"
         scope.add(f"cols = {start} + {base}" if start else f"cols = {base}")
         if self.spec.big:
             scope.add("cols = cols.to(tl.int64)")
         scope.add(f"col_mask = cols < {'col_hi' if self.spec.split else 'n_cols'}")
+        if upto == "col_mask":
+            return
         scope.add("mask = row_mask & col_mask")
         self.cidx = self._decompose(scope, "cols", "c", "csize", self.nc)
 
@@ -627,9 +689,15 @@ class Writer:
         outs = list(range(len(self.spec.outputs)))
         full_outs = [k for k in outs if self.spec.outputs[k].role is Role.FULL]
         row_outs = [k for k in outs if self.spec.outputs[k].role is not Role.FULL]
-        if not self.spec.looped:
+        if self.spec.split is Split.MERGE:  # a row kernel's column reductions, finished
+            self._merge_partials()
+            self.top.add_all(self.stores(outs, self.top))
+        elif not self.spec.looped:
+            if self.spec.columns:  # per-column loads come before the loop over rows
+                self._col_setup(self.before, None, "col_mask")
             self._col_setup(self.top, None)
             self.top.add_all(self.stores(full_outs + row_outs, self.top))
+            self.column_lanes()
         elif self.spec.split is Split.TILE:  # pointwise over a 2-D tile: one block of columns
             self._output_loop(full_outs)
         elif self.spec.split is Split.PARTIAL:

@@ -21,6 +21,7 @@ from ..ops import REGISTRY, OpKind
 from ..recursion import deep
 from .analyze import Group, Plan, Role, analyze, read_srcs
 from .bind import Info
+from .columns import column_pairs, with_columns
 from .expand import Graph, expand
 from .flops import kernel_flops, minimum_flops
 from .gemm import gemm_spec
@@ -28,7 +29,7 @@ from .params import ParamKind, own_params, pointer_slots, slots, with_tail_slots
 from .passes import early_outputs, input_reads, input_scopes, partial_states, remaps
 from .plans import plan_of
 from .schedule import Launch, Layout, contiguous_strides, kernel_spec, split_specs
-from .spec import TAIL_CONSTEXPRS, Buffer, ChunkLoop, KernelCall, KernelSpec, Program, Split, Src
+from .spec import Buffer, ChunkLoop, KernelCall, KernelSpec, Program, Split, Src, tail_constexprs
 from .target import GPU, INTERPRETER, Target, target_for
 
 #: what a call gives for one input: a tensor's layout, or a python number (a scalar input)
@@ -96,17 +97,19 @@ def program(
             lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), dtype)
     stored = _chunk_buffers(plan, lay)
     views = _views(plan, lay, slots, requested)
-    scheduled = [
+    groups = list(plan.groups)
+    scheduled: list[tuple[KernelSpec, Launch] | None] = [
         None
         if id(g) in views
         else gemm_spec(g, graph, lay, target, tf32)
         if g.contraction is not None and not g.is_row
         else kernel_spec(g, graph, lay, target, tf32)
-        for g in plan.groups
+        for g in groups
     ]
+    merges = _column_reductions(groups, scheduled, graph, lay, target, tf32)
     aliases = _aliases(plan, scheduled, lay, slots, into or {})
     buffers: list[Buffer] = []
-    for g in plan.groups:
+    for g in groups:
         if id(g) in views:  # a reshape of a contiguous input: the input's own memory, no kernel
             slots[id(g.outputs[0])] = views[id(g)]
             continue
@@ -116,12 +119,7 @@ def program(
                 continue
             slots[id(o)] = n_inputs + len(buffers)
             buffers.append(Buffer(stored.get(id(o), lay[id(o)].shape), lay[id(o)].dtype))
-    calls = [
-        call
-        for gi, (g, sched) in enumerate(zip(plan.groups, scheduled))
-        if sched is not None
-        for call in _calls(gi, g, *sched, slots, lay, buffers, n_inputs, kernel_flops(g, graph))
-    ]
+    calls = _launches(groups, scheduled, merges, slots, lay, buffers, n_inputs, graph)
     calls = _with_tails(_loops_together(calls), buffers, n_inputs)
     outputs: list[tuple[str, int | None]] = []
     scalars = {}
@@ -148,6 +146,71 @@ def program(
     )
 
 
+def _launches(
+    groups: list[Group],
+    scheduled: list[tuple[KernelSpec, Launch] | None],
+    merges: dict[int, int],
+    slots: dict[int, int],
+    lay: dict[int, Layout],
+    buffers: list[Buffer],
+    n_inputs: int,
+    graph: Graph,
+) -> list[KernelCall]:
+    """Every group's kernel calls in order (``_calls``), a row kernel's column reductions' partial
+    states in buffers its merge reads too."""
+    partials: dict[int, tuple[int, ...]] = {}  # a merge's group -> the partial states its row kernel stores
+    calls = []
+    for gi, (g, sched) in enumerate(zip(groups, scheduled)):
+        if sched is None:
+            continue
+        spec, launch = sched
+        if spec.columns:  # its own, and its merge's
+            parts = partials[merges[gi]] = _column_buffers(spec, launch, g, buffers, n_inputs)
+        else:
+            parts = partials.get(gi, ())
+        calls += _calls(gi, g, spec, launch, slots, lay, buffers, n_inputs, kernel_flops(g, graph), parts)
+    return calls
+
+
+def _column_reductions(
+    groups: list[Group],
+    scheduled: list[tuple[KernelSpec, Launch] | None],
+    graph: Graph,
+    lay: dict[int, Layout],
+    target: Target,
+    tf32: bool,
+) -> dict[int, int]:
+    """Column groups whose reductions a row kernel computes (``lower.columns``), rescheduled in
+    place: the row group with their cones (its programs loop over blocks of rows), the column
+    group as the merge of their partial states. Only where the row kernel keeps its rows whole
+    and unsplit (the lanes span a row). Returns row group index -> its merge's group index."""
+    merges: dict[int, int] = {}
+    for bi, ai in column_pairs(Plan(tuple(groups), graph)).items():
+        if scheduled[ai] is None or scheduled[bi] is None:
+            continue
+        merged = with_columns(groups[ai], groups[bi], graph)
+        spec, launch = kernel_spec(merged, graph, lay, target, tf32)
+        if spec.looped or launch.split > 1 or launch.empty:
+            continue
+        groups[ai], scheduled[ai] = merged, (spec, launch)
+        scheduled[bi] = kernel_spec(groups[bi], graph, lay, target, tf32, merge_of=launch.grid[0])
+        merges[ai] = bi
+    return merges
+
+
+def _column_buffers(
+    spec: KernelSpec, launch: Launch, g: Group, buffers: list[Buffer], n_inputs: int
+) -> tuple[int, ...]:
+    """The partial states a row kernel's programs store for its column reductions, a buffer each
+    (appended to ``buffers``): per state component, one state per program and column."""
+    n_cols = math.prod(g.shape[d] for d in g.axes)
+    out = []
+    for _, n_state, dtype in partial_states(spec):
+        out.append(n_inputs + len(buffers))
+        buffers.append(Buffer((n_state, launch.grid[0] * n_cols), dtype))
+    return tuple(out)
+
+
 def _calls(
     gi: int,
     g: Group,
@@ -158,10 +221,12 @@ def _calls(
     buffers: list[Buffer],
     n_inputs: int,
     flops: int,
+    parts: tuple[int, ...] = (),
 ) -> list[KernelCall]:
     """Group ``gi``'s kernel calls (a split row's partial and finish kernels), with the buffers they
     add (index-check flags, partial states) appended to ``buffers``; ``flops``: the group's (a
-    split row's partial kernel computes them)."""
+    split row's partial kernel computes them); ``parts``: the partial states a row kernel's column
+    reductions store (its own) or a merge reads."""
     in_slots = tuple(slots[id(i)] for i in g.inputs)
     out_slots = tuple(slots[id(o)] for o in g.outputs)
     flags: tuple[int, ...] = ()
@@ -170,15 +235,16 @@ def _calls(
         buffers.append(Buffer((len(spec.flags),), torch.int32, zero=True))
     in_bytes = [lay[id(i)].nbytes for i in g.inputs]
     out_bytes = [0 if launch.empty else lay[id(o)].nbytes for o in g.outputs]
-    parts: tuple[int, ...] = ()
-    part_bytes = 0
+    part_bytes = sum(math.prod(buffers[s - n_inputs].shape) * buffers[s - n_inputs].dtype.itemsize for s in parts)
     window = spec.gemm.window if spec.gemm is not None else None
     if window is not None and window.accumulate is not None:  # the sum across a chunk loop's chunks
         parts = (n_inputs + len(buffers),)
         buffers.append(Buffer(g.shape, window.accumulate))  # the product's (batches, rows, columns)
         # read by each chunk but the first, written by each but the last
         part_bytes = 2 * (g.chunk.chunks - 1) * math.prod(g.shape) * window.accumulate.itemsize  # type: ignore[union-attr]
-    if launch.split > 1:  # partial states of every reduction, one buffer each
+    if spec.columns:  # its column reductions' partial states: written
+        phases = [(spec, launch, 0, part_bytes)]
+    elif launch.split > 1 and spec.split is not Split.MERGE:  # partial states of every reduction, one buffer each
         for _, n_state, dtype in partial_states(spec):
             parts += (n_inputs + len(buffers),)
             buffers.append(Buffer((n_state, launch.rows * launch.split), dtype))
@@ -347,7 +413,7 @@ def can_be_tail(call: KernelCall) -> bool:
     one (nothing read at remapped coordinates, no product in it)."""
     s = call.spec
     return (
-        s.kind == "row" and not s.split and not remaps(s) and not s.flags and s.tail is None
+        s.kind == "row" and s.split in (Split.WHOLE, Split.MERGE) and not remaps(s) and not s.flags and s.tail is None
         and not call.empty and call.grid == (1,)
     )  # fmt: skip
 
@@ -372,7 +438,7 @@ def _with_tails(calls: list[KernelCall], buffers: list[Buffer], n_inputs: int) -
             spec=spec,
             buffers=with_tail_slots(spec, head.buffers, call.buffers, counter),
             args=head.args + call.args,  # the head's other parameters, then the tail's (lower.params)
-            meta=head.meta + tuple((f"T_{k}", v) for k, v in call.meta if k in TAIL_CONSTEXPRS),
+            meta=head.meta + tuple((f"T_{k}", v) for k, v in call.meta if k in tail_constexprs(call.spec)),
             scalar_inputs=head.scalar_inputs + tuple((p + shift, i, kind) for p, i, kind in call.scalar_inputs),
             ops=head.ops + call.ops,
             bytes=head.bytes + call.bytes,

@@ -269,7 +269,8 @@ def _consumers(graph: Graph, fl: Flow) -> dict[int, list[Expr]]:
     return out
 
 
-def _broadcasts(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
+def broadcasts(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
+    """Does a value of shape ``small`` broadcast to ``big`` (right-aligned)?"""
     if len(small) > len(big):
         return False
     return all(s == 1 or s == b for s, b in zip(reversed(small), reversed(big)))
@@ -461,7 +462,7 @@ class _Partitioner:
                 not g.is_row
                 and g.contraction is None
                 and g.shape != shape
-                and _broadcasts(g.shape, shape)
+                and broadcasts(g.shape, shape)
                 and self.private_to(g, n)
             ):
                 absorbed.append(g)
@@ -668,10 +669,10 @@ def absorb_per_row(
             return [c for m in p.nodes for c in consumers.get(id(m), ()) if id(c) in inside and id(c) not in members]
 
         def plain(r: _Work) -> bool:  # read by broadcasting (right-aligned): members of ``r``
-            return _broadcasts(p.shape, r.shape) and not any(REGISTRY[c.op].view for c in uses(r))
+            return broadcasts(p.shape, r.shape) and not any(REGISTRY[c.op].view for c in uses(r))
 
         def through_views(r: _Work) -> bool:  # read through size-1 dims inserted: free nodes of ``r``
-            return all(REGISTRY[c.op].view and _broadcasts(graph.of(c).shape, r.shape) for c in uses(r))
+            return all(REGISTRY[c.op].view and broadcasts(graph.of(c).shape, r.shape) for c in uses(r))
 
         def gemm_operand(r: _Work) -> bool:  # a GEMM reads its operands from memory, re-indexes nothing
             if r.contraction is None:
@@ -738,7 +739,7 @@ def recompute_elementwise(
                 or id(n) in requested
                 or (kind is not OpKind.ELEMENTWISE and not positions_only(n))  # positions read nothing
                 or r1.role(n) is Role.DROP
-                or not _broadcasts(graph.of(n).shape, r2.shape)
+                or not broadcasts(graph.of(n).shape, r2.shape)
             ):
                 return None
             out.append(n)

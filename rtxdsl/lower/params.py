@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..ops import REGISTRY, OpKind
 from .passes import partial_states
 from .roles import Role
-from .spec import STRIDED, KernelCall, KernelSpec, LoadSpec, NodeSpec, Src, Stride
+from .spec import STRIDED, KernelCall, KernelSpec, LoadSpec, NodeSpec, Split, Src, Stride
 
 #: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
 OPERAND_ROLES = (Role.A, Role.B)
@@ -85,6 +85,8 @@ def _extent_names(spec: KernelSpec, nr: int, nc: int) -> list[str]:
         return ["n_elements"] + ([f"size{d}" for d in range(nr)] if nr > 1 else [])
     names = ["n_rows", "n_cols"] + ([f"rsize{d}" for d in range(nr)] if nr > 1 else [])
     names += [f"csize{d}" for d in range(nc)] if nc > 1 else []
+    if spec.split is Split.MERGE:  # the programs whose partial states it merges
+        return [*names, "n_split"]
     return names + (["n_split", "chunk"] if spec.split else [])
 
 
@@ -93,7 +95,7 @@ def _indexed(spec: KernelSpec) -> list[Param]:
     assert spec.domain is not None
     nr = sum(1 for red in spec.domain if not red)
     nc = len(spec.domain) - nr
-    params = _pointers(spec, bool(spec.split), bool(spec.flags))
+    params = _pointers(spec, bool(spec.split or spec.columns), bool(spec.flags))
     names = _extent_names(spec, nr, nc)
     for name, ld in zip(load_names(spec.loads), spec.loads):
         names += strided(name, ld.rows)

@@ -108,6 +108,8 @@ def input_reads(spec: KernelSpec) -> list[int]:
     """How many times each input is read: once per looped pass that loads it (a split row's partial
     kernel makes the reductions' pass, its finish kernel the output pass)."""
     scopes = input_scopes(spec)
+    if spec.split is Split.MERGE:  # partial states only
+        return [0 for _ in scopes]
     if spec.split is Split.PARTIAL:
         return [int(1 in s) for s in scopes]
     if spec.split is Split.FINISH:
@@ -116,10 +118,10 @@ def input_reads(spec: KernelSpec) -> list[int]:
 
 
 def partial_states(spec: KernelSpec) -> list[tuple[int, int, torch.dtype]]:
-    """A split row's partial buffers: (reduction node, state components, dtype) per reduction."""
-    return [
-        (i, len(REGISTRY[spec.nodes[i].op].reduce.state), reduce_dtype(spec.nodes[i])) for i in sorted(levels(spec))
-    ]
+    """The partial buffers a kernel stores or merges, (reduction node, state components, dtype) per
+    reduction: a split row's, or a row kernel's column reductions (``KernelSpec.columns``)."""
+    reductions = spec.columns or sorted(levels(spec))
+    return [(i, len(REGISTRY[spec.nodes[i].op].reduce.state), reduce_dtype(spec.nodes[i])) for i in reductions]
 
 
 def reduce_dtype(node: NodeSpec) -> torch.dtype:

@@ -16,3 +16,6 @@ class Role(Word):
     B = "b"
     FREE = "free"  # coordinate kernels: evaluated only where a movement op asks for it
     SCALAR = "scalar"  # math on scalar inputs, computed once in the kernel
+    #: a row kernel's column reduction (over the rows, a weight gradient's): each program merges its
+    #: rows' lanes and stores the partial states another kernel merges (``Split.MERGE``)
+    COLUMN = "column"

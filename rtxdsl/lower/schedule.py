@@ -20,7 +20,7 @@ import torch
 from ..dtypes import compute_dtype
 from ..expr import Expr, walk
 from ..ops import REGISTRY, AxisRule, DtypeRule, OpKind
-from .analyze import Group, Role, positions_only
+from .analyze import Group, Role, broadcasts, positions_only
 from .expand import Graph, float_dtype_of
 from .params import inner_products, launch_ints, load_names, strided
 from .passes import levels
@@ -135,6 +135,23 @@ def row_config(n_rows: int, n_cols: int, target: Target, column: bool = False, t
     block = target.loop_block if looped else _pow2(max(n_cols, 1))
     rows = 1 if looped else max(1, target.row_tile // block)  # never from the row count: one compile serves all
     return Config(block, rows, looped, _warps(min(block * rows, GPU.row_tile)))
+
+
+def column_programs(target: Target) -> int:
+    """The programs of a row kernel with column reductions (a norm's backward with its weight
+    gradients): two waves, as many as a launch wants, each looping over its share of the row
+    blocks; every one of them stores a partial state per column, so no more (Liger-Kernel's
+    RMSNorm backward runs one program per SM)."""
+    return target.waves
+
+
+def merge_config(target: Target) -> Config:
+    """A merge of column reductions' partial states (``Split.MERGE``): ``block`` lanes, every
+    program a column kernel may have stored (``column_programs``), by ``row_tile // block`` rows,
+    whatever the sizes (one compile per target)."""
+    lanes = _pow2(column_programs(target))
+    rows = max(1, target.row_tile // lanes)
+    return Config(lanes, rows, False, _warps(min(rows * lanes, GPU.row_tile)))
 
 
 def split_count(programs: int, n_rows: int, n_cols: int, block: int, target: Target) -> tuple[int, int]:
@@ -285,6 +302,9 @@ def body(group: Group, graph: Graph) -> Body:
     scalar inputs as slots; math on scalar inputs computed in the kernel (role "scalar")."""
     index: dict[int, int] = {}
     inputs = {id(n): i for i, n in enumerate(group.inputs)}
+    # a row kernel's per-row shape (its reduced dims of size 1); a GEMM's tiles load as they are
+    per_row = group.keep_shape() if group.is_row and group.contraction is None else ()
+    per_row = per_row if per_row != group.shape else ()  # (nothing reduced: every value is per row)
     slots: list[Expr] = []
     loads: list[tuple[int, Role, tuple[int, ...] | None]] = []
     specs: list[NodeSpec] = []
@@ -302,6 +322,8 @@ def body(group: Group, graph: Graph) -> Body:
                 slots.append(s)
                 k = len(slots) - 1
             return (Src.SLOT, k)
+        if consumer_role is Role.FULL and per_row and view is None and broadcasts(info.shape, per_row):
+            consumer_role = Role.KEEP  # one value per row (a saved statistic): loaded once per row, not per element
         key = (inputs[id(s)], consumer_role, view)
         if key not in loads:
             loads.append(key)
@@ -364,6 +386,8 @@ def operand_strides(group: Group, graph: Graph, layouts: Mapping[int, Layout], b
         if role is Role.DROP:  # strides over drop_shape -> strides over domain (0 on reduced dims)
             it = iter(strides)
             return tuple(0 if d in group.axes else next(it) for d in range(len(domain)))
+        if role is Role.KEEP:  # over keep_shape: its reduced dims (size 1) are not walked
+            return tuple(0 if d in group.axes else s for d, s in enumerate(strides))
         return strides
 
     target = {Role.FULL: domain, Role.KEEP: group.keep_shape(), Role.DROP: group.drop_shape()}
@@ -440,14 +464,23 @@ class Walk:
 
 
 def kernel_spec(
-    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target = GPU, tf32: bool = False
+    group: Group,
+    graph: Graph,
+    layouts: Mapping[int, Layout],
+    target: Target = GPU,
+    tf32: bool = False,
+    merge_of: int = 0,
 ) -> tuple[KernelSpec, Launch]:
     """Spec and launch arguments for ``group`` on ``target``; ``layouts`` maps id(input node) -> its
-    layout; ``tf32``: a product computed in the kernel multiplies fp32 operands in TF32.
+    layout; ``tf32``: a product computed in the kernel multiplies fp32 operands in TF32;
+    ``merge_of``: the group's reductions were computed by that many programs of a row kernel, as
+    its column reductions: the kernel merges their partial states (``Split.MERGE``).
 
     A group without movement ops is walked flat (:func:`flat_walk`: dims every operand walks
     together coalesced), one with them by coordinates (:func:`coordinate_walk`); the rest (the
-    tile, how rows are cut across programs, the launch) is the same for both."""
+    tile, how rows are cut across programs, the launch) is the same for both. A row kernel with
+    column reductions (role "column") runs on at most ``COLUMN_PROGRAMS`` programs, each looping
+    over blocks of rows."""
     if group.remaps and _tiles_coordinates(group, graph, target):  # a 2-D tile: a row kernel's code
         w = replace(coordinate_walk(_as_rows(group, graph), graph, layouts), tiled=True)
     else:
@@ -471,11 +504,21 @@ def kernel_spec(
         domain=w.domain,
         flags=w.flags,
         gemm=tile,
+        columns=tuple(i for i, n in enumerate(w.nodes) if n.role is Role.COLUMN),
     )
-    spec, programs, n_split, chunk = _programs(spec, w, target)
+    if merge_of:
+        spec, cfg = replace(spec, split=Split.MERGE, looped=False), merge_config(target)
+        programs, n_split, chunk = -(-n_rows // cfg.rows_per_program), merge_of, 0
+        spec = replace(spec, block=cfg.block, rows_per_program=cfg.rows_per_program, num_warps=cfg.num_warps)
+    else:
+        spec, programs, n_split, chunk = _programs(spec, w, target)
+    if spec.columns:  # a program per block of rows, up to the table's count: each loops over its rows
+        programs = min(programs, column_programs(target))
     grid, meta = grid_and_meta(cfg if w.row else None, programs * n_split, n_rows * n_cols, target)
     if tile is not None:
         meta += (("BLOCK_K", tile.block_k), ("num_stages", tile.num_stages))
+    if merge_of:
+        grid, meta = (max(1, programs),), (*meta, ("SPLIT_BLOCK", cfg.block))
     launched = _launched(spec, n_split)
     values = w.ints | _extents(w.row, n_rows, n_cols, w.rows, w.cols, n_split, chunk, launched.split)
     ints = launch_ints(launched, values)
@@ -516,7 +559,8 @@ def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> 
         # scalar loss's cotangent) are not
         reduced = len(w.cols)
         full = [ld for ld in w.loads if len(ld.rows) > len(w.rows) and set(ld.rows[-reduced:]) != {BCAST}]
-        tiles = len(full) + sum(o.role is Role.FULL for o in w.outputs)
+        # column reductions hold their lanes across the row loop: a tile each
+        tiles = len(full) + sum(o.role is Role.FULL for o in w.outputs) + sum(n.role is Role.COLUMN for n in w.nodes)
         return row_config(n_rows, n_cols, target, w.column, tiles), None
     return Config(0, 1, False, 0), None
 
@@ -576,6 +620,8 @@ def _extents(
     values = {"n_rows": n_rows, "n_cols": n_cols}
     values |= {f"rsize{d}": s for d, s in enumerate(rows)} if len(rows) > 1 else {}
     values |= {f"csize{d}": s for d, s in enumerate(cols)} if len(cols) > 1 else {}
+    if split is Split.MERGE:
+        return values | {"n_split": n_split}
     return values | ({"n_split": n_split, "chunk": chunk} if split else {})
 
 
@@ -682,9 +728,11 @@ def _is_column(group: Group, layouts: Mapping[int, Layout], b: Body, classes: li
 
 def splittable(spec: KernelSpec) -> bool:
     """Can a split row merge its reductions across programs? One level of them (none depends on
-    another's result) and every output full-size or per row."""
+    another's result), every output full-size or per row, and no column reduction (whose lanes
+    span whole rows)."""
     lv = levels(spec)
-    return bool(lv) and max(lv.values()) == 1 and all(o.role is not Role.KEEP for o in spec.outputs)
+    whole = bool(lv) and max(lv.values()) == 1 and all(o.role is not Role.KEEP for o in spec.outputs)
+    return whole and not spec.columns
 
 
 def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Launch], tuple[KernelSpec, Launch]]:
@@ -861,7 +909,10 @@ def scalar_positions(
 
 
 def _reductions(nodes: list[NodeSpec] | tuple[NodeSpec, ...]) -> tuple[int, ...]:
-    return tuple(i for i, n in enumerate(nodes) if REGISTRY[n.op].kind is OpKind.REDUCTION)
+    """The row's reductions (a column reduction's lanes run over the rows instead)."""
+    return tuple(
+        i for i, n in enumerate(nodes) if REGISTRY[n.op].kind is OpKind.REDUCTION and n.role is not Role.COLUMN
+    )
 
 
 def _check_message(n: Expr, graph: Graph) -> IndexCheck:

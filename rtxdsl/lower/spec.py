@@ -46,6 +46,9 @@ class Split(Word):
     PARTIAL = "partial"  # each program reduces a chunk of a row and stores partial states
     FINISH = "finish"  # merges a row's partial states, then writes its chunk of the outputs
     TILE = "tile"  # pointwise over 2-D tiles: each program one block of columns of its rows
+    #: merges the partial states each program of a row kernel stored for its column reductions
+    #: (``KernelSpec.columns``), then writes the outputs: one program per block of rows
+    MERGE = "merge"
 
 
 @dataclass(frozen=True)
@@ -155,10 +158,18 @@ class KernelSpec:
     tail: KernelSpec | None = None
     #: a contraction kernel's tile (kind "gemm"): its nodes are the contraction and its epilogue
     gemm: GemmTile | None = None
+    #: a row kernel's column reductions (role "column"): its programs loop over blocks of rows,
+    #: each merging its rows' lanes, and store their partial states for a ``Split.MERGE`` kernel
+    columns: tuple[int, ...] = ()
 
 
 #: a tail's own constexprs, passed to the kernel that runs it as ``T_<name>``
 TAIL_CONSTEXPRS = ("ROWS", "BLOCK_SIZE")
+
+
+def tail_constexprs(tail: KernelSpec) -> tuple[str, ...]:
+    """The constexprs a tail kernel takes: a merge's partial lanes too."""
+    return (*TAIL_CONSTEXPRS, "SPLIT_BLOCK") if tail.split is Split.MERGE else TAIL_CONSTEXPRS
 
 
 @dataclass(frozen=True)

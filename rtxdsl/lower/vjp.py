@@ -157,8 +157,12 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     for v, need in zip(graph.inputs, needs):
         if not need or id(v) not in cot.grads:
             continue
+        # the gradient in its input's dtype, also where it is computed from saved statistics (fp32
+        # for half inputs), which widen it: else autograd's engine casts it in a launch of its own,
+        # after twice the bytes written (a cast to its own dtype is dropped when the backward
+        # expands; a cotangent handed on as it is, a residual's, is its output's dtype already)
         e = cot.grads[id(v)]
-        if cot.typed(e).dtype != graph.of(v).dtype:
+        if not e.is_var or cot.typed(e).dtype != graph.of(v).dtype:
             e = node("cast", e, dtype=graph.of(v).dtype)
         key = f"{GRADIENT}{len(backward)}"
         grad_of.append((v.attr("name"), key))

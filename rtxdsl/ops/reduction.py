@@ -69,18 +69,23 @@ def _all_if_none(axis: Any, ndim: int) -> tuple[int, ...]:
     return (axis,) if isinstance(axis, int) else tuple(axis)
 
 
-def _tile_sum(v: str) -> str:
-    return f"tl.sum({v}, axis=1)[:, None]"
+#: a tile reduced along its columns (a row's states) or along its rows (a column's), its reduced
+#: dim kept: the index that puts it back
+KEEP_AXIS = {1: "[:, None]", 0: "[None, :]"}
 
 
-def _tile_extreme(which: str):
+def _tile_sum(v: str, axis: int = 1) -> str:
+    return f"tl.sum({v}, axis={axis}){KEEP_AXIS[axis]}"
+
+
+def _tile_extreme(which: str, axis: int = 1):
     def tile(ctx: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
         (acc,) = st
-        red = f"tl.{which}({acc}, axis=1)[:, None]"
+        red = f"tl.{which}({acc}, axis={axis}){KEEP_AXIS[axis]}"
         if not ctx.is_float:
             return (red,)
         # tl.max/tl.min may drop NaN; the lanes kept it, so look for it
-        has_nan = f"tl.max(({acc} != {acc}).to(tl.int32), axis=1)[:, None] > 0"
+        has_nan = f"tl.max(({acc} != {acc}).to(tl.int32), axis={axis}){KEEP_AXIS[axis]} > 0"
         return (f"tl.where({has_nan}, float('nan'), {red})",)
 
     return tile
@@ -95,6 +100,7 @@ SUM = ReduceSpec(
     value=lambda c, st: st[0],
     single=lambda c, x: x,
     lanes=True,
+    columns=lambda c, st: (_tile_sum(st[0], axis=0),),
     partial="sum",
 )
 
@@ -110,6 +116,7 @@ def _extreme_spec(which: str, identity, pick) -> ReduceSpec:
         value=lambda c, st: st[0],
         single=lambda c, x: x,
         lanes=True,
+        columns=_tile_extreme(which, axis=0),
     )
 
 

@@ -72,12 +72,12 @@ def row_eq_mul_sum_div_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    x1_1 = tl.load(in1_ptr + rows, mask=mask, other=0)
+    x1_1 = tl.load(in1_ptr + rows, mask=row_mask, other=0)
     v0 = x0_0 == x1_1
     v1 = v0.to(tl.float32)
     t2 = tl.where(mask, v1, 0)
     v3 = tl.sum(t2, axis=1)[:, None]
-    x2_3 = tl.load(in2_ptr + rows, mask=mask, other=0).to(tl.float32)
+    x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0).to(tl.float32)
     v2 = x2_3 * v1
     v4 = v2 / v3
     tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)

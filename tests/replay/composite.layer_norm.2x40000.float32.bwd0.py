@@ -28,6 +28,7 @@ def row_mul_div_sub_sum_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     acc_4 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
     acc_18 = acc_4
     x4_6 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
     v6 = x4_6 / s0
@@ -41,7 +42,6 @@ def row_mul_div_sub_sum_SIG(
         x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0)
         v0 = x0_0 * x1_1
         x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        x2_3 = tl.load(in2_ptr + rows, mask=mask, other=0)
         v1 = x2_3 / s0
         v2 = x3_2 - v1
         v3 = v0 * v2
@@ -67,15 +67,14 @@ def row_mul_div_sub_sum_SIG(
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x3_10 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        x2_12 = tl.load(in2_ptr + rows, mask=mask, other=0)
-        v1_11 = x2_12 / s0
+        v1_11 = x2_3 / s0
         v2_9 = x3_10 - v1_11
         v14 = v13 * v2_9
-        x0_15 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        x1_16 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v0_14 = x0_15 * x1_16
-        v15_13 = v0_14 * v8
-        v16 = v14 + v15_13
+        x0_14 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+        x1_15 = tl.load(in1_ptr + cols, mask=mask, other=0)
+        v0_13 = x0_14 * x1_15
+        v15_12 = v0_13 * v8
+        v16 = v14 + v15_12
         v20 = v16 + v19
         tl.store(out0_ptr + rows * out0_stride0 + cols, v20, mask=mask)
 

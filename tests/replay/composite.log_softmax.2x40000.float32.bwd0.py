@@ -13,7 +13,6 @@ def row_neg_sum_sub_detach_SIG(
     n_rows,
     n_cols,
     in0_stride1,
-    in1_stride1,
     in2_stride1,
     out0_stride1,
     ROWS: tl.constexpr,
@@ -33,8 +32,7 @@ def row_neg_sum_sub_detach_SIG(
     v2 = x1_2 - x1_2
     v4 = v1 + v2
     x2_3 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
-    x3_4 = tl.load(in1_ptr + rows, mask=mask, other=0)
-    v5 = x2_3 - x3_4
+    v5 = x2_3 - x1_2
     v6 = tl.exp(v5)
     v7 = v4 * v6
     v8 = x0_0 + v7

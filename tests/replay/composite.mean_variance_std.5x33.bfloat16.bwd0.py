@@ -60,7 +60,7 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     x4_5 = tl.load(in4_ptr + c1, mask=mask, other=0).to(tl.float32)
     v16 = x4_5 / s6
     v18 = v15 + v16
-    tl.store(out0_ptr + crem * out0_stride1 + c1 + rows * 0, v18, mask=mask)
+    tl.store(out0_ptr + crem * out0_stride1 + c1 + rows * 0, v18.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit

@@ -22,13 +22,13 @@ def row_finite_or_nan_sub_exp_mul_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     acc_5 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
+    x0_2 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x2_0 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
         x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        x0_2 = tl.load(in0_ptr + rows, mask=mask, other=0)
         v0 = x0_2 + (x0_2 - x0_2)
         v1 = x1_1 - v0
         v2 = tl.exp(v1)
@@ -38,23 +38,21 @@ def row_finite_or_nan_sub_exp_mul_SIG(
         t4 = acc_5 + t3
         acc_5 = t4
     v5 = tl.sum(acc_5, axis=1)[:, None]
-    x3_5 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
-    v6 = x3_5 - x3_5
+    v6 = x0_2 - x0_2
     v8 = v5 + v6
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x1_6 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        x0_7 = tl.load(in0_ptr + rows, mask=mask, other=0)
-        v9 = x1_6 - x0_7
+        x1_5 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
+        v9 = x1_5 - x0_2
         v10 = tl.exp(v9)
         v11 = v8 * v10
-        x2_9 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-        v0_12 = x0_7 + (x0_7 - x0_7)
-        v1_11 = x1_6 - v0_12
-        v2_10 = tl.exp(v1_11)
-        v3_8 = x2_9 * v2_10
-        v12 = v3_8 + v11
+        x2_7 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
+        v0_10 = x0_2 + v6
+        v1_9 = x1_5 - v0_10
+        v2_8 = tl.exp(v1_9)
+        v3_6 = x2_7 * v2_8
+        v12 = v3_6 + v11
         tl.store(out0_ptr + rows * out0_stride0 + cols, v12, mask=mask)
 

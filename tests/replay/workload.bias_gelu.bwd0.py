@@ -32,7 +32,7 @@ def row_add_mul_erf_exp_SIG(
     mask = row_mask & col_mask
     x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
     x0_1 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    x1_2 = tl.load(in1_ptr + rows, mask=mask, other=0)
+    x1_2 = tl.load(in1_ptr + rows, mask=row_mask, other=0)
     v0 = x0_1 + x1_2
     v1 = v0 * s0
     v2 = tl.erf(v1)

@@ -34,7 +34,7 @@ def row_mul_add_finite_or_nan_sub_SIG(
     v0 = x0_1 * s0
     x1_2 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
     v1 = v0 + x1_2
-    x2_3 = tl.load(in2_ptr + rows, mask=mask, other=0)
+    x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
     v2 = x2_3 + (x2_3 - x2_3)
     v3 = v1 - v2
     v4 = tl.exp(v3)
@@ -42,8 +42,7 @@ def row_mul_add_finite_or_nan_sub_SIG(
     v6 = -v5
     t4 = tl.where(mask, v6, 0)
     v7 = tl.sum(t4, axis=1)[:, None]
-    x4_5 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v8 = x4_5 - x4_5
+    v8 = x2_3 - x2_3
     v10 = v7 + v8
     v11 = v1 - x2_3
     v12 = tl.exp(v11)

@@ -26,7 +26,7 @@ def row_finite_or_nan_sub_exp_mul_SIG(
     mask = row_mask & col_mask
     x2_0 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
     x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    x0_2 = tl.load(in0_ptr + rows, mask=mask, other=0)
+    x0_2 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
     v0 = x0_2 + (x0_2 - x0_2)
     v1 = x1_1 - v0
     v2 = tl.exp(v1)
@@ -34,8 +34,7 @@ def row_finite_or_nan_sub_exp_mul_SIG(
     v4 = -v3
     t3 = tl.where(mask, v4, 0)
     v5 = tl.sum(t3, axis=1)[:, None]
-    x3_4 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
-    v6 = x3_4 - x3_4
+    v6 = x0_2 - x0_2
     v8 = v5 + v6
     v9 = x1_1 - x0_2
     v10 = tl.exp(v9)
