@@ -590,8 +590,10 @@ class OperationStream:
                         out = out.clone()
                     if out.requires_grad and not lt._grad:  # a kernel's outputs all have its history
                         out = out.detach()
-                    if o is not None:  # (a view made as eager would: with the value's grad mode)
-                        with torch.set_grad_enabled(lt._grad):
+                    if o is not None:  # eager's strides: a view of the memory the kernel wrote, made
+                        # with grad on (a view made under no_grad may not be written in place where
+                        # grad is on, as eager's result may); a value without history has none
+                        with torch.enable_grad():
                             out = out.permute(sorted(range(len(o)), key=o.__getitem__))
                 lt._materialize(out)
             self.fusion._last = (reason, kernel, tuple(args))

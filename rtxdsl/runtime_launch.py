@@ -75,6 +75,7 @@ def generate_run(
     through ``torch.library.wrap_triton`` (traceable, so Inductor sees the kernel), a tail's counter
     zeroed per call (a graph keeps no state between calls), no tuning, no counting."""
     scope: dict[str, Any] = {"empty_like": torch.empty_like, "empty": torch.empty, "DEV": device_of(tensors)}
+    scope["CONTIGUOUS"] = torch.contiguous_format
     n = len(tensors)
     lines = ["def run(tensors):"]
     if n:
@@ -133,7 +134,8 @@ def _buffer_lines(
             None,
         )  # fmt: skip
         if same is not None:  # empty_like of a matching contiguous input is the cheapest allocation
-            lines.append(f"    b{k} = empty_like(t{same})")
+            # (contiguous strides: an input's own strides along its size-1 dims are not eager's)
+            lines.append(f"    b{k} = empty_like(t{same}, memory_format=CONTIGUOUS)")
         else:
             scope[f"SHAPE{k}"], scope[f"DT{k}"] = b.shape, b.dtype
             lines.append(f"    b{k} = empty(SHAPE{k}, dtype=DT{k}, device=DEV)")

@@ -325,6 +325,33 @@ def test_values_eager_lays_out_permuted_are_computed_in_that_order_not_copied(f,
     assert f.stats().kernels_launched == 1  # the kernel writes eager's memory order: no restriding copy
 
 
+def test_a_permuted_result_made_without_grad_can_be_written_with_grad(f, gen):
+    """A value eager lays out permuted is a view of the kernel's memory: made under no_grad, it may
+    still be written in place where grad is on, as eager's (no view at all) may (lazy fuzzer, seed
+    2026161600169: 'a view was created in no_grad mode and is being modified inplace')."""
+    t = torch.randn(2, 3, generator=gen).t().contiguous().t().requires_grad_()  # column-major
+    with torch.no_grad():
+        got, want = f.lazy(t) * 0.5, t * 0.5
+    got.copy_(f.lazy(t))
+    want.copy_(t)
+    assert got.torch().requires_grad and want.requires_grad
+    torch.testing.assert_close(got.torch(), want)
+    plain = torch.randn(2, 3, generator=gen).t().contiguous().t()
+    out = (f.lazy(plain) * 0.5).torch()
+    out.add_(t)  # a result without history, written with one
+    torch.testing.assert_close(out, plain * 0.5 + t)
+
+
+def test_a_flushed_result_has_contiguous_strides_along_its_size_one_dims(f):
+    """Outputs are allocated contiguous, not with an input's own strides along its size-1 dims
+    (``torch.zeros(6, 1).t()`` has strides (1, 1); eager's sigmoid of it (6, 1)), so stride() is
+    the same before and after the flush (lazy fuzzer, seeds 2026163000097, 2026163300039)."""
+    t = torch.zeros(6, 1).t()
+    y = torch.sigmoid(f.lazy(t))
+    pending = y.stride()
+    assert y.torch().stride() == pending == torch.sigmoid(t).stride()
+
+
 def test_rtxdsl_kernels_join_the_lazy_segment(f, gen):
     """An rtxdsl kernel (here an rx.nn module) called on lazy tensors records its expression: one
     kernel with what is pending, no sync; with gradients on, it runs on materialized operands."""
