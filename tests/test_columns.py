@@ -127,7 +127,7 @@ def test_generated_row_kernel_loops_over_rows_with_its_weight_loaded_once(gen):
     source = kernel.sources(**feed)[0]
     head, loop = source.split("for row_block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):")
     body, after = loop.split("n_part = tl.num_programs(0) * n_cols")
-    assert "tl.load(in1_ptr + cols, mask=col_mask" in head  # w: the expression's second input
+    assert "w = tl.load(w_ptr + cols, mask=col_mask" in head
     assert body.count("tl.load(") == 3 and body.count("tl.store(") == 1  # dy, x, the row's rstd; dx
     assert after.count("tl.store(part") == 1 and "tl.load(" not in after
 

@@ -121,4 +121,4 @@ def test_cross_entropy_reads_the_target_logit_once_per_row():
     src = (SNAPSHOT / "workload.cross_entropy.fwd0.py").read_text()
     head = src.split("@triton.jit")[-1]  # the row kernel (the first function is its tail)
     assert len(re.findall(r"tl\.(?:max|min|sum)\(", head)) == 3
-    assert re.search(r"tl\.load\(in\d_ptr \+ rows \* in\d_stride0 \+ v\d+ ", head)
+    assert re.search(r"tl\.load\(x_ptr \+ rows \* x_stride0 \+ v\d+ ", head)  # x: the logits

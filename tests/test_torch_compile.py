@@ -146,7 +146,7 @@ def test_on_cuda_the_compiled_graph_holds_each_generated_kernel(graph_reports, c
     # rtxdsl's kernels: [pattern_]family_..., ``softmax_row_<signature>``, ``pointwise_add_gelu_<signature>``
     assert all(re.match(r"(?:[a-z_]+_)?(?:pointwise|row)_", name) for name in r["kernels"]), r
     # torch's TTIR analysis found what each kernel writes, and no input among it (none is cloned)
-    assert "out0_ptr" in r["written"] and not r["cloned_inputs"], r
+    assert set(r["written"]) - {"count_ptr"} and not r["cloned_inputs"], r
     assert ("count_ptr" in r["written"]) == case.endswith("tail")
 
 

@@ -6,6 +6,7 @@ from ..lower.spec import KernelSpec
 from ..recursion import deep
 from .coords import CoordWriter
 from .gemm import GemmWriter
+from .names import user_names
 from .source import MODULE, Writer
 from .template import render
 
@@ -33,10 +34,11 @@ def kernel_source(spec: KernelSpec, name: str, signature: str, summary: str) -> 
     else:
         kernel = w.row_kernel(name) if spec.kind == "row" else w.pointwise(name)
     helpers.update(w.helpers)
-    return render(
+    module = render(
         MODULE,
         signature=signature,
         summary=summary.replace("\n", " "),
         helpers="".join(f"{src}\n\n" for src in helpers.values()),
         kernel=kernel,
     )
+    return user_names(module, spec, name)

@@ -29,6 +29,7 @@ from ..expr import Expr
 from ..registry import REGISTRY, OpKind
 from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
+from .names import io_names, scalar_names
 from .params import inner_products, launch_ints, load_names, tile_loads
 from .schedule import (
     INT32_LIMIT,
@@ -107,6 +108,8 @@ def gemm_spec(
         ),
         nodes=bd.nodes,
         outputs=tuple(_out_spec(bd.index[id(o)], layouts[id(o)].dtype, group.role(o)) for o in group.outputs),
+        names=io_names(group, graph)[0],
+        out_names=io_names(group, graph)[1],
         scalars=(),
         reductions=(),
         block=0,
@@ -133,7 +136,7 @@ def gemm_spec(
     values |= _window_values(spec)
     ints = list(launch_ints(spec, values))
     kinds, vals = scalar_args(bd.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
-    spec = replace(spec, scalars=tuple(kinds))
+    spec = replace(spec, scalars=tuple(kinds), scalar_names=scalar_names(bd.slots))
     scalar_inputs = scalar_positions(bd.slots, kinds, graph, len(ints))
     chunk = group.chunk
     rows, cols = (chunk.size if chunk is not None and chunk.axis == d else e for d, e in (("m", m), ("n", n)))

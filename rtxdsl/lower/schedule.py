@@ -22,6 +22,7 @@ from ..expr import Expr, walk
 from ..ops import REGISTRY, AxisRule, DtypeRule, OpKind
 from .analyze import Group, Role, broadcasts, positions_only
 from .expand import Graph, float_dtype_of
+from .names import io_names, scalar_names
 from .params import inner_products, launch_ints, load_names, strided
 from .passes import levels
 from .sparsity import NEUTRAL, kept_fraction, vanishing_guard
@@ -505,6 +506,9 @@ def kernel_spec(
         flags=w.flags,
         gemm=tile,
         columns=tuple(i for i, n in enumerate(w.nodes) if n.role is Role.COLUMN),
+        names=io_names(group, graph)[0],
+        out_names=io_names(group, graph)[1],
+        scalar_names=scalar_names(w.slots),
     )
     if merge_of:
         spec, cfg = replace(spec, split=Split.MERGE, looped=False), merge_config(target)

@@ -161,6 +161,11 @@ class KernelSpec:
     #: a row kernel's column reductions (role "column"): its programs loop over blocks of rows,
     #: each merging its rows' lanes, and store their partial states for a ``Split.MERGE`` kernel
     columns: tuple[int, ...] = ()
+    #: what the printed source calls each input, output and scalar input ("" for a constant): the
+    #: user's names (``lower.names``; ``codegen.names`` renames the positional ones)
+    names: tuple[str, ...] = ()
+    out_names: tuple[str, ...] = ()
+    scalar_names: tuple[str, ...] = ()
 
 
 #: a tail's own constexprs, passed to the kernel that runs it as ``T_<name>``

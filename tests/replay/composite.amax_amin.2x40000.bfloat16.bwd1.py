@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def row_unsqueeze_eq_mul_sum_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
+    dout1_ptr,
+    stat1_ptr,
+    x_ptr,
+    div_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
-    in2_stride1,
-    in3_stride1,
-    out0_stride1,
+    x_stride1,
+    div_stride1,
+    grad0_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -25,16 +25,16 @@ def row_unsqueeze_eq_mul_sum_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
-    x1_1 = tl.load(in1_ptr + rows, mask=mask, other=0)
-    v2 = x2_0 == x1_1
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    stat1 = tl.load(stat1_ptr + rows, mask=mask, other=0)
+    v2 = x == stat1
     v3 = v2.to(tl.float32)
     t2 = tl.where(mask, v3, 0)
     v5 = tl.sum(t2, axis=1)[:, None]
-    x0_3 = tl.load(in0_ptr + rows, mask=mask, other=0).to(tl.float32)
-    v4 = x0_3 * v3
+    dout1 = tl.load(dout1_ptr + rows, mask=mask, other=0).to(tl.float32)
+    v4 = dout1 * v3
     v6 = v4 / v5
-    x3_4 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
-    v7 = v6 + x3_4
-    tl.store(out0_ptr + rows + cols * out0_stride1, v7.to(tl.bfloat16), mask=mask)
+    div = tl.load(div_ptr + rows + cols * div_stride1, mask=mask, other=0)
+    v7 = v6 + div
+    tl.store(grad0_ptr + rows + cols * grad0_stride1, v7.to(tl.bfloat16), mask=mask)
 

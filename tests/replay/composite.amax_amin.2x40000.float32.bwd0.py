@@ -6,14 +6,14 @@ import triton.language as tl
 
 @triton.jit
 def row_eq_mul_sum_div_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    x_ptr,
+    stat0_ptr,
+    dout0_ptr,
+    div_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    out0_stride0,
+    x_stride0,
+    div_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -21,27 +21,27 @@ def row_eq_mul_sum_div_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     acc_3 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
-    x1_1 = tl.load(in1_ptr + rows, mask=row_mask, other=0)
+    stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        v0 = x0_0 == x1_1
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        v0 = x == stat0
         v1 = v0.to(tl.float32)
         t2 = tl.where(mask, v1, 0)
         t3 = acc_3 + t2
         acc_3 = t3
     v3 = tl.sum(acc_3, axis=1)[:, None]
-    x2_4 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
+    dout0 = tl.load(dout0_ptr + rows, mask=row_mask, other=0)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_7 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        v0_6 = x0_7 == x1_1
+        x_1 = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        v0_6 = x_1 == stat0
         v1_5 = v0_6.to(tl.float32)
-        v2 = x2_4 * v1_5
+        v2 = dout0 * v1_5
         v4 = v2 / v3
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)
+        tl.store(div_ptr + rows * div_stride0 + cols, v4, mask=mask)
 

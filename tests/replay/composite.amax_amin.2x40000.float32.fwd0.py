@@ -6,11 +6,11 @@ import triton.language as tl
 
 @triton.jit
 def row_amax_SIG(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    hi_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
+    x_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -22,9 +22,9 @@ def row_amax_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=float('-inf'))
-        t2 = tl.where(x0_0 != x0_0, x0_0, tl.where(x0_0 > acc_0, x0_0, acc_0))
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=float('-inf'))
+        t2 = tl.where(x != x, x, tl.where(x > acc_0, x, acc_0))
         acc_0 = t2
     v0 = tl.where(tl.max((acc_0 != acc_0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(acc_0, axis=1)[:, None])
-    tl.store(out0_ptr + rows, v0, mask=row_mask)
+    tl.store(hi_ptr + rows, v0, mask=row_mask)
 

@@ -6,11 +6,11 @@ import triton.language as tl
 
 @triton.jit
 def row_amin_SIG(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    lo_ptr,
     n_rows,
     n_cols,
-    in0_stride1,
+    x_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -20,7 +20,7 @@ def row_amin_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=float('inf'))
-    v0 = tl.where(tl.max((x0_0 != x0_0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(x0_0, axis=1)[:, None])
-    tl.store(out0_ptr + rows, v0, mask=row_mask)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=float('inf'))
+    v0 = tl.where(tl.max((x != x).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(x, axis=1)[:, None])
+    tl.store(lo_ptr + rows, v0, mask=row_mask)
 

@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def row_eq_mul_sum_div_SIG_tail(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
+    dout1_ptr,
+    stat1_ptr,
+    x_ptr,
+    div_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
-    in2_stride1,
-    in3_stride1,
-    out0_stride1,
+    x_stride1,
+    div_stride1,
+    grad0_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -25,41 +25,41 @@ def row_eq_mul_sum_div_SIG_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
-    x1_1 = tl.load(in1_ptr + rows, mask=mask, other=0)
-    v2 = x2_0 == x1_1
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    stat1 = tl.load(stat1_ptr + rows, mask=mask, other=0)
+    v2 = x == stat1
     v3 = v2.to(tl.float32)
     t2 = tl.where(mask, v3, 0)
     v5 = tl.sum(t2, axis=1)[:, None]
-    x0_3 = tl.load(in0_ptr + rows, mask=mask, other=0).to(tl.float32)
-    v4 = x0_3 * v3
+    dout1 = tl.load(dout1_ptr + rows, mask=mask, other=0).to(tl.float32)
+    v4 = dout1 * v3
     v6 = v4 / v5
-    x3_4 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0)
-    v7 = v6 + x3_4
-    tl.store(out0_ptr + rows + cols * out0_stride1, v7.to(tl.bfloat16), mask=mask)
+    div = tl.load(div_ptr + rows + cols * div_stride1, mask=mask, other=0)
+    v7 = v6 + div
+    tl.store(grad0_ptr + rows + cols * grad0_stride1, v7.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
 def row_eq_mul_sum_div_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
-    t_in0_ptr,
-    t_in1_ptr,
-    t_in2_ptr,
-    t_in3_ptr,
-    t_out0_ptr,
+    x_ptr,
+    stat0_ptr,
+    dout0_ptr,
+    div_ptr,
+    t_dout1_ptr,
+    t_stat1_ptr,
+    t_x_ptr,
+    t_div_ptr,
+    t_grad0_ptr,
     count_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    out0_stride0,
+    x_stride0,
+    div_stride0,
     t_n_rows,
     t_n_cols,
-    t_in2_stride1,
-    t_in3_stride1,
-    t_out0_stride1,
+    t_x_stride1,
+    t_div_stride1,
+    t_grad0_stride1,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -71,19 +71,19 @@ def row_eq_mul_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    x1_1 = tl.load(in1_ptr + rows, mask=row_mask, other=0)
-    v0 = x0_0 == x1_1
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
+    v0 = x == stat0
     v1 = v0.to(tl.float32)
     t2 = tl.where(mask, v1, 0)
     v3 = tl.sum(t2, axis=1)[:, None]
-    x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0).to(tl.float32)
-    v2 = x2_3 * v1
+    dout0 = tl.load(dout0_ptr + rows, mask=row_mask, other=0).to(tl.float32)
+    v2 = dout0 * v1
     v4 = v2 / v3
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v4, mask=mask)
+    tl.store(div_ptr + rows * div_stride0 + cols, v4, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        row_eq_mul_sum_div_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in2_stride1, t_in3_stride1, t_out0_stride1, T_ROWS, T_BLOCK_SIZE)
+        row_eq_mul_sum_div_SIG_tail(t_dout1_ptr, t_stat1_ptr, t_x_ptr, t_div_ptr, t_grad0_ptr, t_n_rows, t_n_cols, t_x_stride1, t_div_stride1, t_grad0_stride1, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -6,12 +6,12 @@ import triton.language as tl
 
 @triton.jit
 def row_amax_amin_SIG(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    hi_ptr,
     part1_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
+    x_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -25,11 +25,11 @@ def row_amax_amin_SIG(
         cols = tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        t1 = tl.where(mask, x0_0, float('-inf'))
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        t1 = tl.where(mask, x, float('-inf'))
         v0 = tl.where(tl.max((t1 != t1).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.max(t1, axis=1)[:, None])
-        tl.store(out0_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
-        t2 = tl.where(mask, x0_0, float('inf'))
+        tl.store(hi_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
+        t2 = tl.where(mask, x, float('inf'))
         t3 = tl.where(t2 != t2, t2, tl.where(t2 < acc_1, t2, acc_1))
         acc_1 = t3
     n_part = tl.num_programs(0) * n_cols

@@ -6,13 +6,13 @@ import triton.language as tl
 
 @triton.jit
 def row_amin_SIG(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    lo_ptr,
     part0_ptr,
     n_rows,
     n_cols,
     n_split,
-    in0_stride1,
+    x_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
@@ -25,5 +25,5 @@ def row_amin_SIG(
     part_mask = row_mask & (parts < n_split)
     acc_0 = tl.load(part0_ptr + 0 * n_part + parts * n_rows + rows, mask=part_mask, other=float('inf'))
     v0 = tl.where(tl.max((acc_0 != acc_0).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(acc_0, axis=1)[:, None])
-    tl.store(out0_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
+    tl.store(lo_ptr + rows, v0.to(tl.bfloat16), mask=row_mask)
 

@@ -6,10 +6,10 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_ge_lt_add_detach_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
-    out1_ptr,
+    x_ptr,
+    dout0_ptr,
+    grad0_ptr,
+    grad1_ptr,
     n_elements,
     s0,
     s1,
@@ -20,19 +20,19 @@ def pointwise_ge_lt_add_detach_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0).to(tl.float32)
-    v0 = x0_0 >= s0
-    v1 = x0_0 < s0
-    v2 = x0_0 + s0
+    x = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float32)
+    v0 = x >= s0
+    v1 = x < s0
+    v2 = x + s0
     v4 = tl.where(v1, s0, v2)
-    v5 = tl.where(v0, x0_0, v4)
+    v5 = tl.where(v0, x, v4)
     v6 = v5 <= s1
-    v7 = x0_0 > tl.cast(s2, tl.float32)
-    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0).to(tl.float32)
-    v8 = tl.where(v7, x1_1, s3)
+    v7 = x > tl.cast(s2, tl.float32)
+    dout0 = tl.load(dout0_ptr + offs, mask=mask, other=0).to(tl.float32)
+    v8 = tl.where(v7, dout0, s3)
     v9 = tl.where(v6, v8, s3)
     v10 = tl.where(v0, v9, s3)
-    v11 = tl.where(v7, s3, x1_1)
-    tl.store(out0_ptr + offs, v10.to(tl.bfloat16), mask=mask)
-    tl.store(out1_ptr + offs, v11.to(tl.bfloat16), mask=mask)
+    v11 = tl.where(v7, s3, dout0)
+    tl.store(grad0_ptr + offs, v10.to(tl.bfloat16), mask=mask)
+    tl.store(grad1_ptr + offs, v11.to(tl.bfloat16), mask=mask)
 

@@ -6,9 +6,9 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_gt_ge_lt_add_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    x_ptr,
+    y_ptr,
+    out_ptr,
     n_elements,
     s0,
     s1,
@@ -18,19 +18,19 @@ def pointwise_gt_ge_lt_add_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    v0 = x0_0 > tl.cast(s0, tl.float32)
-    v1 = x0_0 >= s1
-    v2 = x0_0 < s1
-    v3 = x0_0 + s1
+    x = tl.load(x_ptr + offs, mask=mask, other=0)
+    v0 = x > tl.cast(s0, tl.float32)
+    v1 = x >= s1
+    v2 = x < s1
+    v3 = x + s1
     v5 = tl.where(v2, s1, v3)
-    v6 = tl.where(v1, x0_0, v5)
+    v6 = tl.where(v1, x, v5)
     v7 = v6 <= s2
     v8 = v6 > s2
     v9 = v6 + s2
     v11 = tl.where(v8, s2, v9)
     v12 = tl.where(v7, v6, v11)
-    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v13 = tl.where(v0, v12, x1_1)
-    tl.store(out0_ptr + offs, v13, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask, other=0)
+    v13 = tl.where(v0, v12, y)
+    tl.store(out_ptr + offs, v13, mask=mask)
 

@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def row_div_sub_add_rsqrt_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
-    out1_ptr,
+    stat0_ptr,
+    x_ptr,
+    stat1_ptr,
+    dout0_ptr,
+    grad1_ptr,
+    grad2_ptr,
     n_rows,
     n_cols,
-    in1_stride1,
-    in3_stride1,
+    x_stride1,
+    dout0_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -27,21 +27,21 @@ def row_div_sub_add_rsqrt_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3_0 = tl.load(in3_ptr + rows + cols * in3_stride1, mask=mask, other=0).to(tl.float32)
-    x1_1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0).to(tl.float32)
-    x0_2 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0_2 / s0
-    v1 = x1_1 - v0
-    x2_3 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v2 = x2_3 / s0
+    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=mask, other=0).to(tl.float32)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    stat0 = tl.load(stat0_ptr + cols, mask=mask, other=0)
+    v0 = stat0 / s0
+    v1 = x - v0
+    stat1 = tl.load(stat1_ptr + cols, mask=mask, other=0)
+    v2 = stat1 / s0
     v3 = v2 + s1
     v4 = tl.rsqrt(v3)
     v5 = v1 * v4
-    v6 = x3_0 * v5
+    v6 = dout0 * v5
     t4 = tl.where(mask, v6, 0)
     v7 = tl.sum(t4, axis=1)[:, None]
-    t5 = tl.where(mask, x3_0, 0)
+    t5 = tl.where(mask, dout0, 0)
     v9 = tl.sum(t5, axis=1)[:, None]
-    tl.store(out0_ptr + rows, v7.to(tl.bfloat16), mask=row_mask)
-    tl.store(out1_ptr + rows, v9.to(tl.bfloat16), mask=row_mask)
+    tl.store(grad1_ptr + rows, v7.to(tl.bfloat16), mask=row_mask)
+    tl.store(grad2_ptr + rows, v9.to(tl.bfloat16), mask=row_mask)
 

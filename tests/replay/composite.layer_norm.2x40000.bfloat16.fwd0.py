@@ -6,14 +6,14 @@ import triton.language as tl
 
 @triton.jit
 def layer_norm_row_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    out0_stride0,
+    x_stride0,
+    out_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -30,13 +30,13 @@ def layer_norm_row_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        t1 = tl.where(mask, x0_0, 0)
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        t1 = tl.where(mask, x, 0)
         t2 = acc_0 + t1
         acc_0 = t2
         t3 = tl.minimum(n_cols - col_start, BLOCK_SIZE) + tl.zeros([1, 1], dtype=tl.float32)
         t5 = tl.sum(t1, axis=1)[:, None] / tl.maximum(t3, 1.0)
-        t6 = tl.where(mask, x0_0 - t5, 0.0)
+        t6 = tl.where(mask, x - t5, 0.0)
         t7 = n_3 + t3
         t8 = tl.where(t7 == 0, 1.0, t7)
         t9 = t5 - mean_3
@@ -54,12 +54,12 @@ def layer_norm_row_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_13 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        v2 = x0_13 - v1
+        x_1 = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        v2 = x_1 - v1
         v7 = v2 * v6
-        x1_14 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
-        v8 = v7 * x1_14
-        x2_15 = tl.load(in2_ptr + cols, mask=mask, other=0).to(tl.float32)
-        v9 = v8 + x2_15
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v9.to(tl.bfloat16), mask=mask)
+        w = tl.load(w_ptr + cols, mask=mask, other=0).to(tl.float32)
+        v8 = v7 * w
+        b = tl.load(b_ptr + cols, mask=mask, other=0).to(tl.float32)
+        v9 = v8 + b
+        tl.store(out_ptr + rows * out_stride0 + cols, v9.to(tl.bfloat16), mask=mask)
 

@@ -6,17 +6,17 @@ import triton.language as tl
 
 @triton.jit
 def row_mul_div_sub_sum_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    out0_ptr,
+    dout0_ptr,
+    w_ptr,
+    stat0_ptr,
+    x_ptr,
+    stat1_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in3_stride0,
-    out0_stride0,
+    dout0_stride0,
+    x_stride0,
+    grad0_stride0,
     s0,
     s1,
     s2,
@@ -28,22 +28,22 @@ def row_mul_div_sub_sum_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     acc_4 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
-    x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
+    stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
     acc_18 = acc_4
-    x4_6 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
-    v6 = x4_6 / s0
+    stat1 = tl.load(stat1_ptr + rows, mask=row_mask, other=0)
+    v6 = stat1 / s0
     v7 = v6 + s2
     v8 = tl.rsqrt(v7)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v0 = x0_0 * x1_1
-        x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        v1 = x2_3 / s0
-        v2 = x3_2 - v1
+        dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
+        w = tl.load(w_ptr + cols, mask=mask, other=0)
+        v0 = dout0 * w
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        v1 = stat0 / s0
+        v2 = x - v1
         v3 = v0 * v2
         t4 = tl.where(mask, v3, 0)
         t5 = acc_4 + t4
@@ -66,15 +66,15 @@ def row_mul_div_sub_sum_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x3_10 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        v1_11 = x2_3 / s0
-        v2_9 = x3_10 - v1_11
+        x_1 = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        v1_11 = stat0 / s0
+        v2_9 = x_1 - v1_11
         v14 = v13 * v2_9
-        x0_14 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        x1_15 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v0_13 = x0_14 * x1_15
+        dout0_1 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
+        w_1 = tl.load(w_ptr + cols, mask=mask, other=0)
+        v0_13 = dout0_1 * w_1
         v15_12 = v0_13 * v8
         v16 = v14 + v15_12
         v20 = v16 + v19
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v20, mask=mask)
+        tl.store(grad0_ptr + rows * grad0_stride0 + cols, v20, mask=mask)
 

@@ -6,19 +6,19 @@ import triton.language as tl
 
 @triton.jit
 def row_div_sub_add_rsqrt_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
-    out1_ptr,
+    stat0_ptr,
+    x_ptr,
+    stat1_ptr,
+    dout0_ptr,
+    grad1_ptr,
+    grad2_ptr,
     part7_ptr,
     part9_ptr,
     n_rows,
     n_cols,
     n_split,
-    in1_stride1,
-    in3_stride1,
+    x_stride1,
+    dout0_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -35,6 +35,6 @@ def row_div_sub_add_rsqrt_SIG(
     v7 = tl.sum(acc_7, axis=1)[:, None]
     acc_9 = tl.load(part9_ptr + 0 * n_part + parts * n_rows + rows, mask=part_mask, other=0)
     v9 = tl.sum(acc_9, axis=1)[:, None]
-    tl.store(out0_ptr + rows, v7.to(tl.bfloat16), mask=row_mask)
-    tl.store(out1_ptr + rows, v9.to(tl.bfloat16), mask=row_mask)
+    tl.store(grad1_ptr + rows, v7.to(tl.bfloat16), mask=row_mask)
+    tl.store(grad2_ptr + rows, v9.to(tl.bfloat16), mask=row_mask)
 

@@ -6,14 +6,14 @@ import triton.language as tl
 
 @triton.jit
 def layer_norm_row_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    out0_stride0,
+    x_stride0,
+    out_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -25,22 +25,22 @@ def layer_norm_row_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    t1 = tl.where(mask, x0_0, 0)
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+    t1 = tl.where(mask, x, 0)
     v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0
-    v2 = x0_0 - v1
+    v2 = x - v1
     t2 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
     t4 = v0 / tl.maximum(t2, 1.0)
-    t5 = tl.where(mask, x0_0 - t4, 0.0)
+    t5 = tl.where(mask, x - t4, 0.0)
     v3 = tl.sum(t5 * t5, axis=1)[:, None]
     v4 = v3 / s0
     v5 = v4 + s1
     v6 = tl.rsqrt(v5)
     v7 = v2 * v6
-    x1_6 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    v8 = v7 * x1_6
-    x2_7 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v9 = v8 + x2_7
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v9, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0)
+    v8 = v7 * w
+    b = tl.load(b_ptr + cols, mask=mask, other=0)
+    v9 = v8 + b
+    tl.store(out_ptr + rows * out_stride0 + cols, v9, mask=mask)
 

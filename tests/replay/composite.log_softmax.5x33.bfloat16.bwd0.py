@@ -6,15 +6,15 @@ import triton.language as tl
 
 @triton.jit
 def row_neg_sum_sub_detach_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    dout0_ptr,
+    stat0_ptr,
+    x_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
-    in0_stride1,
-    in2_stride1,
-    out0_stride1,
+    dout0_stride1,
+    x_stride1,
+    grad0_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -24,17 +24,17 @@ def row_neg_sum_sub_detach_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
-    v0 = -x0_0
+    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=mask, other=0).to(tl.float32)
+    v0 = -dout0
     t1 = tl.where(mask, v0, 0)
     v1 = tl.sum(t1, axis=1)[:, None]
-    x1_2 = tl.load(in1_ptr + rows, mask=row_mask, other=0)
-    v2 = x1_2 - x1_2
+    stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
+    v2 = stat0 - stat0
     v4 = v1 + v2
-    x2_3 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
-    v5 = x2_3 - x1_2
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    v5 = x - stat0
     v6 = tl.exp(v5)
     v7 = v4 * v6
-    v8 = x0_0 + v7
-    tl.store(out0_ptr + rows + cols * out0_stride1, v8.to(tl.bfloat16), mask=mask)
+    v8 = dout0 + v7
+    tl.store(grad0_ptr + rows + cols * grad0_stride1, v8.to(tl.bfloat16), mask=mask)
 

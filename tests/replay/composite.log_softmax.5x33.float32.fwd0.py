@@ -6,12 +6,12 @@ import triton.language as tl
 
 @triton.jit
 def softmax_row_SIG(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    out_ptr,
     n_rows,
     n_cols,
-    in0_stride1,
-    out0_stride1,
+    x_stride1,
+    out_stride1,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -21,13 +21,13 @@ def softmax_row_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    t1 = tl.where(mask, x0_0, float('-inf'))
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0)
+    t1 = tl.where(mask, x, float('-inf'))
     t2 = tl.max(t1, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
     t4 = tl.exp2((t1 - t3) * 1.4426950408889634)
     v0 = t2 + tl.log(tl.sum(t4, axis=1)[:, None])
     v1 = v0 + (v0 - v0)
-    v2 = x0_0 - v1
-    tl.store(out0_ptr + rows + cols * out0_stride1, v2, mask=mask)
+    v2 = x - v1
+    tl.store(out_ptr + rows + cols * out_stride1, v2, mask=mask)
 

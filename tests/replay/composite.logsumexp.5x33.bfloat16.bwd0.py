@@ -6,14 +6,14 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_unsqueeze_sub_exp_mul_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    dout0_ptr,
+    stat0_ptr,
+    x_ptr,
+    grad0_ptr,
     n_elements,
     size0,
     size1,
-    in2_stride0,
+    x_stride0,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -21,11 +21,11 @@ def pointwise_unsqueeze_sub_exp_mul_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    x0_0 = tl.load(in0_ptr + irem, mask=mask, other=0).to(tl.float32)
-    x2_1 = tl.load(in2_ptr + irem * in2_stride0 + i1, mask=mask, other=0).to(tl.float32)
-    x1_2 = tl.load(in1_ptr + irem, mask=mask, other=0)
-    v2 = x2_1 - x1_2
+    dout0 = tl.load(dout0_ptr + irem, mask=mask, other=0).to(tl.float32)
+    x = tl.load(x_ptr + irem * x_stride0 + i1, mask=mask, other=0).to(tl.float32)
+    stat0 = tl.load(stat0_ptr + irem, mask=mask, other=0)
+    v2 = x - stat0
     v3 = tl.exp(v2)
-    v4 = x0_0 * v3
-    tl.store(out0_ptr + offs, v4.to(tl.bfloat16), mask=mask)
+    v4 = dout0 * v3
+    tl.store(grad0_ptr + offs, v4.to(tl.bfloat16), mask=mask)
 

@@ -6,11 +6,11 @@ import triton.language as tl
 
 @triton.jit
 def row_logsumexp_SIG(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    out_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
+    x_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -20,10 +20,10 @@ def row_logsumexp_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=float('-inf'))
-    t2 = tl.max(x0_0, axis=1)[:, None]
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=float('-inf'))
+    t2 = tl.max(x, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
-    t4 = tl.exp2((x0_0 - t3) * 1.4426950408889634)
+    t4 = tl.exp2((x - t3) * 1.4426950408889634)
     v0 = t2 + tl.log(tl.sum(t4, axis=1)[:, None])
-    tl.store(out0_ptr + rows, v0, mask=row_mask)
+    tl.store(out_ptr + rows, v0, mask=row_mask)
 

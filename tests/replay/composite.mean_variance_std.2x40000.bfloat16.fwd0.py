@@ -6,11 +6,11 @@ import triton.language as tl
 
 @triton.jit
 def row_sum_div_SIG(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    m_ptr,
     n_rows,
     n_cols,
-    in0_stride1,
+    x_stride1,
     s0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -21,9 +21,9 @@ def row_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
-    t1 = tl.where(mask, x0_0, 0)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    t1 = tl.where(mask, x, 0)
     v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0
-    tl.store(out0_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
+    tl.store(m_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
 

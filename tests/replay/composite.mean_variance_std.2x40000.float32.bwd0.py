@@ -6,19 +6,19 @@ import triton.language as tl
 
 @triton.jit
 def row_div_unsqueeze_mul_sum_SIG_tail(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    out0_ptr,
+    stat2_ptr,
+    dout2_ptr,
+    x_ptr,
+    mul_ptr,
+    dout0_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
     csize0,
     csize1,
-    in2_stride1,
-    in3_stride1,
-    out0_stride1,
+    x_stride1,
+    mul_stride1,
+    grad0_stride1,
     s0,
     s1,
     s2,
@@ -39,17 +39,17 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
         c1 = cols % csize1
         crem = cols // csize1
         c0 = crem
-        x2_0 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0)
-        t1 = tl.where(mask, x2_0, 0)
+        x = tl.load(x_ptr + c0 * x_stride1 + c1, mask=mask, other=0)
+        t1 = tl.where(mask, x, 0)
         t2 = acc_11 + t1
         acc_11 = t2
     v11 = tl.sum(acc_11, axis=1)[:, None]
     v12 = v11 / s5
-    x0_4 = tl.load(in0_ptr)
-    v0 = x0_4 / s0
+    stat2 = tl.load(stat2_ptr)
+    v0 = stat2 / s0
     v1 = v0 == s1
-    x1_5 = tl.load(in1_ptr)
-    v2 = tl.where(v1, s1, x1_5)
+    dout2 = tl.load(dout2_ptr)
+    v2 = tl.where(v1, s1, dout2)
     v3 = v2 * s2
     v4 = tl.where(v1, s3, v0)
     v5 = tl.sqrt(v4)
@@ -64,33 +64,33 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
         c1 = cols % csize1
         crem = cols // csize1
         c0 = crem
-        x2_3 = tl.load(in2_ptr + c0 * in2_stride1 + c1, mask=mask, other=0)
-        v13 = x2_3 - v12
+        x_1 = tl.load(x_ptr + c0 * x_stride1 + c1, mask=mask, other=0)
+        v13 = x_1 - v12
         v14 = v10 * v13
-        x3_6 = tl.load(in3_ptr + c0 * in3_stride1 + c1, mask=mask, other=0)
-        v15 = v14 + x3_6
-        x4_7 = tl.load(in4_ptr + c1, mask=mask, other=0)
-        v16 = x4_7 / s4
+        mul = tl.load(mul_ptr + c0 * mul_stride1 + c1, mask=mask, other=0)
+        v15 = v14 + mul
+        dout0 = tl.load(dout0_ptr + c1, mask=mask, other=0)
+        v16 = dout0 / s4
         v18 = v15 + v16
-        tl.store(out0_ptr + c0 * out0_stride1 + c1 + rows * 0, v18, mask=mask)
+        tl.store(grad0_ptr + c0 * grad0_stride1 + c1 + rows * 0, v18, mask=mask)
 
 
 @triton.jit
 def row_div_unsqueeze_mul_sum_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
-    t_in0_ptr,
-    t_in1_ptr,
-    t_in2_ptr,
-    t_in3_ptr,
-    t_in4_ptr,
-    t_out0_ptr,
+    dout1_ptr,
+    x_ptr,
+    mul_ptr,
+    t_stat2_ptr,
+    t_dout2_ptr,
+    t_x_ptr,
+    t_mul_ptr,
+    t_dout0_ptr,
+    t_grad0_ptr,
     count_ptr,
     n_rows,
     n_cols,
-    in1_stride0,
-    out0_stride0,
+    x_stride0,
+    mul_stride0,
     s0,
     s1,
     s2,
@@ -98,9 +98,9 @@ def row_div_unsqueeze_mul_sum_SIG(
     t_n_cols,
     t_csize0,
     t_csize1,
-    t_in2_stride1,
-    t_in3_stride1,
-    t_out0_stride1,
+    t_x_stride1,
+    t_mul_stride1,
+    t_grad0_stride1,
     t_s0,
     t_s1,
     t_s2,
@@ -120,27 +120,27 @@ def row_div_unsqueeze_mul_sum_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x1_0 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        t1 = tl.where(mask, x1_0, 0)
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        t1 = tl.where(mask, x, 0)
         t2 = acc_3 + t1
         acc_3 = t2
     v3 = tl.sum(acc_3, axis=1)[:, None]
     v4 = v3 / s2
-    x0_5 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
-    v0_4 = x0_5 / s0
+    dout1 = tl.load(dout1_ptr + rows, mask=row_mask, other=0)
+    v0_4 = dout1 / s0
     v1 = v0_4.to(tl.float32)
     v2 = v1 * s1
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x1_3 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        v5 = x1_3 - v4
+        x_1 = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        v5 = x_1 - v4
         v6 = v2 * v5
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v6, mask=mask)
+        tl.store(mul_ptr + rows * mul_stride0 + cols, v6, mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        row_div_unsqueeze_mul_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, t_s5, T_ROWS, T_BLOCK_SIZE)
+        row_div_unsqueeze_mul_sum_SIG_tail(t_stat2_ptr, t_dout2_ptr, t_x_ptr, t_mul_ptr, t_dout0_ptr, t_grad0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_x_stride1, t_mul_stride1, t_grad0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, t_s5, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -6,8 +6,8 @@ import triton.language as tl
 
 @triton.jit
 def row_m2_div_SIG_tail(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    s_ptr,
     n_rows,
     n_cols,
     s0,
@@ -26,11 +26,11 @@ def row_m2_div_SIG_tail(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + cols, mask=mask, other=0)
+        x = tl.load(x_ptr + cols, mask=mask, other=0)
         t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE) + tl.zeros([1, 1], dtype=tl.float32)
-        t2 = tl.where(mask, x0_0, 0)
+        t2 = tl.where(mask, x, 0)
         t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
-        t4 = tl.where(mask, x0_0 - t3, 0.0)
+        t4 = tl.where(mask, x - t3, 0.0)
         t5 = n_0 + t1
         t6 = tl.where(t5 == 0, 1.0, t5)
         t7 = t3 - mean_0
@@ -44,19 +44,19 @@ def row_m2_div_SIG_tail(
     v3 = tl.where(v2, s2, v1)
     v4 = tl.sqrt(v3)
     v5 = tl.where(v2, s1, v4)
-    tl.store(out0_ptr + rows * 0, v5, mask=row_mask)
+    tl.store(s_ptr + rows * 0, v5, mask=row_mask)
 
 
 @triton.jit
 def row_m2_div_SIG(
-    in0_ptr,
-    out0_ptr,
-    t_in0_ptr,
-    t_out0_ptr,
+    x_ptr,
+    v_ptr,
+    t_x_ptr,
+    t_s_ptr,
     count_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
+    x_stride0,
     s0,
     t_n_rows,
     t_n_cols,
@@ -78,11 +78,11 @@ def row_m2_div_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
         t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE) + tl.zeros([1, 1], dtype=tl.float32)
-        t2 = tl.where(mask, x0_0, 0)
+        t2 = tl.where(mask, x, 0)
         t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
-        t4 = tl.where(mask, x0_0 - t3, 0.0)
+        t4 = tl.where(mask, x - t3, 0.0)
         t5 = n_0 + t1
         t6 = tl.where(t5 == 0, 1.0, t5)
         t7 = t3 - mean_0
@@ -92,10 +92,10 @@ def row_m2_div_SIG(
         mean_0 = t9
         m2_0 = t10
     v1 = m2_0 / s0
-    tl.store(out0_ptr + rows, v1, mask=row_mask)
+    tl.store(v_ptr + rows, v1, mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        row_m2_div_SIG_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        row_m2_div_SIG_tail(t_x_ptr, t_s_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -6,19 +6,19 @@ import triton.language as tl
 
 @triton.jit
 def row_div_unsqueeze_mul_sum_SIG_tail(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    out0_ptr,
+    stat2_ptr,
+    dout2_ptr,
+    x_ptr,
+    mul_ptr,
+    dout0_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
     csize0,
     csize1,
-    in2_stride1,
-    in3_stride1,
-    out0_stride1,
+    x_stride1,
+    mul_stride1,
+    grad0_stride1,
     s0,
     s1,
     s2,
@@ -37,16 +37,16 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     mask = row_mask & col_mask
     c1 = cols % csize1
     crem = cols // csize1
-    x2_0 = tl.load(in2_ptr + crem * in2_stride1 + c1, mask=mask, other=0).to(tl.float32)
-    t1 = tl.where(mask, x2_0, 0)
+    x = tl.load(x_ptr + crem * x_stride1 + c1, mask=mask, other=0).to(tl.float32)
+    t1 = tl.where(mask, x, 0)
     v11 = tl.sum(t1, axis=1)[:, None]
     v12 = v11 / s5
-    v13 = x2_0 - v12
-    x0_2 = tl.load(in0_ptr)
-    v0 = x0_2 / s0
+    v13 = x - v12
+    stat2 = tl.load(stat2_ptr)
+    v0 = stat2 / s0
     v1 = v0 == s1
-    x1_3 = tl.load(in1_ptr).to(tl.float32)
-    v2 = tl.where(v1, s1, x1_3)
+    dout2 = tl.load(dout2_ptr).to(tl.float32)
+    v2 = tl.where(v1, s1, dout2)
     v3 = v2 * s2
     v4 = tl.where(v1, s3, v0)
     v5 = tl.sqrt(v4)
@@ -55,30 +55,30 @@ def row_div_unsqueeze_mul_sum_SIG_tail(
     v8 = v7 / s0
     v10 = v8 * s4
     v14 = v10 * v13
-    x3_4 = tl.load(in3_ptr + crem * in3_stride1 + c1, mask=mask, other=0).to(tl.float32)
-    v15 = v14 + x3_4
-    x4_5 = tl.load(in4_ptr + c1, mask=mask, other=0).to(tl.float32)
-    v16 = x4_5 / s6
+    mul = tl.load(mul_ptr + crem * mul_stride1 + c1, mask=mask, other=0).to(tl.float32)
+    v15 = v14 + mul
+    dout0 = tl.load(dout0_ptr + c1, mask=mask, other=0).to(tl.float32)
+    v16 = dout0 / s6
     v18 = v15 + v16
-    tl.store(out0_ptr + crem * out0_stride1 + c1 + rows * 0, v18.to(tl.bfloat16), mask=mask)
+    tl.store(grad0_ptr + crem * grad0_stride1 + c1 + rows * 0, v18.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
 def row_div_unsqueeze_mul_sum_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
-    t_in0_ptr,
-    t_in1_ptr,
-    t_in2_ptr,
-    t_in3_ptr,
-    t_in4_ptr,
-    t_out0_ptr,
+    dout1_ptr,
+    x_ptr,
+    mul_ptr,
+    t_stat2_ptr,
+    t_dout2_ptr,
+    t_x_ptr,
+    t_mul_ptr,
+    t_dout0_ptr,
+    t_grad0_ptr,
     count_ptr,
     n_rows,
     n_cols,
-    in1_stride0,
-    out0_stride0,
+    x_stride0,
+    mul_stride0,
     s0,
     s1,
     s2,
@@ -86,9 +86,9 @@ def row_div_unsqueeze_mul_sum_SIG(
     t_n_cols,
     t_csize0,
     t_csize1,
-    t_in2_stride1,
-    t_in3_stride1,
-    t_out0_stride1,
+    t_x_stride1,
+    t_mul_stride1,
+    t_grad0_stride1,
     t_s0,
     t_s1,
     t_s2,
@@ -107,20 +107,20 @@ def row_div_unsqueeze_mul_sum_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x1_0 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    t1 = tl.where(mask, x1_0, 0)
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    t1 = tl.where(mask, x, 0)
     v3 = tl.sum(t1, axis=1)[:, None]
     v4 = v3 / s2
-    v5 = x1_0 - v4
-    x0_3 = tl.load(in0_ptr + rows, mask=row_mask, other=0).to(tl.float32)
-    v0_2 = x0_3 / s0
+    v5 = x - v4
+    dout1 = tl.load(dout1_ptr + rows, mask=row_mask, other=0).to(tl.float32)
+    v0_2 = dout1 / s0
     v1 = v0_2.to(tl.float32)
     v2 = v1 * s1
     v6 = v2 * v5
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v6.to(tl.bfloat16), mask=mask)
+    tl.store(mul_ptr + rows * mul_stride0 + cols, v6.to(tl.bfloat16), mask=mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        row_div_unsqueeze_mul_sum_SIG_tail(t_in0_ptr, t_in1_ptr, t_in2_ptr, t_in3_ptr, t_in4_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_in2_stride1, t_in3_stride1, t_out0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, t_s5, t_s6, T_ROWS, T_BLOCK_SIZE)
+        row_div_unsqueeze_mul_sum_SIG_tail(t_stat2_ptr, t_dout2_ptr, t_x_ptr, t_mul_ptr, t_dout0_ptr, t_grad0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_x_stride1, t_mul_stride1, t_grad0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, t_s5, t_s6, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

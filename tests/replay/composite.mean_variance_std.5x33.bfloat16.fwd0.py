@@ -6,11 +6,11 @@ import triton.language as tl
 
 @triton.jit
 def row_sum_div_SIG_tail(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    v_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
+    x_stride0,
     s0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -21,30 +21,30 @@ def row_sum_div_SIG_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
     t1 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
-    t2 = tl.where(mask, x0_0, 0)
+    t2 = tl.where(mask, x, 0)
     t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
-    t4 = tl.where(mask, x0_0 - t3, 0.0)
+    t4 = tl.where(mask, x - t3, 0.0)
     v0 = tl.sum(t4 * t4, axis=1)[:, None]
     v1 = v0 / s0
-    tl.store(out0_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
+    tl.store(v_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
 
 
 @triton.jit
 def row_sum_div_SIG(
-    in0_ptr,
-    out0_ptr,
-    t_in0_ptr,
-    t_out0_ptr,
+    x_ptr,
+    m_ptr,
+    t_x_ptr,
+    t_v_ptr,
     count_ptr,
     n_rows,
     n_cols,
-    in0_stride1,
+    x_stride1,
     s0,
     t_n_rows,
     t_n_cols,
-    t_in0_stride0,
+    t_x_stride0,
     t_s0,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
@@ -57,14 +57,14 @@ def row_sum_div_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
-    t1 = tl.where(mask, x0_0, 0)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    t1 = tl.where(mask, x, 0)
     v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0
-    tl.store(out0_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
+    tl.store(m_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        row_sum_div_SIG_tail(t_in0_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_in0_stride0, t_s0, T_ROWS, T_BLOCK_SIZE)
+        row_sum_div_SIG_tail(t_x_ptr, t_v_ptr, t_n_rows, t_n_cols, t_x_stride0, t_s0, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

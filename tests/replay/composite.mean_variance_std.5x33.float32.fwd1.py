@@ -6,8 +6,8 @@ import triton.language as tl
 
 @triton.jit
 def row_m2_div_eq_where_SIG(
-    in0_ptr,
-    out0_ptr,
+    x_ptr,
+    s_ptr,
     n_rows,
     n_cols,
     s0,
@@ -22,16 +22,16 @@ def row_m2_div_eq_where_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + cols, mask=mask, other=0)
+    x = tl.load(x_ptr + cols, mask=mask, other=0)
     t1 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
-    t2 = tl.where(mask, x0_0, 0)
+    t2 = tl.where(mask, x, 0)
     t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
-    t4 = tl.where(mask, x0_0 - t3, 0.0)
+    t4 = tl.where(mask, x - t3, 0.0)
     v0 = tl.sum(t4 * t4, axis=1)[:, None]
     v1 = v0 / s0
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)
     v4 = tl.sqrt(v3)
     v5 = tl.where(v2, s1, v4)
-    tl.store(out0_ptr + rows * 0, v5, mask=row_mask)
+    tl.store(s_ptr + rows * 0, v5, mask=row_mask)
 

@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def row_mul_div_add_rsqrt_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
+    dout0_ptr,
+    w_ptr,
+    stat0_ptr,
+    x_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in3_stride0,
-    out0_stride0,
+    dout0_stride0,
+    x_stride0,
+    grad0_stride0,
     s0,
     s1,
     s2,
@@ -30,18 +30,18 @@ def row_mul_div_add_rsqrt_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        x1_1 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
-        v0 = x0_0 * x1_1
-        x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        v5 = v0 * x3_2
+        dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0).to(tl.float32)
+        v0 = dout0 * w
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        v5 = v0 * x
         t3 = tl.where(mask, v5, 0)
         t4 = acc_6 + t3
         acc_6 = t4
     v6 = tl.sum(acc_6, axis=1)[:, None]
     v7 = v6 * s2
-    x2_5 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v1 = x2_5 / s0
+    stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
+    v1 = stat0 / s0
     v2 = v1 + s1
     v3 = tl.rsqrt(v2)
     v8 = v3 * v3
@@ -52,13 +52,13 @@ def row_mul_div_add_rsqrt_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x3_6 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        v12 = v11 * x3_6
-        x0_8 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        x1_9 = tl.load(in1_ptr + cols, mask=mask, other=0).to(tl.float32)
-        v0_7 = x0_8 * x1_9
+        x_1 = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        v12 = v11 * x_1
+        dout0_1 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+        w_1 = tl.load(w_ptr + cols, mask=mask, other=0).to(tl.float32)
+        v0_7 = dout0_1 * w_1
         v4 = v0_7 * v3
         v13 = v4 + v12
         v14 = v13 + v12
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v14.to(tl.bfloat16), mask=mask)
+        tl.store(grad0_ptr + rows * grad0_stride0 + cols, v14.to(tl.bfloat16), mask=mask)
 

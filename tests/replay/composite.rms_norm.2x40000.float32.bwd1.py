@@ -6,14 +6,14 @@ import triton.language as tl
 
 @triton.jit
 def row_div_add_rsqrt_mul_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    stat0_ptr,
+    x_ptr,
+    dout0_ptr,
+    grad1_ptr,
     n_rows,
     n_cols,
-    in1_stride1,
-    in2_stride1,
+    x_stride1,
+    dout0_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -25,15 +25,15 @@ def row_div_add_rsqrt_mul_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
-    x1_1 = tl.load(in1_ptr + rows + cols * in1_stride1, mask=mask, other=0)
-    x0_2 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0_2 / s0
+    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=mask, other=0)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0)
+    stat0 = tl.load(stat0_ptr + cols, mask=mask, other=0)
+    v0 = stat0 / s0
     v1 = v0 + s1
     v2 = tl.rsqrt(v1)
-    v5 = x1_1 * v2
-    v6 = x2_0 * v5
+    v5 = x * v2
+    v6 = dout0 * v5
     t3 = tl.where(mask, v6, 0)
     v7 = tl.sum(t3, axis=1)[:, None]
-    tl.store(out0_ptr + rows, v7, mask=row_mask)
+    tl.store(grad1_ptr + rows, v7, mask=row_mask)
 

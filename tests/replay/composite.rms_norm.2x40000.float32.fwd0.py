@@ -6,13 +6,13 @@ import triton.language as tl
 
 @triton.jit
 def rms_norm_row_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    out0_stride0,
+    x_stride0,
+    out_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -26,8 +26,8 @@ def rms_norm_row_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        v0 = x0_0 * x0_0
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        v0 = x * x
         t1 = tl.where(mask, v0, 0)
         t2 = acc_1 + t1
         acc_1 = t2
@@ -39,9 +39,9 @@ def rms_norm_row_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_3 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        v5 = x0_3 * v4
-        x1_4 = tl.load(in1_ptr + cols, mask=mask, other=0)
-        v6 = v5 * x1_4
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v6, mask=mask)
+        x_1 = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        v5 = x_1 * v4
+        w = tl.load(w_ptr + cols, mask=mask, other=0)
+        v6 = v5 * w
+        tl.store(out_ptr + rows * out_stride0 + cols, v6, mask=mask)
 

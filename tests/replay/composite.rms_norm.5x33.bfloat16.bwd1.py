@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def row_div_add_rsqrt_mul_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    stat0_ptr,
+    x_ptr,
+    dout0_ptr,
+    grad1_ptr,
     part7_ptr,
     n_rows,
     n_cols,
     n_split,
-    in1_stride1,
-    in2_stride1,
+    x_stride1,
+    dout0_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -30,5 +30,5 @@ def row_div_add_rsqrt_mul_SIG(
     part_mask = row_mask & (parts < n_split)
     acc_7 = tl.load(part7_ptr + 0 * n_part + parts * n_rows + rows, mask=part_mask, other=0)
     v7 = tl.sum(acc_7, axis=1)[:, None]
-    tl.store(out0_ptr + rows, v7.to(tl.bfloat16), mask=row_mask)
+    tl.store(grad1_ptr + rows, v7.to(tl.bfloat16), mask=row_mask)
 

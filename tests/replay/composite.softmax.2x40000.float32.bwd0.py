@@ -6,15 +6,15 @@ import triton.language as tl
 
 @triton.jit
 def row_finite_or_nan_sub_exp_mul_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    stat0_ptr,
+    x_ptr,
+    dout0_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
-    in1_stride0,
-    in2_stride0,
-    out0_stride0,
+    x_stride0,
+    dout0_stride0,
+    grad0_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -22,37 +22,37 @@ def row_finite_or_nan_sub_exp_mul_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     acc_5 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
-    x0_2 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
+    stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x2_0 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-        x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        v0 = x0_2 + (x0_2 - x0_2)
-        v1 = x1_1 - v0
+        dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        v0 = stat0 + (stat0 - stat0)
+        v1 = x - v0
         v2 = tl.exp(v1)
-        v3 = x2_0 * v2
+        v3 = dout0 * v2
         v4 = -v3
         t3 = tl.where(mask, v4, 0)
         t4 = acc_5 + t3
         acc_5 = t4
     v5 = tl.sum(acc_5, axis=1)[:, None]
-    v6 = x0_2 - x0_2
+    v6 = stat0 - stat0
     v8 = v5 + v6
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x1_5 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        v9 = x1_5 - x0_2
+        x_1 = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        v9 = x_1 - stat0
         v10 = tl.exp(v9)
         v11 = v8 * v10
-        x2_7 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-        v0_10 = x0_2 + v6
-        v1_9 = x1_5 - v0_10
+        dout0_1 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
+        v0_10 = stat0 + v6
+        v1_9 = x_1 - v0_10
         v2_8 = tl.exp(v1_9)
-        v3_6 = x2_7 * v2_8
+        v3_6 = dout0_1 * v2_8
         v12 = v3_6 + v11
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v12, mask=mask)
+        tl.store(grad0_ptr + rows * grad0_stride0 + cols, v12, mask=mask)
 

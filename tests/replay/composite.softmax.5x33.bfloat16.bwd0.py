@@ -6,15 +6,15 @@ import triton.language as tl
 
 @triton.jit
 def row_finite_or_nan_sub_exp_mul_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    stat0_ptr,
+    x_ptr,
+    dout0_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
-    in1_stride0,
-    in2_stride0,
-    out0_stride0,
+    x_stride0,
+    dout0_stride0,
+    grad0_stride0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -24,21 +24,21 @@ def row_finite_or_nan_sub_exp_mul_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2_0 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0).to(tl.float32)
-    x0_2 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
-    v0 = x0_2 + (x0_2 - x0_2)
-    v1 = x1_1 - v0
+    dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
+    v0 = stat0 + (stat0 - stat0)
+    v1 = x - v0
     v2 = tl.exp(v1)
-    v3 = x2_0 * v2
+    v3 = dout0 * v2
     v4 = -v3
     t3 = tl.where(mask, v4, 0)
     v5 = tl.sum(t3, axis=1)[:, None]
-    v6 = x0_2 - x0_2
+    v6 = stat0 - stat0
     v8 = v5 + v6
-    v9 = x1_1 - x0_2
+    v9 = x - stat0
     v10 = tl.exp(v9)
     v11 = v8 * v10
     v12 = v3 + v11
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v12.to(tl.bfloat16), mask=mask)
+    tl.store(grad0_ptr + rows * grad0_stride0 + cols, v12.to(tl.bfloat16), mask=mask)
 

@@ -6,18 +6,18 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_silu_mul_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    x_ptr,
+    y_ptr,
+    out_ptr,
     n_elements,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    v0 = x0_0 / (1.0 + tl.exp(-x0_0))
-    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v1 = v0 * x1_1
-    tl.store(out0_ptr + offs, v1, mask=mask)
+    x = tl.load(x_ptr + offs, mask=mask, other=0)
+    v0 = x / (1.0 + tl.exp(-x))
+    y = tl.load(y_ptr + offs, mask=mask, other=0)
+    v1 = v0 * y
+    tl.store(out_ptr + offs, v1, mask=mask)
 

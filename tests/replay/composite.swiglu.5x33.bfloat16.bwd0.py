@@ -6,11 +6,11 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_mul_sigmoid_sub_add_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
-    out1_ptr,
+    dout0_ptr,
+    y_ptr,
+    x_ptr,
+    grad0_ptr,
+    grad1_ptr,
     n_elements,
     s0,
     BLOCK_SIZE: tl.constexpr,
@@ -18,18 +18,18 @@ def pointwise_mul_sigmoid_sub_add_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0).to(tl.float32)
-    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0).to(tl.float32)
-    v0 = x0_0 * x1_1
-    x2_2 = tl.load(in2_ptr + offs, mask=mask, other=0).to(tl.float32)
-    v1 = 1.0 / (1.0 + tl.exp(-x2_2))
+    dout0 = tl.load(dout0_ptr + offs, mask=mask, other=0).to(tl.float32)
+    y = tl.load(y_ptr + offs, mask=mask, other=0).to(tl.float32)
+    v0 = dout0 * y
+    x = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float32)
+    v1 = 1.0 / (1.0 + tl.exp(-x))
     v2 = s0 - v1
-    v3 = x2_2 * v2
+    v3 = x * v2
     v4 = s0 + v3
     v5 = v1 * v4
     v6 = v0 * v5
-    v7 = x2_2 / (1.0 + tl.exp(-x2_2))
-    v8 = x0_0 * v7
-    tl.store(out0_ptr + offs, v6.to(tl.bfloat16), mask=mask)
-    tl.store(out1_ptr + offs, v8.to(tl.bfloat16), mask=mask)
+    v7 = x / (1.0 + tl.exp(-x))
+    v8 = dout0 * v7
+    tl.store(grad0_ptr + offs, v6.to(tl.bfloat16), mask=mask)
+    tl.store(grad1_ptr + offs, v8.to(tl.bfloat16), mask=mask)
 

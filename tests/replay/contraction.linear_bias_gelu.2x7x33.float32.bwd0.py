@@ -6,24 +6,24 @@ import triton.language as tl
 
 @triton.jit
 def gemm_add_mul_erf_exp_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
+    stat0_ptr,
+    b_ptr,
+    dout0_ptr,
+    w_ptr,
+    grad0_ptr,
     M,
     N,
     K,
     bsize0,
     b_stride_b0,
     b_stride_k,
-    in0_stride0,
-    in0_stride1,
-    in1_stride0,
-    in2_stride0,
-    in2_stride1,
-    out0_stride0,
-    out0_stride1,
+    stat0_stride0,
+    stat0_stride1,
+    b_stride0,
+    dout0_stride0,
+    dout0_stride1,
+    grad0_stride0,
+    grad0_stride1,
     s0,
     s1,
     s2,
@@ -52,10 +52,10 @@ def gemm_add_mul_erf_exp_SIG(
         ks = k_start + offs_k
         a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
-        x2 = tl.load(in2_ptr + batch * in2_stride0 + offs_m[:, None] * in2_stride1 + ks[None, :], mask=a_mask, other=0)
-        x0 = tl.load(in0_ptr + batch * in0_stride0 + offs_m[:, None] * in0_stride1 + ks[None, :], mask=a_mask, other=0)
-        x1 = tl.load(in1_ptr + batch * in1_stride0 + ks[None, :], mask=a_mask, other=0)
-        v0 = x0 + x1
+        dout0 = tl.load(dout0_ptr + batch * dout0_stride0 + offs_m[:, None] * dout0_stride1 + ks[None, :], mask=a_mask, other=0)
+        stat0 = tl.load(stat0_ptr + batch * stat0_stride0 + offs_m[:, None] * stat0_stride1 + ks[None, :], mask=a_mask, other=0)
+        b_in = tl.load(b_ptr + batch * b_stride0 + ks[None, :], mask=a_mask, other=0)
+        v0 = stat0 + b_in
         v1 = v0 * s0
         v2 = tl.erf(v1)
         v3 = s1 + v2
@@ -66,12 +66,12 @@ def gemm_add_mul_erf_exp_SIG(
         v8 = s4 * v7
         v9 = v0 * v8
         v10 = v4 + v9
-        v11 = x2 * v10
+        v11 = dout0 * v10
         a = tl.where(a_mask, v11, 0)
-        b = tl.load(in3_ptr + batch * b_stride_b0 + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
+        b = tl.load(w_ptr + batch * b_stride_b0 + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
         acc = tl.dot(a, b, acc, input_precision='ieee')
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
-    tl.store(out0_ptr + batch * out0_stride0 + rows * out0_stride1 + cols, acc, mask=mask)
+    tl.store(grad0_ptr + batch * grad0_stride0 + rows * grad0_stride1 + cols, acc, mask=mask)
 

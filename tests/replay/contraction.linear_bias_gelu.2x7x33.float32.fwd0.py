@@ -6,10 +6,10 @@ import triton.language as tl
 
 @triton.jit
 def gemm_contract_add_gelu_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
     M,
     N,
     K,
@@ -18,9 +18,9 @@ def gemm_contract_add_gelu_SIG(
     a_stride_m,
     b_stride_b0,
     b_stride_n,
-    in2_stride0,
-    out0_stride0,
-    out0_stride1,
+    b_stride0,
+    out_stride0,
+    out_stride1,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -44,14 +44,14 @@ def gemm_contract_add_gelu_SIG(
         ks = k_start + offs_k
         a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
-        a = tl.load(in0_ptr + batch * a_stride_b0 + offs_m[:, None] * a_stride_m + ks[None, :], mask=a_mask, other=0)
-        b = tl.load(in1_ptr + batch * b_stride_b0 + ks[:, None] + offs_n[None, :] * b_stride_n, mask=b_mask, other=0)
+        a = tl.load(x_ptr + batch * a_stride_b0 + offs_m[:, None] * a_stride_m + ks[None, :], mask=a_mask, other=0)
+        b = tl.load(w_ptr + batch * b_stride_b0 + ks[:, None] + offs_n[None, :] * b_stride_n, mask=b_mask, other=0)
         acc = tl.dot(a, b, acc, input_precision='ieee')
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
-    x2 = tl.load(in2_ptr + batch * in2_stride0 + cols, mask=cols < N, other=0)
-    v1 = acc + x2
+    b_in = tl.load(b_ptr + batch * b_stride0 + cols, mask=cols < N, other=0)
+    v1 = acc + b_in
     v2 = 0.5 * v1 * (1.0 + tl.erf(v1 * 0.7071067811865476))
-    tl.store(out0_ptr + batch * out0_stride0 + rows * out0_stride1 + cols, v2, mask=mask)
+    tl.store(out_ptr + batch * out_stride0 + rows * out_stride1 + cols, v2, mask=mask)
 

@@ -6,20 +6,20 @@ import triton.language as tl
 
 @triton.jit
 def gemm_contract_add_arange_like_unsqueeze_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    in5_ptr,
-    in6_ptr,
-    out0_ptr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    t_ptr,
+    dout0_ptr,
+    stat4_ptr,
+    stat0_ptr,
+    add_ptr,
     M,
     N,
     K,
     a_stride_m,
     b_stride_n,
-    out0_stride0,
+    add_stride0,
     W_LO,
     s0,
     s1,
@@ -41,14 +41,14 @@ def gemm_contract_add_arange_like_unsqueeze_SIG(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = W_LO + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    out0_ptr = out0_ptr - W_LO
+    add_ptr = add_ptr - W_LO
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + offs_k
         a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
-        a = tl.load(in0_ptr + offs_m[:, None] * a_stride_m + ks[None, :], mask=a_mask, other=0)
-        b = tl.load(in1_ptr + ks[:, None] + offs_n[None, :] * b_stride_n, mask=b_mask, other=0)
+        a = tl.load(x_ptr + offs_m[:, None] * a_stride_m + ks[None, :], mask=a_mask, other=0)
+        b = tl.load(w_ptr + ks[:, None] + offs_n[None, :] * b_stride_n, mask=b_mask, other=0)
         acc = tl.dot(a, b, acc)
     rows = offs_m[:, None]
     cols = offs_n[None, :]
@@ -56,26 +56,26 @@ def gemm_contract_add_arange_like_unsqueeze_SIG(
     acc_h = acc.to(tl.bfloat16)
     acc_r = acc_h.to(tl.float32)
     v2 = (cols + tl.zeros((1, 1), dtype=tl.int32)).to(tl.int32)
-    x3 = tl.load(in3_ptr + rows, mask=rows < M, other=0)
-    v3 = x3.to(tl.int64)
+    t = tl.load(t_ptr + rows, mask=rows < M, other=0)
+    v3 = t.to(tl.int64)
     v4 = v3 != s0
     v5 = tl.where(v4, v3, s1).to(tl.int64)
     t0 = tl.where((v5 >= 0) & (v5 <= 2147483647), v5, -1).to(tl.int32)
     v6 = v2 == t0
-    x4 = tl.load(in4_ptr).to(tl.float32)
-    x5 = tl.load(in5_ptr)
-    v7 = x4 / x5
+    dout0 = tl.load(dout0_ptr).to(tl.float32)
+    stat4 = tl.load(stat4_ptr)
+    v7 = dout0 / stat4
     v10 = tl.where(v4, v7, s2)
     v11 = -v10
     v12 = tl.where(v6, v11, s2)
-    x6 = tl.load(in6_ptr + rows, mask=rows < M, other=0)
-    v13 = x6 - x6
+    stat0 = tl.load(stat0_ptr + rows, mask=rows < M, other=0)
+    v13 = stat0 - stat0
     v15 = v10 + v13
-    x2 = tl.load(in2_ptr + cols, mask=cols < N, other=0).to(tl.float32)
-    v1 = acc_r + x2
-    v16 = v1 - x6
+    b_in = tl.load(b_ptr + cols, mask=cols < N, other=0).to(tl.float32)
+    v1 = acc_r + b_in
+    v16 = v1 - stat0
     v17 = tl.exp(v16)
     v18 = v15 * v17
     v19 = v12 + v18
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v19, mask=mask)
+    tl.store(add_ptr + rows * add_stride0 + cols, v19, mask=mask)
 

@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def gemm_contract_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    add_ptr,
+    w_ptr,
+    grad0_ptr,
     acc_ptr,
     M,
     N,
     K,
     b_stride_k,
-    in0_stride0,
-    out0_stride0,
+    add_stride0,
+    grad0_stride0,
     W_LO,
     W_LAST,
     BLOCK_M: tl.constexpr,
@@ -36,18 +36,18 @@ def gemm_contract_SIG(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     batch = tl.program_id(1)
-    in0_ptr = in0_ptr - W_LO
+    add_ptr = add_ptr - W_LO
     acc = tl.load(acc_ptr + (batch * M + offs_m[:, None]) * N + offs_n[None, :], mask=(offs_m[:, None] < tl.where(W_LO > 0, M, 0)) & (offs_n[None, :] < N), other=0.0)
     for k_start in range(W_LO, K, BLOCK_K):
         ks = k_start + offs_k
         a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
-        x0 = tl.load(in0_ptr + offs_m[:, None] * in0_stride0 + ks[None, :], mask=a_mask, other=0)
-        a = tl.where(a_mask, x0.to(tl.bfloat16), 0)
-        b = tl.load(in1_ptr + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
+        add = tl.load(add_ptr + offs_m[:, None] * add_stride0 + ks[None, :], mask=a_mask, other=0)
+        a = tl.where(a_mask, add.to(tl.bfloat16), 0)
+        b = tl.load(w_ptr + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
         acc = tl.dot(a, b, acc)
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     tl.store(acc_ptr + (batch * M + rows) * N + cols, acc, mask=(rows < tl.where(W_LAST == 0, M, 0)) & (cols < N))
-    tl.store(out0_ptr + rows * out0_stride0 + cols, acc.to(tl.bfloat16), mask=(rows < tl.where(W_LAST != 0, M, 0)) & (cols < N))
+    tl.store(grad0_ptr + rows * grad0_stride0 + cols, acc.to(tl.bfloat16), mask=(rows < tl.where(W_LAST != 0, M, 0)) & (cols < N))
 

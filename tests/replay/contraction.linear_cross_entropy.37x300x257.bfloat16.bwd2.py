@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def gemm_contract_sum_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
-    out1_ptr,
+    add_ptr,
+    x_ptr,
+    grad1_ptr,
+    grad2_ptr,
     M,
     N,
     K,
     b_stride_k,
-    in0_stride1,
-    out0_stride0,
+    add_stride1,
+    grad1_stride0,
     W_LO,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -34,23 +34,23 @@ def gemm_contract_sum_SIG(
     offs_m = W_LO + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    in0_ptr = in0_ptr - W_LO
+    add_ptr = add_ptr - W_LO
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_2 = tl.full([BLOCK_M, 1], 0, dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + offs_k
         a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
-        x0 = tl.load(in0_ptr + offs_m[:, None] + ks[None, :] * in0_stride1, mask=a_mask, other=0)
-        a = tl.where(a_mask, x0.to(tl.bfloat16), 0)
-        t0 = tl.where(a_mask, x0, 0)
+        add = tl.load(add_ptr + offs_m[:, None] + ks[None, :] * add_stride1, mask=a_mask, other=0)
+        a = tl.where(a_mask, add.to(tl.bfloat16), 0)
+        t0 = tl.where(a_mask, add, 0)
         t1 = acc_2 + tl.sum(t0, axis=1)[:, None]
         acc_2 = t1
-        b = tl.load(in1_ptr + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
+        b = tl.load(x_ptr + ks[:, None] * b_stride_k + offs_n[None, :], mask=b_mask, other=0)
         acc = tl.dot(a, b, acc)
     rows = offs_m[:, None]
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
-    tl.store(out0_ptr + rows * out0_stride0 + cols, acc.to(tl.bfloat16), mask=mask)
-    tl.store(out1_ptr + rows, acc_2.to(tl.bfloat16), mask=rows < tl.where(pid_n == 0, M, 0))
+    tl.store(grad1_ptr + rows * grad1_stride0 + cols, acc.to(tl.bfloat16), mask=mask)
+    tl.store(grad2_ptr + rows, acc_2.to(tl.bfloat16), mask=rows < tl.where(pid_n == 0, M, 0))
 

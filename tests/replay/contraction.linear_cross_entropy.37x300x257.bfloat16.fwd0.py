@@ -6,9 +6,9 @@ import triton.language as tl
 
 @triton.jit
 def linear_cross_entropy_row_SIG_tail(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    t_ptr,
+    sum_ptr,
+    out_ptr,
     n_rows,
     n_cols,
     s0,
@@ -23,34 +23,34 @@ def linear_cross_entropy_row_SIG_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x1_0 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    t1 = tl.where(mask, x1_0, 0)
+    sum_in = tl.load(sum_ptr + cols, mask=mask, other=0)
+    t1 = tl.where(mask, sum_in, 0)
     v1 = tl.sum(t1, axis=1)[:, None]
-    x0_2 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0_2 != s0
+    t = tl.load(t_ptr + cols, mask=mask, other=0)
+    v0 = t != s0
     v2 = tl.where(v0, s1, s2)
     t3 = tl.where(mask, v2, 0)
     v3 = tl.sum(t3, axis=1)[:, None]
     v4 = v1 / v3
-    tl.store(out0_ptr + rows * 0, v4.to(tl.bfloat16), mask=row_mask)
+    tl.store(out_ptr + rows * 0, v4.to(tl.bfloat16), mask=row_mask)
 
 
 @triton.jit
 def linear_cross_entropy_row_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
+    t_ptr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    sum_ptr,
     flag_ptr,
-    t_in0_ptr,
-    t_in1_ptr,
-    t_out0_ptr,
+    t_t_ptr,
+    t_sum_ptr,
+    t_out_ptr,
     count_ptr,
     n_rows,
     n_cols,
-    in1_stride0,
-    in2_stride0,
+    x_stride0,
+    w_stride0,
     m2_0,
     m12_0,
     m15_0,
@@ -74,8 +74,8 @@ def linear_cross_entropy_row_SIG(
     m_4 = tl.full([ROWS, 1], float('-inf'), dtype=tl.float32)
     s_4 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
     acc_10 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
-    x0_9 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
-    v0 = x0_9.to(tl.int64)
+    t = tl.load(t_ptr + rows, mask=row_mask, other=0)
+    v0 = t.to(tl.int64)
     v1 = v0 != s0
     v7 = tl.where(v1, v0, s1).to(tl.int64)
     for col_start in range(0, n_cols, BLOCK_SIZE):
@@ -85,13 +85,13 @@ def linear_cross_entropy_row_SIG(
         v2 = tl.zeros((ROWS, BLOCK_SIZE), dtype=tl.float32)
         for ks_start in range(0, m2_0, BLOCK_K):
             ks = ks_start + tl.arange(0, BLOCK_K)
-            lhs = tl.load(in1_ptr + rows * in1_stride0 + ks[None, :], mask=row_mask & (ks[None, :] < m2_0), other=0)
-            rhs = tl.load(in2_ptr + cols * in2_stride0 + ks[:, None], mask=(ks[:, None] < m2_0) & col_mask, other=0)
+            lhs = tl.load(x_ptr + rows * x_stride0 + ks[None, :], mask=row_mask & (ks[None, :] < m2_0), other=0)
+            rhs = tl.load(w_ptr + cols * w_stride0 + ks[:, None], mask=(ks[:, None] < m2_0) & col_mask, other=0)
             v2 = tl.dot(lhs, rhs, v2)
         v2_h = v2.to(tl.bfloat16)
         v2_r = v2_h.to(tl.float32)
-        x3_0 = tl.load(in3_ptr + cols, mask=mask, other=0).to(tl.float32)
-        v3 = v2_r + x3_0
+        b = tl.load(b_ptr + cols, mask=mask, other=0).to(tl.float32)
+        v3 = v2_r + b
         t1 = tl.where(mask, v3, float('-inf'))
         t2 = tl.max(t1, axis=1)[:, None]
         t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
@@ -112,8 +112,8 @@ def linear_cross_entropy_row_SIG(
     v10 = tl.sum(acc_10, axis=1)[:, None]
     v5 = v4 + (v4 - v4)
     v11 = v5 - v10
-    v13_15 = x0_9 != s0
-    v14_14 = tl.where(v13_15, x0_9, s1).to(tl.int64)
+    v13_15 = t != s0
+    v14_14 = tl.where(v13_15, t, s1).to(tl.int64)
     t17 = (v14_14 >= 0) & (v14_14 < m15_0)
     tl.store(flag_ptr + 0 + rows * 0, 1, mask=row_mask & ~t17)
     v6_19 = (v14_14 + rows * 0).to(tl.int64)
@@ -121,10 +121,10 @@ def linear_cross_entropy_row_SIG(
     v17 = (v15_13 * s1).to(tl.int64)
     v19 = v11 + v17.to(tl.float32)
     v20 = tl.where(v1, v19, s2)
-    tl.store(out0_ptr + rows, v20, mask=row_mask)
+    tl.store(sum_ptr + rows, v20, mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        linear_cross_entropy_row_SIG_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        linear_cross_entropy_row_SIG_tail(t_t_ptr, t_sum_ptr, t_out_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_neg_mul_add_div_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    in5_ptr,
-    out0_ptr,
-    out1_ptr,
-    out2_ptr,
-    out3_ptr,
+    dout0_ptr,
+    v_ptr,
+    g_ptr,
+    dout1_ptr,
+    m_ptr,
+    dout2_ptr,
+    grad0_ptr,
+    grad1_ptr,
+    grad2_ptr,
+    grad3_ptr,
     n_elements,
     s0,
     s1,
@@ -32,29 +32,29 @@ def pointwise_neg_mul_add_div_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    v0 = -x0_0
+    dout0 = tl.load(dout0_ptr + offs, mask=mask, other=0)
+    v0 = -dout0
     v1 = v0 * s0
     v2 = v1 * s1
-    v3 = x0_0 + v2
-    x3_1 = tl.load(in3_ptr + offs, mask=mask, other=0)
-    x1_2 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v4 = s2 * x1_2
-    x2_3 = tl.load(in2_ptr + offs, mask=mask, other=0)
-    v5 = s3 * x2_3
-    v6 = v5 * x2_3
+    v3 = dout0 + v2
+    dout1 = tl.load(dout1_ptr + offs, mask=mask, other=0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0)
+    v4 = s2 * v
+    g = tl.load(g_ptr + offs, mask=mask, other=0)
+    v5 = s3 * g
+    v6 = v5 * g
     v7 = v4 + v6
     v8 = v7 / s4
     v9 = tl.sqrt(v8)
     v10 = v9 + s5
     v11 = v1 / v10
     v12 = v11 / s6
-    v13 = x3_1 + v12
+    v13 = dout1 + v12
     v14 = v13 * s7
-    x5_4 = tl.load(in5_ptr + offs, mask=mask, other=0)
-    x4_5 = tl.load(in4_ptr + offs, mask=mask, other=0)
-    v15 = s7 * x4_5
-    v16 = s8 * x2_3
+    dout2 = tl.load(dout2_ptr + offs, mask=mask, other=0)
+    m = tl.load(m_ptr + offs, mask=mask, other=0)
+    v15 = s7 * m
+    v16 = s8 * g
     v17 = v15 + v16
     v18 = v17 / s6
     v19 = v18 / v10
@@ -64,16 +64,16 @@ def pointwise_neg_mul_add_div_SIG(
     v23 = v22 * s9
     v24 = v23 / v9
     v25 = v24 / s4
-    v26 = x5_4 + v25
+    v26 = dout2 + v25
     v27 = v26 * v5
-    v28 = v26 * x2_3
+    v28 = v26 * g
     v29 = v28 * s3
     v30 = v27 + v29
     v31 = v13 * s8
     v32 = v30 + v31
     v33 = v26 * s2
-    tl.store(out0_ptr + offs, v3, mask=mask)
-    tl.store(out1_ptr + offs, v14, mask=mask)
-    tl.store(out2_ptr + offs, v32, mask=mask)
-    tl.store(out3_ptr + offs, v33, mask=mask)
+    tl.store(grad0_ptr + offs, v3, mask=mask)
+    tl.store(grad1_ptr + offs, v14, mask=mask)
+    tl.store(grad2_ptr + offs, v32, mask=mask)
+    tl.store(grad3_ptr + offs, v33, mask=mask)
 

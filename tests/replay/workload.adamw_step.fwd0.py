@@ -6,13 +6,13 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_mul_add_div_sqrt_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
-    out1_ptr,
-    out2_ptr,
+    m_ptr,
+    g_ptr,
+    v_in_ptr,
+    p_in_ptr,
+    m_out_ptr,
+    v_ptr,
+    p_ptr,
     n_elements,
     s0,
     s1,
@@ -28,27 +28,27 @@ def pointwise_mul_add_div_sqrt_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    v0 = s0 * x0_0
-    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v1 = s1 * x1_1
+    m = tl.load(m_ptr + offs, mask=mask, other=0)
+    v0 = s0 * m
+    g = tl.load(g_ptr + offs, mask=mask, other=0)
+    v1 = s1 * g
     v2 = v0 + v1
-    x2_2 = tl.load(in2_ptr + offs, mask=mask, other=0)
-    v4 = s3 * x2_2
-    v5 = s4 * x1_1
-    v6 = v5 * x1_1
+    v = tl.load(v_in_ptr + offs, mask=mask, other=0)
+    v4 = s3 * v
+    v5 = s4 * g
+    v6 = v5 * g
     v7 = v4 + v6
-    x3_3 = tl.load(in3_ptr + offs, mask=mask, other=0)
+    p = tl.load(p_in_ptr + offs, mask=mask, other=0)
     v3 = v2 / s2
     v8 = v7 / s5
     v9 = tl.sqrt(v8)
     v10 = v9 + s6
     v11 = v3 / v10
-    v12 = s7 * x3_3
+    v12 = s7 * p
     v13 = v11 + v12
     v14 = s8 * v13
-    v15 = x3_3 - v14
-    tl.store(out0_ptr + offs, v2, mask=mask)
-    tl.store(out1_ptr + offs, v7, mask=mask)
-    tl.store(out2_ptr + offs, v15, mask=mask)
+    v15 = p - v14
+    tl.store(m_out_ptr + offs, v2, mask=mask)
+    tl.store(v_ptr + offs, v7, mask=mask)
+    tl.store(p_ptr + offs, v15, mask=mask)
 

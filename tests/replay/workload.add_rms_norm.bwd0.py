@@ -6,21 +6,21 @@ import triton.language as tl
 
 @triton.jit
 def row_mul_div_add_rsqrt_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    in5_ptr,
-    out0_ptr,
+    dout1_ptr,
+    w_ptr,
+    stat0_ptr,
+    dout0_ptr,
+    x_ptr,
+    r_ptr,
+    grad1_ptr,
     part19_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in3_stride0,
-    in4_stride0,
-    in5_stride0,
-    out0_stride0,
+    dout1_stride0,
+    dout0_stride0,
+    x_stride0,
+    r_stride0,
+    grad1_stride0,
     s0,
     s1,
     s2,
@@ -30,7 +30,7 @@ def row_mul_div_add_rsqrt_SIG(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
-    x1_1 = tl.load(in1_ptr + cols, mask=col_mask, other=0)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0)
     acc_19 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for row_block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -38,17 +38,17 @@ def row_mul_div_add_rsqrt_SIG(
         cols = tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        v0 = x0_0 * x1_1
-        x4_2 = tl.load(in4_ptr + rows * in4_stride0 + cols, mask=mask, other=0)
-        x5_3 = tl.load(in5_ptr + rows * in5_stride0 + cols, mask=mask, other=0)
-        v6 = x4_2 + x5_3
+        dout1 = tl.load(dout1_ptr + rows * dout1_stride0 + cols, mask=mask, other=0)
+        v0 = dout1 * w
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        r = tl.load(r_ptr + rows * r_stride0 + cols, mask=mask, other=0)
+        v6 = x + r
         v7 = v0 * v6
         t4 = tl.where(mask, v7, 0)
         v8 = tl.sum(t4, axis=1)[:, None]
         v9 = v8 * s2
-        x2_5 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-        v1 = x2_5 / s0
+        stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
+        v1 = stat0 / s0
         v2 = v1 + s1
         v3 = tl.rsqrt(v2)
         v10 = v3 * v3
@@ -56,14 +56,14 @@ def row_mul_div_add_rsqrt_SIG(
         v12 = v9 * v11
         v13 = v12 / s0
         v14 = v13 * v6
-        x3_6 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
+        dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
         v4 = v0 * v3
-        v5 = x3_6 + v4
+        v5 = dout0 + v4
         v15 = v5 + v14
         v16 = v15 + v14
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v16, mask=mask)
+        tl.store(grad1_ptr + rows * grad1_stride0 + cols, v16, mask=mask)
         v17 = v6 * v3
-        v18 = x0_0 * v17
+        v18 = dout1 * v17
         t7 = tl.where(mask, v18, 0)
         t8 = acc_19 + t7
         acc_19 = t8

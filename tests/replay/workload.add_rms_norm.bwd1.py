@@ -6,18 +6,18 @@ import triton.language as tl
 
 @triton.jit
 def row_div_add_rsqrt_mul_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
+    stat0_ptr,
+    x_ptr,
+    r_ptr,
+    dout1_ptr,
+    grad2_ptr,
     part6_ptr,
     n_rows,
     n_cols,
     n_split,
-    in1_stride1,
-    in2_stride1,
-    in3_stride1,
+    x_stride1,
+    r_stride1,
+    dout1_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -32,5 +32,5 @@ def row_div_add_rsqrt_mul_SIG(
     part_mask = row_mask & (parts < n_split)
     acc_6 = tl.load(part6_ptr + 0 * n_part + parts * n_rows + rows, mask=part_mask, other=0)
     v6 = tl.sum(acc_6, axis=1)[:, None]
-    tl.store(out0_ptr + rows, v6, mask=row_mask)
+    tl.store(grad2_ptr + rows, v6, mask=row_mask)
 

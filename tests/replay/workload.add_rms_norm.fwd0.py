@@ -6,17 +6,17 @@ import triton.language as tl
 
 @triton.jit
 def rms_norm_row_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
-    out1_ptr,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    h_ptr,
+    y_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in1_stride0,
-    out0_stride0,
-    out1_stride0,
+    x_stride0,
+    r_stride0,
+    h_stride0,
+    y_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -28,9 +28,9 @@ def rms_norm_row_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    v0 = x0_0 + x1_1
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+    r = tl.load(r_ptr + rows * r_stride0 + cols, mask=mask, other=0)
+    v0 = x + r
     v1 = v0 * v0
     t2 = tl.where(mask, v1, 0)
     v2 = tl.sum(t2, axis=1)[:, None]
@@ -38,8 +38,8 @@ def rms_norm_row_SIG(
     v4 = v3 + s1
     v5 = tl.rsqrt(v4)
     v6 = v0 * v5
-    x2_3 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v7 = v6 * x2_3
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v0, mask=mask)
-    tl.store(out1_ptr + rows * out1_stride0 + cols, v7, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0)
+    v7 = v6 * w
+    tl.store(h_ptr + rows * h_stride0 + cols, v0, mask=mask)
+    tl.store(y_ptr + rows * y_stride0 + cols, v7, mask=mask)
 

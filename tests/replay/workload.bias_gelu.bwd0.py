@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def row_add_mul_erf_exp_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
-    out1_ptr,
+    x_ptr,
+    b_ptr,
+    dout0_ptr,
+    grad0_ptr,
+    grad1_ptr,
     n_rows,
     n_cols,
-    in0_stride1,
-    in2_stride1,
-    out0_stride1,
+    x_stride1,
+    dout0_stride1,
+    grad0_stride1,
     s0,
     s1,
     s2,
@@ -30,10 +30,10 @@ def row_add_mul_erf_exp_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0)
-    x0_1 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0)
-    x1_2 = tl.load(in1_ptr + rows, mask=row_mask, other=0)
-    v0 = x0_1 + x1_2
+    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=mask, other=0)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0)
+    b = tl.load(b_ptr + rows, mask=row_mask, other=0)
+    v0 = x + b
     v1 = v0 * s0
     v2 = tl.erf(v1)
     v3 = s1 + v2
@@ -44,9 +44,9 @@ def row_add_mul_erf_exp_SIG(
     v8 = s4 * v7
     v9 = v0 * v8
     v10 = v4 + v9
-    v11 = x2_0 * v10
+    v11 = dout0 * v10
     t3 = tl.where(mask, v11, 0)
     v12 = tl.sum(t3, axis=1)[:, None]
-    tl.store(out0_ptr + rows + cols * out0_stride1, v11, mask=mask)
-    tl.store(out1_ptr + rows, v12, mask=row_mask)
+    tl.store(grad0_ptr + rows + cols * grad0_stride1, v11, mask=mask)
+    tl.store(grad1_ptr + rows, v12, mask=row_mask)
 

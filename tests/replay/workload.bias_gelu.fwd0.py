@@ -6,13 +6,13 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_add_gelu_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    x_ptr,
+    b_ptr,
+    out_ptr,
     n_elements,
     size0,
     size1,
-    in0_stride0,
+    x_stride0,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -20,9 +20,9 @@ def pointwise_add_gelu_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    x0_0 = tl.load(in0_ptr + irem * in0_stride0 + i1, mask=mask, other=0)
-    x1_1 = tl.load(in1_ptr + i1, mask=mask, other=0)
-    v0 = x0_0 + x1_1
+    x = tl.load(x_ptr + irem * x_stride0 + i1, mask=mask, other=0)
+    b = tl.load(b_ptr + i1, mask=mask, other=0)
+    v0 = x + b
     v1 = 0.5 * v0 * (1.0 + tl.erf(v0 * 0.7071067811865476))
-    tl.store(out0_ptr + offs, v1, mask=mask)
+    tl.store(out_ptr + offs, v1, mask=mask)
 

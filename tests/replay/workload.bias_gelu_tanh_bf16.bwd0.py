@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def row_add_mul_tanh_sub_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
-    out1_ptr,
+    x_ptr,
+    b_ptr,
+    dout0_ptr,
+    grad0_ptr,
+    grad1_ptr,
     n_rows,
     n_cols,
-    in0_stride1,
-    in2_stride1,
-    out0_stride1,
+    x_stride1,
+    dout0_stride1,
+    grad0_stride1,
     s0,
     s1,
     s2,
@@ -30,10 +30,10 @@ def row_add_mul_tanh_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x2_0 = tl.load(in2_ptr + rows + cols * in2_stride1, mask=mask, other=0).to(tl.float32)
-    x0_1 = tl.load(in0_ptr + rows + cols * in0_stride1, mask=mask, other=0).to(tl.float32)
-    x1_2 = tl.load(in1_ptr + rows, mask=row_mask, other=0).to(tl.float32)
-    v0 = x0_1 + x1_2
+    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=mask, other=0).to(tl.float32)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    b = tl.load(b_ptr + rows, mask=row_mask, other=0).to(tl.float32)
+    v0 = x + b
     v1 = v0 * v0
     v2 = v0 * v1
     v3 = s0 * v2
@@ -53,11 +53,11 @@ def row_add_mul_tanh_sub_SIG(
     v15 = v11 * v14
     v16 = v9 * v15
     v17 = v8 + v16
-    v18 = x2_0 * v17
+    v18 = dout0 * v17
     v18_h = v18.to(tl.bfloat16)
     v18_r = v18_h.to(tl.float32)
     t5 = tl.where(mask, v18_r, 0)
     v19 = tl.sum(t5, axis=1)[:, None]
-    tl.store(out0_ptr + rows + cols * out0_stride1, v18_h, mask=mask)
-    tl.store(out1_ptr + rows, v19.to(tl.bfloat16), mask=row_mask)
+    tl.store(grad0_ptr + rows + cols * grad0_stride1, v18_h, mask=mask)
+    tl.store(grad1_ptr + rows, v19.to(tl.bfloat16), mask=row_mask)
 

@@ -6,13 +6,13 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_add_gelu_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    x_ptr,
+    b_ptr,
+    out_ptr,
     n_elements,
     size0,
     size1,
-    in0_stride0,
+    x_stride0,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -20,12 +20,12 @@ def pointwise_add_gelu_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    x0_0 = tl.load(in0_ptr + irem * in0_stride0 + i1, mask=mask, other=0).to(tl.float32)
-    x1_1 = tl.load(in1_ptr + i1, mask=mask, other=0).to(tl.float32)
-    v0 = x0_0 + x1_1
+    x = tl.load(x_ptr + irem * x_stride0 + i1, mask=mask, other=0).to(tl.float32)
+    b = tl.load(b_ptr + i1, mask=mask, other=0).to(tl.float32)
+    v0 = x + b
     t2 = 0.7978845608028654 * (v0 + 0.044715 * v0 * v0 * v0)
     t3 = tl.exp(-2.0 * tl.abs(t2))
     t4 = t2 * t2
     v1 = 0.5 * v0 * (1.0 + tl.where(tl.abs(t2) < 0.125, t2 * (1.0 + t4 * (-1.0 / 3.0 + t4 * (2.0 / 15.0 + t4 * (-17.0 / 315.0)))), tl.where(t2 < 0, -1.0, 1.0) * ((1.0 - t3) / (1.0 + t3))))
-    tl.store(out0_ptr + offs, v1.to(tl.bfloat16), mask=mask)
+    tl.store(out_ptr + offs, v1.to(tl.bfloat16), mask=mask)
 

@@ -6,16 +6,16 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_unsqueeze_ne_div_where_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    out0_ptr,
+    t_ptr,
+    dout0_ptr,
+    stat5_ptr,
+    stat0_ptr,
+    x_ptr,
+    grad0_ptr,
     n_elements,
     size0,
     size1,
-    in4_stride0,
+    x_stride0,
     s0,
     s1,
     s2,
@@ -29,12 +29,12 @@ def pointwise_unsqueeze_ne_div_where_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    x0_0 = tl.load(in0_ptr + irem, mask=mask, other=0)
-    v0 = x0_0.to(tl.int64)
+    t = tl.load(t_ptr + irem, mask=mask, other=0)
+    v0 = t.to(tl.int64)
     v1 = v0 != s0
-    x1_1 = tl.load(in1_ptr + offs * 0, mask=mask, other=0)
-    x2_2 = tl.load(in2_ptr + offs * 0, mask=mask, other=0)
-    v2 = x1_1 / x2_2
+    dout0 = tl.load(dout0_ptr + offs * 0, mask=mask, other=0)
+    stat5 = tl.load(stat5_ptr + offs * 0, mask=mask, other=0)
+    v2 = dout0 / stat5
     v3 = v2.to(tl.float32)
     v5 = tl.where(v1, v3, s1)
     v6 = v5 * s2
@@ -48,13 +48,13 @@ def pointwise_unsqueeze_ne_div_where_SIG(
     v14 = v7 + v13
     v15 = v6 * s5
     v16 = v15 + v11
-    x3_3 = tl.load(in3_ptr + irem, mask=mask, other=0)
-    v17 = x3_3 - x3_3
+    stat0 = tl.load(stat0_ptr + irem, mask=mask, other=0)
+    v17 = stat0 - stat0
     v19 = v16 + v17
-    x4_4 = tl.load(in4_ptr + irem * in4_stride0 + i1, mask=mask, other=0)
-    v20 = x4_4 - x3_3
+    x = tl.load(x_ptr + irem * x_stride0 + i1, mask=mask, other=0)
+    v20 = x - stat0
     v21 = tl.exp(v20)
     v22 = v19 * v21
     v23 = v14 + v22
-    tl.store(out0_ptr + offs, v23, mask=mask)
+    tl.store(grad0_ptr + offs, v23, mask=mask)
 

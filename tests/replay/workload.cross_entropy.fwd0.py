@@ -6,9 +6,9 @@ import triton.language as tl
 
 @triton.jit
 def cross_entropy_row_SIG_tail(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    t_ptr,
+    sum_ptr,
+    out_ptr,
     n_rows,
     n_cols,
     s0,
@@ -23,31 +23,31 @@ def cross_entropy_row_SIG_tail(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x1_0 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    t1 = tl.where(mask, x1_0, 0)
+    sum_in = tl.load(sum_ptr + cols, mask=mask, other=0)
+    t1 = tl.where(mask, sum_in, 0)
     v1 = tl.sum(t1, axis=1)[:, None]
-    x0_2 = tl.load(in0_ptr + cols, mask=mask, other=0)
-    v0 = x0_2 != s0
+    t = tl.load(t_ptr + cols, mask=mask, other=0)
+    v0 = t != s0
     v2 = tl.where(v0, s1, s2)
     t3 = tl.where(mask, v2, 0)
     v3 = tl.sum(t3, axis=1)[:, None]
     v4 = v1 / v3
-    tl.store(out0_ptr + rows * 0, v4, mask=row_mask)
+    tl.store(out_ptr + rows * 0, v4, mask=row_mask)
 
 
 @triton.jit
 def cross_entropy_row_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    t_ptr,
+    x_ptr,
+    sum_ptr,
     flag_ptr,
-    t_in0_ptr,
-    t_in1_ptr,
-    t_out0_ptr,
+    t_t_ptr,
+    t_sum_ptr,
+    t_out_ptr,
     count_ptr,
     n_rows,
     n_cols,
-    in1_stride0,
+    x_stride0,
     m10_0,
     m13_0,
     s0,
@@ -72,24 +72,24 @@ def cross_entropy_row_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x1_0 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    t1 = tl.where(mask, x1_0, float('-inf'))
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+    t1 = tl.where(mask, x, float('-inf'))
     t2 = tl.max(t1, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
     t4 = tl.exp2((t1 - t3) * 1.4426950408889634)
     v2 = t2 + tl.log(tl.sum(t4, axis=1)[:, None])
     v3 = v2 + (v2 - v2)
-    x0_5 = tl.load(in0_ptr + rows, mask=row_mask, other=0)
-    v0 = x0_5.to(tl.int64)
+    t = tl.load(t_ptr + rows, mask=row_mask, other=0)
+    v0 = t.to(tl.int64)
     v1 = v0 != s0
     v5 = tl.where(v1, v0, s1).to(tl.int64)
     t6 = (v5 >= 0) & (v5 < n_cols)
-    x1_7 = tl.load(in1_ptr + rows * in1_stride0 + v5 + rows * 0, mask=row_mask & t6, other=0)
+    x_1 = tl.load(x_ptr + rows * x_stride0 + v5 + rows * 0, mask=row_mask & t6, other=0)
     t8 = n_cols + tl.zeros([1, 1], dtype=tl.float32) - t6.to(tl.float32)
-    v8 = tl.where(t6, x1_7, 0.0) + tl.where(t8 > 0, t8 * s2, 0.0)
+    v8 = tl.where(t6, x_1, 0.0) + tl.where(t8 > 0, t8 * s2, 0.0)
     v9 = v3 - v8
-    v11_11 = x0_5 != s0
-    v12_10 = tl.where(v11_11, x0_5, s1).to(tl.int64)
+    v11_11 = t != s0
+    v12_10 = tl.where(v11_11, t, s1).to(tl.int64)
     t13 = (v12_10 >= 0) & (v12_10 < m13_0)
     tl.store(flag_ptr + 0 + rows * 0, 1, mask=row_mask & ~t13)
     v4_15 = (v12_10 + rows * 0).to(tl.int64)
@@ -98,16 +98,16 @@ def cross_entropy_row_SIG(
     v17 = v9 + v15.to(tl.float32)
     v18 = v17 * s3
     v19 = v3 * s4
-    t16 = tl.where(mask, x1_0, 0)
+    t16 = tl.where(mask, x, 0)
     v20 = tl.sum(t16, axis=1)[:, None]
     v21 = v19 - v20
     v22 = v21 * s5
     v23 = v18 + v22
     v24 = tl.where(v1, v23, s2)
-    tl.store(out0_ptr + rows, v24, mask=row_mask)
+    tl.store(sum_ptr + rows, v24, mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        cross_entropy_row_SIG_tail(t_in0_ptr, t_in1_ptr, t_out0_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        cross_entropy_row_SIG_tail(t_t_ptr, t_sum_ptr, t_out_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.atomic_xchg(count_ptr, 0)
 

@@ -6,11 +6,11 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_mul_add_tanh_sub_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
-    out1_ptr,
+    dout0_ptr,
+    u_ptr,
+    g_ptr,
+    grad0_ptr,
+    grad1_ptr,
     n_elements,
     s0,
     s1,
@@ -22,21 +22,21 @@ def pointwise_mul_add_tanh_sub_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v0 = x0_0 * x1_1
-    x2_2 = tl.load(in2_ptr + offs, mask=mask, other=0)
-    v1 = x2_2 * x2_2
-    v2 = x2_2 * v1
+    dout0 = tl.load(dout0_ptr + offs, mask=mask, other=0)
+    u = tl.load(u_ptr + offs, mask=mask, other=0)
+    v0 = dout0 * u
+    g = tl.load(g_ptr + offs, mask=mask, other=0)
+    v1 = g * g
+    v2 = g * v1
     v3 = s0 * v2
-    v4 = x2_2 + v3
+    v4 = g + v3
     v5 = s1 * v4
     t3 = tl.exp(-2.0 * tl.abs(v5))
     t4 = v5 * v5
     v6 = tl.where(tl.abs(v5) < 0.125, v5 * (1.0 + t4 * (-1.0 / 3.0 + t4 * (2.0 / 15.0 + t4 * (-17.0 / 315.0)))), tl.where(v5 < 0, -1.0, 1.0) * ((1.0 - t3) / (1.0 + t3)))
     v7 = s2 + v6
     v8 = s3 * v7
-    v9 = s3 * x2_2
+    v9 = s3 * g
     v10 = v6 * v6
     v11 = s2 - v10
     v12 = s4 * v1
@@ -46,11 +46,11 @@ def pointwise_mul_add_tanh_sub_SIG(
     v16 = v9 * v15
     v17 = v8 + v16
     v18 = v0 * v17
-    t5 = 0.7978845608028654 * (x2_2 + 0.044715 * x2_2 * x2_2 * x2_2)
+    t5 = 0.7978845608028654 * (g + 0.044715 * g * g * g)
     t6 = tl.exp(-2.0 * tl.abs(t5))
     t7 = t5 * t5
-    v19 = 0.5 * x2_2 * (1.0 + tl.where(tl.abs(t5) < 0.125, t5 * (1.0 + t7 * (-1.0 / 3.0 + t7 * (2.0 / 15.0 + t7 * (-17.0 / 315.0)))), tl.where(t5 < 0, -1.0, 1.0) * ((1.0 - t6) / (1.0 + t6))))
-    v20 = x0_0 * v19
-    tl.store(out0_ptr + offs, v18, mask=mask)
-    tl.store(out1_ptr + offs, v20, mask=mask)
+    v19 = 0.5 * g * (1.0 + tl.where(tl.abs(t5) < 0.125, t5 * (1.0 + t7 * (-1.0 / 3.0 + t7 * (2.0 / 15.0 + t7 * (-17.0 / 315.0)))), tl.where(t5 < 0, -1.0, 1.0) * ((1.0 - t6) / (1.0 + t6))))
+    v20 = dout0 * v19
+    tl.store(grad0_ptr + offs, v18, mask=mask)
+    tl.store(grad1_ptr + offs, v20, mask=mask)
 

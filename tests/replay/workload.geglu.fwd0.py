@@ -6,21 +6,21 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_gelu_mul_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    g_ptr,
+    u_ptr,
+    out_ptr,
     n_elements,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    t1 = 0.7978845608028654 * (x0_0 + 0.044715 * x0_0 * x0_0 * x0_0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0)
+    t1 = 0.7978845608028654 * (g + 0.044715 * g * g * g)
     t2 = tl.exp(-2.0 * tl.abs(t1))
     t3 = t1 * t1
-    v0 = 0.5 * x0_0 * (1.0 + tl.where(tl.abs(t1) < 0.125, t1 * (1.0 + t3 * (-1.0 / 3.0 + t3 * (2.0 / 15.0 + t3 * (-17.0 / 315.0)))), tl.where(t1 < 0, -1.0, 1.0) * ((1.0 - t2) / (1.0 + t2))))
-    x1_4 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v1 = v0 * x1_4
-    tl.store(out0_ptr + offs, v1, mask=mask)
+    v0 = 0.5 * g * (1.0 + tl.where(tl.abs(t1) < 0.125, t1 * (1.0 + t3 * (-1.0 / 3.0 + t3 * (2.0 / 15.0 + t3 * (-17.0 / 315.0)))), tl.where(t1 < 0, -1.0, 1.0) * ((1.0 - t2) / (1.0 + t2))))
+    u = tl.load(u_ptr + offs, mask=mask, other=0)
+    v1 = v0 * u
+    tl.store(out_ptr + offs, v1, mask=mask)
 

@@ -6,19 +6,19 @@ import triton.language as tl
 
 @triton.jit
 def row_mul_div_sub_sum_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    out0_ptr,
+    dout0_ptr,
+    w_ptr,
+    stat0_ptr,
+    x_ptr,
+    stat1_ptr,
+    grad0_ptr,
     part23_ptr,
     part24_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in3_stride0,
-    out0_stride0,
+    dout0_stride0,
+    x_stride0,
+    grad0_stride0,
     s0,
     s1,
     s2,
@@ -29,7 +29,7 @@ def row_mul_div_sub_sum_SIG(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
-    x1_1 = tl.load(in1_ptr + cols, mask=col_mask, other=0)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0)
     acc_23 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     acc_24 = acc_23
     for row_block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
@@ -38,18 +38,18 @@ def row_mul_div_sub_sum_SIG(
         cols = tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        v0 = x0_0 * x1_1
-        x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-        v1 = x2_3 / s0
-        v2 = x3_2 - v1
+        dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
+        v0 = dout0 * w
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
+        v1 = stat0 / s0
+        v2 = x - v1
         v3 = v0 * v2
         t4 = tl.where(mask, v3, 0)
         v4 = tl.sum(t4, axis=1)[:, None]
         v5 = v4 * s1
-        x4_5 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
-        v6 = x4_5 / s0
+        stat1 = tl.load(stat1_ptr + rows, mask=row_mask, other=0)
+        v6 = stat1 / s0
         v7 = v6 + s2
         v8 = tl.rsqrt(v7)
         v9 = v8 * v8
@@ -65,13 +65,13 @@ def row_mul_div_sub_sum_SIG(
         v18 = tl.sum(t6, axis=1)[:, None]
         v19 = v18 / s0
         v20 = v16 + v19
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v20, mask=mask)
+        tl.store(grad0_ptr + rows * grad0_stride0 + cols, v20, mask=mask)
         v21 = v2 * v8
-        v22 = x0_0 * v21
+        v22 = dout0 * v21
         t7 = tl.where(mask, v22, 0)
         t8 = acc_23 + t7
         acc_23 = t8
-        t9 = tl.where(mask, x0_0, 0)
+        t9 = tl.where(mask, dout0, 0)
         t10 = acc_24 + t9
         acc_24 = t10
     n_part = tl.num_programs(0) * n_cols

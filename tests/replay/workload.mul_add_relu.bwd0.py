@@ -6,11 +6,11 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_mul_add_le_where_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
-    out1_ptr,
+    x_ptr,
+    y_ptr,
+    dout0_ptr,
+    grad0_ptr,
+    grad1_ptr,
     n_elements,
     s0,
     s1,
@@ -20,15 +20,15 @@ def pointwise_mul_add_le_where_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v0 = x0_0 * x1_1
+    x = tl.load(x_ptr + offs, mask=mask, other=0)
+    y = tl.load(y_ptr + offs, mask=mask, other=0)
+    v0 = x * y
     v1 = v0 + s0
     v2 = v1 <= tl.cast(s1, tl.float32)
-    x2_2 = tl.load(in2_ptr + offs, mask=mask, other=0)
-    v3 = tl.where(v2, s2, x2_2)
-    v4 = v3 * x1_1
-    v5 = v3 * x0_0
-    tl.store(out0_ptr + offs, v4, mask=mask)
-    tl.store(out1_ptr + offs, v5, mask=mask)
+    dout0 = tl.load(dout0_ptr + offs, mask=mask, other=0)
+    v3 = tl.where(v2, s2, dout0)
+    v4 = v3 * y
+    v5 = v3 * x
+    tl.store(grad0_ptr + offs, v4, mask=mask)
+    tl.store(grad1_ptr + offs, v5, mask=mask)
 

@@ -6,9 +6,9 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_mul_add_relu_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    x_ptr,
+    y_ptr,
+    out_ptr,
     n_elements,
     s0,
     BLOCK_SIZE: tl.constexpr,
@@ -16,10 +16,10 @@ def pointwise_mul_add_relu_SIG(
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
-    x0_0 = tl.load(in0_ptr + offs, mask=mask, other=0)
-    x1_1 = tl.load(in1_ptr + offs, mask=mask, other=0)
-    v0 = x0_0 * x1_1
+    x = tl.load(x_ptr + offs, mask=mask, other=0)
+    y = tl.load(y_ptr + offs, mask=mask, other=0)
+    v0 = x * y
     v1 = v0 + s0
     v2 = tl.where(v1 < 0, 0, v1)
-    tl.store(out0_ptr + offs, v2, mask=mask)
+    tl.store(out_ptr + offs, v2, mask=mask)
 

@@ -6,23 +6,23 @@ import triton.language as tl
 
 @triton.jit
 def row_mul_add_div_sub_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    in5_ptr,
-    in6_ptr,
-    out0_ptr,
+    dout1_ptr,
+    w_ptr,
+    x_ptr,
+    r_ptr,
+    stat0_ptr,
+    stat1_ptr,
+    dout0_ptr,
+    grad1_ptr,
     part25_ptr,
     part26_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in2_stride0,
-    in3_stride0,
-    in6_stride0,
-    out0_stride0,
+    dout1_stride0,
+    x_stride0,
+    r_stride0,
+    dout0_stride0,
+    grad1_stride0,
     s0,
     s1,
     s2,
@@ -33,7 +33,7 @@ def row_mul_add_div_sub_SIG(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
-    x1_1 = tl.load(in1_ptr + cols, mask=col_mask, other=0)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0)
     acc_25 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     acc_26 = acc_25
     for row_block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
@@ -42,20 +42,20 @@ def row_mul_add_div_sub_SIG(
         cols = tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        v0 = x0_0 * x1_1
-        x2_2 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-        x3_3 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        v1 = x2_2 + x3_3
-        x4_4 = tl.load(in4_ptr + rows, mask=row_mask, other=0)
-        v2 = x4_4 / s0
+        dout1 = tl.load(dout1_ptr + rows * dout1_stride0 + cols, mask=mask, other=0)
+        v0 = dout1 * w
+        x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        r = tl.load(r_ptr + rows * r_stride0 + cols, mask=mask, other=0)
+        v1 = x + r
+        stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
+        v2 = stat0 / s0
         v3 = v1 - v2
         v4 = v0 * v3
         t5 = tl.where(mask, v4, 0)
         v5 = tl.sum(t5, axis=1)[:, None]
         v6 = v5 * s1
-        x5_6 = tl.load(in5_ptr + rows, mask=row_mask, other=0)
-        v7 = x5_6 / s0
+        stat1 = tl.load(stat1_ptr + rows, mask=row_mask, other=0)
+        v7 = stat1 / s0
         v8 = v7 + s2
         v9 = tl.rsqrt(v8)
         v10 = v9 * v9
@@ -64,8 +64,8 @@ def row_mul_add_div_sub_SIG(
         v13 = v12 / s0
         v14 = v13 * s3
         v15 = v14 * v3
-        x6_7 = tl.load(in6_ptr + rows * in6_stride0 + cols, mask=mask, other=0)
-        v16 = x6_7 + v15
+        dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
+        v16 = dout0 + v15
         v17 = v0 * v9
         v18 = v16 + v17
         v19 = -v17
@@ -73,13 +73,13 @@ def row_mul_add_div_sub_SIG(
         v20 = tl.sum(t8, axis=1)[:, None]
         v21 = v20 / s0
         v22 = v18 + v21
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v22, mask=mask)
+        tl.store(grad1_ptr + rows * grad1_stride0 + cols, v22, mask=mask)
         v23 = v3 * v9
-        v24 = x0_0 * v23
+        v24 = dout1 * v23
         t9 = tl.where(mask, v24, 0)
         t10 = acc_25 + t9
         acc_25 = t10
-        t11 = tl.where(mask, x0_0, 0)
+        t11 = tl.where(mask, dout1, 0)
         t12 = acc_26 + t11
         acc_26 = t12
     n_part = tl.num_programs(0) * n_cols

@@ -6,21 +6,21 @@ import triton.language as tl
 
 @triton.jit
 def row_add_div_sub_rsqrt_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    out0_ptr,
-    out1_ptr,
+    x_ptr,
+    r_ptr,
+    stat0_ptr,
+    stat1_ptr,
+    dout1_ptr,
+    grad2_ptr,
+    grad3_ptr,
     part8_ptr,
     part9_ptr,
     n_rows,
     n_cols,
     n_split,
-    in0_stride1,
-    in1_stride1,
-    in4_stride1,
+    x_stride1,
+    r_stride1,
+    dout1_stride1,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -37,6 +37,6 @@ def row_add_div_sub_rsqrt_SIG(
     v8 = tl.sum(acc_8, axis=1)[:, None]
     acc_9 = tl.load(part9_ptr + 0 * n_part + parts * n_rows + rows, mask=part_mask, other=0)
     v9 = tl.sum(acc_9, axis=1)[:, None]
-    tl.store(out0_ptr + rows, v8, mask=row_mask)
-    tl.store(out1_ptr + rows, v9, mask=row_mask)
+    tl.store(grad2_ptr + rows, v8, mask=row_mask)
+    tl.store(grad3_ptr + rows, v9, mask=row_mask)
 

@@ -6,18 +6,18 @@ import triton.language as tl
 
 @triton.jit
 def layer_norm_row_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
-    out1_ptr,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    b_ptr,
+    h_ptr,
+    y_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in1_stride0,
-    out0_stride0,
-    out1_stride0,
+    x_stride0,
+    r_stride0,
+    h_stride0,
+    y_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -29,9 +29,9 @@ def layer_norm_row_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    v0 = x0_0 + x1_1
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+    r = tl.load(r_ptr + rows * r_stride0 + cols, mask=mask, other=0)
+    v0 = x + r
     t2 = tl.where(mask, v0, 0)
     v1 = tl.sum(t2, axis=1)[:, None]
     v2 = v1 / s0
@@ -44,10 +44,10 @@ def layer_norm_row_SIG(
     v6 = v5 + s1
     v7 = tl.rsqrt(v6)
     v8 = v3 * v7
-    x2_7 = tl.load(in2_ptr + cols, mask=mask, other=0)
-    v9 = v8 * x2_7
-    x3_8 = tl.load(in3_ptr + cols, mask=mask, other=0)
-    v10 = v9 + x3_8
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v0, mask=mask)
-    tl.store(out1_ptr + rows * out1_stride0 + cols, v10, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0)
+    v9 = v8 * w
+    b = tl.load(b_ptr + cols, mask=mask, other=0)
+    v10 = v9 + b
+    tl.store(h_ptr + rows * h_stride0 + cols, v0, mask=mask)
+    tl.store(y_ptr + rows * y_stride0 + cols, v10, mask=mask)
 

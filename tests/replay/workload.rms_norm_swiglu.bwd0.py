@@ -6,21 +6,21 @@ import triton.language as tl
 
 @triton.jit
 def row_mul_div_add_rsqrt_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    out0_ptr,
-    out1_ptr,
+    dout0_ptr,
+    u_ptr,
+    stat0_ptr,
+    g_ptr,
+    w_ptr,
+    grad0_ptr,
+    grad2_ptr,
     part27_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in1_stride0,
-    in3_stride0,
-    out0_stride0,
-    out1_stride0,
+    dout0_stride0,
+    u_stride0,
+    g_stride0,
+    grad0_stride0,
+    grad2_stride0,
     s0,
     s1,
     s2,
@@ -31,7 +31,7 @@ def row_mul_div_add_rsqrt_SIG(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
-    x4_4 = tl.load(in4_ptr + cols, mask=col_mask, other=0)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0)
     acc_27 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for row_block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
@@ -39,24 +39,24 @@ def row_mul_div_add_rsqrt_SIG(
         cols = tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
-        x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-        x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-        v0 = x0_0 * x1_1
-        x3_2 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-        x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-        v1 = x2_3 / s0
+        dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
+        u = tl.load(u_ptr + rows * u_stride0 + cols, mask=mask, other=0)
+        v0 = dout0 * u
+        g = tl.load(g_ptr + rows * g_stride0 + cols, mask=mask, other=0)
+        stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
+        v1 = stat0 / s0
         v2 = v1 + s1
         v3 = tl.rsqrt(v2)
-        v4 = x3_2 * v3
-        v5 = v4 * x4_4
+        v4 = g * v3
+        v5 = v4 * w
         v6 = 1.0 / (1.0 + tl.exp(-v5))
         v7 = s2 - v6
         v8 = v5 * v7
         v9 = s2 + v8
         v10 = v6 * v9
         v11 = v0 * v10
-        v12 = v11 * x4_4
-        v14 = v12 * x3_2
+        v12 = v11 * w
+        v14 = v12 * g
         t5 = tl.where(mask, v14, 0)
         v15 = tl.sum(t5, axis=1)[:, None]
         v16 = v15 * s3
@@ -64,14 +64,14 @@ def row_mul_div_add_rsqrt_SIG(
         v18 = v3 * v17
         v19 = v16 * v18
         v20 = v19 / s0
-        v21 = v20 * x3_2
+        v21 = v20 * g
         v13 = v12 * v3
         v22 = v13 + v21
         v23 = v22 + v21
         v25 = v5 / (1.0 + tl.exp(-v5))
-        v26 = x0_0 * v25
-        tl.store(out0_ptr + rows * out0_stride0 + cols, v23, mask=mask)
-        tl.store(out1_ptr + rows * out1_stride0 + cols, v26, mask=mask)
+        v26 = dout0 * v25
+        tl.store(grad0_ptr + rows * grad0_stride0 + cols, v23, mask=mask)
+        tl.store(grad2_ptr + rows * grad2_stride0 + cols, v26, mask=mask)
         v24 = v11 * v4
         t6 = tl.where(mask, v24, 0)
         t7 = acc_27 + t6

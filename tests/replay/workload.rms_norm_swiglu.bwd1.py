@@ -6,19 +6,19 @@ import triton.language as tl
 
 @triton.jit
 def row_mul_div_add_rsqrt_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    out0_ptr,
+    dout0_ptr,
+    u_ptr,
+    stat0_ptr,
+    g_ptr,
+    w_ptr,
+    grad1_ptr,
     part13_ptr,
     n_rows,
     n_cols,
     n_split,
-    in0_stride1,
-    in1_stride1,
-    in3_stride1,
+    dout0_stride1,
+    u_stride1,
+    g_stride1,
     s0,
     s1,
     s2,
@@ -34,5 +34,5 @@ def row_mul_div_add_rsqrt_SIG(
     part_mask = row_mask & (parts < n_split)
     acc_13 = tl.load(part13_ptr + 0 * n_part + parts * n_rows + rows, mask=part_mask, other=0)
     v13 = tl.sum(acc_13, axis=1)[:, None]
-    tl.store(out0_ptr + rows, v13, mask=row_mask)
+    tl.store(grad1_ptr + rows, v13, mask=row_mask)
 

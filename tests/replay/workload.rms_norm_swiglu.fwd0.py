@@ -6,15 +6,15 @@ import triton.language as tl
 
 @triton.jit
 def rms_norm_row_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    out0_ptr,
+    g_ptr,
+    w_ptr,
+    u_ptr,
+    out_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in2_stride0,
-    out0_stride0,
+    g_stride0,
+    u_stride0,
+    out_stride0,
     s0,
     s1,
     ROWS: tl.constexpr,
@@ -26,18 +26,18 @@ def rms_norm_row_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    v0 = x0_0 * x0_0
+    g = tl.load(g_ptr + rows * g_stride0 + cols, mask=mask, other=0)
+    v0 = g * g
     t1 = tl.where(mask, v0, 0)
     v1 = tl.sum(t1, axis=1)[:, None]
     v2 = v1 / s0
     v3 = v2 + s1
     v4 = tl.rsqrt(v3)
-    v5 = x0_0 * v4
-    x1_2 = tl.load(in1_ptr + cols, mask=mask, other=0)
-    v6 = v5 * x1_2
+    v5 = g * v4
+    w = tl.load(w_ptr + cols, mask=mask, other=0)
+    v6 = v5 * w
     v7 = v6 / (1.0 + tl.exp(-v6))
-    x2_3 = tl.load(in2_ptr + rows * in2_stride0 + cols, mask=mask, other=0)
-    v8 = v7 * x2_3
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v8, mask=mask)
+    u = tl.load(u_ptr + rows * u_stride0 + cols, mask=mask, other=0)
+    v8 = v7 * u
+    tl.store(out_ptr + rows * out_stride0 + cols, v8, mask=mask)
 

@@ -6,25 +6,25 @@ import triton.language as tl
 
 @triton.jit
 def pointwise_mul_slice_unslice_neg_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    in4_ptr,
-    in5_ptr,
-    out0_ptr,
-    out1_ptr,
-    out2_ptr,
-    out3_ptr,
+    dout0_ptr,
+    s_ptr,
+    c_ptr,
+    dout1_ptr,
+    k_ptr,
+    q_ptr,
+    grad0_ptr,
+    grad1_ptr,
+    grad2_ptr,
+    grad3_ptr,
     n_elements,
     size0,
     size1,
-    in0_stride0,
-    in1_stride0,
-    in2_stride0,
-    in3_stride0,
-    in4_stride0,
-    in5_stride0,
+    dout0_stride0,
+    s_stride0,
+    c_stride0,
+    dout1_stride0,
+    k_stride0,
+    q_stride0,
     m1_0,
     m1_1,
     m2_0,
@@ -65,68 +65,68 @@ def pointwise_mul_slice_unslice_neg_SIG(
     t0 = i1 - m2_0
     t1 = t0 // m2_1
     t2 = (t0 >= 0) & (t0 % m2_1 == 0) & (t1 < m2_2)
-    x0_5 = tl.load(in0_ptr + irem * in0_stride0 + (m1_0 + m1_1 * t1) + offs * 0, mask=mask & t2, other=0)
-    x1_6 = tl.load(in1_ptr + irem * in1_stride0 + (m1_0 + m1_1 * t1) + offs * 0, mask=mask & t2, other=0)
-    v0_4 = x0_5 * x1_6
+    dout0 = tl.load(dout0_ptr + irem * dout0_stride0 + (m1_0 + m1_1 * t1) + offs * 0, mask=mask & t2, other=0)
+    s = tl.load(s_ptr + irem * s_stride0 + (m1_0 + m1_1 * t1) + offs * 0, mask=mask & t2, other=0)
+    v0_4 = dout0 * s
     v1_3 = v0_4.to(tl.float32)
     v2 = tl.where(t2, v1_3, 0).to(tl.float32)
     t7 = i1 - m5_0
     t8 = t7 // m5_1
     t9 = (t7 >= 0) & (t7 % m5_1 == 0) & (t8 < m5_2)
-    x0_13 = tl.load(in0_ptr + irem * in0_stride0 + (m3_0 + m3_1 * t8) + offs * 0, mask=mask & t9, other=0)
-    x1_14 = tl.load(in1_ptr + irem * in1_stride0 + (m3_0 + m3_1 * t8) + offs * 0, mask=mask & t9, other=0)
-    v0_12 = x0_13 * x1_14
+    dout0_1 = tl.load(dout0_ptr + irem * dout0_stride0 + (m3_0 + m3_1 * t8) + offs * 0, mask=mask & t9, other=0)
+    s_1 = tl.load(s_ptr + irem * s_stride0 + (m3_0 + m3_1 * t8) + offs * 0, mask=mask & t9, other=0)
+    v0_12 = dout0_1 * s_1
     v3_11 = v0_12.to(tl.float32)
     v4_10 = -v3_11
     v5 = tl.where(t9, v4_10, 0).to(tl.float32)
     v6 = v2 + v5
-    x0_15 = tl.load(in0_ptr + irem * in0_stride0 + i1, mask=mask, other=0)
-    x2_16 = tl.load(in2_ptr + irem * in2_stride0 + i1, mask=mask, other=0)
-    v7 = x0_15 * x2_16
+    dout0_2 = tl.load(dout0_ptr + irem * dout0_stride0 + i1, mask=mask, other=0)
+    c = tl.load(c_ptr + irem * c_stride0 + i1, mask=mask, other=0)
+    v7 = dout0_2 * c
     v8 = v6 + v7
-    x3_17 = tl.load(in3_ptr + irem * in3_stride0 + i1, mask=mask, other=0)
-    x4_18 = tl.load(in4_ptr + irem * in4_stride0 + i1, mask=mask, other=0)
-    v9 = x3_17 * x4_18
-    x5_19 = tl.load(in5_ptr + irem * in5_stride0 + i1, mask=mask, other=0)
-    v10 = x0_15 * x5_19
+    dout1 = tl.load(dout1_ptr + irem * dout1_stride0 + i1, mask=mask, other=0)
+    k = tl.load(k_ptr + irem * k_stride0 + i1, mask=mask, other=0)
+    v9 = dout1 * k
+    q = tl.load(q_ptr + irem * q_stride0 + i1, mask=mask, other=0)
+    v10 = dout0_2 * q
     v11 = v9 + v10
-    x4_22 = tl.load(in4_ptr + irem * in4_stride0 + (m12_0 + m12_1 * i1) + offs * 0, mask=mask & (i1 < m15_0), other=0)
-    v12_21 = x4_22.to(tl.float32)
+    k_1 = tl.load(k_ptr + irem * k_stride0 + (m12_0 + m12_1 * i1) + offs * 0, mask=mask & (i1 < m15_0), other=0)
+    v12_21 = k_1.to(tl.float32)
     v13_20 = -v12_21
-    x4_24 = tl.load(in4_ptr + irem * in4_stride0 + (m14_0 + m14_1 * (i1 - m15_0)) + offs * 0, mask=mask & (i1 >= m15_0), other=0)
-    v14_23 = x4_24.to(tl.float32)
+    k_2 = tl.load(k_ptr + irem * k_stride0 + (m14_0 + m14_1 * (i1 - m15_0)) + offs * 0, mask=mask & (i1 >= m15_0), other=0)
+    v14_23 = k_2.to(tl.float32)
     v15 = tl.where(i1 < m15_0, v13_20, v14_23).to(tl.float32)
-    v16 = x3_17 * v15
-    x5_27 = tl.load(in5_ptr + irem * in5_stride0 + (m17_0 + m17_1 * i1) + offs * 0, mask=mask & (i1 < m20_0), other=0)
-    v17_26 = x5_27.to(tl.float32)
+    v16 = dout1 * v15
+    q_1 = tl.load(q_ptr + irem * q_stride0 + (m17_0 + m17_1 * i1) + offs * 0, mask=mask & (i1 < m20_0), other=0)
+    v17_26 = q_1.to(tl.float32)
     v18_25 = -v17_26
-    x5_29 = tl.load(in5_ptr + irem * in5_stride0 + (m19_0 + m19_1 * (i1 - m20_0)) + offs * 0, mask=mask & (i1 >= m20_0), other=0)
-    v19_28 = x5_29.to(tl.float32)
+    q_2 = tl.load(q_ptr + irem * q_stride0 + (m19_0 + m19_1 * (i1 - m20_0)) + offs * 0, mask=mask & (i1 >= m20_0), other=0)
+    v19_28 = q_2.to(tl.float32)
     v20 = tl.where(i1 < m20_0, v18_25, v19_28).to(tl.float32)
-    v21 = x0_15 * v20
+    v21 = dout0_2 * v20
     v22 = v16 + v21
     t30 = i1 - m25_0
     t31 = t30 // m25_1
     t32 = (t30 >= 0) & (t30 % m25_1 == 0) & (t31 < m25_2)
-    x3_35 = tl.load(in3_ptr + irem * in3_stride0 + (m24_0 + m24_1 * t31) + offs * 0, mask=mask & t32, other=0)
-    x1_36 = tl.load(in1_ptr + irem * in1_stride0 + (m24_0 + m24_1 * t31) + offs * 0, mask=mask & t32, other=0)
-    v23_34 = x3_35 * x1_36
+    dout1_1 = tl.load(dout1_ptr + irem * dout1_stride0 + (m24_0 + m24_1 * t31) + offs * 0, mask=mask & t32, other=0)
+    s_2 = tl.load(s_ptr + irem * s_stride0 + (m24_0 + m24_1 * t31) + offs * 0, mask=mask & t32, other=0)
+    v23_34 = dout1_1 * s_2
     v24_33 = v23_34.to(tl.float32)
     v25 = tl.where(t32, v24_33, 0).to(tl.float32)
     t37 = i1 - m28_0
     t38 = t37 // m28_1
     t39 = (t37 >= 0) & (t37 % m28_1 == 0) & (t38 < m28_2)
-    x3_43 = tl.load(in3_ptr + irem * in3_stride0 + (m26_0 + m26_1 * t38) + offs * 0, mask=mask & t39, other=0)
-    x1_44 = tl.load(in1_ptr + irem * in1_stride0 + (m26_0 + m26_1 * t38) + offs * 0, mask=mask & t39, other=0)
-    v23_42 = x3_43 * x1_44
+    dout1_2 = tl.load(dout1_ptr + irem * dout1_stride0 + (m26_0 + m26_1 * t38) + offs * 0, mask=mask & t39, other=0)
+    s_3 = tl.load(s_ptr + irem * s_stride0 + (m26_0 + m26_1 * t38) + offs * 0, mask=mask & t39, other=0)
+    v23_42 = dout1_2 * s_3
     v26_41 = v23_42.to(tl.float32)
     v27_40 = -v26_41
     v28 = tl.where(t39, v27_40, 0).to(tl.float32)
     v29 = v25 + v28
-    v30 = x3_17 * x2_16
+    v30 = dout1 * c
     v31 = v29 + v30
-    tl.store(out0_ptr + offs, v8, mask=mask)
-    tl.store(out1_ptr + offs, v11, mask=mask)
-    tl.store(out2_ptr + offs, v22, mask=mask)
-    tl.store(out3_ptr + offs, v31, mask=mask)
+    tl.store(grad0_ptr + offs, v8, mask=mask)
+    tl.store(grad1_ptr + offs, v11, mask=mask)
+    tl.store(grad2_ptr + offs, v22, mask=mask)
+    tl.store(grad3_ptr + offs, v31, mask=mask)
 

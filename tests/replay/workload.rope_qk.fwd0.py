@@ -6,19 +6,19 @@ import triton.language as tl
 
 @triton.jit
 def rope_pointwise_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
-    out1_ptr,
+    q_ptr,
+    c_ptr,
+    s_ptr,
+    k_in_ptr,
+    q_out_ptr,
+    k_ptr,
     n_elements,
     size0,
     size1,
-    in0_stride0,
-    in1_stride0,
-    in2_stride0,
-    in3_stride0,
+    q_stride0,
+    c_stride0,
+    s_stride0,
+    k_in_stride0,
     m1_0,
     m1_1,
     m3_0,
@@ -36,28 +36,28 @@ def rope_pointwise_SIG(
     mask = offs < n_elements
     i1 = offs % size1
     irem = offs // size1
-    x0_0 = tl.load(in0_ptr + irem * in0_stride0 + i1, mask=mask, other=0)
-    x1_1 = tl.load(in1_ptr + irem * in1_stride0 + i1, mask=mask, other=0)
-    v0 = x0_0 * x1_1
-    x0_4 = tl.load(in0_ptr + irem * in0_stride0 + (m1_0 + m1_1 * i1) + offs * 0, mask=mask & (i1 < m4_0), other=0)
-    v1_3 = x0_4.to(tl.float32)
+    q = tl.load(q_ptr + irem * q_stride0 + i1, mask=mask, other=0)
+    c = tl.load(c_ptr + irem * c_stride0 + i1, mask=mask, other=0)
+    v0 = q * c
+    q_1 = tl.load(q_ptr + irem * q_stride0 + (m1_0 + m1_1 * i1) + offs * 0, mask=mask & (i1 < m4_0), other=0)
+    v1_3 = q_1.to(tl.float32)
     v2_2 = -v1_3
-    x0_6 = tl.load(in0_ptr + irem * in0_stride0 + (m3_0 + m3_1 * (i1 - m4_0)) + offs * 0, mask=mask & (i1 >= m4_0), other=0)
-    v3_5 = x0_6.to(tl.float32)
+    q_2 = tl.load(q_ptr + irem * q_stride0 + (m3_0 + m3_1 * (i1 - m4_0)) + offs * 0, mask=mask & (i1 >= m4_0), other=0)
+    v3_5 = q_2.to(tl.float32)
     v4 = tl.where(i1 < m4_0, v2_2, v3_5).to(tl.float32)
-    x2_7 = tl.load(in2_ptr + irem * in2_stride0 + i1, mask=mask, other=0)
-    v5 = v4 * x2_7
+    s = tl.load(s_ptr + irem * s_stride0 + i1, mask=mask, other=0)
+    v5 = v4 * s
     v6 = v0 + v5
-    x3_8 = tl.load(in3_ptr + irem * in3_stride0 + i1, mask=mask, other=0)
-    v7 = x3_8 * x1_1
-    x3_11 = tl.load(in3_ptr + irem * in3_stride0 + (m8_0 + m8_1 * i1) + offs * 0, mask=mask & (i1 < m11_0), other=0)
-    v8_10 = x3_11.to(tl.float32)
+    k = tl.load(k_in_ptr + irem * k_in_stride0 + i1, mask=mask, other=0)
+    v7 = k * c
+    k_1 = tl.load(k_in_ptr + irem * k_in_stride0 + (m8_0 + m8_1 * i1) + offs * 0, mask=mask & (i1 < m11_0), other=0)
+    v8_10 = k_1.to(tl.float32)
     v9_9 = -v8_10
-    x3_13 = tl.load(in3_ptr + irem * in3_stride0 + (m10_0 + m10_1 * (i1 - m11_0)) + offs * 0, mask=mask & (i1 >= m11_0), other=0)
-    v10_12 = x3_13.to(tl.float32)
+    k_2 = tl.load(k_in_ptr + irem * k_in_stride0 + (m10_0 + m10_1 * (i1 - m11_0)) + offs * 0, mask=mask & (i1 >= m11_0), other=0)
+    v10_12 = k_2.to(tl.float32)
     v11 = tl.where(i1 < m11_0, v9_9, v10_12).to(tl.float32)
-    v12 = v11 * x2_7
+    v12 = v11 * s
     v13 = v7 + v12
-    tl.store(out0_ptr + offs, v6, mask=mask)
-    tl.store(out1_ptr + offs, v13, mask=mask)
+    tl.store(q_out_ptr + offs, v6, mask=mask)
+    tl.store(k_ptr + offs, v13, mask=mask)
 

@@ -6,19 +6,19 @@ import triton.language as tl
 
 @triton.jit
 def row_mul_add_finite_or_nan_sub_SIG(
-    in0_ptr,
-    in1_ptr,
-    in2_ptr,
-    in3_ptr,
-    out0_ptr,
-    out1_ptr,
+    x_ptr,
+    m_ptr,
+    stat0_ptr,
+    dout0_ptr,
+    grad1_ptr,
+    grad0_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in1_stride0,
-    in3_stride0,
-    out0_stride0,
-    out1_stride0,
+    x_stride0,
+    m_stride0,
+    dout0_stride0,
+    grad1_stride0,
+    grad0_stride0,
     s0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -29,26 +29,26 @@ def row_mul_add_finite_or_nan_sub_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x3_0 = tl.load(in3_ptr + rows * in3_stride0 + cols, mask=mask, other=0)
-    x0_1 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    v0 = x0_1 * s0
-    x1_2 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    v1 = v0 + x1_2
-    x2_3 = tl.load(in2_ptr + rows, mask=row_mask, other=0)
-    v2 = x2_3 + (x2_3 - x2_3)
+    dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+    v0 = x * s0
+    m = tl.load(m_ptr + rows * m_stride0 + cols, mask=mask, other=0)
+    v1 = v0 + m
+    stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
+    v2 = stat0 + (stat0 - stat0)
     v3 = v1 - v2
     v4 = tl.exp(v3)
-    v5 = x3_0 * v4
+    v5 = dout0 * v4
     v6 = -v5
     t4 = tl.where(mask, v6, 0)
     v7 = tl.sum(t4, axis=1)[:, None]
-    v8 = x2_3 - x2_3
+    v8 = stat0 - stat0
     v10 = v7 + v8
-    v11 = v1 - x2_3
+    v11 = v1 - stat0
     v12 = tl.exp(v11)
     v13 = v10 * v12
     v14 = v5 + v13
     v15 = v14 * s0
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v14, mask=mask)
-    tl.store(out1_ptr + rows * out1_stride0 + cols, v15, mask=mask)
+    tl.store(grad1_ptr + rows * grad1_stride0 + cols, v14, mask=mask)
+    tl.store(grad0_ptr + rows * grad0_stride0 + cols, v15, mask=mask)
 

@@ -6,14 +6,14 @@ import triton.language as tl
 
 @triton.jit
 def softmax_row_SIG(
-    in0_ptr,
-    in1_ptr,
-    out0_ptr,
+    x_ptr,
+    m_ptr,
+    out_ptr,
     n_rows,
     n_cols,
-    in0_stride0,
-    in1_stride0,
-    out0_stride0,
+    x_stride0,
+    m_stride0,
+    out_stride0,
     s0,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -24,10 +24,10 @@ def softmax_row_SIG(
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     col_mask = cols < n_cols
     mask = row_mask & col_mask
-    x0_0 = tl.load(in0_ptr + rows * in0_stride0 + cols, mask=mask, other=0)
-    v0 = x0_0 * s0
-    x1_1 = tl.load(in1_ptr + rows * in1_stride0 + cols, mask=mask, other=0)
-    v1 = v0 + x1_1
+    x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+    v0 = x * s0
+    m = tl.load(m_ptr + rows * m_stride0 + cols, mask=mask, other=0)
+    v1 = v0 + m
     t2 = tl.where(mask, v1, float('-inf'))
     t3 = tl.max(t2, axis=1)[:, None]
     t4 = tl.where(tl.abs(t3) == float('inf'), 0.0, t3)
@@ -35,5 +35,5 @@ def softmax_row_SIG(
     v2 = t3 + tl.log(tl.sum(t5, axis=1)[:, None])
     v3 = v2 + (v2 - v2)
     v5 = t5 * tl.exp(t4 - v3)
-    tl.store(out0_ptr + rows * out0_stride0 + cols, v5, mask=mask)
+    tl.store(out_ptr + rows * out_stride0 + cols, v5, mask=mask)
 
