@@ -14,7 +14,10 @@ Static counts compare kernels whose code runs once per block of a row: where a r
 the count is what each warp issues per row. Instructions per element are warp instructions:
 ``instructions * num_warps / elements per block``; for a row looped over in blocks (rtxdsl's
 cross-entropy at 32K classes, in 4096-wide blocks) that counts each block's pass once, and the
-statistics pass and the output pass both.
+statistics pass and the output pass both. "Loop per element" counts only the instructions inside
+the kernel's loops (a looped row's block in each pass, a norm backward's row in its loop over
+rows): the code before and after them (a row's target logit, a tail's mean, a program's partials)
+runs once per row or program.
 
     python -m benches.sass_report            # every case
     python -m benches.sass_report --quick    # two cases
@@ -214,6 +217,9 @@ def _row(kernel: str, facts, warps: int, per_program: int) -> dict:
         "kernel": kernel,
         "SASS instructions": sass.instructions,
         "per element": round(sass.instructions * warps / per_program, 3),
+        # what runs per block of a looped row (per row of a norm backward's loop over rows), without
+        # the code before and after the loop
+        "loop per element": round(sass.loop * warps / per_program, 3) if sass.loop else None,
         "barriers": sass.barriers,
         "warps": warps,
         "registers": facts.registers,
@@ -258,7 +264,8 @@ def main() -> None:
         rows.append({"case": size, **_ours(name, r, c, dt)})
         if peer is _peer or peer is _liger and _liger_installed():  # Liger-Kernel: the bench extra
             rows.append({"case": size, **peer(name, r, c, dt)})
-    cols = ["case", "kernel", "SASS instructions", "per element", "barriers", "warps", "registers", "spills"]
+    cols = ["case", "kernel", "SASS instructions", "per element", "loop per element", "barriers", "warps"]
+    cols += ["registers", "spills"]
     print(markdown(rows, cols))
     save("sass-sm90-quick" if args.quick else "sass-sm90", {"rows": rows})
 

@@ -136,9 +136,14 @@ class ReduceSpec:
     single: Callable[[EmitCtx, str], str]
     lanes: bool = False
     of_values: bool = True
+    #: its derivative compares its operand with its value (amax, amin: the elements equal to it):
+    #: a backward recomputes it from the operand it recomputes, never reads the forward's, which
+    #: code of another form may have computed from other bits (a softmax's shared exp)
+    exact: bool = False
     #: ``tile_of(ctx, x, mask, count)``: a tile's states straight from its elements (``count`` of
-    #: them valid per row, an expression), where that beats lifting each element and reducing the
-    #: states (logsumexp: one exp per element; Welford: the mean, then squared deviations from it)
+    #: them valid per row, an expression; ``mask`` "": every lane is), where that beats lifting each
+    #: element and reducing the states (logsumexp: one exp per element; Welford: the mean, then
+    #: squared deviations from it)
     tile_of: Callable[[EmitCtx, str, str, str], tuple[str, ...]] | None = None
     #: ``lanes`` states of a ``[ROWS, BLOCK]`` tile reduced along its rows to ``[1, BLOCK]``: a
     #: column reduction a row kernel merges over its rows (``Role.COLUMN``); None: none such

@@ -358,6 +358,7 @@ def _step(draw: Any, pool: list[Value], steps: list[str], new_input: Callable[[t
         name = draw(st.sampled_from(["softmax", "log_softmax"]))
         axis = draw(st.integers(-len(a.shape), len(a.shape) - 1))
         pool.append(Value(getattr(rx, name)(a.expr, axis), a.shape, "float"))
+        _across_rows(draw, pool, pool[-1])
     elif choice == 9 and a.shape:
         name = draw(st.sampled_from(["layer_norm", "rms_norm"]))
         d = a.shape[-1]
@@ -365,11 +366,27 @@ def _step(draw: Any, pool: list[Value], steps: list[str], new_input: Callable[[t
         w = draw(st.sampled_from(weights)).expr if weights and draw(st.booleans()) else None
         e = rx.layer_norm(a.expr, w, None) if name == "layer_norm" else rx.rms_norm(a.expr, w)
         pool.append(Value(e, a.shape, "float"))
+        _across_rows(draw, pool, pool[-1])
     elif choice >= 10 and a.shape and a.kind == "float":
         name = _contraction(draw, pool, a, new_input)
     else:
         return
     steps.append(name)
+
+
+def _across_rows(draw: Any, pool: list[Value], a: Value) -> None:
+    """Now and then a reduction of a row op's result over its leading axes (``amin(softmax(x) * x,
+    0)``, a norm's column sum): a row kernel computes it over its programs' rows, and an extreme's
+    gradient compares its recomputed operand with it (a softmax's exp computed in two forms once
+    made no element equal)."""
+    if len(a.shape) < 2 or 0 in a.shape or draw(st.integers(0, 2)):
+        return
+    name = draw(st.sampled_from(["amax", "amin", "sum"]))
+    operand = (
+        a.expr * pool[0].expr if pool[0].kind == "float" and broadcast(a.shape, pool[0].shape) == a.shape else a.expr
+    )
+    axis = tuple(range(len(a.shape) - 1))
+    pool.append(Value(getattr(rx, name)(operand, axis, False), a.shape[-1:], "float"))
 
 
 def _contraction(draw: Any, pool: list[Value], a: Value, new_input: Callable[[torch.Tensor], Any]) -> str:

@@ -232,3 +232,28 @@ def test_relu_gradient_at_nan_and_with_inf_cotangents_is_torchs():
     (got,) = torch.autograd.grad(rx.compile(rx.relu(rx.var("x")))(x=t), t, cot)
     (want,) = torch.autograd.grad(torch.relu(t), t, cot)
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+# an extreme of a value the forward computes in another form than the backward recomputes it (a
+# softmax's exp shares the logsumexp's tile in the forward): the backward recomputes the extreme
+# too (model fuzzer: amin(x * softmax(x), 0)'s gradient was NaN, no element equal to the saved min)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "make", [lambda: rx.amin(x * rx.softmax(x), 0), lambda: rx.amax(rx.softmax(x) * 3.0, -1, keepdim=True)]
+)
+def test_an_extremes_gradient_finds_its_elements_however_the_forward_computed_them(make, dtype, gen):
+    t = torch.randn(37, 31, generator=gen, dtype=torch.float64)
+    got_in, want_in = t.to(dtype).requires_grad_(), t.clone().requires_grad_()
+    k = rx.compile(make())
+    out = k(x=got_in)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (got,) = torch.autograd.grad(out, got_in, g.to(dtype))
+    ref = rx.compile(make(), config=rx.FusionConfig(backend="torch"))
+    (want,) = torch.autograd.grad(ref(x=want_in), want_in, g)
+    torch.testing.assert_close(got.double(), want, atol=1e-5 if dtype == torch.float32 else 1e-12, rtol=1e-5)
+
+
+def test_float64_tanh_is_exact_to_float64_rounding():
+    """tanh's series below |x| = 1/8 carries float64's precision (4 terms left 1e-9 relative)."""
+    t = torch.linspace(-0.3, 0.3, 1001, dtype=torch.float64)
+    torch.testing.assert_close(rx.compile(rx.tanh(x))(x=t), torch.tanh(t), atol=0, rtol=1e-15)  # a few ulps

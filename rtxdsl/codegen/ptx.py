@@ -126,6 +126,10 @@ def _ptxas(arch: int) -> Path | None:
 class Sass:
     instructions: int  # static SASS instructions of the kernel, NOPs excluded
     barriers: int  # BAR instructions (block-wide synchronizations)
+    #: the instructions inside its loops (between a branch back to an earlier instruction and that
+    #: instruction), NOPs excluded: what a looped row issues per block of each pass, a row kernel
+    #: per row of its programs' loop; 0 where the kernel has none
+    loop: int = 0
 
 
 def sass_counts(ptx: str, arch: int = 90) -> Sass | None:
@@ -140,9 +144,15 @@ def sass_counts(ptx: str, arch: int = 90) -> Sass | None:
         assemble = [str(ptxas), f"--gpu-name=sm_{arch}a", str(src), "-o", str(obj)]
         subprocess.run(assemble, check=True, capture_output=True)
         text = subprocess.run([str(cuobjdump), "-sass", str(obj)], check=True, capture_output=True, text=True).stdout
-    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)]
-    ops = [o for o in ops if not o.startswith("NOP")]
-    return Sass(len(ops), sum(o.startswith("BAR") for o in ops))
+    found = re.finditer(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", text)
+    code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in found if not m.group(2).startswith("NOP")]
+    spans = []
+    for at, op, rest in code:  # a branch to an earlier address closes a loop
+        back = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if back is not None and int(back.group(1), 16) < at:
+            spans.append((int(back.group(1), 16), at))
+    looped = sum(1 for a, _, _ in code if any(lo <= a <= hi for lo, hi in spans))
+    return Sass(len(code), sum(o.startswith("BAR") for _, o, _ in code), looped)
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:

@@ -426,10 +426,20 @@ class Writer:
         return node, rdt, self._ctx(node, scope, rdt), x
 
     def _lifted(self, ctx: EmitCtx, node: NodeSpec, rdt: torch.dtype, x: str, mask: str = "mask") -> tuple[str, ...]:
-        """One element's state per lane, the identity where the lane is masked."""
+        """One element's state per lane, the identity where the lane is masked (``mask`` "": none is)."""
         red = REGISTRY[node.op].reduce
+        if not mask:
+            return tuple(red.lift(ctx, x))
         states = zip(red.lift(ctx, x), red.identity(rdt))
         return tuple(ctx.tmp(f"tl.where({mask}, {c}, {ident})") for c, ident in states)
+
+    def _lane_mask(self, i: int) -> str:
+        """What masks row reduction ``i``'s lanes: the tile's mask; where the row fills its blocks
+        (``KernelSpec.even``: ``mask`` is the rows' alone, and a masked row's value is never stored)
+        nothing, but for one value per row, which the select broadcasts to the tile's lanes."""
+        if not self.spec.even:
+            return "mask"
+        return "(row_mask & col_mask)" if self._row_constant(self.spec.nodes[i].srcs[0]) else ""
 
     def _emit_single(self, node: NodeSpec, name: str, scope: Scope, loop: Scope) -> str:
         rdt = reduce_dtype(node)
@@ -444,11 +454,11 @@ class Writer:
         node = self.spec.nodes[i]
         red = REGISTRY[node.op].reduce
         if red.tile_of is not None and count is not None:
-            state = red.tile_of(ctx, x, "mask", count)
+            state = red.tile_of(ctx, x, self._lane_mask(i), count)
             if "exp" in ctx.facts:
                 self.shared_exp[i] = (x, ctx.facts["exp"], ctx.facts["shift"])
             return state
-        return red.tile(ctx, self._lifted(ctx, node, ctx.dtype, x))
+        return red.tile(ctx, self._lifted(ctx, node, ctx.dtype, x, self._lane_mask(i)))
 
     def _direct(self, i: int) -> str | None:
         """Reduction ``i`` computed once per row, at the top, without reducing a tile, where the
@@ -495,7 +505,7 @@ class Writer:
                 self.top.add(f"{name} = tl.full({shape}, {ident}, dtype={tt})")
             _, _, ctx, x = self._reduce_input(i, loop, loop)
             if red.lanes:
-                new = red.merge(ctx, running, self._lifted(ctx, node, rdt, x))
+                new = red.merge(ctx, running, self._lifted(ctx, node, rdt, x, self._lane_mask(i)))
             else:
                 count = f"tl.minimum({'col_hi' if self.spec.split else 'n_cols'} - col_start, BLOCK_SIZE)"
                 new = red.merge(ctx, running, self._tile_state(i, ctx, x, count))
@@ -681,7 +691,7 @@ class Writer:
         scope.add(f"col_mask = cols < {'col_hi' if self.spec.split else 'n_cols'}")
         if upto == "col_mask":
             return
-        scope.add("mask = row_mask & col_mask")
+        scope.add("mask = row_mask" if self.spec.even else "mask = row_mask & col_mask")  # (even: every column is)
         self.cidx = self._decompose(scope, "cols", "c", "csize", self.nc)
 
     def row_kernel(self, name: str) -> str:

@@ -516,6 +516,8 @@ def kernel_spec(
         spec = replace(spec, block=cfg.block, rows_per_program=cfg.rows_per_program, num_warps=cfg.num_warps)
     else:
         spec, programs, n_split, chunk = _programs(spec, w, target)
+        if w.row and not spec.split and n_split == 1 and tile is None and n_cols and n_cols % spec.block == 0:
+            spec = replace(spec, even=True)  # the row fills its blocks: no column mask
     if spec.columns:  # a program per block of rows, up to the table's count: each loops over its rows
         programs = min(programs, column_programs(target))
     grid, meta = grid_and_meta(cfg if w.row else None, programs * n_split, n_rows * n_cols, target)

@@ -161,6 +161,9 @@ class KernelSpec:
     #: a row kernel's column reductions (role "column"): its programs loop over blocks of rows,
     #: each merging its rows' lanes, and store their partial states for a ``Split.MERGE`` kernel
     columns: tuple[int, ...] = ()
+    #: a row kernel whose columns fill its blocks (the row a multiple of ``block``): no column mask,
+    #: and a row reduction's lanes need no select (a masked row's values are never stored)
+    even: bool = False
     #: what the printed source calls each input, output and scalar input ("" for a constant): the
     #: user's names (``lower.names``; ``codegen.names`` renames the positional ones)
     names: tuple[str, ...] = ()

@@ -147,8 +147,13 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     # recomputed), but for products it only reduces over their rows and never writes: those the
     # backward recomputes in tiles (marked ``recompute``), never a tokens x vocabulary buffer
     tiled = {id(n) for n in graph.nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION and reduced_in_rows(graph, n)}
+    # (an extreme's derivative compares its operand with it: both recomputed alike, never saved)
     reductions = [
-        n for n in graph.nodes if REGISTRY[n.op].kind in (OpKind.REDUCTION, OpKind.CONTRACTION) and id(n) not in tiled
+        n
+        for n in graph.nodes
+        if REGISTRY[n.op].kind in (OpKind.REDUCTION, OpKind.CONTRACTION)
+        and id(n) not in tiled
+        and not (REGISTRY[n.op].reduce is not None and REGISTRY[n.op].reduce.exact)
     ]
     reductions += _multiplied(graph, tiled, {id(r) for r in reductions})
     saved = {id(r): Expr("var", (), {"name": f"{SAVED}{k}", "dtype": None}) for k, r in enumerate(reductions)}

@@ -117,6 +117,7 @@ def _extreme_spec(which: str, identity, pick) -> ReduceSpec:
         single=lambda c, x: x,
         lanes=True,
         columns=_tile_extreme(which, axis=0),
+        exact=True,
     )
 
 
@@ -149,8 +150,13 @@ def _lse_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str,
     return big, f"{scale(*a)} + {scale(*b)}"
 
 
+def _masked(mask: str, x: str, other: str) -> str:
+    """``x`` where ``mask``, ``other`` elsewhere (``mask`` "": every lane counts)."""
+    return f"tl.where({mask}, {x}, {other})" if mask else x
+
+
 def _lse_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
-    m = c.tmp(f"tl.where({mask}, {x}, float('-inf'))")
+    m = c.tmp(_masked(mask, x, "float('-inf')"))
     big = c.tmp(f"tl.max({m}, axis=1)[:, None]")
     # shift by the max, or by 0 where it is +-inf: no lane computes inf - inf, so a row of -inf sums
     # to 0 (logsumexp -inf) and one holding +inf to inf; a NaN lane's exp is NaN (tl.max may drop it)
@@ -193,8 +199,8 @@ def _m2_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
     n = c.tmp(f"({count}) + tl.zeros([1, 1], dtype={TRITON_TYPE[c.dtype]})")
     # the tile's mean (its sum spelled as a sum reduction's, so one shared with it is computed once),
     # then the squared deviations from it: two-pass exact within the tile
-    mu = c.tmp(f"{_tile_sum(c.tmp(f'tl.where({mask}, {x}, 0)'))} / tl.maximum({n}, 1.0)")
-    d = c.tmp(f"tl.where({mask}, {x} - {mu}, 0.0)")
+    mu = c.tmp(f"{_tile_sum(c.tmp(_masked(mask, x, '0')))} / tl.maximum({n}, 1.0)")
+    d = c.tmp(_masked(mask, f"{x} - {mu}", "0.0"))
     return n, mu, _tile_sum(f"{d} * {d}")
 
 

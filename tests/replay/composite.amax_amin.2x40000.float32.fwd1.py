@@ -18,9 +18,7 @@ def row_amin_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
-    col_mask = cols < n_cols
-    mask = row_mask & col_mask
-    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=float('inf'))
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0)
     v0 = tl.where(tl.max((x != x).to(tl.int32), axis=1)[:, None] > 0, float('nan'), tl.min(x, axis=1)[:, None])
     tl.store(lo_ptr + rows, v0, mask=row_mask)
 

@@ -25,23 +25,19 @@ def row_div_sub_add_rsqrt_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
-    col_mask = cols < n_cols
-    mask = row_mask & col_mask
-    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=mask, other=0)
-    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0)
-    stat0 = tl.load(stat0_ptr + cols, mask=mask, other=0)
+    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=row_mask, other=0)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0)
+    stat0 = tl.load(stat0_ptr + cols, mask=row_mask, other=0)
     v0 = stat0 / s0
     v1 = x - v0
-    stat1 = tl.load(stat1_ptr + cols, mask=mask, other=0)
+    stat1 = tl.load(stat1_ptr + cols, mask=row_mask, other=0)
     v2 = stat1 / s0
     v3 = v2 + s1
     v4 = tl.rsqrt(v3)
     v5 = v1 * v4
     v6 = dout0 * v5
-    t4 = tl.where(mask, v6, 0)
-    v7 = tl.sum(t4, axis=1)[:, None]
-    t5 = tl.where(mask, dout0, 0)
-    v8 = tl.sum(t5, axis=1)[:, None]
+    v7 = tl.sum(v6, axis=1)[:, None]
+    v8 = tl.sum(dout0, axis=1)[:, None]
     tl.store(grad1_ptr + rows, v7, mask=row_mask)
     tl.store(grad2_ptr + rows, v8, mask=row_mask)
 

@@ -22,19 +22,16 @@ def row_neg_sum_sub_detach_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
-    col_mask = cols < n_cols
-    mask = row_mask & col_mask
-    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=mask, other=0).to(tl.float32)
+    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=row_mask, other=0).to(tl.float32)
     v0 = -dout0
-    t1 = tl.where(mask, v0, 0)
-    v1 = tl.sum(t1, axis=1)[:, None]
+    v1 = tl.sum(v0, axis=1)[:, None]
     stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
     v2 = stat0 - stat0
     v4 = v1 + v2
-    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0).to(tl.float32)
     v5 = x - stat0
     v6 = tl.exp(v5)
     v7 = v4 * v6
     v8 = dout0 + v7
-    tl.store(grad0_ptr + rows + cols * grad0_stride1, v8.to(tl.bfloat16), mask=mask)
+    tl.store(grad0_ptr + rows + cols * grad0_stride1, v8.to(tl.bfloat16), mask=row_mask)
 

@@ -19,15 +19,12 @@ def softmax_row_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
-    col_mask = cols < n_cols
-    mask = row_mask & col_mask
-    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
-    t1 = tl.where(mask, x, float('-inf'))
-    t2 = tl.max(t1, axis=1)[:, None]
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0).to(tl.float32)
+    t2 = tl.max(x, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
-    t4 = tl.exp2((t1 - t3) * 1.4426950408889634)
+    t4 = tl.exp2((x - t3) * 1.4426950408889634)
     v0 = t2 + tl.log(tl.sum(t4, axis=1)[:, None])
     v1 = v0 + (v0 - v0)
     v2 = x - v1
-    tl.store(out_ptr + rows + cols * out_stride1, v2.to(tl.bfloat16), mask=mask)
+    tl.store(out_ptr + rows + cols * out_stride1, v2.to(tl.bfloat16), mask=row_mask)
 

@@ -19,11 +19,8 @@ def row_sum_div_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
-    col_mask = cols < n_cols
-    mask = row_mask & col_mask
-    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0)
-    t1 = tl.where(mask, x, 0)
-    v0 = tl.sum(t1, axis=1)[:, None]
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0)
+    v0 = tl.sum(x, axis=1)[:, None]
     v1 = v0 / s0
     tl.store(m_ptr + rows, v1, mask=row_mask)
 

@@ -23,17 +23,14 @@ def row_div_add_rsqrt_mul_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
-    col_mask = cols < n_cols
-    mask = row_mask & col_mask
-    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=mask, other=0).to(tl.float32)
-    x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
-    stat0 = tl.load(stat0_ptr + cols, mask=mask, other=0)
+    dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=row_mask, other=0).to(tl.float32)
+    x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0).to(tl.float32)
+    stat0 = tl.load(stat0_ptr + cols, mask=row_mask, other=0)
     v0 = stat0 / s0
     v1 = v0 + s1
     v2 = tl.rsqrt(v1)
     v5 = x * v2
     v6 = dout0 * v5
-    t3 = tl.where(mask, v6, 0)
-    v7 = tl.sum(t3, axis=1)[:, None]
+    v7 = tl.sum(v6, axis=1)[:, None]
     tl.store(grad1_ptr + rows, v7.to(tl.bfloat16), mask=row_mask)
 

@@ -26,6 +26,6 @@ def pointwise_add_gelu_SIG(
     t2 = 0.7978845608028654 * (v0 + 0.044715 * v0 * v0 * v0)
     t3 = tl.exp(-2.0 * tl.abs(t2))
     t4 = t2 * t2
-    v1 = 0.5 * v0 * (1.0 + tl.where(tl.abs(t2) < 0.125, t2 * (1.0 + t4 * (-1.0 / 3.0 + t4 * (2.0 / 15.0 + t4 * (-17.0 / 315.0)))), tl.where(t2 < 0, -1.0, 1.0) * ((1.0 - t3) / (1.0 + t3))))
+    v1 = 0.5 * v0 * (1.0 + tl.where(tl.abs(t2) < 0.125, t2 * (1.0 + t4 * (-1.0 / 3.0 + t4 * (2.0 / 15.0 + t4 * -17.0 / 315.0))), tl.where(t2 < 0, -1.0, 1.0) * ((1.0 - t3) / (1.0 + t3))))
     tl.store(out_ptr + offs, v1.to(tl.bfloat16), mask=mask)
 

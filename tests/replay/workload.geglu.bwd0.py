@@ -33,7 +33,7 @@ def pointwise_mul_add_tanh_sub_SIG(
     v5 = s1 * v4
     t3 = tl.exp(-2.0 * tl.abs(v5))
     t4 = v5 * v5
-    v6 = tl.where(tl.abs(v5) < 0.125, v5 * (1.0 + t4 * (-1.0 / 3.0 + t4 * (2.0 / 15.0 + t4 * (-17.0 / 315.0)))), tl.where(v5 < 0, -1.0, 1.0) * ((1.0 - t3) / (1.0 + t3)))
+    v6 = tl.where(tl.abs(v5) < 0.125, v5 * (1.0 + t4 * (-1.0 / 3.0 + t4 * (2.0 / 15.0 + t4 * -17.0 / 315.0))), tl.where(v5 < 0, -1.0, 1.0) * ((1.0 - t3) / (1.0 + t3)))
     v7 = s2 + v6
     v8 = s3 * v7
     v9 = s3 * g
@@ -49,7 +49,7 @@ def pointwise_mul_add_tanh_sub_SIG(
     t5 = 0.7978845608028654 * (g + 0.044715 * g * g * g)
     t6 = tl.exp(-2.0 * tl.abs(t5))
     t7 = t5 * t5
-    v19 = 0.5 * g * (1.0 + tl.where(tl.abs(t5) < 0.125, t5 * (1.0 + t7 * (-1.0 / 3.0 + t7 * (2.0 / 15.0 + t7 * (-17.0 / 315.0)))), tl.where(t5 < 0, -1.0, 1.0) * ((1.0 - t6) / (1.0 + t6))))
+    v19 = 0.5 * g * (1.0 + tl.where(tl.abs(t5) < 0.125, t5 * (1.0 + t7 * (-1.0 / 3.0 + t7 * (2.0 / 15.0 + t7 * -17.0 / 315.0))), tl.where(t5 < 0, -1.0, 1.0) * ((1.0 - t6) / (1.0 + t6))))
     v20 = dout0 * v19
     tl.store(grad0_ptr + offs, v18, mask=mask)
     tl.store(grad1_ptr + offs, v20, mask=mask)

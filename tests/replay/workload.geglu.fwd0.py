@@ -19,7 +19,7 @@ def pointwise_gelu_mul_SIG(
     t1 = 0.7978845608028654 * (g + 0.044715 * g * g * g)
     t2 = tl.exp(-2.0 * tl.abs(t1))
     t3 = t1 * t1
-    v0 = 0.5 * g * (1.0 + tl.where(tl.abs(t1) < 0.125, t1 * (1.0 + t3 * (-1.0 / 3.0 + t3 * (2.0 / 15.0 + t3 * (-17.0 / 315.0)))), tl.where(t1 < 0, -1.0, 1.0) * ((1.0 - t2) / (1.0 + t2))))
+    v0 = 0.5 * g * (1.0 + tl.where(tl.abs(t1) < 0.125, t1 * (1.0 + t3 * (-1.0 / 3.0 + t3 * (2.0 / 15.0 + t3 * -17.0 / 315.0))), tl.where(t1 < 0, -1.0, 1.0) * ((1.0 - t2) / (1.0 + t2))))
     u = tl.load(u_ptr + offs, mask=mask, other=0)
     v1 = v0 * u
     tl.store(out_ptr + offs, v1, mask=mask)
