@@ -60,6 +60,23 @@ def _bias_gelu_backward() -> dict[str, Any]:
     return {"dx": dx, "db": rx.sum(dx, axis=0)}
 
 
+#: norm backward kernels (dx with the weight and bias gradients over each program's rows, then the
+#: merge of their partials): (name, the norm, rows at scale 1, hidden)
+BACKWARDS = [
+    ("rms_norm backward: dx and dw", lambda: rx.rms_norm(x, w), 2048, 1024),
+    ("layer_norm backward: dx, dw and db", lambda: rx.layer_norm(x, w, b), 2048, 1024),
+]
+
+
+def _backward(norm: Callable[[], Any], rows: int, hidden: int) -> tuple[rx.Kernel, dict[str, torch.Tensor]]:
+    """A norm's backward kernel and its inputs (the forward's saved statistics, a cotangent)."""
+    k = rx.compile(norm())
+    ins = {n: torch.randn((rows, hidden) if n == "x" else (hidden,)).requires_grad_() for n in k.inputs}
+    plan = k.grad_plan(**ins)
+    feed = {n: t.detach() for n, t in ins.items()} | dict(plan.forward(**ins)) | {"_g0": torch.randn(rows, hidden)}
+    return plan.backward, {n: feed[n] for n in plan.backward.inputs}
+
+
 def row(name: str, kernel: rx.Kernel, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
     t0 = time.perf_counter()
     t = rx.memory_trace(kernel, **inputs)
@@ -83,6 +100,8 @@ def main() -> None:
     args = parser.parse_args()
     scale = 16 if args.quick else 1
     rows = [row(name, rx.compile(expr()), make(scale)) for name, expr, make in CASES]
+    for name, norm, n_rows, hidden in BACKWARDS:
+        rows.append(row(f"{name} {n_rows // scale}x{hidden}", *_backward(norm, n_rows // scale, hidden)))
     gen = torch.Generator().manual_seed(0)
     for wl in [] if args.cases else WORKLOADS:
         inputs = wl.inputs(256 // scale, 4096, wl.dtype, torch.device("cpu"), gen)  # the interpreter's speed
