@@ -8,8 +8,10 @@ rtxdsl's. Where Liger's and torch's orders differ, these follow Liger's (``lin_w
 the fused linear loss, ``num_channels`` first in group norm); ``rx.nn`` keeps DESIGN's.
 
 A flag rtxdsl does not implement raises an :class:`~rtxdsl.errors.RtxError` naming it (nothing
-is silently ignored): ``use_token_scaling`` of the fused linear loss, an ``accum_dtype`` other
-than float32 (rtxdsl accumulates in float32 always).
+is silently ignored): an ``accum_dtype`` other than float32 (rtxdsl accumulates in float32
+always). ``use_token_scaling`` (each token's loss times its target's probability, detached) is
+part of the same row kernel; a float32 ``ce_weight`` beside half logits computes the loss in
+float32, as Liger's.
 The chunked preference losses (``LigerFusedLinearDPOLoss``, ``...ORPOLoss``, ``...CPOLoss``,
 ``...SimPOLoss``, ``...KTOLoss``) are :func:`rtxdsl.ops.preference.preference_outputs` kernels,
 ``LigerFusedLinearGRPOLoss`` a :func:`rtxdsl.ops.policy.grpo_outputs` one, the distillation losses
@@ -18,8 +20,11 @@ The chunked preference losses (``LigerFusedLinearDPOLoss``, ``...ORPOLoss``, ``.
 logits never written (a policy's and a reference model's, a student's and a teacher's, computed
 tile by tile in one row kernel). ``LigerExperts`` (a mixture of experts' routed MLPs) is
 :func:`rtxdsl.nn.moe_experts`' grouped GEMMs.
+Liger's functional forms (``liger_rms_norm``, ``liger_cross_entropy``, ... :data:`FUNCTIONS`) are
+those modules' forwards with the weights passed in.
 ``apply_liger_kernel_to_<model>(..., model=m)`` calls :func:`rtxdsl.nn.replace_modules` on the
-instance ``m`` (Liger's class-level patching, without ``model``, is not done: it raises).
+instance ``m``; without ``model`` (Liger's class-level patching) every model of the family's
+transformers classes is swapped at its first forward, once its weights are loaded.
 
 Example:
     >>> import torch
@@ -32,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,14 +46,16 @@ import torch.nn.functional as F
 
 from . import dsl
 from .errors import RtxError
+from .expr import Expr
 from .nn import modules as _m
+from .nn.amp import autocast_projection
 from .nn.memo import made_once
 from .nn.moe import moe_experts as rx_moe_experts
 from .nn.swap import replace_modules
 from .ops import REGISTRY
 from .ops.distill import distillation_outputs, hard_loss, linear_jsd
-from .ops.llm import capped_logits, cross_entropy_outputs
-from .ops.policy import grpo_outputs
+from .ops.llm import capped_logits, cross_entropy, cross_entropy_outputs, z_loss_term
+from .ops.policy import TOKEN_LEVEL_ONLY, grpo_outputs
 from .ops.preference import kto_outputs, preference_outputs
 from .runtime import Kernel, compile
 
@@ -99,9 +107,11 @@ class LigerFusedAddRMSNorm(_m.AddRMSNorm):
         init_fn: str = "ones", in_place: bool = False,
     ) -> None:  # fmt: skip
         _casting(casting_mode)
-        super().__init__(hidden_size, eps=eps, offset=offset, in_place=in_place)
+        super().__init__(hidden_size, eps=eps, offset=offset)
         _init(self.weight, init_fn)
-        self.casting_mode, self.variance_epsilon = casting_mode, eps
+        # Liger's in_place reuses dY's buffer for dX in its backward (a memory saving, the results
+        # are new tensors): rtxdsl's derived backward writes dX once, so the flag changes nothing
+        self.casting_mode, self.variance_epsilon, self.liger_in_place = casting_mode, eps, in_place
 
 
 class LigerModulatedRMSNorm(_m.ModulatedRMSNorm):
@@ -299,10 +309,16 @@ def _extras(*flags: bool) -> tuple[bool, ...]:
 
 
 @made_once
-def _loss_kernel(linear: bool, bias: bool, weight: bool, options: tuple, extras: tuple[bool, ...]) -> Kernel:
+def _loss_kernel(
+    linear: bool, bias: bool, weight: bool, options: tuple, extras: tuple[bool, ...], scaled: bool = False,
+    promote: bool = False,
+) -> Kernel:  # fmt: skip
     """The loss (and the z-loss term, the token accuracy, the predicted tokens) of logits given, or
     of ``h @ w.T (+ b)``, soft-capped: one dict of outputs the analyzer fuses as one row kernel (no logits written when
-    the logits are a product)."""
+    the logits are a product). ``scaled``: each token's loss and z-loss times its target's
+    probability, detached (Liger's ``use_token_scaling``); ``promote``: the logits and the class
+    weights taken in float32 (Liger's fused linear loss; its cross-entropy with a float32
+    ``ce_weight`` beside half logits)."""
     opts = dict(options)
     cap = opts.pop("softcap")
     x = dsl.var("x")
@@ -310,9 +326,39 @@ def _loss_kernel(linear: bool, bias: bool, weight: bool, options: tuple, extras:
         x = capped_logits(dsl.var("h"), dsl.var("w"), dsl.var("b") if bias else None, cap)
     elif cap is not None:
         x = cap * REGISTRY.functions["tanh"](x / cap)
-    outs = cross_entropy_outputs(x, dsl.var("t"), dsl.var("cw") if weight else None, **opts)
+    cw = dsl.var("cw") if weight else None
+    if promote:
+        x = REGISTRY.functions["cast"](x, torch.float32)
+        cw = REGISTRY.functions["cast"](cw, torch.float32) if cw is not None else None
+    t = dsl.var("t")
+    outs = cross_entropy_outputs(x, t, cw, **opts)
+    if scaled:
+        outs |= _token_scaled(x, t, cw, **opts)
     keys = ["loss"] + [key for (_, key, _), on in zip(_EXTRAS, extras) if on]
     return compile({k: outs[k] for k in keys})
+
+
+def _token_scaled(
+    x: Expr, t: Expr, cw: Expr | None, *, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float
+) -> dict[str, Expr]:
+    """Liger's token scaling: each token's loss (and z-loss term) times its target's probability
+    ``exp(-nll)``, detached, 0 where ignored; the mean divides by what the unscaled mean does (the
+    class weights of the counted tokens for the cross-entropy term, their number for the z-loss)."""
+    fn = REGISTRY.functions
+    valid = t != ignore_index
+    p = fn["detach"](fn["where"](valid, fn["exp"](-cross_entropy(x, t, None, ignore_index, "none")), 0.0))
+    ce = cross_entropy(x, t, cw, ignore_index, "none", label_smoothing) * p
+    zl = z_loss_term(x, t, z_loss, ignore_index, "none") * p
+    if reduction == "none":
+        return {"loss": ce + zl if z_loss else ce, "z_loss": zl}
+    ce, zl = fn["sum"](ce), fn["sum"](zl)
+    if reduction == "mean":
+        tokens = fn["sum"](fn["where"](valid, 1.0, 0.0))
+        picked = fn["gather"](cw, fn["where"](valid, t, 0), 0) if cw is not None else None
+        mass = tokens if picked is None else fn["sum"](fn["where"](valid, picked, 0.0))
+        # Liger's z-loss mean over no counted token is 0 (z_loss_term's); the loss's is torch's 0 / 0
+        ce, zl = ce / mass, fn["where"](tokens == 0.0, 0.0, zl / fn["where"](tokens == 0.0, 1.0, tokens))
+    return {"loss": ce + zl if z_loss else ce, "z_loss": zl}
 
 
 def _options(ignore_index: int, lse_square_scale: float, label_smoothing: float, reduction: str, softcap: Any) -> tuple:
@@ -328,6 +374,15 @@ def _options(ignore_index: int, lse_square_scale: float, label_smoothing: float,
             }.items()  # fmt: skip
         )
     )
+
+
+def _promotes(weight: torch.Tensor | None, x: torch.Tensor, half: bool = False) -> bool:
+    """Whether the logits (and class weights) are taken in float32: class weights of another
+    floating dtype than the logits' (Liger takes a float32 ``ce_weight`` beside bfloat16 logits),
+    or, with ``half``, half logits (Liger's fused linear loss is float32)."""
+    if half and x.dtype in (torch.float16, torch.bfloat16):
+        return True
+    return weight is not None and weight.dtype != x.dtype and weight.is_floating_point() and x.is_floating_point()
 
 
 def _output(out: dict[str, torch.Tensor], extras: tuple[bool, ...]) -> Any:
@@ -353,18 +408,25 @@ class LigerCrossEntropyLoss(torch.nn.Module):
         self.extras = _extras(return_z_loss, return_token_accuracy, return_predicted_tokens)
         self.return_z_loss, self.return_token_accuracy, self.return_predicted_tokens = self.extras
         self._options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap)
-        _loss_kernel(False, False, weight is not None, self._options, self.extras)  # made now, found by forward
+        for promote in (False, True) if weight is not None else (False,):  # made now, found by forward
+            _loss_kernel(False, False, weight is not None, self._options, self.extras, False, promote)
 
     def forward(self, _input: torch.Tensor, target: torch.Tensor) -> Any:
-        kern = _loss_kernel(False, False, self.weight is not None, self._options, self.extras)
+        promote = _promotes(self.weight, _input)
+        kern = _loss_kernel(False, False, self.weight is not None, self._options, self.extras, False, promote)
         ins = {"x": _input, "t": target} | ({"cw": self.weight} if self.weight is not None else {})
-        return _output(kern(**ins), self.extras)
+        out = kern(**ins)
+        if promote:  # Liger's loss has the logits' dtype
+            out = {k: v.to(_input.dtype) if v.is_floating_point() else v for k, v in out.items()}
+        return _output(out, self.extras)
 
 
 class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
     """Liger's ``LigerFusedLinearCrossEntropyLoss``: ``forward(lin_weight, _input, target,
     bias=None)``, the weight first; the logits ``_input @ lin_weight.T (+ bias)`` are never
-    written (:func:`rtxdsl.linear_cross_entropy`'s kernels). The loss is float32, as Liger's."""
+    written (:func:`rtxdsl.linear_cross_entropy`'s kernels). The logits are taken in float32 where the
+    GEMM accumulates them, so the loss is float32 for half inputs, as Liger's, and a float32
+    ``ce_weight`` is used as given."""
 
     def __init__(
         self, ce_weight: torch.Tensor | None = None, ignore_index: int = -100, lse_square_scale: float = 0.0,
@@ -375,26 +437,28 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
         super().__init__()
         if accum_dtype not in (None, torch.float32):
             raise RtxError(f"accum_dtype: rtxdsl accumulates in float32; got {accum_dtype}")
-        if use_token_scaling:
-            raise RtxError("use_token_scaling is not supported by rtxdsl's kernels yet")
+        if not isinstance(use_token_scaling, bool):
+            raise RtxError(f"use_token_scaling must be a bool, got {use_token_scaling!r}")
+        self.use_token_scaling = use_token_scaling
         self.ce_weight, self.ignore_index, self.reduction = ce_weight, ignore_index, reduction
         self.lse_square_scale, self.label_smoothing, self.softcap = lse_square_scale, label_smoothing, softcap
         self.extras = _extras(return_z_loss, return_token_accuracy, return_predicted_tokens)
         self.return_z_loss, self.return_token_accuracy, self.return_predicted_tokens = self.extras
         self._options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap)
         for bias in (False, True):  # made now, found by the forward (never built inside a trace)
-            _loss_kernel(True, bias, ce_weight is not None, self._options, self.extras)
+            for promote in (False, True):
+                _loss_kernel(True, bias, ce_weight is not None, self._options, self.extras, use_token_scaling, promote)
 
     def forward(
         self, lin_weight: torch.Tensor, _input: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
     ) -> Any:
-        kern = _loss_kernel(True, bias is not None, self.ce_weight is not None, self._options, self.extras)
-        ins = {"h": _input, "w": lin_weight, "t": target}
-        ins |= ({"b": bias} if bias is not None else {}) | (
-            {"cw": self.ce_weight} if self.ce_weight is not None else {}
-        )
-        out = {k: v.float() if v.is_floating_point() else v for k, v in kern(**ins).items()}
-        return _output(out, self.extras)
+        ins = {"h": _input, "w": lin_weight, "t": target} | ({"b": bias} if bias is not None else {})
+        ins = autocast_projection(ins) | ({"cw": self.ce_weight} if self.ce_weight is not None else {})
+        kern = _loss_kernel(
+            True, bias is not None, self.ce_weight is not None, self._options, self.extras, self.use_token_scaling,
+            _promotes(self.ce_weight, ins["h"], half=True),
+        )  # fmt: skip
+        return _output(kern(**ins), self.extras)
 
 
 # ---- chunked preference losses: one row kernel per model, no chunks ------------------------------------
@@ -476,7 +540,7 @@ class _FusedLinearPreference(torch.nn.Module):
             key = (True, ref[2] is not None)
         ins |= {n: v for n, v in extra.items() if v is not None}
         given = tuple(n for n in self.optional if extra.get(n) is not None)
-        out = _preference_kernel(self.loss, bias is not None, key, given, self._options)(**ins)
+        out = _preference_kernel(self.loss, bias is not None, key, given, self._options)(**autocast_projection(ins))
         out.setdefault("nll_loss", torch.zeros((), device=out["loss"].device))
         return out["loss"], tuple(out[k] for k in self.aux if k in out)
 
@@ -657,7 +721,9 @@ class LigerFusedLinearGRPOLoss(torch.nn.Module):
         refs = ("logps", "model", "model+bias") if use_ref_model and beta != 0.0 else ("",)
         optional = ("old", "ratio", "norm") if loss_type in _DAPO_LIKE else ("old", "ratio")
         choices = [tuple(n for i, n in enumerate(optional) if bits >> i & 1) for bits in range(1 << len(optional))]
-        for bias in (False, True):  # every configuration made now: a forward only finds its kernel
+        # Liger refuses sequence-level weights for these losses when called, so this does too
+        self._refused = importance_sampling_level == "sequence" and loss_type in TOKEN_LEVEL_ONLY
+        for bias in (False, True) if not self._refused else ():  # every configuration made now: a forward finds it
             for ref in refs:
                 for given in choices:
                     _grpo_kernel(bias, ref, given, self._options)
@@ -670,6 +736,8 @@ class LigerFusedLinearGRPOLoss(torch.nn.Module):
         ref_bias: torch.Tensor | None = None, vllm_is_ratio: torch.Tensor | None = None,
         num_items_in_batch: int | float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
+        if self._refused:
+            grpo_outputs(*(dsl.var(n) for n in "hwtma"), **dict(self._options))  # raises, naming the options
         ins: dict[str, Any] = {"h": _input, "w": lin_weight, "t": selected_token_ids, "mask": attention_mask,
                                "adv": advantages, "b": bias, "old": old_per_token_logps}  # fmt: skip
         ref = ""
@@ -688,7 +756,7 @@ class LigerFusedLinearGRPOLoss(torch.nn.Module):
             ins["norm"] = _token_count(attention_mask, num_items_in_batch)
         given = tuple(n for n in ("old", "ratio", "norm") if ins.get(n) is not None)
         kernel = _grpo_kernel(bias is not None, ref, given, self._options)
-        out = kernel(**{n: ins[n] for n in kernel.inputs})
+        out = kernel(**autocast_projection({n: ins[n] for n in kernel.inputs}))
         return out["loss"], tuple(out[k] for k in ("kl", "clip_ratio") if k in out)
 
 
@@ -783,7 +851,8 @@ class _FusedLinearDistillation(torch.nn.Module):
             ins["ws"] = F.pad(student_weight, (0, 0, 0, pad))
             biases = (None if student_bias is None else F.pad(student_bias, (0, pad)), teacher_bias)
         ins |= {n: b for n, b in zip(("bs", "bt"), biases) if b is not None}
-        out = _distill_kernel(self.loss, (biases[0] is not None, biases[1] is not None), self._options)(**ins)
+        kern = _distill_kernel(self.loss, (biases[0] is not None, biases[1] is not None), self._options)
+        out = kern(**autocast_projection(ins))
         if pad > 0:
             out = self._own_classes_hard(out, student_input, student_weight, true_labels, student_bias)
         return (out["loss"], out["soft_loss"], out["hard_loss"]) if self.return_soft_hard_loss else out["loss"]
@@ -849,30 +918,270 @@ class LigerFusedLinearJSD(torch.nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         ins = {"hs": student_input, "ws": student_weight, "ht": teacher_input, "wt": teacher_weight}
         ins |= {"t": shift_labels} if shift_labels is not None else {}
-        return _linear_jsd_kernel(shift_labels is not None, self.jsd_beta, self.ignore_index, self.temperature)(**ins)
+        kern = _linear_jsd_kernel(shift_labels is not None, self.jsd_beta, self.ignore_index, self.temperature)
+        return kern(**autocast_projection(ins))
 
 
-# ---- Liger's model patches: replace_modules on an instance ---------------------------------------------
+# ---- Liger's functional forms: its modules' forwards with the weights passed in --------------------------
+_MODULES: dict[tuple[Any, ...], torch.nn.Module] = {}
+
+
+def _call(cls: type, params: dict[str, torch.Tensor | None], args: tuple, *config: Any, **options: Any) -> Any:
+    """``cls(*config, **options)``'s forward on ``args`` with ``params`` as its parameters (one module
+    per configuration, made once: its kernels are its forward's), as Liger's functions are its
+    modules' ``Function.apply``."""
+    key = (cls, config, tuple(sorted(options.items())))
+    module = _MODULES.get(key)
+    if module is None:
+        module = _MODULES[key] = cls(*config, **options)
+    given = {n: p for n, p in params.items() if p is not None}
+    missing = sorted(set(params) - set(given))
+    if missing:
+        raise RtxError(f"{cls.__name__}: the functional form needs {missing} (got None)")
+    return torch.func.functional_call(module, given, args)
+
+
+def _not_given(op: str, **legacy: Any) -> None:
+    for name, value in legacy.items():
+        if value is not None:
+            raise RtxError(f"{op}: {name} is torch's deprecated form; pass reduction= instead (got {value!r})")
+
+
+def liger_cross_entropy(
+    input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None, size_average: Any = None,  # noqa: A002
+    ignore_index: int = -100, reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+    return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
+) -> Any:  # fmt: skip
+    """Liger's ``liger_cross_entropy``: :class:`LigerCrossEntropyLoss`'s forward."""
+    _not_given("liger_cross_entropy", size_average=size_average, reduce=reduce)
+    return LigerCrossEntropyLoss(
+        weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
+        return_token_accuracy, return_predicted_tokens,
+    )(input, target)  # fmt: skip
+
+
+def liger_fused_linear_cross_entropy(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,  # noqa: A002
+    ce_weight: torch.Tensor | None = None, ignore_index: int = -100, lse_square_scale: float = 0.0,
+    label_smoothing: float = 0.0, reduction: str = "mean", softcap: float | None = None, return_z_loss: bool = False,
+    accum_dtype: torch.dtype | None = None, use_token_scaling: bool = False, return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False, chunk_mem_const: int = 1,
+) -> Any:  # fmt: skip
+    """Liger's ``liger_fused_linear_cross_entropy`` (the input first, unlike its module):
+    :class:`LigerFusedLinearCrossEntropyLoss`'s forward. ``chunk_mem_const`` sizes Liger's chunks;
+    rtxdsl has none (the logits are never written), so it changes nothing."""
+    if isinstance(chunk_mem_const, bool) or not isinstance(chunk_mem_const, int) or chunk_mem_const < 1:
+        raise RtxError(f"chunk_mem_const must be a positive int, got {chunk_mem_const!r}")
+    return LigerFusedLinearCrossEntropyLoss(
+        ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
+        use_token_scaling, return_token_accuracy, return_predicted_tokens,
+    )(weight, input, target, bias)  # fmt: skip
+
+
+def liger_fused_linear_jsd(
+    student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor, shift_labels: torch.Tensor | None = None, jsd_beta: float = 0.5,
+    ignore_index: int = -100, temperature: float = 1.0, accum_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Liger's ``liger_fused_linear_jsd``: :class:`LigerFusedLinearJSD`'s forward."""
+    fn = _call_free(LigerFusedLinearJSD, jsd_beta, ignore_index, temperature, accum_dtype)
+    return fn(student_input, student_weight, teacher_input, teacher_weight, shift_labels)
+
+
+def _call_free(cls: type, *config: Any) -> torch.nn.Module:
+    """A module without parameters for ``config``, made once."""
+    key = (cls, config, ())
+    if key not in _MODULES:
+        _MODULES[key] = cls(*config)
+    return _MODULES[key]
+
+
+def liger_swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Liger's ``liger_swiglu``: ``silu(a) * b``, one kernel."""
+    return _m._gated("swiglu", "none")(g=a, u=b)
+
+
+def liger_geglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Liger's ``liger_geglu``: ``gelu(a, approximate="tanh") * b``, one kernel."""
+    return _m._gated("geglu", "tanh")(g=a, u=b)
+
+
+def liger_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Liger's ``liger_softmax``: over the last axis."""
+    return _softmax()(x)
+
+
+def liger_relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """Liger's ``liger_relu_squared``: ``relu(x) ** 2``."""
+    return _relu_squared()(x)
+
+
+def liger_sparsemax(input: torch.Tensor, dim: int = -1) -> torch.Tensor:  # noqa: A002
+    """Liger's ``liger_sparsemax``."""
+    return _call_free(LigerSparsemax, dim)(input)
+
+
+def liger_jsd(
+    input: torch.Tensor, target: torch.Tensor, shift_labels: torch.Tensor | None = None, beta: float = 0.5,  # noqa: A002
+    ignore_index: int = -100,
+) -> torch.Tensor:  # fmt: skip
+    """Liger's ``liger_jsd``: :class:`LigerJSD`'s forward (log-probabilities of the student, then the teacher)."""
+    return _call_free(LigerJSD, beta, ignore_index)(input, target, shift_labels)
+
+
+def liger_tvd(
+    input: torch.Tensor, target: torch.Tensor, shift_labels: torch.Tensor | None = None, reduction: str = "mean",  # noqa: A002
+    ignore_index: int = -100,
+) -> torch.Tensor:  # fmt: skip
+    """Liger's ``liger_tvd``: :class:`LigerTVDLoss`'s forward."""
+    return _call_free(LigerTVDLoss, reduction, ignore_index)(input, target, shift_labels)
+
+
+def liger_kl_div(
+    input: torch.Tensor, target: torch.Tensor, size_average: bool = True, reduce: bool = True,  # noqa: A002
+    reduction: str = "mean", log_target: bool = False, eps: float = 1e-10,
+) -> torch.Tensor:  # fmt: skip
+    """Liger's ``liger_kl_div`` (``size_average`` and ``reduce`` are placeholders there too: Liger
+    ignores them, its reduction is ``reduction``)."""
+    key = (LigerKLDIVLoss, (eps, reduction, log_target), ())
+    if key not in _MODULES:
+        _MODULES[key] = LigerKLDIVLoss(eps, reduction=reduction, log_target=log_target)
+    return _MODULES[key](input, target)
+
+
+def liger_rms_norm(
+    X: torch.Tensor, W: torch.Tensor, eps: float, offset: float = 0.0, casting_mode: str = "llama",  # noqa: N803
+    in_place: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """Liger's ``liger_rms_norm``: :class:`LigerRMSNorm`'s forward with the weight ``W``."""
+    return _call(LigerRMSNorm, {"weight": W}, (X,), X.shape[-1], eps, offset, casting_mode, in_place=in_place)
+
+
+def liger_fused_add_rms_norm(
+    X: torch.Tensor, R: torch.Tensor, W: torch.Tensor, eps: float, offset: float = 0.0,  # noqa: N803
+    casting_mode: str = "llama", in_place: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Liger's ``liger_fused_add_rms_norm``: ``(rms_norm(X + R) * W, X + R)``."""
+    return _call(LigerFusedAddRMSNorm, {"weight": W}, (X, R), X.shape[-1], eps, offset, casting_mode, in_place=in_place)
+
+
+def liger_modulated_rms_norm(
+    X: torch.Tensor, W: torch.Tensor | None, scale: torch.Tensor, shift: torch.Tensor | None = None,  # noqa: N803
+    eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama", in_place: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """Liger's ``liger_modulated_rms_norm`` (``W=None``: no affine weight)."""
+    affine = W is not None
+    params = {"weight": W} if affine else {}
+    config = (X.shape[-1], eps, offset, casting_mode)
+    return _call(
+        LigerModulatedRMSNorm, params, (X, scale, shift), *config, in_place=in_place, elementwise_affine=affine
+    )
+
+
+def liger_layer_norm(X: torch.Tensor, W: torch.Tensor, B: torch.Tensor, eps: float) -> torch.Tensor:  # noqa: N803
+    """Liger's ``liger_layer_norm``."""
+    return _call(LigerLayerNorm, {"weight": W, "bias": B}, (X,), X.shape[-1], eps)
+
+
+def liger_group_norm(
+    X: torch.Tensor, affine_scaling_weight: torch.Tensor, affine_shifting_bias: torch.Tensor,  # noqa: N803
+    num_channels: int, num_groups: int, eps: float,
+) -> torch.Tensor:  # fmt: skip
+    """Liger's ``liger_group_norm`` (channels first, as its module)."""
+    params = {"weight": affine_scaling_weight, "bias": affine_shifting_bias}
+    return _call(LigerGroupNorm, params, (X,), num_channels, num_groups, eps)
+
+
+def liger_poly_norm(X: torch.Tensor, W: torch.Tensor, B: torch.Tensor, eps: float = 1e-6, in_place: bool = True) -> Any:  # noqa: N803
+    """Liger's ``liger_poly_norm``: ``W`` its three weights, ``B`` its bias."""
+    return _call(LigerPolyNorm, {"weight": W, "bias": B}, (X,), eps, in_place)
+
+
+def liger_dyt(x: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None) -> torch.Tensor:
+    """Liger's ``liger_dyt``: ``gamma * tanh(alpha * x) + beta``."""
+    params = {"alpha": alpha, "gamma": gamma} | ({"beta": beta} if beta is not None else {})
+    return _call(LigerDyT, params, (x,), x.shape[-1], beta is not None)
+
+
+FUNCTIONS = (
+    "liger_cross_entropy", "liger_dyt", "liger_fused_add_rms_norm", "liger_fused_linear_cross_entropy",
+    "liger_fused_linear_jsd", "liger_geglu", "liger_group_norm", "liger_jsd", "liger_kl_div", "liger_layer_norm",
+    "liger_modulated_rms_norm", "liger_poly_norm", "liger_relu_squared", "liger_rms_norm", "liger_softmax",
+    "liger_sparsemax", "liger_swiglu", "liger_tvd",
+)  # fmt: skip
+
+
+# ---- Liger's model patches: replace_modules on an instance, or on each model a family's classes run ------
+#: Liger's flags beside ``model``: which replace_modules option each sets (``geglu``: Gemma's MLP)
+_FLAGS = {"rms_norm": "norms", "layer_norm": "norms", "swiglu": "mlps", "geglu": "mlps", "rope": "rope"}
+#: a family whose transformers module is named otherwise
+_MODULE = {"gemma3_text": "gemma3"}
+
+
 def _apply(family: str) -> Any:
     def apply(
         rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-        rms_norm: bool = True, swiglu: bool = True, model: torch.nn.Module | None = None, **_: Any,
+        model: torch.nn.Module | None = None, **flags: bool,
     ) -> None:  # fmt: skip
-        if model is None:
-            raise RtxError(
-                f"apply_liger_kernel_to_{family}: pass model= (rtxdsl swaps the modules of an instance, "
-                "rx.nn.replace_modules; it does not patch transformers' classes)"
-            )
-        if not (rms_norm and swiglu):
-            raise RtxError(f"apply_liger_kernel_to_{family}: rtxdsl swaps norms and MLPs together (rms_norm, swiglu)")
-        replace_modules(model, rope=rope, loss=cross_entropy or fused_linear_cross_entropy,
-                        logits=not fused_linear_cross_entropy)  # fmt: skip
+        name = f"apply_liger_kernel_to_{family}"
+        unknown = sorted(set(flags) - set(_FLAGS))
+        if unknown:
+            raise RtxError(f"{name}: unknown flag(s) {unknown}; Liger's are {sorted({'rope', *_FLAGS})}")
+        if cross_entropy and fused_linear_cross_entropy:
+            raise RtxError(f"{name}: cross_entropy and fused_linear_cross_entropy cannot both be True")
+        options = {"norms": True, "mlps": True, "rope": rope}
+        for flag, on in flags.items():
+            options[_FLAGS[flag]] = options[_FLAGS[flag]] and bool(on)
+        options |= {"loss": cross_entropy or fused_linear_cross_entropy, "logits": not fused_linear_cross_entropy}
+        if model is not None:
+            replace_modules(model, **options)
+        else:
+            _patch_classes(name, _MODULE.get(family, family), options)
 
     apply.__name__ = apply.__qualname__ = f"apply_liger_kernel_to_{family}"
     apply.__doc__ = (
-        f"Liger's ``apply_liger_kernel_to_{family}(..., model=m)``: :func:`rtxdsl.nn.replace_modules` on ``m``."
+        f"Liger's ``apply_liger_kernel_to_{family}(rope, cross_entropy, fused_linear_cross_entropy, rms_norm, "
+        "swiglu, model=None)``: :func:`rtxdsl.nn.replace_modules` on ``model``; without one, on every model of "
+        "the family's transformers classes when it is first called (its weights loaded by then)."
     )
     return apply
+
+
+def _patch_classes(name: str, family: str, options: dict[str, bool]) -> None:
+    """Liger's class-level patching, rtxdsl's way: each model class of ``transformers.models.<family>``
+    runs :func:`rtxdsl.nn.replace_modules` on its instance at its first forward (a model built and
+    loaded before or after this call; the swap keeps every parameter object and name), then the
+    forward the swap left it."""
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError as e:
+        raise RtxError(f"{name}: transformers has no models.{family} here ({e})") from None
+    for cls in vars(module).values():
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel) and "forward" in vars(cls):
+            cls.forward = _swapping_forward(getattr(cls.forward, "rtxdsl_original", cls.forward), options)
+
+
+def _swapping_forward(original: Any, options: dict[str, bool]) -> Any:
+    @functools.wraps(original)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "rtxdsl_swapped", False):
+            kind = next(self.parameters()).device.type
+            with torch.autocast(kind, enabled=False):  # the probes compare formulas at the weights' dtype
+                replace_modules(self, **options)
+            for m in self.modules():
+                m.rtxdsl_swapped = True
+            own = self.__dict__.get("forward")  # the loss without logits is an instance's forward
+            if own is not None:
+                return own(*args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    forward.rtxdsl_original = original  # type: ignore[attr-defined]
+    return forward
 
 
 FAMILIES = (
@@ -920,4 +1229,5 @@ __all__ = [
     "LigerSwiGLUMLP",
     "LigerTVDLoss",
     *(f"apply_liger_kernel_to_{f}" for f in FAMILIES),
+    *FUNCTIONS,
 ]

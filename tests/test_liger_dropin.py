@@ -95,6 +95,107 @@ def test_fused_linear_cross_entropy_weight_first(dtype, atol, rtol, gen):
         assert_close(a, e, atol, rtol, f"d/d{name}")
 
 
+def _scaled_reference(x, target, weight, reduction, smoothing, z):
+    """Liger's token scaling, from its definition: each token's loss (cross-entropy with the class
+    weight and smoothing, plus the z-loss term) times its target's probability, detached (0 where
+    ignored); the mean divides the cross-entropy term by the counted tokens' class weights and the
+    z-loss term by their number."""
+    kept = target != -100
+    ce = F.cross_entropy(x, target, weight=weight, reduction="none", label_smoothing=smoothing)
+    z_term = torch.where(kept, z * torch.logsumexp(x, -1) ** 2, 0)
+    p = torch.where(kept, torch.softmax(x, -1).gather(1, target.clamp(min=0)[:, None])[:, 0], 0).detach()
+    if reduction == "none":
+        return (ce + z_term) * p, z_term * p
+    ce, z_term = (ce * p).sum(), (z_term * p).sum()
+    if reduction == "mean":
+        mass = kept.sum() if weight is None else weight[target[kept]].sum()
+        ce, z_term = ce / mass, z_term / kept.sum()
+    return ce + z_term, z_term
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), [(torch.float32, 2e-5, 2e-5), (torch.bfloat16, 2e-2, 2e-2)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "float32-ce_weight"])
+def test_fused_linear_cross_entropy_token_scaling(dtype, atol, rtol, reduction, weighted, gen):
+    """use_token_scaling in the same row kernel as the loss, every term scaled; a float32
+    ce_weight beside bfloat16 inputs is taken as given (Liger's test_correctness passes one)."""
+    h = torch.randn(ROWS, HIDDEN, generator=gen, dtype=torch.float64)
+    w = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64) / HIDDEN**0.5
+    target = torch.tensor([1, -100, 3, 4, 12, 0, 2])
+    cw = torch.rand(VOCAB, generator=gen) if weighted else None
+    fn = liger.LigerFusedLinearCrossEntropyLoss(
+        ce_weight=cw, lse_square_scale=1e-2, label_smoothing=0.1, reduction=reduction, return_z_loss=True,
+        use_token_scaling=True,
+    )  # fmt: skip
+    leaves = [t.to(dtype).requires_grad_() for t in (w, h)]
+    out = fn(*leaves, target)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    loss, z_term = _scaled_reference(
+        ref_leaves[1] @ ref_leaves[0].T, target, None if cw is None else cw.double(), reduction, 0.1, 1e-2
+    )
+    assert out.loss.dtype == torch.float32
+    assert_close(out.loss, loss, atol, rtol, "loss")
+    assert_close(out.z_loss, z_term, atol, rtol, "z_loss")
+    cot = torch.randn(loss.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out.loss, leaves, cot.float())
+    want = torch.autograd.grad(loss, ref_leaves, cot)
+    for name, a, e in zip(("lin_weight", "_input"), got, want):
+        assert_close(a, e, atol, rtol, f"d/d{name}")
+
+
+def test_cross_entropy_takes_a_float32_weight_beside_half_logits(gen):
+    logits = torch.randn(ROWS, VOCAB, generator=gen, dtype=torch.float64)
+    target = torch.tensor([1, -100, 3, 4, 12, 0, 2])
+    cw = torch.rand(VOCAB, generator=gen)
+    x = logits.to(torch.bfloat16).requires_grad_()
+    loss = liger.LigerCrossEntropyLoss(weight=cw)(x, target)
+    assert loss.dtype == torch.bfloat16  # Liger's cross-entropy keeps the logits' dtype
+    ref = x.detach().double().requires_grad_()
+    want = F.cross_entropy(ref, target, weight=cw.double())
+    assert_close(loss, want, 8e-3, 1.6e-2, "loss")
+    (g,) = torch.autograd.grad(loss, x)
+    assert g.dtype == torch.bfloat16
+    assert_close(g, torch.autograd.grad(want, ref)[0], 8e-3, 1.6e-2, "d/dlogits")
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_projection_losses_follow_autocast(autocast_dtype, gen):
+    """Under torch.autocast the projections run in autocast's dtype, as F.linear would (a float32
+    head beside half hidden states is no dtype error), and the float32 weights get float32
+    gradients."""
+    hs = torch.randn(ROWS, HIDDEN, generator=gen).to(autocast_dtype).requires_grad_()
+    ht = torch.randn(ROWS, 2 * HIDDEN, generator=gen).to(autocast_dtype)
+    ws = (torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN**0.5).requires_grad_()
+    wt = torch.randn(VOCAB, 2 * HIDDEN, generator=gen) / HIDDEN**0.5
+    target = torch.tensor([1, -100, 3, 4, 12, 0, 2])
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        jsd = liger.LigerFusedLinearJSD()(hs, ws, ht, wt, target)
+        ce = liger.LigerFusedLinearCrossEntropyLoss()(ws, hs, target)
+    gh, gw = torch.autograd.grad(jsd + ce, (hs, ws))
+    assert gh.dtype == autocast_dtype and gw.dtype == torch.float32
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        logits_s, logits_t = hs @ ws.T, ht @ wt.T  # autocast's own casts, then the math in float64
+    ref_s = logits_s.detach().double()
+    kept = target != -100
+    p, q = torch.softmax(ref_s, -1), torch.softmax(logits_t.double(), -1)
+    m = (p + q) / 2
+    want_jsd = ((0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1))[kept]).mean()
+    assert_close(jsd, want_jsd, 1e-2, 2e-2, "jsd")
+    assert_close(ce, F.cross_entropy(ref_s, target), 1e-2, 2e-2, "cross_entropy")
+
+
+def test_fused_add_rms_norm_in_place_is_liger_s_backward_buffer(gen):
+    """Liger's in_place lets its backward write dX over dY; the forward's results are new tensors
+    and autograd works (rtxdsl's own in_place=True module overwrites its inputs instead)."""
+    m = liger.LigerFusedAddRMSNorm(HIDDEN, in_place=True)
+    h = torch.randn(ROWS, HIDDEN, generator=gen, requires_grad=True)
+    r = torch.randn(ROWS, HIDDEN, generator=gen, requires_grad=True)
+    out, total = m(h, r)
+    (out.sum() + total.sum()).backward()
+    assert h.grad is not None and r.grad is not None and m.weight.grad is not None
+    assert_close(total, (h + r).double(), 1e-6, 1e-6, "sum")
+
+
 def test_mlps_from_a_config(gen):
     config = types.SimpleNamespace(hidden_size=8, intermediate_size=12, hidden_act="silu")
     m = liger.LigerSwiGLUMLP(config)
@@ -118,14 +219,51 @@ def test_apply_liger_kernel_swaps_an_instance():
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     liger.apply_liger_kernel_to_llama(model=m)
     assert type(m[1]).__module__ == "rtxdsl.nn.modules"
-    with pytest.raises(RtxError, match="pass model="):
-        liger.apply_liger_kernel_to_qwen2()
+    kept = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    liger.apply_liger_kernel_to_llama(model=kept, rms_norm=False)  # Liger's flags choose what is swapped
+    assert type(kept[1]) is torch.nn.LayerNorm
+    with pytest.raises(RtxError, match="swigl"):
+        liger.apply_liger_kernel_to_llama(model=kept, swigl=False)
+    with pytest.raises(RtxError, match="cannot both be True"):
+        liger.apply_liger_kernel_to_llama(model=kept, cross_entropy=True)
+
+
+@pytest.fixture
+def patched_llama():
+    """apply_liger_kernel_to_llama() without a model patches transformers' classes: undone after."""
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    yield
+    for cls in vars(modeling).values():
+        original = getattr(vars(cls).get("forward") if isinstance(cls, type) else None, "rtxdsl_original", None)
+        if original is not None:
+            cls.forward = original
+
+
+def test_apply_liger_kernel_without_a_model_patches_the_family(patched_llama):
+    """Liger's class-level form: a model built after (or before) the call is swapped at its first
+    forward, its weights loaded by then; the loss is taken from the hidden states (logits None),
+    equal to the unmodified model's, every gradient too."""
+    from benches.hf_report import tiny_model
+
+    ref = tiny_model("llama")
+    liger.apply_liger_kernel_to_llama(swiglu=False)
+    m = tiny_model("llama")
+    m.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+    got, want = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert got.logits is None and type(m.model.norm).__module__ == "rtxdsl.nn.modules"
+    assert type(m.model.layers[0].mlp).__module__ != "rtxdsl.nn.modules"  # swiglu=False
+    torch.testing.assert_close(got.loss, want.loss, atol=2e-6, rtol=2e-6)
+    got.loss.backward()
+    want.loss.backward()
+    for (name, p0), p1 in zip(ref.named_parameters(), m.parameters()):
+        torch.testing.assert_close(p1.grad, p0.grad, atol=2e-6, rtol=2e-5, msg=name)
 
 
 @pytest.mark.parametrize(
     "make, words",
     [
-        (lambda: liger.LigerFusedLinearCrossEntropyLoss(use_token_scaling=True), "use_token_scaling"),
+        (lambda: liger.LigerFusedLinearCrossEntropyLoss(use_token_scaling=1), "use_token_scaling"),
         (lambda: liger.LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float16), "accum_dtype"),
         (lambda: liger.LigerRMSNorm(8, casting_mode="fp8"), "casting_mode"),
         (lambda: liger.LigerRMSNorm(8, init_fn="randn"), "init_fn"),
@@ -148,3 +286,62 @@ def test_modules_run_inside_torch_compile(gen):
         (liger.LigerSoftmax(), (h,)),
     ):
         torch.testing.assert_close(torch.compile(fn, fullgraph=True)(*args), fn(*args))
+
+
+def _functional_cases(gen):
+    """(function, args, float64 reference of the same args): Liger's functional forms."""
+    x = torch.randn(ROWS, HIDDEN, generator=gen)
+    r, w, b = torch.randn(ROWS, HIDDEN, generator=gen), torch.randn(HIDDEN, generator=gen), torch.randn(HIDDEN)
+    logits, target = torch.randn(ROWS, VOCAB, generator=gen), torch.tensor([1, -100, 3, 4, 12, 0, 2])
+    scale = torch.randn(ROWS, HIDDEN, generator=gen)
+    lq, lp = torch.log_softmax(logits, -1), torch.log_softmax(torch.randn(ROWS, VOCAB, generator=gen), -1)
+    rms = lambda v, eps=1e-6: v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)  # noqa: E731
+    kept = target != -100
+    return {
+        "rms_norm": (liger.liger_rms_norm, (x, w, 1e-6), lambda x, w, e: rms(x) * w),
+        "rms_norm_gemma": (lambda x, w, e: liger.liger_rms_norm(x, w, e, offset=1.0, casting_mode="gemma"),
+                           (x, w, 1e-6), lambda x, w, e: rms(x) * (1 + w)),
+        "fused_add_rms_norm": (lambda *a: liger.liger_fused_add_rms_norm(*a)[0], (x, r, w, 1e-6),
+                               lambda x, r, w, e: rms(x + r) * w),
+        "modulated_rms_norm": (liger.liger_modulated_rms_norm, (x, w, scale), lambda x, w, s: rms(x) * w * (1 + s)),
+        "layer_norm": (liger.liger_layer_norm, (x, w, b, 1e-6), lambda x, w, b, e: F.layer_norm(x, (HIDDEN,), w, b, e)),
+        "group_norm": (liger.liger_group_norm, (x.reshape(ROWS, 6, 4), w[:6], b[:6], 6, 3, 1e-6),
+                       lambda x, w, b, c, g, e: F.group_norm(x, g, w, b, e)),
+        "poly_norm": (liger.liger_poly_norm, (x, w[:3], b[0], 1e-6),
+                      lambda x, w, b, e: w[0] * rms(x**3) + w[1] * rms(x**2) + w[2] * rms(x) + b),
+        "dyt": (liger.liger_dyt, (x, w[:1], w, b), lambda x, a, g, b: g * torch.tanh(a * x) + b),
+        "swiglu": (liger.liger_swiglu, (x, r), lambda a, b: F.silu(a) * b),
+        "geglu": (liger.liger_geglu, (x, r), lambda a, b: F.gelu(a, approximate="tanh") * b),
+        "softmax": (liger.liger_softmax, (x,), lambda v: torch.softmax(v, -1)),
+        "relu_squared": (liger.liger_relu_squared, (x,), lambda v: torch.relu(v) ** 2),
+        "cross_entropy": (liger.liger_cross_entropy, (logits, target), lambda v, t: F.cross_entropy(v, t)),
+        "kl_div": (lambda q, p: liger.liger_kl_div(q, p, reduction="batchmean"), (lq, lp),
+                   lambda q, p: F.kl_div(q, p, reduction="batchmean")),
+        "jsd": (lambda q, p: liger.liger_jsd(q, p, target), (lq, lp),
+                lambda q, p: (0.5 * (torch.exp(q) * (q - torch.log((q.exp() + p.exp()) / 2))).sum(-1)
+                              + 0.5 * (torch.exp(p) * (p - torch.log((q.exp() + p.exp()) / 2))).sum(-1))[kept].mean()),
+        "fused_linear_cross_entropy": (liger.liger_fused_linear_cross_entropy, (x, torch.randn(VOCAB, HIDDEN), target),
+                                       lambda h, w, t: F.cross_entropy(h @ w.T, t)),
+    }  # fmt: skip
+
+
+FUNCTIONAL = sorted(_functional_cases(torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize("name", FUNCTIONAL)
+def test_functional_forms(name, gen):
+    """Liger's ``liger_*`` functions: values and every floating argument's gradient against a
+    float64 torch reference of the same arguments."""
+    fn, args, ref = _functional_cases(gen)[name]
+    leaves = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    got = fn(*leaves)
+    ref_leaves = [a.detach().double().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                  for a in leaves]  # fmt: skip
+    want = ref(*ref_leaves)
+    assert_close(got, want, 2e-5, 2e-5, name)
+    cot = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    floats = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    grads = torch.autograd.grad(got, [leaves[i] for i in floats], cot.float())
+    wants = torch.autograd.grad(want, [ref_leaves[i] for i in floats], cot)
+    for i, g, e in zip(floats, grads, wants):
+        assert_close(g, e, 2e-5, 2e-5, f"{name}: d/darg{i}")

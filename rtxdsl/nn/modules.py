@@ -25,6 +25,7 @@ from ..ops.elementwise import cast
 from ..ops.llm import cross_entropy, cross_entropy_outputs, linear_cross_entropy
 from ..runtime import Kernel, compile
 from ..runtime_grad import land
+from .amp import autocast_projection
 from .memo import made_once
 from .tiled import shard_count, tiled_mlp
 
@@ -448,8 +449,8 @@ class LinearCrossEntropyLoss(_Fused, torch.nn.Module):
     ) -> torch.Tensor:
         ins = {"h": h, "w": w, "t": target} | ({"cw": self.weight} if self.weight is not None else {})
         if bias is None:
-            return self._kernel(**ins)
-        return self._variants["bias"](**ins, b=bias)
+            return self._kernel(**autocast_projection(ins))
+        return self._variants["bias"](**autocast_projection(ins | {"b": bias}))
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

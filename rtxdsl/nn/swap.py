@@ -74,12 +74,15 @@ def replace_modules(
     logits: bool = True,
     attention: bool = True,
     experts: bool = True,
+    norms: bool = True,
+    mlps: bool = True,
 ) -> Replaced:
     """Swap ``model``'s norms, gated MLPs, rotary embedding and causal-LM loss for fused ones, in place;
     with ``attention`` a transformers model's attention runs :func:`rtxdsl.attention`'s kernels
     (transformers' attention interface, :mod:`rtxdsl.nn.attention`); with ``experts`` its
     mixture-of-experts layers run :func:`rtxdsl.nn.moe_experts`' grouped GEMMs (transformers' experts
-    interface, :mod:`rtxdsl.nn.moe`).
+    interface, :mod:`rtxdsl.nn.moe`). ``norms=False`` / ``mlps=False`` keep the model's own norms /
+    gated MLPs (Liger's ``rms_norm=False`` / ``swiglu=False``).
 
     Parameters stay the same objects under the same names. Returns the number swapped, an int
     with ``.by_kind``; warns about norm- or MLP-like modules it left alone.
@@ -103,6 +106,8 @@ def replace_modules(
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             found = _replacement(child)
+            if found is not None and not {"layer_norm": norms, "rms_norm": norms, "mlp": mlps}[found[0]]:
+                continue  # a kind left alone on request
             if found is not None:
                 kind, new = found
                 setattr(parent, name, new)

@@ -104,6 +104,9 @@ def _vespo(t: Tokens) -> Expr:  # VESPO: a detached gamma weight of the sequence
     return node("neg", node("mul", node("mul", phi, t.advantages), t.logps))
 
 
+#: the losses whose importance weights are per token by construction (no sequence-level variant)
+TOKEN_LEVEL_ONLY = ("cispo", "sapo", "vespo")
+
 #: each ``loss_type``: the loss of one token, before the vLLM correction and the KL term
 TOKEN_LOSSES: dict[str, Callable[[Tokens], Expr]] = {
     "grpo": _ppo,  # DeepSeekMath (arXiv 2402.03300)
@@ -206,8 +209,11 @@ def grpo_outputs(
         raise RtxError(
             f"grpo_outputs: importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}"
         )
-    if importance_sampling_level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
-        raise RtxError(f"grpo_outputs: importance_sampling_level='sequence' does not apply to loss_type={loss_type!r}")
+    if importance_sampling_level == "sequence" and loss_type in TOKEN_LEVEL_ONLY:
+        raise RtxError(
+            f"grpo_outputs: Sequence-level importance sampling is not supported for loss_type={loss_type!r} "
+            "(importance_sampling_level='sequence' applies to the clipped losses)"
+        )
     if ref is not None and ref_logps is not None:
         raise RtxError(
             "grpo_outputs: give the reference model's head (ref=...) or its log-probabilities (ref_logps=...)"

@@ -227,15 +227,17 @@ def preference_outputs(
     if pair_loss is None:
         raise RtxError(f"preference_outputs: loss must be one of {sorted(PAIR_LOSSES)}, got {loss!r}")
     if loss == "dpo" and loss_type not in DPO_LOSSES:
-        raise RtxError(f"preference_outputs: loss_type must be one of {sorted(DPO_LOSSES)}, got {loss_type!r}")
+        raise RtxError(
+            f"preference_outputs: Unsupported loss_type {loss_type!r}; loss_type must be one of {sorted(DPO_LOSSES)}"
+        )
     if ref is not None and loss != "dpo":
         raise RtxError(f"preference_outputs: {loss} takes no reference model (ref=...)")
     beta = scalar_arg(beta, "preference_outputs", "beta")
     eps = scalar_arg(label_smoothing, "preference_outputs", "label_smoothing")
     if loss == "dpo" and loss_type == "exo_pair" and not 0.0 < eps < 1.0:
-        raise RtxError(f"preference_outputs: label_smoothing must be in (0, 1) for loss_type='exo_pair', got {eps}")
+        raise RtxError(f"preference_outputs: label_smoothing must be > 0 for loss_type='exo_pair' (and < 1), got {eps}")
     if loss == "dpo" and loss_type == "robust" and not 0.0 <= eps < 0.5:
-        raise RtxError(f"preference_outputs: label_smoothing must be in [0, 0.5) for loss_type='robust', got {eps}")
+        raise RtxError(f"preference_outputs: label_smoothing must lie in [0.0, 0.5) for loss_type='robust', got {eps}")
     if loss == "dpo" and loss_type == "sppo_hard" and beta == 0:
         raise RtxError("preference_outputs: beta must be nonzero for loss_type='sppo_hard'")
     seq = sequence_logps(h, w, target, bias, ignore_index, average_log_prob)
