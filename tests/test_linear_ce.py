@@ -282,6 +282,27 @@ def test_module_form_matches_the_function(gen):
     assert "softcap=5.0" in repr(loss)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_module_form_gives_a_float32_loss_for_half_inputs_and_follows_autocast(dtype, gen):
+    """Half inputs: a float32 loss, as torch's cross-entropy under autocast and Liger's fused loss
+    (computed in float32 in the kernel either way); under autocast a float32 head beside half
+    hidden states runs the projection in autocast's dtype (no dtype error), its gradient float32."""
+    ins = _inputs(gen, (37,), 31, 33, torch.float32)
+    loss = rx.nn.LinearCrossEntropyLoss(label_smoothing=0.1)
+    h, w = ins["h"].to(dtype).requires_grad_(), ins["w"].requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        got = loss(h, w, ins["t"])
+    assert got.dtype == torch.float32
+    gh, gw = torch.autograd.grad(got, (h, w))
+    assert gh.dtype == dtype and gw.dtype == torch.float32
+    hd, wd = h.detach().double().requires_grad_(), w.detach().to(dtype).double().requires_grad_()
+    want = F.cross_entropy(hd @ wd.T, ins["t"], label_smoothing=0.1)
+    atol, rtol = (2e-3, 2e-3) if dtype == torch.float16 else (1.6e-2, 1.6e-2)
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+    torch.testing.assert_close(gh.double(), torch.autograd.grad(want, hd)[0], atol=atol, rtol=rtol)
+    assert loss(ins["h"].double(), ins["w"].double(), ins["t"]).dtype == torch.float64  # no cast down
+
+
 def test_the_lazy_stream_finds_linear_then_cross_entropy(gen):
     """``F.cross_entropy(F.linear(h, w), y)`` run lazily: one kernel, the logits never written."""
     ins = _inputs(gen, (37,), 31, 33, torch.float32)

@@ -414,7 +414,9 @@ class LinearCrossEntropyLoss(_Fused, torch.nn.Module):
     """``forward(h, w, target, bias=None)``: cross-entropy of the logits ``h @ w.T (+ bias)`` without
     ever writing them (:func:`rtxdsl.linear_cross_entropy`): one forward kernel, two backward
     GEMMs that recompute the logit tiles. Options as :func:`rtxdsl.linear_cross_entropy`'s; the
-    class ``weight`` is a constructor argument, as in ``torch.nn.CrossEntropyLoss``.
+    class ``weight`` is a constructor argument, as in ``torch.nn.CrossEntropyLoss``. Half inputs give
+    a float32 loss (computed in float32 in the kernel either way); under ``torch.autocast`` the
+    projection runs in autocast's dtype, as ``F.linear`` would.
 
     Example:
         >>> import torch, rtxdsl as rx
@@ -439,27 +441,35 @@ class LinearCrossEntropyLoss(_Fused, torch.nn.Module):
         self.attach()
 
     def _make_kernel(self) -> Kernel:
-        return _lce_kernel(False, self.weight is not None, tuple(sorted(self.options.items())))
+        return self._variants_for()[(False, False)]
 
     def _make_variants(self) -> dict[Any, Kernel]:
-        return {"bias": _lce_kernel(True, self.weight is not None, tuple(sorted(self.options.items())))}
+        return self._variants_for()
+
+    def _variants_for(self) -> dict[tuple[bool, bool], Kernel]:
+        """By (a bias given, half logits): half logits give a float32 loss, as torch's cross-entropy
+        under autocast and Liger's fused loss do (computed in float32 either way, stored so)."""
+        options = tuple(sorted(self.options.items()))
+        return {
+            (b, f): _lce_kernel(b, self.weight is not None, options, f) for b in (False, True) for f in (False, True)
+        }
 
     def forward(
         self, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        ins = {"h": h, "w": w, "t": target} | ({"cw": self.weight} if self.weight is not None else {})
-        if bias is None:
-            return self._kernel(**autocast_projection(ins))
-        return self._variants["bias"](**autocast_projection(ins | {"b": bias}))
+        ins = {"h": h, "w": w, "t": target} | ({"b": bias} if bias is not None else {})
+        ins = autocast_projection(ins) | ({"cw": self.weight} if self.weight is not None else {})
+        return self._variants[(bias is not None, ins["h"].dtype in (torch.float16, torch.bfloat16))](**ins)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
 
 
 @made_once
-def _lce_kernel(bias: bool, weight: bool, options: tuple[tuple[str, Any], ...]) -> Kernel:
+def _lce_kernel(bias: bool, weight: bool, options: tuple[tuple[str, Any], ...], float32: bool = False) -> Kernel:
     b, cw = (dsl.var("b") if bias else None), (dsl.var("cw") if weight else None)
-    return compile(linear_cross_entropy(dsl.var("h"), _w, _t, b, cw, **dict(options)))
+    loss = linear_cross_entropy(dsl.var("h"), _w, _t, b, cw, **dict(options))
+    return compile(cast(loss, torch.float32) if float32 else loss)
 
 
 class _Tileable(_Fused, torch.nn.Module):
