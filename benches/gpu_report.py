@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import rtxdsl as rx
-from benches import gemm_gpu, moe_gpu, norm_gpu
+from benches import gemm_gpu, loss_gpu, moe_gpu, norm_gpu
 from benches.common import GPU_SIZES, host_us, machine, markdown, save
 from rtxdsl.workloads import WORKLOADS, Workload, max_error, tolerance
 
@@ -206,6 +206,7 @@ def main() -> None:
         gemms += gemm_gpu.check_linear_ce(torch.device("cpu"), [(37, 33, 31), (1, 8, 1000)])
         gemms += moe_gpu.check(torch.device("cpu"), [(9, 16, 12, 4, 2)])
         gemms += norm_gpu.check(torch.device("cpu"), [(37, 50)])
+        gemms += loss_gpu.check(torch.device("cpu"), [(4, 9, 16, 37)])
         print(markdown(gemms, ["case", "shape", "dtype", "max error", "ok", "kernels"]))
         bad = [r for r in rows + gemms if not r["ok"]]
         raise SystemExit(1 if bad else 0)
@@ -260,6 +261,7 @@ def main() -> None:
     gemm_checks += gemm_gpu.check_linear_ce(torch.device("cuda"), [(257, 1024, 32000)])
     gemm_checks += moe_gpu.check(torch.device("cuda"), [(37, 64, 48, 5, 2), (512, 1024, 768, 16, 4)])
     gemm_checks += norm_gpu.check(torch.device("cuda"), [(37, 781), (4096, 4096)])
+    gemm_checks += loss_gpu.check(torch.device("cuda"), [(4, 37, 64, 1000), (8, 512, 1024, 32000)])
     print(markdown(gemm_checks, ["case", "shape", "dtype", "max error", "ok", "kernels"]))
     if all(r["ok"] for r in gemm_checks):
         gemms = gemm_gpu.time_gemms(time.perf_counter() + GEMM_BUDGET_S, args.quick)
@@ -267,8 +269,9 @@ def main() -> None:
         lce = gemm_gpu.time_linear_ce(args.quick)
         moe = moe_gpu.time_moe(args.quick)
         norms = norm_gpu.time_norms(args.quick, copy_gbs)
+        losses = loss_gpu.time_losses(args.quick)
     else:
-        gemms, mlp, lce, moe, norms = [], [], [], [], []
+        gemms, mlp, lce, moe, norms, losses = [], [], [], [], [], []
         print("  contractions: not timed (a correctness check failed)")
     print("\n## Kernel time (do_bench median), achieved GB/s and fraction of copy bandwidth\n")
     print(markdown(timings, ["workload", "shape", "dtype", "impl", "us", "GB/s", "of copy", "kernels"]))
@@ -284,7 +287,10 @@ def main() -> None:
     print(markdown(moe, ["case", "shape", "impl", "forward us", "forward + backward us"]))
     print("\n## Norm backward (dx, dW, dB), bf16: kernel time and achieved GB/s (x and dy read, dx written)\n")
     print(markdown(norms, ["case", "shape", "impl", "us", "GB/s", "of copy"]))
+    print("\n## Post-training losses over a head, bf16, forward + backward: rtxdsl vs Liger's chunks\n")
+    print(markdown(losses, ["case", "shape", "impl", "forward + backward us", "peak extra MB", "logits MB"]))
     results = {"gemm_checks": gemm_checks, "gemms": gemms, "mlp": mlp, "lce": lce, "moe": moe, "norms": norms}
+    results["losses"] = losses
     path = save(name, {**payload(), **results}, args.out)
     print(f"\nwrote {path} in {time.perf_counter() - start:.0f} s")
 
