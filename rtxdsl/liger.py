@@ -1054,8 +1054,10 @@ def liger_rms_norm(
     X: torch.Tensor, W: torch.Tensor, eps: float, offset: float = 0.0, casting_mode: str = "llama",  # noqa: N803
     in_place: bool = True,
 ) -> torch.Tensor:  # fmt: skip
-    """Liger's ``liger_rms_norm``: :class:`LigerRMSNorm`'s forward with the weight ``W``."""
-    return _call(LigerRMSNorm, {"weight": W}, (X,), X.shape[-1], eps, offset, casting_mode, in_place=in_place)
+    """Liger's ``liger_rms_norm``: :class:`LigerRMSNorm`'s forward with the weight ``W`` (None: no weight)."""
+    params, affine = ({"weight": W}, True) if W is not None else ({}, False)
+    config = (X.shape[-1], eps, offset, casting_mode)
+    return _call(LigerRMSNorm, params, (X,), *config, in_place=in_place, elementwise_affine=affine)
 
 
 def liger_fused_add_rms_norm(

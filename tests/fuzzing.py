@@ -393,7 +393,7 @@ def _contraction(draw: Any, pool: list[Value], a: Value, new_input: Callable[[to
     """``a`` cast to a float dtype (what computed it, and the cast: a prologue the GEMM may apply
     at load; kept in the pool, so later steps may reduce it over the contracted axis) times a new
     weight: ``linear`` (the weight read transposed) or ``matmul`` (1-D ``a``: a reduction); now
-    and then a linear cross-entropy of the same product too (its logits never written)."""
+    and then a loss over the same product too (:func:`_head_loss`: its logits never written)."""
     dtype = draw(st.sampled_from(FLOATS))
     k, n = a.shape[-1], draw(st.sampled_from(DIMS))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 99)))
@@ -407,20 +407,71 @@ def _contraction(draw: Any, pool: list[Value], a: Value, new_input: Callable[[to
     pool.append(Value(product, (*a.shape[:-1], n), "float"))
     rows = a.shape[:-1]
     if name == "linear" and n and all(rows) and draw(st.integers(0, 2)) == 0:
-        # a cross-entropy of the product over its last axis, never written (one row kernel)
-        target = torch.randint(0, n, rows, generator=gen)
-        if target.numel() > 1:
-            target.view(-1)[1] = -100  # an ignored token
+        loss = _head_loss(draw, operand, w, rows, n, dtype, gen, new_input)
+        pool.append(loss)
+        return "head loss"
+    return name
+
+
+def _head_loss(
+    draw: Any, h: Any, w: Any, rows: tuple[int, ...], n: int, dtype: torch.dtype, gen: torch.Generator,
+    new_input: Callable[[torch.Tensor], Any],
+) -> Value:  # fmt: skip
+    """A loss over the head ``h @ w.T`` (its logits never written, one row kernel per model): a
+    cross-entropy with Liger's options, a preference loss of sequences (DPO with a reference head,
+    ORPO, CPO, SimPO; KTO), GRPO, a distillation loss or the fused linear JSD against a teacher's
+    head. One of its outputs is the program's."""
+    target = torch.randint(0, n, rows, generator=gen)
+    if target.numel() > 1:
+        target.view(-1)[1] = -100  # an ignored token
+    kinds = ["cross_entropy", "distillation", "linear_jsd"]
+    if len(rows) == 2 and rows[1] > 1:  # sequences of tokens: the first of each always counts
+        target[:, 0] = torch.randint(0, n, (rows[0],), generator=gen)
+        kinds += ["kto", "grpo"] + (["preference"] if rows[0] % 2 == 0 else [])
+    kind = draw(st.sampled_from(kinds))
+    t = new_input(target)
+
+    def cast(e: Any) -> Any:  # the float64 reference feeds every input as float64: cast as h is
+        return rx.cast(e, dtype)
+
+    def head(width: int) -> tuple[Any, Any]:  # another model's head over the same rows
+        hh = torch.randn((*rows, width), generator=gen).to(dtype)
+        return cast(new_input(hh)), cast(new_input(torch.randn(n, width, generator=gen).to(dtype)))
+
+    if kind == "cross_entropy":
         reduction = draw(st.sampled_from(["none", "mean", "sum"]))
         options = {
             "label_smoothing": draw(st.sampled_from([0.0, 0.1])),
             "z_loss": draw(st.sampled_from([0.0, 1e-2])),
             "softcap": draw(st.sampled_from([None, 5.0])),
         }
-        e = rx.linear_cross_entropy(operand, w, new_input(target), reduction=reduction, **options)
-        pool.append(Value(e, rows if reduction == "none" else (), "float"))
-        return "linear_cross_entropy"
-    return name
+        e = rx.linear_cross_entropy(h, w, t, reduction=reduction, **options)
+        return Value(e, rows if reduction == "none" else (), "float")
+    if kind == "linear_jsd":
+        label = t if draw(st.booleans()) else None
+        e = rx.linear_jsd(h, w, *head(draw(st.sampled_from(DIMS))), label, beta=draw(st.sampled_from([0.0, 0.5, 1.0])))
+        return Value(e, (), "float")
+    if kind == "distillation":
+        loss = draw(st.sampled_from(["jsd", "cosine"]))
+        outs = rx.distillation_outputs(loss, h, w, *head(draw(st.sampled_from(DIMS))), t, temperature=2.0)
+    elif kind == "preference":
+        loss = draw(st.sampled_from(["dpo", "orpo", "cpo", "simpo"]))
+        ref = (*head(draw(st.sampled_from(DIMS))), None) if loss == "dpo" and draw(st.booleans()) else None
+        outs = rx.preference_outputs(loss, h, w, t, ref=ref)
+    elif kind == "kto":
+        labels = new_input(torch.rand(rows[0], generator=gen) < 0.5)
+        outs = rx.kto_outputs(h, w, t, labels)
+    else:
+        mask = cast(new_input((target != -100).to(dtype)))
+        advantages = cast(new_input(torch.randn(rows[0], generator=gen).to(dtype)))
+        loss_type = draw(st.sampled_from(["grpo", "dapo", "bnpo", "dr_grpo"]))
+        extra = {"max_completion_length": rows[1]} if loss_type == "dr_grpo" else {}
+        ref_lp = cast(new_input(-torch.rand(rows, generator=gen).to(dtype))) if draw(st.booleans()) else None
+        outs = rx.grpo_outputs(h, w, t, mask, advantages, ref_logps=ref_lp, loss_type=loss_type,
+                               beta=0.04 if ref_lp is not None else 0.0, **extra)  # fmt: skip
+    # the scalar outputs (the per-sequence ones are checked by each loss's own tests)
+    key = draw(st.sampled_from([k for k in ("loss", "hard_loss", "soft_loss") if k in outs]))
+    return Value(outs[key], (), "float")
 
 
 @st.composite
@@ -458,6 +509,35 @@ def programs(draw: Any, max_steps: int = 6, float_only: bool = False) -> Program
     outputs = {f"o{k}": v.expr for k, v in enumerate(outs)}
     used = {v.attr("name") for e in outputs.values() for v in _vars(e)}
     return Program({n: t for n, t in inputs.items() if n in used}, outputs, steps)
+
+
+@st.composite
+def head_programs(draw: Any) -> Program:
+    """Programs that end in a loss over a head (:func:`_head_loss`): hidden states ``[rows...,
+    hidden]`` (sequences of tokens half the time, an even number of them for the preference
+    losses), a few ops on them, then the loss, as one output beside another value. The general
+    draw reaches these losses rarely; this one always does."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    rows = (draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 3, 5]))) if draw(st.booleans()) else (7,)
+    dtype = draw(st.sampled_from(FLOATS))
+    inputs: dict[str, torch.Tensor] = {"in0": _tensor(draw, (*rows, draw(st.sampled_from([3, 5, 13]))), dtype, gen)}
+
+    def new_input(t: torch.Tensor) -> Any:
+        name = f"in{len(inputs)}"
+        inputs[name] = t
+        return rx.var(name)
+
+    pool = [Value(rx.var("in0"), inputs["in0"].shape, "float")]
+    steps: list[str] = []
+    for _ in range(draw(st.integers(0, 2))):
+        _step(draw, pool, steps, new_input)
+    a = draw(st.sampled_from([v for v in pool if v.kind == "float" and v.shape == pool[0].shape] or pool[:1]))
+    classes = draw(st.sampled_from(DIMS[2:]))
+    w = rx.cast(new_input(torch.randn(classes, a.shape[-1], generator=gen).to(dtype)), dtype)
+    loss = _head_loss(draw, rx.cast(a.expr, dtype), w, a.shape[:-1], classes, dtype, gen, new_input)
+    outputs = {"o0": loss.expr} | ({"o1": a.expr} if a is not pool[0] else {})
+    used = {v.attr("name") for e in outputs.values() for v in _vars(e)}  # a loss may not read its target
+    return Program({n: t for n, t in inputs.items() if n in used}, outputs, [*steps, "head loss"])
 
 
 def _vars(e: Any) -> list[Any]:

@@ -169,6 +169,31 @@ def test_fused_linear_jsd_agrees_with_float64_torch(beta, temperature, labelled,
         assert_close(g, w, atol * max(1.0, w.abs().max().item()), rtol, f"d{k}")
 
 
+@pytest.mark.parametrize("loss", ["jsd", "cosine", "linear_jsd"])
+def test_cast_heads_whose_hidden_size_is_the_vocabulary_s(loss, gen):
+    """Hidden states cast as loaded, a hidden size equal to the vocabulary's (found by the head-loss
+    fuzzer): the student's cast is a sibling of the teacher's product at the logits' shape, and a
+    row kernel that took both in read a product of its own value (a cycle: graphlib.CycleError),
+    or loaded a product's operand it computed (IndexError). Each product computed once still."""
+    n = 13
+    ins = {k: torch.randn(shape, generator=gen, dtype=torch.float64) for k, shape in
+           (("hs", (7, n)), ("ws", (n, n)), ("ht", (7, 5)), ("wt", (n, 5)))}  # fmt: skip
+    t = torch.randint(0, n, (7,), generator=gen)
+    v = {k: rx.cast(rx.var(k), torch.float32) for k in ins}
+    if loss == "linear_jsd":
+        e = rx.linear_jsd(v["hs"], v["ws"], v["ht"], v["wt"], rx.var("t"))
+    else:
+        e = rx.distillation_outputs(loss, v["hs"], v["ws"], v["ht"], v["wt"], rx.var("t"))["loss"]
+    leaves = {k: x.clone().requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
+    got = rx.compile(e)(**leaves, t=t)
+    ref_leaves = {k: x.float().double().requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
+    want = rx.compile(e, config=rx.FusionConfig(backend="torch"))(**ref_leaves, t=t)
+    assert_close(got, want, 5e-5, 5e-5, "loss")
+    grads = torch.autograd.grad(got, [leaves["hs"], leaves["ws"]])
+    for k, g, w in zip(("hs", "ws"), grads, torch.autograd.grad(want, [ref_leaves["hs"], ref_leaves["ws"]])):
+        assert_close(g, w, 5e-5 * max(1.0, w.abs().max().item()), 5e-5, f"d{k}")
+
+
 def test_the_teacher_gets_no_gradient(gen):
     """Its logits are detached, as Liger's: a teacher weight that requires grad gets zeros."""
     x = {k: v.requires_grad_(v.is_floating_point()) for k, v in _batch(gen, torch.float32).items()}

@@ -299,6 +299,7 @@ def _functional_cases(gen):
     kept = target != -100
     return {
         "rms_norm": (liger.liger_rms_norm, (x, w, 1e-6), lambda x, w, e: rms(x) * w),
+        "rms_norm_no_weight": (lambda x, e: liger.liger_rms_norm(x, None, e), (x, 1e-6), lambda x, e: rms(x)),
         "rms_norm_gemma": (lambda x, w, e: liger.liger_rms_norm(x, w, e, offset=1.0, casting_mode="gemma"),
                            (x, w, 1e-6), lambda x, w, e: rms(x) * (1 + w)),
         "fused_add_rms_norm": (lambda *a: liger.liger_fused_add_rms_norm(*a)[0], (x, r, w, 1e-6),

@@ -915,11 +915,17 @@ def _product_of(
         return None  # it writes a value of the product's size: the product would be computed twice
     homes = _homes(work)
     read = {homes[id(s)] for m in r.nodes for s in fl.reads[id(m)] if id(s) in homes and id(s) not in members}
+    reads = [_group_reads(g, fl, homes, i) for i, g in enumerate(work)]
     own = [m for m in r.nodes if REGISTRY[m.op].kind is OpKind.CONTRACTION]
     for h in read:
         gemm = work[h]
         c = gemm.contraction
         if c is None or gemm.is_row or gemm.shape != r.shape or any(id(m) in solo for m in gemm.nodes):
+            continue
+        if any(x != h and _reaches(reads, x, h) for x in read):
+            # another kernel the row kernel reads depends on this one (a sibling merged beside the
+            # product computes an operand of another product: the hidden size equal to the
+            # vocabulary's): inside the row kernel, the two would read each other
             continue
         if not _tileable(graph, c):  # as the backward decides not to save it (or it is the backward's)
             continue
@@ -930,6 +936,8 @@ def _product_of(
             continue
         if any(id(s) in inside or id(s) in members for s in c.srcs):
             continue  # an operand computed beside the product: its tiles would need a prologue
+        if any(id(s) in inside for x in own for s in x.srcs):
+            continue  # it computes an operand of a product already inside (read as loaded tiles)
         readers = [(x, m) for m in gemm.nodes for x in consumers.get(id(m), ()) if id(x) not in inside]
         # a reader elsewhere recomputes the product in a narrow GEMM's prologue (attention's P @ v)
         if any(reindexes(x) or outside(x, m) for x, m in readers):
