@@ -93,3 +93,26 @@ def test_a_row_of_one_value_broadcast_reduces_over_every_lane(name, gen):
     want = ref({key: val.double() for key, val in ins.items()})
     assert_close(k(**ins), want, 1e-5, 1e-5, name)
     assert_close(rx.memory_trace(k, **ins, **AT_SMALL).result, want, 1e-5, 1e-5, f"{name} small")
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "amax"])
+@pytest.mark.parametrize("rows", [8, 32])  # the reduced extent fills its blocks: an even kernel
+def test_a_reduction_of_a_value_broadcast_along_the_reduced_axis_counts_every_lane(reduce, rows, gen):
+    """The backward's ``sum(expand(g), 0)``: the value is emitted at one lane per row (a movement op
+    reads it at other coordinates), so an even kernel's unselected sum counted it once, not
+    ``rows`` times: the gradient of a bias through ``(x + b).mean(-2)`` under a tensor cotangent
+    was 1/rows of torch's (found by the model fuzzer, seed 20261802), compiled and lazily alike."""
+    xv, bv = torch.randn(rows, 16, generator=gen), torch.randn(16, generator=gen)
+    cot = torch.randn(16, generator=gen)
+    leaves = [xv.clone().requires_grad_(), bv.clone().requires_grad_()]
+    k = rx.compile(getattr(rx, reduce)(x + b, -2))
+    got = torch.autograd.grad(k(x=leaves[0], b=leaves[1]), leaves, cot)
+    ref = [v.double().requires_grad_() for v in (xv, bv)]
+    want = torch.autograd.grad(getattr(ref[0] + ref[1], reduce)(-2), ref, cot.double())
+    for name, g, e in zip("xb", got, want):
+        assert_close(g, e, 1e-5, 1e-5, f"d{name}")
+    f = rx.Fusion()
+    lb = bv.clone().requires_grad_()
+    y = getattr(f.lazy(leaves[0].detach()) + f.lazy(lb), reduce)(-2)
+    (gb,) = torch.autograd.grad(y.torch(), [lb], cot)
+    assert_close(gb, want[1], 1e-5, 1e-5, "lazy db")

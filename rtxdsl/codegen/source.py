@@ -436,10 +436,26 @@ class Writer:
     def _lane_mask(self, i: int) -> str:
         """What masks row reduction ``i``'s lanes: the tile's mask; where the row fills its blocks
         (``KernelSpec.even``: ``mask`` is the rows' alone, and a masked row's value is never stored)
-        nothing, but for one value per row, which the select broadcasts to the tile's lanes."""
+        nothing for a value known to fill the tile, and a select that broadcasts any other (one
+        value per row, or one a movement op reads at other coordinates: ``sum(expand(g), 0)`` of
+        a bias's gradient) to the tile's lanes, so each lane counts."""
         if not self.spec.even:
             return "mask"
-        return "(row_mask & col_mask)" if self._row_constant(self.spec.nodes[i].srcs[0]) else ""
+        return "" if self._full_tile(self.spec.nodes[i].srcs[0]) else "(row_mask & col_mask)"
+
+    def _full_tile(self, ref: tuple) -> bool:
+        """Is ``ref`` emitted at the whole tile's shape: a load that varies along a reduced dim, or
+        elementwise math (or a product) of the kernel's domain with such an operand? Conservative:
+        movement ops, scalars and per-row values are not."""
+        kind, i = ref
+        if kind is Src.LOAD:
+            return self.spec.loads[i].role is Role.FULL and not self._per_row_load(i)
+        if kind is not Src.NODE:
+            return False
+        node = self.spec.nodes[i]
+        if node.role is not Role.FULL or REGISTRY[node.op].kind not in (OpKind.ELEMENTWISE, OpKind.CONTRACTION):
+            return False
+        return REGISTRY[node.op].kind is OpKind.CONTRACTION or any(self._full_tile(r) for r in node.srcs)
 
     def _emit_single(self, node: NodeSpec, name: str, scope: Scope, loop: Scope) -> str:
         rdt = reduce_dtype(node)
