@@ -24,7 +24,8 @@ Liger's functional forms (``liger_rms_norm``, ``liger_cross_entropy``, ... :data
 those modules' forwards with the weights passed in.
 ``apply_liger_kernel_to_<model>(..., model=m)`` calls :func:`rtxdsl.nn.replace_modules` on the
 instance ``m``; without ``model`` (Liger's class-level patching) every model of the family's
-transformers classes is swapped at its first forward, once its weights are loaded.
+transformers classes is swapped once its weights are real (constructed, loaded by
+``from_pretrained``, or at its first forward).
 
 Example:
     >>> import torch
@@ -999,12 +1000,12 @@ def _call_free(cls: type, *config: Any) -> torch.nn.Module:
 
 def liger_swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Liger's ``liger_swiglu``: ``silu(a) * b``, one kernel."""
-    return _m._gated("swiglu", "none")(g=a, u=b)
+    return _m.gated_kernel("swiglu", "none")(g=a, u=b)
 
 
 def liger_geglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Liger's ``liger_geglu``: ``gelu(a, approximate="tanh") * b``, one kernel."""
-    return _m._gated("geglu", "tanh")(g=a, u=b)
+    return _m.gated_kernel("geglu", "tanh")(g=a, u=b)
 
 
 def liger_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -1145,16 +1146,18 @@ def _apply(family: str) -> Any:
     apply.__doc__ = (
         f"Liger's ``apply_liger_kernel_to_{family}(rope, cross_entropy, fused_linear_cross_entropy, rms_norm, "
         "swiglu, model=None)``: :func:`rtxdsl.nn.replace_modules` on ``model``; without one, on every model of "
-        "the family's transformers classes when it is first called (its weights loaded by then)."
+        "the family's transformers classes once its weights are real (constructed, loaded, or first called)."
     )
     return apply
 
 
 def _patch_classes(name: str, family: str, options: dict[str, bool]) -> None:
     """Liger's class-level patching, rtxdsl's way: each model class of ``transformers.models.<family>``
-    runs :func:`rtxdsl.nn.replace_modules` on its instance at its first forward (a model built and
-    loaded before or after this call; the swap keeps every parameter object and name), then the
-    forward the swap left it."""
+    runs :func:`rtxdsl.nn.replace_modules` on its instance once its weights are real: at the end of
+    its construction (``post_init``; ``from_config``, a direct call), after ``from_pretrained`` has
+    loaded them (it builds the model on the meta device), or at its first forward otherwise. The
+    swap keeps every parameter object and name; a model built before this call swaps at its first
+    forward."""
     import importlib
 
     from transformers import PreTrainedModel
@@ -1165,18 +1168,36 @@ def _patch_classes(name: str, family: str, options: dict[str, bool]) -> None:
         raise RtxError(f"{name}: transformers has no models.{family} here ({e})") from None
     for cls in vars(module).values():
         if isinstance(cls, type) and issubclass(cls, PreTrainedModel) and "forward" in vars(cls):
-            cls.forward = _swapping_forward(getattr(cls.forward, "rtxdsl_original", cls.forward), options)
+            cls.forward = _swapping_forward(_original(cls, "forward"), options)
+            cls.post_init = _swapping_post_init(_original(cls, "post_init"), options)
+            cls.from_pretrained = classmethod(_swapping_from_pretrained(_original(cls, "from_pretrained"), options))
+
+
+def _original(cls: type, attr: str) -> Any:
+    """``cls.attr`` as transformers defines it (under an earlier patch of this module's)."""
+    found = vars(cls).get(attr)
+    found = getattr(found, "__func__", found)  # a classmethod's function
+    if found is not None and hasattr(found, "rtxdsl_original"):
+        return found.rtxdsl_original
+    got = getattr(cls, attr)
+    return getattr(got, "__func__", got)
+
+
+def _swap_once(model: torch.nn.Module, options: dict[str, bool]) -> None:
+    if getattr(model, "rtxdsl_swapped", False):
+        return
+    kind = next(model.parameters()).device.type
+    with torch.autocast(kind, enabled=False):  # the probes compare formulas at the weights' dtype
+        replace_modules(model, **options)
+    for m in model.modules():
+        m.rtxdsl_swapped = True
 
 
 def _swapping_forward(original: Any, options: dict[str, bool]) -> Any:
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not getattr(self, "rtxdsl_swapped", False):
-            kind = next(self.parameters()).device.type
-            with torch.autocast(kind, enabled=False):  # the probes compare formulas at the weights' dtype
-                replace_modules(self, **options)
-            for m in self.modules():
-                m.rtxdsl_swapped = True
+            _swap_once(self, options)
             own = self.__dict__.get("forward")  # the loss without logits is an instance's forward
             if own is not None:
                 return own(*args, **kwargs)
@@ -1184,6 +1205,30 @@ def _swapping_forward(original: Any, options: dict[str, bool]) -> Any:
 
     forward.rtxdsl_original = original  # type: ignore[attr-defined]
     return forward
+
+
+def _swapping_post_init(original: Any, options: dict[str, bool]) -> Any:
+    @functools.wraps(original)
+    def post_init(self: torch.nn.Module) -> None:
+        original(self)
+        # a base model built inside a causal LM swaps first; the outer model's swap then finds its
+        # modules done and adds the loss
+        if not any(p.is_meta for p in self.parameters()):
+            _swap_once(self, options)
+
+    post_init.rtxdsl_original = original  # type: ignore[attr-defined]
+    return post_init
+
+
+def _swapping_from_pretrained(original: Any, options: dict[str, bool]) -> Any:
+    @functools.wraps(original)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        model = original(cls, *args, **kwargs)
+        _swap_once(model, options)
+        return model
+
+    from_pretrained.rtxdsl_original = original  # type: ignore[attr-defined]
+    return from_pretrained
 
 
 FAMILIES = (

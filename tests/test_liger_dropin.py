@@ -233,27 +233,41 @@ def patched_llama():
     """apply_liger_kernel_to_llama() without a model patches transformers' classes: undone after."""
     modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
     yield
-    for cls in vars(modeling).values():
-        original = getattr(vars(cls).get("forward") if isinstance(cls, type) else None, "rtxdsl_original", None)
-        if original is not None:
-            cls.forward = original
+    for cls in [c for c in vars(modeling).values() if isinstance(c, type)]:
+        for attr in ("forward", "post_init", "from_pretrained"):
+            patched = vars(cls).get(attr)
+            original = getattr(getattr(patched, "__func__", patched), "rtxdsl_original", None)
+            if original is not None:
+                setattr(cls, attr, classmethod(original) if attr == "from_pretrained" else original)
 
 
-def test_apply_liger_kernel_without_a_model_patches_the_family(patched_llama):
-    """Liger's class-level form: a model built after (or before) the call is swapped at its first
-    forward, its weights loaded by then; the loss is taken from the hidden states (logits None),
-    equal to the unmodified model's, every gradient too."""
+def test_apply_liger_kernel_without_a_model_patches_the_family(patched_llama, tmp_path):
+    """Liger's class-level form: a model built after the call is swapped when constructed, one
+    loaded by ``from_pretrained`` (built on the meta device) once loaded, one built before at its
+    first forward; the loss is taken from the hidden states (logits None), equal to the unmodified
+    model's, every gradient too."""
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+
     from benches.hf_report import tiny_model
 
     ref = tiny_model("llama")
+    ref.save_pretrained(tmp_path)
+    before = tiny_model("llama")
     liger.apply_liger_kernel_to_llama(swiglu=False)
-    m = tiny_model("llama")
-    m.load_state_dict(ref.state_dict())
+    built = tiny_model("llama")
+    assert type(built.model.norm).__module__ == "rtxdsl.nn.modules"  # at construction
+    assert type(before.model.norm).__module__ != "rtxdsl.nn.modules"  # not yet: at its first forward
+    m = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert type(m.model.norm).__module__ == "rtxdsl.nn.modules" and torch.equal(m.lm_head.weight, ref.lm_head.weight)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
     got, want = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
     assert got.logits is None and type(m.model.norm).__module__ == "rtxdsl.nn.modules"
     assert type(m.model.layers[0].mlp).__module__ != "rtxdsl.nn.modules"  # swiglu=False
     torch.testing.assert_close(got.loss, want.loss, atol=2e-6, rtol=2e-6)
+    before.load_state_dict(ref.state_dict())
+    first = before(input_ids=ids, labels=ids)
+    assert first.logits is None and type(before.model.norm).__module__ == "rtxdsl.nn.modules"
+    torch.testing.assert_close(first.loss, want.loss, atol=2e-6, rtol=2e-6)
     got.loss.backward()
     want.loss.backward()
     for (name, p0), p1 in zip(ref.named_parameters(), m.parameters()):

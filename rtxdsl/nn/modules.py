@@ -509,7 +509,8 @@ class GatedMLP(_Tileable):
 
 
 @made_once
-def _gated(kind: str, approximate: str) -> Kernel:
+def gated_kernel(kind: str, approximate: str) -> Kernel:
+    """``act(g) * u`` as one kernel over ``g`` and ``u``: ``swiglu`` (SiLU) or ``geglu`` (GELU, ``approximate``)."""
     g, u = dsl.var("g"), dsl.var("u")
     return compile(REGISTRY.functions["swiglu"](g, u) if kind == "swiglu" else geglu(g, u, approximate))
 
@@ -530,7 +531,7 @@ class SwiGLU(GatedMLP):
         self.attach()
 
     def _make_kernel(self) -> Kernel:
-        return _gated("swiglu", "none")
+        return gated_kernel("swiglu", "none")
 
 
 class GeGLU(GatedMLP):
@@ -551,7 +552,7 @@ class GeGLU(GatedMLP):
         self.attach()
 
     def _make_kernel(self) -> Kernel:
-        return _gated("geglu", self.approximate)
+        return gated_kernel("geglu", self.approximate)
 
 
 @made_once
