@@ -1117,9 +1117,12 @@ FUNCTIONS = (
 
 # ---- Liger's model patches: replace_modules on an instance, or on each model a family's classes run ------
 #: Liger's flags beside ``model``: which replace_modules option each sets (``geglu``: Gemma's MLP)
-_FLAGS = {"rms_norm": "norms", "layer_norm": "norms", "swiglu": "mlps", "geglu": "mlps", "rope": "rope"}
+_FLAGS = {
+    "rms_norm": "norms", "layer_norm": "norms", "rope": "rope",
+    "swiglu": "mlps", "geglu": "mlps", "relu_squared": "mlps",  # Nemotron's MLP: not gated, kept as it is
+}  # fmt: skip
 #: a family whose transformers module is named otherwise
-_MODULE = {"gemma3_text": "gemma3"}
+_MODULE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
 
 
 def _apply(family: str) -> Any:
@@ -1231,18 +1234,54 @@ def _swapping_from_pretrained(original: Any, options: dict[str, bool]) -> Any:
     return from_pretrained
 
 
+#: Liger-Kernel 0.8.5's model families (each ``apply_liger_kernel_to_<family>``): ``replace_modules``
+#: recognises modules by what they compute, so one function serves every family
 FAMILIES = (
+    "granite",
     "llama",
+    "smollm3",
+    "llava",
+    "llama4",
+    "mllama",
+    "ministral",
     "mistral",
+    "nemotron",
     "mixtral",
-    "qwen2",
-    "qwen3",
+    "muse_glimmer",
+    "pixtral",
     "gemma",
     "gemma2",
     "gemma3_text",
+    "gemma3",
+    "gemma4_text",
+    "gemma4",
+    "paligemma",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gpt_oss",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
     "phi3",
     "olmo2",
-    "granite",
+    "olmo3",
+    "glm4",
+    "glm4v",
+    "glm4v_moe",
+    "internvl",
+    "smolvlm",
+    "falcon_h1",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v4",
+    "exaone4",
 )
 globals().update({f"apply_liger_kernel_to_{f}": _apply(f) for f in FAMILIES})
 

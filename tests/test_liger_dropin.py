@@ -228,6 +228,45 @@ def test_apply_liger_kernel_swaps_an_instance():
         liger.apply_liger_kernel_to_llama(model=kept, cross_entropy=True)
 
 
+def test_every_liger_family_has_its_apply_function():
+    """Liger-Kernel 0.8.5's 45 ``apply_liger_kernel_to_*`` names (its monkey_patch module lists them)."""
+    monkey_patch = pytest.importorskip("liger_kernel.transformers.monkey_patch")
+    theirs = {n for n in vars(monkey_patch) if n.startswith("apply_liger_kernel_to_")}
+    assert theirs <= set(liger.__all__) and all(callable(getattr(liger, n)) for n in theirs)
+
+
+@pytest.fixture
+def patched_family():
+    """apply_liger_kernel_to_<family>() without a model patches transformers' classes: undone after."""
+    patched: list[type] = []
+    yield patched.extend
+    for cls in patched:
+        for attr in ("forward", "post_init", "from_pretrained"):
+            f = vars(cls).get(attr)
+            original = getattr(getattr(f, "__func__", f), "rtxdsl_original", None)
+            if original is not None:
+                setattr(cls, attr, classmethod(original) if attr == "from_pretrained" else original)
+
+
+def test_a_mixture_of_experts_family_patched_by_class_runs_its_experts_through_rtxdsl(patched_family):
+    """Qwen3-MoE's norms and experts swapped at construction; its loss equals the unmodified model's."""
+    modeling = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    from benches.hf_report import tiny_model
+
+    patched_family([c for c in vars(modeling).values() if isinstance(c, type)])
+    ref = tiny_model("qwen3_moe")
+    liger.apply_liger_kernel_to_qwen3_moe(fused_linear_cross_entropy=False, cross_entropy=True)
+    m = tiny_model("qwen3_moe")
+    m.load_state_dict(ref.state_dict())
+    from rtxdsl.nn.moe import NAME
+
+    assert type(m.model.norm).__module__ == "rtxdsl.nn.modules" and m.config._experts_implementation == NAME
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    got, want = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.loss, want.loss, atol=2e-6, rtol=2e-6)
+
+
 @pytest.fixture
 def patched_llama():
     """apply_liger_kernel_to_llama() without a model patches transformers' classes: undone after."""
