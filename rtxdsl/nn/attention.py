@@ -20,6 +20,7 @@ from .. import dsl
 from ..ops import REGISTRY
 from ..ops.attention import attention
 from ..runtime import Kernel, compile
+from .amp import autocast_projection
 
 NAME = "rtxdsl"
 #: the implementations routed through rtxdsl's; a chosen flash / flex kernel is the user's to keep
@@ -80,7 +81,10 @@ def _call(
     """The kernel for this call's options and its inputs."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    ins = {"q": query, "k": key, "v": value}
+    # under autocast, in its dtype as SDPA would run (a rotary embedding's float32 cos may have
+    # promoted q and k while v stayed in autocast's dtype)
+    ins = autocast_projection({"q": query, "k": key, "v": value}, frozenset("qkv"))
+    query = ins["q"]
     kind = ""
     if attention_mask is not None:
         ins["m"] = attention_mask[:, :, :, : key.shape[-2]]

@@ -355,7 +355,9 @@ _IGNORED = -100
 @made_once
 def _loss_kernel(reduction: str) -> Kernel:
     logits, target = dsl.var("logits"), dsl.var("target")
-    return compile(cast(cross_entropy(logits, target, ignore_index=_IGNORED, reduction=reduction), torch.float32))
+    # float32 logits, as ForCausalLMLoss makes them: cast as loaded (no float32 copy), and every
+    # per-row value float32 (a half loss cast after would round each row's loss first)
+    return compile(cross_entropy(cast(logits, torch.float32), target, ignore_index=_IGNORED, reduction=reduction))
 
 
 def _ignored_as_default(target: torch.Tensor, ignore_index: int, classes: int) -> torch.Tensor:
