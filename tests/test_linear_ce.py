@@ -453,3 +453,36 @@ def test_per_row_sums_over_a_product_as_separate_outputs_with_a_weight_gradient(
     feed = {"h": h, "w": w, "b": b, "cw": cw, "t": t, "_g0": g0, "_g1": g1} | saved
     backward = plan.backward.program(**{n: feed[n] for n in plan.backward.inputs})
     assert backward.kernels_launched == 2 and all(tuple(x.shape) != (6, 9) for x in backward.buffers)
+
+
+@pytest.mark.parametrize("act", ["tanh", "exp_clamp"])
+@pytest.mark.parametrize("layout", ["contiguous", "expanded"])  # a stride-0 row: one token repeated
+@pytest.mark.parametrize("second", [False, True], ids=["loss", "loss+activation"])
+def test_an_activation_before_the_head_differentiates(act, layout, second, gen):
+    """``linear_cross_entropy(act(h), w, t)``: the backward recomputes the logits from ``act(h)`` in
+    d/dh's K loop and multiplies by ``act'(h)`` in its epilogue. The epilogue's copy of ``act(h)``
+    shadowed the operand the recomputed logits load (d/dh O(1) wrong in float64), a second output
+    of the activation crashed (KeyError in gemm._tile_values), a stride-0 h too (launch values
+    assert); found by the head-loss fuzzer at seed 32."""
+    fn = {"tanh": (rx.tanh, torch.tanh), "exp_clamp": (lambda e: rx.exp(rx.clamp(e, -6.0, 6.0)),
+                                                       lambda x: torch.exp(x.clamp(-6.0, 6.0)))}[act]  # fmt: skip
+    row = torch.randn(1 if layout == "expanded" else 7, 5, generator=gen, dtype=torch.float64)
+    h0 = row.expand(7, 5) if layout == "expanded" else row
+    w = torch.randn(11, 5, generator=gen, dtype=torch.float64)
+    t = torch.tensor([1, -100, 3, 4, 10, 0, 2])
+    a = fn[0](rx.var("h"))
+    outs = {"o0": rx.linear_cross_entropy(a, rx.var("w"), rx.var("t"), reduction="none")} | (
+        {"o1": a} if second else {}
+    )
+    h, wl = h0.detach().requires_grad_(), w.clone().requires_grad_()
+    got = rx.compile(outs)(h=h, w=wl, t=t)
+    hr, wr = h0.detach().clone().requires_grad_(), w.clone().requires_grad_()
+    ar = fn[1](hr)
+    want = {"o0": F.cross_entropy(ar @ wr.T, t, reduction="none")} | ({"o1": ar} if second else {})
+    cots = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in want.items()}
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-12)
+    grads = torch.autograd.grad([got[k] for k in want], [h, wl], [cots[k] for k in want])
+    wants = torch.autograd.grad([want[k] for k in want], [hr, wr], [cots[k] for k in want])
+    for name, g, e in zip(("d/dh", "d/dw"), grads, wants):
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10, msg=name)

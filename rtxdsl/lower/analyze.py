@@ -722,6 +722,11 @@ def recompute_elementwise(
     work = [_Work.of(g) for g in groups]
     homes = _homes(work)
     requested = {id(e) for _, e in graph.outputs}
+    # operands of a product recomputed in tiles are read from memory wherever it is computed: their
+    # home writes them, and a copy here would shadow that load in a GEMM that later takes the
+    # product into its prologue (linear cross-entropy over tanh(h): d/dh's epilogue recomputing
+    # tanh(h) made the recomputed logits read it at the output's coordinates, d/dh wrong)
+    stored = {id(x) for n in graph.nodes if _tileable(graph, n) for x in n.srcs}
 
     def ancestry(s: Expr, r1: _Work, r2: _Work) -> list[Expr] | None:
         """``s`` and what it needs inside ``r1``, if all of it is elementwise over leaves and fits ``r2``
@@ -737,6 +742,7 @@ def recompute_elementwise(
             if (
                 id(n) in solo
                 or id(n) in requested
+                or id(n) in stored
                 or (kind is not OpKind.ELEMENTWISE and not positions_only(n))  # positions read nothing
                 or r1.role(n) is Role.DROP
                 or not broadcasts(graph.of(n).shape, r2.shape)
