@@ -114,3 +114,22 @@ def backward_feed(plan: Any, ins: dict[str, torch.Tensor]) -> dict[str, torch.Te
         elif key in plan.grads.user_keys:
             feed[f"_g{plan.grads.user_keys.index(key)}"] = torch.empty(info.shape, dtype=info.dtype)
     return {n: feed[n] for n in plan.backward.inputs}
+
+
+def gpu_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` on the GPU (Triton's ``do_bench``)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def peak_and_ms(step: Callable[[], Any], warmup: int = 25, rep: int = 100) -> tuple[int, float]:
+    """The peak bytes ``step`` allocates beyond what is allocated before it (its second run, after
+    one to warm caches and compiles), and its median milliseconds."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, gpu_ms(step, warmup, rep)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import rtxdsl as rx
+from benches.common import gpu_ms, peak_and_ms
 
 _x, _w, _b, _r, _wg, _wu, _wd = (rx.var(n) for n in ("x", "w", "b", "r", "wg", "wu", "wd"))
 
@@ -79,12 +80,6 @@ def check(device: torch.device, sizes: list[tuple[int, int, int]]) -> list[dict]
     return rows
 
 
-def _ms(fn: Callable[[], Any]) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def time_gemms(deadline: float, quick: bool) -> list[dict]:
     """TFLOP/s of each case and implementation (stops at ``deadline``, a perf_counter time)."""
     rows = []
@@ -105,7 +100,7 @@ def time_gemms(deadline: float, quick: bool) -> list[dict]:
                 ins = _inputs(name, m, n, k, dtype, dev, 2)
                 for impl, fn in impls.items():
                     try:
-                        ms = _ms(lambda fn=fn: fn(**ins))
+                        ms = gpu_ms(lambda fn=fn: fn(**ins))
                     except Exception as exc:  # noqa: BLE001
                         print(f"  {name} {m}x{n}x{k} {impl}: {type(exc).__name__}: {exc}")
                         continue
@@ -137,8 +132,8 @@ def time_mlp(quick: bool) -> list[dict]:
     cot = torch.randn(tokens, hidden, generator=gen).to(device=dev, dtype=dtype)
     rows = []
     for impl, fn in impls.items():
-        fwd = _ms(lambda fn=fn: fn(**ins))
-        both = _ms(lambda fn=fn: torch.autograd.grad(fn(**ins), list(ins.values()), cot))
+        fwd = gpu_ms(lambda fn=fn: fn(**ins))
+        both = gpu_ms(lambda fn=fn: torch.autograd.grad(fn(**ins), list(ins.values()), cot))
         rows.append({"block": "Llama MLP", "shape": f"{tokens}x{hidden}x{inter}", "impl": impl,
                      "forward us": fwd * 1e3, "forward + backward us": both * 1e3})  # fmt: skip
     return rows
@@ -218,14 +213,7 @@ def time_linear_ce(quick: bool) -> list[dict]:
                 torch.autograd.grad(fn(**ins), list(leaves.values()))
 
             try:
-                step()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                step()
-                torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated() - base
-                ms = _ms(step)
+                peak, ms = peak_and_ms(step)
             except Exception as exc:  # noqa: BLE001
                 print(f"  linear cross-entropy {tokens}x{hidden}x{vocab} {impl}: {type(exc).__name__}: {exc}")
                 continue

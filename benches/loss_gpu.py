@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import rtxdsl as rx
+from benches.common import peak_and_ms
 from rtxdsl import liger as rx_liger
 
 #: (sequences, tokens, hidden, vocabulary): a Llama-3-8B head, 4 preference pairs of 1K tokens
@@ -104,12 +105,6 @@ def check(device: torch.device, sizes: list[tuple[int, int, int, int]]) -> list[
     return rows
 
 
-def _ms(fn: Callable[[], Any]) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=3, rep=20, return_mode="median")
-
-
 def time_losses(quick: bool) -> list[dict]:
     """Forward + backward time and peak memory beyond the inputs, bf16, rtxdsl and Liger's chunks."""
     dev = torch.device("cuda")
@@ -127,14 +122,7 @@ def time_losses(quick: bool) -> list[dict]:
                     torch.autograd.grad(call(module, ins), leaves)
 
                 try:
-                    step()
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    step()
-                    torch.cuda.synchronize()
-                    peak = torch.cuda.max_memory_allocated() - base
-                    ms = _ms(step)
+                    peak, ms = peak_and_ms(step, 3, 20)
                 except Exception as exc:  # noqa: BLE001 (a failing peer is a result to report)
                     print(f"  {name} {size} {impl}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue

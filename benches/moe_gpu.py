@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import rtxdsl as rx
+from benches.common import gpu_ms
 
 #: (tokens, hidden, intermediate, experts, top_k): Qwen3-30B-A3B's and Mixtral-8x7B's experts
 SIZES = [(4096, 2048, 768, 128, 8), (4096, 4096, 14336, 8, 2)]
@@ -111,12 +112,6 @@ def check(device: torch.device, sizes: list[tuple[int, int, int, int, int]]) -> 
     return rows
 
 
-def _ms(fn: Callable[[], Any]) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
 def time_moe(quick: bool) -> list[dict]:
     """Forward and forward + backward time of each implementation, bf16, each size."""
     dev = torch.device("cuda")
@@ -129,8 +124,8 @@ def time_moe(quick: bool) -> list[dict]:
             if impl == "eager loop" and size[3] > 32:
                 continue  # a launch per expert and op: minutes of timing, nothing to learn
             try:
-                fwd = _ms(lambda fn=fn: fn(**ins))
-                both = _ms(lambda fn=fn: torch.autograd.grad(fn(**ins), leaves, cot))
+                fwd = gpu_ms(lambda fn=fn: fn(**ins), 10, 50)
+                both = gpu_ms(lambda fn=fn: torch.autograd.grad(fn(**ins), leaves, cot), 10, 50)
             except Exception as exc:  # noqa: BLE001 (a failing peer is a result to report)
                 print(f"  moe experts {size} {impl}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue

@@ -927,19 +927,24 @@ class LigerFusedLinearJSD(torch.nn.Module):
 _MODULES: dict[tuple[Any, ...], torch.nn.Module] = {}
 
 
-def _call(cls: type, params: dict[str, torch.Tensor | None], args: tuple, *config: Any, **options: Any) -> Any:
-    """``cls(*config, **options)``'s forward on ``args`` with ``params`` as its parameters (one module
-    per configuration, made once: its kernels are its forward's), as Liger's functions are its
-    modules' ``Function.apply``."""
+def _module(cls: type, *config: Any, **options: Any) -> torch.nn.Module:
+    """``cls(*config, **options)``, one module per configuration, made once (its kernels are made
+    with it: a functional call only finds them)."""
     key = (cls, config, tuple(sorted(options.items())))
     module = _MODULES.get(key)
     if module is None:
         module = _MODULES[key] = cls(*config, **options)
+    return module
+
+
+def _call(cls: type, params: dict[str, torch.Tensor | None], args: tuple, *config: Any, **options: Any) -> Any:
+    """``cls(*config, **options)``'s forward on ``args`` with ``params`` as its parameters, as
+    Liger's functions are its modules' ``Function.apply``."""
     given = {n: p for n, p in params.items() if p is not None}
     missing = sorted(set(params) - set(given))
     if missing:
         raise RtxError(f"{cls.__name__}: the functional form needs {missing} (got None)")
-    return torch.func.functional_call(module, given, args)
+    return torch.func.functional_call(_module(cls, *config, **options), given, args)
 
 
 def _not_given(op: str, **legacy: Any) -> None:
@@ -986,16 +991,8 @@ def liger_fused_linear_jsd(
     ignore_index: int = -100, temperature: float = 1.0, accum_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Liger's ``liger_fused_linear_jsd``: :class:`LigerFusedLinearJSD`'s forward."""
-    fn = _call_free(LigerFusedLinearJSD, jsd_beta, ignore_index, temperature, accum_dtype)
+    fn = _module(LigerFusedLinearJSD, jsd_beta, ignore_index, temperature, accum_dtype)
     return fn(student_input, student_weight, teacher_input, teacher_weight, shift_labels)
-
-
-def _call_free(cls: type, *config: Any) -> torch.nn.Module:
-    """A module without parameters for ``config``, made once."""
-    key = (cls, config, ())
-    if key not in _MODULES:
-        _MODULES[key] = cls(*config)
-    return _MODULES[key]
 
 
 def liger_swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -1020,7 +1017,7 @@ def liger_relu_squared(x: torch.Tensor) -> torch.Tensor:
 
 def liger_sparsemax(input: torch.Tensor, dim: int = -1) -> torch.Tensor:  # noqa: A002
     """Liger's ``liger_sparsemax``."""
-    return _call_free(LigerSparsemax, dim)(input)
+    return _module(LigerSparsemax, dim)(input)
 
 
 def liger_jsd(
@@ -1028,7 +1025,7 @@ def liger_jsd(
     ignore_index: int = -100,
 ) -> torch.Tensor:  # fmt: skip
     """Liger's ``liger_jsd``: :class:`LigerJSD`'s forward (log-probabilities of the student, then the teacher)."""
-    return _call_free(LigerJSD, beta, ignore_index)(input, target, shift_labels)
+    return _module(LigerJSD, beta, ignore_index)(input, target, shift_labels)
 
 
 def liger_tvd(
@@ -1036,7 +1033,7 @@ def liger_tvd(
     ignore_index: int = -100,
 ) -> torch.Tensor:  # fmt: skip
     """Liger's ``liger_tvd``: :class:`LigerTVDLoss`'s forward."""
-    return _call_free(LigerTVDLoss, reduction, ignore_index)(input, target, shift_labels)
+    return _module(LigerTVDLoss, reduction, ignore_index)(input, target, shift_labels)
 
 
 def liger_kl_div(
@@ -1045,10 +1042,7 @@ def liger_kl_div(
 ) -> torch.Tensor:  # fmt: skip
     """Liger's ``liger_kl_div`` (``size_average`` and ``reduce`` are placeholders there too: Liger
     ignores them, its reduction is ``reduction``)."""
-    key = (LigerKLDIVLoss, (eps, reduction, log_target), ())
-    if key not in _MODULES:
-        _MODULES[key] = LigerKLDIVLoss(eps, reduction=reduction, log_target=log_target)
-    return _MODULES[key](input, target)
+    return _module(LigerKLDIVLoss, eps, reduction=reduction, log_target=log_target)(input, target)
 
 
 def liger_rms_norm(
