@@ -63,3 +63,21 @@ def test_found_programs_match_float64_torch(pid: int, mode: str) -> None:
     p = generate(pid)
     out = check(p, mode)
     assert out.verdict == "ok", f"program {pid} ({mode}): {out.verdict}: {out.detail}\n{p.source()}"
+
+
+#: programs the fuzzer found failing that are not fixed yet: each must still fail (strict), so a fix
+#: shows here and moves it to FOUND
+OPEN = [
+    # fp16 RMSNorm weight gradient after two residual blocks over a gathered, tied embedding: d/dg20
+    # 0.229 where float64 gives 0.2460 and eager 0.2463 (eager's error 0.001); present since before
+    # the norm-gradient work (8b21dfe), found at the commit seed of d8f6849
+    (22750215300000, "dsl"),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="found by the model fuzzer, open: see OPEN")
+@pytest.mark.parametrize(("pid", "mode"), OPEN)
+def test_open_programs_still_fail(pid: int, mode: str) -> None:
+    p = generate(pid)
+    out = check(p, mode)
+    assert out.verdict == "ok", f"program {pid} ({mode}): {out.verdict}: {out.detail}"
