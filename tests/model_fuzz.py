@@ -76,6 +76,8 @@ from fuzzing import TOLERANCE  # noqa: E402
 import rtxdsl as rx  # noqa: E402
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: float64 runs at inputs rounded once more, and how many times their spread widens the bound
+JITTERS, SENSITIVITY = 8, 2.0
 MODES = ("dsl", "lazy")
 SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 #: an RtxError saying rtxdsl does not fuse (or support) what it was given: a refusal, not a crash
@@ -833,9 +835,11 @@ def generate(pid: int) -> Program:
 
 
 # ---- running --------------------------------------------------------------------------------------
-def _build_inputs(p: Program, step: int, reference: bool) -> dict[str, torch.Tensor]:
+def _build_inputs(p: Program, step: int, reference: bool, jitter: int | None = None) -> dict[str, torch.Tensor]:
     """Fresh input tensors for one run (the same values for every run of a step); float64 ones
-    (upcast from the program's dtype) for the reference."""
+    (upcast from the program's dtype) for the reference. ``jitter`` (a draw number, reference only)
+    moves every float input by one rounding of the program's dtype (``eps / 2`` relative, either sign):
+    the float64 runs at such inputs say how sensitive each result is to rounding (see ``check``)."""
     env = {
         "torch": torch,
         "DT": p.dtype,
@@ -847,6 +851,10 @@ def _build_inputs(p: Program, step: int, reference: bool) -> dict[str, torch.Ten
         t = eval(i.source, env)  # noqa: S307 - our own generated text
         if reference and t.dtype.is_floating_point:
             t = t.double()
+            if jitter is not None:
+                g = torch.Generator().manual_seed(_seed(p.pid, step, 700 + 37 * jitter + len(out)))
+                sign = torch.randint(0, 2, t.shape, generator=g).to(torch.float64) * 2 - 1
+                t = t * (1 + sign * torch.finfo(p.dtype).eps / 2)
         out[i.name] = t.requires_grad_(True) if i.grad else t
     return out
 
@@ -908,9 +916,17 @@ def _real(v: Any) -> Any:
     return v.torch() if isinstance(v, rx.LazyTensor) else v
 
 
-def run_torch(p: Program, step: int, reference: bool = False, fusion: Any = None, eager: Run | None = None) -> Run:
-    """The torch text: eagerly (in the program's dtype, or float64), or on ``fusion``'s lazy tensors."""
-    ins = _build_inputs(p, step, reference)
+def run_torch(
+    p: Program,
+    step: int,
+    reference: bool = False,
+    fusion: Any = None,
+    eager: Run | None = None,
+    jitter: int | None = None,
+) -> Run:
+    """The torch text: eagerly (in the program's dtype, or float64 at inputs moved by ``jitter``),
+    or on ``fusion``'s lazy tensors."""
+    ins = _build_inputs(p, step, reference, jitter)
     env = _env(p, reference)
     for i in p.inputs:
         env[i.name] = fusion.lazy(ins[i.name]) if fusion is not None and i.lazy else ins[i.name]
@@ -959,6 +975,7 @@ def compare(
     coarse: torch.dtype,
     floor: float = 1e-3,
     zero_scale: float = 1e-3,
+    spread: torch.Tensor | None = None,
 ) -> tuple[str, str] | None:
     """None when ``got`` is as close to the float64 ``ref`` as ``eager`` is (see the module
     docstring), else (what differs, detail)."""
@@ -994,6 +1011,8 @@ def compare(
     atol, rtol = (max(a, b) for a, b in zip(TOLERANCE[got.dtype], TOLERANCE[coarse]))
     diff = (g - r).abs()
     bound = 2 * err_e + atol * scale + rtol * r.abs()
+    if spread is not None:  # how far float64 itself moves when the inputs are rounded again
+        bound = bound + SENSITIVITY * spread
     over = cmp & (diff > bound)
     if over.any():
         worst = int(torch.argmax(torch.where(over, diff - bound, torch.zeros_like(diff))))
@@ -1059,6 +1078,7 @@ def check(p: Program, mode: str) -> Outcome:
         # a gradient's scale: its own magnitude, at least a tenth of the program's largest gradient,
         # all of it where float64's is exactly 0 (a cancellation, say through a softmax over one
         # token, of terms of the program's magnitude: eager's may be exactly 0 by luck of its formula)
+        spreads: dict[str, dict[str, torch.Tensor]] = {}
         big = max((float(t.abs().max()) for t in ref.grads.values() if t is not None and t.numel()), default=0.0)
         floors = {"value": (1e-3, 1e-3), "grad": (max(1e-3, 0.1 * big), max(1e-3, big)), "input": (1e-3, 1e-3)}
         for kind, names, g, w, r in (
@@ -1068,6 +1088,9 @@ def check(p: Program, mode: str) -> Outcome:
         ):
             for n in names:
                 bad = compare(g.get(n), w.get(n), r.get(n), p.dtype, *floors[kind])
+                if bad and bad[0] == "error":  # as close as the element's sensitivity to rounding allows?
+                    spreads = spreads or _spreads(p, step, eager, ref)
+                    bad = compare(g.get(n), w.get(n), r.get(n), p.dtype, *floors[kind], spreads[kind].get(n))
                 if bad:
                     role = "d/d" + n if kind == "grad" else n
                     # grouped by the input's stem too (b: biases, w: weights, g: norm weights, x, E, P)
@@ -1075,6 +1098,27 @@ def check(p: Program, mode: str) -> Outcome:
                     group = (mode, "wrong", f"{kind} {bad[0]}", stem)
                     return Outcome("wrong", f"step {step}: {kind} {role}: {bad[1]}", group)
     return Outcome("ok")
+
+
+def _spreads(p: Program, step: int, eager: Run, ref: Run) -> dict[str, dict[str, torch.Tensor]]:
+    """Per output, gradient and input: how far float64 moves, element by element, when every input
+    is rounded once more to the program's dtype (the largest of ``JITTERS`` draws). An element
+    that moves far is ill-conditioned: eager's rounding and rtxdsl's (fp32 inside a kernel, the
+    program's dtype between kernels) may land anywhere in that range, so the bound widens by it."""
+    out: dict[str, dict[str, torch.Tensor]] = {"value": {}, "grad": {}, "input": {}}
+    for j in range(JITTERS):
+        moved = run_torch(p, step, reference=True, eager=eager, jitter=j)
+        for kind, new, old in (
+            ("value", moved.outputs, ref.outputs),
+            ("grad", moved.grads, ref.grads),
+            ("input", moved.inputs, ref.inputs),
+        ):
+            for n, t in new.items():
+                if t is None or old.get(n) is None or not t.dtype.is_floating_point:
+                    continue
+                d = (t.detach().double() - old[n].detach().double()).abs().nan_to_num(0.0, 0.0, 0.0)
+                out[kind][n] = torch.maximum(out[kind][n], d) if n in out[kind] else d
+    return out
 
 
 def shrink(p: Program, mode: str, group: tuple[str, ...]) -> Program | None:
