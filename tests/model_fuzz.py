@@ -29,8 +29,11 @@ in the program's dtype: per element ``|rx - ref| <= 2 * max|eager - ref| + atol 
 |ref|`` (``TOLERANCE`` of ``tests/fuzzing.py`` for the coarser of the output's and the program's
 dtype; ``scale`` the reference's largest magnitude, for a gradient at least a tenth of the
 program's largest gradient, and all of it where float64's gradient is exactly 0: eager's may be 0
-by luck of its formula). NaN where eager is NaN is fine; NaN or inf where eager is finite is
-wrong; dtypes and shapes must be eager's.
+by luck of its formula), plus ``SENSITIVITY`` times how far float64 itself moves at that element
+when every input is rounded once more to the program's dtype (``_spreads``, computed only where
+the first bound fails: an ill-conditioned element is determined no better than that in half
+precision). NaN where eager is NaN is fine; NaN or inf where eager is finite is wrong; dtypes and
+shapes must be eager's.
 
 Each program gets a verdict: ``ok``, ``wrong``, ``crash`` (any exception but a refusal, or an
 ``RtxError`` where eager succeeds), ``refusal`` (an ``RtxError`` saying an op is not fused or
