@@ -132,7 +132,7 @@ PLANS = {  # what the attention reads beside q, k, v: (expression, extra inputs,
         2,
     ),
     "padding-mask": (lambda: rx.attention(q, k, v, attn_mask=rx.var("m")), {"m": (B_, 1, 1, T_)}, 2),
-    "gqa": (lambda: rx.attention(q, k, v, causal=True, enable_gqa=True), {}, 3),  # + K and V per query head
+    "gqa": (lambda: rx.attention(q, k, v, causal=True, enable_gqa=True), {}, 2),  # K and V read as they are
 }
 
 
@@ -163,6 +163,67 @@ def test_the_forward_writes_no_scores(kind, gen):
     for backward in (plan.backward.program(**inputs), plan.backward.lower_for(GPU, **inputs)):
         written = [b.shape for b in backward.buffers if math.prod(b.shape) >= scores]
         assert len(written) == (3 if kind == "bias" else 0), written
+
+
+def _gqa(**kw):
+    return lambda: rx.attention(q, k, v, enable_gqa=True, **kw)
+
+
+GROUPED = {  # grouped-query attention: what the scores read beside q, k, v, and whether K and V are copied
+    "causal": (_gqa(causal=True), {}, False),
+    "padding mask": (_gqa(attn_mask=rx.var("m")), {"m": (2, 1, 1, 20)}, False),
+    # a model's [B, 1, Tq, Tk] mask (causal and padding, or a sliding window) serves every head
+    "model mask": (_gqa(attn_mask=rx.var("m")), {"m": (2, 1, 33, 20)}, False),
+    "softcap": (_gqa(score_mod=lambda s, *_: 5.0 * rx.tanh(s / 5.0)), {}, False),
+    # a tensor that differs per query head: each key head is repeated for its query heads
+    "per-head mask": (_gqa(attn_mask=rx.var("m")), {"m": (2, 4, 33, 20)}, True),
+}
+
+
+@pytest.mark.parametrize("kind", list(GROUPED))
+def test_grouped_query_attention_reads_keys_and_values_as_they_are(kind, gen):
+    """Each key/value head's query heads are one batch of the products, ``[B, Hkv, G, Tq, D]``
+    against ``[B, Hkv, 1, Tk, D]`` (views of q, k and v, strided as a model's transposed
+    projections are): no buffer of the keys repeated per query head in the forward or the backward
+    (whose dK and dV sum over the group), as many launches as multi-head attention's, and the
+    output and every gradient as float64's. Only a tensor read per query head repeats them."""
+    make, extra, copies = GROUPED[kind]
+    tq, tk, d = 33, 20, 8  # Tq != Tk: a [.., Tk, D] buffer larger than k is k repeated
+    ins = {
+        "q": torch.randn(2, tq, 4, d, generator=gen).transpose(1, 2),
+        "k": torch.randn(2, tk, 1, d, generator=gen).transpose(1, 2),
+        "v": torch.randn(2, tk, 1, d, generator=gen).transpose(1, 2),
+    }
+    for n, shape in extra.items():
+        ins[n] = torch.rand(shape, generator=gen) > 0.2
+    kern = rx.compile(make())
+
+    def repeats(program):
+        return [b.shape for b in program.buffers if b.shape[-2:] == (tk, d) and math.prod(b.shape) > 2 * tk * d]
+
+    forward = kern.program(**ins)
+    assert len(forward.launched) == (3 if copies else 2)
+    assert bool(repeats(forward)) == copies
+    grads = {n: t.requires_grad_(t.dtype.is_floating_point) for n, t in ins.items()}
+    plan = kern.grad_plan(**grads)
+    saved = plan.forward(**grads)
+    feed = grads | dict(saved) | {"_g0": torch.ones(2, 4, tq, d)}
+    backward = plan.backward.program(**{n: feed[n] for n in plan.backward.inputs})
+    assert len(backward.launched) == (7 if copies else 5)
+    # dK and dV: the products over each query head's rows, [B, Hkv, G, Tk, D], summed over the
+    # group by a row kernel (not yet in the GEMMs' K loops); never K or V copied per query head
+    copied = [s for s in (b.shape for b in backward.buffers) if s == (2, 4, tk, d)]
+    assert bool(copied) == copies
+
+    def ref(r):
+        qd, kd, vd = r["q"], r["k"].expand(-1, 4, -1, -1), r["v"].expand(-1, 4, -1, -1)
+        s = qd @ kd.mT / math.sqrt(d)
+        s = 5.0 * torch.tanh(s / 5.0) if kind == "softcap" else s
+        keep = torch.ones(tq, tk, dtype=torch.bool).tril() if kind == "causal" else r.get("m", True)
+        s = s.masked_fill(~torch.as_tensor(keep), float("-inf"))
+        return torch.nan_to_num(torch.softmax(s, -1)) @ vd
+
+    _check(make(), {n: t.detach() for n, t in ins.items()}, ref, torch.float32, 2e-5, 2e-5, gen)
 
 
 def test_the_compute_model_counts_each_pass_that_computes_the_scores(gen):

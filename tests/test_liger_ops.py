@@ -243,7 +243,9 @@ def test_group_norm(shape, groups, affine, gen):
     assert_close(k(**ins), want, 1e-12, 1e-12)
     rx.reset_fusion_stats()
     k(**{n: t.detach() for n, t in ins.items()})
-    assert rx.fusion_stats().kernels_launched == 2  # group statistics, then the output in x's layout
+    # group statistics, then the output in x's layout (without a weight, the normalized groups
+    # are the output's memory: their reshape to x's shape launches nothing)
+    assert rx.fusion_stats().kernels_launched == (2 if affine else 1)
     assert _gradcheck(lambda *t: k(**dict(zip(ins, t))), tuple(ins.values()))
     f = rx.Fusion()
     got = F.group_norm(f.lazy(xs.detach()), groups, *((w.detach(), bias.detach()) if affine else ()))

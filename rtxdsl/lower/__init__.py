@@ -97,10 +97,11 @@ def program(
             lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), dtype)
     stored = _chunk_buffers(plan, lay)
     views = _views(plan, lay, slots, requested)
+    out_views = _output_views(plan, lay, requested, stored)
     groups = list(plan.groups)
     scheduled: list[tuple[KernelSpec, Launch] | None] = [
         None
-        if id(g) in views
+        if id(g) in views or id(g) in out_views
         else gemm_spec(g, graph, lay, target, tf32)
         if g.contraction is not None and not g.is_row
         else kernel_spec(g, graph, lay, target, tf32)
@@ -108,17 +109,7 @@ def program(
     ]
     merges = _column_reductions(groups, scheduled, graph, lay, target, tf32)
     aliases = _aliases(plan, scheduled, lay, slots, into or {})
-    buffers: list[Buffer] = []
-    for g in groups:
-        if id(g) in views:  # a reshape of a contiguous input: the input's own memory, no kernel
-            slots[id(g.outputs[0])] = views[id(g)]
-            continue
-        for o in g.outputs:
-            if id(o) in aliases:
-                slots[id(o)] = aliases[id(o)]
-                continue
-            slots[id(o)] = n_inputs + len(buffers)
-            buffers.append(Buffer(stored.get(id(o), lay[id(o)].shape), lay[id(o)].dtype))
+    buffers = _buffers(groups, views, out_views, aliases, stored, lay, slots, n_inputs)
     calls = _launches(groups, scheduled, merges, slots, lay, buffers, n_inputs, graph)
     calls = _with_tails(_loops_together(calls), buffers, n_inputs)
     outputs: list[tuple[str, int | None]] = []
@@ -346,20 +337,93 @@ def _loops_together(calls: list[KernelCall]) -> list[KernelCall]:
     return out
 
 
-def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested: set[int]) -> dict[int, int]:
-    """id(group) -> an input slot, for groups that only reshape a contiguous input into an
-    intermediate (a flattened ``[batch, tokens, hidden]`` GEMM operand): torch's view, no copy."""
+def _buffers(
+    groups: list[Group],
+    views: dict[int, dict[int, int]],
+    out_views: dict[int, list[Expr]],
+    aliases: dict[int, int],
+    stored: Mapping[int, tuple[int, ...]],
+    lay: dict[int, Layout],
+    slots: dict[int, int],
+    n_inputs: int,
+) -> list[Buffer]:
+    """A buffer (and slot) per value a kernel writes: none for a view of an input (its slot is the
+    input's) or for an output that only reshapes an intermediate (that intermediate's kernel writes
+    into the output's buffer)."""
+    into_output = {id(s): n for g in groups for n, s in zip(g.nodes, out_views.get(id(g), ()))}
+    buffers: list[Buffer] = []
+    for g in groups:
+        if id(g) in views:  # reshapes of inputs: the inputs' own memory, no kernel
+            slots.update(views[id(g)])
+            continue
+        if id(g) in out_views:  # its source's kernel wrote the output
+            continue
+        for o in g.outputs:
+            if id(o) in aliases:
+                slots[id(o)] = aliases[id(o)]
+                continue
+            slots[id(o)] = n_inputs + len(buffers)
+            shown = into_output.get(id(o), o)
+            slots[id(shown)] = slots[id(o)]
+            buffers.append(Buffer(stored.get(id(o), lay[id(shown)].shape), lay[id(o)].dtype))
+    return buffers
+
+
+def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested: set[int]) -> dict[int, dict[int, int]]:
+    """id(group) -> {id(node): input slot}, for groups that only reshape inputs into intermediates
+    (a flattened ``[batch, tokens, hidden]`` GEMM operand, attention's heads split into groups)
+    where torch could view them: the inputs' own memory, no copy. A view's strides are its layout."""
     found = {}
     for g in plan.groups:
-        if len(g.nodes) != 1 or g.outputs != g.nodes or id(g.nodes[0]) in requested:
+        written = {id(o) for o in g.outputs}
+        if len(written) != len(g.nodes) or any(id(n) in requested or id(n) not in written for n in g.nodes):
             continue
-        n = g.nodes[0]
-        src = n.srcs[0]
-        if not REGISTRY[n.op].regroups or id(src) not in slots or not src.is_var:
+        views = {}
+        for n in g.nodes:
+            src = n.srcs[0]
+            if not (REGISTRY[n.op].regroups or REGISTRY[n.op].view) or id(src) not in slots or not src.is_var:
+                break
+            have, want = lay[id(src)], lay[id(n)]
+            strides = view_strides(have, want.shape)
+            if strides is None or have.dtype != want.dtype:
+                break
+            views[id(n)] = (slots[id(src)], Layout(want.shape, strides, want.dtype))
+        else:
+            found[id(g)] = {i: slot for i, (slot, _) in views.items()}
+            lay.update({i: layout for i, (_, layout) in views.items()})
+    return found
+
+
+def view_strides(have: Layout, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of ``have`` viewed as ``shape`` (torch's ``view``), None where that needs a copy."""
+    try:
+        meta = torch.empty_strided(have.shape, have.strides, dtype=have.dtype, device="meta")
+        return tuple(meta.view(shape).stride())
+    except RuntimeError:
+        return None
+
+
+def _output_views(plan: Plan, lay: dict[int, Layout], requested: set[int], stored: Mapping) -> dict[int, list[Expr]]:
+    """id(group) -> the intermediates its requested outputs only reshape (grouped attention's
+    ``[B, Hkv, G, Tq, Dv]`` as ``[B, Hq, Tq, Dv]``, and its gradients): their kernels write the
+    outputs' memory, in the same order, and the reshapes launch nothing."""
+    found = {}
+    writers = {id(o) for g in plan.groups for o in g.outputs}
+    for g in plan.groups:
+        written = {id(o) for o in g.outputs}
+        if len(written) != len(g.nodes) or any(id(n) not in requested or id(n) not in written for n in g.nodes):
             continue
-        have, want = lay[id(src)], lay[id(n)]
-        if have.strides == contiguous_strides(have.shape) and have.dtype == want.dtype:
-            found[id(g)] = slots[id(src)]
+        srcs = [n.srcs[0] for n in g.nodes]
+        if len({id(s) for s in srcs}) == len(srcs) and all(
+            REGISTRY[n.op].regroups
+            and id(s) not in requested
+            and id(s) not in stored
+            and id(s) in writers
+            and lay[id(s)].dtype == lay[id(n)].dtype
+            and lay[id(s)].strides == contiguous_strides(lay[id(s)].shape)
+            for n, s in zip(g.nodes, srcs)
+        ):
+            found[id(g)] = srcs
     return found
 
 

@@ -180,19 +180,26 @@ def flow(graph: Graph) -> Flow:
         if id(n) not in leaf:
             for s in read_srcs(n):
                 readers.setdefault(id(s), []).append(n)
+
+    def _regrouped_output(c: Expr, n: Expr) -> bool:
+        """An output that only regroups ``n`` (a reshape, same dtype): ``n``'s kernel writes the
+        output's memory in the same order (``lower._output_views``), so ``n`` is computed, not
+        recomputed at the output's coordinates by a kernel of the reshape's own."""
+        return REGISTRY[c.op].regroups and id(c) in requested and graph.of(c).dtype == graph.of(n).dtype
+
     free: set[int] = set()
     for n in reversed(graph.nodes):
         kind = REGISTRY[n.op].kind
         if id(n) in leaf or id(n) in requested or kind not in (OpKind.ELEMENTWISE, OpKind.MOVEMENT):
             continue
-        if all(reindexes(c) or id(c) in free for c in readers.get(id(n), ())):
+        if all((reindexes(c) and not _regrouped_output(c, n)) or id(c) in free for c in readers.get(id(n), ())):
             free.add(id(n))
     reads: dict[int, tuple[Expr, ...]] = {}
     cones: dict[int, tuple[Expr, ...]] = {}
     for n in graph.nodes:
         if id(n) in leaf:
             continue
-        if not reindexes(n):
+        if not reindexes(n) or _regrouped_output(n, n.srcs[0]):
             reads[id(n)] = read_srcs(n)
             continue
         cone: list[Expr] = []
@@ -1211,11 +1218,18 @@ def _recompute_in_prologues(
     for w, side, v, cone in gemm_readers:
         if side is Role.A:
             emptied += _reduce_in_k_loop(w, [v, *cone], work, graph, consumers, requested)
-    if not _leaks(chain, gemms, work, requested, consumers, loaded):
+    if not _leaks(chain, gemms, work, requested, consumers, loaded | _leaf_views(chain, graph)):
         return emptied
     for w, (nodes, roles, notes) in zip(work, before):  # written after all: as it was
         w.nodes, w.roles, w.notes = nodes, roles, notes
     return None
+
+
+def _leaf_views(chain: list[Expr], graph: Graph) -> set[int]:
+    """The views of leaves in ``chain`` (a grouped attention's mask with a group axis of one): any
+    kernel reading one loads the leaf through its strides, so another kernel reading it as well
+    keeps nothing written."""
+    return {id(m) for m in chain if REGISTRY[m.op].view and all(is_leaf(x, graph.info) for x in read_srcs(m))}
 
 
 def _epilogue_reads(w: _Work, chain: list[Expr], consumers: dict[int, list[Expr]]) -> bool:

@@ -246,14 +246,49 @@ def _mask_shape(mask: tuple[int, ...], scores: tuple[int, ...]) -> None:
     raise ShapeError(f"attention: attn_mask has shape {list(mask)}, which does not broadcast to {list(scores)}")
 
 
-def _positions(scores: Expr) -> dict[str | int, Any]:
-    return {name: node("arange_like", scores, axis=axis) for axis, name in enumerate(POSITIONS)}
+def _positions(scores: Expr, groups: int | None = None) -> dict[str | int, Any]:
+    """The four positions over the scores; over grouped scores ``[B, Hkv, G, Tq, Tk]`` the query
+    head is ``kv_head * G + g``."""
+    if groups is None:
+        return {name: node("arange_like", scores, axis=axis) for axis, name in enumerate(POSITIONS)}
+    at = [node("arange_like", scores, axis=axis) for axis in range(5)]
+    return {"b": at[0], "h": node("add", node("mul", at[1], groups), at[2]), "q_idx": at[3], "kv_idx": at[4]}
+
+
+def _groupable(mods: list[Expr | None], operands: list[tuple[int, ...] | None]) -> bool:
+    """Can the scores be computed grouped, ``[B, Hkv, G, Tq, Tk]``? Where every tensor the score
+    and mask functions (and ``attn_mask``) read is the same for every head (size 1 on the head
+    axis: a padding or causal mask, positions), reaching the result through elementwise ops only
+    (a tensor gathered by a position keeps its own indexing): it broadcasts over the group."""
+    if any(s is not None and len(s) >= 3 and s[-3] != 1 for s in operands):
+        return False
+    for template in mods:
+        if template is None:
+            continue
+        reads: dict[int, bool] = {}  # per node: is an operand slot among what it reads
+        for n in walk([template]):
+            inner = any(reads[id(x)] for x in n.srcs)
+            if n.op == "attention_slot":
+                reads[id(n)] = isinstance(n.attr("slot"), int)
+            elif inner and REGISTRY[n.op].kind != OpKind.ELEMENTWISE:
+                return False
+            else:
+                reads[id(n)] = inner
+    return True
+
+
+def _grouped(e: Expr, shape: tuple[int, ...]) -> Expr:
+    """A tensor broadcasting to the scores ``[B, Hq, Tq, Tk]`` with one head (``_groupable``), as
+    it broadcasts to the grouped scores ``[B, Hkv, G, Tq, Tk]``: a view with a group axis of one."""
+    if len(shape) < 3:  # no head axis: broadcasts as it is
+        return e
+    return node("unsqueeze", node("unsqueeze", e, axes=(0,)) if len(shape) == 3 else e, axes=(2,))
 
 
 def _heads(e: Expr, b: int, hkv: int, groups: int, t: int, d: int) -> Expr:
     """Key or value heads ``[B, Hkv, T, D]`` repeated for their ``G`` query heads, ``[B, Hq, T, D]``
-    (``repeat_interleave``): a copy of ``G`` times the keys, so each product is one batched
-    ``[Tq, Tk]`` per query head, never the scores' size."""
+    (``repeat_interleave``): a copy of ``G`` times the keys, only where the scores cannot be
+    grouped (a tensor the scores read differs per query head: see ``_groupable``)."""
     if groups == 1:
         return e
     wide = node("expand", node("unsqueeze", e, axes=(2,)), shape=(b, hkv, groups, t, d))
@@ -267,12 +302,22 @@ def _decompose(
     b, hq, hkv, tq, tk, d, dv = _check(shapes, enable_gqa)
     f = _stat_dtype(dtypes[0])
     g = hq // hkv
-    # one key/value head per G query heads
-    k, v = _heads(k, b, hkv, g, tk, d), _heads(v, b, hkv, g, tk, dv)
+    # grouped-query attention: each key/value head's G query heads are one batch of the products,
+    # [B, Hkv, G, Tq, D] against [B, Hkv, 1, Tk, D] (views: keys and values are read as they are,
+    # never repeated, and their gradients sum over the group inside the contraction)
+    tensors = [s if d is not None else None for s, d in zip(shapes[3:], dtypes[3:])]
+    grouped = g > 1 and _groupable([score_mod, mask_mod], tensors)
+    if grouped:
+        q = node("reshape", q, shape=(b, hkv, g, tq, d))
+        k, v = node("reshape", k, shape=(b, hkv, 1, tk, d)), node("reshape", v, shape=(b, hkv, 1, tk, dv))
+        rest = tuple(x if s is None else _grouped(x, s) for x, s in zip(rest, [*tensors, None]))
+    else:
+        k, v = _heads(k, b, hkv, g, tk, d), _heads(v, b, hkv, g, tk, dv)
+    qk = contract(q, k, tb=True)
     qk = contract(q, k, tb=True)
     s = node("mul", node("cast", qk, dtype=f), 1.0 / math.sqrt(d) if scale is None else scale)
     scores = (b, hq, tq, tk)
-    values = {**_positions(s), **dict(enumerate(rest, 3)), "s": s}
+    values = {**_positions(s, g if grouped else None), **dict(enumerate(rest, 3)), "s": s}
     if score_mod is not None:
         _probe(score_mod, "score_mod", scores, f, shapes, dtypes)
         s = node("cast", _fill(score_mod, values), dtype=f)
@@ -310,7 +355,8 @@ def _decompose(
         return node("where", node("reshape", empty, shape=rows), float("-inf"), node("reshape", lse, shape=rows))
     p = node("dropout", u, rest[-1], p=dropout_p) if dropout_p > 0.0 else u
     p = node("cast", p, dtype=dtypes[2])
-    return node("cast", node("div", contract(p, v), total), dtype=dtypes[2])
+    out = node("cast", node("div", contract(p, v), total), dtype=dtypes[2])
+    return node("reshape", out, shape=(b, hq, tq, dv)) if grouped else out
 
 
 # ---- the reference: the same math with torch ops ---------------------------------------------------

@@ -1,0 +1,71 @@
+"""Attention as planned for sm_90: launches, buffers, bytes moved and tensor-core FLOPs of the
+forward and the backward, multi-head and grouped-query (nothing runs: ``lower_for`` plans).
+
+Each row is ``rx.attention(q, k, v, causal=True, enable_gqa=...)`` at ``B x Hq heads x T x D`` in
+bf16, with ``Hkv`` key/value heads; "largest buffer" is the largest tensor a plan allocates
+(the scores would be ``B * Hq * T * T`` elements; K repeated per query head ``B * Hq * T * D``).
+
+    python -m benches.attention_report            # 1 x 32 heads x 4096 x 128
+    python -m benches.attention_report --quick    # CI smoke: 1 x 8 heads x 256 x 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import rtxdsl as rx
+from benches.common import machine, markdown, save
+from rtxdsl.lower.target import GPU
+
+MB = 1e6
+
+
+def _plans(hq: int, hkv: int, t: int, d: int) -> tuple:
+    """The forward and backward programs on sm_90 for causal attention with ``hkv`` key heads."""
+    bf = {"dtype": torch.bfloat16, "requires_grad": True}
+    ins = {n: torch.empty(1, h, t, d, **bf) for n, h in (("q", hq), ("k", hkv), ("v", hkv))}
+    q, k, v = rx.var("q"), rx.var("k"), rx.var("v")
+    kern = rx.compile(rx.attention(q, k, v, causal=True, enable_gqa=hq != hkv))
+    forward = kern.lower_for(GPU, **ins)
+    plan = kern.grad_plan(**ins)
+    saved = plan.forward.program(**ins)
+    feed = {n: x.detach() for n, x in ins.items()} | {"_g0": torch.empty(1, hq, t, d, dtype=torch.bfloat16)}
+    for key, slot in saved.outputs:
+        buf = saved.buffers[slot - saved.n_inputs]
+        feed[key] = torch.empty(buf.shape, dtype=buf.dtype)
+    backward = plan.backward.lower_for(GPU, **{n: feed[n] for n in plan.backward.inputs})
+    return forward, backward
+
+
+def _row(case: str, pass_: str, program) -> dict:
+    sizes = [math.prod(b.shape) * b.dtype.itemsize for b in program.buffers]
+    return {
+        "case": case,
+        "pass": pass_,
+        "launches": len(program.launched),
+        "buffers MB": round(sum(sizes) / MB, 1),
+        "largest buffer MB": round(max(sizes, default=0) / MB, 1),
+        "moved MB": round(program.bytes_moved / MB, 1),
+        "GFLOP": round(program.flops / 1e9, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    hq, t, d = (8, 256, 64) if args.quick else (32, 4096, 128)
+    rows = []
+    for case, hkv in ((f"MHA ({hq} heads)", hq), (f"GQA ({hq // 4} key/value heads)", hq // 4)):
+        forward, backward = _plans(hq, hkv, t, d)
+        rows += [_row(case, "forward", forward), _row(case, "backward", backward)]
+    print(f"causal attention, 1 x {hq} heads x {t} x {d}, bf16, planned for sm_90 ({machine()})\n")
+    print(markdown(rows, list(rows[0])))
+    save("attention-quick" if args.quick else "attention", {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
