@@ -47,6 +47,7 @@ def _launch_shape(call: Any) -> str:
         g = spec.gemm
         mode = f"GEMM tiles of {g.block_m} x {g.block_n}, K in slices of {g.block_k}, {g.num_stages} stage(s)"
         mode += ", the batch dims summed in each program" if g.sum_batch else ""
+        mode += f", its last {g.summed} batch dim(s) summed in each program" if g.summed else ""
     elif spec.kind != "row":
         mode = f"flat blocks of {meta['BLOCK_SIZE']}"
     elif spec.split is Split.TILE:

@@ -141,6 +141,32 @@ def test_gradients_are_contractions_with_the_epilogue_backward_fused(gen):
     assert torch.autograd.gradcheck(lambda p, q: km(x=p, w=q), (a, c), fast_mode=True)
 
 
+@pytest.mark.parametrize(
+    "sa, sb",
+    [
+        ((2, 3, 4, 5), (2, 1, 5, 6)),  # one key head per query heads (grouped-query attention's dK)
+        ((2, 1, 4, 5), (2, 3, 5, 6)),  # the left operand broadcast
+        ((2, 3, 2, 4, 5), (2, 1, 1, 5, 6)),  # two summed batch dims
+        ((3, 2, 4, 5), (1, 2, 5, 6)),  # a leading broadcast dim: summed by a reduction after the GEMM
+    ],
+)
+def test_the_gradient_of_an_operand_broadcast_along_batch_dims(sa, sb, gen):
+    """An operand broadcast along its product's last batch dims gets its gradient from one GEMM
+    that sums them in its K loop (``contract(..., summed=j)``): nothing of the product's batch
+    size is written for it. float64 gradcheck, and the largest buffer of the backward."""
+    a = torch.randn(sa, generator=gen, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(sb, generator=gen, dtype=torch.float64, requires_grad=True)
+    km = rx.compile(x @ w)
+    assert torch.autograd.gradcheck(lambda p, q: km(x=p, w=q), (a, c), fast_mode=True)
+    plan = km.grad_plan(x=a, w=c)
+    feed = {"_g0": torch.ones(torch.broadcast_shapes(sa[:-2], sb[:-2]) + (sa[-2], sb[-1]), dtype=torch.float64)}
+    backward = plan.backward.program(**{n: feed.get(n, {"x": a, "w": c}.get(n)) for n in plan.backward.inputs})
+    trailing = sa[0] == sb[0]  # the broadcast dims are the last batch dims
+    assert len(backward.launched) == (2 if trailing else 3)
+    per_batch = [b.shape for b in backward.buffers if b.shape not in (sa, sb)]
+    assert bool(per_batch) != trailing, per_batch
+
+
 def test_bad_operands_are_refused_before_launch():
     k = rx.compile(x @ w)
     with pytest.raises(rx.RtxError, match=r"a of shape \[3, 4\] and b of shape \[5, 2\] cannot be multiplied"):

@@ -132,8 +132,14 @@ class GemmWriter(Writer):
             top.add(f"acc = tl.load(acc_ptr + {ACC_OFFSET}, mask={ACC_MASK}, other=0.0)")
         else:
             top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
-        batches = Scope(indent="    ") if g.sum_batch and self.nb else top  # every batch into one accumulator
-        self.batch_idx = self._decompose(batches, "batch", "b", "bsize", self.nb)  # the batch's coordinates
+        kept = self.nb - g.summed  # the output's batch dims (a summed product's last are summed in the loop)
+        batches = Scope(indent="    ") if (g.sum_batch or g.summed) and self.nb else top  # into one accumulator
+        if g.summed:  # the program's batch of the output, then each summed batch in the loop
+            assert window is None, "a chunk loop's product sums no batch dims"
+            outer = self._decompose(top, "batch", "b", "bsize", kept)
+            self.batch_idx = outer + self._decompose(batches, "inner", "b", "bsize", g.summed, kept)
+        else:
+            self.batch_idx = self._decompose(batches, "batch", "b", "bsize", self.nb)  # the batch's coordinates
         k_scope = Scope(indent=batches.indent + "    ")
         srcs = self.spec.nodes[contraction].srcs
         tiles = [self._operand(op, j, ref, operand_dtype, k_scope) for op, j, ref in zip("ab", (g.a, g.b), srcs)]
@@ -145,11 +151,12 @@ class GemmWriter(Writer):
         batches.add_all(render(K_LOOP, k_start=k_start, k_end=k_end).rstrip("\n").splitlines())
         batches.lines.extend(k_scope.lines)
         if batches is not top:
-            top.add(f"for batch in range(0, {' * '.join(f'bsize{d}' for d in range(self.nb))}):")
+            loop, dims = ("inner", range(kept, self.nb)) if g.summed else ("batch", range(self.nb))
+            top.add(f"for {loop} in range(0, {' * '.join(f'bsize{d}' for d in dims)}):")
             top.lines.extend(batches.lines)
         for i, red, ctx, running in self.k_reductions:
             self._finish_reduction(i, red, ctx, running)
-        self.out_idx = [] if g.sum_batch else self.batch_idx
+        self.out_idx = [] if g.sum_batch else self.batch_idx[:kept] + ["0"] * g.summed
         top.add_all(["rows = offs_m[:, None]", "cols = offs_n[None, :]", "mask = (rows < M) & (cols < N)"])
         self.types["acc"] = acc_dtype
         top.memo[(Src.NODE, contraction)] = (

@@ -211,17 +211,19 @@ class Writer:
         raise NotImplementedError
 
     # ---- indexing ---------------------------------------------------------------------
-    def _decompose(self, scope: Scope, flat: str, prefix: str, size: str, n: int) -> list[str]:
+    def _decompose(self, scope: Scope, flat: str, prefix: str, size: str, n: int, first: int = 0) -> list[str]:
+        """The coordinates of dims ``first .. first + n - 1`` (sizes ``{size}{d}``, the last
+        fastest) of the flat index ``flat``, as names ``{prefix}{d}``."""
         if n == 0:
             return []
         if n == 1:
             return [flat]
-        names = [f"{prefix}{d}" for d in range(n)]
-        rem = flat
+        names = [f"{prefix}{first + d}" for d in range(n)]
+        rem, tmp = flat, f"{prefix}rem{first or ''}"
         for d in range(n - 1, 0, -1):
-            scope.add(f"{names[d]} = {rem} % {size}{d}")
-            scope.add(f"{prefix}rem = {rem} // {size}{d}")
-            rem = f"{prefix}rem"
+            scope.add(f"{names[d]} = {rem} % {size}{first + d}")
+            scope.add(f"{tmp} = {rem} // {size}{first + d}")
+            rem = tmp
         scope.add(f"{names[0]} = {rem}")
         return names
 

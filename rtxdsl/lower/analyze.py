@@ -879,12 +879,14 @@ def _narrow_reader(graph: Graph, r: Expr, n: Expr) -> bool:
     a, b = r.srcs
     kept = -1 if r.attr("ta") else -2  # the axis of ``n`` the product's rows run along
     out, shape = graph.of(r).shape, graph.of(n).shape
+    summed = r.attr_dict.get("summed", 0)  # its last batch dims summed in the K loop: of one in ``out``
+    batch = (*shape[: len(shape) - 2 - summed], *(1,) * summed)
     return (
         a is n
         and b is not n
         and not r.attr("sum_batch")
         and out[-1] <= NARROW_PRODUCT
-        and out[:-2] == shape[:-2]
+        and out[:-2] == batch
         and out[-2] == shape[kept]
     )
 
@@ -1308,6 +1310,8 @@ def _reduce_in_k_loop(
     shape = graph.of(values[0]).shape
     nd = len(shape)
     k_axis = nd - 2 if c.attr("ta") else nd - 1
+    if c.attr_dict.get("summed"):
+        return []  # one accumulator over several batches, each row's state is not one batch's
     if nd <= 2 or c.attr("sum_batch"):
         contracted = tuple(sorted({*range(nd - 2), k_axis}))  # the batches too: one accumulator
     elif not c.attr("ta"):

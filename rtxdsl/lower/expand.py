@@ -185,6 +185,8 @@ def _flatten_rows_of_product(p: Expr, info: dict[int, Info], keep: list[Expr]) -
         c = tensors[0]
     if REGISTRY[c.op].kind is not OpKind.CONTRACTION or c.attr("sum_batch") or c.attr("ta"):
         return p
+    if c.attr_dict.get("summed"):
+        return p
     a, b = c.srcs
     if len(info[id(b)].shape) != 2 or info[id(c)].shape != have:
         return p

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..expr import Expr
 from ..ops import REGISTRY, OpKind
 from .analyze import Group
@@ -26,7 +28,8 @@ def product_flops(c: Expr, graph: Graph) -> int:
     a, b = (graph.of(s).shape for s in c.srcs)
     k = a[-2] if c.attr("ta") else a[-1]
     out = graph.of(c).shape
-    batches = math.prod(a[:-2]) if c.attr("sum_batch") else math.prod(out[:-2])
+    full = torch.broadcast_shapes(a[:-2], b[:-2])  # a product's summed batch dims are computed too
+    batches = math.prod(a[:-2]) if c.attr("sum_batch") else math.prod(full)
     return 2 * math.prod(out[-2:]) * k * batches
 
 

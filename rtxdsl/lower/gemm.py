@@ -83,7 +83,9 @@ def gemm_spec(
     m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
     n = b.shape[-2] if tb else b.shape[-1]
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    domain = (m, n) if sum_batch else (*batch, m, n)
+    summed = c.attr_dict.get("summed", 0)
+    kept = (*batch[: len(batch) - summed], *(1,) * summed)  # the output's batch dims
+    domain = (m, n) if sum_batch else (*kept, m, n)
     bd = body(group, graph)
     inner = inner_products(bd.nodes)
     tile = gemm_tile(target, m, n, a.dtype, inner=bool(inner))
@@ -123,6 +125,7 @@ def gemm_spec(
             b=b_in,
             batch=len(batch),
             sum_batch=sum_batch,
+            summed=summed,
             a_classes=(_unit(sa[0], sa[1]), _unit(sa[1], sa[0])),
             b_classes=(_unit(sb[0], sb[1]), _unit(sb[1], sb[0])),
             precision="tf32" if tf32 and a.dtype == torch.float32 else "ieee",
@@ -141,7 +144,7 @@ def gemm_spec(
     chunk = group.chunk
     rows, cols = (chunk.size if chunk is not None and chunk.axis == d else e for d, e in (("m", m), ("n", n)))
     tiles = -(-rows // tile.block_m) * -(-cols // tile.block_n)  # a chunk loop's kernel: one chunk's
-    batches = 1 if sum_batch else math.prod(batch)
+    batches = 1 if sum_batch else math.prod(kept)
     if batches > MAX_BATCH_GRID:
         raise RtxError(f"matmul: {batches} batches exceed the grid's limit of {MAX_BATCH_GRID}; fold the batch dims")
     meta = tuple((name, getattr(tile, attr)) for name, attr in TILE_META)

@@ -39,7 +39,7 @@ def reloads(side: str, product: tuple[int, ...], operand: tuple[int, ...], sum_b
     tiles = -(-n // block_n) if side == "A" else -(-m // block_m)
     if sum_batch:  # the batch dims are contracted: each batch of the operand is read once
         return max(1, tiles)
-    shared = math.prod(product[:-2]) // max(1, math.prod(operand[:-2]))
+    shared = max(1, math.prod(product[:-2]) // max(1, math.prod(operand[:-2])))
     return max(1, tiles * shared)
 
 

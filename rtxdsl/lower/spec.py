@@ -124,6 +124,7 @@ class GemmTile:
     b: int = -1  # input index of the right operand
     batch: int = 0  # batch dims (broadcast over the operands)
     sum_batch: bool = False  # the batch dims are contracted too (a weight gradient)
+    summed: int = 0  # the last batch dims summed in each program, kept as dims of one (``contract``'s)
     #: stride classes of A's (m, k) and B's (k, n) strides: a unit stride is no argument and no
     #: multiply, so the loads along it vectorize
     a_classes: tuple[Stride, Stride] = (STRIDED, STRIDED)

@@ -61,6 +61,9 @@ def sum_to(c: Expr, have: tuple[int, ...], want: tuple[int, ...], full: tuple[in
     keep = tuple(lead + i for i, s in enumerate(want) if s == 1 and full[lead + i] != 1)
     if not keep and not lead:
         return c
+    if not lead and tuple(have) == full and _sums_inner_batch(c, keep, len(full)):
+        # a product's last batch dims: summed in its own K loop, never written per batch
+        return Expr(c.op, c.srcs, {**c.attr_dict, "summed": len(keep)})
     if tuple(have) != full:
         c = node("expand", c, shape=full)
     if keep:
@@ -68,6 +71,13 @@ def sum_to(c: Expr, have: tuple[int, ...], want: tuple[int, ...], full: tuple[in
     if lead:
         c = node("sum", c, axis=tuple(range(lead)), keepdim=False)
     return c
+
+
+def _sums_inner_batch(c: Expr, keep: tuple[int, ...], rank: int) -> bool:
+    """Is ``c`` a product whose sum over ``keep`` is over its last batch dims only?"""
+    if REGISTRY[c.op].kind is not OpKind.CONTRACTION or c.attr("sum_batch") or c.attr_dict.get("summed"):
+        return False
+    return keep == tuple(range(rank - 2 - len(keep), rank - 2))
 
 
 class _Cotangents:

@@ -9,7 +9,10 @@ product of a batched input with an unbatched weight never materializes per batch
 
 A backward marks a product its forward never wrote (one reduced in tiles inside a row kernel)
 ``recompute=True``: the kernels that read it compute its tiles where they need them, and nothing
-writes it (linear cross-entropy's logits, forward and backward).
+writes it (linear cross-entropy's logits, forward and backward). A backward's ``summed=j``: the
+last ``j`` batch dims are summed in each program's K loop and kept as dims of one (the gradient
+of an operand broadcast along them, ``lower.vjp.sum_to``: grouped-query attention's ``dk`` and
+``dv``, summed over each key head's query heads without writing them per query head).
 
 ``matmul`` decomposes by rank: a 1-D operand makes a matrix-vector or dot product, which is a
 row (or column) reduction (memory-bound: a GEMM tile would be one row); everything else is one
@@ -46,7 +49,12 @@ def _matrix(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
 
 
 def _contract_shape(
-    shapes: list[tuple[int, ...]], ta: bool = False, tb: bool = False, sum_batch: bool = False, recompute: bool = False
+    shapes: list[tuple[int, ...]],
+    ta: bool = False,
+    tb: bool = False,
+    sum_batch: bool = False,
+    recompute: bool = False,
+    summed: int = 0,
 ) -> tuple[int, ...]:
     a, b = shapes
     if len(a) < 2 or len(b) < 2:
@@ -59,6 +67,8 @@ def _contract_shape(
             f"({sa} has {k} columns, {sb} has {k2} rows)"
         )
     batch = _broadcast(_batch(a), _batch(b), "matmul")
+    if summed:  # the last batch dims summed, kept as dims of one
+        batch = (*batch[: len(batch) - summed], *(1,) * summed)
     return (m, n) if sum_batch else (*batch, m, n)
 
 
@@ -72,9 +82,11 @@ def _contract_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
 
 
 def _contract_ref(
-    a: torch.Tensor, b: torch.Tensor, ta: bool, tb: bool, sum_batch: bool, recompute: bool = False
+    a: torch.Tensor, b: torch.Tensor, ta: bool, tb: bool, sum_batch: bool, recompute: bool = False, summed: int = 0
 ) -> torch.Tensor:
     out = torch.matmul(a.mT if ta else a, b.mT if tb else b)
+    if summed:
+        out = out.sum(tuple(range(out.dim() - 2 - summed, out.dim() - 2)), keepdim=True)
     return out.sum(tuple(range(out.dim() - 2))) if sum_batch else out
 
 
