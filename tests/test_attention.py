@@ -225,6 +225,34 @@ def test_grouped_query_attention_reads_keys_and_values_as_they_are(kind, gen):
     _check(make(), {n: t.detach() for n, t in ins.items()}, ref, torch.float32, 2e-5, 2e-5, gen)
 
 
+@pytest.mark.parametrize("mask", [None, (2, 1, 1, 300)])  # none, or a padding mask
+def test_a_decoding_step_reads_each_key_once_per_key_head(mask, gen):
+    """One query per head (decoding) with grouped-query attention: the group's queries are the
+    rows of one product per key head (``[B, Hkv, G, D]``, a view at any strides), so each program
+    of the ``P @ v`` GEMM covers a key head's whole group and K and V are read once per key head,
+    not once per query head; the output, logsumexp and every gradient as float64's."""
+    ins = {
+        "q": torch.randn(2, 1, 8, 16, generator=gen).transpose(1, 2),  # a model's transposed projection
+        "k": torch.randn(2, 2, 300, 16, generator=gen),
+        "v": torch.randn(2, 2, 300, 16, generator=gen),
+    }
+    extra = {}
+    if mask is not None:
+        ins["m"] = torch.rand(mask, generator=gen) > 0.2
+        extra["attn_mask"] = rx.var("m")
+    expr = rx.attention(q, k, v, enable_gqa=True, return_lse=True, **extra)
+    for program in (rx.compile(expr).program(**ins), rx.compile(expr).lower_for(GPU, **ins)):
+        (gemm,) = [c for c in program.kernels if c.spec.kind == "gemm"]
+        assert gemm.grid[1] == 2 * 2  # a program per batch and key head (and column tile): not per query head
+
+    def ref(r):
+        kd, vd = r["k"].repeat_interleave(4, 1), r["v"].repeat_interleave(4, 1)
+        s = (r["q"] @ kd.mT / 4.0).masked_fill(~r["m"], float("-inf")) if mask else r["q"] @ kd.mT / 4.0
+        return torch.softmax(s, -1) @ vd, torch.logsumexp(s, -1)
+
+    _check(expr, ins, ref, torch.float32, 2e-5, 2e-5, gen)
+
+
 def test_the_compute_model_counts_each_pass_that_computes_the_scores(gen):
     """The forward computes the scores twice (the row kernel's logsumexp, the P @ v GEMM's K loop,
     which also sums the probabilities) and P @ v once; the logsumexp alone is a row kernel of two

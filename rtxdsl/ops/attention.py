@@ -246,13 +246,15 @@ def _mask_shape(mask: tuple[int, ...], scores: tuple[int, ...]) -> None:
     raise ShapeError(f"attention: attn_mask has shape {list(mask)}, which does not broadcast to {list(scores)}")
 
 
-def _positions(scores: Expr, groups: int | None = None) -> dict[str | int, Any]:
-    """The four positions over the scores; over grouped scores ``[B, Hkv, G, Tq, Tk]`` the query
-    head is ``kv_head * G + g``."""
+def _positions(scores: Expr, rank: int, groups: int | None = None) -> dict[str | int, Any]:
+    """The four positions over the scores ``[B, Hq, Tq, Tk]``; over grouped scores (``groups``:
+    ``[B, Hkv, G, Tq, Tk]``, or a decoding step's ``[B, Hkv, G, Tk]``, its one query a row per
+    head) the query head is ``kv_head * G + g``."""
+    at = [node("arange_like", scores, axis=axis) for axis in range(rank)]
     if groups is None:
-        return {name: node("arange_like", scores, axis=axis) for axis, name in enumerate(POSITIONS)}
-    at = [node("arange_like", scores, axis=axis) for axis in range(5)]
-    return {"b": at[0], "h": node("add", node("mul", at[1], groups), at[2]), "q_idx": at[3], "kv_idx": at[4]}
+        return dict(zip(POSITIONS, at))
+    query = at[3] if rank == 5 else node("mul", at[2], 0)  # a decoding step's one query: position 0
+    return {"b": at[0], "h": node("add", node("mul", at[1], groups), at[2]), "q_idx": query, "kv_idx": at[-1]}
 
 
 def _groupable(mods: list[Expr | None], operands: list[tuple[int, ...] | None]) -> bool:
@@ -307,17 +309,19 @@ def _decompose(
     # never repeated, and their gradients sum over the group inside the contraction)
     tensors = [s if d is not None else None for s, d in zip(shapes[3:], dtypes[3:])]
     grouped = g > 1 and _groupable([score_mod, mask_mod], tensors)
-    if grouped:
-        q = node("reshape", q, shape=(b, hkv, g, tq, d))
+    rank = 4
+    if grouped and tq == 1:  # decoding: the group's queries are the rows of one product per key head,
+        q = node("reshape", q, shape=(b, hkv, g, d))  # so each key and value is read once, not G times
+    elif grouped:
+        q, rank = node("reshape", q, shape=(b, hkv, g, tq, d)), 5
         k, v = node("reshape", k, shape=(b, hkv, 1, tk, d)), node("reshape", v, shape=(b, hkv, 1, tk, dv))
         rest = tuple(x if s is None else _grouped(x, s) for x, s in zip(rest, [*tensors, None]))
     else:
         k, v = _heads(k, b, hkv, g, tk, d), _heads(v, b, hkv, g, tk, dv)
     qk = contract(q, k, tb=True)
-    qk = contract(q, k, tb=True)
     s = node("mul", node("cast", qk, dtype=f), 1.0 / math.sqrt(d) if scale is None else scale)
     scores = (b, hq, tq, tk)
-    values = {**_positions(s, g if grouped else None), **dict(enumerate(rest, 3)), "s": s}
+    values = {**_positions(s, rank, g if grouped else None), **dict(enumerate(rest, 3)), "s": s}
     if score_mod is not None:
         _probe(score_mod, "score_mod", scores, f, shapes, dtypes)
         s = node("cast", _fill(score_mod, values), dtype=f)
