@@ -135,6 +135,16 @@ class Expr:
     def __pos__(self) -> Expr:
         return self
 
+    @property
+    def mT(self) -> Expr:  # noqa: N802 - torch's name
+        """The last two dims swapped, as ``torch.Tensor.mT`` (``q @ k.mT``)."""
+        return self.transpose(-2, -1)
+
+    @property
+    def mH(self) -> Expr:  # noqa: N802 - torch's name
+        """``mT`` (the values are real), as ``torch.Tensor.mH``."""
+        return self.transpose(-2, -1)
+
     def __getattr__(self, name: str) -> Any:
         """Torch-named methods (``e.exp()``, ``e.sum(-1)``, ``e.var()``) from the registry."""
         entry = REGISTRY.methods.get(name)

@@ -253,6 +253,18 @@ def test_a_decoding_step_reads_each_key_once_per_key_head(mask, gen):
     _check(expr, ins, ref, torch.float32, 2e-5, 2e-5, gen)
 
 
+def test_attention_written_by_hand_with_mT_writes_no_scores(gen):
+    """``q @ k.mT`` (torch's property, as model code writes it) is ``k`` transposed: hand-written
+    attention over it is found as ``rx.attention`` is, two launches and no buffer of the scores."""
+    assert repr(k.mT) == repr(rx.transpose(k, -2, -1)) == repr(k.mH)
+    ins = _inputs(gen, 2, 4, 4, 33, 33, 8, 8, torch.float32)
+    expr = rx.softmax(q @ k.mT * 0.25, -1) @ v
+    program = rx.compile(expr).program(**ins)
+    assert len(program.launched) == 2
+    assert all(math.prod(b.shape) < 2 * 4 * 33 * 33 for b in program.buffers)
+    _check(expr, ins, lambda r: torch.softmax(r["q"] @ r["k"].mT * 0.25, -1) @ r["v"], torch.float32, 1e-5, 1e-5, gen)
+
+
 def test_the_compute_model_counts_each_pass_that_computes_the_scores(gen):
     """The forward computes the scores twice (the row kernel's logsumexp, the P @ v GEMM's K loop,
     which also sums the probabilities) and P @ v once; the logsumexp alone is a row kernel of two
