@@ -595,12 +595,15 @@ def _reaches(reads: list[set[int]], a: int, b: int) -> bool:
 def merge_siblings(
     graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
 ) -> tuple[Group, ...]:
-    """Independent groups over the same domain become one kernel (shared inputs read once)."""
+    """Independent groups over the same domain become one kernel (shared inputs read once): two
+    over the same axes, or a pointwise group and a row kernel over its shape (which computes the
+    pointwise values at every element beside its rows' reductions: attention's backward writes
+    ``dO`` over the row sum in the kernel computing its row term)."""
     work = [_Work.of(g) for g in groups]
     by_domain: dict[tuple, list[int]] = {}
     for i, g in enumerate(work):
-        if not any(id(m) in solo for m in g.nodes):
-            by_domain.setdefault((g.shape, g.axes), []).append(i)
+        if not any(id(m) in solo for m in g.nodes) and not _views_of_inputs(g):
+            by_domain.setdefault(g.shape, []).append(i)
     alive = [True] * len(work)
     homes = _homes(work)
     reads = [_group_reads(g, fl, homes, i) for i, g in enumerate(work)]
@@ -613,12 +616,15 @@ def merge_siblings(
             for b in members[k + 1 :]:
                 if not alive[b] or graph.ops(work[a].nodes + work[b].nodes) > config.max_fusion_ops:
                     continue
+                if work[a].axes != work[b].axes and work[a].is_row and work[b].is_row:
+                    continue  # rows along different axes
                 if not _contractions_fit(work[a], work[b]) or _two_products(products, reads[a], reads[b]):
                     continue
                 if _reaches(reads, a, b) or _reaches(reads, b, a):
                     continue
                 work[a].nodes.extend(work[b].nodes)
                 work[a].roles.update(work[b].roles)
+                work[a].axes = work[a].axes or work[b].axes
                 alive[b] = False
                 reads[a] = (reads[a] | reads[b]) - {a, b}
                 reads[b] = set()
@@ -630,6 +636,13 @@ def merge_siblings(
                     r.discard(i)
     order = _order(graph)
     return tuple(g.freeze(order) for g, ok in zip(work, alive) if ok)
+
+
+def _views_of_inputs(g: _Work) -> bool:
+    """Does ``g`` only view inputs (reshapes of variables: ``lower._views`` launches nothing for it)?"""
+    return all(REGISTRY[n.op].regroups or REGISTRY[n.op].view for n in g.nodes) and all(
+        s.is_var for n in g.nodes for s in n.srcs[:1]
+    )
 
 
 def _two_products(products: set[int], a: set[int], b: set[int]) -> bool:
