@@ -535,7 +535,8 @@ def _draw(rnd):
     dtype, atol, rtol = TOLERANCES[1] if wide else rnd.choice(TOLERANCES[1:])
     causal, mod, mask = (
         rnd.random() < 0.5,
-        rnd.choice(["none", "softcap", "bias", "alibi"]),
+        # a bias per head (K and V repeated for grouped heads) or shared by the heads (grouped)
+        rnd.choice(["none", "softcap", "bias", "shared_bias", "alibi"]),
         rnd.choice(["none", "window", "bool", "float"]),
     )
     # one draw in eight takes the keys as queries too (q and k projections tied): one tensor is
@@ -559,8 +560,9 @@ def test_random_attentions_match_float64(draw, gen):
     if tied:
         del ins["q"]
     extra = {}
-    if mod == "bias":
-        ins["bias"] = torch.randn(hq, tq, tk, generator=gen, dtype=torch.float64).to(dtype)
+    if mod in ("bias", "shared_bias"):
+        shape = (hq, tq, tk) if mod == "bias" else (tq, tk)
+        ins["bias"] = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     if mod == "alibi":
         ins["slopes"] = torch.rand(1, hq, 1, 1, generator=gen, dtype=torch.float64)
     if mask in ("bool", "float"):
@@ -575,6 +577,7 @@ def test_random_attentions_match_float64(draw, gen):
         "none": None,
         "softcap": lambda s, *_: 3.0 * rx.tanh(s / 3.0),
         "bias": lambda s, *_: s + rx.var("bias"),
+        "shared_bias": lambda s, *_: s + rx.var("bias"),
         "alibi": lambda s, b, h, i, j: s - rx.var("slopes") * (i - j).abs(),
     }
     window = (lambda b, h, i, j: (i - j < 3) & (j - i < 3)) if mask == "window" else None
@@ -599,6 +602,7 @@ def test_random_attentions_match_float64(draw, gen):
             "none": s,
             "softcap": 3.0 * torch.tanh(s / 3.0),
             "bias": s + r.get("bias", 0),
+            "shared_bias": s + r.get("bias", 0),
             "alibi": s - r.get("slopes", 0) * (i - j).abs(),
         }[mod]
         keep = torch.ones(tq, tk, dtype=torch.bool)
