@@ -486,3 +486,29 @@ def test_an_activation_before_the_head_differentiates(act, layout, second, gen):
     wants = torch.autograd.grad([want[k] for k in want], [hr, wr], [cots[k] for k in want])
     for name, g, e in zip(("d/dh", "d/dw"), grads, wants):
         torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 3e-2), (torch.float32, 1e-4)])  # bf16 hit it
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_a_tied_embedding_under_a_norm_runs_the_chunk_loop(norm, dtype, tol, gen):
+    """``linear_cross_entropy(norm(E[ids]), E, t)``, the embedding tied to the head over a hidden
+    size that runs the chunk loop: in bf16 the kernel recomputing the normed rows for the loop's
+    ``dh`` GEMM came between the loop's kernels, which then read a kernel they passed (an assert in
+    ``lower._loops_together``; found by the model fuzzer, program 2026120700108). It now runs
+    before the loop: the loss and every gradient (E's sums the gather's and the head's) against
+    float64."""
+    e0 = torch.randn(139, 131, generator=gen, dtype=torch.float64).to(dtype)
+    g0 = (torch.rand(131, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    ids = torch.randint(0, 139, (18,), generator=gen)[:, None].expand(18, 131).contiguous()
+    t = torch.randint(0, 139, (18,), generator=gen).masked_fill(torch.arange(18) % 3 == 0, -100)
+    fn = {"rms_norm": (lambda x, g: rx.rms_norm(x, g, 1e-6), lambda x, g: F.rms_norm(x, (131,), g, 1e-6)),
+          "layer_norm": (lambda x, g: rx.layer_norm(x, g, None, 1e-6),
+                         lambda x, g: F.layer_norm(x, (131,), g, None, 1e-6))}[norm]  # fmt: skip
+    e, g = (v.clone().requires_grad_() for v in (e0, g0))
+    loss = rx.linear_cross_entropy(fn[0](rx.gather(rx.var("E"), rx.var("I"), 0), rx.var("g")), rx.var("E"), rx.var("t"))
+    got = rx.compile(loss)(E=e, I=ids, g=g, t=t)
+    er, gr = (v.double().requires_grad_() for v in (e0, g0))
+    want = F.cross_entropy(fn[1](torch.gather(er, 0, ids), gr) @ er.T, t)
+    torch.testing.assert_close(got.double(), want, atol=tol * 5, rtol=tol)
+    for a, b in zip(torch.autograd.grad(got, [e, g]), torch.autograd.grad(want, [er, gr])):
+        torch.testing.assert_close(a.double(), b, atol=tol * float(b.abs().max()), rtol=tol)

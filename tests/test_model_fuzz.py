@@ -56,6 +56,10 @@ FOUND = [
     # coordinates (its cone) read a value another kernel computes; the analyzer's output pass
     # looked for its readers among members only (KeyError)
     (2026150500026, "lazy"),
+    # bf16 linear cross-entropy over an RMSNorm of a tied, gathered embedding (the chunk loop): the
+    # kernel recomputing the normed rows for the loop's dh GEMM sat between the loop's kernels
+    # (AssertionError in lower._loops_together)
+    (2026120700108, "dsl"),
 ]
 
 

@@ -323,7 +323,9 @@ def _chunk_loop(g: Group, spec: KernelSpec) -> ChunkLoop | None:
 
 def _loops_together(calls: list[KernelCall]) -> list[KernelCall]:
     """The kernels of each chunk loop made adjacent, in launch order: each moves up to the one
-    before it in its loop, over kernels whose outputs it does not read."""
+    before it in its loop, over kernels whose outputs it does not read; a kernel it does read that
+    reads nothing of the loop's (a tied embedding's normed rows, recomputed for the loop's
+    gradient GEMM) moves up before the loop instead."""
     out: list[KernelCall] = []
     for call in calls:
         loop = call.chunk.loop if call.chunk is not None else None
@@ -331,10 +333,39 @@ def _loops_together(calls: list[KernelCall]) -> list[KernelCall]:
         if not at:
             out.append(call)
             continue
+        hoist = _read_before(call, out[at[-1] + 1 :])
+        if hoist:
+            out = out[: at[0]] + hoist + _passed_by(out[at[0] :], hoist)
+            at = [k for k, c in enumerate(out) if c.chunk is not None and c.chunk.loop == loop]
         passed = {s for c in out[at[-1] + 1 :] for s in slots(c, ParamKind.OUTPUT)}
         assert not passed & set(slots(call, ParamKind.INPUT)), "a chunk loop's kernel reads a kernel it would pass"
         out.insert(at[-1] + 1, call)
     return out
+
+
+def _passed_by(calls: list[KernelCall], hoist: list[KernelCall]) -> list[KernelCall]:
+    """``calls`` without ``hoist``, which move before them: none of those it passes (the loop's
+    kernels) writes what it reads or reads what it writes."""
+    rest = [c for c in calls if all(c is not h for h in hoist)]
+    for h in hoist:
+        passes = [c for c in calls[: next(k for k, c in enumerate(calls) if c is h)] if any(c is r for r in rest)]
+        written = {s for c in passes for s in slots(c, ParamKind.OUTPUT)}
+        read = {s for c in passes for s in slots(c, ParamKind.INPUT)}
+        assert not set(slots(h, ParamKind.INPUT)) & written, "a kernel a chunk loop reads reads the loop"
+        assert not set(slots(h, ParamKind.OUTPUT)) & read, "a kernel a chunk loop reads writes what it reads"
+    return rest
+
+
+def _read_before(call: KernelCall, between: list[KernelCall]) -> list[KernelCall]:
+    """The kernels of ``between`` whose outputs ``call`` reads, directly or through one another,
+    in launch order."""
+    needed = set(slots(call, ParamKind.INPUT))
+    found: list[KernelCall] = []
+    for c in reversed(between):
+        if set(slots(c, ParamKind.OUTPUT)) & needed:
+            found.append(c)
+            needed |= set(slots(c, ParamKind.INPUT))
+    return found[::-1]
 
 
 def _buffers(
