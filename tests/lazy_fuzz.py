@@ -48,6 +48,8 @@ REDUCE = [
     "torch.log_softmax({a}, dim=-1)", "F.layer_norm({a}, {a}.shape[-1:])", "{a}.sum()", "{a}.mean()",
     "torch.logsumexp({a}, -1)", "F.rms_norm({a}, {a}.shape[-1:])", "{a}.std(-1, keepdim=True)",
     "F.layer_norm({a}, (3,))", "{a}.sum(0) * 2",
+    # the input cast first, as attention's scores in model code (and back: half programs)
+    "F.softmax({a}, dim=-1, dtype=torch.float32).to({a}.dtype)", "{a}.log_softmax(0, dtype=torch.float64)",
 ]  # fmt: skip
 #: contractions: recorded as GEMMs (not sync points) for float operands of two or more dims
 MATMUL = [

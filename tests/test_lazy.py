@@ -217,6 +217,21 @@ def test_reading_another_view_of_a_pending_write_flushes_first(f):
     assert z.torch().tolist() == [2.0, 2.0, 2.0, 2.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_softmax_with_a_dtype_is_recorded(f, dtype, gen):
+    """``F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)``, as Hugging Face's eager attention
+    writes it: the input cast first, in the stream (it closed the segment: "unsupported arguments
+    of softmax")."""
+    t = torch.randn(5, 7, generator=gen).to(dtype)
+    w = f.lazy(t) * 0.5
+    s = F.softmax(w, dim=-1, dtype=torch.float32).to(dtype)
+    ls = w.log_softmax(0, dtype=torch.float32)
+    assert f.pending == 4 and s.is_pending  # mul, softmax (its cast inside), the cast back, log_softmax
+    torch.testing.assert_close(s.torch(), F.softmax(t * 0.5, dim=-1, dtype=torch.float32).to(dtype))
+    torch.testing.assert_close(ls.torch(), (t * 0.5).log_softmax(0, dtype=torch.float32))
+    assert f.stats().kernels_launched == 1  # the softmax over rows, the log_softmax over columns: one kernel
+
+
 def test_eval_dropout_contiguous_and_unsqueeze_of_pending_values_do_not_flush(f, gen):
     t = torch.randn(4, 6, generator=gen)
     a = f.lazy(t)

@@ -192,9 +192,10 @@ def log_softmax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
 
 def _torch_softmax(fn: Callable[..., Expr]) -> Callable[..., Expr]:
     def build(a: Any, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Expr:
-        if dim is None or dtype is not None:
+        if dim is None or not (dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)):
             raise Unsupported
-        return fn(a, dim)
+        # ``dtype``: the input cast first, as torch does (attention's scores in float32)
+        return fn(a if dtype is None else node("cast", a, dtype=dtype), dim)
 
     return build
 
