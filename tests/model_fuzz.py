@@ -5,7 +5,8 @@ embeddings by ``F.embedding`` / ``torch.gather``, plus positions), prologues (an
 cast), one or two blocks (an MLP ``linear -> bias -> activation -> linear``, a gated MLP with
 separate or fused ``gate_up``, attention by hand: q/k/v or fused qkv, views to heads, scaled
 scores, causal masks by ``masked_fill`` or by adding, softmax in fp32 and back, ``@ v``, the output
-projection) wrapped pre-norm or post-norm with residuals (also in place), and a head (logits with
+projection; or ``F.scaled_dot_product_attention`` / ``rx.attention``, causal or not, grouped-query
+with fewer key/value heads) wrapped pre-norm or post-norm with residuals (also in place), and a head (logits with
 cross-entropy: ignored and all-ignored targets, label smoothing, every reduction, class weights,
 fp32 weights with upcast half logits, softcap; linear cross-entropy; mean pooling and a
 classifier). Projections draw their weights plain, stored transposed, strided, sliced, as fp32
@@ -434,7 +435,10 @@ class _Gen:
         return self.linear(a, rank, inter, H, stem="y")
 
     def attn(self, x: str) -> str:
-        """Attention by hand: q/k/v (or fused qkv), heads, scaled scores, a causal mask, softmax, @ v."""
+        """Attention by hand: q/k/v (or fused qkv), heads, scaled scores, a causal mask, softmax, @ v;
+        or (a fifth of the blocks of one batch dim, decided by a draw of its own) by SDPA."""
+        if len(self.batch) == 1 and random.Random(self.pid * 31 + len(self.torch)).random() < 0.2:
+            return self.sdpa(x)  # (rx.attention takes [B, H, T, D], DESIGN section 8)
         r, rank, H, T, nh, hd = self.r, self.dims, self.H, self.T, self.heads, self.hd
         if r.random() < 0.5:
             self.tags.append("qkv")
@@ -514,6 +518,33 @@ class _Gen:
                 f"{o}.transpose(-2, -3).contiguous().view{merge}",
                 f"rx.reshape(rx.transpose({o}, -2, -3), {merge})",
             )
+        return self.linear(o, rank, H, H, stem="y")
+
+    def sdpa(self, x: str) -> str:
+        """``F.scaled_dot_product_attention`` (rtxdsl: ``rx.attention``) over projected heads: causal
+        or not, and grouped-query (``enable_gqa``: fewer key/value heads, their projections narrower)
+        where there are several query heads."""
+        r, rank, H, T, nh, hd = self.r, self.dims, self.H, self.T, self.heads, self.hd
+        kv = r.choice([g for g in range(1, nh + 1) if nh % g == 0])  # key/value heads
+        self.tags.append(f"sdpa:{nh}/{kv}")
+        q = self.linear(x, rank, H, H, stem="q")
+        k, v = (self.linear(x, rank, H, kv * hd, stem=s) for s in "kv")
+
+        def heads(t: str, n: int) -> str:  # [.., T, n * hd] -> [.., n, T, hd]
+            split = _tuple((*self.batch, T, n, hd))
+            return self.let(
+                "h", f"{t}.view{split}.transpose(-2, -3)", f"rx.transpose(rx.reshape({t}, {split}), -2, -3)"
+            )
+
+        q, k, v = heads(q, nh), heads(k, kv), heads(v, kv)
+        causal, gqa = r.random() < 0.7, kv != nh
+        o = self.let(
+            "o",
+            f"F.scaled_dot_product_attention({q}, {k}, {v}, is_causal={causal}, enable_gqa={gqa})",
+            f"rx.attention({q}, {k}, {v}, causal={causal}, enable_gqa={gqa})",
+        )
+        merge = _tuple(self.rows + (H,))
+        o = self.let("o", f"{o}.transpose(-2, -3).reshape{merge}", f"rx.reshape(rx.transpose({o}, -2, -3), {merge})")
         return self.linear(o, rank, H, H, stem="y")
 
     def block(self, h: str) -> str:
