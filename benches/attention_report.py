@@ -18,12 +18,13 @@ import torch
 
 import rtxdsl as rx
 from benches.common import machine, markdown, save
+from rtxdsl.lower.spec import Program
 from rtxdsl.lower.target import GPU
 
 MB = 1e6
 
 
-def _plans(hq: int, hkv: int, t: int, d: int) -> tuple:
+def _plans(hq: int, hkv: int, t: int, d: int) -> tuple[Program, Program]:
     """The forward and backward programs on sm_90 for causal attention with ``hkv`` key heads."""
     bf = {"dtype": torch.bfloat16, "requires_grad": True}
     ins = {n: torch.empty(1, h, t, d, **bf) for n, h in (("q", hq), ("k", hkv), ("v", hkv))}
@@ -40,7 +41,7 @@ def _plans(hq: int, hkv: int, t: int, d: int) -> tuple:
     return forward, backward
 
 
-def _row(case: str, pass_: str, program) -> dict:
+def _row(case: str, pass_: str, program: Program) -> dict:
     sizes = [math.prod(b.shape) * b.dtype.itemsize for b in program.buffers]
     return {
         "case": case,

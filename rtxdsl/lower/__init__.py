@@ -19,7 +19,7 @@ from ..config import FusionConfig
 from ..expr import Expr
 from ..ops import REGISTRY, OpKind
 from ..recursion import deep
-from .analyze import Group, Plan, Role, analyze, read_srcs
+from .analyze import Group, Plan, Role, analyze, read_srcs, views_of_inputs
 from .bind import Info
 from .columns import column_pairs, with_columns
 from .expand import Graph, expand
@@ -406,13 +406,12 @@ def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested:
     where torch could view them: the inputs' own memory, no copy. A view's strides are its layout."""
     found = {}
     for g in plan.groups:
-        written = {id(o) for o in g.outputs}
-        if len(written) != len(g.nodes) or any(id(n) in requested or id(n) not in written for n in g.nodes):
+        if not _writes_each_node(g) or any(id(n) in requested for n in g.nodes) or not views_of_inputs(g.nodes):
             continue
         views = {}
         for n in g.nodes:
             src = n.srcs[0]
-            if not (REGISTRY[n.op].regroups or REGISTRY[n.op].view) or id(src) not in slots or not src.is_var:
+            if id(src) not in slots:
                 break
             have, want = lay[id(src)], lay[id(n)]
             strides = view_strides(have, want.shape)
@@ -423,6 +422,12 @@ def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested:
             found[id(g)] = {i: slot for i, (slot, _) in views.items()}
             lay.update({i: layout for i, (_, layout) in views.items()})
     return found
+
+
+def _writes_each_node(g: Group) -> bool:
+    """Is every node of ``g`` one of its outputs (nothing computed only inside it)?"""
+    written = {id(o) for o in g.outputs}
+    return len(written) == len(g.nodes) and all(id(n) in written for n in g.nodes)
 
 
 def view_strides(have: Layout, shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -441,8 +446,7 @@ def _output_views(plan: Plan, lay: dict[int, Layout], requested: set[int], store
     found = {}
     writers = {id(o) for g in plan.groups for o in g.outputs}
     for g in plan.groups:
-        written = {id(o) for o in g.outputs}
-        if len(written) != len(g.nodes) or any(id(n) not in requested or id(n) not in written for n in g.nodes):
+        if not _writes_each_node(g) or any(id(n) not in requested for n in g.nodes):
             continue
         srcs = [n.srcs[0] for n in g.nodes]
         if len({id(s) for s in srcs}) == len(srcs) and all(

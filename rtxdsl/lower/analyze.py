@@ -602,7 +602,7 @@ def merge_siblings(
     work = [_Work.of(g) for g in groups]
     by_domain: dict[tuple, list[int]] = {}
     for i, g in enumerate(work):
-        if not any(id(m) in solo for m in g.nodes) and not _views_of_inputs(g):
+        if not any(id(m) in solo for m in g.nodes) and not views_of_inputs(g.nodes):
             by_domain.setdefault(g.shape, []).append(i)
     alive = [True] * len(work)
     homes = _homes(work)
@@ -638,11 +638,10 @@ def merge_siblings(
     return tuple(g.freeze(order) for g, ok in zip(work, alive) if ok)
 
 
-def _views_of_inputs(g: _Work) -> bool:
-    """Does ``g`` only view inputs (reshapes of variables: ``lower._views`` launches nothing for it)?"""
-    return all(REGISTRY[n.op].regroups or REGISTRY[n.op].view for n in g.nodes) and all(
-        s.is_var for n in g.nodes for s in n.srcs[:1]
-    )
+def views_of_inputs(nodes: list[Expr] | tuple[Expr, ...]) -> bool:
+    """Do ``nodes`` only reshape (or insert dims of one into) variables? Where torch could view
+    them at the inputs' strides, ``lower._views`` launches nothing for them."""
+    return all((REGISTRY[n.op].regroups or REGISTRY[n.op].view) and n.srcs[0].is_var for n in nodes)
 
 
 def _two_products(products: set[int], a: set[int], b: set[int]) -> bool:

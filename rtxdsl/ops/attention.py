@@ -253,7 +253,7 @@ def _positions(scores: Expr, rank: int, groups: int | None = None) -> dict[str |
     at = [node("arange_like", scores, axis=axis) for axis in range(rank)]
     if groups is None:
         return dict(zip(POSITIONS, at))
-    query = at[3] if rank == 5 else node("mul", at[2], 0)  # a decoding step's one query: position 0
+    query = at[3] if rank == 5 else as_expr(0)  # a decoding step's one query: position 0
     return {"b": at[0], "h": node("add", node("mul", at[1], groups), at[2]), "q_idx": query, "kv_idx": at[-1]}
 
 
@@ -315,7 +315,7 @@ def _decompose(
     elif grouped:
         q, rank = node("reshape", q, shape=(b, hkv, g, tq, d)), 5
         k, v = node("reshape", k, shape=(b, hkv, 1, tk, d)), node("reshape", v, shape=(b, hkv, 1, tk, dv))
-        rest = tuple(x if s is None else _grouped(x, s) for x, s in zip(rest, [*tensors, None]))
+        rest = tuple(x if s is None else _grouped(x, s) for x, s in zip(rest, tensors))
     else:
         k, v = _heads(k, b, hkv, g, tk, d), _heads(v, b, hkv, g, tk, dv)
     qk = contract(q, k, tb=True)
