@@ -187,7 +187,9 @@ def test_lru_evicts_least_recently_used():
 def test_long_lazy_training_loop_memory_is_flat_and_planning_stops():
     """500 steps, a changing learning rate, 30 input shapes: memory flat, planning stops (one lazy
     tensor kept a step grows the traced memory by 38 KB over the 300 steps measured; a flat loop by
-    2 KB, once garbage is collected)."""
+    2 KB, once garbage is collected). Where the first window grows (590 KB twice in full suites of
+    this machine, never alone: state another test left in the worker), a second window of 300 steps
+    decides: a leak grows in it too."""
     f = rx.Fusion()
     shapes = [(n, 17) for n in range(1, 31)]
     params = {s: torch.randn(s) for s in shapes}
@@ -212,6 +214,11 @@ def test_long_lazy_training_loop_memory_is_flat_and_planning_stops():
     for i in range(200, 500):
         step(i)
     last = _held_by_steps()
+    if last - first >= 16 * 1024:  # once more: a leak grows in every window, a cache filling once does not
+        first = last
+        for i in range(500, 800):
+            step(i)
+        last = _held_by_steps()
     tracemalloc.stop()
     assert rx.cache_stats().plans_built == planned  # no planning after the first steps
     assert last - first < 16 * 1024, f"memory grew by {last - first} bytes over 300 steps"
