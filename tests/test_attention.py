@@ -117,29 +117,29 @@ def test_query_rows_past_one_block_keep_to_their_head(dtype, atol, rtol, gen):
 B_, H_, T_ = 2, 4, 33  # scores of 2 x 4 x 33 x 33: larger than any per-row or [T, D] buffer
 
 PLANS = {  # what the attention reads beside q, k, v: (expression, extra inputs, launches)
-    "full": (lambda: rx.attention(q, k, v), {}, 2),
-    "causal": (lambda: rx.attention(q, k, v, causal=True), {}, 2),
+    "full": (lambda: rx.attention(q, k, v), {}, 1),
+    "causal": (lambda: rx.attention(q, k, v, causal=True), {}, 1),
     "window-softcap": (
         lambda: rx.attention(
             q, k, v, score_mod=lambda s, b, h, i, j: 5.0 * rx.tanh(s / 5.0), mask_mod=lambda b, h, i, j: i - j < 4
         ),
         {},
-        2,
+        1,
     ),
     "bias": (
         lambda: rx.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + rx.var("bias")),
         {"bias": (H_, T_, T_)},
-        2,
+        1,
     ),
-    "padding-mask": (lambda: rx.attention(q, k, v, attn_mask=rx.var("m")), {"m": (B_, 1, 1, T_)}, 2),
-    "gqa": (lambda: rx.attention(q, k, v, causal=True, enable_gqa=True), {}, 2),  # K and V read as they are
+    "padding-mask": (lambda: rx.attention(q, k, v, attn_mask=rx.var("m")), {"m": (B_, 1, 1, T_)}, 1),
+    "gqa": (lambda: rx.attention(q, k, v, causal=True, enable_gqa=True), {}, 1),  # K and V read as they are
 }
 
 
 @pytest.mark.parametrize("kind", list(PLANS))
 def test_the_forward_writes_no_scores(kind, gen):
-    """A row kernel computes the scores' product tile by tile (their logsumexp and row sum), and
-    the ``P @ v`` GEMM recomputes the probabilities in its K loop: no buffer of the scores' size,
+    """One kernel, the ``P @ v`` GEMM, computes the scores' product tile by tile in its K loop,
+    their logsumexp merged as it runs (online softmax, ``lower/online.py``): no buffer of the scores' size,
     on the interpreter's plan and on sm_90's. Nor in the backward, whose ``P.T @ dO``, ``dS @ k``
     and ``dS.T @ q`` GEMMs recompute ``P`` and ``dS`` (two products: the scores and ``dO @ v.T``)
     in their K loops; except where a tensor the scores read gets a gradient of their size (a
@@ -202,7 +202,7 @@ def test_grouped_query_attention_reads_keys_and_values_as_they_are(kind, gen):
         return [b.shape for b in program.buffers if b.shape[-2:] == (tk, d) and math.prod(b.shape) > 2 * tk * d]
 
     forward = kern.program(**ins)
-    assert len(forward.launched) == (3 if copies else 2)
+    assert len(forward.launched) == (2 if copies else 1)
     assert bool(repeats(forward)) == copies
     grads = {n: t.requires_grad_(t.dtype.is_floating_point) for n, t in ins.items()}
     plan = kern.grad_plan(**grads)
@@ -255,24 +255,25 @@ def test_a_decoding_step_reads_each_key_once_per_key_head(mask, gen):
 
 def test_attention_written_by_hand_with_mT_writes_no_scores(gen):
     """``q @ k.mT`` (torch's property, as model code writes it) is ``k`` transposed: hand-written
-    attention over it is found as ``rx.attention`` is, two launches and no buffer of the scores."""
+    attention over it is found as ``rx.attention`` is, one launch and no buffer of the scores."""
     assert repr(k.mT) == repr(rx.transpose(k, -2, -1)) == repr(k.mH)
     ins = _inputs(gen, 2, 4, 4, 33, 33, 8, 8, torch.float32)
     expr = rx.softmax(q @ k.mT * 0.25, -1) @ v
     program = rx.compile(expr).program(**ins)
-    assert len(program.launched) == 2
+    assert len(program.launched) == 1
     assert all(math.prod(b.shape) < 2 * 4 * 33 * 33 for b in program.buffers)
     _check(expr, ins, lambda r: torch.softmax(r["q"] @ r["k"].mT * 0.25, -1) @ r["v"], torch.float32, 1e-5, 1e-5, gen)
 
 
 def test_the_compute_model_counts_each_pass_that_computes_the_scores(gen):
-    """The forward computes the scores twice (the row kernel's logsumexp, the P @ v GEMM's K loop,
-    which also sums the probabilities) and P @ v once; the logsumexp alone is a row kernel of two
-    passes (the statistic, then the row sum), each computing the scores' product."""
+    """The forward computes the scores once (the P @ v GEMM's K loop merges their logsumexp as it
+    runs and sums the probabilities) and P @ v once: FlashAttention-2's count, the minimum; the
+    logsumexp alone is a row kernel of two passes (the statistic, then the row sum), each
+    computing the scores' product."""
     ins = _inputs(gen, B_, H_, H_, T_, T_, 8, 8, torch.float32)
     scores = 2 * B_ * H_ * T_ * T_ * 8  # the q @ k.mT product's FLOPs, as P @ v's at Dv = D
     program = rx.compile(rx.attention(q, k, v)).program(**ins)
-    assert (program.flops, program.minimum_flops) == (3 * scores, 2 * scores)
+    assert (program.flops, program.minimum_flops) == (2 * scores, 2 * scores)
     assert rx.compile(rx.attention(q, k, v, return_lse=True)[1]).program(**ins).flops == 2 * scores
 
 
@@ -347,7 +348,7 @@ def test_the_compute_model_counts_only_the_tiles_that_run():
         assert window[part] / full[part] < 0.1, part
         assert padded[part] == full[part], part
     scans = [(c.spec.gemm.skip >= 0) for c in causal[2].kernels]
-    assert scans == [True, True]  # the logsumexp's row kernel and the P @ v GEMM
+    assert scans == [True]  # the P @ v GEMM, its logsumexp merged in its K loop
     assert not any(c.spec.gemm.skip >= 0 for c in padded[2].kernels if c.spec.gemm is not None)
 
 
@@ -620,3 +621,75 @@ def test_random_attentions_match_float64(draw, gen):
     if tied and dtype in (torch.float16, torch.bfloat16):  # k's gradient sums both operands' rounding
         atol *= 2  # (Tk = 1: dS is 0 in float64, bf16's O - v rounding twice over, 0.035 at seed 41)
     _check(expr, ins, ref, dtype, atol, rtol, gen)
+
+
+# ---- the forward in one pass: online softmax in the P @ v GEMM's K loop (lower/online.py) --------
+def _growing(gen, dtype, t=70, d=8, slope=3.0):
+    """Scores that grow along every row: ``k``'s rows point along ``q``'s, longer with the key
+    position, so each K slice (32 keys under the interpreter) raises the row's max by about
+    ``32 * slope``: every slice rescales what the loop summed, and exp at the first slice's
+    shift would overflow (scores up to ~200)."""
+    u = torch.randn(d, generator=gen, dtype=torch.float64)
+    u = u / u.norm()
+    pos = torch.arange(t, dtype=torch.float64)[:, None]
+    noise = 0.1 * torch.randn(2, 2, t, d, generator=gen, dtype=torch.float64)
+    ins = {
+        "q": (math.sqrt(d) * u + noise).to(dtype),
+        "k": (slope * pos * u + noise).to(dtype),
+        "v": torch.randn(2, 2, t, d, generator=gen, dtype=torch.float64).to(dtype),
+    }
+    return ins
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[:2])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_one_pass_forward_rescales_as_the_max_grows(gen, dtype, atol, rtol, causal):
+    """Values, the logsumexp and every gradient against float64 where the row max moves in every
+    K slice: the sums kept at a stale shift (or never rescaled) are off by exp(slice's growth)."""
+    ins = _growing(gen, dtype)
+    expr = rx.attention(q, k, v, causal=causal, return_lse=True)
+    assert len(rx.compile(rx.attention(q, k, v, causal=causal)).program(**ins).launched) == 1
+    keep = torch.ones(70, 70, dtype=torch.bool).tril() if causal else None
+
+    def ref(r):
+        out, lse = _reference(r, keep=keep)
+        return out, lse
+
+    _check(expr, ins, ref, dtype, atol, rtol, gen)
+
+
+def test_the_one_pass_forward_gives_masked_rows_zero_and_nan_rows_nan(gen):
+    """A query row with no kept key gives 0 and logsumexp -inf (its running max never leaves -inf:
+    the shift stays 0, nothing is summed); a row whose scores hold a NaN is NaN, the others exact."""
+    ins = _inputs(gen, 1, 2, 2, 40, 40, 8, 8, torch.float32)
+    keep = torch.rand(1, 1, 40, 40, generator=gen) > 0.3
+    keep[..., 5, :] = False
+    ins["m"] = keep
+    expr = rx.attention(q, k, v, attn_mask=rx.var("m"), return_lse=True)
+    out, lse = rx.compile(expr)(**ins)
+    ref_out, ref_lse = _reference(ins, keep=keep)
+    assert torch.equal(out[..., 5, :], torch.zeros_like(out[..., 5, :]))
+    assert bool((lse[..., 5] == float("-inf")).all())
+    assert_close(out, ref_out, 2e-5, 2e-5, "out")
+    assert_close(lse, ref_lse, 2e-5, 2e-5, "lse")
+    ins["q"][0, 1, 7, 3] = float("nan")
+    out = rx.compile(rx.attention(q, k, v, attn_mask=rx.var("m")))(**ins)
+    nan_rows = out.isnan().any(-1)
+    assert nan_rows[0, 1, 7] and int(nan_rows.sum()) == 1
+
+
+def test_the_one_pass_forward_computes_the_scores_once_per_k_slice(gen):
+    """The generated GEMM: one kernel, the scores' product one inner ``tl.dot`` loop (the row
+    kernel that computed them a first time for the logsumexp is gone), one exp per score, the
+    running max rescaling the accumulator, one store (the output); the logsumexp a backward saves
+    is that kernel's per-row output."""
+    ins = _inputs(gen, 1, 2, 2, 37, 37, 16, 16, torch.float32)
+    kern = rx.compile(rx.attention(q, k, v, causal=True))
+    (src,) = kern.sources(**ins)
+    assert src.count("tl.dot(") == 2  # q @ k.mT (in its K0 loop), P @ v
+    assert src.count("tl.exp(") == 3  # the scores', the loop's rescale, the rescale after the loop
+    assert src.count("acc = acc * rescale") == 2
+    assert src.count("tl.store(") == 1
+    leaves = {n: t.requires_grad_() for n, t in ins.items()}
+    plan = kern.grad_plan(**leaves)
+    assert len(plan.forward.program(**ins).launched) == 1

@@ -154,6 +154,8 @@ class GemmWriter(Writer):
             loop, dims = ("inner", range(kept, self.nb)) if g.summed else ("batch", range(self.nb))
             top.add(f"for {loop} in range(0, {' * '.join(f'bsize{d}' for d in dims)}):")
             top.lines.extend(batches.lines)
+        if g.online is not None:
+            self._online_finish(top)
         for i, red, ctx, running in self.k_reductions:
             self._finish_reduction(i, red, ctx, running)
         self.out_idx = [] if g.sum_batch else self.batch_idx[:kept] + ["0"] * g.summed
@@ -202,6 +204,8 @@ class GemmWriter(Writer):
         (r, c), dims, mask = OPERAND_TILE[op]
         g = self.spec.gemm
         assert g is not None
+        if op == "a" and g.online is not None:
+            self._online_step(scope)
         if j >= 0:
             base = "".join(f"{i} * {op}_stride_b{d} + " for d, i in enumerate(self.batch_idx))
             offset = base + _matrix_offset(op, (r, c), dims, g.a_classes if op == "a" else g.b_classes)
@@ -215,10 +219,114 @@ class GemmWriter(Writer):
         else:
             v = self.value(ref, scope)
             scope.add(f"{op} = tl.where({mask}, {to_storage(v, self.types[v], dtype)}, 0)")
+        online = g.online[0] if g.online is not None else -1
         for i, node in enumerate(self.spec.nodes):  # reductions of the operand's (prologue's) values over K
-            if REGISTRY[node.op].kind is OpKind.REDUCTION and node.role == op:
+            if REGISTRY[node.op].kind is OpKind.REDUCTION and node.role == op and i != online:
                 self._k_reduction(i, self.value(node.srcs[0], scope), mask, scope)
+        if op == "a" and g.online is not None:
+            self._online_sum(scope)
         return op
+
+    # ---- online softmax (``lower.online``): the logsumexp merged as the K loop runs ---------------
+    def _online_names(self) -> tuple[str, str, str, str]:
+        """The running max, the shift it gives, the running sum of ``exp(x - shift)`` (the row sum
+        of A's own K reduction where it sums that very value), and the logsumexp's node."""
+        g = self.spec.gemm
+        assert g is not None and g.online is not None
+        r, _ = g.online
+        return state_name("m", r), f"shift_{r}", self._online_total() or state_name("s", r), f"v{r}"
+
+    def _online_exp(self) -> int:
+        """The node ``exp(x - shift)``: what the K loop sums, in proportion."""
+        g = self.spec.gemm
+        assert g is not None and g.online is not None
+        r, shift = g.online
+        x = self.spec.nodes[r].srcs[0]
+        subs = {i for i, nd in enumerate(self.spec.nodes) if nd.op == "sub" and nd.srcs == (x, (Src.NODE, shift))}
+        return next(i for i, nd in enumerate(self.spec.nodes) if nd.op == "exp" and nd.srcs[0][1] in subs)
+
+    def _online_total(self) -> str | None:
+        """The state of a K reduction summing ``exp(x - shift)`` itself (attention's row sum): the
+        logsumexp's sum, computed once."""
+        g = self.spec.gemm
+        assert g is not None and g.online is not None
+        e, rdt = self._online_exp(), reduce_dtype(self.spec.nodes[g.online[0]])
+        for i, nd in enumerate(self.spec.nodes):
+            if nd.op == "sum" and nd.role == "a" and nd.srcs == ((Src.NODE, e),) and reduce_dtype(nd) == rdt:
+                (state,) = REGISTRY[nd.op].reduce.state
+                return state_name(state, i)
+        return None
+
+    def _rescaled(self) -> list[str]:
+        """What the K loop sums in proportion to ``exp(x - shift)``: the accumulator and the
+        states of A's K reductions reading it (``lower.online`` allows only sums there)."""
+        g = self.spec.gemm
+        assert g is not None and g.online is not None
+        r, shift = g.online
+        states = ["acc"]
+        for i, nd in enumerate(self.spec.nodes):
+            red = REGISTRY[nd.op]
+            if red.kind is OpKind.REDUCTION and nd.role == "a" and i != r and self._reads_node(nd.srcs[0], shift):
+                states += [state_name(c, i) for c in red.reduce.state]
+        own = self._online_names()[2]
+        return states if own in states else [*states, own]
+
+    def _reads_node(self, ref: tuple, target: int) -> bool:
+        if ref[0] is not Src.NODE:
+            return False
+        return ref[1] == target or any(self._reads_node(s, target) for s in self.spec.nodes[ref[1]].srcs)
+
+    def _online_step(self, scope: Scope) -> None:
+        """Before the prologue reads the shift: the running max over this K slice, the shift it
+        gives (0 while the row holds no finite score), and what the loop has summed so far
+        rescaled to it."""
+        g = self.spec.gemm
+        assert g is not None and g.online is not None
+        r, shift = g.online
+        rdt = reduce_dtype(self.spec.nodes[r])
+        m, c, total, _ = self._online_names()
+        ty = TRITON_TYPE[rdt]
+        self.top.add(f"{m} = tl.full([BLOCK_M, 1], float('-inf'), dtype={ty})  # online softmax: the running max")
+        self.top.add(f"{c} = tl.zeros([BLOCK_M, 1], dtype={ty})  # the shift the loop's sums are taken at")
+        if total == state_name("s", r):
+            self.top.add(f"{total} = tl.zeros([BLOCK_M, 1], dtype={ty})  # the sum of exp(x - shift)")
+        x = self.cast(self.value(self.spec.nodes[r].srcs[0], scope), rdt)
+        scope.add(f"{m} = tl.maximum({m}, tl.max(tl.where(a_mask, {x}, float('-inf')), axis=1)[:, None])")
+        scope.add(f"rescale = tl.exp({c} - tl.where({m} > float('-inf'), {m}, 0.0))")
+        scope.add(f"{c} = tl.where({m} > float('-inf'), {m}, 0.0)")
+        scope.add_all([f"{v} = {v} * rescale" for v in self._rescaled()])
+        scope.memo[(Src.NODE, shift)] = c
+        self.types[c] = rdt
+
+    def _online_sum(self, scope: Scope) -> None:
+        """The logsumexp's sum over this K slice, where no K reduction of A sums the same values."""
+        g = self.spec.gemm
+        assert g is not None and g.online is not None
+        _, _, total, _ = self._online_names()
+        if total == state_name("s", g.online[0]):
+            e = self.value((Src.NODE, self._online_exp()), scope)
+            scope.add(f"{total} = {total} + tl.sum(tl.where(a_mask, {e}, 0.0), axis=1)[:, None]")
+
+    def _online_finish(self, top: Scope) -> None:
+        """After the loop: the logsumexp, the graph's own shift from it, and the sums rescaled from
+        the running shift to that one: the epilogue reads the two-pass values."""
+        g = self.spec.gemm
+        assert g is not None and g.online is not None
+        r, shift = g.online
+        m, c, total, name = self._online_names()
+        top.add(f"{name} = {c} + tl.log({total})")
+        self.types[name] = reduce_dtype(self.spec.nodes[r])
+        self._row_value(r, name)
+        want = self.value((Src.NODE, shift), top)
+        top.add(f"rescale = tl.exp({c} - {want})")
+        top.add_all([f"{v} = {v} * rescale" for v in self._rescaled()])
+
+    def _shared_exp(self, node: NodeSpec, name: str, scope: Scope, operand) -> str | None:  # type: ignore[no-untyped-def]
+        """None under an online softmax: its exp is the prologue's own, at the running shift."""
+        g = self.spec.gemm
+        if g is not None and g.online is not None:
+            return None
+        return super()._shared_exp(node, name, scope, operand)
 
     # ---- a prologue's own values at the operand's tile ------------------------------------------
     def value(self, ref: tuple, loop: Scope) -> str:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import graphlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from ..config import FusionConfig
@@ -48,6 +48,7 @@ from ..expr import Expr
 from ..ops import REGISTRY, OpKind, Pattern
 from .chunk import chunk_recomputed
 from .expand import Graph, is_leaf
+from .online import online_shift
 from .prologue import Operand, choose, reloads
 from .roles import Role
 from .spec import Chunk
@@ -1377,7 +1378,71 @@ def _reduce_in_k_loop(
         for r in reductions:
             w.notes.append(f"{_label(r, graph)}: {r.op} of A over its contracted dims, merged in the K loop")
         moved.append(home)
+    if contracted == (k_axis,):  # each program's rows are whole rows of one batch
+        moved += _online_in_k_loop(w, values, contracted, deps, work, graph, consumers, requested)
     return moved
+
+
+def _online_in_k_loop(
+    w: _Work,
+    values: list[Expr],
+    contracted: tuple[int, ...],
+    deps: set[int],
+    work: list[_Work],
+    graph: Graph,
+    consumers: dict[int, list[Expr]],
+    requested: set[int],
+) -> list[_Work]:
+    """The logsumexp the prologue shifts by (``exp(x - lse) @ v``: attention, ``softmax(x) @ v``)
+    moves into ``w`` with its per-row math, where ``lower/online.py`` says the K loop may merge it
+    as it runs (FlashAttention-2's forward: one pass over ``x``, no row kernel before the GEMM)."""
+    c = w.contraction
+    assert c is not None
+    members = {id(m): w.roles[id(m)] for m in w.nodes}
+    found = {
+        id(r): r
+        for v in values
+        for r in consumers.get(id(v), ())
+        if r.op == "logsumexp" and id(r) in deps and tuple(sorted(r.attr("axis"))) == contracted
+    }
+    for r in found.values():
+        home = next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)
+        if home is None or members.get(id(r.srcs[0])) is not Role.A:
+            continue
+        # what the prologue recomputes that its home kept for readers since moved here goes
+        dead = _recomputed_only(home, members, requested, consumers)
+        left = [m for m in home.nodes if id(m) not in dead]
+        after = _per_row_after(replace(home, nodes=left), [r], graph, consumers)
+        if after is None or online_shift(r, members, lambda n: consumers.get(id(n), ()), after, c) is None:
+            continue
+        home.nodes = left
+        taken = {id(r), *map(id, after)}
+        home.nodes = [m for m in home.nodes if id(m) not in taken]
+        for m in (r, *after):
+            w.nodes.append(m)
+            w.roles[id(m)] = Role.A
+        w.notes.append(
+            f"{_label(r, graph)}: the logsumexp the prologue shifts by, merged in the K loop as it runs "
+            "(online softmax: the sums rescaled as its max grows; one pass, no row kernel before)"
+        )
+        return [home]
+    return []
+
+
+def _recomputed_only(
+    home: _Work, members: Mapping[int, Role], requested: set[int], consumers: dict[int, list[Expr]]
+) -> set[int]:
+    """The nodes of ``home`` a GEMM's prologue (``members`` of role A) recomputes and only it and
+    other such nodes read: left in ``home`` for readers that moved into the K loop since."""
+    inside = {id(m) for m in home.nodes}
+    ours = {i for i, role in members.items() if role is Role.A}
+    dead: set[int] = set()
+    for m in reversed(home.nodes):  # readers first
+        if id(m) in ours and id(m) not in requested:
+            readers = [id(x) for x in consumers.get(id(m), ())]
+            if all(x in dead or (x not in inside and x in members) for x in readers):
+                dead.add(id(m))
+    return dead
 
 
 def _over_size_one(n: Expr, graph: Graph) -> bool:

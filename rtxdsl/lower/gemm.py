@@ -30,6 +30,7 @@ from ..registry import REGISTRY, OpKind
 from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
 from .names import io_names, scalar_names
+from .online import shifted_by
 from .params import inner_products, launch_ints, load_names, tile_loads
 from .schedule import (
     INT32_LIMIT,
@@ -131,6 +132,7 @@ def gemm_spec(
             precision="tf32" if tf32 and a.dtype == torch.float32 else "ieee",
             window=_window(group, graph.of(c).dtype),
             skip=_skip(group, graph, bd),
+            online=_online(group, bd),
         ),
     )
     values = {"M": m, "N": n, "K": k} | {f"bsize{d}": v for d, v in enumerate(batch)}
@@ -210,6 +212,12 @@ def _skip(group: Group, graph: Graph, bd: Body) -> int:
             targets.append((n.srcs[0], NEUTRAL[n.op]))
     guard = vanishing_guard(prologue, graph, targets)
     return -1 if guard is None or group.roles.get(id(guard)) is not Role.A else bd.index[id(guard)]
+
+
+def _online(group: Group, bd: Body) -> tuple[int, int] | None:
+    """Online softmax (``lower.online``): the logsumexp merged in the K loop and its shift node."""
+    found = shifted_by(group.nodes, group.roles)
+    return None if found is None else (bd.index[id(found[0])], bd.index[id(found[1])])
 
 
 def _window_values(spec: KernelSpec) -> dict[str, int]:

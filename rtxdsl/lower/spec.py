@@ -134,6 +134,9 @@ class GemmTile:
     #: block sparsity: the node (a condition of positions) over whose tiles, where it is false
     #: everywhere, the loop computes nothing (``lower.sparsity``); -1: every tile runs
     skip: int = -1
+    #: online softmax (``lower.online``): the logsumexp merged in the K loop as it runs and the shift
+    #: node the prologue reads (the running max's in the loop); None: none
+    online: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

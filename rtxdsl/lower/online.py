@@ -1,0 +1,141 @@
+"""Online softmax in a GEMM's K loop: a logsumexp the prologue shifts by, computed as it runs.
+
+``softmax(x) @ v`` and attention's ``exp(s - lse) @ v`` read a row statistic, ``lse =
+logsumexp(x)`` over the K axis, before the K loop that sums ``exp(x - lse) * v``: two passes over
+``x``, and for attention two recomputes of the scores ``q @ k.mT``. Every value the K loop sums is
+*proportional* to ``exp(x - c)`` for the per-row shift ``c`` (a cast, a mask, a dropout scale, the
+product with ``v`` and a row sum keep it so), so any finite shift gives the same sums up to a
+per-row factor: ``exp(c' - c)``. FlashAttention-2's forward is that fact. The K loop therefore
+merges the logsumexp's state itself (its running max), shifts by the running max instead of
+``c``, rescales what it has summed whenever the max grows, and after the loop, once ``lse`` and
+the graph's own shift ``c`` are known, rescales the sums by ``exp(shift - c)``: every value the
+epilogue reads is the two-pass value, up to rounding, whatever the epilogue does with it (the
+division by the row sum, the logsumexp written for the backward).
+
+``online_shift`` is the condition, read by the analyzer (may the logsumexp move into the K loop?)
+and by the GEMM's spec (which nodes the writer treats so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from ..expr import Expr
+from ..registry import REGISTRY, OpKind
+from .roles import Role
+
+#: ops whose value stays proportional to one operand (scaled by factors that do not depend on the
+#: shift): the operand positions the shifted value may take. ``where`` keeps it on one branch
+#: when the other is the constant 0 (a mask); ``dropout`` scales the kept elements.
+LINEAR: dict[str, tuple[int, ...]] = {
+    "cast": (0,),
+    "neg": (0,),
+    "mul": (0, 1),
+    "div": (0,),
+    "where": (1, 2),
+    "dropout": (0,),
+}
+
+
+def _zero(e: Expr) -> bool:
+    return e.is_const and e.attr("value") == 0
+
+
+def online_shift(
+    r: Expr,
+    members: Mapping[int, Role],
+    readers: Callable[[Expr], Iterable[Expr]],
+    per_row: Iterable[Expr],
+    product: Expr,
+) -> Expr | None:
+    """The shift node when logsumexp ``r`` can merge in the K loop of GEMM ``product`` whose
+    prologue reads it: ``per_row`` are the elementwise values computed from ``r`` alone (its guard,
+    a detach); the prologue (``members`` with role A) reads ``r`` or those only as ``c`` in
+    ``exp(x - c)``, with ``x`` the logsumexp's own input, one shift node for all; from each such
+    exp, every reader in the kernel keeps the value proportional to it (``LINEAR``) up to the
+    product's A operand or a sum over the K axis, and no kernel else reads one of them. None
+    where not (the two passes stay)."""
+    if r.op != "logsumexp":
+        return None
+    x = r.srcs[0]
+    rows = {id(p): p for p in (r, *per_row)}
+    subs = [c for p in rows.values() for c in readers(p) if members.get(id(c)) is Role.A]
+    if not subs or any(s.op != "sub" or s.srcs[0] is not x or id(s.srcs[1]) not in rows for s in subs):
+        return None
+    if len({id(s.srcs[1]) for s in subs}) != 1:
+        return None
+    shifted = _shifted(subs, members, readers, product, {*rows, *map(id, subs)})
+    return subs[0].srcs[1] if shifted else None
+
+
+def _shifted(subs: list[Expr], members: Mapping[int, Role], readers: Callable, product: Expr, shift: set[int]) -> bool:
+    """Does every value computed from ``exp(x - c)`` stay proportional to it up to the K loop's
+    sums (the product's A operand, a ``sum`` of A over K), inside the kernel's prologue, scaled
+    only by factors that read neither the statistic nor the shifted values (``shift``)?"""
+    chain: dict[int, Expr] = {}
+    stack = []
+    for s in subs:
+        outs = list(readers(s))
+        if not outs or any(e.op != "exp" or members.get(id(e)) is not Role.A for e in outs):
+            return False
+        stack += outs
+    while stack:
+        z = stack.pop()
+        if id(z) in chain:
+            continue
+        chain[id(z)] = z
+        for y in readers(z):
+            if y is product:
+                if y.srcs[0] is not z or y.srcs[1] is z:
+                    return False
+                continue
+            if members.get(id(y)) is not Role.A:
+                return False  # read by the epilogue, or by another kernel: it would see the running shift
+            if REGISTRY[y.op].kind is OpKind.REDUCTION:
+                if y.op != "sum":
+                    return False
+                continue
+            at = [k for k, s in enumerate(y.srcs) if s is z]
+            others = [s for k, s in enumerate(y.srcs) if s is not z]
+            if y.op not in LINEAR or len(at) != 1 or at[0] not in LINEAR[y.op]:
+                return False
+            if y.op == "where" and not _zero(y.srcs[3 - at[0]]):
+                return False
+            if any(_reads(o, shift) for o in others):
+                return False
+            stack.append(y)
+    return True
+
+
+def _reads(e: Expr, targets: set[int]) -> bool:
+    """Does ``e`` depend on one of the nodes ``targets``?"""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        n = stack.pop()
+        if id(n) in targets:
+            return True
+        if id(n) not in seen:
+            seen.add(id(n))
+            stack.extend(n.srcs)
+    return False
+
+
+def shifted_by(nodes: Iterable[Expr], roles: Mapping[int, Role]) -> tuple[Expr, Expr] | None:
+    """A GEMM kernel's online logsumexp and the shift node its prologue reads (``exp(x - c)``, ``c``
+    computed from the logsumexp of ``x`` in the same kernel: only ``online_shift`` puts one there),
+    or None."""
+    members = {id(n): n for n in nodes if roles[id(n)] is Role.A}
+    for s in members.values():
+        if s.op != "sub":
+            continue
+        x, c = s.srcs
+        stack, seen = [c], set()
+        while stack:
+            n = stack.pop()
+            if n.op == "logsumexp" and n.srcs[0] is x:
+                return n, c
+            if id(n) in members and id(n) not in seen:
+                seen.add(id(n))
+                stack.extend(n.srcs)
+    return None
