@@ -693,3 +693,14 @@ def test_the_one_pass_forward_computes_the_scores_once_per_k_slice(gen):
     leaves = {n: t.requires_grad_() for n, t in ins.items()}
     plan = kern.grad_plan(**leaves)
     assert len(plan.forward.program(**ins).launched) == 1
+
+
+@pytest.mark.parametrize("tk", [1, 2, 45], ids=["one key", "two keys", "two K slices"])
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[1:3])
+def test_hand_written_attention_over_few_keys(gen, tk, dtype, atol, rtol):
+    """``softmax(q @ k.mT) @ v`` with gradients at any key length: over one key the softmax's
+    logsumexp runs in a kernel of its own, and the GEMM reading it shifts by the saved statistic
+    (the model fuzzer's program 2026121000112 raised KeyError there)."""
+    ins = _inputs(gen, 1, 3, 3, 5, tk, 4, 4, dtype)
+    expr = rx.softmax(q @ k.mT * 0.5, -1) @ v
+    _check(expr, ins, lambda r: torch.softmax(r["q"] @ r["k"].mT * 0.5, -1) @ r["v"], dtype, atol, rtol, gen)

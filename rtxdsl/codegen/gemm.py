@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
+from ..lower.online import EXPS, SHIFTS, SUMS
 from ..lower.params import own_params
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
@@ -242,8 +243,8 @@ class GemmWriter(Writer):
         assert g is not None and g.online is not None
         r, shift = g.online
         x = self.spec.nodes[r].srcs[0]
-        subs = {i for i, nd in enumerate(self.spec.nodes) if nd.op == "sub" and nd.srcs == (x, (Src.NODE, shift))}
-        return next(i for i, nd in enumerate(self.spec.nodes) if nd.op == "exp" and nd.srcs[0][1] in subs)
+        subs = {i for i, nd in enumerate(self.spec.nodes) if nd.op in SHIFTS and nd.srcs == (x, (Src.NODE, shift))}
+        return next(i for i, nd in enumerate(self.spec.nodes) if nd.op in EXPS and nd.srcs[0][1] in subs)
 
     def _online_total(self) -> str | None:
         """The state of a K reduction summing ``exp(x - shift)`` itself (attention's row sum): the
@@ -252,7 +253,7 @@ class GemmWriter(Writer):
         assert g is not None and g.online is not None
         e, rdt = self._online_exp(), reduce_dtype(self.spec.nodes[g.online[0]])
         for i, nd in enumerate(self.spec.nodes):
-            if nd.op == "sum" and nd.role == "a" and nd.srcs == ((Src.NODE, e),) and reduce_dtype(nd) == rdt:
+            if nd.op in SUMS and nd.role == "a" and nd.srcs == ((Src.NODE, e),) and reduce_dtype(nd) == rdt:
                 (state,) = REGISTRY[nd.op].reduce.state
                 return state_name(state, i)
         return None

@@ -48,7 +48,7 @@ from ..expr import Expr
 from ..ops import REGISTRY, OpKind, Pattern
 from .chunk import chunk_recomputed
 from .expand import Graph, is_leaf
-from .online import online_shift
+from .online import STATISTICS, online_shift
 from .prologue import Operand, choose, reloads
 from .roles import Role
 from .spec import Chunk
@@ -1403,7 +1403,7 @@ def _online_in_k_loop(
         id(r): r
         for v in values
         for r in consumers.get(id(v), ())
-        if r.op == "logsumexp" and id(r) in deps and tuple(sorted(r.attr("axis"))) == contracted
+        if r.op in STATISTICS and id(r) in deps and tuple(sorted(r.attr("axis"))) == contracted
     }
     for r in found.values():
         home = next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)

@@ -135,10 +135,9 @@ def gemm_spec(
             online=_online(group, bd),
         ),
     )
-    values = {"M": m, "N": n, "K": k} | {f"bsize{d}": v for d, v in enumerate(batch)}
+    values = {"M": m, "N": n, "K": k} | {f"bsize{d}": v for d, v in enumerate(batch)} | _window_values(spec)
     values |= _operand_values(spec, (a, b), (sa, sb), batch)
     values |= _tile_values(spec, group, graph, layouts, bd, strides, inner)
-    values |= _window_values(spec)
     ints = list(launch_ints(spec, values))
     kinds, vals = scalar_args(bd.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = replace(spec, scalars=tuple(kinds), scalar_names=scalar_names(bd.slots))

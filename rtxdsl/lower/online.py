@@ -25,16 +25,20 @@ from ..registry import REGISTRY, OpKind
 from .roles import Role
 
 #: ops whose value stays proportional to one operand (scaled by factors that do not depend on the
-#: shift): the operand positions the shifted value may take. ``where`` keeps it on one branch
-#: when the other is the constant 0 (a mask); ``dropout`` scales the kept elements.
-LINEAR: dict[str, tuple[int, ...]] = {
-    "cast": (0,),
-    "neg": (0,),
-    "mul": (0, 1),
-    "div": (0,),
-    "where": (1, 2),
-    "dropout": (0,),
+#: shift): the operand positions the shifted value may take, and whether the other value operand
+#: must be the constant 0 (a select: the value on one branch, 0 on the other)
+LINEAR: dict[str, tuple[tuple[int, ...], bool]] = {
+    "cast": ((0,), False),  # a rounding, not a scale: proportional up to it
+    "neg": ((0,), False),
+    "mul": ((0, 1), False),  # times a factor of its own
+    "div": ((0,), False),  # over a divisor of its own
+    "where": ((1, 2), True),  # a mask: the value or 0
+    "dropout": ((0,), False),  # the kept elements scaled by 1 / (1 - p), the others 0
 }
+STATISTICS = frozenset({"logsumexp"})  # merged as the loop runs: its state's running max gives the shift
+SHIFTS = frozenset({"sub"})  # ``x - c``: the statistic's input shifted by it
+EXPS = frozenset({"exp"})  # ``exp(x - c)``: what the loop sums in proportion
+SUMS = frozenset({"sum"})  # a K-loop reduction that stays proportional to what it sums
 
 
 def _zero(e: Expr) -> bool:
@@ -55,12 +59,12 @@ def online_shift(
     exp, every reader in the kernel keeps the value proportional to it (``LINEAR``) up to the
     product's A operand or a sum over the K axis, and no kernel else reads one of them. None
     where not (the two passes stay)."""
-    if r.op != "logsumexp":
+    if r.op not in STATISTICS:
         return None
     x = r.srcs[0]
     rows = {id(p): p for p in (r, *per_row)}
     subs = [c for p in rows.values() for c in readers(p) if members.get(id(c)) is Role.A]
-    if not subs or any(s.op != "sub" or s.srcs[0] is not x or id(s.srcs[1]) not in rows for s in subs):
+    if not subs or any(s.op not in SHIFTS or s.srcs[0] is not x or id(s.srcs[1]) not in rows for s in subs):
         return None
     if len({id(s.srcs[1]) for s in subs}) != 1:
         return None
@@ -76,7 +80,7 @@ def _shifted(subs: list[Expr], members: Mapping[int, Role], readers: Callable, p
     stack = []
     for s in subs:
         outs = list(readers(s))
-        if not outs or any(e.op != "exp" or members.get(id(e)) is not Role.A for e in outs):
+        if not outs or any(e.op not in EXPS or members.get(id(e)) is not Role.A for e in outs):
             return False
         stack += outs
     while stack:
@@ -92,14 +96,13 @@ def _shifted(subs: list[Expr], members: Mapping[int, Role], readers: Callable, p
             if members.get(id(y)) is not Role.A:
                 return False  # read by the epilogue, or by another kernel: it would see the running shift
             if REGISTRY[y.op].kind is OpKind.REDUCTION:
-                if y.op != "sum":
+                if y.op not in SUMS:
                     return False
                 continue
             at = [k for k, s in enumerate(y.srcs) if s is z]
             others = [s for k, s in enumerate(y.srcs) if s is not z]
-            if y.op not in LINEAR or len(at) != 1 or at[0] not in LINEAR[y.op]:
-                return False
-            if y.op == "where" and not _zero(y.srcs[3 - at[0]]):
+            positions, select = LINEAR.get(y.op, ((), False))
+            if len(at) != 1 or at[0] not in positions or (select and not _zero(y.srcs[3 - at[0]])):
                 return False
             if any(_reads(o, shift) for o in others):
                 return False
@@ -127,13 +130,13 @@ def shifted_by(nodes: Iterable[Expr], roles: Mapping[int, Role]) -> tuple[Expr, 
     or None."""
     members = {id(n): n for n in nodes if roles[id(n)] is Role.A}
     for s in members.values():
-        if s.op != "sub":
+        if s.op not in SHIFTS:
             continue
         x, c = s.srcs
         stack, seen = [c], set()
         while stack:
             n = stack.pop()
-            if n.op == "logsumexp" and n.srcs[0] is x:
+            if n.op in STATISTICS and n.srcs[0] is x and id(n) in members:  # (not another kernel's)
                 return n, c
             if id(n) in members and id(n) not in seen:
                 seen.add(id(n))
