@@ -641,11 +641,13 @@ def _growing(gen, dtype, t=70, d=8, slope=3.0):
     return ins
 
 
-@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[:2])
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_the_one_pass_forward_rescales_as_the_max_grows(gen, dtype, atol, rtol, causal):
     """Values, the logsumexp and every gradient against float64 where the row max moves in every
-    K slice: the sums kept at a stale shift (or never rescaled) are off by exp(slice's growth)."""
+    K slice: the sums kept at a stale shift (or never rescaled) are off by exp(slice's growth).
+    In fp16 / bf16 the scores stay fp32 (``contract(..., dtype=)``): rounded to bf16, scores near
+    200 moved the output by 0.33 (eager fp32 SDPA on the same inputs: 0.007)."""
     ins = _growing(gen, dtype)
     expr = rx.attention(q, k, v, causal=causal, return_lse=True)
     assert len(rx.compile(rx.attention(q, k, v, causal=causal)).program(**ins).launched) == 1

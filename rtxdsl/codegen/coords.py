@@ -284,7 +284,7 @@ class CoordWriter(Writer):
         a_idx[-2:] = a_idx[-2:][::-1] if attrs["ta"] else a_idx[-2:]
         b_idx = ["ks[:, None]", c.idx[-1]][:: -1 if attrs["tb"] else 1]
         b_idx[:0] = self.rbatch  # its batch dims at the program's batch (its rows keep to one)
-        operand = node.dtype  # a product's operands share its dtype (an fp32 buffer is cast as loaded)
+        operand = node.cdt  # the dtype the product's operands multiply in (an fp32 buffer is cast as loaded)
         left = (f"in{ja}_ptr + {self._operand_offset(ja, a_idx)}", f"row_mask & (ks[None, :] < {size})")
         right = (f"in{jb}_ptr + {self._operand_offset(jb, b_idx)}", f"(ks[:, None] < {size}) & col_mask")
         stored = (self.spec.in_dtypes[self.spec.loads[ja].input], self.spec.in_dtypes[self.spec.loads[jb].input])

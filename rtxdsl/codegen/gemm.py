@@ -125,7 +125,7 @@ class GemmWriter(Writer):
         attrs = dict(self.spec.nodes[contraction].attrs)
         # is the operand read transposed? (an epilogue's product is at the output tile as it is)
         self.swapped = {"a": attrs["ta"], "b": attrs["tb"], Role.FULL: False}
-        operand_dtype = self.spec.nodes[contraction].dtype
+        operand_dtype = self.spec.nodes[contraction].cdt
         acc_dtype = accumulator(operand_dtype)
         window = g.window
         self._relative(top)
@@ -436,8 +436,8 @@ class GemmWriter(Writer):
         assert g is not None
         acc = f"p{i}"
         stored = tuple(self.spec.in_dtypes[self.spec.loads[k].input] for k, _, _ in (left, right))
-        scope.add_all(k_loop(acc, shape, node.dtype, size, "kk", loads[0], loads[1], g.precision, stored))
-        self.types[acc] = accumulator(node.dtype)
+        scope.add_all(k_loop(acc, shape, node.cdt, size, "kk", loads[0], loads[1], g.precision, stored))
+        self.types[acc] = accumulator(node.cdt)
         return acc
 
     def _stored_offset(self, k: int, dims: tuple[str, str], at: dict[str, str]) -> str:

@@ -226,7 +226,7 @@ def candidates(spec: KernelSpec, meta: tuple[tuple[str, int], ...], grid: tuple[
 def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple[int, ...]) -> tuple[dict, tuple]:
     """A GEMM tile candidate for an ``rows x cols`` product, narrowed as the heuristic's tile is
     (its rows halved where a prologue recomputes a product of its own: ``gemm.gemm_tile``)."""
-    dtype = next(nd.dtype for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
+    dtype = next(nd.cdt for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
     block_m = m["BLOCK_M"] // 2 if inner_products(spec.nodes) else m["BLOCK_M"]
     bm, bn, bk = gemm_block(block_m, m["BLOCK_N"], m["BLOCK_K"], rows, cols, dtype)
     m = {**m, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
@@ -353,7 +353,10 @@ def body(group: Group, graph: Graph) -> Body:
 
 
 def _compute_dtype(n: Expr, graph: Graph) -> torch.dtype:
-    """The dtype ``n``'s operands are computed in."""
+    """The dtype ``n``'s operands are computed in (a product's: the dtype they multiply in, which
+    its result has unless it keeps its accumulator's, ``contract(..., dtype=)``)."""
+    if REGISTRY[n.op].kind is OpKind.CONTRACTION:
+        return graph.of(n.srcs[0]).dtype
     rule = REGISTRY[n.op].rule
     if rule is DtypeRule.CAST:
         return compute_dtype(graph.of(n.srcs[0]).dtype)

@@ -130,7 +130,7 @@ class _Cotangents:
             # and it multiplies a whole matrix: one that broadcasts (a sum's) is expanded first
             if self.typed(g).shape != info[id(n)].shape:
                 g = node("expand", g, shape=info[id(n)].shape)
-            g = node("cast", g, dtype=info[id(n)].dtype)
+            g = node("cast", g, dtype=info[id(n.srcs[0])].dtype)  # (a product kept in fp32: its operands')
         rule_in = D(
             n,
             g,

@@ -318,8 +318,10 @@ def _decompose(
         rest = tuple(x if s is None else _grouped(x, s) for x, s in zip(rest, tensors))
     else:
         k, v = _heads(k, b, hkv, g, tk, d), _heads(v, b, hkv, g, tk, dv)
-    qk = contract(q, k, tb=True)
-    s = node("mul", node("cast", qk, dtype=f), 1.0 / math.sqrt(d) if scale is None else scale)
+    # the scores in fp32 (the product's accumulator, never rounded to q's dtype: SDPA's, as the
+    # reference's ``q.to(f) @ k.mT``); their cotangent multiplies in q's dtype
+    qk = contract(q, k, tb=True, dtype=f)
+    s = node("mul", qk, 1.0 / math.sqrt(d) if scale is None else scale)
     scores = (b, hq, tq, tk)
     values = {**_positions(s, rank, g if grouped else None), **dict(enumerate(rest, 3)), "s": s}
     if score_mod is not None:

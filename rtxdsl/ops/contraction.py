@@ -12,7 +12,11 @@ A backward marks a product its forward never wrote (one reduced in tiles inside 
 writes it (linear cross-entropy's logits, forward and backward). A backward's ``summed=j``: the
 last ``j`` batch dims are summed in each program's K loop and kept as dims of one (the gradient
 of an operand broadcast along them, ``lower.vjp.sum_to``: grouped-query attention's ``dk`` and
-``dv``, summed over each key head's query heads without writing them per query head).
+``dv``, summed over each key head's query heads without writing them per query head). With
+``dtype`` (its accumulator's: fp32 for half-precision operands) the product is that dtype,
+never rounded to the operands' (attention's scores, as FlashAttention keeps them: rounded to
+bf16, scores near 200 would move each probability by up to 50%); its operands' cotangents are
+theirs (``lower.vjp``).
 
 ``matmul`` decomposes by rank: a 1-D operand makes a matrix-vector or dot product, which is a
 row (or column) reduction (memory-bound: a GEMM tile would be one row); everything else is one
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import accumulator
 from ..errors import DtypeMismatchError, RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import FLOATING, Front, OpDef, OpKind, Pattern, Unsupported, register
@@ -55,6 +60,7 @@ def _contract_shape(
     sum_batch: bool = False,
     recompute: bool = False,
     summed: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> tuple[int, ...]:
     a, b = shapes
     if len(a) < 2 or len(b) < 2:
@@ -72,33 +78,53 @@ def _contract_shape(
     return (m, n) if sum_batch else (*batch, m, n)
 
 
-def _contract_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
+def _contract_dtype(dtypes: list[torch.dtype], dtype: torch.dtype | None = None, **_: Any) -> torch.dtype:
     a, b = dtypes
     if a != b:
         raise DtypeMismatchError(f"matmul: a is {a} and b is {b}; torch.matmul needs one dtype (cast one of them)")
     if not a.is_floating_point:
         raise RtxError(f"matmul: {a} operands are not supported (fp32, fp16, bf16 or fp64)")
-    return a
+    if dtype is not None and dtype not in (a, accumulator(a)):
+        raise DtypeMismatchError(f"contract: dtype must be the operands' ({a}) or their accumulator's, got {dtype}")
+    return a if dtype is None else dtype
 
 
 def _contract_ref(
-    a: torch.Tensor, b: torch.Tensor, ta: bool, tb: bool, sum_batch: bool, recompute: bool = False, summed: int = 0
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ta: bool,
+    tb: bool,
+    sum_batch: bool,
+    recompute: bool = False,
+    summed: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    if dtype is not None:  # exact products of the operands' values, summed in ``dtype``
+        a, b = a.to(dtype), b.to(dtype)
     out = torch.matmul(a.mT if ta else a, b.mT if tb else b)
     if summed:
         out = out.sum(tuple(range(out.dim() - 2 - summed, out.dim() - 2)), keepdim=True)
     return out.sum(tuple(range(out.dim() - 2))) if sum_batch else out
 
 
-def contract(a: ExprLike, b: ExprLike, ta: bool = False, tb: bool = False, sum_batch: bool = False) -> Expr:
+def contract(
+    a: ExprLike,
+    b: ExprLike,
+    ta: bool = False,
+    tb: bool = False,
+    sum_batch: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Expr:
     """The primitive contraction (see the module's docstring); prefer :func:`matmul` / :func:`linear`.
+    ``dtype``: the product kept at its accumulator's dtype (fp32 for half operands), not rounded.
 
     Example:
         >>> import rtxdsl as rx
         >>> rx.contract(rx.var("g"), rx.var("w"), tb=True)
         contract(g, w, sum_batch=False, ta=False, tb=True)
     """
-    return node("contract", a, b, ta=bool(ta), tb=bool(tb), sum_batch=bool(sum_batch))
+    kept = {} if dtype is None else {"dtype": dtype}
+    return node("contract", a, b, ta=bool(ta), tb=bool(tb), sum_batch=bool(sum_batch), **kept)
 
 
 def _contract_grad(d: D) -> tuple[Expr, Expr]:
