@@ -683,13 +683,19 @@ def test_the_one_pass_forward_gives_masked_rows_zero_and_nan_rows_nan(gen):
 def test_the_one_pass_forward_computes_the_scores_once_per_k_slice(gen):
     """The generated GEMM: one kernel, the scores' product one inner ``tl.dot`` loop (the row
     kernel that computed them a first time for the logsumexp is gone), one exp per score, the
-    running max rescaling the accumulator, one store (the output); the logsumexp a backward saves
-    is that kernel's per-row output."""
+    scores masked once (the operand and the row sum read their exp as it is), ``q``'s tile loaded
+    once before the loop (the head dim is one slice of the product), the running max
+    rescaling the accumulator, one store (the output); the logsumexp a backward saves is that
+    kernel's per-row output."""
     ins = _inputs(gen, 1, 2, 2, 37, 37, 16, 16, torch.float32)
     kern = rx.compile(rx.attention(q, k, v, causal=True))
     (src,) = kern.sources(**ins)
     assert src.count("tl.dot(") == 2  # q @ k.mT (in its K0 loop), P @ v
-    assert src.count("tl.exp(") == 3  # the scores', the loop's rescale, the rescale after the loop
+    assert src.count("tl.exp2(") == 1  # one exp per score (base 2: at most 1, the running max's term)
+    assert src.count("tl.exp(") == 2  # the loop's rescale per row, the rescale after the loop
+    assert src.count("tl.where(a_mask") == 1  # the scores masked once: their exp is 0 outside
+    loop = src.index("for k_start in range(k_lo")  # the key slices (block sparsity's bounds)
+    assert src.count("tl.load(q_ptr") == 1 and src.index("tl.load(q_ptr") < loop  # q once, as tutorial 06
     assert src.count("acc = acc * rescale") == 2
     assert src.count("tl.store(") == 1
     leaves = {n: t.requires_grad_() for n, t in ins.items()}

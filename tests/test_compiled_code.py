@@ -98,6 +98,13 @@ SCRIPT = textwrap.dedent("""
     launched = [k.summary for k in jsd.backward.program(**jsd_feed).kernels]
     chunk = next(i for i, k in enumerate(launched) if k.startswith("Contraction") and k.count("contract") == 2)
     kernels["gemm_distill_chunk"] = (jsd.backward, jsd_feed, chunk)
+    # causal attention's forward, bf16, 4096 tokens: one GEMM, the scores' product taken whole over
+    # the head dim (q loaded once), 128 rows; grouped-query (8 key/value heads of 32) at 128
+    q, k, v = rx.var("q"), rx.var("k"), rx.var("v")
+    for d, hkv in ((64, 32), (128, 32), (128, 8)):
+        att = rx.compile(rx.attention(q, k, v, causal=True, enable_gqa=hkv != 32))
+        att_in = {n: torch.empty(1, 32 if n == "q" else hkv, 4096, d, **bf) for n in "qkv"}
+        kernels[f"gemm_attention_d{d}_kv{hkv}"] = (att, att_in, 0)
     out = {}
     SASS = ("softmax_bf16", "rms_norm_bf16")
     def record(name, f, meta):
@@ -171,7 +178,8 @@ def test_contractions_use_hopper_warpgroup_mma(facts):
         assert facts[name]["wgmma"] > 0, name
     lce = ("gemm_lce_forward", "gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw", "gemm_distill_chunk")
     moe = ("gemm_moe_up", "gemm_moe_down", "gemm_moe_down_grad", "gemm_moe_weight_grad")  # gathered rows too
-    for name in (*lce, *moe, "gemm_lce_dh_recompute", "gemm_lce_dw_recompute"):  # every product tile, recomputed too
+    attention = ("gemm_attention_d64_kv32", "gemm_attention_d128_kv32", "gemm_attention_d128_kv8")
+    for name in (*lce, *moe, *attention, "gemm_lce_dh_recompute", "gemm_lce_dw_recompute"):  # recomputed tiles too
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0
 

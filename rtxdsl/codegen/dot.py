@@ -31,6 +31,24 @@ def k_loop(
     ]
 
 
+def one_slice(
+    acc: str, operand: torch.dtype, k: str, block: int, loads: list[tuple[str, str]], precision: str,
+    stored: tuple[torch.dtype, torch.dtype], fixed: int,
+) -> tuple[list[str], list[str]]:  # fmt: skip
+    """A product whose contracted size fits one ``block`` (a power of two, masked beyond the size):
+    ``(before, at)``, the lines before the enclosing loop (the index vector ``k`` and operand
+    ``fixed``, the one the loop does not move: loaded once, as tutorial 06 loads ``q``) and the
+    lines at each tile (the other operand, one ``tl.dot`` without a zero accumulator)."""
+    option = f', input_precision="{precision}"' if operand == torch.float32 else ""
+    names = [f"{side}_{acc}" for side in ("lhs", "rhs")]
+    lines = [
+        f"{n} = {load_as(f'tl.load({ptr}, mask={mask}, other=0)', dt, operand)}"
+        for n, (ptr, mask), dt in zip(names, loads, stored)
+    ]
+    before = [f"{k} = tl.arange(0, {block})", lines[fixed]]
+    return before, [lines[1 - fixed], f"{acc} = tl.dot({names[0]}, {names[1]}{option})"]
+
+
 def load_as(load: str, stored: torch.dtype, operand: torch.dtype) -> str:
     """A product operand's tile load, cast to the dtype the product multiplies in when its buffer
     holds another (an intermediate written in fp32, read by a half-precision GEMM: rounded where

@@ -15,9 +15,10 @@ from ..lower.params import own_params
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
 from ..lower.spec import BCAST, STRIDED, UNIT, KernelSpec, NodeSpec, Src
-from ..ops import REGISTRY, Coords, EmitCtx, OpKind, ReduceSpec, RemapCtx
+from ..ops import REGISTRY, Coords, DtypeRule, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
-from .dot import k_loop, load_as
+from ..ops.reduction import exp_below
+from .dot import k_loop, load_as, one_slice
 from .rewrite import simplify
 from .source import Scope, Writer, offset_terms, state_name
 from .template import render
@@ -142,6 +143,7 @@ class GemmWriter(Writer):
         else:
             self.batch_idx = self._decompose(batches, "batch", "b", "bsize", self.nb)  # the batch's coordinates
         k_scope = Scope(indent=batches.indent + "    ")
+        self.hoist = batches  # what the K loop reads unchanged: before it
         srcs = self.spec.nodes[contraction].srcs
         tiles = [self._operand(op, j, ref, operand_dtype, k_scope) for op, j, ref in zip("ab", (g.a, g.b), srcs)]
         precision = f', input_precision="{g.precision}"' if operand_dtype == torch.float32 else ""
@@ -218,12 +220,13 @@ class GemmWriter(Writer):
                         scope.memo[(Src.LOAD, k)] = op
                 self.types[op] = dtype
         else:
-            v = self.value(ref, scope)
-            scope.add(f"{op} = tl.where({mask}, {to_storage(v, self.types[v], dtype)}, 0)")
+            v = to_storage(self.value(ref, scope), self.types[self.value(ref, scope)], dtype)
+            scope.add(f"{op} = {v if self._zero_outside(ref) else f'tl.where({mask}, {v}, 0)'}")
         online = g.online[0] if g.online is not None else -1
         for i, node in enumerate(self.spec.nodes):  # reductions of the operand's (prologue's) values over K
             if REGISTRY[node.op].kind is OpKind.REDUCTION and node.role == op and i != online:
-                self._k_reduction(i, self.value(node.srcs[0], scope), mask, scope)
+                outside = node.op in SUMS and self._zero_outside(node.srcs[0])  # (a sum needs no mask then)
+                self._k_reduction(i, self.value(node.srcs[0], scope), "" if outside else mask, scope)
         if op == "a" and g.online is not None:
             self._online_sum(scope)
         return op
@@ -291,13 +294,43 @@ class GemmWriter(Writer):
         self.top.add(f"{c} = tl.zeros([BLOCK_M, 1], dtype={ty})  # the shift the loop's sums are taken at")
         if total == state_name("s", r):
             self.top.add(f"{total} = tl.zeros([BLOCK_M, 1], dtype={ty})  # the sum of exp(x - shift)")
-        x = self.cast(self.value(self.spec.nodes[r].srcs[0], scope), rdt)
-        scope.add(f"{m} = tl.maximum({m}, tl.max(tl.where(a_mask, {x}, float('-inf')), axis=1)[:, None])")
+        x_ref = self.spec.nodes[r].srcs[0]
+        x = self.cast(self.value(x_ref, scope), rdt)
+        # the scores masked once: -inf outside the tile's rows and columns, so exp(x - shift) is 0 there
+        scope.add(f"scores_{r} = tl.where(a_mask, {x}, float('-inf'))")
+        scope.memo[x_ref] = f"scores_{r}"
+        self.types[f"scores_{r}"] = rdt
+        scope.add(f"{m} = tl.maximum({m}, tl.max(scores_{r}, axis=1)[:, None])")
         scope.add(f"rescale = tl.exp({c} - tl.where({m} > float('-inf'), {m}, 0.0))")
         scope.add(f"{c} = tl.where({m} > float('-inf'), {m}, 0.0)")
         scope.add_all([f"{v} = {v} * rescale" for v in self._rescaled()])
         scope.memo[(Src.NODE, shift)] = c
         self.types[c] = rdt
+
+    def _zero_outside(self, ref: tuple) -> bool:
+        """Is ``ref`` 0 outside the A tile's mask already: the online softmax's ``exp(x - shift)``
+        (its scores masked to -inf there) or a cast of it?"""
+        g = self.spec.gemm
+        if g is None or g.online is None or ref[0] is not Src.NODE:
+            return False
+        node = self.spec.nodes[ref[1]]
+        return ref[1] == self._online_exp() or (
+            REGISTRY[node.op].rule is DtypeRule.CAST and self._zero_outside(node.srcs[0])
+        )
+
+    def _online_exp_value(self, scope: Scope) -> str:
+        """``exp(x - shift)`` in base 2 (``exp_below``: at most 1, as the shift is the running max;
+        what it flushes lies under 2**-126 of the row's largest term)."""
+        g = self.spec.gemm
+        assert g is not None and g.online is not None
+        r, shift = g.online
+        e = self._online_exp()
+        if (Src.NODE, e) not in scope.memo:
+            x = self.value(self.spec.nodes[r].srcs[0], scope)
+            scope.add(f"v{e} = {exp_below(x, self.value((Src.NODE, shift), scope))}")
+            scope.memo[(Src.NODE, e)] = f"v{e}"
+            self.types[f"v{e}"] = reduce_dtype(self.spec.nodes[r])
+        return scope.memo[(Src.NODE, e)]
 
     def _online_sum(self, scope: Scope) -> None:
         """The logsumexp's sum over this K slice, where no K reduction of A sums the same values."""
@@ -306,7 +339,7 @@ class GemmWriter(Writer):
         _, _, total, _ = self._online_names()
         if total == state_name("s", g.online[0]):
             e = self.value((Src.NODE, self._online_exp()), scope)
-            scope.add(f"{total} = {total} + tl.sum(tl.where(a_mask, {e}, 0.0), axis=1)[:, None]")
+            scope.add(f"{total} = {total} + tl.sum({e}, axis=1)[:, None]")
 
     def _online_finish(self, top: Scope) -> None:
         """After the loop: the logsumexp, the graph's own shift from it, and the sums rescaled from
@@ -335,6 +368,15 @@ class GemmWriter(Writer):
         tile, and positions (indices along a dim) there."""
         kind, i = ref
         node = self.spec.nodes[i] if kind is Src.NODE else None
+        g = self.spec.gemm
+        if (
+            g is not None
+            and g.online is not None
+            and node is not None
+            and node.role is Role.A
+            and i == self._online_exp()
+        ):
+            return self._online_exp_value(loop)
         if node is not None and node.role is Role.FULL and _positions_op(node) and ref not in loop.memo:
             loop.memo[ref] = self._positions(i, loop)  # the epilogue's positions: at the product's tile
         epilogue_product = node is not None and node.role is Role.FULL and REGISTRY[node.op].kind is OpKind.CONTRACTION
@@ -410,33 +452,40 @@ class GemmWriter(Writer):
         (rv, r_size), (cv, c_size) = TILE_VECTORS[role] if role in TILE_VECTORS else OUTPUT_VECTORS
         (_, la), (_, lb) = node.srcs
         size = f"K{i}"
+        g = self.spec.gemm
+        assert g is not None
+        block = dict(g.whole_k).get(i)
+        kk = "kk" if block is None else f"kk{i}"  # one slice: its own index vector, set before the loop
         # each operand's stored (-2, -1) dims, named: the product's rows "m", columns "n", the sum "k"
         a_dims = ("k", "m") if attrs["ta"] else ("m", "k")
         b_dims = ("n", "k") if attrs["tb"] else ("k", "n")
         if not self.swapped[role]:  # rows are the product's m, columns its n
             left, right = (
-                (la, a_dims, {"m": f"{rv}[:, None]", "k": "kk[None, :]"}),
-                (lb, b_dims, {"k": "kk[:, None]", "n": f"{cv}[None, :]"}),
+                (la, a_dims, {"m": f"{rv}[:, None]", "k": f"{kk}[None, :]"}),
+                (lb, b_dims, {"k": f"{kk}[:, None]", "n": f"{cv}[None, :]"}),
             )
         else:  # rows are the product's n, columns its m
             left, right = (
-                (lb, b_dims, {"n": f"{rv}[:, None]", "k": "kk[None, :]"}),
-                (la, a_dims, {"m": f"{cv}[None, :]", "k": "kk[:, None]"}),
+                (lb, b_dims, {"n": f"{rv}[:, None]", "k": f"{kk}[None, :]"}),
+                (la, a_dims, {"m": f"{cv}[None, :]", "k": f"{kk}[:, None]"}),
             )
         shape = {"a": "(BLOCK_M, BLOCK_K)", "b": "(BLOCK_K, BLOCK_N)", Role.FULL: "(BLOCK_M, BLOCK_N)"}[role]
         masks = (
-            f"({rv}[:, None] < {r_size}) & (kk[None, :] < {size})",
-            f"(kk[:, None] < {size}) & ({cv}[None, :] < {c_size})",
+            f"({rv}[:, None] < {r_size}) & ({kk}[None, :] < {size})",
+            f"({kk}[:, None] < {size}) & ({cv}[None, :] < {c_size})",
         )
         loads = [
             (f"in{self.spec.loads[k].input}_ptr + {self._stored_offset(k, dims, at)}", mask)
             for (k, dims, at), mask in zip((left, right), masks)
         ]
-        g = self.spec.gemm
-        assert g is not None
         acc = f"p{i}"
         stored = tuple(self.spec.in_dtypes[self.spec.loads[k].input] for k, _, _ in (left, right))
-        scope.add_all(k_loop(acc, shape, node.cdt, size, "kk", loads[0], loads[1], g.precision, stored))
+        if block is not None:  # the K loop moves the operand along its rows (A's) or columns (B's) only
+            before, at = one_slice(acc, node.cdt, kk, block, loads, g.precision, stored, 0 if role == "a" else 1)
+            self.hoist.add_all(before)
+            scope.add_all(at)
+        else:
+            scope.add_all(k_loop(acc, shape, node.cdt, size, "kk", loads[0], loads[1], g.precision, stored))
         self.types[acc] = accumulator(node.cdt)
         return acc
 

@@ -41,6 +41,7 @@ from .schedule import (
     contiguous_strides,
     expand_strides,
     gemm_block,
+    inner_rows,
     scalar_args,
     scalar_positions,
     stride_class,
@@ -53,16 +54,12 @@ from .target import Target
 MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
 
 
-def gemm_tile(target: Target, m: int, n: int, dtype: torch.dtype, inner: bool = False) -> GemmTile:
-    """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum).
-    ``inner``: a prologue recomputes a product of its own, whose accumulator (an operand tile of
-    fp32) lives beside the kernel's: the rows halve, so both fit in registers without spills, and
-    halve again for 4-byte operands (no 16-bit tensor-core tiles: at head dim 128 attention's fp32
-    ``P @ v`` spilled 712 bytes at 64 rows)."""
+def gemm_tile(target: Target, m: int, n: int, dtype: torch.dtype, inner: int = 0, whole: bool = False) -> GemmTile:
+    """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)
+    and to ``inner`` products its prologues recompute (``schedule.inner_rows``; ``whole``: each
+    in one slice)."""
     bm, bn, bk, group_m, warps, stages = target.gemm
-    if inner:
-        bm //= 4 if dtype.itemsize >= 4 else 2
-    return GemmTile(*gemm_block(bm, bn, bk, m, n, dtype), group_m, warps, stages)
+    return GemmTile(*gemm_block(inner_rows(bm, dtype, inner, whole), bn, bk, m, n, dtype), group_m, warps, stages)
 
 
 def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:
@@ -79,17 +76,16 @@ def gemm_spec(
     """Spec and launch of a contraction group; ``tf32``: fp32 operands multiply in TF32."""
     c = group.contraction
     assert c is not None
-    ta, tb, sum_batch = c.attr("ta"), c.attr("tb"), c.attr("sum_batch")
+    ta, tb, sum_batch, summed = c.attr("ta"), c.attr("tb"), c.attr("sum_batch"), c.attr_dict.get("summed", 0)
     a, b = (operand_layout(s, graph, layouts) for s in c.srcs)
     m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
     n = b.shape[-2] if tb else b.shape[-1]
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    summed = c.attr_dict.get("summed", 0)
     kept = (*batch[: len(batch) - summed], *(1,) * summed)  # the output's batch dims
     domain = (m, n) if sum_batch else (*kept, m, n)
     bd = body(group, graph)
-    inner = inner_products(bd.nodes)
-    tile = gemm_tile(target, m, n, a.dtype, inner=bool(inner))
+    inner, whole = inner_products(bd.nodes), _whole_k(group, graph, bd)
+    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner), whole=len(whole) == len(inner))
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
     at_tiles = tile_loads(bd.nodes)
@@ -133,6 +129,7 @@ def gemm_spec(
             window=_window(group, graph.of(c).dtype),
             skip=_skip(group, graph, bd),
             online=_online(group, bd),
+            whole_k=whole,
         ),
     )
     values = {"M": m, "N": n, "K": k} | {f"bsize{d}": v for d, v in enumerate(batch)} | _window_values(spec)
@@ -211,6 +208,31 @@ def _skip(group: Group, graph: Graph, bd: Body) -> int:
             targets.append((n.srcs[0], NEUTRAL[n.op]))
     guard = vanishing_guard(prologue, graph, targets)
     return -1 if guard is None or group.roles.get(id(guard)) is not Role.A else bd.index[id(guard)]
+
+
+#: the widest contracted size a prologue's recomputed product takes as one slice (its operand tile
+#: that the K loop does not move loaded once, before it: attention's ``q`` at head dims up to 128)
+WHOLE_K = 128
+
+
+def _whole_k(group: Group, graph: Graph, bd: Body) -> tuple[tuple[int, int], ...]:
+    """The prologue's recomputed product whose contracted size fits one slice (``WHOLE_K``), with
+    that slice (a power of two >= 16): where it is the kernel's only one (two operand tiles held
+    across the loop took the backward's two-product GEMMs to 255 registers and a spill) and no
+    batch loop runs inside the program."""
+    own = group.contraction
+    assert own is not None
+    inner = inner_products(bd.nodes)
+    if own.attr("sum_batch") or own.attr_dict.get("summed") or len(inner) != 1:
+        return ()
+    whole = []
+    for p in group.nodes:
+        i = bd.index.get(id(p))
+        if i in inner and bd.nodes[i].role in (Role.A, Role.B):
+            size = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
+            if size <= WHOLE_K:
+                whole.append((i, max(16, 1 << (size - 1).bit_length())))
+    return tuple(whole)
 
 
 def _online(group: Group, bd: Body) -> tuple[int, int] | None:

@@ -227,10 +227,27 @@ def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple
     """A GEMM tile candidate for an ``rows x cols`` product, narrowed as the heuristic's tile is
     (its rows halved where a prologue recomputes a product of its own: ``gemm.gemm_tile``)."""
     dtype = next(nd.cdt for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
-    block_m = m["BLOCK_M"] // 2 if inner_products(spec.nodes) else m["BLOCK_M"]
+    inner = len(inner_products(spec.nodes))
+    block_m = inner_rows(m["BLOCK_M"], dtype, inner, spec.gemm is not None and len(spec.gemm.whole_k) == inner)
     bm, bn, bk = gemm_block(block_m, m["BLOCK_N"], m["BLOCK_K"], rows, cols, dtype)
     m = {**m, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     return m, (max(1, -(-rows // bm) * -(-cols // bn)), *grid[1:])
+
+
+def inner_rows(bm: int, dtype: torch.dtype, inner: int, whole: bool) -> int:
+    """A GEMM's rows where its prologues recompute ``inner`` products of their own, each an fp32
+    accumulator tile beside the kernel's (``whole``: each in one slice of its contracted size):
+    16-bit operands keep the target's rows for one taken whole (attention's forward at head dims up
+    to 128, as Triton's tutorial 06 takes 128 rows: 153 and 187 registers on sm_90 at head dims 64
+    and 128, no spills) and halve them otherwise (attention's backward, two products; linear
+    cross-entropy's logits recomputed over the hidden dim spilled 176 bytes at 128 rows); 4-byte
+    operands take a quarter (no 16-bit tensor-core tiles: at head dim 128 attention's fp32
+    ``P @ v`` spilled 712 bytes at 64 rows)."""
+    if not inner:
+        return bm
+    if dtype.itemsize >= 4:
+        return bm // 4
+    return bm if inner == 1 and whole else bm // 2
 
 
 def gemm_block(bm: int, bn: int, bk: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[int, int, int]:
