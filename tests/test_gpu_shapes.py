@@ -278,16 +278,20 @@ def test_every_family_has_tunable_launch_options():
                 assert m["BLOCK_N"] <= 64 and g == (-(-300 // m["BLOCK_M"]) * -(-40 // m["BLOCK_N"]), 1)
 
 
-def test_tuned_tiles_of_a_gemm_recomputing_a_product_keep_their_rows_halved():
+@pytest.mark.parametrize("hidden", [256, 64], ids=["looped over the hidden dim", "the hidden dim one slice"])
+def test_tuned_tiles_of_a_gemm_recomputing_a_product_keep_their_rows_halved(hidden):
     """Linear cross-entropy's gradient GEMMs recompute the logits' tiles in their prologue (a second
     accumulator): the heuristic halves their rows so both fit in registers, and so must every tile
-    autotune tries (a 256-row tile there would spill)."""
-    from rtxdsl.lower.schedule import TUNABLE, candidates
+    autotune tries (a 256-row tile there would spill). Where the hidden dim is one slice of the
+    product (``WHOLE_K``: attention's head dim) the heuristic keeps 128 rows and autotune tries no
+    more (``schedule.WHOLE_ROWS``)."""
+    from rtxdsl.lower.schedule import TUNABLE, WHOLE_ROWS, candidates
 
     bf16 = torch.bfloat16
-    ins = {"h": torch.randn(512, 64, dtype=bf16), "w": torch.randn(1000, 64, dtype=bf16)}
+    ins = {"h": torch.randn(512, hidden, dtype=bf16), "w": torch.randn(1000, hidden, dtype=bf16)}
     ins["t"] = torch.randint(0, 1000, (512,))
-    k = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t")))
+    config = rx.FusionConfig(chunk_budget=0.0)  # the logits recomputed in both GEMMs, not chunked
+    k = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t")), config=config)
     plan = k.grad_plan(**ins)
     saved = plan.forward(**ins)
     feed = ins | saved | {"_g0": torch.ones((), dtype=bf16)}
@@ -297,8 +301,12 @@ def test_tuned_tiles_of_a_gemm_recomputing_a_product_keep_their_rows_halved():
     for call in gemms:
         options = candidates(call.spec, call.meta, call.grid, call.args)
         widest = max(t["BLOCK_M"] for t in TUNABLE["gemm"])
-        assert dict(call.meta)["BLOCK_M"] <= GPU.gemm[0] // 2
-        assert all(m["BLOCK_M"] <= widest // 2 for m, _ in options) and len(options) > 1
+        if hidden > 128:
+            assert dict(call.meta)["BLOCK_M"] <= GPU.gemm[0] // 2
+            assert all(m["BLOCK_M"] <= widest // 2 for m, _ in options) and len(options) > 1
+        else:
+            assert dict(call.meta)["BLOCK_M"] == WHOLE_ROWS == GPU.gemm[0]
+            assert all(m["BLOCK_M"] <= WHOLE_ROWS for m, _ in options) and len(options) > 1
 
 
 def test_autotune_times_once_stores_the_winner_and_the_next_process_reads_it(tmp_path, gen):

@@ -234,6 +234,9 @@ def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple
     return m, (max(1, -(-rows // bm) * -(-cols // bn)), *grid[1:])
 
 
+WHOLE_ROWS = 128  # the most rows beside one product taken whole (tutorial 06's; autotune tries no more)
+
+
 def inner_rows(bm: int, dtype: torch.dtype, inner: int, whole: bool) -> int:
     """A GEMM's rows where its prologues recompute ``inner`` products of their own, each an fp32
     accumulator tile beside the kernel's (``whole``: each in one slice of its contracted size):
@@ -247,7 +250,7 @@ def inner_rows(bm: int, dtype: torch.dtype, inner: int, whole: bool) -> int:
         return bm
     if dtype.itemsize >= 4:
         return bm // 4
-    return bm if inner == 1 and whole else bm // 2
+    return min(bm, WHOLE_ROWS) if inner == 1 and whole else bm // 2
 
 
 def gemm_block(bm: int, bn: int, bk: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[int, int, int]:
