@@ -683,24 +683,43 @@ def test_the_one_pass_forward_gives_masked_rows_zero_and_nan_rows_nan(gen):
 def test_the_one_pass_forward_computes_the_scores_once_per_k_slice(gen):
     """The generated GEMM: one kernel, the scores' product one inner ``tl.dot`` loop (the row
     kernel that computed them a first time for the logsumexp is gone), one exp per score, the
-    scores masked once (the operand and the row sum read their exp as it is), ``q``'s tile loaded
-    once before the loop (the head dim is one slice of the product), the running max
+    scores masked once (the operand and the row sum read their exp as it is), the running max
     rescaling the accumulator, one store (the output); the logsumexp a backward saves is that
-    kernel's per-row output."""
+    kernel's per-row output. On sm_90 the head dim is one slice of the scores' product
+    (``Target.whole_k``): ``q``'s tile is loaded once before the loop, as tutorial 06 loads it."""
     ins = _inputs(gen, 1, 2, 2, 37, 37, 16, 16, torch.float32)
     kern = rx.compile(rx.attention(q, k, v, causal=True))
     (src,) = kern.sources(**ins)
     assert src.count("tl.dot(") == 2  # q @ k.mT (in its K0 loop), P @ v
     assert src.count("tl.exp2(") == 1  # one exp per score (base 2: at most 1, the running max's term)
-    assert src.count("tl.exp(") == 2  # the loop's rescale per row, the rescale after the loop
+    assert src.count("tl.exp(") == 3  # per row: the loop's rescale, after the loop the rescale's two cases
     assert src.count("tl.where(a_mask") == 1  # the scores masked once: their exp is 0 outside
-    loop = src.index("for k_start in range(k_lo")  # the key slices (block sparsity's bounds)
-    assert src.count("tl.load(q_ptr") == 1 and src.index("tl.load(q_ptr") < loop  # q once, as tutorial 06
     assert src.count("acc = acc * rescale") == 2
     assert src.count("tl.store(") == 1
-    leaves = {n: t.requires_grad_() for n, t in ins.items()}
-    plan = kern.grad_plan(**leaves)
-    assert len(plan.forward.program(**ins).launched) == 1
+    leaves = {n: t.clone().requires_grad_() for n, t in ins.items()}
+    assert len(kern.grad_plan(**leaves).forward.program(**ins).launched) == 1
+    from rtxdsl.build import prepare
+
+    (gpu,) = (c.source for c in prepare(kern, ins)[1])
+    loop = gpu.index("for k_start in range(k_lo")  # the key slices (block sparsity's bounds)
+    assert gpu.count("tl.load(q_ptr") == 1 and gpu.index("tl.load(q_ptr") < loop
+    assert gpu.count("tl.dot(") == 2 and "for kk_start" not in gpu  # one slice: no loop over the head dim
+
+
+@pytest.mark.parametrize("d", [64, 80], ids=["head dim 64", "80: a masked slice of 128"])
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[1:])
+def test_the_sm90_forward_runs_right_under_the_interpreter(gen, d, dtype, atol, rtol):
+    """The forward as planned for sm_90 (128 rows, the head dim one slice, ``q`` loaded once, one
+    FMA per score in half precision), run under the interpreter at the GPU's launch choices
+    (``rx.memory_trace``): values against float64, causal over two key slices and a padding mask."""
+    ins = _inputs(gen, 1, 2, 2, 70, 75, d, d, dtype)
+    keep = torch.rand(1, 1, 1, 75, generator=gen) > 0.2
+    cases = ((rx.attention(q, k, v, causal=True), None), (rx.attention(q, k, v, attn_mask=rx.var("m")), keep))
+    for expr, mask in cases:
+        extra = {} if mask is None else {"m": mask}
+        out = rx.memory_trace(rx.compile(expr), target=GPU, **ins, **extra).result
+        ref = _reference(ins, keep=torch.ones(70, 75, dtype=torch.bool).tril() if mask is None else mask)
+        assert_close(out, ref[0] if isinstance(ref, tuple) else ref, atol, rtol, "out")
 
 
 @pytest.mark.parametrize("tk", [1, 2, 45], ids=["one key", "two keys", "two K slices"])
@@ -712,3 +731,56 @@ def test_hand_written_attention_over_few_keys(gen, tk, dtype, atol, rtol):
     ins = _inputs(gen, 1, 3, 3, 5, tk, 4, 4, dtype)
     expr = rx.softmax(q @ k.mT * 0.5, -1) @ v
     _check(expr, ins, lambda r: torch.softmax(r["q"] @ r["k"].mT * 0.5, -1) @ r["v"], dtype, atol, rtol, gen)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[1:])
+def test_the_one_pass_forward_survives_scores_far_below_zero(gen, dtype, atol, rtol):
+    """Rows whose first finite scores lie under -88: Hugging Face's padding mask (``finfo.min``
+    added) over a whole key slice on the left, and a bias of -200 on every score. The running max's
+    first rescale is exp(-inf) = 0, never exp(0 - max) = inf: every such row was NaN (found by a
+    fuzzer of attention drawing ALiBi on long rows and left-padded batches)."""
+    ins = _inputs(gen, 2, 2, 2, 9, 70, 8, 8, dtype)
+    pad = torch.zeros(2, 1, 1, 70, dtype=dtype)
+    pad[0, ..., :40] = torch.finfo(dtype).min  # the first batch's 40 leftmost keys are padding
+    expr = rx.attention(q, k, v, attn_mask=rx.var("m"))
+    _check(expr, ins | {"m": pad}, lambda r: _reference(r, bias=r["m"])[0], dtype, atol, rtol, gen)
+    low = torch.full((1, 1, 9, 70), -200.0, dtype=dtype)
+    _check(expr, ins | {"m": low}, lambda r: _reference(r, bias=r["m"])[0], dtype, atol, rtol, gen)
+
+
+def test_hand_written_softmax_over_a_row_of_a_finite_minimum_averages_v(gen):
+    """A row every key of which is masked with -1e9 (``masked_fill``, as model code writes it): in
+    fp32 the scores are all -1e9, so torch's softmax is uniform and the output v's mean. The
+    logsumexp rounds to -1e9 there; the sums are rescaled by 1 / row sum, not exp(shift - lse)
+    (which gave every probability 1: the sum of v)."""
+    ins = _inputs(gen, 1, 1, 1, 4, 8, 8, 8, torch.float32)
+    keep = torch.ones(4, 8, dtype=torch.bool)
+    keep[1] = False
+    expr = rx.softmax(rx.where(rx.var("m"), q @ k.mT * 0.35, -1e9), -1) @ v
+    out = rx.compile(expr)(**ins, m=keep)
+    ref = torch.softmax((ins["q"] @ ins["k"].mT * 0.35).masked_fill(~keep, -1e9), -1) @ ins["v"]
+    assert_close(out, ref, 1e-5, 1e-5, "out")
+    assert_close(out[0, 0, 1], ins["v"][0, 0].mean(0), 1e-5, 1e-5, "the masked row")
+
+
+def test_hand_written_attention_gradients_at_large_scores_match_eagers_error(gen):
+    """fp32 ``softmax(q @ k.mT * s) @ v`` with scores near 100 (q 16x): its gradient recomputes
+    ``P = exp(s - lse)`` from scores summed again, so the forward and every backward kernel must
+    sum ``q @ k.mT`` in one order (on the interpreter, slices of the same width:
+    ``Target.whole_k``). One whole slice in the forward made dq and dk 10x eager's error."""
+    d, sc = 64, 0.125
+    qd = torch.randn(1, 2, 24, d, generator=gen, dtype=torch.float64) * 16
+    kd, vd = (torch.randn(1, 2, 70, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    cot = torch.randn(1, 2, 24, d, generator=gen, dtype=torch.float64)
+    kern = rx.compile(rx.softmax(q @ k.mT * sc, -1) @ v)
+    grads = {}
+    for lib, dt in (("rx", torch.float32), ("eager", torch.float32), ("f64", torch.float64)):
+        leaves = [t.to(dt).requires_grad_() for t in (qd, kd, vd)]
+        if lib == "rx":
+            out = kern(q=leaves[0], k=leaves[1], v=leaves[2])
+        else:
+            out = torch.softmax(leaves[0] @ leaves[1].mT * sc, -1) @ leaves[2]
+        grads[lib] = torch.autograd.grad(out, leaves, cot.to(dt))
+    for name, a, b, r in zip("qkv", grads["rx"], grads["eager"], grads["f64"]):
+        err, eager = ((x.double() - r).abs().max().item() for x in (a, b))
+        assert err <= 3 * eager + 1e-6 * r.abs().max().item(), (name, err, eager)

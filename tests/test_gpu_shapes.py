@@ -283,7 +283,7 @@ def test_tuned_tiles_of_a_gemm_recomputing_a_product_keep_their_rows_halved(hidd
     """Linear cross-entropy's gradient GEMMs recompute the logits' tiles in their prologue (a second
     accumulator): the heuristic halves their rows so both fit in registers, and so must every tile
     autotune tries (a 256-row tile there would spill). Where the hidden dim is one slice of the
-    product (``WHOLE_K``: attention's head dim) the heuristic keeps 128 rows and autotune tries no
+    product (``Target.whole_k``: attention's head dim) the heuristic keeps 128 rows and autotune tries no
     more (``schedule.WHOLE_ROWS``)."""
     from rtxdsl.lower.schedule import TUNABLE, WHOLE_ROWS, candidates
 

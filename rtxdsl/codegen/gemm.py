@@ -7,6 +7,8 @@ tile's ``rows`` x ``cols`` coordinates, with ``acc`` as the contraction's value.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
@@ -222,7 +224,8 @@ class GemmWriter(Writer):
                         scope.memo[(Src.LOAD, k)] = op
                 self.types[op] = dtype
         else:
-            v = to_storage(self.value(ref, scope), self.types[self.value(ref, scope)], dtype)
+            value = self.value(ref, scope)
+            v = to_storage(value, self.types[value], dtype)
             scope.add(f"{op} = {v if self._zero_outside(ref) else f'tl.where({mask}, {v}, 0)'}")
         online = g.online[0] if g.online is not None else -1
         for i, node in enumerate(self.spec.nodes):  # reductions of the operand's (prologue's) values over K
@@ -242,6 +245,7 @@ class GemmWriter(Writer):
         r, _ = g.online
         return state_name("m", r), f"shift_{r}", self._online_total() or state_name("s", r), f"v{r}"
 
+    @functools.cached_property
     def _online_exp(self) -> int:
         """The node ``exp(x - shift)``: what the K loop sums, in proportion."""
         g = self.spec.gemm
@@ -256,7 +260,7 @@ class GemmWriter(Writer):
         logsumexp's sum, computed once."""
         g = self.spec.gemm
         assert g is not None and g.online is not None
-        e, rdt = self._online_exp(), reduce_dtype(self.spec.nodes[g.online[0]])
+        e, rdt = self._online_exp, reduce_dtype(self.spec.nodes[g.online[0]])
         for i, nd in enumerate(self.spec.nodes):
             if nd.op in SUMS and nd.role == "a" and nd.srcs == ((Src.NODE, e),) and reduce_dtype(nd) == rdt:
                 (state,) = REGISTRY[nd.op].reduce.state
@@ -302,9 +306,13 @@ class GemmWriter(Writer):
         scope.add(f"scores_{r} = tl.where(a_mask, {x}, float('-inf'))")
         scope.memo[x_ref] = f"scores_{r}"
         self.types[f"scores_{r}"] = rdt
+        # rescaled from the previous running max, not the previous shift: -inf while nothing was
+        # summed, so a first finite max under -88 rescales the zero sums by exp(-inf) = 0, never by
+        # exp(0 - max) = inf (0 * inf: NaN rows under HF's finfo.min padding, ALiBi on long rows)
+        scope.add(f"previous = {m}")
         scope.add(f"{m} = tl.maximum({m}, tl.max(scores_{r}, axis=1)[:, None])")
-        scope.add(f"rescale = tl.exp({c} - tl.where({m} > float('-inf'), {m}, 0.0))")
         scope.add(f"{c} = tl.where({m} > float('-inf'), {m}, 0.0)")
+        scope.add(f"rescale = tl.exp(previous - {c})")
         scope.add_all([f"{v} = {v} * rescale" for v in self._rescaled()])
         scope.memo[(Src.NODE, shift)] = c
         self.types[c] = rdt
@@ -316,7 +324,7 @@ class GemmWriter(Writer):
         if g is None or g.online is None or ref[0] is not Src.NODE:
             return False
         node = self.spec.nodes[ref[1]]
-        return ref[1] == self._online_exp() or (
+        return ref[1] == self._online_exp or (
             REGISTRY[node.op].rule is DtypeRule.CAST and self._zero_outside(node.srcs[0])
         )
 
@@ -328,7 +336,7 @@ class GemmWriter(Writer):
         g = self.spec.gemm
         assert g is not None and g.online is not None
         r, shift = g.online
-        e = self._online_exp()
+        e = self._online_exp
         if (Src.NODE, e) not in scope.memo:
             x, c = self.value(self.spec.nodes[r].srcs[0], scope), self.value((Src.NODE, shift), scope)
             if self.spec.nodes[self.own].cdt.itemsize == 2:
@@ -346,7 +354,7 @@ class GemmWriter(Writer):
         assert g is not None and g.online is not None
         _, _, total, _ = self._online_names()
         if total == state_name("s", g.online[0]):
-            e = self.value((Src.NODE, self._online_exp()), scope)
+            e = self.value((Src.NODE, self._online_exp), scope)
             scope.add(f"{total} = {total} + tl.sum({e}, axis=1)[:, None]")
 
     def _online_finish(self, top: Scope) -> None:
@@ -355,12 +363,16 @@ class GemmWriter(Writer):
         g = self.spec.gemm
         assert g is not None and g.online is not None
         r, shift = g.online
-        m, c, total, name = self._online_names()
+        _, c, total, name = self._online_names()
         top.add(f"{name} = {c} + tl.log({total})")
         self.types[name] = reduce_dtype(self.spec.nodes[r])
         self._row_value(r, name)
         want = self.value((Src.NODE, shift), top)
-        top.add(f"rescale = tl.exp({c} - {want})")
+        # exp(shift - want) is exp(lse - want) / total: where the graph shifts by the logsumexp
+        # itself that is 1 / total exactly, not exp of a difference the logsumexp's rounding moved
+        # (scores all near -1e9: lse rounds to -1e9 and exp(0) would stand for 1 / Tk); where no
+        # score is finite (total 0) the sums are 0 and the shift's own difference serves
+        top.add(f"rescale = tl.where({total} > 0, tl.exp({name} - {want}) / {total}, tl.exp({c} - {want}))")
         top.add_all([f"{v} = {v} * rescale" for v in self._rescaled()])
 
     def _shared_exp(self, node: NodeSpec, name: str, scope: Scope, operand) -> str | None:  # type: ignore[no-untyped-def]
@@ -382,7 +394,7 @@ class GemmWriter(Writer):
             and g.online is not None
             and node is not None
             and node.role is Role.A
-            and i == self._online_exp()
+            and i == self._online_exp
         ):
             return self._online_exp_value(loop)
         if node is not None and node.role is Role.FULL and _positions_op(node) and ref not in loop.memo:
@@ -462,7 +474,7 @@ class GemmWriter(Writer):
         size = f"K{i}"
         g = self.spec.gemm
         assert g is not None
-        block = dict(g.whole_k).get(i)
+        block, fixed = next(((b, f) for j, b, f in g.whole_k if j == i), (None, False))
         kk = "kk" if block is None else f"kk{i}"  # one slice: its own index vector, set before the loop
         # each operand's stored (-2, -1) dims, named: the product's rows "m", columns "n", the sum "k"
         a_dims = ("k", "m") if attrs["ta"] else ("m", "k")
@@ -490,7 +502,7 @@ class GemmWriter(Writer):
         stored = tuple(self.spec.in_dtypes[self.spec.loads[k].input] for k, _, _ in (left, right))
         if block is not None:  # the K loop moves the operand along its rows (A's) or columns (B's) only
             before, at = one_slice(acc, node.cdt, kk, block, loads, g.precision, stored, 0 if role == "a" else 1)
-            self.hoist.add_all(before)
+            (self.hoist if fixed else scope).add_all(before)
             scope.add_all(at)
         else:
             scope.add_all(k_loop(acc, shape, node.cdt, size, "kk", loads[0], loads[1], g.precision, stored))

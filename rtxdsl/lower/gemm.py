@@ -84,8 +84,8 @@ def gemm_spec(
     kept = (*batch[: len(batch) - summed], *(1,) * summed)  # the output's batch dims
     domain = (m, n) if sum_batch else (*kept, m, n)
     bd = body(group, graph)
-    inner, whole = inner_products(bd.nodes), _whole_k(group, graph, bd)
-    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner), whole=len(whole) == len(inner))
+    inner, whole = inner_products(bd.nodes), _whole_k(group, graph, bd, target)
+    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner), whole=len(whole) == len(inner) == 1 and whole[0][2])
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
     at_tiles = tile_loads(bd.nodes)
@@ -210,28 +210,25 @@ def _skip(group: Group, graph: Graph, bd: Body) -> int:
     return -1 if guard is None or group.roles.get(id(guard)) is not Role.A else bd.index[id(guard)]
 
 
-#: the widest contracted size a prologue's recomputed product takes as one slice (its operand tile
-#: that the K loop does not move loaded once, before it: attention's ``q`` at head dims up to 128)
-WHOLE_K = 128
-
-
-def _whole_k(group: Group, graph: Graph, bd: Body) -> tuple[tuple[int, int], ...]:
-    """The prologue's recomputed product whose contracted size fits one slice (``WHOLE_K``), with
-    that slice (a power of two >= 16): where it is the kernel's only one (two operand tiles held
-    across the loop took the backward's two-product GEMMs to 255 registers and a spill) and no
-    batch loop runs inside the program."""
+def _whole_k(group: Group, graph: Graph, bd: Body, target: Target) -> tuple[tuple[int, int, bool], ...]:
+    """The prologues' recomputed products whose contracted size fits one slice (``target.whole_k``), each
+    with that slice (a power of two >= 16) and whether its operand tile the K loop does not move is
+    loaded once before it: where it is the kernel's only product of its own (two tiles held across
+    the loop took the backward's two-product GEMMs to 255 registers and a spill) and no batch loop
+    runs inside the program. Every kernel recomputing a product of that size takes it whole, so the
+    forward's scores and the backward's are summed in one order (in 32-wide slices beside a whole
+    forward, a hand-written softmax's gradient at scores near 100 was 0.16 off, eager 3.5e-5)."""
     own = group.contraction
     assert own is not None
     inner = inner_products(bd.nodes)
-    if own.attr("sum_batch") or own.attr_dict.get("summed") or len(inner) != 1:
-        return ()
+    fixed = len(inner) == 1 and not (own.attr("sum_batch") or own.attr_dict.get("summed"))
     whole = []
     for p in group.nodes:
         i = bd.index.get(id(p))
         if i in inner and bd.nodes[i].role in (Role.A, Role.B):
             size = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
-            if size <= WHOLE_K:
-                whole.append((i, max(16, 1 << (size - 1).bit_length())))
+            if size <= target.whole_k:
+                whole.append((i, max(16, 1 << (size - 1).bit_length()), fixed))
     return tuple(whole)
 
 

@@ -138,8 +138,8 @@ class GemmTile:
     #: node the prologue reads (the running max's in the loop); None: none
     online: tuple[int, int] | None = None
     #: prologue products computed as one slice of their contracted size: (node, the slice, a power
-    #: of two >= 16 covering it); their operand tile the K loop does not move is loaded once
-    whole_k: tuple[tuple[int, int], ...] = ()
+    #: of two >= 16 covering it, whether their operand tile the K loop does not move is loaded once)
+    whole_k: tuple[tuple[int, int, bool], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,13 @@ class Target:
     #: a contraction's tile for 16-bit operands (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
     #: num_stages); 4-byte operands halve BLOCK_K
     gemm: tuple[int, int, int, int, int, int] = (128, 128, 64, 8, 8, 3)
+    #: the widest contracted size a GEMM prologue's recomputed product takes as one slice (its
+    #: operand tile the K loop does not move loaded once: attention's ``q``, as tutorial 06 loads
+    #: it). The GPU's MMA sums K in order, so one slice and a loop of slices give the same bits in
+    #: every kernel recomputing the product; numpy's matmul (the interpreter's) blocks K its own
+    #: way, so there a whole forward beside a sliced backward made a hand-written softmax's
+    #: gradient 10x eager's error: 0, every product in slices
+    whole_k: int = 128
 
     @property
     def waves(self) -> int:
@@ -62,6 +69,7 @@ INTERPRETER = replace(
     split_min=0,
     tile=None,
     gemm=(64, 64, 64, 1, 4, 1),
+    whole_k=0,
 )
 
 
