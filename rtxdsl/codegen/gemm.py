@@ -66,8 +66,6 @@ ACC_OFFSET = "(batch * M + offs_m[:, None]) * N + offs_n[None, :]"
 #: (a scalar condition as a bound: the interpreter takes no scalar in a mask)
 ACC_MASK = "(offs_m[:, None] < tl.where(W_LO > 0, M, 0)) & (offs_n[None, :] < N)"
 
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
-
 #: the index vectors along an operand tile's rows and columns, with the extents that mask them
 TILE_VECTORS = {"a": (("offs_m", "M"), ("ks", "K")), "b": (("ks", "K"), ("offs_n", "N"))}
 #: the output tile's: where an epilogue computes a second product (a chunk loop's)
@@ -330,20 +328,16 @@ class GemmWriter(Writer):
 
     def _online_exp_value(self, scope: Scope) -> str:
         """``exp(x - shift)`` in base 2 (``exp_below``: at most 1, as the shift is the running max;
-        what it flushes lies under 2**-126 of the row's largest term). Where the product multiplies
-        16-bit operands, ``exp2(x * log2(e) - shift * log2(e))``, one FMA per score as tutorial 06
-        computes it: its rounding, 2**-24 of ``x * log2(e)``, lies far under the operand's own."""
+        what it flushes lies under 2**-126 of the row's largest term). The difference first, not
+        tutorial 06's one FMA ``x * log2(e) - shift * log2(e)``: scores at a padding mask's
+        ``finfo.min`` overflow that product to -inf, and a row of them gave -inf - -inf = NaN."""
         g = self.spec.gemm
         assert g is not None and g.online is not None
         r, shift = g.online
         e = self._online_exp
         if (Src.NODE, e) not in scope.memo:
             x, c = self.value(self.spec.nodes[r].srcs[0], scope), self.value((Src.NODE, shift), scope)
-            if self.spec.nodes[self.own].cdt.itemsize == 2:
-                scope.add(f"{c}_log2 = {c} * {LOG2E}")
-                scope.add(f"v{e} = tl.exp2({x} * {LOG2E} - {c}_log2)")
-            else:
-                scope.add(f"v{e} = {exp_below(x, c)}")
+            scope.add(f"v{e} = {exp_below(x, c)}")
             scope.memo[(Src.NODE, e)] = f"v{e}"
             self.types[f"v{e}"] = reduce_dtype(self.spec.nodes[r])
         return scope.memo[(Src.NODE, e)]
@@ -368,11 +362,9 @@ class GemmWriter(Writer):
         self.types[name] = reduce_dtype(self.spec.nodes[r])
         self._row_value(r, name)
         want = self.value((Src.NODE, shift), top)
-        # exp(shift - want) is exp(lse - want) / total: where the graph shifts by the logsumexp
-        # itself that is 1 / total exactly, not exp of a difference the logsumexp's rounding moved
-        # (scores all near -1e9: lse rounds to -1e9 and exp(0) would stand for 1 / Tk); where no
-        # score is finite (total 0) the sums are 0 and the shift's own difference serves
-        top.add(f"rescale = tl.where({total} > 0, tl.exp({name} - {want}) / {total}, tl.exp({c} - {want}))")
+        # (exactly the graph's shift, rounding and all: the backward recomputes its probabilities
+        # from it, so the row sum saved beside them must be taken at it too)
+        top.add(f"rescale = tl.exp({c} - {want})")
         top.add_all([f"{v} = {v} * rescale" for v in self._rescaled()])
 
     def _shared_exp(self, node: NodeSpec, name: str, scope: Scope, operand) -> str | None:  # type: ignore[no-untyped-def]
