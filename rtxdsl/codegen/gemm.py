@@ -466,7 +466,7 @@ class GemmWriter(Writer):
         size = f"K{i}"
         g = self.spec.gemm
         assert g is not None
-        block, fixed = next(((b, f) for j, b, f in g.whole_k if j == i), (None, False))
+        block = dict(g.whole_k).get(i)
         kk = "kk" if block is None else f"kk{i}"  # one slice: its own index vector, set before the loop
         # each operand's stored (-2, -1) dims, named: the product's rows "m", columns "n", the sum "k"
         a_dims = ("k", "m") if attrs["ta"] else ("m", "k")
@@ -494,7 +494,7 @@ class GemmWriter(Writer):
         stored = tuple(self.spec.in_dtypes[self.spec.loads[k].input] for k, _, _ in (left, right))
         if block is not None:  # the K loop moves the operand along its rows (A's) or columns (B's) only
             before, at = one_slice(acc, node.cdt, kk, block, loads, g.precision, stored, 0 if role == "a" else 1)
-            (self.hoist if fixed else scope).add_all(before)
+            self.hoist.add_all(before)
             scope.add_all(at)
         else:
             scope.add_all(k_loop(acc, shape, node.cdt, size, "kk", loads[0], loads[1], g.precision, stored))

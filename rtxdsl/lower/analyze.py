@@ -1344,7 +1344,7 @@ def _reduce_in_k_loop(
             op = REGISTRY[r.op]
             if op.kind is not OpKind.REDUCTION or op.reduce is None or tuple(sorted(r.attr("axis"))) != contracted:
                 continue
-            home = next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)
+            home = _home_of(r, w, work)
             if home is None or id(r) in deps:
                 continue
             listed = by_home.setdefault(id(home), (home, []))[1]
@@ -1406,7 +1406,7 @@ def _online_in_k_loop(
         if r.op in STATISTICS and id(r) in deps and tuple(sorted(r.attr("axis"))) == contracted
     }
     for r in found.values():
-        home = next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)
+        home = _home_of(r, w, work)
         if home is None or members.get(id(r.srcs[0])) is not Role.A:
             continue
         # what the prologue recomputes that its home kept for readers since moved here goes
@@ -1415,9 +1415,8 @@ def _online_in_k_loop(
         after = _per_row_after(replace(home, nodes=left), [r], graph, consumers)
         if after is None or online_shift(r, members, lambda n: consumers.get(id(n), ()), after, c) is None:
             continue
-        home.nodes = left
         taken = {id(r), *map(id, after)}
-        home.nodes = [m for m in home.nodes if id(m) not in taken]
+        home.nodes = [m for m in left if id(m) not in taken]
         for m in (r, *after):
             w.nodes.append(m)
             w.roles[id(m)] = Role.A
@@ -1427,6 +1426,11 @@ def _online_in_k_loop(
         )
         return [home]
     return []
+
+
+def _home_of(r: Expr, w: _Work, work: list[_Work]) -> _Work | None:
+    """The kernel other than ``w`` that computes ``r``, if any."""
+    return next((h for h in work if h is not w and any(m is r for m in h.nodes)), None)
 
 
 def _recomputed_only(

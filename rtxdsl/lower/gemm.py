@@ -54,12 +54,13 @@ from .target import Target
 MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
 
 
-def gemm_tile(target: Target, m: int, n: int, dtype: torch.dtype, inner: int = 0, whole: bool = False) -> GemmTile:
+def gemm_tile(
+    target: Target, m: int, n: int, dtype: torch.dtype, inner: int = 0, whole_k: tuple[tuple[int, int], ...] = ()
+) -> GemmTile:
     """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)
-    and to ``inner`` products its prologues recompute (``schedule.inner_rows``; ``whole``: each
-    in one slice)."""
+    and to ``inner`` products its prologues recompute (``schedule.inner_rows``)."""
     bm, bn, bk, group_m, warps, stages = target.gemm
-    return GemmTile(*gemm_block(inner_rows(bm, dtype, inner, whole), bn, bk, m, n, dtype), group_m, warps, stages)
+    return GemmTile(*gemm_block(inner_rows(bm, dtype, inner, whole_k), bn, bk, m, n, dtype), group_m, warps, stages)
 
 
 def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:
@@ -85,7 +86,7 @@ def gemm_spec(
     domain = (m, n) if sum_batch else (*kept, m, n)
     bd = body(group, graph)
     inner, whole = inner_products(bd.nodes), _whole_k(group, graph, bd, target)
-    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner), whole=len(whole) == len(inner) == 1 and whole[0][2])
+    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner), whole_k=whole)
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
     at_tiles = tile_loads(bd.nodes)
@@ -210,26 +211,24 @@ def _skip(group: Group, graph: Graph, bd: Body) -> int:
     return -1 if guard is None or group.roles.get(id(guard)) is not Role.A else bd.index[id(guard)]
 
 
-def _whole_k(group: Group, graph: Graph, bd: Body, target: Target) -> tuple[tuple[int, int, bool], ...]:
-    """The prologues' recomputed products whose contracted size fits one slice (``target.whole_k``), each
-    with that slice (a power of two >= 16) and whether its operand tile the K loop does not move is
-    loaded once before it: where it is the kernel's only product of its own (two tiles held across
-    the loop took the backward's two-product GEMMs to 255 registers and a spill) and no batch loop
-    runs inside the program. Every kernel recomputing a product of that size takes it whole, so the
-    forward's scores and the backward's are summed in one order (in 32-wide slices beside a whole
-    forward, a hand-written softmax's gradient at scores near 100 was 0.16 off, eager 3.5e-5)."""
+def _whole_k(group: Group, graph: Graph, bd: Body, target: Target) -> tuple[tuple[int, int], ...]:
+    """The prologue's recomputed product whose contracted size fits one slice (``target.whole_k``),
+    with that slice (a power of two >= 16), where it is the kernel's only product of its own and no
+    batch loop runs inside the program: its operand tile the K loop does not move is loaded once
+    before it. Not with two products: their four tiles of the whole head dim took the backward's
+    GEMMs to 255 registers and spills. (The GPU's MMA sums K in order, so one slice gives the
+    bits a loop of slices gives in a kernel recomputing the same product.)"""
     own = group.contraction
     assert own is not None
     inner = inner_products(bd.nodes)
-    fixed = len(inner) == 1 and not (own.attr("sum_batch") or own.attr_dict.get("summed"))
-    whole = []
-    for p in group.nodes:
-        i = bd.index.get(id(p))
-        if i in inner and bd.nodes[i].role in (Role.A, Role.B):
-            size = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
-            if size <= target.whole_k:
-                whole.append((i, max(16, 1 << (size - 1).bit_length()), fixed))
-    return tuple(whole)
+    if len(inner) != 1 or own.attr("sum_batch") or own.attr_dict.get("summed"):
+        return ()
+    (i,) = inner
+    p = next(p for p in group.nodes if bd.index.get(id(p)) == i)
+    size = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
+    if bd.nodes[i].role not in (Role.A, Role.B) or size > target.whole_k:
+        return ()
+    return ((i, max(16, 1 << (size - 1).bit_length())),)
 
 
 def _online(group: Group, bd: Body) -> tuple[int, int] | None:

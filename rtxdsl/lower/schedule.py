@@ -228,7 +228,7 @@ def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple
     (its rows halved where a prologue recomputes a product of its own: ``gemm.gemm_tile``)."""
     dtype = next(nd.cdt for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
     inner = len(inner_products(spec.nodes))
-    block_m = inner_rows(m["BLOCK_M"], dtype, inner, spec.gemm is not None and len(spec.gemm.whole_k) == inner)
+    block_m = inner_rows(m["BLOCK_M"], dtype, inner, spec.gemm.whole_k if spec.gemm is not None else ())
     bm, bn, bk = gemm_block(block_m, m["BLOCK_N"], m["BLOCK_K"], rows, cols, dtype)
     m = {**m, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     return m, (max(1, -(-rows // bm) * -(-cols // bn)), *grid[1:])
@@ -237,20 +237,20 @@ def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple
 WHOLE_ROWS = 128  # the most rows beside one product taken whole (tutorial 06's; autotune tries no more)
 
 
-def inner_rows(bm: int, dtype: torch.dtype, inner: int, whole: bool) -> int:
+def inner_rows(bm: int, dtype: torch.dtype, inner: int, whole_k: tuple[tuple[int, int], ...]) -> int:
     """A GEMM's rows where its prologues recompute ``inner`` products of their own, each an fp32
-    accumulator tile beside the kernel's (``whole``: each in one slice of its contracted size):
-    16-bit operands keep the target's rows for one taken whole (attention's forward at head dims up
-    to 128, as Triton's tutorial 06 takes 128 rows: 153 and 187 registers on sm_90 at head dims 64
-    and 128, no spills) and halve them otherwise (attention's backward, two products; linear
-    cross-entropy's logits recomputed over the hidden dim spilled 176 bytes at 128 rows); 4-byte
-    operands take a quarter (no 16-bit tensor-core tiles: at head dim 128 attention's fp32
-    ``P @ v`` spilled 712 bytes at 64 rows)."""
+    accumulator tile beside the kernel's (``whole_k``: those in one slice, ``GemmTile.whole_k``):
+    16-bit operands keep the target's rows (at most ``WHOLE_ROWS``) for one taken whole with its
+    fixed operand held (attention's forward at head dims up to 128, as Triton's tutorial 06 takes
+    128 rows: 155 and 181 registers on sm_90 at head dims 64 and 128, no spills) and halve them
+    otherwise (attention's backward, two products; linear cross-entropy's logits recomputed over
+    the hidden dim spilled 176 bytes at 128 rows); 4-byte operands take a quarter (no 16-bit
+    tensor-core tiles: at head dim 128 attention's fp32 ``P @ v`` spilled 712 bytes at 64 rows)."""
     if not inner:
         return bm
     if dtype.itemsize >= 4:
         return bm // 4
-    return min(bm, WHOLE_ROWS) if inner == 1 and whole else bm // 2
+    return min(bm, WHOLE_ROWS) if inner == 1 and whole_k else bm // 2
 
 
 def gemm_block(bm: int, bn: int, bk: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[int, int, int]:

@@ -137,9 +137,9 @@ class GemmTile:
     #: online softmax (``lower.online``): the logsumexp merged in the K loop as it runs and the shift
     #: node the prologue reads (the running max's in the loop); None: none
     online: tuple[int, int] | None = None
-    #: prologue products computed as one slice of their contracted size: (node, the slice, a power
-    #: of two >= 16 covering it, whether their operand tile the K loop does not move is loaded once)
-    whole_k: tuple[tuple[int, int, bool], ...] = ()
+    #: a prologue's only product computed as one slice of its contracted size: (node, the slice, a
+    #: power of two >= 16 covering it); its operand tile the K loop does not move is loaded once
+    whole_k: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

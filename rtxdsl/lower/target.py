@@ -41,8 +41,9 @@ class Target:
     gemm: tuple[int, int, int, int, int, int] = (128, 128, 64, 8, 8, 3)
     #: the widest contracted size a GEMM prologue's recomputed product takes as one slice (its
     #: operand tile the K loop does not move loaded once: attention's ``q``, as tutorial 06 loads
-    #: it). The GPU's MMA sums K in order, so one slice and a loop of slices give the same bits in
-    #: every kernel recomputing the product; numpy's matmul (the interpreter's) blocks K its own
+    #: it). The GPU's MMA sums K in order, so one slice and a loop of slices should give the same
+    #: bits in every kernel recomputing the product (not measured: no GPU here); numpy's matmul
+    #: (the interpreter's) blocks K its own
     #: way, so there a whole forward beside a sliced backward made a hand-written softmax's
     #: gradient 10x eager's error: 0, every product in slices
     whole_k: int = 128
