@@ -420,7 +420,7 @@ class Kernel:
             >>> import torch, rtxdsl as rx
             >>> g = rx.compile(rx.softmax(rx.var("x"))).grad_plan(x=torch.empty(4, 8))
             >>> g.backward.inputs, g.grads.saved_keys
-            (('_g0', 'x', '_s0'), ('_s0',))
+            (('_g0', 'x', '_s0', '_s1'), ('_s0', '_s1'))
         """
         tensors = self.collect(args, kwargs)
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

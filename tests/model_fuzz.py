@@ -476,12 +476,21 @@ class _Gen:
         mask = r.choice(["none", "fill", "fill", "fill computed", "add", "add"])
         self.tags.append(f"mask:{mask}")
         causal = f"torch.ones({T}, {T}, dtype=torch.bool).triu(1)"
+        fill = "float('-inf')"
+        # left padding under the causal mask (a third of the masks, by a draw of its own: the programs
+        # drawn before it stay as they were): the padded queries see no key, each of their scores the
+        # dtype's lowest (as Hugging Face masks), so torch's softmax is uniform there
+        pad = random.Random(self.pid * 53 + len(self.torch))
+        if mask in ("fill", "add") and T > 1 and pad.random() < 0.35:
+            causal = f"({causal} | (torch.arange({T}) < {pad.randint(1, T - 1)}))"
+            fill = "torch.finfo(DT).min"
+            self.tags.append("padding")
         if mask == "fill":
             m = self.input("m", (T, T), source=causal, grad=False)
             if self.no_grad and r.random() < 0.5:
-                self.both(f"{s}.masked_fill_({m}, float('-inf'))", f"{s} = rx.where({m}, float('-inf'), {s})")
+                self.both(f"{s}.masked_fill_({m}, {fill})", f"{s} = rx.where({m}, {fill}, {s})")
             else:
-                s = self.let("s", f"{s}.masked_fill({m}, float('-inf'))", f"rx.where({m}, float('-inf'), {s})")
+                s = self.let("s", f"{s}.masked_fill({m}, {fill})", f"rx.where({m}, {fill}, {s})")
         elif mask == "fill computed":  # the mask built in the program (rtxdsl: from positions)
             s = self.let(
                 "s",
@@ -489,7 +498,7 @@ class _Gen:
                 f"rx.where(rx.arange_like({s}, -1) > rx.arange_like({s}, -2), float('-inf'), {s})",
             )
         elif mask == "add":  # an additive mask: -inf or the dtype's lowest above the diagonal
-            low = r.choice(["float('-inf')", "torch.finfo(DT).min"])
+            low = fill if "finfo" in fill else r.choice(["float('-inf')", "torch.finfo(DT).min"])
             am = self.input(
                 "am", (T, T), source=f"torch.zeros({T}, {T}, dtype=DT).masked_fill({causal}, {low})", grad=False
             )

@@ -763,13 +763,11 @@ def test_the_one_pass_forward_survives_scores_far_below_zero(gen, dtype, atol, r
     _check(expr, ins | {"m": low}, lambda r: _reference(r, bias=r["m"])[0], dtype, atol, rtol, gen)
 
 
-@pytest.mark.xfail(strict=True, reason="rx.softmax is exp(x - logsumexp(x)): a rounded logsumexp makes each p 1")
 def test_hand_written_softmax_over_a_row_of_a_finite_minimum_averages_v(gen):
     """A row every key of which is masked with -1e9 (``masked_fill``, as model code writes it): in
     fp32 the scores are all -1e9, so torch's softmax is uniform and the output v's mean. The
-    logsumexp rounds to -1e9 there, and ``exp(x - lse)`` is 1 for every key: the sum of v (as the
-    two-pass plan gave). Open: softmax as ``exp(x - max) / sum`` (``rx.attention`` divides by its
-    row sum and is right)."""
+    logsumexp rounds to -1e9 there, and ``exp(x - lse)`` is 1 for every key: softmax divides by
+    its row's total (``softmax_parts``), or it gives the sum of v."""
     ins = _inputs(gen, 1, 1, 1, 4, 8, 8, 8, torch.float32)
     keep = torch.ones(4, 8, dtype=torch.bool)
     keep[1] = False
@@ -778,6 +776,28 @@ def test_hand_written_softmax_over_a_row_of_a_finite_minimum_averages_v(gen):
     ref = torch.softmax((ins["q"] @ ins["k"].mT * 0.35).masked_fill(~keep, -1e9), -1) @ ins["v"]
     assert_close(out, ref, 1e-5, 1e-5, "out")
     assert_close(out[0, 0, 1], ins["v"][0, 0].mean(0), 1e-5, 1e-5, "the masked row")
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[1:])
+def test_hugging_faces_eager_attention_over_left_padding_matches_float64(gen, dtype, atol, rtol):
+    """Hugging Face's eager attention as its models write it: ``finfo.min`` added where a key is
+    padding or in the future, ``softmax(..., dtype=float32).to(dtype) @ v``. Left padding under a
+    causal mask leaves a padded query's row with every key at ``finfo.min``: uniform in torch,
+    forward and gradients (the sum of ``v``, and gradients ``n`` times too large, before the
+    softmax divided by its row's total). One kernel for the forward."""
+    ins = _inputs(gen, 2, 2, 2, 11, 11, 8, 8, dtype)
+    keep = torch.ones(2, 1, 11, 11, dtype=torch.bool).tril()
+    keep[0, ..., :4] = False  # the first batch's 4 leftmost keys are padding: its 4 first rows see none
+    bias = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    scores = rx.cast(q @ k.mT * 0.35 + rx.var("m"), torch.float32)
+    expr = rx.cast(rx.softmax(scores, -1), dtype) @ v
+    assert len(rx.compile(expr).program(**ins, m=bias).launched) == 1
+
+    def ref(r):
+        p = torch.softmax(r["q"] @ r["k"].mT * 0.35 + r["m"], -1)
+        return p @ r["v"]
+
+    _check(expr, ins | {"m": bias}, ref, dtype, atol, rtol, gen)
 
 
 def test_hand_written_attention_gradients_at_large_scores_match_eagers_error(gen):

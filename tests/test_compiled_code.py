@@ -93,7 +93,8 @@ SCRIPT = textwrap.dedent("""
                   ht=torch.empty(4096, 2048, **bf), wt=torch.empty(32000, 2048, **bf),
                   y=torch.zeros(4096, dtype=torch.int64))
     jsd = rx.compile(rx.linear_jsd(hs, ws, ht, wt, y, temperature=2.0)).grad_plan(**jsd_in)
-    saved = dict(_g0=torch.empty(()), _s0=torch.empty(4096, 1), _s1=torch.empty(4096, 1), _s4=torch.empty(()))
+    # each head's saved logsumexp and softmax total, the count of tokens
+    saved = dict(_g0=torch.empty(()), _s6=torch.empty(()), **{f"_s{i}": torch.empty(4096, 1) for i in range(4)})
     jsd_feed = {n: jsd_in[n].detach() if n in jsd_in else saved[n] for n in jsd.backward.inputs}
     launched = [k.summary for k in jsd.backward.program(**jsd_feed).kernels]
     chunk = next(i for i, k in enumerate(launched) if k.startswith("Contraction") and k.count("contract") == 2)

@@ -162,6 +162,46 @@ REDUCTIONS = {
 AXES = [-1, 0, (0, 2), None]
 
 
+# rows of one value far from zero: ``masked_fill(mask, -1e9)`` over a whole row, Hugging Face's
+# ``finfo.min`` padding, a huge positive constant; beside rows of logits spread wide (1e4)
+FAR_ROWS = {"-1e9": -1e9, "finfo.min": None, "+3e8": 3e8}
+
+
+@pytest.mark.parametrize("cols", [37, 70001], ids=["whole row", "looped row"])
+@pytest.mark.parametrize("dtype, atol, rtol", FLOAT_TOLERANCES)
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_softmax_of_a_row_of_one_value_far_from_zero_is_uniform(name, dtype, atol, rtol, cols, gen):
+    """In every dtype a row holding one value ``v`` far from zero has a logsumexp that rounds to
+    ``v`` (``log n`` lies under ``v``'s spacing), so ``exp(x - logsumexp(x))`` is 1 at every
+    element: softmax divides by the row's total (``softmax_parts``) and gives torch's uniform row,
+    ``-log n`` for log_softmax, and their gradients (they were ``n`` times too large and 0)."""
+    finfo = torch.finfo(dtype)
+    t = torch.randn(2 + len(FAR_ROWS), cols, generator=gen, dtype=torch.float64)
+    t[1] *= 1e4 if dtype is torch.float32 else 100  # wide logits
+    for i, v in enumerate(FAR_ROWS.values(), 2):
+        t[i] = finfo.min if v is None else math.copysign(min(abs(v), finfo.max / 2), v)  # (fp16's max: 65504)
+    xt = t.to(dtype)
+    ref = torch.softmax if name == "softmax" else torch.log_softmax
+    k = rx.compile(getattr(rx, name)(x, -1))
+    leaf = xt.clone().requires_grad_()
+    out = k(x=leaf)
+    x64 = xt.double().requires_grad_()
+    want = ref(x64, -1)
+    cot = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(out, leaf, cot.to(dtype))
+    (grad64,) = torch.autograd.grad(want, x64, cot)
+    # log_softmax's values on the wide row are as large as the row's spread: rtol covers them
+    assert_close(out, want, atol, rtol, f"{name} {dtype}")
+    assert_close(grad, grad64, atol * 4, rtol * 4, f"d{name} {dtype}")
+    if cols == 37:  # the total is read off the logsumexp's state: one sum of one exp per element
+        (src,) = k.sources(x=xt)
+        assert src.count("tl.sum(") == 1 and src.count("tl.exp2(") == 1, src
+    uniform = torch.full((cols,), 1.0 / cols, dtype=torch.float64)
+    for i, label in enumerate(FAR_ROWS, 2):
+        expect = uniform if name == "softmax" else uniform.log()
+        assert_close(out[i], expect, atol, rtol, f"{name} of the {label} row")
+
+
 @pytest.mark.parametrize("keepdim", [False, True])
 @pytest.mark.parametrize("axis", AXES, ids=str)
 @pytest.mark.parametrize("name", REDUCTIONS)

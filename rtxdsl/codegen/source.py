@@ -18,14 +18,14 @@ import torch
 
 from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.params import kernel_params, load_names
-from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype
+from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype, state_twins
 from ..lower.roles import Role
 from ..lower.sparsity import TEXT, may_hold
 from ..lower.spec import BCAST, UNIT, KernelSpec, NodeSpec, Split, Src, Stride, tail_constexprs
 from ..ops import REGISTRY, AxisRule, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from ..ops.movement import positions_compared
-from ..ops.reduction import exp_below, exp_of_logsumexp
+from ..ops.reduction import exp_below, exp_of_logsumexp, factors, reciprocal_of
 from .rewrite import simplify
 from .template import render
 
@@ -192,8 +192,9 @@ class Writer:
         #: half values rounded where computed (see ``rounded_values``)
         self.rounded = rounded_values(spec)
         self.half_copy: dict[str, str] = {}  # a rounded fp32 value's name -> its half value's name
-        #: a logsumexp computed whole -> its tile x, exp(x - shift) and shift (``_shared_exp``)
-        self.shared_exp: dict[int, tuple[str, str, str]] = {}
+        self.twins = state_twins(spec)  # reductions sharing another's state
+        #: a logsumexp computed whole -> its tile x, exp(x - shift), shift and state (``_shared_exp``)
+        self.shared_exp: dict[int, tuple[str, str, str, tuple[str, ...]]] = {}
         self.reduced_from: dict[int, bool] = {}  # node index -> computed from a reduction (``_after_reduction``)
         self.scalar_args: set[str] = set()  # the scalar arguments' names (``_scalar_prelude``)
 
@@ -317,9 +318,21 @@ class Writer:
         """``exp(x - lse)`` where this kernel reduced ``lse = logsumexp(x)`` whole, over the very
         tile ``x`` (``operand`` reads a source where ``node`` is): the tile's ``exp(x - shift)``
         rescaled per row by ``exp(shift - lse)``, so a softmax computes one exp per element, as the
-        tutorial's ``exp(x - max) / sum`` does. Where that tile is gone (a looped row's output pass
-        reads ``x`` again), ``exp(x - lse)`` in the flush-to-zero form the tile's exp has: its value
-        is at most 1, and what it flushes lies under 2**-126. None where the rule does not apply."""
+        tutorial's ``exp(x - max) / sum`` does; times a per-row factor, the two factors multiply
+        once per row: one product per element. Softmax's factor, ``1 / total`` with the total read
+        off the logsumexp's own state (``softmax_sum``), makes that ``exp(x - max) / sum``
+        exactly: ``1 / sum`` per row (NaN where the logsumexp is not finite, as the graph's). Where
+        that tile is gone (a looped row's output pass reads ``x`` again), ``exp(x - lse)`` in the
+        flush-to-zero form the tile's exp has: its value is at most 1, and what it flushes lies
+        under 2**-126. None where the rule does not apply."""
+        other = None
+        pair = () if self.spec.looped else factors(node)
+        for ref, by in zip(pair, pair[::-1]):
+            inner = self._node_at(ref)
+            if inner is not None and self._row_constant(by) and inner[1].cdt == node.cdt:
+                if exp_of_logsumexp(inner[1], self._node_at) is not None:
+                    node, other = inner[1], by
+                    break
         found = exp_of_logsumexp(node, self._node_at)
         if found is None:
             return None
@@ -329,11 +342,22 @@ class Writer:
         operand((Src.NODE, lse))  # the reduction, with its tile's exp
         x = self.cast(operand(x_ref), node.cdt)
         y = self.cast(operand(y_ref), node.cdt)
-        if lse in self.shared_exp and self.shared_exp[lse][0] == x and not self.spec.looped:
-            _, e, shift = self.shared_exp[lse]
-            scope.add(f"{name} = {e} * tl.exp({shift} - {y})")
-        else:
+        if lse not in self.shared_exp or self.shared_exp[lse][0] != x or self.spec.looped:
+            if other is not None:
+                return None
             scope.add(f"{name} = {exp_below(x, y)}")
+        else:
+            _, e, shift, state = self.shared_exp[lse]
+            factor = f"tl.exp({shift} - {y})"
+            if other is not None:
+                total = self._node_at(other)
+                over = None if total is None else reciprocal_of(total[1])
+                if over is not None and over[0] is Src.NODE and self.twins.get(over[1]) == self.twins.get(lse, lse):
+                    factor = f"1.0 / {state[1]} + ({y} - {y})"  # exp(x - max) / sum
+                else:
+                    factor = f"{factor} * {self.cast(operand(other), node.cdt)}"
+                factor = self.tmp(self.top, factor)
+            scope.add(f"{name} = {e} * {factor}")
         self.types[name] = node.cdt
         return name
 
@@ -466,17 +490,31 @@ class Writer:
         self.types[name] = rdt
         return name
 
-    def _tile_state(self, i: int, ctx: EmitCtx, x: str, count: str | None) -> tuple[str, ...]:
+    def _tile_state(self, i: int, ctx: EmitCtx, x: str, count: str | None, scope: Scope) -> tuple[str, ...]:
         """Reduction ``i``'s state over one tile of its input ``x``: from the elements where the
-        op says how and ``count``, the valid lanes per row, is known; else lifted and reduced."""
+        op says how and ``count``, the valid lanes per row, is known; else lifted and reduced.
+        Two reductions of one tile with the same state (logsumexp and ``softmax_sum``, which only
+        read it off differently) share it: computed once, in named locals."""
         node = self.spec.nodes[i]
         red = REGISTRY[node.op].reduce
-        if red.tile_of is not None and count is not None:
-            state = red.tile_of(ctx, x, self._lane_mask(i), count)
-            if "exp" in ctx.facts:
-                self.shared_exp[i] = (x, ctx.facts["exp"], ctx.facts["shift"])
+        mask = self._lane_mask(i)
+        key = ("state", self.twins.get(i, i), count)
+        if key in scope.memo:
+            state, facts = scope.memo[key]
+            if facts is not None:
+                self.shared_exp[i] = facts
             return state
-        return red.tile(ctx, self._lifted(ctx, node, ctx.dtype, x, self._lane_mask(i)))
+        facts = None
+        if red.tile_of is not None and count is not None:
+            state = red.tile_of(ctx, x, mask, count)
+        else:
+            state = red.tile(ctx, self._lifted(ctx, node, ctx.dtype, x, mask))
+        if i in self.twins.values():  # read by its twins too: each component computed once
+            state = tuple(c if c.isidentifier() else ctx.tmp(c) for c in state)
+        if "exp" in ctx.facts:
+            facts = self.shared_exp[i] = (x, ctx.facts["exp"], ctx.facts["shift"], state)
+        scope.memo[key] = (state, facts)
+        return state
 
     def _direct(self, i: int) -> str | None:
         """Reduction ``i`` computed once per row, at the top, without reducing a tile, where the
@@ -489,7 +527,7 @@ class Writer:
             return direct
         node, rdt, ctx, x = self._reduce_input(i, scope, scope)
         red = REGISTRY[node.op].reduce
-        state = self._tile_state(i, ctx, x, "n_cols" if self.row and not self.spec.split else None)
+        state = self._tile_state(i, ctx, x, "n_cols" if self.row and not self.spec.split else None, scope)
         name = f"v{i}"
         scope.add(f"{name} = {red.value(ctx, state)}")
         self.types[name] = rdt
@@ -512,6 +550,8 @@ class Writer:
         stored = self.stores(stores, loop)
         finals = []
         for i in reductions:
+            if i in self.twins:  # read off its twin's state after the loop
+                continue
             node = self.spec.nodes[i]
             red = REGISTRY[node.op].reduce
             rdt = reduce_dtype(node)
@@ -526,7 +566,7 @@ class Writer:
                 new = red.merge(ctx, running, self._lifted(ctx, node, rdt, x, self._lane_mask(i)))
             else:
                 count = f"tl.minimum({'col_hi' if self.spec.split else 'n_cols'} - col_start, BLOCK_SIZE)"
-                new = red.merge(ctx, running, self._tile_state(i, ctx, x, count))
+                new = red.merge(ctx, running, self._tile_state(i, ctx, x, count, loop))
             staged = [ctx.tmp(expr) for expr in new]
             for name, expr in zip(running, staged):
                 loop.add(f"{name} = {expr}")
@@ -540,7 +580,17 @@ class Writer:
                     at = self._partial_at(k, "split", "rows")
                     self.top.add(f"tl.store(part{i}_ptr + {at}, {comp}, mask=row_mask)")
                 continue
-            self._finish_reduction(i, red, top, state)
+            self._finish_twins(i, red, top, state, reductions)
+
+    def _finish_twins(
+        self, i: int, red: ReduceSpec, ctx: EmitCtx, state: tuple[str, ...], among: Sequence[int]
+    ) -> None:
+        """Reduction ``i``'s value from its merged ``state``, and that of each twin in ``among``."""
+        self._finish_reduction(i, red, ctx, state)
+        for t in among:
+            if self.twins.get(t) == i:
+                node = self.spec.nodes[t]
+                self._finish_reduction(t, REGISTRY[node.op].reduce, self._ctx(node, self.top, ctx.dtype), state)
 
     def _finish_reduction(self, i: int, red: ReduceSpec, ctx: EmitCtx, state: tuple[str, ...]) -> None:
         self.top.add(f"v{i} = {red.value(ctx, state)}")
@@ -576,7 +626,7 @@ class Writer:
                 at = self._partial_at(k, "parts", "rows")
                 self.top.add(f"{name} = tl.load(part{i}_ptr + {at}, mask=part_mask, other={ident})")
                 lanes.append(name)
-            self._finish_reduction(i, red, ctx, red.tile(ctx, tuple(lanes)))
+            self._finish_twins(i, red, ctx, red.tile(ctx, tuple(lanes)), self.spec.reductions)
 
     def column_lanes(self) -> None:
         """A row kernel's column reductions (``KernelSpec.columns``): each merges its input's lanes

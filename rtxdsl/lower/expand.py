@@ -26,6 +26,7 @@ from ..expr import Expr, node, walk
 from ..ops import REGISTRY, DtypeRule, OpKind
 from ..ops.reduction import SINGLE
 from .bind import Info, infer_all
+from .online import normalized_after
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ def _lower_all(
                 p = _typed(Expr(n.op, srcs, attrs), info, keep)
             if opdef.regroups and not me.is_scalar:
                 p = _flatten_rows_of_product(p, info, keep)
+            if opdef.kind is OpKind.CONTRACTION:
+                p = normalized_after(p, lambda e: info[id(e)], lambda e: _typed(e, info, keep))
         memo[id(n)] = p
         memo[id(p)] = p
 

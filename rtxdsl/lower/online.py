@@ -13,15 +13,21 @@ epilogue reads is the two-pass value, up to rounding, whatever the epilogue does
 division by the row sum, the logsumexp written for the backward).
 
 ``online_shift`` is the condition, read by the analyzer (may the logsumexp move into the K loop?)
-and by the GEMM's spec (which nodes the writer treats so).
+and by the GEMM's spec (which nodes the writer treats so). ``normalized_after`` puts a softmax's
+division by its total after the product (``softmax(x) @ v = (exp(x - c) @ v) / total``), where
+the K loop sums the total too: how ``rx.attention`` is declared, and what the condition reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from ..expr import Expr
+import torch
+
+from ..expr import Expr, node
+from ..ops.reduction import softmax_of
 from ..registry import REGISTRY, OpKind
+from .bind import Info
 from .roles import Role
 
 #: ops whose value stays proportional to one operand (scaled by factors that do not depend on the
@@ -142,3 +148,45 @@ def shifted_by(nodes: Iterable[Expr], roles: Mapping[int, Role]) -> tuple[Expr, 
                 seen.add(id(n))
                 stack.extend(n.srcs)
     return None
+
+
+def _path_to_softmax(e: Expr) -> tuple[list[tuple[Expr, int]], Expr, Expr] | None:
+    """``(path, exp(x - c), total)``: ``e`` is a softmax, or ops that keep one proportional
+    (``LINEAR``) over it, ``path`` their (node, operand position) from ``e`` down; None if not."""
+    found = softmax_of(e)
+    if found is not None:
+        return [], *found
+    positions, select = LINEAR.get(e.op, ((), False))
+    for k in positions:
+        below = _path_to_softmax(e.srcs[k])
+        if below is None or (select and not _zero(e.srcs[3 - k])):
+            continue
+        others = [s for j, s in enumerate(e.srcs) if j != k]
+        if any(_reads(o, {id(below[2])}) for o in others):  # (p * p is no softmax times a factor)
+            return None
+        return [(e, k), *below[0]], below[1], below[2]
+    return None
+
+
+def normalized_after(p: Expr, info: Callable[[Expr], Info], typed: Callable[[Expr], Expr]) -> Expr:
+    """Contraction ``p`` whose A operand is a softmax over its contracted (last) axis, through ops
+    that keep it proportional (``LINEAR``: a cast, a mask, dropout): ``(exp(x - c) @ v) / total``,
+    the total summed over ``exp(x - c)`` itself and the product kept at its accumulator's dtype until
+    the division (then cast to ``p``'s own). The same value, and the form whose K loop merges the
+    logsumexp online: the prologue reads the shift only. ``info(e)`` is a typed node's ``Info``;
+    ``typed(e)`` types a new node. ``p`` itself where the rule does not apply."""
+    if REGISTRY[p.op].kind is not OpKind.CONTRACTION or p.attr("ta") or p.attr("sum_batch"):
+        return p
+    found = _path_to_softmax(p.srcs[0])
+    if found is None:
+        return p
+    path, u, total = found
+    if total.attr("axis") != (len(info(u).shape) - 1,) or not total.attr("keepdim"):
+        return p
+    a = u
+    for above, k in reversed(path):  # the chain again, over the unnormalized exp
+        a = typed(node(above.op, *(a if j == k else s for j, s in enumerate(above.srcs)), **above.attr_dict))
+    acc = torch.float64 if info(p).dtype == torch.float64 else torch.float32
+    product = typed(node(p.op, a, p.srcs[1], **{**p.attr_dict, "dtype": acc}))
+    rowsum = typed(node("sum", u, axis=total.attr("axis"), keepdim=True))
+    return typed(node("cast", typed(node("div", product, rowsum)), dtype=info(p).dtype))

@@ -119,9 +119,28 @@ def input_reads(spec: KernelSpec) -> list[int]:
 
 def partial_states(spec: KernelSpec) -> list[tuple[int, int, torch.dtype]]:
     """The partial buffers a kernel stores or merges, (reduction node, state components, dtype) per
-    reduction: a split row's, or a row kernel's column reductions (``KernelSpec.columns``)."""
-    reductions = spec.columns or sorted(levels(spec))
+    reduction: a split row's, or a row kernel's column reductions (``KernelSpec.columns``); one
+    per state (``state_twins``)."""
+    twins = state_twins(spec)
+    reductions = [i for i in spec.columns or sorted(levels(spec)) if i not in twins]
     return [(i, len(REGISTRY[spec.nodes[i].op].reduce.state), reduce_dtype(spec.nodes[i])) for i in reductions]
+
+
+def state_twins(spec: KernelSpec) -> dict[int, int]:
+    """Reduction -> the kernel's first reduction whose state it shares: the same declared state
+    (lift, tile, merge) over the same operand, axes and dtype, read off another way (logsumexp and
+    ``softmax_sum``). A kernel computes, merges and stores that state once."""
+    first: dict[tuple, int] = {}
+    twins = {}
+    for i in sorted(spec.reductions):
+        n = spec.nodes[i]
+        red = REGISTRY[n.op].reduce
+        key = (red.lift, red.tile, red.merge, red.tile_of, n.srcs[0], n.attrs, reduce_dtype(n), n.role)
+        if key in first:
+            twins[i] = first[key]
+        else:
+            first[key] = i
+    return twins
 
 
 def reduce_dtype(node: NodeSpec) -> torch.dtype:

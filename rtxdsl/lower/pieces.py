@@ -113,13 +113,13 @@ def pieces(graph: Graph, k: int, dim: int) -> Pieces | str:
         if found:
             held[id(n)] = found[0]
     cuts = [n for n in graph.nodes if _reduces(n, held, graph)]
+    why = _piece_side(graph, held, set(map(id, cuts)))  # (first: softmax's total is such a value too)
+    if why:
+        return why
     for c in cuts:
         spec = REGISTRY[c.op].reduce
         if spec is None or not spec.of_values:
             return f"{c.op} over the axis does not merge from its pieces' values"
-    why = _piece_side(graph, held, set(map(id, cuts)))
-    if why:
-        return why
     shape_of: dict[int, str] = {}
     why = _merge_side(graph, held, set(map(id, cuts)), shape_of)
     if why:

@@ -23,7 +23,7 @@ from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import FLOATING, NUMERIC, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .helpers import ExprLike, axis_arg, binary_fn, int_axis, scalar_arg, torch_fns
-from .reduction import lse_shift, mean_of, norm_axes, reduced_shape
+from .reduction import mean_of, norm_axes, reduced_shape, softmax_parts
 
 
 def _composite(
@@ -200,11 +200,19 @@ def _torch_softmax(fn: Callable[..., Expr]) -> Callable[..., Expr]:
     return build
 
 
+def _softmax(shifted: Expr, total: Expr) -> Expr:
+    return node("mul", node("exp", shifted), node("reciprocal", total))
+
+
+def _log_softmax(shifted: Expr, total: Expr) -> Expr:
+    return node("sub", shifted, node("log", total))
+
+
 _composite(
     "softmax",
     1,
     lambda x, axis: torch.softmax(x, dim=axis),
-    lambda x, axis: node("exp", node("sub", x, lse_shift(x, axis))),
+    lambda x, axis: _softmax(*softmax_parts(x, axis)),
     shape=_same_as_first,
     pattern=Pattern.SOFTMAX,
     accepts=FLOATING,
@@ -216,7 +224,7 @@ _composite(
     "log_softmax",
     1,
     lambda x, axis: torch.log_softmax(x, dim=axis),
-    lambda x, axis: node("sub", x, lse_shift(x, axis)),
+    lambda x, axis: _log_softmax(*softmax_parts(x, axis)),
     shape=_same_as_first,
     pattern=Pattern.SOFTMAX,
     accepts=FLOATING,

@@ -129,8 +129,11 @@ def contract(
 
 def _contract_grad(d: D) -> tuple[Expr, Expr]:
     """``dA = g @ B.mT`` and ``dB = A.mT @ g`` (as stored: transposed back where an operand was
-    read transposed); an operand with no batch dims of its own takes the batch-summed product."""
+    read transposed); an operand with no batch dims of its own takes the batch-summed product.
+    A product kept at its accumulator's dtype keeps its operands' gradients so too: they are
+    rounded to the operands' dtype once, where they reach a leaf, not after each product."""
     ta, tb = d.n.attr("ta"), d.n.attr("tb")
+    dtype = d.n.attr_dict.get("dtype")
     a_rank, b_rank = (len(s) for s in d.src_shapes)
     out_batched = d.n_ndim > 2
 
@@ -138,13 +141,13 @@ def _contract_grad(d: D) -> tuple[Expr, Expr]:
         return rank == 2 and out_batched
 
     if not ta:
-        da = contract(d.g, d.b, tb=not tb, sum_batch=own(a_rank))
+        da = contract(d.g, d.b, tb=not tb, sum_batch=own(a_rank), dtype=dtype)
     else:
-        da = contract(d.b, d.g, ta=tb, tb=True, sum_batch=own(a_rank))
+        da = contract(d.b, d.g, ta=tb, tb=True, sum_batch=own(a_rank), dtype=dtype)
     if not tb:
-        db = contract(d.a, d.g, ta=not ta, sum_batch=own(b_rank))
+        db = contract(d.a, d.g, ta=not ta, sum_batch=own(b_rank), dtype=dtype)
     else:
-        db = contract(d.g, d.a, ta=True, tb=ta, sum_batch=own(b_rank))
+        db = contract(d.g, d.a, ta=True, tb=ta, sum_batch=own(b_rank), dtype=dtype)
     return da, db
 
 

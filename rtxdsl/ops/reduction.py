@@ -11,6 +11,7 @@ programs whose partial states a second kernel merges. Accumulation runs in fp32 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -285,11 +286,47 @@ def mean_of(x: Expr, axis: Any, keepdim: bool) -> Expr:
 
 
 def lse_shift(x: Expr, axis: Any) -> Expr:
-    """logsumexp over ``axis`` (kept), as softmax, log_softmax and cross-entropy subtract it.
+    """logsumexp over ``axis`` (kept), as cross-entropy subtracts it (softmax and log_softmax
+    shift by it, detached: ``softmax_parts``).
 
     torch takes log_softmax first: a row whose logsumexp is +-inf or NaN (a +inf logit, only -inf
     ones, a NaN) is NaN at every element, value and gradient: ``finite_or_nan`` makes it so."""
     return node("finite_or_nan", node("logsumexp", x, axis=axis, keepdim=True))
+
+
+def softmax_parts(x: Expr, axis: Any) -> tuple[Expr, Expr]:
+    """``(x - c, sum(exp(x - c)))`` over ``axis`` (kept), ``c`` the row's rounded logsumexp
+    (``lse_shift``, detached): softmax is ``exp(x - c) / total``, log_softmax ``(x - c) - log(total)``.
+
+    ``c`` is only a shift: the total is 1 up to its rounding, and dividing by it makes every row
+    exact whatever ``c`` holds. A row of equal values far from zero (``masked_fill(mask, -1e9)``
+    over a whole row, Hugging Face's ``finfo.min`` padding) has ``c`` equal to them (``log n`` lies
+    under their spacing), so ``exp(x - c)`` is 1 everywhere and the total n: the uniform row torch
+    gives, where ``exp(x - c)`` alone would be 1 per element. The total is the logsumexp's own
+    state (``softmax_sum``): no second pass over the row."""
+    return node("sub", x, node("detach", lse_shift(x, axis))), node("softmax_sum", x, axis=axis, keepdim=True)
+
+
+def softmax_of(e: Expr) -> tuple[Expr, Expr] | None:
+    """``(exp(x - c), total)`` where ``e`` is ``exp(x - c) * (1 / total)`` as ``softmax_parts``
+    builds a softmax (either order), ``total = softmax_sum(x)``; else None."""
+    if e.op != "mul":
+        return None
+    for u, r in (e.srcs, e.srcs[::-1]):
+        if u.op == "exp" and u.srcs[0].op == "sub" and r.op == "reciprocal" and r.srcs[0].op == "softmax_sum":
+            if u.srcs[0].srcs[0] is r.srcs[0].srcs[0]:
+                return u, r.srcs[0]
+    return None
+
+
+def factors(node: Any) -> tuple[Any, ...]:
+    """The operands of a product (an ``Expr`` or a kernel's node spec), () for any other node."""
+    return tuple(node.srcs) if node.op == "mul" else ()
+
+
+def reciprocal_of(node: Any) -> Any:
+    """The operand ``y`` of ``1 / y`` (an ``Expr`` or a kernel's node spec), None for any other node."""
+    return node.srcs[0] if node.op == "reciprocal" else None
 
 
 def exp_of_logsumexp(node: Any, node_at: Any) -> tuple[Any, int, Any] | None:
@@ -303,7 +340,7 @@ def exp_of_logsumexp(node: Any, node_at: Any) -> tuple[Any, int, Any] | None:
         return None
     x, y = sub[1].srcs
     red = node_at(y)
-    while red is not None and red[1].op in ("finite_or_nan", "cast"):
+    while red is not None and red[1].op in ("finite_or_nan", "cast", "detach"):
         red = node_at(red[1].srcs[0])
     if red is None or red[1].op != "logsumexp" or red[1].srcs[0] != x:
         return None
@@ -357,6 +394,36 @@ _reduction(
     methods=("logsumexp",),
     torch_names=("logsumexp",),
 )
+
+
+def _softmax_sum_value(c: EmitCtx, st: tuple[str, ...]) -> str:
+    # the state's sum taken at the shift a softmax subtracts, ``finite_or_nan(m + log(s))``
+    lse = c.tmp(f"{st[0]} + tl.log({st[1]})")
+    return f"{st[1]} * tl.exp({st[0]} - ({lse} + ({lse} - {lse})))"
+
+
+#: sum(exp(x - c)) for ``c = lse_shift(x)``: logsumexp's state, read off at its own rounded value
+SOFTMAX_SUM = replace(LOGSUMEXP, value=_softmax_sum_value, single=lambda c, x: f"1.0 + ({x} - {x})", of_values=False)
+
+
+def _softmax_sum_ref(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
+    lse = torch.logsumexp(x, dim=dims, keepdim=True).detach()  # a shift: see _softmax_sum_derivative
+    return torch.exp(x - (lse + (lse - lse))).sum(dim=dims, keepdim=keepdim)
+
+
+def _softmax_sum_derivative(d: D) -> tuple[Expr]:
+    # the shift is detached: d/dx sum(exp(x - c)) = exp(x - c), the very exp the softmax computes
+    lse = node("logsumexp", d.a, axis=d.n.attr("axis"), keepdim=True)
+    return (node("mul", d.g, node("exp", node("sub", d.a, node("detach", node("finite_or_nan", lse))))),)
+
+
+_reduction(
+    "softmax_sum",
+    lambda x, axis, keepdim: _softmax_sum_ref(x, _all_if_none(axis, x.ndim), keepdim),
+    SOFTMAX_SUM,
+    _softmax_sum_derivative,
+    "sum(exp(x - logsumexp(x))) as softmax divides by it: 1 up to the logsumexp's rounding",
+)
 _reduction(
     "m2",
     lambda x, axis, keepdim: (
@@ -404,4 +471,8 @@ register(
 )
 
 #: what a reduction over no dims (a 0-dim operand) is, per op: the operand itself, or m2's 0
-SINGLE = {"m2": lambda x: node("mul", node("sub", x, x), node("sub", x, x))}
+SINGLE = {
+    "m2": lambda x: node("mul", node("sub", x, x), node("sub", x, x)),
+    # exp(x - x) with the shift detached: 1, NaN where x is not finite, its derivative softmax's
+    "softmax_sum": lambda x: node("exp", node("sub", x, node("detach", node("finite_or_nan", x)))),
+}
