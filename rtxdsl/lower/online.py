@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-import torch
-
 from ..expr import Expr, node
 from ..ops.reduction import softmax_of
 from ..registry import REGISTRY, OpKind
@@ -171,9 +169,9 @@ def _path_to_softmax(e: Expr) -> tuple[list[tuple[Expr, int]], Expr, Expr] | Non
 def normalized_after(p: Expr, info: Callable[[Expr], Info], typed: Callable[[Expr], Expr]) -> Expr:
     """Contraction ``p`` whose A operand is a softmax over its contracted (last) axis, through ops
     that keep it proportional (``LINEAR``: a cast, a mask, dropout): ``(exp(x - c) @ v) / total``,
-    the total summed over ``exp(x - c)`` itself and the product kept at its accumulator's dtype until
-    the division (then cast to ``p``'s own). The same value, and the form whose K loop merges the
-    logsumexp online: the prologue reads the shift only. ``info(e)`` is a typed node's ``Info``;
+    the total summed over ``exp(x - c)`` itself, cast to ``p``'s own dtype after the division (as
+    ``rx.attention`` declares it). The same value, and the form whose K loop merges the logsumexp
+    online: the prologue reads the shift only. ``info(e)`` is a typed node's ``Info``;
     ``typed(e)`` types a new node. ``p`` itself where the rule does not apply."""
     if REGISTRY[p.op].kind is not OpKind.CONTRACTION or p.attr("ta") or p.attr("sum_batch"):
         return p
@@ -186,7 +184,6 @@ def normalized_after(p: Expr, info: Callable[[Expr], Info], typed: Callable[[Exp
     a = u
     for above, k in reversed(path):  # the chain again, over the unnormalized exp
         a = typed(node(above.op, *(a if j == k else s for j, s in enumerate(above.srcs)), **above.attr_dict))
-    acc = torch.float64 if info(p).dtype == torch.float64 else torch.float32
-    product = typed(node(p.op, a, p.srcs[1], **{**p.attr_dict, "dtype": acc}))
+    product = typed(node(p.op, a, p.srcs[1], **p.attr_dict))
     rowsum = typed(node("sum", u, axis=total.attr("axis"), keepdim=True))
     return typed(node("cast", typed(node("div", product, rowsum)), dtype=info(p).dtype))

@@ -131,9 +131,14 @@ def _contract_grad(d: D) -> tuple[Expr, Expr]:
     """``dA = g @ B.mT`` and ``dB = A.mT @ g`` (as stored: transposed back where an operand was
     read transposed); an operand with no batch dims of its own takes the batch-summed product.
     A product kept at its accumulator's dtype keeps its operands' gradients so too: they are
-    rounded to the operands' dtype once, where they reach a leaf, not after each product."""
+    rounded to the operands' dtype once, where they reach a leaf, not after each product. So does
+    the gradient of an operand cast to the product's dtype (``softmax(s).to(bf16) @ v``): the
+    cast's own derivative widens it back at once, and a rounding between would only add noise
+    (the softmax's backward then subtracts two sums of it that are equal in exact arithmetic)."""
     ta, tb = d.n.attr("ta"), d.n.attr("tb")
-    dtype = d.n.attr_dict.get("dtype")
+    kept = d.n.attr_dict.get("dtype")
+    narrowed = d.a.op == "cast" and d.a.attr("dtype") in (torch.float16, torch.bfloat16)
+    dtype = torch.float32 if kept is None and narrowed else kept
     a_rank, b_rank = (len(s) for s in d.src_shapes)
     out_batched = d.n_ndim > 2
 
@@ -145,9 +150,9 @@ def _contract_grad(d: D) -> tuple[Expr, Expr]:
     else:
         da = contract(d.b, d.g, ta=tb, tb=True, sum_batch=own(a_rank), dtype=dtype)
     if not tb:
-        db = contract(d.a, d.g, ta=not ta, sum_batch=own(b_rank), dtype=dtype)
+        db = contract(d.a, d.g, ta=not ta, sum_batch=own(b_rank), dtype=kept)
     else:
-        db = contract(d.g, d.a, ta=True, tb=ta, sum_batch=own(b_rank), dtype=dtype)
+        db = contract(d.g, d.a, ta=True, tb=ta, sum_batch=own(b_rank), dtype=kept)
     return da, db
 
 
