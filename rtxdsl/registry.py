@@ -257,6 +257,10 @@ class OpDef:
     regroups: bool = False
     #: operand positions read for their shape only (``arange_like``): never loaded
     shape_only: tuple[int, ...] = ()
+    #: composites whose backward reads their own output back, as eager's saves it (attention:
+    #: SDPA's ``rowsum(dO * O)``), where recomputing the value before its rounding would need a
+    #: saved product of its own
+    reads_output: bool = False
     #: movement ops: what they do to their operand's axes (sharding, pieces)
     axes: AxisRule = AxisRule.OPAQUE
     #: result dtype from operand dtypes and attributes, where probing torch cannot tell (an op

@@ -25,6 +25,7 @@ from .lower import Plan, Program
 from .lower.params import ParamKind, slots
 from .lower.schedule import IndexCheck, candidates, encode_scalar
 from .lower.spec import ChunkLoop
+from .lower.vjp import SAVED
 from .ops import REGISTRY, apply_ref
 from .tune import Tuned, tuned_path
 
@@ -339,11 +340,13 @@ def device_of(tensors: tuple[Any, ...]) -> torch.device:
 def repeated_outputs(program: Program) -> dict[str, int]:
     """Output keys whose buffer an earlier key returns, with its slot: two roots that are one node
     (a key given twice; a reduction over no extent, simplified away) get a copy each, as eager's
-    two results are two tensors (an in-place write to one must not change the other)."""
+    two results are two tensors (an in-place write to one must not change the other). An output
+    the backward saves (``vjp._read_back``) is the very tensor returned, as eager autograd saves
+    it: autograd's version counter refuses a backward after an in-place write to it."""
     seen: set[int] = set()
     repeats = {}
     for key, slot in program.outputs:
-        if slot is not None and slot in seen:
+        if slot is not None and slot in seen and not key.startswith(SAVED):
             repeats[key] = slot
         seen.add(slot)  # type: ignore[arg-type]
     return repeats

@@ -172,6 +172,27 @@ def test_the_forward_writes_no_scores(kind, gen):
         assert len(written) == (3 if kind == "bias" else 0), written
 
 
+@pytest.mark.parametrize("hkv", [4, 1], ids=["multi-head", "multi-query"])
+def test_the_training_forward_saves_its_output_and_two_row_statistics(hkv, gen):
+    """The backward's ``rowsum(dO * O)`` reads the output back, as SDPA saves it, not the product
+    ``P @ v`` before its division (saved beside it, the output's size again: 33.5 MB at 32 heads x
+    4096 x 128 in bf16). Planned for sm_90, the training forward moves q, k, v, the output and two
+    statistics per row; the saved output is the very tensor returned, so an in-place write to it
+    fails the backward as eager's does, never a silent wrong gradient."""
+    b, hq, t, d = 2, 4, 70, 16
+    ins = {n: torch.randn(b, hq if n == "q" else hkv, t, d, generator=gen).bfloat16().requires_grad_() for n in "qkv"}
+    kern = rx.compile(rx.attention(q, k, v, causal=True, enable_gqa=hkv != hq))
+    plan = kern.grad_plan(**ins)
+    program = plan.forward.lower_for(GPU, **{n: x.detach() for n, x in ins.items()})
+    halves = sum(x.numel() for x in ins.values()) + b * hq * t * d  # q, k, v read, the output written
+    assert program.bytes_moved == 2 * halves + 2 * 4 * b * hq * t
+    out = kern(**ins)
+    assert any(s.data_ptr() == out.data_ptr() for s in out.grad_fn.saved_tensors)
+    out.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def _gqa(**kw):
     return lambda: rx.attention(q, k, v, enable_gqa=True, **kw)
 

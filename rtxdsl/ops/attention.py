@@ -444,6 +444,7 @@ register(
         eager_launches=1,
         eager=_eager,
         pattern=Pattern.ATTENTION,
+        reads_output=True,
         accepts=ANY,
         front=Front(fn=attention, torch=dict.fromkeys(torch_fns("scaled_dot_product_attention"), _torch_sdpa)),
     )
