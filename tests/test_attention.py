@@ -55,9 +55,19 @@ def _reference(ins, scale=None, keep=None, bias=None):
         s = s + bias
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    lse = _logsumexp(s)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).detach()[..., None])
     return _normalized(p, vd), lse
+
+
+def _logsumexp(s):
+    """The scores' logsumexp as ``max + log(sum(exp(s - max)))``: torch.logsumexp's gradient,
+    ``exp(s - lse)``, is 1 per key (not 1 / n) where lse rounds to a row of equal scores far below
+    zero (Hugging Face's padding), in float64 too; a fully masked row: -inf, no gradient."""
+    mx = s.amax(-1, keepdim=True).detach()
+    total = torch.exp(s - torch.where(torch.isinf(mx), 0.0, mx)).sum(-1, keepdim=True)
+    empty = total == 0
+    return torch.where(empty, float("-inf"), mx + torch.log(torch.where(empty, 1.0, total))).squeeze(-1)
 
 
 def _normalized(p, vd):
@@ -279,6 +289,32 @@ def test_a_decoding_step_reads_each_key_once_per_key_head(mask, gen):
         return torch.softmax(s, -1) @ vd, torch.logsumexp(s, -1)
 
     _check(expr, ins, ref, torch.float32, 2e-5, 2e-5, gen)
+
+
+# softmax(s) through ops that keep it proportional before @ v: divided after the product, one launch
+# (lower/online.py: normalized_after); through one that does not (p * p), left as written
+PROPORTIONAL = {  # name: (rtxdsl chain, torch chain, extra inputs, launches)
+    "masked": (lambda p: rx.where(rx.var("m"), p, 0.0), lambda p, m: torch.where(m, p, 0.0), ("m",), 1),
+    "scaled per key": (lambda p: p * rx.var("w"), lambda p, w: p * w, ("w",), 1),
+    "squared": (lambda p: p * p, lambda p: p * p, (), None),
+}
+
+
+@pytest.mark.parametrize("name", PROPORTIONAL)
+def test_a_softmax_before_a_product_is_divided_after_it(name, gen):
+    chain, ref_chain, names, launches = PROPORTIONAL[name]
+    ins = _inputs(gen, 1, 2, 2, 9, 13, 8, 8, torch.float32)
+    made = {"m": torch.rand(9, 13, generator=gen) > 0.3, "w": torch.rand(13, generator=gen)}
+    extra = {n: made[n] for n in names}
+    expr = chain(rx.softmax(q @ k.mT * 0.3, -1)) @ v
+    if launches is not None:
+        assert len(rx.compile(expr).program(**ins, **extra).launched) == launches
+
+    def ref(r):
+        p = torch.softmax(r["q"] @ r["k"].mT * 0.3, -1)
+        return ref_chain(p, *(r[n] for n in names)) @ r["v"]
+
+    _check(expr, ins | extra, ref, torch.float32, 2e-5, 2e-5, gen)
 
 
 def test_attention_written_by_hand_with_mT_writes_no_scores(gen):
@@ -603,10 +639,12 @@ def test_random_attentions_match_float64(draw, gen):
             if mask == "bool"
             else torch.randn(b_, 1, tq, tk, generator=gen) - (200.0 if mask == "low" else 0.0)
         )
-        if mask == "padding":  # each batch's keys before a random start are padding (after an end, causal:
-            # every row keeps a key; a causal row of padding alone is open, its fp32 gradients off)
-            edge = torch.randint(1 if causal else 0, tk, (b_, 1, 1, 1), generator=gen)
-            pad = torch.arange(tk) >= edge if causal else torch.arange(tk) < edge
+        if mask == "padding":  # each batch's keys before a random start are padding, or (causal, one
+            # draw in two) after an end; left padding under a causal mask leaves the first rows nothing
+            # but padding, every score finfo.min: torch's softmax is uniform there
+            left = not causal or bool(torch.randint(0, 2, (), generator=gen))
+            edge = torch.randint(0 if left else 1, max(tk, 2), (b_, 1, 1, 1), generator=gen)
+            pad = torch.arange(tk) < edge if left else torch.arange(tk) >= edge
             m = torch.where(pad, torch.finfo(dtype).min, 0.0)
         ins["m"] = m if mask == "bool" else m.double().to(dtype)
         extra["attn_mask"] = rx.var("m")
@@ -650,8 +688,8 @@ def test_random_attentions_match_float64(draw, gen):
         if mask in ("float", "padding", "low"):
             s = s + r["m"]
         s = s.masked_fill(~keep, float("-inf"))
-        lse_ = torch.logsumexp(s, -1)
-        out = _normalized(torch.exp(s - torch.where(torch.isinf(lse_), 0.0, lse_)[..., None]), vd)
+        lse_ = _logsumexp(s)
+        out = _normalized(torch.exp(s - torch.where(torch.isinf(lse_), 0.0, lse_).detach()[..., None]), vd)
         return (out, lse_) if lse else out
 
     if tied and dtype in (torch.float16, torch.bfloat16):  # k's gradient sums both operands' rounding

@@ -160,7 +160,7 @@ def _path_to_softmax(e: Expr) -> tuple[list[tuple[Expr, int]], Expr, Expr] | Non
         if below is None or (select and not _zero(e.srcs[3 - k])):
             continue
         others = [s for j, s in enumerate(e.srcs) if j != k]
-        if any(_reads(o, {id(below[2])}) for o in others):  # (p * p is no softmax times a factor)
+        if any(_reads(o, {id(below[2])}) for o in others):  # (p * p: its other p needs the total first)
             return None
         return [(e, k), *below[0]], below[1], below[2]
     return None
