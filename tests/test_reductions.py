@@ -137,6 +137,19 @@ def test_layer_norm_with_mean_and_rstd_outputs_is_one_kernel(gen):
     _check_one_kernel(k, ins, list(out.values()))
 
 
+@pytest.mark.xfail(strict=True, reason="open: the mean is sum(x) / n, an ulp off on a row of one value")
+@pytest.mark.parametrize("cols", [3, 7, 100])
+def test_layer_norm_of_an_input_expanded_along_its_row_is_zero(cols, gen):
+    """An input expanded along the normalized dim is a row of one value: torch's layer norm is 0
+    there. rtxdsl's mean is ``sum(x) / n``, which can miss the value by an ulp, and ``1 / sqrt(eps)``
+    scales that up to 4.5e-4 (found by the expression fuzzer, ``RTXDSL_FUZZ_SEED=20261207``, in
+    a loss over a normed head). The mean of the row shifted by its first element is exact, but
+    changes the norm backward's one-read plan (``lower/columns.py``): open."""
+    t = (torch.randn(64, 1, generator=gen) * 5).expand(64, cols)
+    out = rx.compile(rx.layer_norm(x, 1.0, 0.0, 1e-5))(x=t)
+    assert torch.equal(out, F.layer_norm(t, (cols,), eps=1e-5)), out.abs().max()
+
+
 def test_variance_is_accurate_far_from_zero(gen):
     """Values near 1e4 with spread 100: a one-pass E[x^2]-E[x]^2 would lose every digit in fp32."""
     t = 1e4 + 100 * torch.randn(5, 70001, generator=gen)
