@@ -22,6 +22,7 @@ from ..errors import RtxError
 from ..expr import Expr, node, walk
 from ..ops import REGISTRY, DtypeRule, OpKind
 from ..ops.helpers import D
+from ..ops.reduction import factors
 from .analyze import reduced_in_rows
 from .bind import Info, infer_all
 from .expand import Graph, is_leaf
@@ -93,8 +94,16 @@ class _Cotangents:
         return self.info[id(e)]
 
     def accumulate(self, target: Expr, c: Expr) -> None:
+        """Add cotangent ``c`` to ``target``'s; two products by one factor add their other factors
+        first, ``a * f + b * f = (a + b) * f`` (softmax's two paths into its exp: one product per
+        element where there were two and a sum)."""
         old = self.grads.get(id(target))
-        self.grads[id(target)] = c if old is None else node("add", old, c)
+        shared = _common_factor(old, c) if old is not None else None
+        if shared is not None:
+            f, a, b = shared
+            self.grads[id(target)] = node("mul", node("add", a, b), f)
+        else:
+            self.grads[id(target)] = c if old is None else node("add", old, c)
 
     def seed(self, graph: Graph) -> list[bool]:
         """One cotangent input per floating-point output; which outputs are floating-point."""
@@ -145,6 +154,17 @@ class _Cotangents:
                 continue
             full = info[id(n)].shape if opdef.kind is OpKind.ELEMENTWISE else None
             self.accumulate(s, sum_to(c, self.typed(c).shape, si.shape, full))
+
+
+def _common_factor(p: Expr, q: Expr) -> tuple[Expr, Expr, Expr] | None:
+    """``(f, a, b)`` where ``p = a * f`` and ``q = b * f`` (either order), else None."""
+    ps, qs = factors(p), factors(q)
+    for f in ps:
+        if any(f is g for g in qs):
+            a = ps[1] if ps[0] is f else ps[0]
+            b = qs[1] if qs[0] is f else qs[0]
+            return f, a, b
+    return None
 
 
 def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple[bool, ...]) -> Gradients:
