@@ -39,6 +39,9 @@ class KernelHandle(Protocol):
     def draws_seeds(self) -> bool: ...
 
     @property
+    def shared_outputs(self) -> tuple[str, ...]: ...
+
+    @property
     def torch_op(self) -> Any: ...
 
     @property

@@ -88,6 +88,7 @@ class Kernel:
         stats: FusionStats | None = None,
         draw_seeds: bool = True,
         into: Mapping[str, str] | None = None,
+        shared: tuple[str, ...] = (),
     ) -> None:
         if config is not None and not isinstance(config, FusionConfig):
             raise RtxError(f"config must be a FusionConfig, got {type(config).__name__}")
@@ -137,6 +138,7 @@ class Kernel:
         self._last: tuple[Any, Any] = (None, None)  # (key, launch) of the last call
         self._op: Any = None  # the kernel's own torch.library op, made on first use
         self._into = dict(into or {})  # output key -> input name it may be written into (internal)
+        self._shared = shared  # output keys returned as an earlier key's very buffer (internal)
         # its name for rtxdsl::kernel (torch.compile): structural, the same in every process
         self.op_key: str = register_kernel(self, self._into, bool(self._seeds))
         # saving plans made while torch.compile traces (fake tensors), apart from the real ones
@@ -305,6 +307,12 @@ class Kernel:
         """Does a call draw fresh random seeds (``rand_like`` / ``dropout`` with ``seed=None``)?"""
         return bool(self._seeds)
 
+    @property
+    def shared_outputs(self) -> tuple[str, ...]:
+        """Output keys returned as the very buffer of an earlier key, not a copy of it (a gradient
+        plan's forward: the output its backward reads back)."""
+        return self._shared
+
     def reference_on(self, tensors: tuple[Any, ...]) -> Any:
         """The torch reference, op by op, on the given inputs (fake tensors too; seeds 0)."""
         return self.reference((*tensors, *[0] * self._seeds))
@@ -370,7 +378,9 @@ class Kernel:
         passthrough = tuple((k, e.attr("name")) for k, e in grads.backward if e.is_var)
         computed = {k: e for k, e in grads.backward if not e.is_var}
         return GradPlan(
-            forward=Kernel(dict(grads.forward), self._config, stats=self._stats, draw_seeds=False),
+            forward=Kernel(
+                dict(grads.forward), self._config, stats=self._stats, draw_seeds=False, shared=grads.shared_keys
+            ),
             backward=Kernel(computed, self._config, stats=self._stats, draw_seeds=False) if computed else None,
             grads=grads,
             input_names=tuple(v.attr("name") for v in self._vars),

@@ -25,7 +25,6 @@ from .lower import Plan, Program
 from .lower.params import ParamKind, slots
 from .lower.schedule import IndexCheck, candidates, encode_scalar
 from .lower.spec import ChunkLoop
-from .lower.vjp import SAVED
 from .ops import REGISTRY, apply_ref
 from .tune import Tuned, tuned_path
 
@@ -83,7 +82,7 @@ def generate_run(
         lines.append(f"    {', '.join(f't{i}' for i in range(n))}, = tensors")
     names = [f"t{i}" for i in range(n)]
     lines += _buffer_lines(program, tensors, graph, scope, names)
-    repeats = repeated_outputs(program)
+    repeats = repeated_outputs(program, kernel.shared_outputs)
     if not config.dry_run:
         lines += _launch_lines(program, config, interpret, graph, scope, names)
         if not graph:
@@ -337,16 +336,16 @@ def device_of(tensors: tuple[Any, ...]) -> torch.device:
     return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
-def repeated_outputs(program: Program) -> dict[str, int]:
+def repeated_outputs(program: Program, shared: tuple[str, ...]) -> dict[str, int]:
     """Output keys whose buffer an earlier key returns, with its slot: two roots that are one node
     (a key given twice; a reduction over no extent, simplified away) get a copy each, as eager's
-    two results are two tensors (an in-place write to one must not change the other). An output
-    the backward saves (``vjp._read_back``) is the very tensor returned, as eager autograd saves
-    it: autograd's version counter refuses a backward after an in-place write to it."""
+    two results are two tensors (an in-place write to one must not change the other). A key in
+    ``shared`` (a gradient plan's saved output, ``vjp._read_back``) is the very tensor returned, as
+    eager autograd saves it: autograd's version counter refuses a backward after an in-place write."""
     seen: set[int] = set()
     repeats = {}
     for key, slot in program.outputs:
-        if slot is not None and slot in seen and not key.startswith(SAVED):
+        if slot is not None and slot in seen and key not in shared:
             repeats[key] = slot
         seen.add(slot)  # type: ignore[arg-type]
     return repeats
@@ -360,7 +359,7 @@ def _finisher(kernel: KernelHandle, program: Program, device: torch.device) -> A
     """Packs the call's buffers into its result: one tensor, or a dict by output key."""
     slots = list(program.outputs)
     scalars = program.scalar_outputs
-    repeats = repeated_outputs(program)
+    repeats = repeated_outputs(program, kernel.shared_outputs)
     if kernel.returns_tensor and not scalars:
         slot = slots[0][1]
         return lambda bufs: bufs[slot]

@@ -121,6 +121,17 @@ def test_const_and_output_of_a_bare_input():
     assert torch.equal(out["c"], t + 2)
 
 
+@pytest.mark.parametrize("keys", [("a", "b"), ("a", "_s0")], ids=["plain", "a gradient's saved name"])
+def test_one_expression_under_two_keys_gives_two_tensors(keys):
+    """Two outputs that are one node are two tensors, as eager's two results: a write to one leaves
+    the other, whatever the keys are called (only a gradient plan's forward returns its saved output
+    as the very tensor, ``Kernel(shared=...)``)."""
+    x = rx.var("x")
+    out = rx.compile({k: x * 2.0 for k in keys})(x=torch.ones(3))
+    out[keys[0]].add_(1.0)
+    assert torch.equal(out[keys[1]], torch.full((3,), 2.0))
+
+
 def test_shared_subexpressions_computed_once_in_source(gen):
     x = rx.var("x")
     e = rx.exp(x)

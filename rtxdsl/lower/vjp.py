@@ -44,6 +44,8 @@ class Gradients:
     saved_keys: tuple[str, ...]
     grad_of: tuple[tuple[str, str], ...]  # input name -> backward output key
     float_outputs: tuple[bool, ...]  # which user outputs carry a gradient
+    #: saved keys that are a user output itself (``_read_back``): the forward returns its buffer once
+    shared_keys: tuple[str, ...] = ()
 
 
 def sum_to(c: Expr, have: tuple[int, ...], want: tuple[int, ...], full: tuple[int, ...] | None = None) -> Expr:
@@ -96,7 +98,7 @@ class _Cotangents:
     def accumulate(self, target: Expr, c: Expr) -> None:
         """Add cotangent ``c`` to ``target``'s; two products by one factor add their other factors
         first, ``a * f + b * f = (a + b) * f`` (softmax's two paths into its exp: one product per
-        element where there were two and a sum)."""
+        element fewer)."""
         old = self.grads.get(id(target))
         shared = _common_factor(old, c) if old is not None else None
         if shared is not None:
@@ -214,6 +216,7 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
         saved_keys=tuple(saved_keys),
         grad_of=tuple(grad_of),
         float_outputs=tuple(floats),
+        shared_keys=tuple(key for key, _, _ in read_back.values() if key in saved_keys),
     )
 
 
