@@ -192,7 +192,7 @@ def _ours(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     elif name == "cross_entropy_backward":  # the gradient alone, as autograd's backward runs it later
         plan = rx.compile(rx.cross_entropy(x, rx.var("t"))).grad_plan(x=ins["x"].requires_grad_(), t=ins["t"])
         kernel = plan.backward
-        ins |= {"_g0": torch.ones((), dtype=dtype), "_s0": torch.empty(rows, 1), "_s4": torch.ones(())}
+        ins |= plan.backward_feed({n: ins[n].detach() for n in plan.forward.inputs})
     elif name.endswith("_backward"):  # a norm's backward: dx with dW (and dB) over each program's rows
         norm = rx.compile(exprs[name.removesuffix("_backward")]())
         plan = norm.grad_plan(**{n: ins[n].requires_grad_() for n in norm.inputs})

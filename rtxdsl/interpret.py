@@ -7,6 +7,9 @@ The interpreter holds bf16 values as their raw 16 bits (numpy has no bfloat16), 
 * Its ``tl.dot`` multiplies those integers, so a bf16 GEMM computes garbage there (fp8 is
   converted first, bf16 is not): bf16 dot operands are converted to float32 first (exact, since
   a bf16 value is a float32 with a shorter mantissa).
+* Its ``tl.reduce`` with a combine function of its own (rtxdsl's layer norm sums the deviations
+  and their squares in one tree) calls the function once per element, from Python: about 3 s per
+  launch at any size. It combines halves now, as a GPU's reduction tree does: log2(n) calls.
 * Its float32 -> bf16 cast truncates, where a GPU's ``cvt.rn.bf16.f32`` (and torch) rounds to
   nearest even, and its bf16 -> float32 cast flushes subnormals to 0: both are exact now.
   Generated kernels cast with a plain ``.to(tl.bfloat16)`` (until 0.3 they rounded by hand with
@@ -46,6 +49,7 @@ def install() -> None:
     if original is None or not hasattr(interpreter, "TensorHandle") or getattr(original, "__rtxdsl__", False):
         return  # another Triton's interpreter (or patched already): left as it is
     _install_rounding(builder, interpreter)
+    _install_tree_reduce(interpreter)
 
     @functools.wraps(original)
     def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any, **kwargs: Any) -> Any:
@@ -56,6 +60,44 @@ def install() -> None:
 
     create_dot.__rtxdsl__ = True  # type: ignore[attr-defined]
     builder.create_dot = create_dot  # type: ignore[union-attr]
+
+
+def _install_tree_reduce(interpreter: Any) -> None:
+    """``tl.reduce`` with a combine function of the kernel's own reduces along an axis by combining
+    its lower half with its upper half until one remains: the lower half is always the combine's
+    left operand, so a combine that breaks ties to the left still does. Reductions over every axis,
+    or along a length not a power of two, take the interpreter's own way."""
+    ops = getattr(interpreter, "ReduceOps", None)
+    original = getattr(ops, "generic_reduce", None)
+    if original is None or getattr(original, "__rtxdsl__", False):
+        return
+    tl = interpreter.tl
+
+    @functools.wraps(original)
+    def generic_reduce(self: Any, inputs: Any) -> Any:
+        shape = inputs[0].handle.data.shape
+        if self.axis is None or not shape:
+            return original(self, inputs)
+        axis = self.axis % len(shape)
+        if shape[axis] & (shape[axis] - 1):
+            return original(self, inputs)
+        datas = [t.handle.data for t in inputs]
+        while datas[0].shape[axis] > 1:
+            half = datas[0].shape[axis] // 2
+            lower = [self.to_tensor(np.take(d, np.arange(half), axis), t.dtype) for d, t in zip(datas, inputs)]
+            upper = [
+                self.to_tensor(np.take(d, np.arange(half, 2 * half), axis), t.dtype) for d, t in zip(datas, inputs)
+            ]
+            ret = self.combine_fn.fn(*lower, *upper)
+            ret = ret if isinstance(ret, tuple) else (ret,)
+            datas = [
+                np.broadcast_to(r.handle.data if isinstance(r, tl.core.tensor) else r, lower[0].handle.data.shape)
+                for r in ret
+            ]
+        return [self.to_tensor(d if self.keep_dims else np.squeeze(d, axis), t.dtype) for d, t in zip(datas, inputs)]
+
+    generic_reduce.__rtxdsl__ = True  # type: ignore[attr-defined]
+    ops.generic_reduce = generic_reduce
 
 
 def _install_rounding(builder: Any, interpreter: Any) -> None:

@@ -41,6 +41,30 @@ class GradPlan:
         outs.update((key, feed[name]) for key, name in self.passthrough)
         return outs
 
+    def backward_feed(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Everything the backward reads for these inputs, the forward's outputs as empty tensors
+        shaped as the forward plans them (cotangents and saved statistics): enough to plan or
+        compile the backward without running the forward.
+
+        Example:
+            >>> import torch, rtxdsl as rx
+            >>> g = rx.compile(rx.softmax(rx.var("x"))).grad_plan(x=torch.empty(4, 8))
+            >>> {k: tuple(v.shape) for k, v in g.backward_feed({"x": torch.empty(4, 8)}).items()}
+            {'_g0': (4, 8), 'x': (4, 8), '_s0': (4, 1), '_s1': (4, 1)}
+        """
+        fwd = self.forward.program(**{n: inputs[n] for n in self.forward.inputs})
+        made = {}
+        for key, slot in fwd.outputs:
+            if slot is None:
+                _, dtype = fwd.scalar_outputs[key]
+                made[key] = torch.ones((), dtype=dtype)
+            else:
+                buffer = fwd.buffers[slot - fwd.n_inputs]
+                made[key] = torch.empty(buffer.shape, dtype=buffer.dtype)
+        cotangents = {f"{COTANGENT}{i}": made[k] for i, k in enumerate(self.grads.user_keys)}
+        feed = {**inputs, **made, **cotangents}
+        return {name: feed[name] for name in self.backward.inputs}
+
 
 class GradFunction(torch.autograd.Function):
     """Fused forward saving the row statistics; fused backward reading them (autograd

@@ -183,3 +183,41 @@ def test_round_trip_inside_a_loop_body():
         "    tl.store(p, r.to(tl.bfloat16))",
     ]
     assert simplify(body) == ["for c in range(0, n, B):", "    v = a + c", "    tl.store(p, v.to(tl.bfloat16))"]
+
+
+@pytest.mark.parametrize(
+    "body, want",
+    [
+        # inline, either order
+        (["tl.store(p, tl.log(s * tl.exp(m - c)))"], ["tl.store(p, tl.log(s) + (m - c))"]),
+        (["tl.store(p, tl.log(tl.exp(b) * a))"], ["tl.store(p, tl.log(a) + b)"]),
+        # through a name: the total a softmax reads off logsumexp's state, its log a cross-entropy's
+        (
+            ["t = tl.sum(e, axis=1)", "v = t * tl.exp(m - c)", "w = tl.log(v)", "tl.store(p, w)"],
+            ["t = tl.sum(e, axis=1)", "w = tl.log(t) + (m - c)", "tl.store(p, w)"],
+        ),
+        # a running state read off after its loop: the product holds where the log reads it
+        (
+            ["for i in range(n):", "    s = s + i", "v = s * tl.exp(m)", "tl.store(p, tl.log(v))"],
+            ["for i in range(n):", "    s = s + i", "tl.store(p, tl.log(s) + m)"],
+        ),
+    ],
+    ids=["inline", "exp-first", "named", "after-a-loop"],
+)
+def test_the_log_of_a_scaled_exp_is_a_sum(body, want):
+    assert simplify(body) == want
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # what the product reads is assigned again before the log: another value
+        ["v = s * tl.exp(m)", "for i in range(n):", "    s = s + i", "tl.store(p, tl.log(v))"],
+        # a log of a sum, of a quotient: not this rule's
+        ["tl.store(p, tl.log(s + tl.exp(m)))"],
+        ["tl.store(p, tl.log(s / tl.exp(m)))"],
+    ],
+    ids=["reassigned", "sum", "quotient"],
+)
+def test_log_exp_leaves_other_logs_alone(body):
+    assert simplify(body) == body

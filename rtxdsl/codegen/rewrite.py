@@ -16,6 +16,7 @@ common_subexpr     an expression a name still holds (visible here): that name
 copy               ``a = b``, ``a`` assigned once, ``b`` not after it: ``a`` read as ``b``
 load_other         ``tl.where(mask, a, c)``, ``a`` a load under ``mask`` read only there: ``other=c``
 round_trip         ``b.to(H)``, ``b = a.to(H).to(W)`` with ``W`` wider than the half type ``H``: ``a.to(H)``
+log_exp            ``tl.log(a * tl.exp(b))`` (or through a name holding it): ``tl.log(a) + b``
 dead               ``a = <pure>`` never read, a loop left empty: dropped
 =================  =========================================================================
 """
@@ -383,10 +384,62 @@ def round_trip(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     return changed
 
 
+def _scaled_exp(e: ast.expr | None) -> tuple[ast.expr, ast.expr] | None:
+    """``(a, b)`` of ``a * tl.exp(b)`` or ``tl.exp(b) * a``; None for any other expression."""
+    if not (isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mult)):
+        return None
+    for a, x in ((e.left, e.right), (e.right, e.left)):
+        if isinstance(x, ast.Call) and ast.unparse(x.func) == "tl.exp" and len(x.args) == 1 and not x.keywords:
+            return a, x.args[0]
+    return None
+
+
+def log_exp(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """``tl.log(a * tl.exp(b))``: ``tl.log(a) + b``, the same value in every case (0, inf, NaN
+    included) without the exp, and rounded once less: a softmax's total read off logsumexp's state
+    (``s * exp(m - lse)``) whose log a cross-entropy adds. Also through a name assigned once holding
+    the product, read later in its own block while nothing the product reads is assigned again."""
+    changed = False
+
+    class Fold(ast.NodeTransformer):
+        def __init__(self, held: dict[str, ast.expr]) -> None:
+            self.held = held
+
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            nonlocal changed
+            self.generic_visit(node)
+            if ast.unparse(node.func) != "tl.log" or len(node.args) != 1 or node.keywords:
+                return node
+            arg = node.args[0]
+            found = _scaled_exp(self.held.get(arg.id) if isinstance(arg, ast.Name) else arg)
+            if found is None:
+                return node
+            changed = True
+            a, b = (copy_tree(e) for e in found)
+            log_a = ast.Call(func=copy_tree(node.func), args=[a], keywords=[])
+            return ast.copy_location(ast.BinOp(left=log_a, op=ast.Add(), right=b), node)
+
+    def block(stmts: list[ast.stmt]) -> None:
+        held: dict[str, ast.expr] = {}  # a name -> the product it holds
+        for stmt in stmts:
+            assigned = set(_assigned([stmt]))
+            for n in [n for n, v in held.items() if n in assigned or _names(v) & assigned]:
+                del held[n]
+            Fold(held).visit(stmt)
+            for field in ("body", "orelse"):
+                block(getattr(stmt, field, []))
+            name = _target(stmt)
+            if name is not None and once[name] == 1 and _scaled_exp(stmt.value) is not None:
+                held[name] = stmt.value
+
+    block(body)
+    return changed
+
+
 Rule = Callable[[list[ast.stmt], Counter[str], Types], bool]
 
 #: the rules, in the order each round applies them
-RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, load_other, round_trip, copy, dead)
+RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, load_other, round_trip, log_exp, copy, dead)
 
 
 def simplify(lines: Sequence[str]) -> list[str]:

@@ -23,7 +23,7 @@ from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import FLOATING, NUMERIC, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .helpers import ExprLike, axis_arg, binary_fn, int_axis, scalar_arg, torch_fns
-from .reduction import mean_of, norm_axes, reduced_shape, softmax_parts
+from .reduction import deviations, mean_of, norm_axes, reduced_shape, softmax_parts
 
 
 def _composite(
@@ -246,9 +246,9 @@ def _affine(y: Expr, w: Expr, b: Expr | None) -> Expr:
 
 
 def _layer_norm(x: Expr, w: Expr, b: Expr, eps: Expr) -> Expr:
-    mu = mean_of(x, (-1,), True)
-    var = node("div", node("m2", x, axis=(-1,), keepdim=True), node("rcount", x, axis=(-1,)))
-    return _affine(node("mul", node("sub", x, mu), node("rsqrt", node("add", var, eps))), w, b)
+    centred, m2 = deviations(x, (-1,))
+    var = node("div", m2, node("rcount", x, axis=(-1,)))
+    return _affine(node("mul", centred, node("rsqrt", node("add", var, eps))), w, b)
 
 
 def _rms_norm(x: Expr, w: Expr, eps: Expr) -> Expr:
@@ -594,9 +594,9 @@ def _group_norm_shape(shapes: list[tuple[int, ...]], num_groups: int) -> tuple[i
 def _group_norm(x: Expr, w: Expr, b: Expr, eps: Expr, *, num_groups: int, shapes: list, dtypes: list) -> Expr:
     shape = shapes[0]
     rows = node("reshape", x, shape=(shape[0], num_groups, -1))
-    mu = mean_of(rows, (-1,), True)
-    var = node("div", node("m2", rows, axis=(-1,), keepdim=True), node("rcount", rows, axis=(-1,)))
-    y = node("reshape", node("mul", node("sub", rows, mu), node("rsqrt", node("add", var, eps))), shape=shape)
+    centred, m2 = deviations(rows, (-1,))
+    var = node("div", m2, node("rcount", rows, axis=(-1,)))
+    y = node("reshape", node("mul", centred, node("rsqrt", node("add", var, eps))), shape=shape)
     per_channel = tuple(range(1, len(shape) - 1))  # [C] -> [C, 1, ...] against [N, C, *]
 
     def channel(v: Expr) -> Expr:

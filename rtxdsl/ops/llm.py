@@ -16,7 +16,7 @@ from ..expr import Expr, node
 from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .divergence import valid_rows
 from .helpers import ExprLike, scalar_arg, torch_fns
-from .reduction import lse_shift
+from .reduction import softmax_parts
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -203,7 +203,18 @@ def _ce_rows(
     # every per-row value keeps its class axis (size 1) until the end: what the backward computes at
     # the logits' coordinates then only broadcasts (a kernel recomputing it per tile needs no re-indexing)
     keep = {"axis": (cls,), "keepdim": True}
-    lse = lse_shift(x, (cls,))  # NaN, value and gradient, on a row torch's log_softmax makes NaN
+    # -log p = (c - x) + log(total), c the logsumexp detached (a shift), total = sum(exp(x - c)) off
+    # its own state, as log_softmax: exact where lse - x is not (the logsumexp rounded at the logits'
+    # magnitude, an ulp of 1e3 is 6e-5; a row of one value far from zero, log n under its spacing),
+    # and the gradient exp(x - c) / total a softmax's. NaN, value and gradient, on a row torch's
+    # log_softmax makes NaN (``lse_shift``)
+    shifted, total = softmax_parts(x, (cls,))
+    c, log_total = shifted.srcs[1], node("log", total)
+    lse = node("add", c, log_total)  # the logsumexp, its gradient the softmax (z-loss)
+
+    def minus_log_p(v: Expr) -> Expr:  # -log p at logits ``v`` (per element, or the target's)
+        return node("add", node("sub", c, v), log_total)
+
     # weight along the class axis, broadcast against the logits
     others = tuple(d for d in range(rank) if d != cls)
     wb = node("unsqueeze", w[0], axes=others) if w and others else (w[0] if w else None)
@@ -211,7 +222,7 @@ def _ce_rows(
         p = node("add", node("mul", t, 1.0 - eps), eps / n_classes) if eps else t
         if wb is not None:
             p = node("mul", p, wb)
-        per = node("sum", node("mul", p, node("sub", lse, x)), **keep)
+        per = node("sum", node("mul", p, minus_log_p(x)), **keep)
         if z_loss:
             per = node("add", per, node("mul", node("mul", lse, lse), z_loss))
         per = node("sum", per, axis=(cls,), keepdim=False)  # drops the size-1 class axis
@@ -232,12 +243,13 @@ def _ce_rows(
         tw = node("sum", node("where", hit, node("expand", wb, shape=shapes[0]), 0.0), **keep)
     checked = _checked_class(positions, t, safe, ignore_index, cls, shapes[0])
     # the range check runs in the forward only: no gradient flows through it (0 unless it raised)
-    nll = node("add", node("sub", lse, picked), node("detach", node("mul", checked, 0)))
+    nll = node("add", minus_log_p(picked), node("detach", node("mul", checked, 0)))
     per = node("mul", nll, tw) if tw is not None else nll
     if eps:
-        summed = node("sum", node("mul", x, wb) if wb is not None else x, **keep)
+        gaps = node("sub", c, x)
+        summed = node("sum", node("mul", gaps, wb) if wb is not None else gaps, **keep)
         mass = node("sum", w[0], axis=None, keepdim=False) if w else float(n_classes)
-        smooth = node("sub", node("mul", lse, mass), summed)  # -sum_c w_c log p_c
+        smooth = node("add", summed, node("mul", log_total, mass))  # -sum_c w_c log p_c
         per = node("add", node("mul", per, 1.0 - eps), node("mul", smooth, eps / n_classes))
     # the z-loss term is unweighted and its mean is over the non-ignored tokens (PaLM, Liger); the
     # cross-entropy term's mean is over their class weights (torch)

@@ -183,8 +183,13 @@ LOGSUMEXP = ReduceSpec(
 def _m2_tile(c: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
     n, mean, m2 = st
     total = c.tmp(_tile_sum(n))
-    mu = c.tmp(f"tl.where({total} == 0, 0.0, {_tile_sum(f'{n} * {mean}')} / tl.where({total} == 0, 1.0, {total}))")
-    return total, mu, _tile_sum(f"{m2} + {n} * ({mean} - {mu}) * ({mean} - {mu})")
+    safe = c.tmp(f"tl.where({total} == 0, 1.0, {total})")
+    # the weighted mean, corrected by its residual (see ``_m2_tile_of``): parts of one value give it
+    mu0 = c.tmp(f"{_tile_sum(f'{n} * {mean}')} / {safe}")
+    dm = c.tmp(f"{mean} - {mu0}")
+    fix = c.tmp(f"{_tile_sum(f'{n} * {dm}')} / {safe}")
+    q = c.tmp(f"{_tile_sum(f'{m2} + {n} * {dm} * {dm}')} - {total} * {fix} * {fix}")
+    return total, f"{mu0} + {fix}", _not_below_zero(q)
 
 
 def _m2_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -195,14 +200,31 @@ def _m2_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, 
     return total, f"{mu1} + {delta} * ({n2} / {safe})", f"{q1} + {q2} + {delta} * {delta} * ({n1} * {n2} / {safe})"
 
 
+#: a reduction's combine of two sums at once
+ADD_PAIRS = """@triton.jit
+def add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1"""
+
+
+def _not_below_zero(q: str) -> str:
+    # a corrected sum of squares rounds a hair below 0 on a row of one value; NaN stays NaN
+    return f"tl.where({q} < 0, 0.0, {q})"
+
+
 def _m2_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
     # ``count + zeros``, not ``count.to(...)``: a size argument equal to 1 is a constexpr on the GPU
     n = c.tmp(f"({count}) + tl.zeros([1, 1], dtype={TRITON_TYPE[c.dtype]})")
-    # the tile's mean (its sum spelled as a sum reduction's, so one shared with it is computed once),
-    # then the squared deviations from it: two-pass exact within the tile
-    mu = c.tmp(f"{_tile_sum(c.tmp(_masked(mask, x, '0')))} / tl.maximum({n}, 1.0)")
-    d = c.tmp(_masked(mask, f"{x} - {mu}", "0.0"))
-    return n, mu, _tile_sum(f"{d} * {d}")
+    safe = c.tmp(f"tl.maximum({n}, 1.0)")
+    # the corrected two-pass (Chan, Golub & LeVeque): the tile's mean, the deviations from it, and
+    # the mean corrected by their sum. ``sum(x) / n`` can miss a row of one value by an ulp, which
+    # a layer norm scales by ``1 / sqrt(eps)``; the corrected mean is that value exactly
+    mu0 = c.tmp(f"{_tile_sum(c.tmp(_masked(mask, x, '0')))} / {safe}")
+    d = c.tmp(_masked(mask, f"{x} - {mu0}", "0.0"))
+    # both sums in one reduction tree: one pass through shared memory, as the tutorial's variance
+    sums = c.tmp(f"tl.reduce(({d}, {d} * {d}), 1, {c.helper('add_pairs', ADD_PAIRS)})")
+    fix = c.tmp(f"{sums}[0][:, None] / {safe}")
+    q = c.tmp(f"{sums}[1][:, None] - {n} * {fix} * {fix}")
+    return n, f"{mu0} + {fix}", _not_below_zero(q)
 
 
 #: Welford / Chan: count, mean and sum of squared deviations; two-pass exact within a tile
@@ -217,6 +239,9 @@ M2 = ReduceSpec(
     of_values=False,
     tile_of=_m2_tile_of,
 )
+
+#: the mean Welford's state holds (``m2``'s twin: one state computed for both)
+M2_MEAN = replace(M2, value=lambda c, st: st[1], single=lambda c, x: x)
 
 
 def _reduction(
@@ -283,6 +308,15 @@ def _extreme_derivative(d: D) -> tuple:
 
 def mean_of(x: Expr, axis: Any, keepdim: bool) -> Expr:
     return node("div", node("sum", x, axis=axis, keepdim=keepdim), node("rcount", x, axis=axis))
+
+
+def deviations(x: Expr, axis: Any) -> tuple[Expr, Expr]:
+    """``(x - mean, m2)`` over ``axis`` (kept), both off one Welford state (``m2_mean``, ``m2``):
+    the norms' centred input and sum of squared deviations, exact (0) on a row of one value."""
+    return (
+        node("sub", x, node("m2_mean", x, axis=axis, keepdim=True)),
+        node("m2", x, axis=axis, keepdim=True),
+    )
 
 
 def lse_shift(x: Expr, axis: Any) -> Expr:
@@ -431,10 +465,18 @@ _reduction(
         * math.prod(x.shape[a] for a in norm_axes(axis, x.ndim))
     ),
     M2,
-    lambda d: (node("mul", node("mul", d.g, 2.0), node("sub", d.a, mean_of(d.a, d.n.attr("axis"), True))),),
+    lambda d: (node("mul", node("mul", d.g, 2.0), deviations(d.a, d.n.attr("axis"))[0]),),
     "Sum of squared deviations from the mean (Welford)",
     accepts=FLOATING,
     eager_launches=2,
+)
+_reduction(
+    "m2_mean",
+    lambda x, axis, keepdim: torch.mean(x, dim=_all_if_none(axis, x.ndim), keepdim=keepdim),
+    M2_MEAN,
+    lambda d: (node("div", d.g, node("rcount", d.a, axis=d.n.attr("axis"))),),
+    "The mean as Welford's state holds it: the norms' mean, computed with their m2",
+    accepts=FLOATING,
 )
 
 

@@ -30,8 +30,7 @@ def softmax_row_SIG(
     v0 = t2 + tl.log(t5)
     v1 = v0 + (v0 - v0)
     v3 = x - v1
-    v4 = t5 * tl.exp(t2 - v1)
-    v5 = tl.log(v4)
+    v5 = tl.log(t5) + (t2 - v1)
     v6 = v3 - v5
     tl.store(out_ptr + rows + cols * out_stride1, v6, mask=mask)
 

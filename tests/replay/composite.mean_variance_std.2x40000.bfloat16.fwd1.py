@@ -28,23 +28,31 @@ def row_m2_div_SIG_tail(
         mask = row_mask & col_mask
         x = tl.load(x_ptr + cols, mask=mask, other=0).to(tl.float32)
         t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE) + tl.zeros([1, 1], dtype=tl.float32)
-        t2 = tl.where(mask, x, 0)
-        t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
-        t4 = tl.where(mask, x - t3, 0.0)
-        t5 = n_0 + t1
-        t6 = tl.where(t5 == 0, 1.0, t5)
-        t7 = t3 - mean_0
-        t9 = mean_0 + t7 * (t1 / t6)
-        t10 = m2_0 + tl.sum(t4 * t4, axis=1)[:, None] + t7 * t7 * (n_0 * t1 / t6)
-        n_0 = t5
-        mean_0 = t9
-        m2_0 = t10
+        t2 = tl.maximum(t1, 1.0)
+        t3 = tl.where(mask, x, 0)
+        t4 = tl.sum(t3, axis=1)[:, None] / t2
+        t5 = tl.where(mask, x - t4, 0.0)
+        t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
+        t7 = t6[0][:, None] / t2
+        t8 = t6[1][:, None] - t1 * t7 * t7
+        t9 = n_0 + t1
+        t10 = tl.where(t9 == 0, 1.0, t9)
+        t11 = t4 + t7 - mean_0
+        t13 = mean_0 + t11 * (t1 / t10)
+        t14 = m2_0 + tl.where(t8 < 0, 0.0, t8) + t11 * t11 * (n_0 * t1 / t10)
+        n_0 = t9
+        mean_0 = t13
+        m2_0 = t14
     v1 = m2_0 / s0
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)
     v4 = tl.sqrt(v3)
     v5 = tl.where(v2, s1, v4)
     tl.store(s_ptr + rows * 0, v5.to(tl.bfloat16), mask=row_mask)
+
+@triton.jit
+def add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -80,17 +88,21 @@ def row_m2_div_SIG(
         mask = row_mask & col_mask
         x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
         t1 = tl.minimum(n_cols - col_start, BLOCK_SIZE) + tl.zeros([1, 1], dtype=tl.float32)
-        t2 = tl.where(mask, x, 0)
-        t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
-        t4 = tl.where(mask, x - t3, 0.0)
-        t5 = n_0 + t1
-        t6 = tl.where(t5 == 0, 1.0, t5)
-        t7 = t3 - mean_0
-        t9 = mean_0 + t7 * (t1 / t6)
-        t10 = m2_0 + tl.sum(t4 * t4, axis=1)[:, None] + t7 * t7 * (n_0 * t1 / t6)
-        n_0 = t5
-        mean_0 = t9
-        m2_0 = t10
+        t2 = tl.maximum(t1, 1.0)
+        t3 = tl.where(mask, x, 0)
+        t4 = tl.sum(t3, axis=1)[:, None] / t2
+        t5 = tl.where(mask, x - t4, 0.0)
+        t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
+        t7 = t6[0][:, None] / t2
+        t8 = t6[1][:, None] - t1 * t7 * t7
+        t9 = n_0 + t1
+        t10 = tl.where(t9 == 0, 1.0, t9)
+        t11 = t4 + t7 - mean_0
+        t13 = mean_0 + t11 * (t1 / t10)
+        t14 = m2_0 + tl.where(t8 < 0, 0.0, t8) + t11 * t11 * (n_0 * t1 / t10)
+        n_0 = t9
+        mean_0 = t13
+        m2_0 = t14
     v1 = m2_0 / s0
     tl.store(v_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
     tl.debug_barrier()

@@ -5,6 +5,11 @@ import triton.language as tl
 
 
 @triton.jit
+def add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def row_m2_div_eq_where_SIG(
     x_ptr,
     s_ptr,
@@ -24,10 +29,14 @@ def row_m2_div_eq_where_SIG(
     mask = row_mask & col_mask
     x = tl.load(x_ptr + cols, mask=mask, other=0)
     t1 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
-    t2 = tl.where(mask, x, 0)
-    t3 = tl.sum(t2, axis=1)[:, None] / tl.maximum(t1, 1.0)
-    t4 = tl.where(mask, x - t3, 0.0)
-    v0 = tl.sum(t4 * t4, axis=1)[:, None]
+    t2 = tl.maximum(t1, 1.0)
+    t3 = tl.where(mask, x, 0)
+    t4 = tl.sum(t3, axis=1)[:, None] / t2
+    t5 = tl.where(mask, x - t4, 0.0)
+    t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
+    t7 = t6[0][:, None] / t2
+    t8 = t6[1][:, None] - t1 * t7 * t7
+    v0 = tl.where(t8 < 0, 0.0, t8)
     v1 = v0 / s0
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)
