@@ -3,6 +3,7 @@ DTensor calls and FSDP2 training on two gloo ranks (one subprocess pair for the 
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from filelock import FileLock
 from fuzzing import EXAMPLES, programs
 from hypothesis import HealthCheck, given, settings
@@ -246,6 +248,20 @@ def test_a_graph_runs_in_pieces_along_a_reduced_axis_or_says_why(outputs, shapes
     want = want if isinstance(want, dict) else {"o": want}
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-12, rtol=1e-12)
+
+
+def test_cross_entropy_in_pieces_is_exact_where_a_piece_holds_no_mass_or_rows_are_far_from_zero(gen):
+    """A vocabulary split: each piece's softmax total is taken at its own logsumexp and rescaled to
+    the whole's (``ops/reduction.py: _softmax_sum_of_pieces``). A piece whose part of a row is all
+    -inf (masked classes) adds nothing; a row of one value far from zero keeps its ``log n``."""
+    logits = torch.randn(4, 12, generator=gen, dtype=F64)
+    logits[0, :4] = -math.inf  # the first piece of row 0 masked whole
+    logits[1] = -1e18  # a row of one value: loss log 12 (lse - x would round it to 0)
+    logits[2, 4:] = 1e17 + torch.arange(8, dtype=F64)  # far from zero, spread
+    target = torch.tensor([7, 3, 9, -100])
+    outputs = {"o": rx.cross_entropy(x, t, reduction="none")}
+    got = _in_pieces(outputs, {"x": logits, "t": target}, "x", 1, n=3)
+    torch.testing.assert_close(got["o"], F.cross_entropy(logits, target, reduction="none"), atol=1e-12, rtol=1e-12)
 
 
 def test_a_split_gather_index_does_not_run_in_pieces_over_a_whole_input(gen):

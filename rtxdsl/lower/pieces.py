@@ -24,6 +24,7 @@ import torch
 
 from ..expr import Expr, node
 from ..ops import REGISTRY, AxisRule, OpKind
+from ..ops.reduction import MERGED_WITH
 from .analyze import positions_only, read_srcs
 from .expand import Graph
 from .shard import axes_of, axis_labels
@@ -86,9 +87,17 @@ class Pieces:
         kernel's inputs that do not hold the axis)."""
         stacks = {id(c): s.name for s, c in zip(self.stacks, self.cuts)}
         built: dict[int, Expr] = {}
+
+        def merged(c: Expr) -> Expr:  # a reduction's value of the whole, from its pieces'
+            stack = node("var", name=stacks[id(c)], dtype=None)
+            if c.op not in MERGED_WITH:
+                return node(c.op, stack, axis=(0,), keepdim=False)
+            twin = _twin(c, self.cuts)
+            return MERGED_WITH[c.op][1](stack, node("var", name=stacks[id(twin)], dtype=None), merged(twin))
+
         for n in self.graph.nodes:
             if id(n) in stacks:
-                built[id(n)] = node(n.op, node("var", name=stacks[id(n)], dtype=None), axis=(0,), keepdim=False)
+                built[id(n)] = merged(n)
                 continue
             skip = REGISTRY[n.op].shape_only
             srcs = tuple(
@@ -118,7 +127,10 @@ def pieces(graph: Graph, k: int, dim: int) -> Pieces | str:
         return why
     for c in cuts:
         spec = REGISTRY[c.op].reduce
-        if spec is None or not spec.of_values:
+        if c.op in MERGED_WITH:
+            if _twin(c, cuts) is None:
+                return f"{c.op} over the axis merges beside its {MERGED_WITH[c.op][0]}, which is not computed"
+        elif spec is None or not spec.of_values:
             return f"{c.op} over the axis does not merge from its pieces' values"
     shape_of: dict[int, str] = {}
     why = _merge_side(graph, held, set(map(id, cuts)), shape_of)
@@ -146,6 +158,12 @@ def pieces(graph: Graph, k: int, dim: int) -> Pieces | str:
         held=held,
         shape_of=shape_of,
     )
+
+
+def _twin(c: Expr, cuts: list[Expr] | tuple[Expr, ...]) -> Expr | None:
+    """The reduction among ``cuts`` whose pieces ``c``'s merge beside (``MERGED_WITH``), or None."""
+    op = MERGED_WITH[c.op][0]
+    return next((t for t in cuts if t.op == op and t.srcs[0] is c.srcs[0] and t.attrs == c.attrs), None)
 
 
 def _reduces(n: Expr, held: dict[int, int], graph: Graph) -> bool:

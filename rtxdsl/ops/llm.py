@@ -246,10 +246,12 @@ def _ce_rows(
     nll = node("add", minus_log_p(picked), node("detach", node("mul", checked, 0)))
     per = node("mul", nll, tw) if tw is not None else nll
     if eps:
-        gaps = node("sub", c, x)
-        summed = node("sum", node("mul", gaps, wb) if wb is not None else gaps, **keep)
+        # -sum_c w_c log p_c = (c * mass - sum_c w_c x_c) + log(total) * mass: its sum reads the
+        # logits alone, so a split row stays one pass (sum_c w_c (c - x_c) would wait for c); its
+        # cancellation is scaled by label_smoothing / n_classes
+        summed = node("sum", node("mul", x, wb) if wb is not None else x, **keep)
         mass = node("sum", w[0], axis=None, keepdim=False) if w else float(n_classes)
-        smooth = node("add", summed, node("mul", log_total, mass))  # -sum_c w_c log p_c
+        smooth = node("add", node("sub", node("mul", c, mass), summed), node("mul", log_total, mass))
         per = node("add", node("mul", per, 1.0 - eps), node("mul", smooth, eps / n_classes))
     # the z-loss term is unweighted and its mean is over the non-ignored tokens (PaLM, Liger); the
     # cross-entropy term's mean is over their class weights (torch)

@@ -187,7 +187,7 @@ def _m2_tile(c: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
     # the weighted mean, corrected by its residual (see ``_m2_tile_of``): parts of one value give it
     mu0 = c.tmp(f"{_tile_sum(f'{n} * {mean}')} / {safe}")
     dm = c.tmp(f"{mean} - {mu0}")
-    fix = c.tmp(f"{_tile_sum(f'{n} * {dm}')} / {safe}")
+    fix = c.tmp(_finite_fix(c.tmp(f"{_tile_sum(f'{n} * {dm}')} / {safe}")))
     q = c.tmp(f"{_tile_sum(f'{m2} + {n} * {dm} * {dm}')} - {total} * {fix} * {fix}")
     return total, f"{mu0} + {fix}", _not_below_zero(q)
 
@@ -206,6 +206,11 @@ def add_pairs(a0, a1, b0, b1):
     return a0 + b0, a1 + b1"""
 
 
+def _finite_fix(fix: str) -> str:
+    # a row holding +-inf has the mean +-inf (or NaN) already and deviations inf - inf: no correction
+    return f"tl.where({fix} == {fix}, {fix}, 0.0)"
+
+
 def _not_below_zero(q: str) -> str:
     # a corrected sum of squares rounds a hair below 0 on a row of one value; NaN stays NaN
     return f"tl.where({q} < 0, 0.0, {q})"
@@ -222,7 +227,7 @@ def _m2_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
     d = c.tmp(_masked(mask, f"{x} - {mu0}", "0.0"))
     # both sums in one reduction tree: one pass through shared memory, as the tutorial's variance
     sums = c.tmp(f"tl.reduce(({d}, {d} * {d}), 1, {c.helper('add_pairs', ADD_PAIRS)})")
-    fix = c.tmp(f"{sums}[0][:, None] / {safe}")
+    fix = c.tmp(_finite_fix(c.tmp(f"{sums}[0][:, None] / {safe}")))
     q = c.tmp(f"{sums}[1][:, None] - {n} * {fix} * {fix}")
     return n, f"{mu0} + {fix}", _not_below_zero(q)
 
@@ -449,6 +454,22 @@ def _softmax_sum_derivative(d: D) -> tuple[Expr]:
     # the shift is detached: d/dx sum(exp(x - c)) = exp(x - c), the very exp the softmax computes
     lse = node("logsumexp", d.a, axis=d.n.attr("axis"), keepdim=True)
     return (node("mul", d.g, node("exp", node("sub", d.a, node("detach", node("finite_or_nan", lse))))),)
+
+
+def _softmax_sum_of_pieces(totals: Expr, lses: Expr, lse: Expr) -> Expr:
+    """``softmax_sum`` of the whole from its pieces' (stacked along axis 0, with their logsumexps
+    ``lses`` and the whole's ``lse``): each piece's total, taken at its own rounded logsumexp,
+    rescaled to the whole's, ``sum_i total_i * exp(lse_i - c)``; a piece of no mass (its logsumexp
+    -inf) adds 0, a NaN or +inf one makes it NaN, as the whole's would."""
+    # the pieces' logsumexps only shift (detached): the gradient is each total's, exp(x - c_i) * exp(c_i - c)
+    c = node("detach", node("finite_or_nan", lse))
+    scaled = node("mul", totals, node("exp", node("sub", node("detach", lses), c)))
+    return node("sum", node("where", node("eq", lses, float("-inf")), 0.0, scaled), axis=(0,), keepdim=False)
+
+
+#: reductions whose pieces' values merge only beside a twin's (a vocabulary split across ranks):
+#: op -> (the twin op over the same operand and axes, the merge of the stacks)
+MERGED_WITH = {"softmax_sum": ("logsumexp", _softmax_sum_of_pieces)}
 
 
 _reduction(

@@ -42,17 +42,18 @@ def layer_norm_row_SIG(
         t5 = tl.where(mask, x - t4, 0.0)
         t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
         t7 = t6[0][:, None] / t2
-        t8 = t6[1][:, None] - t1 * t7 * t7
-        t9 = t4 + t7
-        t10 = tl.where(t8 < 0, 0.0, t8)
-        t11 = n_0 + t1
-        t12 = tl.where(t11 == 0, 1.0, t11)
-        t13 = t9 - mean_0
-        t15 = mean_0 + t13 * (t1 / t12)
-        t16 = m2_0 + t10 + t13 * t13 * (n_0 * t1 / t12)
-        n_0 = t11
-        mean_0 = t15
-        m2_0 = t16
+        t8 = tl.where(t7 == t7, t7, 0.0)
+        t9 = t6[1][:, None] - t1 * t8 * t8
+        t10 = t4 + t8
+        t11 = tl.where(t9 < 0, 0.0, t9)
+        t12 = n_0 + t1
+        t13 = tl.where(t12 == 0, 1.0, t12)
+        t14 = t10 - mean_0
+        t16 = mean_0 + t14 * (t1 / t13)
+        t17 = m2_0 + t11 + t14 * t14 * (n_0 * t1 / t13)
+        n_0 = t12
+        mean_0 = t16
+        m2_0 = t17
     v3 = m2_0 / s0
     v4 = v3 + s1
     v5 = tl.rsqrt(v4)

@@ -38,11 +38,12 @@ def layer_norm_row_SIG(
     t5 = tl.where(mask, x - t4, 0.0)
     t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
     t7 = t6[0][:, None] / t2
-    t8 = t6[1][:, None] - t1 * t7 * t7
-    t9 = t4 + t7
-    t10 = tl.where(t8 < 0, 0.0, t8)
-    v1 = x - t9
-    v3 = t10 / s0
+    t8 = tl.where(t7 == t7, t7, 0.0)
+    t9 = t6[1][:, None] - t1 * t8 * t8
+    t10 = t4 + t8
+    t11 = tl.where(t9 < 0, 0.0, t9)
+    v1 = x - t10
+    v3 = t11 / s0
     v4 = v3 + s1
     v5 = tl.rsqrt(v4)
     v6 = v1 * v5

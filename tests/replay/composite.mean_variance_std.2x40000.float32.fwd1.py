@@ -34,15 +34,16 @@ def row_m2_div_SIG_tail(
         t5 = tl.where(mask, x - t4, 0.0)
         t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
         t7 = t6[0][:, None] / t2
-        t8 = t6[1][:, None] - t1 * t7 * t7
-        t9 = n_0 + t1
-        t10 = tl.where(t9 == 0, 1.0, t9)
-        t11 = t4 + t7 - mean_0
-        t13 = mean_0 + t11 * (t1 / t10)
-        t14 = m2_0 + tl.where(t8 < 0, 0.0, t8) + t11 * t11 * (n_0 * t1 / t10)
-        n_0 = t9
-        mean_0 = t13
-        m2_0 = t14
+        t8 = tl.where(t7 == t7, t7, 0.0)
+        t9 = t6[1][:, None] - t1 * t8 * t8
+        t10 = n_0 + t1
+        t11 = tl.where(t10 == 0, 1.0, t10)
+        t12 = t4 + t8 - mean_0
+        t14 = mean_0 + t12 * (t1 / t11)
+        t15 = m2_0 + tl.where(t9 < 0, 0.0, t9) + t12 * t12 * (n_0 * t1 / t11)
+        n_0 = t10
+        mean_0 = t14
+        m2_0 = t15
     v1 = m2_0 / s0
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)
@@ -94,15 +95,16 @@ def row_m2_div_SIG(
         t5 = tl.where(mask, x - t4, 0.0)
         t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
         t7 = t6[0][:, None] / t2
-        t8 = t6[1][:, None] - t1 * t7 * t7
-        t9 = n_0 + t1
-        t10 = tl.where(t9 == 0, 1.0, t9)
-        t11 = t4 + t7 - mean_0
-        t13 = mean_0 + t11 * (t1 / t10)
-        t14 = m2_0 + tl.where(t8 < 0, 0.0, t8) + t11 * t11 * (n_0 * t1 / t10)
-        n_0 = t9
-        mean_0 = t13
-        m2_0 = t14
+        t8 = tl.where(t7 == t7, t7, 0.0)
+        t9 = t6[1][:, None] - t1 * t8 * t8
+        t10 = n_0 + t1
+        t11 = tl.where(t10 == 0, 1.0, t10)
+        t12 = t4 + t8 - mean_0
+        t14 = mean_0 + t12 * (t1 / t11)
+        t15 = m2_0 + tl.where(t9 < 0, 0.0, t9) + t12 * t12 * (n_0 * t1 / t11)
+        n_0 = t10
+        mean_0 = t14
+        m2_0 = t15
     v1 = m2_0 / s0
     tl.store(v_ptr + rows, v1, mask=row_mask)
     tl.debug_barrier()

@@ -44,7 +44,8 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
     t5 = tl.where(mask, x - t4, 0.0)
     t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
     t7 = t6[0][:, None] / t2
-    v11 = t4 + t7
+    t8 = tl.where(t7 == t7, t7, 0.0)
+    v11 = t4 + t8
     v12 = x - v11
     stat2 = tl.load(stat2_ptr)
     v0 = stat2 / s0
@@ -121,11 +122,12 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     t5 = tl.where(mask, x - t4, 0.0)
     t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
     t7 = t6[0][:, None] / t2
-    v3 = t4 + t7
+    t8 = tl.where(t7 == t7, t7, 0.0)
+    v3 = t4 + t8
     v4 = x - v3
     dout1 = tl.load(dout1_ptr + rows, mask=row_mask, other=0).to(tl.float32)
-    v0_9 = dout1 / s0
-    v1 = v0_9.to(tl.float32)
+    v0_10 = dout1 / s0
+    v1 = v0_10.to(tl.float32)
     v2 = v1 * s1
     v5 = v2 * v4
     tl.store(mul_ptr + rows * mul_stride0 + cols, v5.to(tl.bfloat16), mask=mask)

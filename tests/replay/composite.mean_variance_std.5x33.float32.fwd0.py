@@ -29,8 +29,9 @@ def row_sum_div_SIG_tail(
     t5 = tl.where(mask, x - t4, 0.0)
     t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
     t7 = t6[0][:, None] / t2
-    t8 = t6[1][:, None] - t1 * t7 * t7
-    v0 = tl.where(t8 < 0, 0.0, t8)
+    t8 = tl.where(t7 == t7, t7, 0.0)
+    t9 = t6[1][:, None] - t1 * t8 * t8
+    v0 = tl.where(t9 < 0, 0.0, t9)
     v1 = v0 / s0
     tl.store(v_ptr + rows, v1, mask=row_mask)
 

@@ -44,11 +44,12 @@ def layer_norm_row_SIG(
     t6 = tl.where(mask, v0 - t5, 0.0)
     t7 = tl.reduce((t6, t6 * t6), 1, add_pairs)
     t8 = t7[0][:, None] / t3
-    t9 = t7[1][:, None] - t2 * t8 * t8
-    t10 = t5 + t8
-    t11 = tl.where(t9 < 0, 0.0, t9)
-    v2 = v0 - t10
-    v4 = t11 / s0
+    t9 = tl.where(t8 == t8, t8, 0.0)
+    t10 = t7[1][:, None] - t2 * t9 * t9
+    t11 = t5 + t9
+    t12 = tl.where(t10 < 0, 0.0, t10)
+    v2 = v0 - t11
+    v4 = t12 / s0
     v5 = v4 + s1
     v6 = tl.rsqrt(v5)
     v7 = v2 * v6
