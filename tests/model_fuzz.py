@@ -202,6 +202,7 @@ class _Gen:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.far = 0.0  # the hidden states' offset from zero (``embed``)
         self.r = r = random.Random(pid)
         self.dtype: torch.dtype = r.choice(FLOATS)
         # inference (a fifth): no gradients, so in-place writes anywhere (residuals, activations, inputs)
@@ -271,12 +272,13 @@ class _Gen:
         *,
         source: str | None = None,
         scale: float = 1.0,
+        offset: float = 0.0,
         dtype: str = "DT",
         grad: bool | None = None,
         layout: str = "contiguous",
         lazy: bool | None = None,
     ) -> str:
-        """A new input; float ones are ``randn * scale`` in ``dtype`` laid out as ``layout``."""
+        """A new input; float ones are ``randn * scale + offset`` in ``dtype`` laid out as ``layout``."""
         name = self.name(stem)
         k = len(self.inputs)
         if source is None:
@@ -286,7 +288,7 @@ class _Gen:
                 base, tail = (*shape[:-1], 2 * shape[-1]), "[..., ::2]"
             else:
                 base, tail = shape, ""
-            mul = "" if scale == 1.0 else f" * {scale}"
+            mul = ("" if scale == 1.0 else f" * {scale}") + ("" if offset == 0.0 else f" + {offset}")
             source = f"(torch.randn({_tuple(base)}, generator=gen({k})){mul}).to({dtype}){tail}"
         if grad is None:
             grad = self.r.random() < 0.75  # frozen weights a quarter of the time
@@ -562,6 +564,8 @@ class _Gen:
         kinds = ["mlp", "gated"] + (["attn", "attn"] if self.attention else [])
         f = {"mlp": self.mlp, "gated": self.gated, "attn": self.attn}[r.choice(kinds)]
         style = r.choice(["pre", "pre", "pre", "post", "bare"])
+        if self.far:  # a residual stream far from zero: every block reads it normed (pre-norm LLMs;
+            style = "pre"  # projected raw, scores of 1e6 leave a fused backward's rowsum(dO * O) ulps off)
         self.tags.append(f"{style}-norm" if style != "bare" else "bare")
         if style == "bare":
             return f(h)
@@ -585,10 +589,21 @@ class _Gen:
         r, shape = self.r, (*self.rows, self.H)
         kind = r.choice(["x", "x", "x", "x fp32", "embedding", "gather"])
         self.tags.append(kind)
+        # hidden states far from zero a quarter of the time (an LLM's massive activations; in bf16 a
+        # spacing of 8 at 1000, rows of a few values): norms and residuals at that magnitude, each
+        # block pre-norm, and logits over them where no final norm comes first. A draw of its own:
+        # the programs drawn before keep their inputs
+        far = random.Random(self.pid * 61 + 7)
+        offset = far.choice([-300.0, 1000.0, 3e4]) if far.random() < 0.25 and kind.startswith("x") else 0.0
+        self.far = offset
+        if offset:
+            self.tags.append(f"x+{offset:g}")
         if kind == "x":
-            return self.input("x", shape, layout=self.layout(shape), grad=r.random() < 0.6, lazy=True)
+            return self.input("x", shape, offset=offset, layout=self.layout(shape), grad=r.random() < 0.6, lazy=True)
         if kind == "x fp32":  # fp32 activations cast to the compute dtype (a cast prologue)
-            x = self.input("x", shape, dtype="ACC", layout=self.layout(shape), grad=r.random() < 0.6, lazy=True)
+            x = self.input(
+                "x", shape, offset=offset, dtype="ACC", layout=self.layout(shape), grad=r.random() < 0.6, lazy=True
+            )
             return self.let("h", f"{x}.to(DT)", f"rx.cast({x}, DT)")
         E = self.input("E", (self.V, self.H), grad=r.random() < 0.7)
         self.embedding = E

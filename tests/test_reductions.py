@@ -7,9 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from conftest import FLOAT_TOLERANCES, assert_close
 
 import rtxdsl as rx
+from rtxdsl import interpret
 
 x, w, b, g, u, r, m = (rx.var(n) for n in ("x", "w", "b", "g", "u", "r", "m"))
 
@@ -155,6 +158,36 @@ def test_norms_of_an_input_expanded_along_its_row_are_exact(cols, dtype, gen):
     assert torch.equal(out["ln"], F.layer_norm(t.double(), (cols,), eps=1e-5).to(dtype)), out["ln"].abs().max()
     assert torch.equal(out["var"], torch.zeros_like(out["var"])), out["var"]
     assert torch.equal(out["std"], torch.zeros_like(out["std"])), out["std"]
+
+
+@triton.jit
+def _sum_and_first(a0, a1, b0, b1):
+    return a0 + b0, a1  # the left operand's second value: the first element's, if left is lower
+
+
+@triton.jit
+def _pair_reduce_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    rows = tl.arange(0, 4)[:, None]
+    x = tl.load(x_ptr + rows * BLOCK + tl.arange(0, BLOCK)[None, :])
+    total, first = tl.reduce((x, x * 2), 1, _sum_and_first)
+    tl.store(out_ptr + tl.arange(0, 4), total)
+    tl.store(out_ptr + 4 + tl.arange(0, 4), first)
+
+
+def test_the_interpreters_reduce_with_a_kernels_own_combine_combines_halves():
+    """The layer norm sums its deviations and their squares in one ``tl.reduce`` of a pair; Triton's
+    interpreter called the combine once per element from Python (3.5 s a launch), ``rtxdsl.interpret``
+    combines halves with the lower one always on the left: a combine keeping its left operand's
+    value keeps the first element's, as the interpreter's own left-to-right reduce does."""
+    from triton.runtime import interpreter
+
+    interpret.install()
+    assert getattr(interpreter.ReduceOps.generic_reduce, "__rtxdsl__", False)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(8)
+    _pair_reduce_kernel[(1,)](x, out, BLOCK=256)
+    torch.testing.assert_close(out[:4], x.sum(1), atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[4:], x[:, 0] * 2)
 
 
 def test_group_norm_of_a_constant_group_is_exact(gen):
