@@ -589,12 +589,14 @@ class _Gen:
         r, shape = self.r, (*self.rows, self.H)
         kind = r.choice(["x", "x", "x", "x fp32", "embedding", "gather"])
         self.tags.append(kind)
-        # hidden states far from zero a quarter of the time (an LLM's massive activations; in bf16 a
-        # spacing of 8 at 1000, rows of a few values): norms and residuals at that magnitude, each
-        # block pre-norm, and logits over them where no final norm comes first. A draw of its own:
-        # the programs drawn before keep their inputs
+        # hidden states far from zero a quarter of the time (an LLM's massive activations): norms and
+        # residuals at that magnitude, each block pre-norm, and logits over them where no final norm
+        # comes first; in half types no farther than a spacing of 1/16 (bf16's at 1000 is 8: a block's
+        # update of 1 would vanish, and eager's gradients with it). A draw of its own: the programs
+        # drawn before keep their inputs
         far = random.Random(self.pid * 61 + 7)
-        offset = far.choice([-300.0, 1000.0, 3e4]) if far.random() < 0.25 and kind.startswith("x") else 0.0
+        offsets = {torch.float32: [-300.0, 1000.0, 3e4], torch.float16: [-30.0, 60.0], torch.bfloat16: [-8.0, 12.0]}
+        offset = far.choice(offsets[self.dtype]) if far.random() < 0.25 and kind.startswith("x") else 0.0
         self.far = offset
         if offset:
             self.tags.append(f"x+{offset:g}")
