@@ -142,7 +142,7 @@ def test_layer_norm_with_mean_and_rstd_outputs_is_one_kernel(gen):
 
 # whole rows (3, 7, 100), looped (5000: a row longer than one block) and split (70001 over 2 rows)
 @pytest.mark.parametrize("cols", [3, 7, 100, 5000, 70001])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_norms_of_an_input_expanded_along_its_row_are_exact(cols, dtype, gen):
     """An input expanded along the normalized dim is a row of one value: torch's layer norm is
     exactly 0 there (its bias), and its variance and std 0 (in float64; its bf16 one on the CPU
