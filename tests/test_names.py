@@ -67,3 +67,20 @@ def test_names_are_part_of_the_signature(gen):
     first, second = rx.compile(rx.relu(x) * 2), rx.compile(rx.relu(rx.var("y")) * 2)
     assert "x_ptr" in first.sources(x=a)[0] and "y_ptr" in second.sources(y=a)[0]
     assert torch.equal(first(x=a), second(y=a))
+
+
+def test_a_kernel_comments_where_each_composite_starts(gen):
+    """A composite's lines (its statistics' temporaries included) under ``# <composite>``, the user's
+    own ops after it under ``# (as written)``; a kernel of the user's own ops alone, none."""
+    r = rx.var("r")
+    ins = {n: torch.randn(5, 33, generator=gen) for n in ("x", "r")} | {"w": torch.randn(33, generator=gen)}
+    src = rx.compile(rx.layer_norm(rx.gelu(x) + r, w) * 2.0).sources(**ins)[0]
+    body = [ln.strip() for ln in src.split("@triton.jit")[-1].splitlines()]
+    assert [ln for ln in body if ln.startswith("# ")] == ["# layer_norm", "# (as written)"]
+    start, own = body.index("# layer_norm"), body.index("# (as written)")
+    assert body[start - 1] == "v1 = v0 + r"  # the user's gelu and residual add come first
+    assert any("tl.sum(" in ln for ln in body[start:own])  # its statistics are under it
+    assert body[own + 1].endswith("* s2")  # the user's * 2.0
+    plain = {n: ins[n] for n in ("x", "r")}
+    own_ops = rx.compile(rx.gelu(x) + r).sources(**plain)[0].split("@triton.jit")[-1]
+    assert not [ln for ln in own_ops.splitlines() if ln.strip().startswith("# ")]

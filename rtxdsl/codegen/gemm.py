@@ -22,7 +22,7 @@ from ..ops.elementwise import to_storage
 from ..ops.reduction import exp_below
 from .dot import k_loop, load_as, one_slice
 from .rewrite import simplify
-from .source import Scope, Writer, offset_terms, state_name
+from .source import Scope, Writer, annotated, offset_terms, state_name
 from .template import render
 
 GEMM = """\
@@ -183,7 +183,7 @@ class GemmWriter(Writer):
             GEMM,
             name=name,
             params=params,
-            body="\n".join(simplify(self.top.lines)),
+            body="\n".join(annotated(simplify(self.top.lines), self.spec.notes)),
             m_span=spans["m"][0],
             n_span=spans["n"][0],
             m_start=spans["m"][1],

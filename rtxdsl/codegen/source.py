@@ -161,6 +161,42 @@ def rounded_values(spec: KernelSpec) -> dict[int, torch.dtype]:
     return {i: dt for i, dt in {**products, **out}.items() if dt in halves and i in read}
 
 
+#: the note of a run of the user's own ops after a composite's
+OWN = "(as written)"
+
+
+def annotated(lines: Sequence[str], notes: Sequence[str]) -> list[str]:
+    """``lines`` (a kernel body, rewritten) with a comment where each run of a composite's nodes
+    (``v<i> = ...``, ``notes[i]``) starts, as the Triton tutorials comment their steps: where a
+    layer norm's lines start (its statistics' temporaries just before its first node, included),
+    and ``# (as written)`` where the user's own ops take over after one.
+
+    Example:
+        >>> annotated(["x = tl.load(p)", "t1 = x * x", "v0 = t1 + 1", "v1 = v0 * 2"], ["gelu", ""])
+        ['x = tl.load(p)', '# gelu', 't1 = x * x', 'v0 = t1 + 1', '# (as written)', 'v1 = v0 * 2']
+    """
+    out: list[str] = []
+    current = ""
+    for line in lines:
+        body = line.lstrip()
+        head = body.split(" = ", 1)[0] if " = " in body else ""
+        if head[:1] == "v" and head[1:].isdigit() and int(head[1:]) < len(notes):
+            note = notes[int(head[1:])] or (OWN if current else "")
+            if note != current:
+                indent = line[: len(line) - len(body)]
+                at = len(out)
+                while (
+                    at
+                    and out[at - 1].startswith(f"{indent}t")
+                    and out[at - 1][len(indent) + 1 : len(indent) + 2].isdigit()
+                ):
+                    at -= 1  # the temporaries its first node's emitter made (a reduction's) belong to it
+                out.insert(at, f"{indent}# {note}")
+            current = note
+        out.append(line)
+    return out
+
+
 class Scope:
     def __init__(self, indent: str = "") -> None:
         self.lines: list[str] = []
@@ -734,7 +770,7 @@ class Writer:
             name=name,
             params="\n".join(f"{p}," for p in self.params),
             program=self.program,
-            body="\n".join(simplify(self.top.lines)),
+            body="\n".join(annotated(simplify(self.top.lines), self.spec.notes)),
             **extra,
         )
 

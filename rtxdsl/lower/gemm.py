@@ -29,7 +29,7 @@ from ..expr import Expr
 from ..registry import REGISTRY, OpKind
 from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
-from .names import io_names, scalar_names
+from .names import scalar_names
 from .online import shifted_by
 from .params import inner_products, launch_ints, load_names, tile_loads
 from .schedule import (
@@ -42,6 +42,8 @@ from .schedule import (
     expand_strides,
     gemm_block,
     inner_rows,
+    notes_of,
+    printed_names,
     scalar_args,
     scalar_positions,
     stride_class,
@@ -108,8 +110,7 @@ def gemm_spec(
         ),
         nodes=bd.nodes,
         outputs=tuple(_out_spec(bd.index[id(o)], layouts[id(o)].dtype, group.role(o)) for o in group.outputs),
-        names=io_names(group, graph)[0],
-        out_names=io_names(group, graph)[1],
+        **printed_names(group, graph, notes_of(bd.index, group.nodes, graph, len(bd.nodes))),
         scalars=(),
         reductions=(),
         block=0,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -372,6 +372,23 @@ def body(group: Group, graph: Graph) -> Body:
     return Body(tuple(specs), MappingProxyType(index), tuple(loads), tuple(slots))
 
 
+def printed_names(group: Group, graph: Graph, notes: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """What the printed kernel calls its inputs and outputs (the user's names), and its nodes'
+    notes (``notes_of``): ``KernelSpec`` fields."""
+    names, out_names = io_names(group, graph)
+    return {"names": names, "out_names": out_names, "notes": notes}
+
+
+def notes_of(index: Mapping[int, int], nodes: Iterable[Expr], graph: Graph, n: int) -> tuple[str, ...]:
+    """Per node spec (``index``: node id -> its position): the composite op it came from, "" for
+    the user's own ops (``Graph.origin``); the printed kernel marks where each composite's lines start."""
+    notes = [""] * n
+    for e in nodes:
+        if (i := index.get(id(e))) is not None:
+            notes[i] = graph.origin.get(id(e), "")
+    return tuple(notes)
+
+
 def _compute_dtype(n: Expr, graph: Graph) -> torch.dtype:
     """The dtype ``n``'s operands are computed in (a product's: the dtype they multiply in, which
     its result has unless it keeps its accumulator's, ``contract(..., dtype=)``)."""
@@ -485,6 +502,7 @@ class Walk:
     flags: tuple[int, ...] = ()  # nodes that report an out-of-range index
     checks: tuple[IndexCheck, ...] = ()  # per flag: what an out-of-range index there means
     index: Mapping[int, int] = field(default_factory=dict)  # a coordinate kernel's: id(node) -> its spec
+    notes: tuple[str, ...] = ()  # per node: the composite op it came from ("" for the user's own)
 
 
 def kernel_spec(
@@ -529,9 +547,8 @@ def kernel_spec(
         flags=w.flags,
         gemm=tile,
         columns=tuple(i for i, n in enumerate(w.nodes) if n.role is Role.COLUMN),
-        names=io_names(group, graph)[0],
-        out_names=io_names(group, graph)[1],
         scalar_names=scalar_names(w.slots),
+        **printed_names(group, graph, w.notes),
     )
     if merge_of:
         spec, cfg = replace(spec, split=Split.MERGE, looped=False), merge_config(target)
@@ -701,6 +718,7 @@ def flat_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout], target:
         column,
         tile is not None,
         domain=domain,
+        notes=notes_of(b.index, group.nodes, graph, len(b.nodes)),
     )
 
 
@@ -841,6 +859,7 @@ def coordinate_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -
         flags=flags,
         checks=tuple(_check_message(by_index[i], graph) for i in flags),
         index=index,
+        notes=notes_of(index, by_index.values(), graph, len(specs)),
     )
 
 

@@ -176,6 +176,9 @@ class KernelSpec:
     names: tuple[str, ...] = ()
     out_names: tuple[str, ...] = ()
     scalar_names: tuple[str, ...] = ()
+    #: per node, the composite op it came from ("" for the user's own ops): the printed kernel marks
+    #: where each composite's lines start (``codegen.source.annotated``)
+    notes: tuple[str, ...] = ()
 
 
 #: a tail's own constexprs, passed to the kernel that runs it as ``T_<name>``

@@ -20,6 +20,7 @@ def pointwise_gt_ge_lt_add_SIG(
     mask = offs < n_elements
     x = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float32)
     v0 = x > tl.cast(s0, tl.float32)
+    # clamp
     v1 = x >= s1
     v2 = x < s1
     v3 = x + s1
@@ -31,6 +32,7 @@ def pointwise_gt_ge_lt_add_SIG(
     v11 = tl.where(v8, s2, v9)
     v12 = tl.where(v7, v6, v11)
     y = tl.load(y_ptr + offs, mask=mask, other=0).to(tl.float32)
+    # (as written)
     v13 = tl.where(v0, v12, y)
     tl.store(out_ptr + offs, v13.to(tl.bfloat16), mask=mask)
 

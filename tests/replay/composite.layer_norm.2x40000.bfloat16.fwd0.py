@@ -54,6 +54,7 @@ def layer_norm_row_SIG(
         n_0 = t12
         mean_0 = t16
         m2_0 = t17
+    # layer_norm
     v3 = m2_0 / s0
     v4 = v3 + s1
     v5 = tl.rsqrt(v4)

@@ -20,6 +20,7 @@ def softmax_row_SIG(
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0).to(tl.float32)
+    # log_softmax
     t2 = tl.max(x, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
     t4 = tl.exp2((x - t3) * 1.4426950408889634)

@@ -22,6 +22,7 @@ def softmax_row_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    # log_softmax
     t1 = tl.where(mask, x, float('-inf'))
     t2 = tl.max(t1, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)

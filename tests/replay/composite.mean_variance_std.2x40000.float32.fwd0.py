@@ -20,6 +20,7 @@ def row_sum_div_SIG(
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0)
+    # mean
     v0 = tl.sum(x, axis=1)[:, None]
     v1 = v0 / s0
     tl.store(m_ptr + rows, v1, mask=row_mask)

@@ -44,6 +44,7 @@ def row_m2_div_SIG_tail(
         n_0 = t10
         mean_0 = t14
         m2_0 = t15
+    # std
     v1 = m2_0 / s0
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)
@@ -105,6 +106,7 @@ def row_m2_div_SIG(
         n_0 = t10
         mean_0 = t14
         m2_0 = t15
+    # variance
     v1 = m2_0 / s0
     tl.store(v_ptr + rows, v1, mask=row_mask)
     tl.debug_barrier()

@@ -22,6 +22,7 @@ def row_sum_div_SIG_tail(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
+    # variance
     t1 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
     t2 = tl.maximum(t1, 1.0)
     t3 = tl.where(mask, x, 0)
@@ -67,6 +68,7 @@ def row_sum_div_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
+    # mean
     t1 = tl.where(mask, x, 0)
     v0 = tl.sum(t1, axis=1)[:, None]
     v1 = v0 / s0

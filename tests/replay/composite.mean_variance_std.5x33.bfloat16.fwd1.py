@@ -28,6 +28,7 @@ def row_m2_div_eq_where_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x = tl.load(x_ptr + cols, mask=mask, other=0).to(tl.float32)
+    # std
     t1 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
     t2 = tl.maximum(t1, 1.0)
     t3 = tl.where(mask, x, 0)

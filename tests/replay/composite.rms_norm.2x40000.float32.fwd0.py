@@ -27,6 +27,7 @@ def rms_norm_row_SIG(
         col_mask = cols < n_cols
         mask = row_mask & col_mask
         x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+        # rms_norm
         v0 = x * x
         t1 = tl.where(mask, v0, 0)
         t2 = acc_1 + t1

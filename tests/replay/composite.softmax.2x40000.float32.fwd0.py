@@ -33,6 +33,7 @@ def softmax_row_SIG(
         t8 = tl.where(m_0 == t6, s_0, s_0 * tl.exp(m_0 - t6)) + tl.where(t2 == t6, t5, t5 * tl.exp(t2 - t6))
         m_0 = t6
         s_0 = t8
+    # softmax
     v0 = m_0 + tl.log(s_0)
     v5 = s_0 * tl.exp(m_0 - (v0 + (v0 - v0)))
     v1 = v0 + (v0 - v0)

@@ -22,6 +22,7 @@ def softmax_row_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=float('-inf')).to(tl.float32)
+    # softmax
     t2 = tl.max(x, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
     t4 = tl.exp2((x - t3) * 1.4426950408889634)

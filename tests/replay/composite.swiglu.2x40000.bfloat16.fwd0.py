@@ -16,6 +16,7 @@ def pointwise_silu_mul_SIG(
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
     x = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float32)
+    # swiglu
     v0 = x / (1.0 + tl.exp(-x))
     y = tl.load(y_ptr + offs, mask=mask, other=0).to(tl.float32)
     v1 = v0 * y

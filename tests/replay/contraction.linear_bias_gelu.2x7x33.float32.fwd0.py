@@ -51,7 +51,9 @@ def gemm_contract_add_gelu_SIG(
     cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
     b_in = tl.load(b_ptr + batch * b_stride0 + cols, mask=cols < N, other=0)
+    # linear
     v1 = acc + b_in
+    # (as written)
     v2 = 0.5 * v1 * (1.0 + tl.erf(v1 * 0.7071067811865476))
     tl.store(out_ptr + batch * out_stride0 + rows * out_stride1 + cols, v2, mask=mask)
 

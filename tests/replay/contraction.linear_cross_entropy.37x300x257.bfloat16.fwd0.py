@@ -24,6 +24,7 @@ def linear_cross_entropy_row_SIG_tail(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     sum_in = tl.load(sum_ptr + cols, mask=mask, other=0)
+    # linear_cross_entropy
     t1 = tl.where(mask, sum_in, 0)
     v1 = tl.sum(t1, axis=1)[:, None]
     t = tl.load(t_ptr + cols, mask=mask, other=0)
@@ -75,6 +76,7 @@ def linear_cross_entropy_row_SIG(
     s_4 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
     acc_11 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     t = tl.load(t_ptr + rows, mask=row_mask, other=0)
+    # linear_cross_entropy
     v0 = t.to(tl.int64)
     v1 = v0 != s0
     v8 = tl.where(v1, v0, s1).to(tl.int64)
@@ -82,6 +84,7 @@ def linear_cross_entropy_row_SIG(
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
         mask = row_mask & col_mask
+        # linear
         v2 = tl.zeros((ROWS, BLOCK_SIZE), dtype=tl.float32)
         for ks_start in range(0, m2_0, BLOCK_K):
             ks = ks_start + tl.arange(0, BLOCK_K)
@@ -101,6 +104,7 @@ def linear_cross_entropy_row_SIG(
         t8 = tl.where(m_4 == t6, s_4, s_4 * tl.exp(m_4 - t6)) + tl.where(t2 == t6, t5, t5 * tl.exp(t2 - t6))
         m_4 = t6
         s_4 = t8
+        # linear_cross_entropy
         v7 = (cols + (rows * 0 + cols * 0)).to(tl.int32)
         t10 = tl.where((v8 >= 0) & (v8 <= 2147483647), v8, -1).to(tl.int32)
         v9 = v7 == t10

@@ -31,6 +31,7 @@ def rms_norm_row_SIG(
     x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
     r = tl.load(r_ptr + rows * r_stride0 + cols, mask=mask, other=0)
     v0 = x + r
+    # rms_norm
     v1 = v0 * v0
     t2 = tl.where(mask, v1, 0)
     v2 = tl.sum(t2, axis=1)[:, None]

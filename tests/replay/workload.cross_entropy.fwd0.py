@@ -24,6 +24,7 @@ def cross_entropy_row_SIG_tail(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     sum_in = tl.load(sum_ptr + cols, mask=mask, other=0)
+    # cross_entropy
     t1 = tl.where(mask, sum_in, 0)
     v1 = tl.sum(t1, axis=1)[:, None]
     t = tl.load(t_ptr + cols, mask=mask, other=0)
@@ -73,6 +74,7 @@ def cross_entropy_row_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+    # cross_entropy
     t1 = tl.where(mask, x, float('-inf'))
     t2 = tl.max(t1, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)

@@ -16,6 +16,7 @@ def pointwise_gelu_mul_SIG(
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
     g = tl.load(g_ptr + offs, mask=mask, other=0)
+    # geglu
     t1 = 0.7978845608028654 * (g + 0.044715 * g * g * g)
     t2 = tl.exp(-2.0 * tl.abs(t1))
     t3 = t1 * t1

@@ -31,6 +31,7 @@ def layer_norm_row_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
+    # layer_norm
     t1 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
     t2 = tl.maximum(t1, 1.0)
     t3 = tl.where(mask, x, 0)

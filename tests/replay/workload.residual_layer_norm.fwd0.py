@@ -37,6 +37,7 @@ def layer_norm_row_SIG(
     x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
     r = tl.load(r_ptr + rows * r_stride0 + cols, mask=mask, other=0)
     v0 = x + r
+    # layer_norm
     t2 = n_cols + tl.zeros([1, 1], dtype=tl.float32)
     t3 = tl.maximum(t2, 1.0)
     t4 = tl.where(mask, v0, 0)

@@ -27,6 +27,7 @@ def rms_norm_row_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     g = tl.load(g_ptr + rows * g_stride0 + cols, mask=mask, other=0)
+    # rms_norm
     v0 = g * g
     t1 = tl.where(mask, v0, 0)
     v1 = tl.sum(t1, axis=1)[:, None]
@@ -36,6 +37,7 @@ def rms_norm_row_SIG(
     v5 = g * v4
     w = tl.load(w_ptr + cols, mask=mask, other=0)
     v6 = v5 * w
+    # swiglu
     v7 = v6 / (1.0 + tl.exp(-v6))
     u = tl.load(u_ptr + rows * u_stride0 + cols, mask=mask, other=0)
     v8 = v7 * u

@@ -38,6 +38,7 @@ def rope_pointwise_SIG(
     irem = offs // size1
     q = tl.load(q_ptr + irem * q_stride0 + i1, mask=mask, other=0)
     c = tl.load(c_ptr + irem * c_stride0 + i1, mask=mask, other=0)
+    # rope
     v0 = q * c
     q_1 = tl.load(q_ptr + irem * q_stride0 + (m1_0 + m1_1 * i1) + offs * 0, mask=mask & (i1 < m4_0), other=0)
     v1_3 = q_1.to(tl.float32)

@@ -28,6 +28,7 @@ def softmax_row_SIG(
     v0 = x * s0
     m = tl.load(m_ptr + rows * m_stride0 + cols, mask=mask, other=0)
     v1 = v0 + m
+    # softmax
     t2 = tl.where(mask, v1, float('-inf'))
     t3 = tl.max(t2, axis=1)[:, None]
     t4 = tl.where(tl.abs(t3) == float('inf'), 0.0, t3)
