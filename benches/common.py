@@ -102,20 +102,6 @@ def save(name: str, payload: dict[str, Any], also: str | None = None) -> Path:
     return path
 
 
-def backward_feed(plan: Any, ins: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inputs of a gradient plan's backward kernel for ``ins``: the saved values and the
-    cotangents as empty tensors, shaped as the saving forward makes them (planned, nothing runs)."""
-    feed = dict(ins)
-    graph = plan.forward.analysis(**{n: ins[n] for n in plan.forward.inputs}).graph
-    for key, root in graph.outputs:
-        info = graph.of(root)
-        if key in plan.grads.saved_keys:
-            feed[key] = torch.empty(info.shape, dtype=info.dtype)
-        elif key in plan.grads.user_keys:
-            feed[f"_g{plan.grads.user_keys.index(key)}"] = torch.empty(info.shape, dtype=info.dtype)
-    return {n: feed[n] for n in plan.backward.inputs}
-
-
 def gpu_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of ``fn`` on the GPU (Triton's ``do_bench``)."""
     from triton.testing import do_bench

@@ -26,7 +26,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import rtxdsl as rx  # noqa: E402
-from benches.common import backward_feed, machine, markdown, save  # noqa: E402
+from benches.common import machine, markdown, save  # noqa: E402
 from rtxdsl.build import compile_kernel, prepare  # noqa: E402
 from rtxdsl.cache import GLOBAL_CACHE  # noqa: E402
 from rtxdsl.codegen.ptx import compile_call  # noqa: E402
@@ -98,7 +98,7 @@ def linear_ce() -> list[dict]:
            "t": torch.zeros(4096, dtype=torch.int64)}  # fmt: skip
     plan = rx.compile(rx.linear_cross_entropy(rx.var("h"), rx.var("w"), rx.var("t"))).grad_plan(**ins)
     rows = []
-    for part, kernel, feed in (("forward", plan.forward, ins), ("backward", plan.backward, backward_feed(plan, ins))):
+    for part, kernel, feed in (("forward", plan.forward, ins), ("backward", plan.backward, plan.backward_feed(ins))):
         start = time.perf_counter()
         facts = compile_kernel(kernel, feed)
         seconds = time.perf_counter() - start

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rtxdsl as rx
-from benches.common import backward_feed, machine, markdown, save
+from benches.common import machine, markdown, save
 from rtxdsl.lower.target import GPU
 
 x, w, b, r, wg, wu, wd = (rx.var(n) for n in ("x", "w", "b", "r", "wg", "wu", "wd"))
@@ -104,7 +104,7 @@ def measure(name: str, expr: rx.Expr, eager: Callable[..., torch.Tensor], ins: d
     needs = {n: v.requires_grad_() for n, v in ins.items()}
     plan = k.grad_plan(**needs)
     saving = plan.forward.summary(**ins)
-    bwd = plan.backward.summary(**backward_feed(plan, ins))
+    bwd = plan.backward.summary(**plan.backward_feed(ins))
     return {
         "case": name,
         "forward kernels": fwd.kernels,
@@ -151,7 +151,7 @@ def linear_ce(tokens: int, vocab: int, hidden: int, dtype: torch.dtype) -> dict:
     k = rx.compile(rx.linear_cross_entropy(h, wv, t))
     plan = k.grad_plan(h=ins["h"].requires_grad_(), w=ins["w"].requires_grad_(), t=ins["t"])
     fwd = plan.forward.program(**ins)
-    bwd = plan.backward.program(**backward_feed(plan, ins))
+    bwd = plan.backward.program(**plan.backward_feed(ins))
     meta = {n: torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=v.dtype.is_floating_point)
             for n, v in ins.items()}  # fmt: skip
     with _Sized(tokens * vocab) as eager:
@@ -213,7 +213,7 @@ def head_losses(seqs: int, tokens: int, vocab: int, hidden: int, dtype: torch.dt
         k = rx.compile(expr)
         fwd = k.summary(**ins)
         plan = k.grad_plan(**{n: t.requires_grad_() if n in ("h", "w") else t for n, t in ins.items()})
-        feed = backward_feed(plan, ins)
+        feed = plan.backward_feed(ins)
         bwd = plan.backward.program(**feed)
         # the compute model on sm_90's tiles (how often a GEMM recomputes a product depends on them)
         flops = (k.lower_for(GPU, **ins).flops, *((p := plan.backward.lower_for(GPU, **feed)).flops, p.minimum_flops))

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 import rtxdsl as rx
-from benches.common import backward_feed
 from rtxdsl.build import prepare
 from rtxdsl.lower import GPU
 from rtxdsl.workloads import WORKLOADS
@@ -105,7 +104,7 @@ def replay() -> dict[str, str]:
             files[f"{name}.fwd{i}.py"] = src
         if any(t.dtype.is_floating_point for t in ins.values()):
             plan = k.grad_plan(**ins)
-            for i, src in enumerate(_sources(plan.backward, backward_feed(plan, ins))):
+            for i, src in enumerate(_sources(plan.backward, plan.backward_feed(ins))):
                 files[f"{name}.bwd{i}.py"] = src
     return files
 

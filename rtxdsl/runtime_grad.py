@@ -52,17 +52,14 @@ class GradPlan:
             >>> {k: tuple(v.shape) for k, v in g.backward_feed({"x": torch.empty(4, 8)}).items()}
             {'_g0': (4, 8), 'x': (4, 8), '_s0': (4, 1), '_s1': (4, 1)}
         """
-        fwd = self.forward.program(**{n: inputs[n] for n in self.forward.inputs})
-        made = {}
-        for key, slot in fwd.outputs:
-            if slot is None:
-                _, dtype = fwd.scalar_outputs[key]
-                made[key] = torch.ones((), dtype=dtype)
-            else:
-                buffer = fwd.buffers[slot - fwd.n_inputs]
-                made[key] = torch.empty(buffer.shape, dtype=buffer.dtype)
-        cotangents = {f"{COTANGENT}{i}": made[k] for i, k in enumerate(self.grads.user_keys)}
-        feed = {**inputs, **made, **cotangents}
+        graph = self.forward.analysis(**{n: inputs[n] for n in self.forward.inputs}).graph
+        feed = dict(inputs)
+        for key, root in graph.outputs:
+            info = graph.of(root)
+            if key in self.grads.saved_keys:
+                feed[key] = torch.empty(info.shape, dtype=info.dtype)
+            elif key in self.grads.user_keys:
+                feed[f"{COTANGENT}{self.grads.user_keys.index(key)}"] = torch.empty(info.shape, dtype=info.dtype)
         return {name: feed[name] for name in self.backward.inputs}
 
 

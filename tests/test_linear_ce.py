@@ -5,6 +5,7 @@ against float64 torch on odd sizes and every option; the memory and launch figur
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -125,7 +126,12 @@ def test_cross_entropy_of_linear_is_the_same_kernels(gen):
     named = rx.compile(rx.linear_cross_entropy(h, w, t, b)).program(**ins)
     found = rx.compile(rx.cross_entropy(rx.linear(h, w, b), t)).program(**ins)
     assert named.kernels_launched == found.kernels_launched == 1
-    assert [k.spec for k in named.launched] == [k.spec for k in found.launched]
+
+    # the same kernel (and tail), commented after the code that made it (``KernelSpec.notes``)
+    def bare(spec):
+        return replace(spec, notes=(), tail=spec.tail and bare(spec.tail))
+
+    assert [bare(k.spec) for k in named.launched] == [bare(k.spec) for k in found.launched]
 
 
 def test_gradcheck(gen):

@@ -177,7 +177,8 @@ class KernelSpec:
     out_names: tuple[str, ...] = ()
     scalar_names: tuple[str, ...] = ()
     #: per node, the composite op it came from ("" for the user's own ops): the printed kernel marks
-    #: where each composite's lines start (``codegen.source.annotated``)
+    #: where each composite's lines start (``codegen.source.annotated``). Part of the signature, as
+    #: names are: a kernel's printed comments are its own code's, whatever else compiled it first
     notes: tuple[str, ...] = ()
 
 
