@@ -151,6 +151,10 @@ class ReduceSpec:
     #: the reduce op of DTensor's ``Partial`` placement holding pieces' values not yet merged (a
     #: sum's "sum"), where a sharded output may stay so; None: the pieces are merged in the kernel
     partial: str | None = None
+    #: not ``of_values``, but merged from its pieces' values beside a twin's: ``(the twin op over
+    #: the same operand and axes, merge(stack, twin's stack, twin's merged value))`` (a softmax's
+    #: total beside its logsumexp, ``lower/pieces.py``); None: no such merge
+    merged_with: tuple[str, Callable[[Any, Any, Any], Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -140,22 +140,21 @@ def test_layer_norm_with_mean_and_rstd_outputs_is_one_kernel(gen):
     _check_one_kernel(k, ins, list(out.values()))
 
 
-# whole rows (3, 7, 100), looped (5000: a row longer than one block) and split (70001 over 2 rows)
-@pytest.mark.parametrize("cols", [3, 7, 100, 5000, 70001])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_norms_of_an_input_expanded_along_its_row_are_exact(cols, dtype, gen):
+# whole rows (7, 100), looped (5000: a row longer than one block) and split (70001 over 2 rows);
+# float32 only: a half value holds few enough bits that n copies of it sum exactly in fp32 (no fp16
+# or bf16 row of one value missed its mean before the fix)
+@pytest.mark.parametrize("cols", [7, 100, 5000, 70001])
+def test_norms_of_an_input_expanded_along_its_row_are_exact(cols, gen):
     """An input expanded along the normalized dim is a row of one value: torch's layer norm is
-    exactly 0 there (its bias), and its variance and std 0 (in float64; its bf16 one on the CPU
-    is not). ``sum(x) / n`` can miss the value by an
+    exactly 0 there (its bias), and its variance and std 0. ``sum(x) / n`` can miss the value by an
     ulp, which ``1 / sqrt(eps)`` scales up to 6e-4 (found by the expression fuzzer,
     ``RTXDSL_FUZZ_SEED=20261207``, in a loss over a normed head); the mean is Welford's, corrected
     by the deviations' sum (``ops/reduction.py: _m2_tile_of``)."""
-    t = (torch.randn(2, 1, generator=gen) * 5 + 0.1).to(dtype).expand(2, cols)
+    t = (torch.randn(2, 1, generator=gen) * 5 + 0.1).expand(2, cols)
     out = rx.compile(
         {"ln": rx.layer_norm(x, 1.0, 0.0, 1e-5), "var": rx.variance(x, -1), "std": rx.std(x, -1, correction=0)}
     )(x=t)
-    # torch's own bf16 layer norm on the CPU misses 0 by 1e-5: the float64 one is exact
-    assert torch.equal(out["ln"], F.layer_norm(t.double(), (cols,), eps=1e-5).to(dtype)), out["ln"].abs().max()
+    assert torch.equal(out["ln"], F.layer_norm(t, (cols,), eps=1e-5)), out["ln"].abs().max()
     assert torch.equal(out["var"], torch.zeros_like(out["var"])), out["var"]
     assert torch.equal(out["std"], torch.zeros_like(out["std"])), out["std"]
 
@@ -192,7 +191,7 @@ def test_the_interpreters_reduce_with_a_kernels_own_combine_combines_halves():
 
 def test_group_norm_of_a_constant_group_is_exact(gen):
     """group_norm shares the norms' Welford mean: a group of one value normalizes to exactly 0."""
-    t = (torch.randn(3, 1, 1, generator=gen) * 7 + 0.3).expand(3, 4, 9)
+    t = (torch.randn(6, 1, 1, generator=gen) * 7 + 0.3).expand(6, 4, 25)  # 12 groups of 50
     got = rx.compile(rx.group_norm(x, 2, 1.0, 0.0, 1e-5))(x=t)
     assert torch.equal(got, F.group_norm(t, 2, eps=1e-5)), got.abs().max()
 

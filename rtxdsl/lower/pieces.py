@@ -24,7 +24,6 @@ import torch
 
 from ..expr import Expr, node
 from ..ops import REGISTRY, AxisRule, OpKind
-from ..ops.reduction import MERGED_WITH
 from .analyze import positions_only, read_srcs
 from .expand import Graph
 from .shard import axes_of, axis_labels
@@ -90,10 +89,11 @@ class Pieces:
 
         def merged(c: Expr) -> Expr:  # a reduction's value of the whole, from its pieces'
             stack = node("var", name=stacks[id(c)], dtype=None)
-            if c.op not in MERGED_WITH:
+            beside = REGISTRY[c.op].reduce.merged_with
+            if beside is None:
                 return node(c.op, stack, axis=(0,), keepdim=False)
             twin = _twin(c, self.cuts)
-            return MERGED_WITH[c.op][1](stack, node("var", name=stacks[id(twin)], dtype=None), merged(twin))
+            return beside[1](stack, node("var", name=stacks[id(twin)], dtype=None), merged(twin))
 
         for n in self.graph.nodes:
             if id(n) in stacks:
@@ -127,9 +127,9 @@ def pieces(graph: Graph, k: int, dim: int) -> Pieces | str:
         return why
     for c in cuts:
         spec = REGISTRY[c.op].reduce
-        if c.op in MERGED_WITH:
+        if spec is not None and spec.merged_with is not None:
             if _twin(c, cuts) is None:
-                return f"{c.op} over the axis merges beside its {MERGED_WITH[c.op][0]}, which is not computed"
+                return f"{c.op} over the axis merges beside its {spec.merged_with[0]}, which is not computed"
         elif spec is None or not spec.of_values:
             return f"{c.op} over the axis does not merge from its pieces' values"
     shape_of: dict[int, str] = {}
@@ -161,8 +161,8 @@ def pieces(graph: Graph, k: int, dim: int) -> Pieces | str:
 
 
 def _twin(c: Expr, cuts: list[Expr] | tuple[Expr, ...]) -> Expr | None:
-    """The reduction among ``cuts`` whose pieces ``c``'s merge beside (``MERGED_WITH``), or None."""
-    op = MERGED_WITH[c.op][0]
+    """The reduction among ``cuts`` whose pieces ``c``'s merge beside (``ReduceSpec.merged_with``), or None."""
+    op = REGISTRY[c.op].reduce.merged_with[0]
     return next((t for t in cuts if t.op == op and t.srcs[0] is c.srcs[0] and t.attrs == c.attrs), None)
 
 

@@ -187,9 +187,7 @@ def _m2_tile(c: EmitCtx, st: tuple[str, ...]) -> tuple[str, ...]:
     # the weighted mean, corrected by its residual (see ``_m2_tile_of``): parts of one value give it
     mu0 = c.tmp(f"{_tile_sum(f'{n} * {mean}')} / {safe}")
     dm = c.tmp(f"{mean} - {mu0}")
-    fix = c.tmp(_finite_fix(c.tmp(f"{_tile_sum(f'{n} * {dm}')} / {safe}")))
-    q = c.tmp(f"{_tile_sum(f'{m2} + {n} * {dm} * {dm}')} - {total} * {fix} * {fix}")
-    return total, f"{mu0} + {fix}", _not_below_zero(q)
+    return total, *_corrected(c, mu0, _tile_sum(f"{n} * {dm}"), _tile_sum(f"{m2} + {n} * {dm} * {dm}"), total, safe)
 
 
 def _m2_merge(c: EmitCtx, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -206,14 +204,15 @@ def add_pairs(a0, a1, b0, b1):
     return a0 + b0, a1 + b1"""
 
 
-def _finite_fix(fix: str) -> str:
+def _corrected(c: EmitCtx, mu0: str, s1: str, s2: str, n: str, safe: str) -> tuple[str, str]:
+    """``(mean, m2)`` from a first mean ``mu0`` and the (weighted) sums ``s1`` of the deviations
+    from it and ``s2`` of their squares over ``n`` elements (``safe``: ``n``, at least 1)."""
+    fix = c.tmp(f"{s1} / {safe}")
     # a row holding +-inf has the mean +-inf (or NaN) already and deviations inf - inf: no correction
-    return f"tl.where({fix} == {fix}, {fix}, 0.0)"
-
-
-def _not_below_zero(q: str) -> str:
-    # a corrected sum of squares rounds a hair below 0 on a row of one value; NaN stays NaN
-    return f"tl.where({q} < 0, 0.0, {q})"
+    fix = c.tmp(f"tl.where({fix} == {fix}, {fix}, 0.0)")
+    q = c.tmp(f"{s2} - {n} * {fix} * {fix}")
+    # the corrected sum of squares rounds a hair below 0 on a row of one value; NaN stays NaN
+    return f"{mu0} + {fix}", f"tl.where({q} < 0, 0.0, {q})"
 
 
 def _m2_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
@@ -227,9 +226,7 @@ def _m2_tile_of(c: EmitCtx, x: str, mask: str, count: str) -> tuple[str, ...]:
     d = c.tmp(_masked(mask, f"{x} - {mu0}", "0.0"))
     # both sums in one reduction tree: one pass through shared memory, as the tutorial's variance
     sums = c.tmp(f"tl.reduce(({d}, {d} * {d}), 1, {c.helper('add_pairs', ADD_PAIRS)})")
-    fix = c.tmp(_finite_fix(c.tmp(f"{sums}[0][:, None] / {safe}")))
-    q = c.tmp(f"{sums}[1][:, None] - {n} * {fix} * {fix}")
-    return n, f"{mu0} + {fix}", _not_below_zero(q)
+    return n, *_corrected(c, mu0, f"{sums}[0][:, None]", f"{sums}[1][:, None]", n, safe)
 
 
 #: Welford / Chan: count, mean and sum of squared deviations; two-pass exact within a tile
@@ -325,8 +322,8 @@ def deviations(x: Expr, axis: Any) -> tuple[Expr, Expr]:
 
 
 def lse_shift(x: Expr, axis: Any) -> Expr:
-    """logsumexp over ``axis`` (kept), as cross-entropy subtracts it (softmax and log_softmax
-    shift by it, detached: ``softmax_parts``).
+    """logsumexp over ``axis`` (kept), the shift softmax, log_softmax and cross-entropy subtract,
+    detached (``softmax_parts``).
 
     torch takes log_softmax first: a row whose logsumexp is +-inf or NaN (a +inf logit, only -inf
     ones, a NaN) is NaN at every element, value and gradient: ``finite_or_nan`` makes it so."""
@@ -441,21 +438,6 @@ def _softmax_sum_value(c: EmitCtx, st: tuple[str, ...]) -> str:
     return f"{st[1]} * tl.exp({st[0]} - ({lse} + ({lse} - {lse})))"
 
 
-#: sum(exp(x - c)) for ``c = lse_shift(x)``: logsumexp's state, read off at its own rounded value
-SOFTMAX_SUM = replace(LOGSUMEXP, value=_softmax_sum_value, single=lambda c, x: f"1.0 + ({x} - {x})", of_values=False)
-
-
-def _softmax_sum_ref(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
-    lse = torch.logsumexp(x, dim=dims, keepdim=True).detach()  # a shift: see _softmax_sum_derivative
-    return torch.exp(x - (lse + (lse - lse))).sum(dim=dims, keepdim=keepdim)
-
-
-def _softmax_sum_derivative(d: D) -> tuple[Expr]:
-    # the shift is detached: d/dx sum(exp(x - c)) = exp(x - c), the very exp the softmax computes
-    lse = node("logsumexp", d.a, axis=d.n.attr("axis"), keepdim=True)
-    return (node("mul", d.g, node("exp", node("sub", d.a, node("detach", node("finite_or_nan", lse))))),)
-
-
 def _softmax_sum_of_pieces(totals: Expr, lses: Expr, lse: Expr) -> Expr:
     """``softmax_sum`` of the whole from its pieces' (stacked along axis 0, with their logsumexps
     ``lses`` and the whole's ``lse``): each piece's total, taken at its own rounded logsumexp,
@@ -467,9 +449,26 @@ def _softmax_sum_of_pieces(totals: Expr, lses: Expr, lse: Expr) -> Expr:
     return node("sum", node("where", node("eq", lses, float("-inf")), 0.0, scaled), axis=(0,), keepdim=False)
 
 
-#: reductions whose pieces' values merge only beside a twin's (a vocabulary split across ranks):
-#: op -> (the twin op over the same operand and axes, the merge of the stacks)
-MERGED_WITH = {"softmax_sum": ("logsumexp", _softmax_sum_of_pieces)}
+#: sum(exp(x - c)) for ``c = lse_shift(x)``: logsumexp's state, read off at its own rounded value;
+#: pieces of a row (a vocabulary split across ranks) merge beside their logsumexps
+SOFTMAX_SUM = replace(
+    LOGSUMEXP,
+    value=_softmax_sum_value,
+    single=lambda c, x: f"1.0 + ({x} - {x})",
+    of_values=False,
+    merged_with=("logsumexp", _softmax_sum_of_pieces),
+)
+
+
+def _softmax_sum_ref(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
+    lse = torch.logsumexp(x, dim=dims, keepdim=True).detach()  # a shift: see _softmax_sum_derivative
+    return torch.exp(x - (lse + (lse - lse))).sum(dim=dims, keepdim=keepdim)
+
+
+def _softmax_sum_derivative(d: D) -> tuple[Expr]:
+    # the shift is detached: d/dx sum(exp(x - c)) = exp(x - c), the very exp the softmax computes
+    lse = node("logsumexp", d.a, axis=d.n.attr("axis"), keepdim=True)
+    return (node("mul", d.g, node("exp", node("sub", d.a, node("detach", node("finite_or_nan", lse))))),)
 
 
 _reduction(
