@@ -908,3 +908,34 @@ def test_hand_written_attention_gradients_at_large_scores_match_eagers_error(gen
     for name, a, b, r in zip("qkv", grads["rx"], grads["eager"], grads["f64"]):
         err, eager = ((x.double() - r).abs().max().item() for x in (a, b))
         assert err <= 3 * eager + 1e-6 * r.abs().max().item(), (name, err, eager)
+
+
+@pytest.mark.parametrize(
+    "dtype, fill",
+    [
+        (torch.float16, torch.finfo(torch.float16).min),  # Hugging Face's padding mask
+        (torch.bfloat16, -1e4),  # a large additive mask, spacing 64: bf16's finfo.min rounds no score
+    ],
+)
+def test_scores_also_returned_in_half_precision_give_eagers_gradients(dtype, fill, gen):
+    """The scores returned beside the output are stored rounded and the forward's logsumexp is of
+    the rounded scores: the backward reads them back as stored (``vjp._half_output``). Recomputed
+    unrounded, a row masked at ``finfo.min`` no longer summed to one under that logsumexp: dv 106
+    off where eager fp16 is 1.9 off (model fuzzer program 2026122400033)."""
+    q, k, v = (torch.randn(1, 4, 8, generator=gen).to(dtype) for _ in range(3))
+    mask = torch.zeros(4, 4, dtype=dtype)
+    mask[0] = fill  # a fully masked query row
+    cot = torch.randn(1, 4, 8, generator=gen).to(dtype)
+    Q, K, V, M = rx.var("q"), rx.var("k"), rx.var("v"), rx.var("m")
+    s = Q @ rx.transpose(K, -2, -1) + M
+    kernel = rx.compile({"o": rx.softmax(s, -1) @ V, "s": s})
+
+    def grads(fn, dt):
+        ins = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        return [g.double() for g in torch.autograd.grad(fn(*ins), ins, cot.to(dt))]
+
+    want = grads(lambda a, b, c: torch.softmax(a @ b.mT + mask.double(), -1) @ c, torch.float64)
+    eager = grads(lambda a, b, c: torch.softmax(a @ b.mT + mask, -1) @ c, dtype)
+    got = grads(lambda a, b, c: kernel(q=a, k=b, v=c, m=mask)["o"], dtype)
+    for name, g, e, w in zip("qkv", got, eager, want):
+        assert (g - w).abs().max() <= 1.1 * (e - w).abs().max() + 1e-3, f"d{name}"  # eager's rounding, no more

@@ -50,6 +50,10 @@ SCRIPT = textwrap.dedent("""
         "gemm_prologue_swiglu": (rx.linear(rx.silu(x) * y, w), dict(x=torch.empty(4096, 1024, dtype=torch.bfloat16),
                                  y=torch.empty(4096, 1024, dtype=torch.bfloat16),
                                  w=torch.empty(128, 1024, dtype=torch.bfloat16))),
+        # a gate and an up projection of one input: one K loop, two accumulators (Llama-8B's MLP)
+        "gemm_gate_up": (rx.silu(rx.linear(x, w)) * rx.linear(x, y), dict(
+            x=torch.empty(4096, 4096, dtype=torch.bfloat16), w=torch.empty(14336, 4096, dtype=torch.bfloat16),
+            y=torch.empty(14336, 4096, dtype=torch.bfloat16))),
     }
     # the backward of linear + bias + gelu from a narrow input (128 features, where the traffic
     # model recomputes gelu'(h) * g at load): two GEMMs, the second with the bias gradient merged
@@ -189,6 +193,7 @@ def test_contiguous_path_uses_128_bit_loads_and_stores(facts):
 def test_contractions_use_hopper_warpgroup_mma(facts):
     for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu", "gemm_bwd_bias_sum"):
         assert facts[name]["wgmma"] > 0, name
+    assert facts["gemm_gate_up"]["wgmma"] == 2 * facts["gemm_bf16_gelu"]["wgmma"]  # both products, one K loop
     lce = ("gemm_lce_forward", "gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw", "gemm_distill_chunk")
     moe = ("gemm_moe_up", "gemm_moe_down", "gemm_moe_down_grad", "gemm_moe_weight_grad")  # gathered rows too
     attention = ("gemm_attention_d64_kv32", "gemm_attention_d128_kv32", "gemm_attention_d128_kv8")

@@ -13,7 +13,7 @@ import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.online import EXPS, SHIFTS, SUMS
-from ..lower.params import own_params
+from ..lower.params import own_params, shared_operands
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
 from ..lower.spec import BCAST, STRIDED, UNIT, KernelSpec, NodeSpec, Src
@@ -150,6 +150,8 @@ class GemmWriter(Writer):
         tiles = [self._operand(op, j, ref, operand_dtype, k_scope) for op, j, ref in zip("ab", (g.a, g.b), srcs)]
         precision = f', input_precision="{g.precision}"' if operand_dtype == torch.float32 else ""
         k_scope.add(f"acc = tl.dot({tiles[0]}, {tiles[1]}, acc{precision})")
+        shared = shared_operands(self.spec)
+        siblings = {i: self._sibling(i, side, tiles, k_scope, precision) for i, side in shared.items()}
         k_start, k_end = "W_LO" if window is not None and window.axis == "k" else "0", "K"
         if self.tile_scan(batches, ("k_lo", "k_hi"), "k_start", "K", "BLOCK_K"):  # block sparsity
             k_start, k_end = "k_lo", "k_hi"  # only the K slices where the guard may hold
@@ -165,10 +167,9 @@ class GemmWriter(Writer):
             self._finish_reduction(i, red, ctx, running)
         self.out_idx = [] if g.sum_batch else self.batch_idx[:kept] + ["0"] * g.summed
         top.add_all(["rows = offs_m[:, None]", "cols = offs_n[None, :]", "mask = (rows < M) & (cols < N)"])
-        self.types["acc"] = acc_dtype
-        top.memo[(Src.NODE, contraction)] = (
-            self.round_stored("acc", contraction, top) if contraction in self.rounded else "acc"
-        )
+        for i, acc in {contraction: "acc", **siblings}.items():
+            self.types[acc] = acc_dtype
+            top.memo[(Src.NODE, i)] = self.round_stored(acc, i, top) if i in self.rounded else acc
         if window is not None and window.accumulate is not None:  # carried to the next chunk; stored by the last
             carried = "(rows < tl.where(W_LAST == 0, M, 0)) & (cols < N)"
             top.add(f"tl.store(acc_ptr + (batch * M + rows) * N + cols, acc, mask={carried})")
@@ -189,6 +190,32 @@ class GemmWriter(Writer):
             m_start=spans["m"][1],
             n_start=spans["n"][1],
         )
+
+    def _sibling(self, i: int, side: int, tiles: list[str], scope: Scope, precision: str) -> str:
+        """Product ``i``, sharing operand ``side`` with the kernel's own (``shared_operands``): its
+        other operand's tile loaded beside the shared one, summed into an accumulator of its own in
+        the same K loop (a gate and an up projection: the input's tile read once for both)."""
+        node = self.spec.nodes[i]
+        attrs = dict(node.attrs)
+        kind, k = ref = node.srcs[1 - side]
+        op = "ab"[1 - side]
+        if kind is Src.NODE:  # its prologue, at the same tile as the kernel's own operand's
+            v = self.value(ref, scope)
+            v = to_storage(v, self.types[v], node.cdt)
+            scope.add(f"{op}_tile{i} = {v if self._zero_outside(ref) else f'tl.where({op}_mask, {v}, 0)'}")
+        else:
+            if op == "b":  # the product's right operand: a (k, n) tile
+                dims, at = (("n", "k") if attrs["tb"] else ("k", "n")), {"k": "ks[:, None]", "n": "offs_n[None, :]"}
+            else:  # its left operand: an (m, k) tile
+                dims, at = (("k", "m") if attrs["ta"] else ("m", "k")), {"m": "offs_m[:, None]", "k": "ks[None, :]"}
+            j = self.spec.loads[k].input
+            tile = f"tl.load(in{j}_ptr + {self._stored_offset(k, dims, at)}, mask={op}_mask, other=0)"
+            scope.add(f"{op}_tile{i} = {load_as(tile, self.spec.in_dtypes[j], node.cdt)}")
+        pair = (tiles[0], f"b_tile{i}") if op == "b" else (f"a_tile{i}", tiles[1])  # (b{d}: batch indices)
+        acc = f"acc{i}"
+        self.top.add(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[accumulator(node.cdt)]})")
+        scope.add(f"{acc} = tl.dot({pair[0]}, {pair[1]}, {acc}{precision})")
+        return acc
 
     def _relative(self, top: Scope) -> None:
         """A chunk loop's buffers hold one chunk, its element 0 at ``W_LO`` of the windowed dim

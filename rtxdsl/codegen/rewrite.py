@@ -192,8 +192,8 @@ def common_subexpr(body: list[ast.stmt], once: Counter[str], types: Types) -> bo
             forget(held, {name})
             v = stmt.value
             uses = _names(v)
-            if isinstance(v, _COMPUTED) and _pure(v) and name not in uses:
-                held.setdefault(key(v), (name, uses))
+            if isinstance(v, _COMPUTED) and _pure(v) and name not in uses and once[name] == 1:
+                held.setdefault(key(v), (name, uses))  # (not a running state's start: two would be one)
 
     block(body, {})
     return changed

@@ -22,6 +22,9 @@ The analysis is a sequence of passes, each a function from (graph, groups) to ne
    teacher's logits in one distillation loss).
 6. ``absorb_prologues``: a GEMM recomputes an elementwise operand at load time (its prologue)
    where the traffic model says that is cheaper than writing the operand and reading it back.
+   Then ``merge_shared_operands``: two GEMMs of one shape that share an operand (a gate and an
+   up projection of one input, q / k / v of one hidden state) become one kernel summing both
+   products in one K loop, the shared operand's tile loaded (or its prologue computed) once.
 7. ``chunk_recomputed`` (``lower/chunk.py``): a product that GEMM prologues would recompute
    many times (linear cross-entropy's backward) is computed once instead, a chunk of its last
    dim at a time, by a GEMM of its own whose epilogue writes the prologue's value to a buffer
@@ -126,6 +129,7 @@ def analyze(graph: Graph, config: FusionConfig) -> Plan:
     groups = recompute_elementwise(graph, fl, groups, config, small)
     groups = fuse_product_rows(graph, fl, groups, small)
     groups = absorb_prologues(graph, fl, groups, config, small)
+    groups = merge_shared_operands(graph, fl, groups, config, small)
     groups = chunk_recomputed(graph, groups, config)
     return finish(graph, fl, groups)
 
@@ -1052,6 +1056,75 @@ def absorb_prologues(
     dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
     order = _order(graph)
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
+
+
+def merge_shared_operands(
+    graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
+) -> tuple[Group, ...]:
+    """Two GEMM kernels whose products have one shape and share an operand (the same node, read
+    the same way: ``silu(x @ wg.mT) * (x @ wu.mT)``, or q, k and v of one hidden state) become
+    one kernel: its K loop sums both products (:func:`shared_operand`), the shared tile loaded or
+    its prologue computed once, and the epilogue of either reads both, so neither is written
+    unless something else reads it; each computes the prologue of its other operand (if any) at
+    the same tile (a weight gradient's ``dg.T @ h`` beside ``du.T @ h``). Not where a third kernel
+    lies between them (a cycle), nor for products with a K loop of their own."""
+    work = [_Work.of(g) for g in groups]
+    homes = _homes(work)
+    reads = [_group_reads(g, fl, homes, i) for i, g in enumerate(work)]
+    plain = [_plain_gemm(g, solo) for g in work]
+    alive = [True] * len(work)
+    for a in range(len(work)):
+        for b in range(a + 1, len(work)):
+            if not (alive[a] and alive[b] and plain[a] and plain[b]):
+                continue
+            ga, gb = work[a], work[b]
+            if graph.ops(ga.nodes + gb.nodes) > config.max_fusion_ops or _between(reads, a, b):
+                continue
+            ca, cb = ga.contraction, gb.contraction
+            assert ca is not None and cb is not None
+            side = shared_operand(ca, cb, graph)
+            if side is None or (id(ca.srcs[side]) in ga.roles) != (id(cb.srcs[side]) in gb.roles):
+                continue  # the shared operand: a prologue in both kernels or read by both
+            ga.nodes.extend(gb.nodes)
+            ga.roles.update(gb.roles)
+            ga.notes += [note for note in gb.notes if note not in ga.notes]
+            shares = f"{_label(cb, graph)} shares {_label(ca.srcs[side], graph)} with {_label(ca, graph)}"
+            ga.notes.append(f"{shares}: one K loop")
+            alive[b], plain[a] = False, False  # two products at most: two accumulators
+            reads[a] = (reads[a] | reads[b]) - {a, b}
+            for r in reads:
+                if b in r:
+                    r.discard(b)
+                    r.add(a)
+            reads[b] = set()
+    order = _order(graph)
+    return tuple(g.freeze(order) for g, ok in zip(work, alive) if ok)
+
+
+def shared_operand(a: Expr, b: Expr, graph: Graph) -> int | None:
+    """The operand (0: left, 1: right) contractions ``a`` and ``b`` share, read the same way, where
+    their products have one shape (so one K loop sums both; matmul's operands have one dtype), or None."""
+    if a is b or a.attrs != b.attrs or graph.of(a).shape != graph.of(b).shape:
+        return None
+    return next((side for side in (0, 1) if a.srcs[side] is b.srcs[side]), None)
+
+
+def _plain_gemm(g: _Work, solo: frozenset[int]) -> bool:
+    """A GEMM kernel that may share its K loop: one product, none recomputed, no batch summed in
+    the loop, nothing kept apart by ``min_fusion_ops``."""
+    c = g.contraction
+    if c is None or g.is_row or g.free or any(id(m) in solo for m in g.nodes):
+        return False
+    if c.attr("sum_batch") or c.attr_dict.get("summed") or c.attr_dict.get("recompute"):
+        return False
+    return [m for m in g.nodes if REGISTRY[m.op].kind is OpKind.CONTRACTION] == [c]
+
+
+def _between(reads: list[set[int]], a: int, b: int) -> bool:
+    """Does a third kernel lie on a path between kernels ``a`` and ``b`` (merged, a cycle)?"""
+    return any(d != b and _reaches(reads, d, b) for d in reads[a]) or any(
+        d != a and _reaches(reads, d, a) for d in reads[b]
+    )
 
 
 def _holds_other_operand(w: _Work, side: Role, chain: list[Expr]) -> bool:

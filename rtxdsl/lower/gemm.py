@@ -31,7 +31,7 @@ from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
 from .names import scalar_names
 from .online import shifted_by
-from .params import inner_products, launch_ints, load_names, tile_loads
+from .params import inner_products, launch_ints, load_names, product_loads, shared_operands, tile_loads
 from .schedule import (
     INT32_LIMIT,
     Body,
@@ -269,11 +269,13 @@ def _tile_values(
         if group.role(o) is Role.FULL:  # a reduction of A is one contiguous value per row of the product
             row_strides = layouts[id(o)].strides[:-1]  # contiguous (one chunk's, in a chunk loop): columns' is 1
             values |= {f"out{k}_stride{d}": v for d, v in enumerate(row_strides)}
+    shared = shared_operands(spec)
     for p in group.nodes:  # each recomputed product: its contracted size, its operands' strides
         i = bd.index.get(id(p))
         if i in inner:
-            values[f"K{i}"] = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
-            for _, j in bd.nodes[i].srcs:
+            if i not in shared:
+                values[f"K{i}"] = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
+            for j in product_loads(spec, i, shared):
                 over_batch, (r, cl) = strides[j]
                 values |= {f"{names[j]}_stride_b{d}": v for d, v in enumerate(over_batch)}
                 classes = (_unit(r, cl), _unit(cl, r))

@@ -124,6 +124,44 @@ def inner_products(nodes: tuple[NodeSpec, ...]) -> list[int]:
     return [i for i in products if i != own]
 
 
+def shared_operands(spec: KernelSpec) -> dict[int, int]:
+    """The products a GEMM's epilogue computes beside its own that share an operand with it, read
+    the same way (``analyze.merge_shared_operands``: a gate and an up projection of one input),
+    each with the side it shares (0: A, 1: B). The kernel's K loop sums them beside its own, their
+    other operand loaded at the loop's tile; they have no K loop (nor ``K{i}``) of their own. Not
+    in a chunk loop's, block-sparse, online-softmax or batch-summing kernel, whose K loops are
+    their own product's."""
+    g = spec.gemm
+    if g is None or g.window is not None or g.online is not None or g.skip >= 0 or g.sum_batch or g.summed:
+        return {}
+    products = [i for i, nd in enumerate(spec.nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION]
+    own = spec.nodes[next(i for i in products if spec.nodes[i].role is Role.FULL)]
+    shared: dict[int, int] = {}
+    for i in inner_products(spec.nodes):
+        nd = spec.nodes[i]
+        if nd.role is Role.FULL and nd.attrs == own.attrs and nd.cdt == own.cdt:
+            side = next((s for s in (0, 1) if nd.srcs[s] == own.srcs[s]), None)
+            if side is not None and _at_tile(spec, nd.srcs[1 - side], OPERAND_ROLES[1 - side]):
+                shared[i] = side
+    return shared
+
+
+def _at_tile(spec: KernelSpec, ref: tuple[Src, int], role: Role) -> bool:
+    """Is ``ref`` read from memory, or computed by a prologue at operand ``role``'s tile?"""
+    kind, i = ref
+    return kind is Src.LOAD or spec.nodes[i].role is role
+
+
+def product_loads(spec: KernelSpec, i: int, shared: Mapping[int, int]) -> tuple[int, ...]:
+    """The loads whose strides recomputed product ``i`` reads: both operands', or, summed in the
+    kernel's own K loop (``shared``), its unshared operand's where read from memory (a prologue's
+    loads are at its tile)."""
+    if i not in shared:
+        return tuple(k for _, k in spec.nodes[i].srcs)
+    kind, k = spec.nodes[i].srcs[1 - shared[i]]
+    return (k,) if kind is Src.LOAD else ()
+
+
 def _gemm(spec: KernelSpec) -> list[Param]:
     g = spec.gemm
     assert g is not None
@@ -143,9 +181,11 @@ def _gemm(spec: KernelSpec) -> list[Param]:
     for k, o in enumerate(spec.outputs):
         if o.role is Role.FULL:  # a reduction of A is contiguous: one value per row of the product
             ints += [f"out{k}_stride{d}" for d in range(out_dims - 1)]  # columns: stride 1
+    shared = shared_operands(spec)
     for i in inner_products(spec.nodes):  # a recomputed product: its contracted size, its operands' strides
-        ints.append(f"K{i}")
-        for _, k in spec.nodes[i].srcs:
+        if i not in shared:
+            ints.append(f"K{i}")
+        for k in product_loads(spec, i, shared):
             ld = spec.loads[k]
             ints += [f"{names[k]}_stride_b{d}" for d in range(nb)]
             ints += strided(names[k], (*ld.rows, *ld.cols))

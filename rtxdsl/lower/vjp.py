@@ -189,7 +189,7 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     ]
     reductions += _multiplied(graph, tiled, {id(r) for r in reductions})
     saved = {id(r): Expr("var", (), {"name": f"{SAVED}{k}", "dtype": None}) for k, r in enumerate(reductions)}
-    read_back = _read_back(graph, len(reductions))
+    read_back = _read_back(graph, reductions)
     saved |= {i: e for i, (_, _, e) in read_back.items()}
     backward: list[tuple[str, Expr]] = []
     grad_of: list[tuple[str, str]] = []
@@ -220,8 +220,9 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     )
 
 
-def _read_back(graph: Graph, first: int) -> dict[int, tuple[str, Expr, Expr]]:
-    """The values the backward reads back from an output (``OpDef.reads_output``): node id ->
+def _read_back(graph: Graph, reductions: list[Expr]) -> dict[int, tuple[str, Expr, Expr]]:
+    """The values the backward reads back from an output (``OpDef.reads_output``, or a computed
+    half output: :func:`_half_output`): node id ->
     (saved key, the output's root, the value as the backward reads it: the output's views undone,
     widened to the value's dtype). An output ``cast(y)``, or a view of it, of such a composite
     gives ``y``, whose recompute would read a saved product (attention's unnormalized ``P @ v``:
@@ -232,17 +233,38 @@ def _read_back(graph: Graph, first: int) -> dict[int, tuple[str, Expr, Expr]]:
         y = root
         while REGISTRY[y.op].regroups or REGISTRY[y.op].rule is DtypeRule.CAST:
             y = y.srcs[0]
-        composite = graph.origin.get(id(y))
-        if composite is None or not REGISTRY[composite].reads_output or id(y) in out:
+        if id(y) in out or not (_composite_output(y, graph) or _half_output(root, graph, reductions)):
             continue
-        if not any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in walk([y])):
-            continue
-        key = f"{SAVED}{first + len(out)}"
+        key = f"{SAVED}{len(reductions) + len(out)}"
         back = Expr("var", (), {"name": key, "dtype": None})
         if graph.of(root).shape != graph.of(y).shape:
             back = node("reshape", back, shape=graph.of(y).shape)
         out[id(y)] = (key, root, node("cast", back, dtype=graph.of(y).dtype))
     return out
+
+
+def _composite_output(y: Expr, graph: Graph) -> bool:
+    """Is ``y`` the output of a composite that reads it back (``OpDef.reads_output``) over a product?"""
+    composite = graph.origin.get(id(y))
+    if composite is None or not REGISTRY[composite].reads_output:
+        return False
+    return any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in walk([y]))
+
+
+def _half_output(root: Expr, graph: Graph, reductions: list[Expr]) -> bool:
+    """Is output ``root`` a computed half value (views aside) that a statistic the forward saves
+    reduces? The forward's kernels read it rounded, as it is stored (``codegen.source.rounded_values``):
+    the statistic is of the rounded value (attention's logsumexp over scores also returned in fp16,
+    a norm's over a residual kept by the lazy stream), so the backward reads the output back, as
+    stored, rather than recompute it unrounded (rows whose probabilities no longer sum to one: fp16
+    scores at ``finfo.min`` gave gradients 100x eager's error; model fuzzer program 2026122400033).
+    An output no saved statistic reduces (a logsumexp returned itself) is recomputed unrounded."""
+    y = root
+    while REGISTRY[y.op].regroups:
+        y = y.srcs[0]
+    if graph.of(root).dtype not in (torch.float16, torch.bfloat16) or is_leaf(y, graph.info):
+        return False
+    return any(r is not y and any(n is y for n in walk(r.srcs)) for r in reductions)
 
 
 def _multiplied(graph: Graph, tiled: Set[int], saved: Set[int]) -> list[Expr]:

@@ -28,8 +28,8 @@ def layer_norm_row_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     n_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    mean_0 = n_0
-    m2_0 = n_0
+    mean_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    m2_0 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols

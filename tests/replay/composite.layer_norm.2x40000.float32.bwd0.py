@@ -29,7 +29,7 @@ def row_mul_sub_sum_div_SIG(
     row_mask = rows < n_rows
     acc_3 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
-    acc_17 = acc_3
+    acc_17 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     stat1 = tl.load(stat1_ptr + rows, mask=row_mask, other=0)
     v5 = stat1 / s1
     v6 = v5 + s2

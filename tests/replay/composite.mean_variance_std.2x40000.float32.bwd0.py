@@ -31,8 +31,8 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     n_11 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    mean_11 = n_11
-    m2_11 = n_11
+    mean_11 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    m2_11 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -131,8 +131,8 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     n_3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
-    mean_3 = n_3
-    m2_3 = n_3
+    mean_3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
+    m2_3 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols

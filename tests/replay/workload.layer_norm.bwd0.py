@@ -31,7 +31,7 @@ def row_mul_sub_sum_div_SIG(
     col_mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=col_mask, other=0)
     acc_22 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
-    acc_23 = acc_22
+    acc_23 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     for row_block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
         rows = row_block * ROWS + tl.arange(0, ROWS)[:, None]
         row_mask = rows < n_rows

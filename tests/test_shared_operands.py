@@ -1,0 +1,148 @@
+"""GEMMs that share an operand (a gate and an up projection of one input, k and v of one hidden
+state, two weight gradients of one activation) run as one kernel summing both products in one K
+loop (``analyze.merge_shared_operands``, ``codegen.gemm``'s ``_sibling``): against float64 torch,
+forward and gradients, with facts about the generated code."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close
+
+import rtxdsl as rx
+
+x, y, wg, wu, nw = (rx.var(n) for n in ("x", "y", "wg", "wu", "nw"))
+
+#: (dtype, atol per sqrt(K), rtol): as test_contraction's, the epilogue's product of two sums doubled
+TOLERANCES = [
+    (torch.float32, 4e-6, 2e-5),
+    (torch.float16, 2e-3, 4e-3),
+    (torch.bfloat16, 1.6e-2, 3.2e-2),
+]
+
+
+def _sources(k: rx.Kernel, **ins: torch.Tensor) -> str:
+    (source,) = k.sources(**ins)  # one kernel
+    return source
+
+
+def _one_k_loop(source: str, loaded_once: str) -> None:
+    """Both products in the kernel's own K loop: one loop, two dots, the shared operand loaded once."""
+    assert source.count("for k_start in range(") == 1 and "kk_start" not in source
+    assert source.count("tl.dot(") == 2
+    assert source.count(f"tl.load({loaded_once}_ptr") == 1
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+@pytest.mark.parametrize(
+    "m, n, k",
+    [
+        (7, 33, 129),  # odd sizes, K longer than one K slice
+        (1, 1, 1),  # one element: every tile edge masked
+        (70, 130, 20),  # several tiles each way
+    ],
+)
+def test_gate_and_up_projections_of_one_input_are_one_kernel(dtype, atol, rtol, m, n, k, gen):
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    g, u = (torch.randn(n, k, generator=gen).to(dtype) for _ in range(2))
+    kernel = rx.compile(rx.silu(x @ wg.mT) * (x @ wu.mT))
+    rx.reset_fusion_stats()
+    got = kernel(x=a, wg=g, wu=u)
+    assert rx.fusion_stats().kernels_launched == 1
+    s = kernel.summary(x=a, wg=g, wu=u)
+    assert s.bytes_moved == s.bytes_minimum  # neither product written
+    _one_k_loop(_sources(kernel, x=a, wg=g, wu=u), "x")
+    want = F.silu(a.double() @ g.double().T) * (a.double() @ u.double().T)
+    assert_close(got, want, atol * math.sqrt(k), rtol, f"{dtype} {m}x{n}x{k}")
+
+
+@pytest.mark.parametrize(
+    "expr, shapes, shared",
+    [
+        # a shared right operand: two inputs through one weight
+        ((x @ wg) * (y @ wg), {"x": (5, 37), "y": (5, 37), "wg": (37, 66)}, "wg"),
+        # batch dims: a 3-D input through 2-D weights (the weights' batch stride 0)
+        (rx.silu(x @ wg.mT) * (x @ wu.mT), {"x": (2, 9, 40), "wg": (17, 40), "wu": (17, 40)}, "x"),
+        # two batch dims of both operands: the batch's indices (b0, b1) beside the second tile's name
+        ((x @ wg) + (x @ wu), {"x": (2, 3, 5, 16), "wg": (3, 16, 7), "wu": (3, 16, 7)}, "x"),
+        # the shared operand read transposed (a weight gradient's dg.T @ h beside du.T @ h)
+        ((x.mT @ wg) + (x.mT @ wu), {"x": (45, 6), "wg": (45, 11), "wu": (45, 11)}, "x"),
+    ],
+)
+def test_products_sharing_an_operand_any_way_it_is_read(expr, shapes, shared, gen):
+    ins = {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
+    ins["x"] = ins["x"].mT.contiguous().mT  # strided: column-major
+    kernel = rx.compile(expr)
+    rx.reset_fusion_stats()
+    got = kernel(**ins)
+    assert rx.fusion_stats().kernels_launched == 1
+    _one_k_loop(_sources(kernel, **ins), shared)
+    want = kernel.reference(tuple(ins[n].double() for n in kernel.inputs))
+    assert_close(got, want, 1e-5, 1e-5)
+
+
+def test_two_outputs_sharing_an_input_read_it_once(gen):
+    a, wk, wv = torch.randn(13, 24, generator=gen), torch.randn(8, 24, generator=gen), torch.randn(8, 24, generator=gen)
+    kernel = rx.compile({"k": x @ wg.mT, "v": x @ wu.mT})
+    got = kernel(x=a, wg=wk, wu=wv)
+    s = kernel.summary(x=a, wg=wk, wu=wv)
+    assert (s.kernels, s.eager_launches) == (1, 2) and s.bytes_moved == s.bytes_minimum
+    assert_close(got["k"], a.double() @ wk.double().T, 1e-5, 1e-5, "k")
+    assert_close(got["v"], a.double() @ wv.double().T, 1e-5, 1e-5, "v")
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+def test_a_normed_input_through_gate_and_up_and_every_gradient(dtype, atol, rtol, gen):
+    """The norm is the shared prologue, computed once per tile for both products; backward, the
+    two weight gradients share the normed input (each with its own prologue on the other side)."""
+    m, n, k = 19, 40, 36
+    ins = {
+        "x": torch.randn(m, k, generator=gen).to(dtype),
+        "nw": (1 + torch.randn(k, generator=gen) / 4).to(dtype),
+        "wg": (torch.randn(n, k, generator=gen) / 4).to(dtype),
+        "wu": (torch.randn(n, k, generator=gen) / 4).to(dtype),
+    }
+    h = rx.rms_norm(x, nw, eps=1e-6)
+    kernel = rx.compile(rx.silu(h @ wg.mT) * (h @ wu.mT))
+    fwd = kernel.summary(**ins)
+    assert fwd.kernels == 2  # the norm's statistics, then one GEMM for both products
+    plan = kernel.grad_plan(**{n: t.requires_grad_() for n, t in ins.items()})
+    # dx: dg @ wg, then du @ wu plus it, then the norm's row kernel (dnw its tail); dwg and dwu: one
+    assert plan.backward.summary(**plan.backward_feed(ins)).kernels == 4
+    cot = torch.randn(m, n, generator=gen).to(dtype)
+    got = kernel(**ins)
+    got.backward(cot)
+    ref = {name: t.detach().double().requires_grad_() for name, t in ins.items()}
+    hh = F.rms_norm(ref["x"], (k,), ref["nw"], 1e-6)
+    want = F.silu(hh @ ref["wg"].T) * (hh @ ref["wu"].T)
+    want.backward(cot.double())
+    assert_close(got, want.detach(), atol * math.sqrt(k), rtol, "forward")
+    for name, t in ins.items():
+        scale = want.detach().abs().max().item() * math.sqrt(m)  # a sum over rows and columns
+        assert_close(t.grad, ref[name].grad, atol * scale, rtol, f"d{name}")
+
+
+def test_no_merge_across_a_kernel_between(gen):
+    """``g = x @ w`` and ``softmax(g) @ w`` share ``w``, but the softmax's row kernel reads one
+    product and is the other's operand: one kernel for both would wait on itself (a cycle)."""
+    a, ww = torch.randn(6, 20, generator=gen), torch.randn(20, 20, generator=gen)
+    p = x @ wg
+    kernel = rx.compile({"g": p, "u": rx.softmax(p) @ wg})
+    got = kernel(x=a, wg=ww)
+    assert "shares" not in kernel.explain(x=a, wg=ww)
+    want = a.double() @ ww.double()
+    assert_close(got["g"], want, 1e-5, 1e-5, "g")
+    assert_close(got["u"], torch.softmax(want, -1) @ ww.double(), 1e-5, 1e-5, "u")
+
+
+def test_the_lazy_stream_runs_a_llama_mlp_with_gate_and_up_in_one_kernel(gen):
+    a = torch.randn(2, 7, 24, generator=gen)
+    g, u, d = (torch.randn(*s, generator=gen) / 5 for s in ((40, 24), (40, 24), (24, 40)))
+    f = rx.Fusion()
+    got = F.linear(F.silu(F.linear(f.lazy(a), g)) * F.linear(f.lazy(a), u), d).torch()
+    assert "shares" in f.explain()
+    want = F.linear(F.silu(F.linear(a.double(), g.double())) * F.linear(a.double(), u.double()), d.double())
+    assert_close(got, want, 1e-5, 1e-5)
