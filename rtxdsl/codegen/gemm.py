@@ -150,8 +150,7 @@ class GemmWriter(Writer):
         tiles = [self._operand(op, j, ref, operand_dtype, k_scope) for op, j, ref in zip("ab", (g.a, g.b), srcs)]
         precision = f', input_precision="{g.precision}"' if operand_dtype == torch.float32 else ""
         k_scope.add(f"acc = tl.dot({tiles[0]}, {tiles[1]}, acc{precision})")
-        shared = shared_operands(self.spec)
-        siblings = {i: self._sibling(i, side, tiles, k_scope, precision) for i, side in shared.items()}
+        siblings = self._siblings(tiles, k_scope, precision)
         k_start, k_end = "W_LO" if window is not None and window.axis == "k" else "0", "K"
         if self.tile_scan(batches, ("k_lo", "k_hi"), "k_start", "K", "BLOCK_K"):  # block sparsity
             k_start, k_end = "k_lo", "k_hi"  # only the K slices where the guard may hold
@@ -190,6 +189,10 @@ class GemmWriter(Writer):
             m_start=spans["m"][1],
             n_start=spans["n"][1],
         )
+
+    def _siblings(self, tiles: list[str], scope: Scope, precision: str) -> dict[int, str]:
+        """Each product sharing an operand with the kernel's own, summed in its K loop: its accumulator."""
+        return {i: self._sibling(i, side, tiles, scope, precision) for i, side in shared_operands(self.spec).items()}
 
     def _sibling(self, i: int, side: int, tiles: list[str], scope: Scope, precision: str) -> str:
         """Product ``i``, sharing operand ``side`` with the kernel's own (``shared_operands``): its
