@@ -22,9 +22,10 @@ The analysis is a sequence of passes, each a function from (graph, groups) to ne
    teacher's logits in one distillation loss).
 6. ``absorb_prologues``: a GEMM recomputes an elementwise operand at load time (its prologue)
    where the traffic model says that is cheaper than writing the operand and reading it back.
-   Then ``merge_shared_operands``: two GEMMs of one shape that share an operand (a gate and an
-   up projection of one input, q / k / v of one hidden state) become one kernel summing both
-   products in one K loop, the shared operand's tile loaded (or its prologue computed) once.
+   Then ``merge_products``: two GEMMs of one shape that share an operand (a gate and an up
+   projection of one input, k and v of one hidden state) become one kernel summing both
+   products in one K loop, the shared operand's tile loaded (or its prologue computed) once; two
+   where one reads the other (``dg @ wg + du @ wu``) become one kernel with two K loops.
 7. ``chunk_recomputed`` (``lower/chunk.py``): a product that GEMM prologues would recompute
    many times (linear cross-entropy's backward) is computed once instead, a chunk of its last
    dim at a time, by a GEMM of its own whose epilogue writes the prologue's value to a buffer
@@ -129,7 +130,7 @@ def analyze(graph: Graph, config: FusionConfig) -> Plan:
     groups = recompute_elementwise(graph, fl, groups, config, small)
     groups = fuse_product_rows(graph, fl, groups, small)
     groups = absorb_prologues(graph, fl, groups, config, small)
-    groups = merge_shared_operands(graph, fl, groups, config, small)
+    groups = merge_products(graph, fl, groups, config, small)
     groups = chunk_recomputed(graph, groups, config)
     return finish(graph, fl, groups)
 
@@ -1058,16 +1059,21 @@ def absorb_prologues(
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
 
 
-def merge_shared_operands(
+def merge_products(
     graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
 ) -> tuple[Group, ...]:
-    """Two GEMM kernels whose products have one shape and share an operand (the same node, read
-    the same way: ``silu(x @ wg.mT) * (x @ wu.mT)``, or q, k and v of one hidden state) become
-    one kernel: its K loop sums both products (:func:`shared_operand`), the shared tile loaded or
-    its prologue computed once, and the epilogue of either reads both, so neither is written
-    unless something else reads it; each computes the prologue of its other operand (if any) at
-    the same tile (a weight gradient's ``dg.T @ h`` beside ``du.T @ h``). Not where a third kernel
-    lies between them (a cycle), nor for products with a K loop of their own."""
+    """Two GEMM kernels whose products have one shape become one kernel where that saves a read:
+
+    * they share an operand (the same node, read the same way: ``silu(x @ wg.mT) * (x @ wu.mT)``,
+      k and v of one hidden state, a gated MLP's ``dg.T @ h`` beside ``du.T @ h``): the K loop
+      sums both products (:func:`shared_operand`), the shared tile loaded or its prologue computed
+      once, each other operand's prologue (if any) at the same tile;
+    * or one reads the other's values (a gated MLP's ``dx = dg @ wg + du @ wu``): the second
+      product is summed in a K loop of its own in the epilogue, its operands read as stored.
+
+    The epilogue of either reads both, so neither product is written unless something else reads
+    it. Not where a third kernel lies between them (a cycle), nor for products with a K loop of
+    their own already; two products per kernel at most (two fp32 accumulators)."""
     work = [_Work.of(g) for g in groups]
     homes = _homes(work)
     reads = [_group_reads(g, fl, homes, i) for i, g in enumerate(work)]
@@ -1083,14 +1089,20 @@ def merge_shared_operands(
             ca, cb = ga.contraction, gb.contraction
             assert ca is not None and cb is not None
             side = shared_operand(ca, cb, graph)
-            if side is None or (id(ca.srcs[side]) in ga.roles) != (id(cb.srcs[side]) in gb.roles):
-                continue  # the shared operand: a prologue in both kernels or read by both
+            if side is not None and (id(ca.srcs[side]) in ga.roles) == (id(cb.srcs[side]) in gb.roles):
+                # (the shared operand: a prologue in both kernels or read by both)
+                if not _operands_at_tiles(ga, gb, (Role.A, Role.B)):
+                    continue
+                how = f"shares {_label(ca.srcs[side], graph)} with {_label(ca, graph)}: one K loop"
+            elif _summed_beside(ga, gb, graph) and (a in reads[b] or b in reads[a]):
+                how = f"read with {_label(ca, graph)}: its own K loop in one kernel, neither written for the other"
+            else:
+                continue
             ga.nodes.extend(gb.nodes)
             ga.roles.update(gb.roles)
             ga.notes += [note for note in gb.notes if note not in ga.notes]
-            shares = f"{_label(cb, graph)} shares {_label(ca.srcs[side], graph)} with {_label(ca, graph)}"
-            ga.notes.append(f"{shares}: one K loop")
-            alive[b], plain[a] = False, False  # two products at most: two accumulators
+            ga.notes.append(f"{_label(cb, graph)} {how}")
+            alive[b], plain[a] = False, False
             reads[a] = (reads[a] | reads[b]) - {a, b}
             for r in reads:
                 if b in r:
@@ -1099,6 +1111,24 @@ def merge_shared_operands(
             reads[b] = set()
     order = _order(graph)
     return tuple(g.freeze(order) for g, ok in zip(work, alive) if ok)
+
+
+def _summed_beside(ga: _Work, gb: _Work, graph: Graph) -> bool:
+    """Can one kernel compute both GEMMs' products, the second in a K loop of its own? Their
+    products have one shape and their operands are loaded as stored (no prologue)."""
+    ca, cb = ga.contraction, gb.contraction
+    assert ca is not None and cb is not None
+    return graph.of(ca).shape == graph.of(cb).shape and _operands_at_tiles(ga, gb, ())
+
+
+def _operands_at_tiles(ga: _Work, gb: _Work, prologues: tuple[Role, ...]) -> bool:
+    """Is each operand of both kernels' products read from memory or computed by a prologue (a
+    role in ``prologues``), never a value one of them computes at its output tile (``h`` of
+    ``dy @ wd``'s epilogue, the operand of ``dy.T @ h``: at the product's coordinates, not the
+    operand's; a merged kernel would read it at the wrong ones)?"""
+    roles = {**ga.roles, **gb.roles}
+    operands = [s for g in (ga, gb) if (c := g.contraction) is not None for s in c.srcs]
+    return all(id(s) not in roles or roles[id(s)] in prologues for s in operands)
 
 
 def shared_operand(a: Expr, b: Expr, graph: Graph) -> int | None:

@@ -126,7 +126,7 @@ def inner_products(nodes: tuple[NodeSpec, ...]) -> list[int]:
 
 def shared_operands(spec: KernelSpec) -> dict[int, int]:
     """The products a GEMM's epilogue computes beside its own that share an operand with it, read
-    the same way (``analyze.merge_shared_operands``: a gate and an up projection of one input),
+    the same way (``analyze.merge_products``: a gate and an up projection of one input),
     each with the side it shares (0: A, 1: B). The kernel's K loop sums them beside its own, their
     other operand loaded at the loop's tile; they have no K loop (nor ``K{i}``) of their own. Not
     in a chunk loop's, block-sparse, online-softmax or batch-summing kernel, whose K loops are

@@ -1,7 +1,8 @@
-"""GEMMs that share an operand (a gate and an up projection of one input, k and v of one hidden
-state, two weight gradients of one activation) run as one kernel summing both products in one K
-loop (``analyze.merge_shared_operands``, ``codegen.gemm``'s ``_sibling``): against float64 torch,
-forward and gradients, with facts about the generated code."""
+"""Two GEMMs of one product shape as one kernel (``analyze.merge_products``): where they share an
+operand (a gate and an up projection of one input, k and v of one hidden state, two weight
+gradients of one activation) one K loop sums both products (``codegen.gemm``'s ``_sibling``);
+where one reads the other (``dg @ wg + du @ wu``) the second has a K loop of its own in the
+epilogue. Against float64 torch, forward and gradients, with facts about the generated code."""
 
 from __future__ import annotations
 
@@ -146,3 +147,64 @@ def test_the_lazy_stream_runs_a_llama_mlp_with_gate_and_up_in_one_kernel(gen):
     assert "shares" in f.explain()
     want = F.linear(F.silu(F.linear(a.double(), g.double())) * F.linear(a.double(), u.double()), d.double())
     assert_close(got, want, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+def test_a_product_read_by_another_of_its_shape_is_summed_in_one_kernel(dtype, atol, rtol, gen):
+    """``relu(x @ wg + y @ wu.mT)``: no operand shared, contracted sizes 20 and 33; the second
+    product is summed in the epilogue's own K loop, neither written."""
+    a, c = torch.randn(37, 20, generator=gen).to(dtype), torch.randn(37, 33, generator=gen).to(dtype)
+    g, u = torch.randn(20, 45, generator=gen).to(dtype), torch.randn(45, 33, generator=gen).to(dtype)
+    kernel = rx.compile(rx.relu((x @ wg) + (y @ wu.mT)))
+    got = kernel(x=a, y=c, wg=g, wu=u)
+    s = kernel.summary(x=a, y=c, wg=g, wu=u)
+    assert s.kernels == 1 and s.bytes_moved == s.bytes_minimum
+    source = _sources(kernel, x=a, y=c, wg=g, wu=u)
+    assert source.count("for k_start in range(") == 1 and source.count("for kk_start in range(") == 1
+    want = torch.relu(a.double() @ g.double() + c.double() @ u.double().T)
+    assert_close(got, want, atol * math.sqrt(33), rtol)
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
+def test_a_gated_mlps_every_gradient_where_tokens_equal_hidden(dtype, atol, rtol, gen):
+    """Llama's MLP at tokens == hidden: ``dy @ wd`` (its epilogue computes ``h = silu(g) * u``) and
+    ``dwd = dy.T @ h`` then have one product shape, but ``h`` is an operand computed at the other
+    product's coordinates: never one kernel. ``dx = dg @ wg + du @ wu`` is (two K loops), and
+    ``dwg``, ``dwu`` share ``x`` (one K loop)."""
+    t, hidden, inter = 24, 24, 40
+    ins = {
+        "x": torch.randn(t, hidden, generator=gen).to(dtype),
+        "wg": (torch.randn(inter, hidden, generator=gen) / 4).to(dtype),
+        "wu": (torch.randn(inter, hidden, generator=gen) / 4).to(dtype),
+        "wd": (torch.randn(hidden, inter, generator=gen) / 4).to(dtype),
+    }
+    wd = rx.var("wd")
+    kernel = rx.compile(rx.linear(rx.swiglu(rx.linear(x, wg), rx.linear(x, wu)), wd))
+    plan = kernel.grad_plan(**{n: v.requires_grad_() for n, v in ins.items()})
+    # dh and its epilogue; dx (two K loops); dwg and dwu (one); dwd
+    assert plan.backward.summary(**plan.backward_feed(ins)).kernels == 4
+    cot = torch.randn(t, hidden, generator=gen).to(dtype)
+    got = kernel(**ins)
+    got.backward(cot)
+    ref = {n: v.detach().double().requires_grad_() for n, v in ins.items()}
+    want = F.linear(F.silu(F.linear(ref["x"], ref["wg"])) * F.linear(ref["x"], ref["wu"]), ref["wd"])
+    want.backward(cot.double())
+    scale = want.detach().abs().max().item() + 1
+    assert_close(got, want.detach(), atol * math.sqrt(inter) * scale, rtol, "forward")
+    for name, v in ins.items():
+        assert_close(v.grad, ref[name].grad, atol * math.sqrt(inter * t) * scale, rtol, f"d{name}")
+
+
+def test_an_operand_computed_at_another_products_tile_is_never_merged():
+    """At tokens == hidden = 2048, intermediate 4096 (planned, not run: the traffic model writes
+    ``h = silu(g) * u`` from ``dy @ wd``'s epilogue at this size), ``dwd = dy.T @ h`` has the
+    product shape of ``dy @ wd`` and reads ``h``: merged, ``h`` would be read at the product's
+    coordinates, not the operand's (``analyze._operands_at_tiles``; planning raised a KeyError)."""
+    wd = rx.var("wd")
+    kernel = rx.compile(rx.linear(rx.swiglu(rx.linear(x, wg), rx.linear(x, wu)), wd))
+    t, inter, bf = 2048, 4096, torch.bfloat16
+    ins = {"x": torch.empty(t, t, dtype=bf), "wg": torch.empty(inter, t, dtype=bf)}
+    ins |= {"wu": torch.empty(inter, t, dtype=bf), "wd": torch.empty(t, inter, dtype=bf)}
+    plan = kernel.grad_plan(**{n: v.requires_grad_() for n, v in ins.items()})
+    backward = plan.backward.summary(**plan.backward_feed({n: v.detach() for n, v in ins.items()}))
+    assert backward.kernels == 4
