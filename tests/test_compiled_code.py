@@ -66,6 +66,17 @@ SCRIPT = textwrap.dedent("""
     assert [k.summary.endswith("contract, sum") for k in bwd.program(**feed).kernels] == [False, True]
     kernels = {name: (rx.compile(e), ins, 0) for name, (e, ins) in cases.items()}
     kernels["gemm_bwd_bias_sum"] = (bwd, feed, -1)
+    # a gated MLP's backward (Llama-2-7B's sizes): dy @ wd whose epilogue reads the gate and up
+    # products and writes dg, du and silu(g) * u (rows halved: a wide epilogue), and
+    # dx = dg @ wg + du @ wu, the second product in a K loop of its own
+    mlp_in = dict(x=torch.empty(4096, 4096, **bf), y=torch.empty(11008, 4096, **bf))
+    mlp_in |= dict(w=torch.empty(11008, 4096, **bf), b=torch.empty(4096, 11008, **bf))
+    mlp = rx.compile(rx.linear(rx.swiglu(rx.linear(x, w), rx.linear(x, y)), b))
+    mlp_plan = mlp.grad_plan(**{n: t.requires_grad_() for n, t in mlp_in.items()})
+    mlp_feed = mlp_plan.backward_feed({n: t.detach() for n, t in mlp_in.items()})
+    summaries = [k.summary for k in prepare(mlp_plan.backward, mlp_feed)[0].kernels]  # as sm_90 plans it
+    kernels["gemm_mlp_dh"] = (mlp_plan.backward, mlp_feed, summaries.index(next(s for s in summaries if "silu" in s)))
+    kernels["gemm_mlp_dx"] = (mlp_plan.backward, mlp_feed, summaries.index("Contraction: contract, contract, add"))
     # cross-entropy's loss and gradient in one read of the logits (grad_in_forward): its row kernel
     ce_x = torch.empty(4096, 32000, **bf, requires_grad=True)
     ce_t = torch.zeros(4096, dtype=torch.int64)
@@ -194,6 +205,8 @@ def test_contractions_use_hopper_warpgroup_mma(facts):
     for name in ("gemm_bf16_gelu", "gemm_fp16_mT", "gemm_prologue_cast", "gemm_prologue_swiglu", "gemm_bwd_bias_sum"):
         assert facts[name]["wgmma"] > 0, name
     assert facts["gemm_gate_up"]["wgmma"] == 2 * facts["gemm_bf16_gelu"]["wgmma"]  # both products, one K loop
+    assert facts["gemm_mlp_dx"]["wgmma"] == 2 * facts["gemm_bf16_gelu"]["wgmma"]  # two K loops
+    assert facts["gemm_mlp_dh"]["wgmma"] > 0
     lce = ("gemm_lce_forward", "gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw", "gemm_distill_chunk")
     moe = ("gemm_moe_up", "gemm_moe_down", "gemm_moe_down_grad", "gemm_moe_weight_grad")  # gathered rows too
     attention = ("gemm_attention_d64_kv32", "gemm_attention_d128_kv32", "gemm_attention_d128_kv8")

@@ -48,6 +48,7 @@ from .schedule import (
     scalar_positions,
     stride_class,
     viewed,
+    wide_epilogue,
 )
 from .sparsity import NEUTRAL, kept_fraction, vanishing_guard
 from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, OutSpec, Src, Window
@@ -88,7 +89,6 @@ def gemm_spec(
     domain = (m, n) if sum_batch else (*kept, m, n)
     bd = body(group, graph)
     inner, whole = inner_products(bd.nodes), _whole_k(group, graph, bd, target)
-    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner), whole_k=whole)
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
     at_tiles = tile_loads(bd.nodes)
@@ -100,6 +100,13 @@ def gemm_spec(
             strides[i] = _operand_strides(lay, *operand[role]) if role in operand else _tile_strides(lay, domain)
         elif any((Src.LOAD, i) in bd.nodes[p].srcs for p in inner):  # a recomputed product's operand: as stored
             strides[i] = _batch_strides(lay, batch), (lay.strides[-2], lay.strides[-1])
+    epilogue = [
+        _load_classes(strides[i][1], True)
+        for i, (_, role, _) in enumerate(bd.loads)
+        if i in at_tiles and role is Role.FULL
+    ]
+    wide = wide_epilogue(epilogue, sum(group.role(o) is Role.FULL for o in group.outputs))
+    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner) + wide, whole_k=whole)
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(
         kind="gemm",

@@ -23,7 +23,7 @@ from ..ops import REGISTRY, AxisRule, DtypeRule, OpKind
 from .analyze import Group, Role, broadcasts, positions_only
 from .expand import Graph, float_dtype_of
 from .names import io_names, scalar_names
-from .params import inner_products, launch_ints, load_names, strided
+from .params import inner_products, launch_ints, load_names, strided, tile_loads
 from .passes import levels
 from .sparsity import NEUTRAL, kept_fraction, vanishing_guard
 from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split, Src, Stride
@@ -225,9 +225,14 @@ def candidates(spec: KernelSpec, meta: tuple[tuple[str, int], ...], grid: tuple[
 
 def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple[int, ...]) -> tuple[dict, tuple]:
     """A GEMM tile candidate for an ``rows x cols`` product, narrowed as the heuristic's tile is
-    (its rows halved where a prologue recomputes a product of its own: ``gemm.gemm_tile``)."""
+    (its rows halved where a prologue recomputes a product of its own, or a wide epilogue holds
+    many tiles: ``gemm.gemm_tile``)."""
     dtype = next(nd.cdt for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
-    inner = len(inner_products(spec.nodes))
+    tiles = [
+        (ld.rows, ld.cols) for k, ld in enumerate(spec.loads) if ld.role is Role.FULL and k in tile_loads(spec.nodes)
+    ]
+    outputs = sum(o.role is Role.FULL for o in spec.outputs)
+    inner = len(inner_products(spec.nodes)) + wide_epilogue(tiles, outputs)
     block_m = inner_rows(m["BLOCK_M"], dtype, inner, spec.gemm.whole_k if spec.gemm is not None else ())
     bm, bn, bk = gemm_block(block_m, m["BLOCK_N"], m["BLOCK_K"], rows, cols, dtype)
     m = {**m, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
@@ -235,6 +240,20 @@ def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple
 
 
 WHOLE_ROWS = 128  # the most rows beside one product taken whole (tutorial 06's; autotune tries no more)
+
+#: the most full tiles (loads at the product's tile and outputs) a GEMM's epilogue holds beside its
+#: accumulator at the target's rows: a gated MLP's backward ``dy @ wd`` reading the gate and the up
+#: product and writing ``dg``, ``du`` and ``silu(g) * u`` (2 + 3) spilled 716 bytes at 128 x 128
+#: bf16 on sm_90 (255 registers); more rows than this hold them as a second product would
+EPILOGUE_TILES = 4
+
+
+def wide_epilogue(tiles: list[tuple[tuple[Stride, ...], tuple[Stride, ...]]], outputs: int) -> int:
+    """1 where a GEMM epilogue's full tiles (its loads at the product's tile, by their (rows, cols)
+    stride classes, a broadcast row or column not counted; and its ``outputs``) exceed
+    :data:`EPILOGUE_TILES`: its rows are narrowed as for one more product (``inner_rows``), else 0."""
+    full = sum(BCAST not in (*rows, *cols) for rows, cols in tiles)
+    return int(full + outputs > EPILOGUE_TILES)
 
 
 def inner_rows(bm: int, dtype: torch.dtype, inner: int, whole_k: tuple[tuple[int, int], ...]) -> int:
