@@ -50,6 +50,10 @@ SCRIPT = textwrap.dedent("""
         "gemm_prologue_swiglu": (rx.linear(rx.silu(x) * y, w), dict(x=torch.empty(4096, 1024, dtype=torch.bfloat16),
                                  y=torch.empty(4096, 1024, dtype=torch.bfloat16),
                                  w=torch.empty(128, 1024, dtype=torch.bfloat16))),
+        # q, k and v of one hidden state (Llama-2-7B's attention): one K loop, three accumulators
+        "gemm_qkv": ({"q": rx.linear(x, w), "k": rx.linear(x, y), "v": rx.linear(x, b)}, dict(
+            x=torch.empty(4096, 4096, dtype=torch.bfloat16), w=torch.empty(4096, 4096, dtype=torch.bfloat16),
+            y=torch.empty(4096, 4096, dtype=torch.bfloat16), b=torch.empty(4096, 4096, dtype=torch.bfloat16))),
         # a gate and an up projection of one input: one K loop, two accumulators (Llama-8B's MLP)
         "gemm_gate_up": (rx.silu(rx.linear(x, w)) * rx.linear(x, y), dict(
             x=torch.empty(4096, 4096, dtype=torch.bfloat16), w=torch.empty(14336, 4096, dtype=torch.bfloat16),
@@ -206,6 +210,7 @@ def test_contractions_use_hopper_warpgroup_mma(facts):
         assert facts[name]["wgmma"] > 0, name
     assert facts["gemm_gate_up"]["wgmma"] == 2 * facts["gemm_bf16_gelu"]["wgmma"]  # both products, one K loop
     assert facts["gemm_mlp_dx"]["wgmma"] == 2 * facts["gemm_bf16_gelu"]["wgmma"]  # two K loops
+    assert facts["gemm_qkv"]["wgmma"] == 3 * facts["gemm_bf16_gelu"]["wgmma"]
     assert facts["gemm_mlp_dh"]["wgmma"] > 0
     lce = ("gemm_lce_forward", "gemm_lce_chunk", "gemm_lce_dh", "gemm_lce_dw", "gemm_distill_chunk")
     moe = ("gemm_moe_up", "gemm_moe_down", "gemm_moe_down_grad", "gemm_moe_weight_grad")  # gathered rows too

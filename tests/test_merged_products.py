@@ -85,6 +85,23 @@ def test_products_sharing_an_operand_any_way_it_is_read(expr, shapes, shared, ge
     assert_close(got, want, 1e-5, 1e-5)
 
 
+def test_q_k_and_v_of_one_hidden_state_are_one_k_loop_and_a_fourth_is_not(gen):
+    """Three products share one K loop (``SHARED_PRODUCTS``); a fourth projection of the same
+    input keeps a kernel of its own."""
+    a = torch.randn(2, 9, 24, generator=gen)
+    ws = {n: torch.randn(40, 24, generator=gen) for n in ("wq", "wk", "wv", "wo")}
+    names = {n: rx.var(n) for n in ws}
+    three = rx.compile({n: rx.linear(x, names[n]) for n in ("wq", "wk", "wv")})
+    got = three(x=a, **{n: ws[n] for n in ("wq", "wk", "wv")})
+    source = _sources(three, x=a, **{n: ws[n] for n in ("wq", "wk", "wv")})
+    assert source.count("for k_start in range(") == 1 and source.count("tl.dot(") == 3
+    assert source.count("tl.load(x_ptr") == 1
+    for n in ("wq", "wk", "wv"):
+        assert_close(got[n], a.double() @ ws[n].double().T, 1e-5, 1e-5, n)
+    four = rx.compile({n: rx.linear(x, v) for n, v in names.items()})
+    assert four.summary(x=a, **ws).kernels == 2
+
+
 def test_two_outputs_sharing_an_input_read_it_once(gen):
     a, wk, wv = torch.randn(13, 24, generator=gen), torch.randn(8, 24, generator=gen), torch.randn(8, 24, generator=gen)
     kernel = rx.compile({"k": x @ wg.mT, "v": x @ wu.mT})
@@ -208,3 +225,21 @@ def test_an_operand_computed_at_another_products_tile_is_never_merged():
     plan = kernel.grad_plan(**{n: v.requires_grad_() for n, v in ins.items()})
     backward = plan.backward.summary(**plan.backward_feed({n: v.detach() for n, v in ins.items()}))
     assert backward.kernels == 4
+
+
+def test_a_kernel_with_a_second_k_loop_takes_no_third_product(gen):
+    """``x @ w1 + y @ w2 + z @ w3``: the first two are one kernel (two K loops, two accumulators),
+    the third keeps its own and reads their sum."""
+    z, w3 = rx.var("z"), rx.var("w3")
+    ins = {n: torch.randn(11, 17, generator=gen) for n in ("x", "y", "z")}
+    ins |= {n: torch.randn(17, 13, generator=gen) for n in ("wg", "wu", "w3")}
+    kernel = rx.compile((x @ wg) + (y @ wu) + (z @ w3))
+    assert kernel.summary(**ins).kernels == 2
+    want = sum(ins[a].double() @ ins[b].double() for a, b in (("x", "wg"), ("y", "wu"), ("z", "w3")))
+    assert_close(kernel(**ins), want, 1e-5, 1e-5)
+    # nor one sharing an operand with it: x @ w3 beside x @ wg + y @ wu
+    both = rx.compile({"s": (x @ wg) + (y @ wu), "t": x @ w3})
+    some = {n: ins[n] for n in both.inputs}
+    assert both.summary(**some).kernels == 2
+    got = both(**some)
+    assert_close(got["t"], ins["x"].double() @ ins["w3"].double(), 1e-5, 1e-5, "t")

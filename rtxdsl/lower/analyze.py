@@ -1059,6 +1059,11 @@ def absorb_prologues(
     return tuple(g.freeze(order) for g in work if id(g) not in dead)
 
 
+#: the products one K loop sums at most (an fp32 accumulator each: at sm_90's 64 x 128 bf16 tile
+#: beside two others, q, k and v of Llama-2-7B's attention take 166 registers, no spill)
+SHARED_PRODUCTS = 3
+
+
 def merge_products(
     graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
 ) -> tuple[Group, ...]:
@@ -1073,12 +1078,15 @@ def merge_products(
 
     The epilogue of either reads both, so neither product is written unless something else reads
     it. Not where a third kernel lies between them (a cycle), nor for products with a K loop of
-    their own already; two products per kernel at most (two fp32 accumulators)."""
+    their own already. One K loop sums at most :data:`SHARED_PRODUCTS` products sharing one operand
+    (q, k and v of one hidden state); a product with a K loop of its own joins one other."""
     work = [_Work.of(g) for g in groups]
     homes = _homes(work)
     reads = [_group_reads(g, fl, homes, i) for i, g in enumerate(work)]
     plain = [_plain_gemm(g, solo) for g in work]
     alive = [True] * len(work)
+    products = [1] * len(work)
+    sharing: list[tuple[int, Expr] | None] = [None] * len(work)  # what a merged kernel's products share
     for a in range(len(work)):
         for b in range(a + 1, len(work)):
             if not (alive[a] and alive[b] and plain[a] and plain[b]):
@@ -1091,10 +1099,14 @@ def merge_products(
             side = shared_operand(ca, cb, graph)
             if side is not None and (id(ca.srcs[side]) in ga.roles) == (id(cb.srcs[side]) in gb.roles):
                 # (the shared operand: a prologue in both kernels or read by both)
-                if not _operands_at_tiles(ga, gb, (Role.A, Role.B)):
+                if not _operands_at_tiles(ga, gb, (Role.A, Role.B)) or products[a] == SHARED_PRODUCTS:
                     continue
+                if sharing[a] not in (None, (side, ca.srcs[side])):
+                    continue  # every product of one K loop shares the one operand (q, k and v: x)
+                sharing[a] = (side, ca.srcs[side])
                 how = f"shares {_label(ca.srcs[side], graph)} with {_label(ca, graph)}: one K loop"
-            elif _summed_beside(ga, gb, graph) and (a in reads[b] or b in reads[a]):
+            elif products[a] == 1 and _summed_beside(ga, gb, graph) and (a in reads[b] or b in reads[a]):
+                plain[a] = False  # a K loop of its own: no third product
                 how = f"read with {_label(ca, graph)}: its own K loop in one kernel, neither written for the other"
             else:
                 continue
@@ -1102,7 +1114,8 @@ def merge_products(
             ga.roles.update(gb.roles)
             ga.notes += [note for note in gb.notes if note not in ga.notes]
             ga.notes.append(f"{_label(cb, graph)} {how}")
-            alive[b], plain[a] = False, False
+            alive[b] = False
+            products[a] += 1
             reads[a] = (reads[a] | reads[b]) - {a, b}
             for r in reads:
                 if b in r:

@@ -91,20 +91,11 @@ def gemm_spec(
     inner, whole = inner_products(bd.nodes), _whole_k(group, graph, bd, target)
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
-    at_tiles = tile_loads(bd.nodes)
     operand = {Role.A: (a, ta, batch), Role.B: (b, tb, batch)}
-    strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]] = {}  # load -> batch strides, tile strides
-    for i, (j, role, view) in enumerate(bd.loads):
-        lay = viewed(layouts[id(group.inputs[j])], view)
-        if i in at_tiles:
-            strides[i] = _operand_strides(lay, *operand[role]) if role in operand else _tile_strides(lay, domain)
-        elif any((Src.LOAD, i) in bd.nodes[p].srcs for p in inner):  # a recomputed product's operand: as stored
-            strides[i] = _batch_strides(lay, batch), (lay.strides[-2], lay.strides[-1])
-    epilogue = [
-        _load_classes(strides[i][1], True)
-        for i, (_, role, _) in enumerate(bd.loads)
-        if i in at_tiles and role is Role.FULL
-    ]
+    strides = _load_strides(group, bd, layouts, operand, domain, inner)
+    at_tiles = tile_loads(bd.nodes)
+    full = [i for i, (_, role, _) in enumerate(bd.loads) if i in at_tiles and role is Role.FULL]
+    epilogue = [_load_classes(strides[i][1], True) for i in full]
     wide = wide_epilogue(epilogue, sum(group.role(o) is Role.FULL for o in group.outputs))
     tile = gemm_tile(target, m, n, a.dtype, inner=len(inner) + wide, whole_k=whole)
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
@@ -159,6 +150,23 @@ def gemm_spec(
     kept = kept_fraction(spec, {"m": (m, tile.block_m), "k": (k, tile.block_k)}, vals)
     grid = (max(1, tiles), max(1, batches))
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, kept=kept)
+
+
+def _load_strides(
+    group: Group, bd: Body, layouts: Mapping[int, Layout], operand: dict, domain: tuple[int, ...], inner: list[int]
+) -> dict[int, tuple[tuple[int, ...], tuple[int, int]]]:
+    """Each load's strides over the product's batch dims and its tile: at an operand's tile (a
+    prologue's), at the product's (the epilogue's), or as stored (a recomputed product's operand)."""
+    at_tiles = tile_loads(bd.nodes)
+    batch = operand[Role.A][2]
+    strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]] = {}
+    for i, (j, role, view) in enumerate(bd.loads):
+        lay = viewed(layouts[id(group.inputs[j])], view)
+        if i in at_tiles:
+            strides[i] = _operand_strides(lay, *operand[role]) if role in operand else _tile_strides(lay, domain)
+        elif any((Src.LOAD, i) in bd.nodes[p].srcs for p in inner):
+            strides[i] = _batch_strides(lay, batch), (lay.strides[-2], lay.strides[-1])
+    return strides
 
 
 #: a GEMM launch's meta-parameters: (name, GemmTile field)
