@@ -257,3 +257,17 @@ def test_float64_tanh_is_exact_to_float64_rounding():
     """tanh's series below |x| = 1/8 carries float64's precision (4 terms left 1e-9 relative)."""
     t = torch.linspace(-0.3, 0.3, 1001, dtype=torch.float64)
     torch.testing.assert_close(rx.compile(rx.tanh(x))(x=t), torch.tanh(t), atol=0, rtol=1e-15)  # a few ulps
+
+
+def test_a_half_cast_returned_is_read_back_not_the_value_under_it(gen):
+    """``h = (3x).half()`` returned beside ``logsumexp(h)`` and ``z = (3x)**2``: the backward reads
+    ``h`` back as stored for the logsumexp's gradient (``vjp._half_output``), but ``z``'s gradient
+    reads the fp32 ``3x`` under the cast, unrounded (it read ``h``: 6 * fp16(3x), 1.7e-2 off)."""
+    t = torch.randn(8, 64, generator=gen, requires_grad=True)
+    x = rx.var("x")
+    y = x * 3.0
+    h = rx.cast(y, torch.float16)
+    out = rx.compile({"h": h, "l": rx.logsumexp(rx.cast(h, torch.float32), -1), "z": y * y})(x=t)
+    cots = [torch.zeros_like(out["h"]), torch.zeros_like(out["l"]), torch.ones_like(out["z"])]
+    (got,) = torch.autograd.grad([out["h"], out["l"], out["z"]], [t], cots)
+    torch.testing.assert_close(got.double(), 18.0 * t.detach().double(), atol=1e-5, rtol=1e-6)

@@ -243,3 +243,21 @@ def test_a_kernel_with_a_second_k_loop_takes_no_third_product(gen):
     assert both.summary(**some).kernels == 2
     got = both(**some)
     assert_close(got["t"], ins["x"].double() @ ins["w3"].double(), 1e-5, 1e-5, "t")
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: x @ (x @ wg),  # shares x, and reads the other product as its right operand
+        lambda: (x @ wg) @ wg,  # shares wg, and reads the other product as its left operand
+        lambda: x @ rx.relu(x @ wg),  # through the other's epilogue
+    ],
+)
+def test_a_product_whose_operand_is_the_other_product_is_never_merged(build, gen):
+    """Square operands give both products one shape and a shared operand, but one's operand is the
+    other's output tile, at the wrong coordinates (fuzzed by hand: 22 of 400 random chains of square
+    matmuls were wrong or crashed before ``_operands_at_tiles``)."""
+    a, g = torch.randn(12, 12, generator=gen), torch.randn(12, 12, generator=gen)
+    kernel = rx.compile(build())
+    assert kernel.summary(x=a, wg=g).kernels == 2
+    assert_close(kernel(x=a, wg=g), kernel.reference((a.double(), g.double())), 1e-4, 1e-5)

@@ -230,10 +230,14 @@ def _read_back(graph: Graph, reductions: list[Expr]) -> dict[int, tuple[str, Exp
     in bf16); the output is saved instead, the very tensor returned (eager SDPA saves its own)."""
     out: dict[int, tuple[str, Expr, Expr]] = {}
     for _, root in graph.outputs:
-        y = root
-        while REGISTRY[y.op].regroups or REGISTRY[y.op].rule is DtypeRule.CAST:
-            y = y.srcs[0]
-        if id(y) in out or not (_composite_output(y, graph) or _half_output(root, graph, reductions)):
+        y = _under(root, casts=True)
+        if not _composite_output(y, graph):
+            # a half output as stored: its views undone, never its cast (the value under ``h =
+            # y.half()`` is ``y``, unrounded, wherever else it is read)
+            y = _under(root, casts=False)
+            if not _half_output(y, graph, reductions):
+                continue
+        if id(y) in out:
             continue
         key = f"{SAVED}{len(reductions) + len(out)}"
         back = Expr("var", (), {"name": key, "dtype": None})
@@ -251,18 +255,23 @@ def _composite_output(y: Expr, graph: Graph) -> bool:
     return any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in walk([y]))
 
 
-def _half_output(root: Expr, graph: Graph, reductions: list[Expr]) -> bool:
-    """Is output ``root`` a computed half value (views aside) that a statistic the forward saves
+def _under(root: Expr, casts: bool) -> Expr:
+    """The value output ``root`` views (and, with ``casts``, casts)."""
+    y = root
+    while REGISTRY[y.op].regroups or (casts and REGISTRY[y.op].rule is DtypeRule.CAST):
+        y = y.srcs[0]
+    return y
+
+
+def _half_output(y: Expr, graph: Graph, reductions: list[Expr]) -> bool:
+    """Is ``y`` (an output, its views undone) a computed half value that a statistic the forward saves
     reduces? The forward's kernels read it rounded, as it is stored (``codegen.source.rounded_values``):
     the statistic is of the rounded value (attention's logsumexp over scores also returned in fp16,
     a norm's over a residual kept by the lazy stream), so the backward reads the output back, as
     stored, rather than recompute it unrounded (rows whose probabilities no longer sum to one: fp16
     scores at ``finfo.min`` gave gradients 100x eager's error; model fuzzer program 2026122400033).
     An output no saved statistic reduces (a logsumexp returned itself) is recomputed unrounded."""
-    y = root
-    while REGISTRY[y.op].regroups:
-        y = y.srcs[0]
-    if graph.of(root).dtype not in (torch.float16, torch.bfloat16) or is_leaf(y, graph.info):
+    if graph.of(y).dtype not in (torch.float16, torch.bfloat16) or is_leaf(y, graph.info):
         return False
     return any(r is not y and any(n is y for n in walk(r.srcs)) for r in reductions)
 
