@@ -113,6 +113,23 @@ def test_two_outputs_sharing_an_input_read_it_once(gen):
     assert_close(got["v"], a.double() @ wv.double().T, 1e-5, 1e-5, "v")
 
 
+def _every_gradient(kernel, ins, backward_kernels, reference, tol, gen):
+    """``kernel``'s backward launches ``backward_kernels``; its output and the gradient of every
+    input against ``reference`` (torch, on float64 copies) for a random cotangent, each within
+    ``tol(what)`` (absolute; rtol of ``tol("rtol")``)."""
+    plan = kernel.grad_plan(**{n: t.requires_grad_() for n, t in ins.items()})
+    assert plan.backward.summary(**plan.backward_feed(ins)).kernels == backward_kernels
+    got = kernel(**ins)
+    cot = torch.randn(got.shape, generator=gen).to(got.dtype)
+    got.backward(cot)
+    ref = {name: t.detach().double().requires_grad_() for name, t in ins.items()}
+    want = reference(**ref)
+    want.backward(cot.double())
+    assert_close(got, want.detach(), tol("forward", want), tol("rtol", want), "forward")
+    for name, t in ins.items():
+        assert_close(t.grad, ref[name].grad, tol("gradient", want), tol("rtol", want), f"d{name}")
+
+
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), TOLERANCES)
 def test_a_normed_input_through_gate_and_up_and_every_gradient(dtype, atol, rtol, gen):
     """The norm is the shared prologue, computed once per tile for both products; backward, the
@@ -126,22 +143,18 @@ def test_a_normed_input_through_gate_and_up_and_every_gradient(dtype, atol, rtol
     }
     h = rx.rms_norm(x, nw, eps=1e-6)
     kernel = rx.compile(rx.silu(h @ wg.mT) * (h @ wu.mT))
-    fwd = kernel.summary(**ins)
-    assert fwd.kernels == 2  # the norm's statistics, then one GEMM for both products
-    plan = kernel.grad_plan(**{n: t.requires_grad_() for n, t in ins.items()})
+    assert kernel.summary(**ins).kernels == 2  # the norm's statistics, then one GEMM for both products
+
+    def reference(x, nw, wg, wu):
+        hh = F.rms_norm(x, (k,), nw, 1e-6)
+        return F.silu(hh @ wg.T) * (hh @ wu.T)
+
+    def tol(what, want):  # a gradient sums over rows and columns
+        scale = {"forward": math.sqrt(k), "gradient": want.detach().abs().max().item() * math.sqrt(m)}
+        return rtol if what == "rtol" else atol * scale[what]
+
     # dx: dg @ wg, then du @ wu plus it, then the norm's row kernel (dnw its tail); dwg and dwu: one
-    assert plan.backward.summary(**plan.backward_feed(ins)).kernels == 4
-    cot = torch.randn(m, n, generator=gen).to(dtype)
-    got = kernel(**ins)
-    got.backward(cot)
-    ref = {name: t.detach().double().requires_grad_() for name, t in ins.items()}
-    hh = F.rms_norm(ref["x"], (k,), ref["nw"], 1e-6)
-    want = F.silu(hh @ ref["wg"].T) * (hh @ ref["wu"].T)
-    want.backward(cot.double())
-    assert_close(got, want.detach(), atol * math.sqrt(k), rtol, "forward")
-    for name, t in ins.items():
-        scale = want.detach().abs().max().item() * math.sqrt(m)  # a sum over rows and columns
-        assert_close(t.grad, ref[name].grad, atol * scale, rtol, f"d{name}")
+    _every_gradient(kernel, ins, 4, reference, tol, gen)
 
 
 def test_no_merge_across_a_kernel_between(gen):
@@ -198,19 +211,16 @@ def test_a_gated_mlps_every_gradient_where_tokens_equal_hidden(dtype, atol, rtol
     }
     wd = rx.var("wd")
     kernel = rx.compile(rx.linear(rx.swiglu(rx.linear(x, wg), rx.linear(x, wu)), wd))
-    plan = kernel.grad_plan(**{n: v.requires_grad_() for n, v in ins.items()})
+
+    def reference(x, wg, wu, wd):
+        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    def tol(what, want):
+        scale = (want.detach().abs().max().item() + 1) * math.sqrt(inter * (t if what == "gradient" else 1))
+        return rtol if what == "rtol" else atol * scale
+
     # dh and its epilogue; dx (two K loops); dwg and dwu (one); dwd
-    assert plan.backward.summary(**plan.backward_feed(ins)).kernels == 4
-    cot = torch.randn(t, hidden, generator=gen).to(dtype)
-    got = kernel(**ins)
-    got.backward(cot)
-    ref = {n: v.detach().double().requires_grad_() for n, v in ins.items()}
-    want = F.linear(F.silu(F.linear(ref["x"], ref["wg"])) * F.linear(ref["x"], ref["wu"]), ref["wd"])
-    want.backward(cot.double())
-    scale = want.detach().abs().max().item() + 1
-    assert_close(got, want.detach(), atol * math.sqrt(inter) * scale, rtol, "forward")
-    for name, v in ins.items():
-        assert_close(v.grad, ref[name].grad, atol * math.sqrt(inter * t) * scale, rtol, f"d{name}")
+    _every_gradient(kernel, ins, 4, reference, tol, gen)
 
 
 def test_an_operand_computed_at_another_products_tile_is_never_merged():
