@@ -222,6 +222,11 @@ class _Gen:
         wide = not self.attention and random.Random(pid * 7919 + 1).random() < 0.1
         if not self.attention:
             self.H = r.randint(129, 140) if wide else r.randint(3, 24)
+        # a third of the unbatched ones without attention (drawn apart): tokens == hidden, so
+        # products of different roles have one shape (dy @ wd beside dy.T @ h, a tied square weight
+        # applied twice): analyze.merge_products must tell which may share a kernel
+        if not self.batch and not self.attention and not wide and random.Random(pid * 31 + 3).random() < 1 / 3:
+            self.T = self.H
         self.V = r.randint(129, 160) if wide else r.randint(5, 37)
         self.inputs: list[Input] = []
         self.torch: list[str] = []
