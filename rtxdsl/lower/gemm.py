@@ -94,20 +94,20 @@ def gemm_spec(
     operand = {Role.A: (a, ta, batch), Role.B: (b, tb, batch)}
     strides = _load_strides(group, bd, layouts, operand, domain, inner)
     at_tiles = tile_loads(bd.nodes)
-    full = [i for i, (_, role, _) in enumerate(bd.loads) if i in at_tiles and role is Role.FULL]
-    epilogue = [_load_classes(strides[i][1], True) for i in full]
-    wide = wide_epilogue(epilogue, sum(group.role(o) is Role.FULL for o in group.outputs))
+    loads = tuple(
+        LoadSpec(j, role, *_load_classes(strides[i][1], i in at_tiles) if i in strides else ((), ()))
+        for i, (j, role, _) in enumerate(bd.loads)
+    )
+    outputs = tuple(_out_spec(bd.index[id(o)], layouts[id(o)].dtype, group.role(o)) for o in group.outputs)
+    wide = wide_epilogue(bd.nodes, loads, outputs)
     tile = gemm_tile(target, m, n, a.dtype, inner=len(inner) + wide, whole_k=whole)
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(
         kind="gemm",
         in_dtypes=tuple(layouts[id(s)].dtype for s in group.inputs),
-        loads=tuple(
-            LoadSpec(j, role, *_load_classes(strides[i][1], i in at_tiles) if i in strides else ((), ()))
-            for i, (j, role, _) in enumerate(bd.loads)
-        ),
+        loads=loads,
         nodes=bd.nodes,
-        outputs=tuple(_out_spec(bd.index[id(o)], layouts[id(o)].dtype, group.role(o)) for o in group.outputs),
+        outputs=outputs,
         **printed_names(group, graph, notes_of(bd.index, group.nodes, graph, len(bd.nodes))),
         scalars=(),
         reductions=(),

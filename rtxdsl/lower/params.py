@@ -134,12 +134,11 @@ def shared_operands(spec: KernelSpec) -> dict[int, int]:
     g = spec.gemm
     if g is None or g.window is not None or g.online is not None or g.skip >= 0 or g.sum_batch or g.summed:
         return {}
-    products = [i for i, nd in enumerate(spec.nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION]
-    own = spec.nodes[next(i for i in products if spec.nodes[i].role is Role.FULL)]
+    own = next(nd for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role is Role.FULL)
     shared: dict[int, int] = {}
     for i in inner_products(spec.nodes):
         nd = spec.nodes[i]
-        if nd.role is Role.FULL and nd.attrs == own.attrs and nd.cdt == own.cdt:
+        if nd.role is Role.FULL and nd.attrs == own.attrs:  # (an operand shared: one dtype, as matmul's)
             side = next((s for s in (0, 1) if nd.srcs[s] == own.srcs[s]), None)
             if side is not None and _at_tile(spec, nd.srcs[1 - side], OPERAND_ROLES[1 - side]):
                 shared[i] = side

@@ -228,11 +228,7 @@ def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple
     (its rows halved where a prologue recomputes a product of its own, or a wide epilogue holds
     many tiles: ``gemm.gemm_tile``)."""
     dtype = next(nd.cdt for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION)
-    tiles = [
-        (ld.rows, ld.cols) for k, ld in enumerate(spec.loads) if ld.role is Role.FULL and k in tile_loads(spec.nodes)
-    ]
-    outputs = sum(o.role is Role.FULL for o in spec.outputs)
-    inner = len(inner_products(spec.nodes)) + wide_epilogue(tiles, outputs)
+    inner = len(inner_products(spec.nodes)) + wide_epilogue(spec.nodes, spec.loads, spec.outputs)
     block_m = inner_rows(m["BLOCK_M"], dtype, inner, spec.gemm.whole_k if spec.gemm is not None else ())
     bm, bn, bk = gemm_block(block_m, m["BLOCK_N"], m["BLOCK_K"], rows, cols, dtype)
     m = {**m, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
@@ -248,12 +244,14 @@ WHOLE_ROWS = 128  # the most rows beside one product taken whole (tutorial 06's;
 EPILOGUE_TILES = 4
 
 
-def wide_epilogue(tiles: list[tuple[tuple[Stride, ...], tuple[Stride, ...]]], outputs: int) -> int:
-    """1 where a GEMM epilogue's full tiles (its loads at the product's tile, by their (rows, cols)
-    stride classes, a broadcast row or column not counted; and its ``outputs``) exceed
-    :data:`EPILOGUE_TILES`: its rows are narrowed as for one more product (``inner_rows``), else 0."""
-    full = sum(BCAST not in (*rows, *cols) for rows, cols in tiles)
-    return int(full + outputs > EPILOGUE_TILES)
+def wide_epilogue(nodes: tuple[NodeSpec, ...], loads: tuple[LoadSpec, ...], outputs: tuple[OutSpec, ...]) -> int:
+    """1 where a GEMM epilogue's full tiles (its loads at the product's tile, a broadcast row or
+    column not counted, and its outputs there) exceed :data:`EPILOGUE_TILES`: its rows are narrowed
+    as for one more product (``inner_rows``), else 0."""
+    at_tiles = tile_loads(nodes)
+    tiles = [ld for k, ld in enumerate(loads) if ld.role is Role.FULL and k in at_tiles]
+    full = sum(BCAST not in (*ld.rows, *ld.cols) for ld in tiles)
+    return int(full + sum(o.role is Role.FULL for o in outputs) > EPILOGUE_TILES)
 
 
 def inner_rows(bm: int, dtype: torch.dtype, inner: int, whole_k: tuple[tuple[int, int], ...]) -> int:

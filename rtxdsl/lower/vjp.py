@@ -229,13 +229,14 @@ def _read_back(graph: Graph, reductions: list[Expr]) -> dict[int, tuple[str, Exp
     the training forward saved it beside the output it divides, 33.5 MB at 32 heads x 4096 x 128
     in bf16); the output is saved instead, the very tensor returned (eager SDPA saves its own)."""
     out: dict[int, tuple[str, Expr, Expr]] = {}
+    reduced = {id(n) for n in walk([s for r in reductions for s in r.srcs])}  # what saved statistics reduce
     for _, root in graph.outputs:
         y = _under(root, casts=True)
         if not _composite_output(y, graph):
             # a half output as stored: its views undone, never its cast (the value under ``h =
             # y.half()`` is ``y``, unrounded, wherever else it is read)
             y = _under(root, casts=False)
-            if not _half_output(y, graph, reductions):
+            if not _half_output(y, graph, reduced):
                 continue
         if id(y) in out:
             continue
@@ -263,17 +264,16 @@ def _under(root: Expr, casts: bool) -> Expr:
     return y
 
 
-def _half_output(y: Expr, graph: Graph, reductions: list[Expr]) -> bool:
-    """Is ``y`` (an output, its views undone) a computed half value that a statistic the forward saves
-    reduces? The forward's kernels read it rounded, as it is stored (``codegen.source.rounded_values``):
-    the statistic is of the rounded value (attention's logsumexp over scores also returned in fp16,
-    a norm's over a residual kept by the lazy stream), so the backward reads the output back, as
-    stored, rather than recompute it unrounded (rows whose probabilities no longer sum to one: fp16
-    scores at ``finfo.min`` gave gradients 100x eager's error; model fuzzer program 2026122400033).
-    An output no saved statistic reduces (a logsumexp returned itself) is recomputed unrounded."""
-    if graph.of(y).dtype not in (torch.float16, torch.bfloat16) or is_leaf(y, graph.info):
-        return False
-    return any(r is not y and any(n is y for n in walk(r.srcs)) for r in reductions)
+def _half_output(y: Expr, graph: Graph, reduced: Set[int]) -> bool:
+    """Is ``y`` (an output, its views undone) a computed half value that a statistic the forward
+    saves reduces (its id in ``reduced``)? The forward's kernels read it rounded, as it is stored
+    (``codegen.source.rounded_values``): the statistic is of the rounded value (attention's
+    logsumexp over scores also returned in fp16, a norm's over a residual kept by the lazy
+    stream), so the backward reads the output back, as stored, rather than recompute it unrounded
+    (rows whose probabilities no longer sum to one: fp16 scores at ``finfo.min`` gave gradients
+    100x eager's error; model fuzzer program 2026122400033). An output no saved statistic reduces
+    (a logsumexp returned itself) is recomputed unrounded."""
+    return graph.of(y).dtype in (torch.float16, torch.bfloat16) and not is_leaf(y, graph.info) and id(y) in reduced
 
 
 def _multiplied(graph: Graph, tiled: Set[int], saved: Set[int]) -> list[Expr]:
