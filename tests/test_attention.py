@@ -223,7 +223,7 @@ def test_grouped_query_attention_reads_keys_and_values_as_they_are(kind, gen):
     """Each key/value head's query heads are one batch of the products, ``[B, Hkv, G, Tq, D]``
     against ``[B, Hkv, 1, Tk, D]`` (views of q, k and v, strided as a model's transposed
     projections are): no buffer of the keys repeated per query head in the forward or the backward
-    (whose dK and dV sum over the group), as many launches as multi-head attention's, and the
+    (whose dK and dV sum over the group, in one kernel), as many launches as multi-head attention's, and the
     output and every gradient as float64's. Only a tensor read per query head repeats them."""
     make, extra, copies = GROUPED[kind]
     tq, tk, d = 33, 20, 8  # Tq != Tk: a [.., Tk, D] buffer larger than k is k repeated
@@ -247,9 +247,9 @@ def test_grouped_query_attention_reads_keys_and_values_as_they_are(kind, gen):
     saved = plan.forward(**grads)
     feed = grads | dict(saved) | {"_g0": torch.ones(2, 4, tq, d)}
     backward = plan.backward.program(**{n: feed[n] for n in plan.backward.inputs})
-    assert len(backward.launched) == (6 if copies else 4)
-    # dK and dV each one GEMM summing the group's query heads in its K loop (``contract``'s
-    # ``summed``): no buffer per query head, neither K copied nor a per-head dK
+    assert len(backward.launched) == (5 if copies else 3)
+    # dK and dV two products of one GEMM kernel summing the group's query heads in its K loop
+    # (``contract``'s ``summed``): no buffer per query head, neither K copied nor a per-head dK
     assert bool(repeats(backward)) == copies
 
     def ref(r):
@@ -370,11 +370,12 @@ def test_the_compute_model_counts_each_pass_that_computes_the_scores(gen):
 
 
 def test_the_backward_computes_each_product_once_per_gemm_that_reads_it(gen):
-    """The backward's three GEMMs recompute what they read in their K loops: ``P.T @ dO`` the scores
-    (2 products), ``dS @ k`` and ``dS.T @ q`` the scores and ``dO @ v.T`` (3 each): 8 products where
-    the minimum is FlashAttention-2's 5 (Triton's fused-attention tutorial computes 7: its dK/dV
-    kernel shares one recompute). Planned for sm_90 at 1 x 32 heads x 4096 x 128 (nothing runs),
-    without a mask (a causal one skips about half the tiles: see the block sparsity test)."""
+    """The backward's two GEMM kernels recompute what they read in their K loops: ``dS @ k`` the
+    scores and ``dO @ v.T`` (3 products), ``dS.T @ q`` beside ``P.T @ dO`` in one K loop the scores
+    and ``dO @ v.T`` once for both (4): 7 products, as Triton's fused-attention tutorial computes,
+    where the minimum is FlashAttention-2's 5 (dQ summed across key blocks). Planned for sm_90 at
+    1 x 32 heads x 4096 x 128 (nothing runs), without a mask (a causal one skips about half the
+    tiles: see the block sparsity test)."""
     bf = {"dtype": torch.bfloat16, "requires_grad": True}
     ins = {n: torch.empty(1, 32, 4096, 128, **bf) for n in "qkv"}
     plan = rx.compile(rx.attention(q, k, v)).grad_plan(**ins)
@@ -385,9 +386,49 @@ def test_the_backward_computes_each_product_once_per_gemm_that_reads_it(gen):
         feed[key] = torch.empty(buf.shape, dtype=buf.dtype)
     backward = plan.backward.lower_for(GPU, **{n: feed[n] for n in plan.backward.inputs})
     product = 2 * 32 * 4096 * 4096 * 128
-    assert (backward.flops, backward.minimum_flops) == (8 * product, 5 * product)
-    assert len(backward.launched) == 4  # the row term and dO over the row sum in one kernel, the three GEMMs
+    assert (backward.flops, backward.minimum_flops) == (7 * product, 5 * product)
+    assert len(backward.launched) == 3  # the row term and dO over the row sum in one kernel, dQ, dK beside dV
     assert all(math.prod(b.shape) < 32 * 4096 * 4096 for b in backward.buffers)
+
+
+@pytest.mark.parametrize("hkv", [32, 8, 1])  # multi-head, grouped (4 query heads a key head), multi-query
+def test_a_half_precision_backward_writes_each_gradient_once_in_its_dtype(hkv):
+    """bf16 at 1 x 32 heads x 4096 x 128, causal, planned for sm_90: three launches whatever the
+    key/value heads (the row term, dQ, dK beside dV), every buffer bf16 or a per-row statistic.
+    Grouped-query dq is ``[B, Hkv, G, T, D]`` regrouped to q's shape: its cast
+    is the product's epilogue's and the regrouped bf16 buffer a view (026ffa5 cast after the
+    reshape: an fp32 dq of 67 MB written, read back and cast in launches of their own, 6 in all)."""
+    bf = {"dtype": torch.bfloat16, "requires_grad": True}
+    ins = {n: torch.empty(1, 32 if n == "q" else hkv, 4096, 128, **bf) for n in "qkv"}
+    plan = rx.compile(rx.attention(q, k, v, causal=True, enable_gqa=hkv != 32)).grad_plan(**ins)
+    backward = plan.backward.lower_for(GPU, **plan.backward_feed({n: t.detach() for n, t in ins.items()}))
+    assert len(backward.launched) == 3
+    for b in backward.buffers:
+        assert b.dtype == torch.bfloat16 or b.shape[-1] == 1, b
+
+
+def test_dk_and_dv_are_one_k_loop_recomputing_the_scores_once(gen):
+    """The dK and dV GEMMs read the same recomputed scores at the same tiles (keys x queries): one
+    kernel whose K loop over the queries computes ``q @ k.mT``, ``dO @ v.T`` and the probabilities
+    once and sums ``dS.T @ q`` and ``P.T @ dO`` into two accumulators (FlashAttention-2's dK/dV
+    loop; analyze.merge_products). Causal with block sparsity, odd sizes, against float64."""
+    ins = _inputs(gen, 1, 2, 2, 37, 29, 12, 12, torch.float32)
+    kern = rx.compile(rx.attention(q, k, v, causal=True))
+    plan = kern.grad_plan(**{n: t.clone().requires_grad_() for n, t in ins.items()})
+    sources = plan.backward.sources(**plan.backward_feed(ins))
+    assert len(sources) == 3
+    both = [src for src in sources if "tl.dot(" in src and src.count("tl.store(") == 2]
+    assert len(both) == 1 and both[0].count("tl.dot(") == 4  # the scores, dO @ v.T, dK's, dV's
+    assert both[0].count("tl.exp(") == 1 and "k_lo" in both[0]  # P once; the causal mask's tiles skipped
+    _check(
+        rx.attention(q, k, v, causal=True),
+        ins,
+        lambda r: _reference(r, keep=torch.ones(37, 29).tril().bool())[0],
+        torch.float32,
+        2e-5,
+        2e-5,
+        gen,
+    )
 
 
 # ---- block sparsity: tiles the mask's positions rule out are not computed -----------------------------
@@ -442,6 +483,22 @@ def test_the_compute_model_counts_only_the_tiles_that_run():
     scans = [(c.spec.gemm.skip >= 0) for c in causal[2].kernels]
     assert scans == [True]  # the P @ v GEMM, its logsumexp merged in its K loop
     assert not any(c.spec.gemm.skip >= 0 for c in padded[2].kernels if c.spec.gemm is not None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_output_and_its_logsumexp_are_one_launch(causal, gen):
+    """``return_lse=True`` returns ``m + log(row sum)`` beside the output: the one-pass GEMM merges
+    the logsumexp and the row sum in its K loop and writes both values per row (the per-row math
+    reading both moves with them: analyze._online_in_k_loop's ``pending`` sums), the lse's
+    ``[B, H, Tq]`` a view of its ``[B, H, Tq, 1]``; bytes moved the minimum (two launches, a
+    flat kernel reading the two statistics back, before)."""
+    ins = _inputs(gen, 1, 2, 2, 37, 29, 16, 16, torch.float32)
+    out, lse = rx.attention(q, k, v, causal=causal, return_lse=True)
+    program = rx.compile({"out": out, "lse": lse}).program(**ins)
+    assert len(program.launched) == 1
+    assert program.bytes_moved == program.minimum_bytes
+    keep = torch.ones(37, 29, dtype=torch.bool).tril() if causal else None
+    _check((out, lse), ins, lambda r: _reference(r, keep=keep), torch.float32, 2e-5, 2e-5, gen)
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES[1:2] + TOLERANCES[3:], ids=["float32", "bfloat16"])

@@ -125,8 +125,9 @@ SCRIPT = textwrap.dedent("""
         att = rx.compile(rx.attention(q, k, v, causal=True, enable_gqa=hkv != 32))
         att_in = {n: torch.empty(1, 32 if n == "q" else hkv, 4096, d, **bf) for n in "qkv"}
         kernels[f"gemm_attention_d{d}_kv{hkv}"] = (att, att_in, 0)
-    # its backward at head dim 128, grouped: dq's and dk's GEMMs recompute two products each (the
-    # scores, dO @ v.T), sliced over the head dim (taken whole, they spilled), dv's sums the group
+    # its backward at head dim 128, grouped: dq's GEMM recomputes two products (the scores,
+    # dO @ v.T), sliced over the head dim (taken whole, they spilled); dk's and dv's one K loop
+    # summing the group recomputes them once for both (no spills)
     plan = att.grad_plan(**{n: t.clone().requires_grad_() for n, t in att_in.items()})
     saved = plan.forward.program(**{n: t.detach() for n, t in att_in.items()})
     bwd_in = {n: t.detach() for n, t in att_in.items()} | {"_g0": torch.empty(1, 32, 4096, 128, **bf)}
@@ -216,7 +217,7 @@ def test_contractions_use_hopper_warpgroup_mma(facts):
     moe = ("gemm_moe_up", "gemm_moe_down", "gemm_moe_down_grad", "gemm_moe_weight_grad")  # gathered rows too
     attention = ("gemm_attention_d64_kv32", "gemm_attention_d128_kv32", "gemm_attention_d128_kv8")
     attention += tuple(name for name in facts if name.startswith("gemm_attention_backward"))
-    assert len(attention) == 6  # dv's, dq's and dk's GEMMs
+    assert len(attention) == 5  # dq's GEMM, dk's beside dv's in one K loop
     for name in (*lce, *moe, *attention, "gemm_lce_dh_recompute", "gemm_lce_dw_recompute"):  # recomputed tiles too
         assert facts[name]["wgmma"] > 0, name
     assert facts["layer_norm"]["wgmma"] == 0

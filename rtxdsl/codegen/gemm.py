@@ -195,30 +195,39 @@ class GemmWriter(Writer):
         return {i: self._sibling(i, side, tiles, scope, precision) for i, side in shared_operands(self.spec).items()}
 
     def _sibling(self, i: int, side: int, tiles: list[str], scope: Scope, precision: str) -> str:
-        """Product ``i``, sharing operand ``side`` with the kernel's own (``shared_operands``): its
-        other operand's tile loaded beside the shared one, summed into an accumulator of its own in
-        the same K loop (a gate and an up projection: the input's tile read once for both)."""
+        """Product ``i``, sharing operand ``side`` with the kernel's own (``shared_operands``; none
+        shared: both its operands): its other operand's tile loaded or computed beside the shared
+        one, summed into an accumulator of its own in the same K loop (a gate and an up projection:
+        the input's tile read once for both; dV's P beside dK's dS, the scores computed once)."""
+        pair = list(tiles)
+        for s in (s for s in (0, 1) if s != side):
+            pair[s] = self._sibling_tile(i, s, scope)  # (b{d}: batch indices)
+        acc = f"acc{i}"
+        node = self.spec.nodes[i]
+        self.top.add(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[accumulator(node.cdt)]})")
+        scope.add(f"{acc} = tl.dot({pair[0]}, {pair[1]}, {acc}{precision})")
+        return acc
+
+    def _sibling_tile(self, i: int, side: int, scope: Scope) -> str:
+        """Product ``i``'s operand ``side`` at the K loop's tile: its prologue's values (each node
+        computed once in the loop, as the kernel's own operand's), or loaded through its strides."""
         node = self.spec.nodes[i]
         attrs = dict(node.attrs)
-        kind, k = ref = node.srcs[1 - side]
-        op = "ab"[1 - side]
+        kind, k = ref = node.srcs[side]
+        op = "ab"[side]
         if kind is Src.NODE:  # its prologue, at the same tile as the kernel's own operand's
             v = self.value(ref, scope)
             v = to_storage(v, self.types[v], node.cdt)
             scope.add(f"{op}_tile{i} = {v if self._zero_outside(ref) else f'tl.where({op}_mask, {v}, 0)'}")
-        else:
-            if op == "b":  # the product's right operand: a (k, n) tile
-                dims, at = (("n", "k") if attrs["tb"] else ("k", "n")), {"k": "ks[:, None]", "n": "offs_n[None, :]"}
-            else:  # its left operand: an (m, k) tile
-                dims, at = (("k", "m") if attrs["ta"] else ("m", "k")), {"m": "offs_m[:, None]", "k": "ks[None, :]"}
-            j = self.spec.loads[k].input
-            tile = f"tl.load(in{j}_ptr + {self._stored_offset(k, dims, at)}, mask={op}_mask, other=0)"
-            scope.add(f"{op}_tile{i} = {load_as(tile, self.spec.in_dtypes[j], node.cdt)}")
-        pair = (tiles[0], f"b_tile{i}") if op == "b" else (f"a_tile{i}", tiles[1])  # (b{d}: batch indices)
-        acc = f"acc{i}"
-        self.top.add(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[accumulator(node.cdt)]})")
-        scope.add(f"{acc} = tl.dot({pair[0]}, {pair[1]}, {acc}{precision})")
-        return acc
+            return f"{op}_tile{i}"
+        if op == "b":  # the product's right operand: a (k, n) tile
+            dims, at = (("n", "k") if attrs["tb"] else ("k", "n")), {"k": "ks[:, None]", "n": "offs_n[None, :]"}
+        else:  # its left operand: an (m, k) tile
+            dims, at = (("k", "m") if attrs["ta"] else ("m", "k")), {"m": "offs_m[:, None]", "k": "ks[None, :]"}
+        j = self.spec.loads[k].input
+        tile = f"tl.load(in{j}_ptr + {self._stored_offset(k, dims, at)}, mask={op}_mask, other=0)"
+        scope.add(f"{op}_tile{i} = {load_as(tile, self.spec.in_dtypes[j], node.cdt)}")
+        return f"{op}_tile{i}"
 
     def _relative(self, top: Scope) -> None:
         """A chunk loop's buffers hold one chunk, its element 0 at ``W_LO`` of the windowed dim

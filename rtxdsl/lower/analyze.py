@@ -55,7 +55,7 @@ from .expand import Graph, is_leaf
 from .online import STATISTICS, online_shift
 from .prologue import Operand, choose, reloads
 from .roles import Role
-from .spec import Chunk
+from .spec import Chunk, read_as
 
 
 @dataclass(frozen=True)
@@ -1084,20 +1084,26 @@ def merge_products(
     homes = _homes(work)
     reads = [_group_reads(g, fl, homes, i) for i, g in enumerate(work)]
     plain = [_plain_gemm(g, solo) for g in work]
+    prologued = [_prologue_gemm(g, solo) for g in work]
     alive = [True] * len(work)
     products = [1] * len(work)
     sharing: list[tuple[int, Expr] | None] = [None] * len(work)  # what a merged kernel's products share
     for a in range(len(work)):
         for b in range(a + 1, len(work)):
-            if not (alive[a] and alive[b] and plain[a] and plain[b]):
+            if not (alive[a] and alive[b] and ((plain[a] and plain[b]) or (prologued[a] and prologued[b]))):
                 continue
             ga, gb = work[a], work[b]
             if graph.ops(ga.nodes + gb.nodes) > config.max_fusion_ops or _between(reads, a, b):
                 continue
             ca, cb = ga.contraction, gb.contraction
             assert ca is not None and cb is not None
-            side = shared_operand(ca, cb, graph)
-            if side is not None and (id(ca.srcs[side]) in ga.roles) == (id(cb.srcs[side]) in gb.roles):
+            side = shared_operand(ca, cb, graph) if plain[a] and plain[b] else None
+            if prologued[a] and prologued[b]:
+                if products[a] > 1 or not _prologues_share(ga, gb, graph):
+                    continue
+                prologued[a] = False  # two products: dK's and dV's
+                how = f"beside {_label(ca, graph)}: one K loop, their prologues' recomputed product once"
+            elif side is not None and (id(ca.srcs[side]) in ga.roles) == (id(cb.srcs[side]) in gb.roles):
                 # (the shared operand: a prologue in both kernels or read by both)
                 if not _operands_at_tiles(ga, gb, (Role.A, Role.B)) or products[a] == SHARED_PRODUCTS:
                     continue
@@ -1161,6 +1167,50 @@ def _plain_gemm(g: _Work, solo: frozenset[int]) -> bool:
     if c.attr("sum_batch") or c.attr_dict.get("summed") or c.attr_dict.get("recompute"):
         return False
     return [m for m in g.nodes if REGISTRY[m.op].kind is OpKind.CONTRACTION] == [c]
+
+
+def _prologue_gemm(g: _Work, solo: frozenset[int]) -> bool:
+    """A GEMM kernel whose A operand is a prologue recomputing a product (attention's ``dS.T @ q``
+    and ``P.T @ dO``, each recomputing ``q @ k.mT``): one product of its own, the others its
+    prologue's; no reduction (an online softmax's K loop is its own product's); no value read at
+    other coordinates (a transpose, a slice: the other kernel's prologue may read it as it is;
+    size-1 dims inserted and positions are fine) nor recomputed where read; not every batch dim
+    summed (a weight's gradient; grouped-query attention's dK and dV sum a group of heads)."""
+    c = g.contraction
+    if c is None or g.is_row or g.free or any(id(m) in solo for m in g.nodes):
+        return False
+    if c.attr("sum_batch") or c.attr_dict.get("recompute"):
+        return False
+    inner = [m for m in g.nodes if REGISTRY[m.op].kind is OpKind.CONTRACTION and m is not c]
+    if not inner or any(g.roles[id(m)] is not Role.A for m in inner) or g.roles.get(id(c.srcs[0])) is not Role.A:
+        return False
+    return not any(REGISTRY[m.op].kind is OpKind.REDUCTION or _moves(m) for m in g.nodes)
+
+
+def _moves(m: Expr) -> bool:
+    """Does ``m`` read its operand at other coordinates than its own (a permute, a slice, a gather)?"""
+    op = REGISTRY[m.op]
+    return op.kind is OpKind.MOVEMENT and not op.view and not op.shape_only
+
+
+def _prologues_share(ga: _Work, gb: _Work, graph: Graph) -> bool:
+    """Can one K loop sum both kernels' products, their A prologues computed once at the loop's
+    tile (dK = dS.T @ q beside dV = P.T @ dO: the scores and P once per tile)? Products of one shape,
+    read the same way, over one K, of one operand dtype; a product both prologues recompute; every
+    node both kernels hold at the same operand's tile; the B operands read from memory or computed
+    at B's tile."""
+    ca, cb = ga.contraction, gb.contraction
+    assert ca is not None and cb is not None
+    if read_as(ca.attrs) != read_as(cb.attrs) or graph.of(ca).shape != graph.of(cb).shape:
+        return False  # (each product's own dtype: its accumulator rounded as it is stored)
+    typed = [(graph.of(x).shape, graph.of(x).dtype) for x in (*ca.srcs, *cb.srcs)]
+    if typed[:2] != typed[2:]:
+        return False  # (one K, one operand dtype)
+    both = ga.roles.keys() & gb.roles.keys()
+    if any(ga.roles[i] is not gb.roles[i] for i in both):
+        return False
+    recomputed = {id(m) for m in ga.nodes if REGISTRY[m.op].kind is OpKind.CONTRACTION and m is not ca}
+    return bool(recomputed & both) and _operands_at_tiles(ga, gb, (Role.A, Role.B))
 
 
 def _between(reads: list[set[int]], a: int, b: int) -> bool:
@@ -1467,14 +1517,17 @@ def _reduce_in_k_loop(
             if not any(r is x for x in listed):  # read by the operand and by its prologue's values alike
                 listed.append(r)
     moved = []
+    pending: dict[int, list[Expr]] = {}  # reductions whose per-row math also reads another value
     for home, reductions in by_home.values():
         cones = {
             r: c for r, c in _tiled_reductions(home, reductions, contracted, shape, graph).items() if id(r) not in deps
         }
         reductions = reductions + list(cones)
         after = _per_row_after(home, reductions, graph, consumers)
-        if after is None:
-            continue  # its own kernel reads it otherwise: it stays there
+        if after is None:  # its own kernel reads it otherwise: it stays there, unless the statistic
+            if not cones:  # its per-row math also reads moves too (attention's lse: m + log(sum))
+                pending[id(home)] = reductions
+            continue
         taken = {id(m) for m in (*reductions, *after)}
         kept = home.nodes
         home.nodes = [m for m in kept if id(m) not in taken]
@@ -1495,7 +1548,7 @@ def _reduce_in_k_loop(
             w.notes.append(f"{_label(r, graph)}: {r.op} of A over its contracted dims, merged in the K loop")
         moved.append(home)
     if contracted == (k_axis,):  # each program's rows are whole rows of one batch
-        moved += _online_in_k_loop(w, values, contracted, deps, work, graph, consumers, requested)
+        moved += _online_in_k_loop(w, values, contracted, deps, work, graph, consumers, requested, pending)
     return moved
 
 
@@ -1508,13 +1561,16 @@ def _online_in_k_loop(
     graph: Graph,
     consumers: dict[int, list[Expr]],
     requested: set[int],
+    pending: Mapping[int, list[Expr]],
 ) -> list[_Work]:
     """The logsumexp the prologue shifts by (``exp(x - lse) @ v``: attention, ``softmax(x) @ v``)
     moves into ``w`` with its per-row math, where ``lower/online.py`` says the K loop may merge it
-    as it runs (FlashAttention-2's forward: one pass over ``x``, no row kernel before the GEMM)."""
+    as it runs (FlashAttention-2's forward: one pass over ``x``, no row kernel before the GEMM);
+    with it the sums of its home (``pending``) whose per-row math also reads it (a logsumexp
+    returned as ``m + log(sum)``), which could not move alone."""
     c = w.contraction
     assert c is not None
-    members = {id(m): w.roles[id(m)] for m in w.nodes}
+    own = {id(m): w.roles[id(m)] for m in w.nodes}
     found = {
         id(r): r
         for v in values
@@ -1523,19 +1579,26 @@ def _online_in_k_loop(
     }
     for r in found.values():
         home = _home_of(r, w, work)
-        if home is None or members.get(id(r.srcs[0])) is not Role.A:
+        if home is None or own.get(id(r.srcs[0])) is not Role.A:
             continue
-        # what the prologue recomputes that its home kept for readers since moved here goes
-        dead = _recomputed_only(home, members, requested, consumers)
+        sums = pending.get(id(home), [])
+        members = {**own, **{id(m): Role.A for m in sums}}
+        # what the prologue recomputes that its home kept for readers since moved here (or moving
+        # with the statistic) goes
+        moving = {id(m) for m in sums}
+        dead = _recomputed_only(
+            replace(home, nodes=[m for m in home.nodes if id(m) not in moving]), members, requested, consumers
+        )
         left = [m for m in home.nodes if id(m) not in dead]
-        after = _per_row_after(replace(home, nodes=left), [r], graph, consumers)
+        after = _per_row_after(replace(home, nodes=left), [r, *sums], graph, consumers)
         if after is None or online_shift(r, members, lambda n: consumers.get(id(n), ()), after, c) is None:
             continue
-        taken = {id(r), *map(id, after)}
+        taken = {id(r), *map(id, sums), *map(id, after)}
         home.nodes = [m for m in left if id(m) not in taken]
-        for m in (r, *after):
+        for m in (*sums, r, *after):
             w.nodes.append(m)
             w.roles[id(m)] = Role.A
+        w.notes += [f"{_label(m, graph)}: {m.op} of A over its contracted dims, merged in the K loop" for m in sums]
         w.notes.append(
             f"{_label(r, graph)}: the logsumexp the prologue shifts by, merged in the K loop as it runs "
             "(online softmax: the sums rescaled as its max grows; one pass, no row kernel before)"
@@ -1603,6 +1666,7 @@ def _per_row_after(
     members = {id(m) for m in home.nodes}
     done = {id(r) for r in reductions}
     after: list[Expr] = []
+    waiting: set[int] = set()  # read before their other operands are done (met again once they are)
     stack = list(reductions)
     while stack:
         for x in consumers.get(id(stack.pop()), ()):
@@ -1611,11 +1675,13 @@ def _per_row_after(
             if REGISTRY[x.op].kind is not OpKind.ELEMENTWISE and not _over_size_one(x, graph):
                 return None
             if not all(id(y) in done or is_leaf(y, graph.info) for y in x.srcs):
-                return None
+                waiting.add(id(x))
+                continue
+            waiting.discard(id(x))
             done.add(id(x))
             after.append(x)
             stack.append(x)
-    return after
+    return None if waiting else after
 
 
 def _elementwise_cone(s: Expr, home: _Work, solo: frozenset[int]) -> tuple[list[Expr], list[Expr]] | None:

@@ -42,6 +42,7 @@ from .schedule import (
     expand_strides,
     gemm_block,
     inner_rows,
+    inner_warps,
     notes_of,
     printed_names,
     scalar_args,
@@ -61,9 +62,10 @@ def gemm_tile(
     target: Target, m: int, n: int, dtype: torch.dtype, inner: int = 0, whole_k: tuple[tuple[int, int], ...] = ()
 ) -> GemmTile:
     """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)
-    and to ``inner`` products its prologues recompute (``schedule.inner_rows``)."""
+    and to ``inner`` products its prologues recompute (``schedule.inner_rows``, ``inner_warps``)."""
     bm, bn, bk, group_m, warps, stages = target.gemm
-    return GemmTile(*gemm_block(inner_rows(bm, dtype, inner, whole_k), bn, bk, m, n, dtype), group_m, warps, stages)
+    block = gemm_block(inner_rows(bm, dtype, inner, whole_k), bn, bk, m, n, dtype)
+    return GemmTile(*block, group_m, inner_warps(warps, dtype, inner, whole_k), stages)
 
 
 def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:
@@ -217,7 +219,8 @@ def _skip(group: Group, graph: Graph, bd: Body) -> int:
     if not any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in prologue):
         return -1  # only where A is a product computed in tiles (attention's P, dS): a masked
         # operand read from memory keeps eager's 0 * inf in every tile
-    targets = [(a, 0.0)]
+    targets = [(a, 0.0)]  # and each product summed beside it from a prologue (dV's P beside dK's dS)
+    targets += [(n.srcs[0], 0.0) for n in group.nodes if n is not c and _from_prologue(n, group)]
     for n in prologue:
         if REGISTRY[n.op].kind is OpKind.REDUCTION:
             if n.op not in NEUTRAL:
@@ -225,6 +228,12 @@ def _skip(group: Group, graph: Graph, bd: Body) -> int:
             targets.append((n.srcs[0], NEUTRAL[n.op]))
     guard = vanishing_guard(prologue, graph, targets)
     return -1 if guard is None or group.roles.get(id(guard)) is not Role.A else bd.index[id(guard)]
+
+
+def _from_prologue(n: Expr, group: Group) -> bool:
+    """Is ``n`` a product at the output tile whose A operand is a prologue at A's tile?"""
+    full = REGISTRY[n.op].kind is OpKind.CONTRACTION and group.roles.get(id(n)) is Role.FULL
+    return full and group.roles.get(id(n.srcs[0])) is Role.A
 
 
 def _whole_k(group: Group, graph: Graph, bd: Body, target: Target) -> tuple[tuple[int, int], ...]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..ops import REGISTRY, OpKind
 from .passes import partial_states
 from .roles import Role
-from .spec import STRIDED, KernelCall, KernelSpec, LoadSpec, NodeSpec, Split, Src, Stride
+from .spec import STRIDED, KernelCall, KernelSpec, LoadSpec, NodeSpec, Split, Src, Stride, read_as
 
 #: the operand tiles a GEMM prologue reads at (a load with another role is read at the product's)
 OPERAND_ROLES = (Role.A, Role.B)
@@ -124,25 +124,43 @@ def inner_products(nodes: tuple[NodeSpec, ...]) -> list[int]:
     return [i for i in products if i != own]
 
 
+#: a product summed in the kernel's K loop that shares no operand with its own: both are prologues
+#: at A's tile, computed once where they share a node (``analyze.merge_products``: dK beside dV)
+NONE_SHARED = -1
+
+
 def shared_operands(spec: KernelSpec) -> dict[int, int]:
-    """The products a GEMM's epilogue computes beside its own that share an operand with it, read
-    the same way (``analyze.merge_products``: a gate and an up projection of one input),
-    each with the side it shares (0: A, 1: B). The kernel's K loop sums them beside its own, their
-    other operand loaded at the loop's tile; they have no K loop (nor ``K{i}``) of their own. Not
-    in a chunk loop's, block-sparse, online-softmax or batch-summing kernel, whose K loops are
-    their own product's."""
+    """The products a GEMM's epilogue computes beside its own in its K loop
+    (``analyze.merge_products``), each with the side it shares, read the same way (0: A, 1: B: a gate
+    and an up projection of one input; :data:`NONE_SHARED`: attention's dV beside dK, both A
+    operands prologues at the loop's tile). Their other operands are loaded or computed at the
+    loop's tile; they have no K loop (nor ``K{i}``) of their own. Not in a chunk loop's,
+    online-softmax or batch-summing kernel, whose K loops are their own product's, nor, sharing an
+    operand, in a block-sparse one (its guard is the prologues')."""
     g = spec.gemm
-    if g is None or g.window is not None or g.online is not None or g.skip >= 0 or g.sum_batch or g.summed:
+    if g is None or g.window is not None or g.online is not None or g.sum_batch:
         return {}
     own = next(nd for nd in spec.nodes if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role is Role.FULL)
     shared: dict[int, int] = {}
     for i in inner_products(spec.nodes):
         nd = spec.nodes[i]
-        if nd.role is Role.FULL and nd.attrs == own.attrs:  # (an operand shared: one dtype, as matmul's)
-            side = next((s for s in (0, 1) if nd.srcs[s] == own.srcs[s]), None)
-            if side is not None and _at_tile(spec, nd.srcs[1 - side], OPERAND_ROLES[1 - side]):
-                shared[i] = side
+        if nd.role is not Role.FULL:
+            continue
+        side = next((s for s in (0, 1) if nd.srcs[s] == own.srcs[s]), None)
+        if nd.attrs != own.attrs or g.skip >= 0 or g.summed:  # (an operand shared: one dtype, as matmul's)
+            side = None
+        if side is not None and _at_tile(spec, nd.srcs[1 - side], OPERAND_ROLES[1 - side]):
+            shared[i] = side
+        elif side is None and read_as(nd.attrs) == read_as(own.attrs):
+            if _prologue(spec, nd.srcs[0]) and _prologue(spec, own.srcs[0]):
+                shared[i] = NONE_SHARED
     return shared
+
+
+def _prologue(spec: KernelSpec, ref: tuple[Src, int]) -> bool:
+    """Is ``ref`` computed by A's prologue (a product recomputed at its tile)?"""
+    kind, i = ref
+    return kind is Src.NODE and spec.nodes[i].role is Role.A
 
 
 def _at_tile(spec: KernelSpec, ref: tuple[Src, int], role: Role) -> bool:
@@ -157,8 +175,7 @@ def product_loads(spec: KernelSpec, i: int, shared: Mapping[int, int]) -> tuple[
     loads are at its tile)."""
     if i not in shared:
         return tuple(k for _, k in spec.nodes[i].srcs)
-    kind, k = spec.nodes[i].srcs[1 - shared[i]]
-    return (k,) if kind is Src.LOAD else ()
+    return tuple(k for s, (kind, k) in enumerate(spec.nodes[i].srcs) if s != shared[i] and kind is Src.LOAD)
 
 
 def _gemm(spec: KernelSpec) -> list[Param]:

@@ -237,6 +237,13 @@ def _gemm_candidate(spec: KernelSpec, m: dict, rows: int, cols: int, grid: tuple
 
 WHOLE_ROWS = 128  # the most rows beside one product taken whole (tutorial 06's; autotune tries no more)
 
+#: warps beside one product taken whole with 16-bit operands, by its slice (attention's head dim),
+#: as tutorial 06 chooses on an H100; other slices keep the target's. Compiled for sm_90 (python -m
+#: benches.attention_sass), causal bf16 attention at head dim 64: 4 warps issue 0.459 warp
+#: instructions per score in the key loop, 8 warps 0.518 (243 and 155 registers, no spills); at
+#: 128, 4 warps spill 96 bytes
+WHOLE_K_WARPS = {16: 4, 32: 4, 64: 4}
+
 #: the most full tiles (loads at the product's tile and outputs) a GEMM's epilogue holds beside its
 #: accumulator at the target's rows: a gated MLP's backward ``dy @ wd`` reading the gate and the up
 #: product and writing ``dg``, ``du`` and ``silu(g) * u`` (2 + 3) spilled 716 bytes at 128 x 128
@@ -268,6 +275,14 @@ def inner_rows(bm: int, dtype: torch.dtype, inner: int, whole_k: tuple[tuple[int
     if dtype.itemsize >= 4:
         return bm // 4
     return min(bm, WHOLE_ROWS) if inner == 1 and whole_k else bm // 2
+
+
+def inner_warps(warps: int, dtype: torch.dtype, inner: int, whole_k: tuple[tuple[int, int], ...]) -> int:
+    """A GEMM's warps: :data:`WHOLE_K_WARPS` beside the one product its prologue recomputes in
+    one slice (attention's forward), with 16-bit operands; the target's otherwise."""
+    if inner != 1 or dtype.itemsize != 2 or len(whole_k) != 1:
+        return warps
+    return min(warps, WHOLE_K_WARPS.get(whole_k[0][1], warps))
 
 
 def gemm_block(bm: int, bn: int, bk: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[int, int, int]:

@@ -304,3 +304,8 @@ class Program:
             for i, b in enumerate(self.buffers)
             if self.n_inputs + i not in results
         )
+
+
+def read_as(attrs: tuple[tuple[str, object], ...]) -> tuple[tuple[str, object], ...]:
+    """How a contraction reads its operands (transposed, batch summed): its attributes but its dtype."""
+    return tuple(kv for kv in attrs if kv[0] != "dtype")

@@ -202,7 +202,7 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
         # expands; a cotangent handed on as it is, a residual's, is its output's dtype already)
         e = cot.grads[id(v)]
         if not e.is_var or cot.typed(e).dtype != graph.of(v).dtype:
-            e = node("cast", e, dtype=graph.of(v).dtype)
+            e = _cast_under_regroups(e, graph.of(v).dtype)
         key = f"{GRADIENT}{len(backward)}"
         grad_of.append((v.attr("name"), key))
         backward.append((key, _substitute(e, saved, tiled, lambda s: cot.typed(s).dtype)))
@@ -254,6 +254,16 @@ def _composite_output(y: Expr, graph: Graph) -> bool:
     if composite is None or not REGISTRY[composite].reads_output:
         return False
     return any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in walk([y]))
+
+
+def _cast_under_regroups(e: Expr, dtype: torch.dtype) -> Expr:
+    """``cast(e, dtype)`` taken under the reshapes ``e`` ends with (grouped-query attention's dq,
+    ``[B, Hkv, G, T, D]`` regrouped to ``[B, Hq, T, D]``): the product's epilogue rounds it and the
+    regrouped buffer is a view, where a cast after the reshape was a launch of its own (and the
+    product written in fp32)."""
+    if REGISTRY[e.op].regroups:
+        return Expr(e.op, (_cast_under_regroups(e.srcs[0], dtype), *e.srcs[1:]), e.attr_dict)
+    return node("cast", e, dtype=dtype)
 
 
 def _under(root: Expr, casts: bool) -> Expr:

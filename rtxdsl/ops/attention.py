@@ -355,10 +355,9 @@ def _decompose(
     total = node("sum", u, axis=-1, keepdim=True)
     empty = node("eq", total, 0.0)
     total = node("where", empty, 1.0, total)
-    if output == "lse":
-        rows = (b, hq, tq)
-        lse = node("add", m, node("log", total))
-        return node("where", node("reshape", empty, shape=rows), float("-inf"), node("reshape", lse, shape=rows))
+    if output == "lse":  # per row, then its keepdim dim dropped (a view of what the kernel writes)
+        lse = node("where", empty, float("-inf"), node("add", m, node("log", total)))
+        return node("reshape", lse, shape=(b, hq, tq))
     p = node("dropout", u, rest[-1], p=dropout_p) if dropout_p > 0.0 else u
     p = node("cast", p, dtype=dtypes[2])
     out = node("cast", node("div", contract(p, v), total), dtype=dtypes[2])
