@@ -322,3 +322,85 @@ def test_random_programs_of_square_products_match_float64(seed):
     for what, a, b in [*zip(map(str, outs), got, want), *zip(ins, grads, wanted)]:
         if a is not None and b is not None:
             assert (a.double() - b).abs().max() <= tol * (1 + b.abs().max()), f"{what}: {steps} {outs} {dtype} {n}"
+
+
+#: the seeds of the random attention-like programs: fixed ones, and one from the commit
+SCORES_SEEDS = [*range(12), commit_seed("RTXDSL_FUZZ_SEED")]
+
+
+def _scores_program(r: random.Random) -> dict:
+    """Scores ``q @ k.mT`` (a causal mask of positions or a boolean tensor, or none), two functions
+    of them (a softmax, and a sigmoid, a relu or a softmax of half the scores) each times its own
+    values, or the second times the first's values: in the backward, GEMMs whose prologues
+    recompute the same scores (dK's and dV's: one K loop where their products have one shape).
+    Sizes odd, or all equal (queries, keys and head dims one size: every product square)."""
+    n = r.choice([5, 17])
+    square = r.random() < 0.4
+    odd = (r.choice([3, 7, 20]), r.choice([1, 6, 19]), r.choice([4, 9]), r.choice([2, 8]))
+    t, s, d, e = (n, n, n, n) if square else odd
+    return {
+        "batch": r.choice([(), (2,)]),
+        "sizes": (t, s, d, e),
+        "mask": r.choice(["none", "causal", "tensor"]),
+        "second": r.choice(["sigmoid", "relu", "half", "none"]),
+        "same_values": r.random() < 0.3,
+        "dtype": r.choice([torch.float32, torch.float16]),
+    }
+
+
+def _run_scores(p: dict, ins: dict, ops: dict) -> list:
+    """The program over ``ins`` with ``ops`` (rtxdsl's or torch's)."""
+    scores = ins["q"] @ ins["k"].mT * p["sizes"][2] ** -0.5
+    if p["mask"] == "causal":
+        scores = ops["where"](ops["causal"](scores), scores, float("-inf"))
+    elif p["mask"] == "tensor":
+        scores = ops["where"](ins["m"], scores, -1e4)
+    outs = [ops["softmax"](scores) @ ins["v1"]]
+    second = {"sigmoid": ops["sigmoid"], "relu": ops["relu"], "half": lambda z: ops["softmax"](z * 0.5)}
+    if p["second"] in second:
+        outs.append(second[p["second"]](scores) @ ins["v1" if p["same_values"] else "v2"])
+    return outs
+
+
+RX_OPS = {
+    "where": rx.where,
+    "causal": lambda s: rx.arange_like(s, -2) >= rx.arange_like(s, -1),
+    "softmax": lambda s: rx.softmax(s, -1),
+    "sigmoid": rx.sigmoid,
+    "relu": rx.relu,
+}
+TORCH_OPS = {
+    "where": torch.where,
+    "causal": lambda s: torch.ones(s.shape[-2:], dtype=torch.bool).tril(),
+    "softmax": lambda s: torch.softmax(s, -1),
+    "sigmoid": torch.sigmoid,
+    "relu": torch.relu,
+}
+
+
+@pytest.mark.parametrize("seed", SCORES_SEEDS)
+def test_random_functions_of_one_recomputed_product_match_float64(seed):
+    """Attention-like programs (``_scores_program``): forward and every gradient against float64
+    torch, where the backward's GEMMs recompute the scores in their prologues and those of one
+    product shape share one K loop (``analyze._prologues_share``)."""
+    r = random.Random(seed)
+    p = _scores_program(r)
+    t, s, d, e = p["sizes"]
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"q": (t, d), "k": (s, d), "v1": (s, e), "v2": (s, e)}
+    leaves = {name: torch.randn(*p["batch"], *shape, generator=gen).to(p["dtype"]) for name, shape in shapes.items()}
+    leaves["m"] = torch.rand(t, s, generator=gen) > 0.3
+    exprs = _run_scores(p, {name: rx.var(name) for name in leaves}, RX_OPS)
+    kernel = rx.compile({f"o{i}": ex for i, ex in enumerate(exprs)})
+    ins = {name: leaves[name].requires_grad_(name != "m") for name in kernel.inputs}
+    got = list(kernel(**ins).values())
+    ref_in = {name: leaves[name].detach().double().requires_grad_() if name != "m" else leaves[name] for name in leaves}
+    want = _run_scores(p, ref_in, TORCH_OPS)
+    cots = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
+    floats = [name for name in ins if name != "m"]
+    grads = torch.autograd.grad(got, [ins[n] for n in floats], [c.to(p["dtype"]) for c in cots], allow_unused=True)
+    wanted = torch.autograd.grad(want, [ref_in[n] for n in floats], cots, allow_unused=True)
+    tol = 1e-4 if p["dtype"] == torch.float32 else 2e-2  # relative to 1 + the largest value
+    for what, a, b in [*zip(["o0", "o1"], got, want), *zip(floats, grads, wanted)]:
+        if a is not None and b is not None:
+            assert (a.double() - b).abs().max() <= tol * (1 + b.abs().max()), f"{what}: {p}"
