@@ -1,4 +1,4 @@
-"""Attention's forward compiled for sm_90 without a GPU, beside Triton's fused-attention tutorial.
+"""Attention compiled for sm_90 without a GPU, beside Triton's fused-attention tutorial.
 
 rtxdsl's kernel is ``rx.attention(q, k, v, causal=True)`` as planned for sm_90 (one kernel: the
 ``P @ v`` GEMM, its logsumexp merged in its K loop as it runs). The peer is tutorial 06's
@@ -14,8 +14,12 @@ loops, and that per score: ``loop instructions * warps / (rows x keys per iterat
 instructions one score costs (the static count of the key loop's body; an inner loop over the head
 dim, rtxdsl's ``q @ k.mT`` K loop, counts once).
 
-    python -m benches.attention_sass            # head dims 64 and 128
-    python -m benches.attention_sass --quick    # CI smoke: head dim 64
+The backward's GEMM kernels (dQ's; dK and dV's, one K loop over the queries) beside tutorial 06's
+dK/dV kernel as it writes it (its masked loop: 128 keys x 32 queries per iteration, 4 warps, 5
+stages, K and V loaded once), per score likewise.
+
+    python -m benches.attention_sass            # head dims 64 and 128, forward and backward
+    python -m benches.attention_sass --quick    # CI smoke: head dim 64, the forward
 """
 
 from __future__ import annotations
@@ -78,6 +82,38 @@ def tutorial_attention(
     tl.store(Out + base + offs_m[:, None] * stride_m + offs_d[None, :], acc.to(Out.type.element_ty))
 
 
+@triton.jit
+def tutorial_attention_dkdv(
+    Q, K, V, DO, DK, DV, M, D, stride_h, stride_m, n_ctx,
+    HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+):  # fmt: skip
+    # Triton tutorial 06, backward: dK and dV of a block of keys in one loop over blocks of queries
+    # (from the diagonal on: its masked loop), K scaled by sm_scale * log2(e) by the host as the
+    # tutorial's is, the row statistic M in base 2, D = rowsum(dO * O) from its preprocessing kernel
+    start_n = tl.program_id(0) * BLOCK_N1
+    base = tl.program_id(1) * stride_h
+    row = tl.program_id(1) * n_ctx
+    offs_n = start_n + tl.arange(0, BLOCK_N1)
+    offs_k = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + base + offs_n[:, None] * stride_m + offs_k[None, :])  # once, kept for every block
+    v = tl.load(V + base + offs_n[:, None] * stride_m + offs_k[None, :])
+    dk = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
+    for start_m in range(start_n, n_ctx, BLOCK_M1):
+        offs_m = start_m + tl.arange(0, BLOCK_M1)
+        qT = tl.load(Q + base + offs_m[None, :] * stride_m + offs_k[:, None])
+        m = tl.load(M + row + offs_m)
+        pT = tl.math.exp2(tl.dot(k, qT) - m[None, :])
+        pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        do = tl.load(DO + base + offs_m[:, None] * stride_m + offs_k[None, :])
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do)).to(tl.float32)
+        dsT = pT * (dpT - tl.load(D + row + offs_m)[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
+    tl.store(DK + base + offs_n[:, None] * stride_m + offs_k[None, :], dk.to(DK.type.element_ty))
+    tl.store(DV + base + offs_n[:, None] * stride_m + offs_k[None, :], dv.to(DV.type.element_ty))
+
+
 def _row(kernel: str, facts: CompileFacts, warps: int, rows: int, keys: int) -> dict:
     sass = sass_counts(facts.ptx)
     assert sass is not None, "no ptxas / cuobjdump in this Triton's wheel"
@@ -114,6 +150,32 @@ def _rtxdsl(heads: int, t: int, d: int, dtype: torch.dtype) -> dict:
     return _row("rtxdsl rx.attention", facts, meta["num_warps"], meta["BLOCK_M"], meta["BLOCK_K"])
 
 
+def _tutorial_dkdv(heads: int, t: int, d: int, dtype: torch.dtype) -> dict:
+    block_m1, block_n1, warps = 32, 128, 4  # the tutorial's backward choice (5 stages), at every head dim
+    tensors = [torch.empty(heads, t, d, dtype=dtype) for _ in range(6)] + [torch.empty(heads, t) for _ in range(2)]
+    meta = {"HEAD_DIM": d, "BLOCK_M1": block_m1, "BLOCK_N1": block_n1, "num_warps": warps, "num_stages": 5}
+    facts = compile_call(tutorial_attention_dkdv, SimpleNamespace(meta=meta, args=[t * d, d, t]), tensors)
+    return _row("Triton tutorial 06 dK + dV (masked loop)", facts, warps, block_n1, block_m1)
+
+
+def _rtxdsl_backward(heads: int, t: int, d: int, dtype: torch.dtype) -> list[dict]:
+    """The backward's GEMM kernels: dQ's (rows: queries; its loop over keys), dK and dV's (rows:
+    keys; one loop over queries)."""
+    kern = rx.compile(rx.attention(rx.var("q"), rx.var("k"), rx.var("v"), causal=True))
+    ins = {n: torch.empty(1, heads, t, d, dtype=dtype) for n in "qkv"}
+    plan = kern.grad_plan(**{n: x.clone().requires_grad_() for n, x in ins.items()})
+    feed = plan.backward_feed(ins)
+    program, _ = prepare(plan.backward, feed)
+    facts = compile_kernel(plan.backward, feed)
+    rows = []
+    for call, f in zip(program.kernels, facts):
+        if call.spec.kind == "gemm":
+            meta = dict(call.meta)
+            name = "rtxdsl dK + dV" if len(call.spec.outputs) == 2 else "rtxdsl dQ"
+            rows.append(_row(name, f, meta["num_warps"], meta["BLOCK_M"], meta["BLOCK_K"]))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="head dim 64 only (CI smoke)")
@@ -124,7 +186,14 @@ def main() -> None:
             rows.append({"head dim": d} | make(32, 4096, d, torch.bfloat16))
     print("causal attention forward, bf16, 32 heads x 4096 tokens, compiled for sm_90\n")
     print(markdown(rows, list(rows[0])))
-    save("attention-sass-quick" if args.quick else "attention-sass", {"rows": rows})
+    backward = []
+    for d in () if args.quick else (64, 128):
+        for row in (*_rtxdsl_backward(32, 4096, d, torch.bfloat16), _tutorial_dkdv(32, 4096, d, torch.bfloat16)):
+            backward.append({"head dim": d} | row)
+    if backward:  # per score: loop instructions * warps / (rows x the K slice one iteration covers)
+        print("\ncausal attention backward, bf16, 32 heads x 4096 tokens, compiled for sm_90\n")
+        print(markdown(backward, list(backward[0])))
+    save("attention-sass-quick" if args.quick else "attention-sass", {"rows": rows, "backward": backward})
 
 
 if __name__ == "__main__":

@@ -582,6 +582,14 @@ class GemmWriter(Writer):
         if ld.role in OPERAND_TILE:  # a prologue's load, at the operand's tile in the K loop
             index, _, mask = OPERAND_TILE[ld.role]
             offset = self._tile_offset(self.load_names[k], classes, self.batch_idx, index)
+            # a value per row (column) of the tile is one column (row), masked along its own dim:
+            # under the tile's mask it became a whole tile (attention's lse and row term per query:
+            # a load, a compare and a select per score where one per query does); what the prologue
+            # computes outside the tile the operand and the K loop's reductions mask
+            (rv, rs), (cv, cs) = TILE_VECTORS[ld.role]
+            mask = {(False, True): f"{rv}[:, None] < {rs}", (True, False): f"{cv}[None, :] < {cs}"}.get(
+                (ld.rows == (BCAST,), ld.cols == (BCAST,)), mask
+            )
         else:  # at the product's tile: a value per row (or per column) loads one column (row) of it
             offset = self._tile_offset(self.load_names[k], classes, self.out_idx)
             mask = {(False, True): "rows < M", (True, False): "cols < N"}.get(

@@ -54,7 +54,7 @@ def gemm_add_mul_erf_exp_SIG(
         b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
         dout0 = tl.load(dout0_ptr + batch * dout0_stride0 + offs_m[:, None] * dout0_stride1 + ks[None, :], mask=a_mask, other=0).to(tl.float32)
         stat0 = tl.load(stat0_ptr + batch * stat0_stride0 + offs_m[:, None] * stat0_stride1 + ks[None, :], mask=a_mask, other=0).to(tl.float32)
-        b_in = tl.load(b_ptr + batch * b_stride0 + ks[None, :], mask=a_mask, other=0).to(tl.float32)
+        b_in = tl.load(b_ptr + batch * b_stride0 + ks[None, :], mask=ks[None, :] < K, other=0).to(tl.float32)
         v0 = stat0 + b_in
         v1 = v0 * s0
         v2 = tl.erf(v1)

@@ -56,7 +56,7 @@ def gemm_add_mul_erf_exp_SIG(
             b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
             dout0 = tl.load(dout0_ptr + batch * dout0_stride0 + offs_m[:, None] + ks[None, :] * dout0_stride2, mask=a_mask, other=0)
             stat0 = tl.load(stat0_ptr + batch * stat0_stride0 + offs_m[:, None] + ks[None, :] * stat0_stride2, mask=a_mask, other=0)
-            b_in = tl.load(b_ptr + batch * b_stride0 + offs_m[:, None], mask=a_mask, other=0)
+            b_in = tl.load(b_ptr + batch * b_stride0 + offs_m[:, None], mask=offs_m[:, None] < M, other=0)
             v0 = stat0 + b_in
             v1 = v0 * s0
             v2 = tl.erf(v1)
