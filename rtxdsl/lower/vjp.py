@@ -12,6 +12,7 @@ Derivative rules live with each op's declaration (``OpDef.derivative``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Set
 from dataclasses import dataclass
 
@@ -128,7 +129,7 @@ class _Cotangents:
         opdef = REGISTRY[n.op]
         if opdef.derivative is None:
             raise RtxError(f"op {n.op!r} has no derivative rule")
-        y, info = n, self.info
+        y, info, factor = n, self.info, None
         if opdef.kind is OpKind.REDUCTION and not n.attr("keepdim"):
             axes = n.attr("axis")
             g, y = node("unsqueeze", g, axes=axes), node("unsqueeze", n, axes=axes)
@@ -141,6 +142,7 @@ class _Cotangents:
             # and it multiplies a whole matrix: one that broadcasts (a sum's) is expanded first
             if self.typed(g).shape != info[id(n)].shape:
                 g = node("expand", g, shape=info[id(n)].shape)
+            g, factor = _constant_factor(g)  # (h * c) @ w = (h @ w) * c: c scales each product once
             g = node("cast", g, dtype=info[id(n.srcs[0])].dtype)  # (a product kept in fp32: its operands')
         rule_in = D(
             n,
@@ -155,7 +157,20 @@ class _Cotangents:
             if c is None or si.is_scalar or not si.dtype.is_floating_point:
                 continue
             full = info[id(n)].shape if opdef.kind is OpKind.ELEMENTWISE else None
-            self.accumulate(s, sum_to(c, self.typed(c).shape, si.shape, full))
+            c = sum_to(c, self.typed(c).shape, si.shape, full)  # (a product summing its batch: still one)
+            self.accumulate(s, c if factor is None else node("mul", c, factor))
+
+
+def _constant_factor(g: Expr) -> tuple[Expr, Expr | None]:
+    """``(h, c)`` where cotangent ``g = h * c`` for a finite nonzero constant ``c`` (a product's
+    scale: attention's ``dS * scale``), else ``(g, None)``: a contraction's operand gradients take
+    ``c`` as a factor of their products, once per element of each (in the GEMM's epilogue), where
+    ``h * c`` cost a multiply per element of the cotangent (each score: in the K loop)."""
+    if g.op == "mul":
+        for h, c in (g.srcs, reversed(g.srcs)):
+            if c.is_const and math.isfinite(c.attr("value")) and c.attr("value") != 0:
+                return h, c
+    return g, None
 
 
 def _common_factor(p: Expr, q: Expr) -> tuple[Expr, Expr, Expr] | None:
