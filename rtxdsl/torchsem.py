@@ -20,11 +20,13 @@ _VIEW_NAMES = (
     "unbind", "split", "split_with_sizes", "tensor_split", "hsplit", "vsplit", "chunk", "diagonal", "detach",
     "alias", "as_strided", "__getitem__", "unfold", "adjoint", "view_as_real", "real",
 )  # fmt: skip
+#: properties whose value is a view (``t.T``, ``t.mT``): a torch function sees their getter
+_VIEW_PROPERTIES = ("T", "mT", "H", "mH", "real", "imag")
 VIEWS: frozenset[Any] = frozenset(
-    f
-    for owner in (torch.Tensor, torch)
-    for n in _VIEW_NAMES
-    if callable(f := getattr(owner, n, None)) and n != "contiguous"
+    [
+        *(f for owner in (torch.Tensor, torch) for n in _VIEW_NAMES if callable(f := getattr(owner, n, None))),
+        *(getattr(torch.Tensor, n).__get__ for n in _VIEW_PROPERTIES),
+    ]
 )
 #: functions that may return their first argument itself (eager: ``x.float() is x`` for fp32 x)
 MAYBE_SELF: frozenset[Any] = frozenset(

@@ -140,3 +140,23 @@ def test_rows_too_long_to_keep_whole_keep_their_column_kernel(gen):
     assert "merge" not in [t.split for t in trace.launches], trace.table()
     for key, ref in want.items():
         assert_close(trace.result[key], ref, 1e-5, 1e-5, key)
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (37, 9)])  # one block of rows; several
+def test_a_column_sum_whose_merge_would_read_every_element_keeps_its_own_kernel(shape, gen):
+    """``d/dx0 (sum(x0) + sum(x2 * x0))`` over lazy tensors: the backward's column sum of ``g * x2``
+    is followed by ``+ g`` with ``g`` the broadcast scalar cotangent, a value of every element in
+    the row kernel, which the merge of partial states has no coordinates for (it crashed in codegen,
+    StopIteration in ``CoordWriter._domain``: lazy fuzzer seed 20261311, program 2026131100023).
+    That column group keeps its own kernel (``columns._merge_reads_elements``); values and both
+    gradients as eager's."""
+    rows, cols = shape
+    t0 = torch.randn(1, cols, generator=gen).requires_grad_()
+    t2 = torch.randn(rows, 1, generator=gen).requires_grad_()
+    f = rx.Fusion()
+    x0, x2 = f.lazy(t0 * 1), f.lazy(t2 * 1)
+    v = x2 * x0  # recorded first: the column group reads the row kernel's product
+    got = torch.autograd.grad(x0.sum() + v.sum(), (t0, t2))
+    want = torch.autograd.grad(t0.sum() + (t2 * t0).sum(), (t0, t2))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.torch() if isinstance(a, rx.LazyTensor) else a, b, atol=1e-5, rtol=1e-5)

@@ -477,6 +477,21 @@ def test_a_write_into_a_tensor_with_views_the_stream_never_saw_runs_eagerly(f, g
     torch.testing.assert_close(lone, torch.full((3,), 2.0))
 
 
+@pytest.mark.parametrize("view", ["T", "mT", "H", "mH"])
+def test_a_write_through_a_property_view_made_after_the_read_flushes_first(f, view):
+    """``t.T`` (a property: a torch function sees its getter) of a plain tensor pending ops read is
+    a view of it like ``t.t()``: the guard flushes before the view is made, so a write through it
+    lands after the read, as in eager (it raised 'a view the lazy stream never saw (made before the
+    tensor was read)', the view having been made after: lazy fuzzer seed 20261317, program
+    2026131700090)."""
+    p = torch.full((4, 1), 1.5)
+    v = f.lazy(torch.ones(4, 1)) * p
+    w = getattr(p, view)
+    w += w
+    torch.testing.assert_close(v.torch(), torch.full((4, 1), 1.5))
+    torch.testing.assert_close(p, torch.full((4, 1), 3.0))
+
+
 # ---- autograd through the stream: what a backward saves, requires_grad (issue 33, items 7 and 8) ----
 def _grads_both(f, prog, *shapes, frozen=()):
     """``prog`` run eagerly and on lazy inputs, then backward of the sum of its result: the

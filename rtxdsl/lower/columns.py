@@ -47,6 +47,25 @@ def _cone(b: Group) -> list[Expr] | None:
     return [n for n in b.nodes if id(n) in keep]
 
 
+def _merge_reads_elements(b: Group) -> bool:
+    """Would the merge of ``b``'s partial states compute a value of every element (role "full"),
+    which it has no coordinates for: a node between its outputs and its reductions (``sum(g * b,
+    0) + g`` with ``g`` a broadcast cotangent, read per element by the product the row kernel
+    computes: a lazy program's backward crashed in codegen)?"""
+    members = {id(n) for n in b.nodes}
+    stack, seen = [o for o in b.outputs if id(o) in members], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if b.role(n) is Role.FULL:
+            return True
+        if REGISTRY[n.op].kind is not OpKind.REDUCTION:  # (a reduction: merged from its partial states)
+            stack += [s for s in n.srcs if id(s) in members]
+    return False
+
+
 def _fits(a: Group, b: Group) -> bool:
     """Is ``a`` a row kernel over ``b``'s domain that reduces exactly the dims ``b`` keeps (its
     last ones), with nothing but flat reads in either?"""
@@ -71,7 +90,7 @@ def column_pairs(plan: Plan) -> dict[int, int]:
     a bias gradient's, is already one kernel: the column kernel stores them as it reduces.)"""
     pairs: dict[int, int] = {}
     for bi, b in enumerate(plan.groups):
-        if _cone(b) is None or any(b.role(o) is Role.FULL for o in b.outputs):
+        if _cone(b) is None or any(b.role(o) is Role.FULL for o in b.outputs) or _merge_reads_elements(b):
             continue
         for ai in range(bi - 1, -1, -1):
             a = plan.groups[ai]
