@@ -89,6 +89,15 @@ def _contract_dtype(dtypes: list[torch.dtype], dtype: torch.dtype | None = None,
     return a if dtype is None else dtype
 
 
+def _summed_in_fp32(product: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``product(a, b)``; of 16-bit operands summed in fp32 and rounded once, as the kernels and a
+    GPU's MMA compute it (torch's batched bf16 matmul on the CPU gave NaN for a row holding an inf
+    where every sum is +-inf: expression fuzzer seed 20261324)."""
+    if a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype:
+        return product(a.float(), b.float()).to(a.dtype)
+    return product(a, b)
+
+
 def _contract_ref(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -101,7 +110,7 @@ def _contract_ref(
 ) -> torch.Tensor:
     if dtype is not None:  # exact products of the operands' values, summed in ``dtype``
         a, b = a.to(dtype), b.to(dtype)
-    out = torch.matmul(a.mT if ta else a, b.mT if tb else b)
+    out = _summed_in_fp32(torch.matmul, a.mT if ta else a, b.mT if tb else b)
     if summed:
         out = out.sum(tuple(range(out.dim() - 2 - summed, out.dim() - 2)), keepdim=True)
     return out.sum(tuple(range(out.dim() - 2))) if sum_batch else out
@@ -263,8 +272,8 @@ register(
         name="matmul",
         kind=OpKind.COMPOSITE,
         arity=2,
-        ref=lambda a, b, rank=None: (
-            torch.matmul(a, b) if rank is None else (torch.mm if rank == 2 else torch.bmm)(a, b)
+        ref=lambda a, b, rank=None: _summed_in_fp32(
+            torch.matmul if rank is None else (torch.mm if rank == 2 else torch.bmm), a, b
         ),
         decompose=_matmul_decompose,
         typed_decompose=True,
@@ -328,7 +337,14 @@ def _linear_decompose(x: Expr, w: Expr, b: Expr, shapes: list, dtypes: list) -> 
 
 
 def _linear_ref(x: torch.Tensor, w: torch.Tensor, b: Any) -> torch.Tensor:
-    return F.linear(x, w, b if isinstance(b, torch.Tensor) else None) + (0 if isinstance(b, torch.Tensor) else b)
+    bias = b if isinstance(b, torch.Tensor) else None
+    if bias is not None and bias.dtype != x.dtype:
+        return F.linear(x, w, bias)  # (torch's error, or its answer)
+
+    def product(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return F.linear(a, c, None if bias is None else bias.to(a.dtype))
+
+    return _summed_in_fp32(product, x, w) + (0 if bias is not None else b)
 
 
 def _torch_linear(x: Any, weight: Any, bias: Any = None) -> Expr:
