@@ -166,10 +166,10 @@ def _constant_factor(g: Expr) -> tuple[Expr, Expr | None]:
     scale: attention's ``dS * scale``), else ``(g, None)``: a contraction's operand gradients take
     ``c`` as a factor of their products, once per element of each (in the GEMM's epilogue), where
     ``h * c`` cost a multiply per element of the cotangent (each score: in the K loop)."""
-    if g.op == "mul":
-        for h, c in (g.srcs, reversed(g.srcs)):
-            if c.is_const and math.isfinite(c.attr("value")) and c.attr("value") != 0:
-                return h, c
+    pair = factors(g)
+    for h, c in (pair, pair[::-1]) if pair else ():
+        if c.is_const and math.isfinite(c.attr("value")) and c.attr("value") != 0:
+            return h, c
     return g, None
 
 
