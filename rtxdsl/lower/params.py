@@ -147,7 +147,9 @@ def shared_operands(spec: KernelSpec) -> dict[int, int]:
         if nd.role is not Role.FULL:
             continue
         side = next((s for s in (0, 1) if nd.srcs[s] == own.srcs[s]), None)
-        if nd.attrs != own.attrs or g.skip >= 0 or g.summed:  # (an operand shared: one dtype, as matmul's)
+        # an operand shared: read the same way, one dtype (as matmul's), a K loop of the kernel's own
+        # only (a block-sparse guard or a summed batch: summed beside it as none shared, if at all)
+        if nd.attrs != own.attrs or g.skip >= 0 or g.summed:
             side = None
         if side is not None and _at_tile(spec, nd.srcs[1 - side], OPERAND_ROLES[1 - side]):
             shared[i] = side
