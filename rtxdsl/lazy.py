@@ -35,7 +35,9 @@ write through that view cannot change what pending ops read.
 through ``detach`` are read as detached aliases, so no gradient flows where eager's does not; a
 flush runs its kernel with gradients where a value needs them. A kernel saves only the inputs its
 backward reads, and what it saved is copied before the stream writes that memory (eager's ops
-save their results, or a copy of what they overwrite, where rtxdsl's backward recomputes).
+save their results, or a copy of what they overwrite, where rtxdsl's backward recomputes); a
+plain input that requires no grad stays guarded while its saved value lives, so an eager write to
+it after the flush copies the value too.
 """
 
 from __future__ import annotations
@@ -163,6 +165,8 @@ def _guarded_class(base: type) -> type:
                             stream.fusion._remember(r)
                             for t in found:
                                 stream.fusion._remember(t)
+                if views and _KEEPERS:  # a view of memory a kernel saved from: a write through it copies first
+                    _keep_saved(list(_tensors(out)))
             return out
 
         cls = _GUARDED[base] = type(
@@ -179,8 +183,10 @@ class _Saved:
     (``sigmoid``, ``exp``, the ``silu`` after an ``o += ...``) or a copy of the original they overwrite
     (``mul_``): a later in-place write to such an input is no error in eager. So before the stream
     writes a saved tensor's memory (an in-place result landing, an eager write) the saved value is
-    copied, and the backward reads what the forward read. A write the stream never sees (a plain
-    write after the flush) still fails at the backward, with autograd's own error."""
+    copied, and the backward reads what the forward read. A plain input that does not require
+    grad (a mask, a buffer) stays guarded while a value saved from it lives (``_keep_saved``), so
+    an eager write after the flush copies it too. A write the stream never sees (to a value that
+    requires grad, written after the flush) still fails at the backward, with autograd's own error."""
 
     __slots__ = ("tensor", "version", "__weakref__")
 
@@ -190,17 +196,60 @@ class _Saved:
 
 #: storage -> the values saved from it by the stream's kernels (alive while autograd holds them)
 _SAVED: dict[tuple[torch.device, int], list[weakref.ref[_Saved]]] = {}
+#: storage -> the plain tensors over it that a kernel read and saved, kept guarded (their class
+#: swapped, as a stream's guard does) while a saved value of that storage lives, so that an eager
+#: write to one, made after the flush where no stream sees it, copies the saved values first
+_KEEPERS: dict[tuple[torch.device, int], list[weakref.ref[torch.Tensor]]] = {}
 
 
-def _pack(t: torch.Tensor) -> _Saved:
-    with torch._C.DisableTorchFunctionSubclass():
-        cell = _Saved(t)
-    refs = _SAVED.setdefault(_storage_key(t), [])
-    refs.append(weakref.ref(cell))
-    if len(refs) > 16 or len(_SAVED) > 1024:  # drop what autograd freed
-        for key in [k for k, rs in _SAVED.items() if not any(r() is not None for r in rs)]:
-            del _SAVED[key]
-    return cell
+def _packer(args: list[Any], fusion: Fusion) -> Callable[[torch.Tensor], _Saved]:
+    """The pack hook of a kernel call reading ``args``: it saves each tensor in a ``_Saved``
+    cell, and keeps guarded the plain tensors the user holds over a saved argument's memory
+    (the argument, the tensor it views, the fusion's other wrappers of it): eager's ``where``,
+    ``relu`` or ``sigmoid`` save a mask or their result where rtxdsl's backward recomputes from
+    such an input, so a write to it before the backward is no error in eager (a plain ``p.zero_()``
+    after ``torch.where(x > p, x, p)`` was flushed raised autograd's version error; lazy fuzzer
+    program 2026131100010). Parameters and values that require grad are not kept: eager saves
+    those itself, and a weight written between forward and backward fails there too."""
+    plain = [a for a in args if type(a) in (torch.Tensor, _GUARDED.get(torch.Tensor)) and not a.requires_grad]
+
+    def pack(t: torch.Tensor) -> _Saved:
+        with torch._C.DisableTorchFunctionSubclass():
+            cell = _Saved(t)
+            key = _storage_key(t)
+            users = [x for a in plain if _storage_key(a) == key for x in (a, a._base, *fusion._aliases(a))]
+        refs = _SAVED.setdefault(key, [])
+        refs.append(weakref.ref(cell, lambda _, key=key: _release(key)))
+        if len(refs) > 16 or len(_SAVED) > 1024:  # drop what autograd freed
+            for k in [k for k, rs in _SAVED.items() if not any(r() is not None for r in rs)]:
+                del _SAVED[k]
+        _keep_saved([x for x in users if x is not None])
+        return cell
+
+    return pack
+
+
+def _keep_saved(tensors: list[torch.Tensor]) -> None:
+    """Guard ``tensors`` (plain ones over memory a live saved value was taken from) until that
+    value is freed or copied: their writes run ``_before_write``, their views are kept so too."""
+    for x in tensors:
+        key = _storage_key(x)
+        if key not in _SAVED or type(x) is not torch.Tensor:
+            continue
+        keepers = _KEEPERS.setdefault(key, [])
+        if not any(r() is x for r in keepers):
+            keepers.append(weakref.ref(x))
+            x.__class__ = _guarded_class(torch.Tensor)
+
+
+def _release(key: tuple[torch.device, int]) -> None:
+    """No live value saved from ``key``'s memory is left uncopied: its kept tensors are plain again
+    (those a stream guards now are made plain by the stream's own unguard)."""
+    if any((c := r()) is not None and _storage_key(c.tensor) == key for r in _SAVED.get(key, ())):
+        return
+    for x in (r() for r in _KEEPERS.pop(key, ())):
+        if x is not None and id(x) not in _GUARDS and type(x) is _GUARDED.get(torch.Tensor):
+            x.__class__ = torch.Tensor
 
 
 def _unpack(cell: _Saved) -> torch.Tensor:
@@ -218,20 +267,20 @@ def _unpack(cell: _Saved) -> torch.Tensor:
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def _saved_hooks(tensors: Any) -> Any:
+def _saved_hooks(tensors: list[Any], fusion: Fusion) -> Any:
     """The hooks a kernel call of the stream runs under when it records a backward (none under
     a caller's own saved-tensor hooks, which keep theirs)."""
     grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
     if not grads or _TOP_HOOKS is None or _TOP_HOOKS(False) is not None:
         return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+    return torch.autograd.graph.saved_tensors_hooks(_packer(tensors, fusion), _unpack)
 
 
-def _call(kernel: Kernel, args: list[Any], grad: bool) -> Any:
+def _call(kernel: Kernel, args: list[Any], grad: bool, fusion: Fusion) -> Any:
     """A flush's kernel call, with autograd as when its ops were recorded: a graph where a value
     requires grad (whatever the mode at the flush), none where none does."""
     if grad:
-        with torch.enable_grad(), _saved_hooks(args):
+        with torch.enable_grad(), _saved_hooks(args, fusion):
             return kernel(*args)
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         with torch.no_grad():
@@ -244,7 +293,8 @@ def _before_write(tensors: Any) -> None:
     if not _SAVED:
         return
     for t in _tensors(tensors):
-        refs = _SAVED.pop(_storage_key(t), None)
+        key = _storage_key(t)
+        refs = _SAVED.pop(key, None)
         for cell in (r() for r in refs or ()):
             if cell is None:
                 continue
@@ -252,6 +302,8 @@ def _before_write(tensors: Any) -> None:
                 if cell.tensor._version == cell.version:  # (one already stale stays so: it raises)
                     cell.tensor = cell.tensor.detach().clone()
                     cell.version = cell.tensor._version
+        if refs:
+            _release(key)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
@@ -498,6 +550,9 @@ class OperationStream:
                 _GUARDS[id(x)] = (self, level)
                 self.guarded.append((x, type(x)))
                 x.__class__ = _guarded_class(type(x))
+            elif type(x) is _GUARDED.get(torch.Tensor):  # kept for a saved value (_keep_saved): its class stays
+                _GUARDS[id(x)] = (self, level)
+                self.guarded.append((x, None))
 
     def write_home(self, home: torch.Tensor, writer: LazyTensor) -> None:
         """``writer``'s pending value is ``home``'s new content (an in-place op).
@@ -516,8 +571,11 @@ class OperationStream:
 
     def _unguard(self) -> None:
         for t, cls in self.guarded:
-            t.__class__ = cls
             _GUARDS.pop(id(t), None)
+            if cls is not None:
+                t.__class__ = cls
+            elif _storage_key(t) not in _KEEPERS:  # (a kept tensor released meanwhile)
+                t.__class__ = torch.Tensor
         self.guarded.clear()
 
     def overlaps_pending_write(self, tensors: list[torch.Tensor]) -> bool:
@@ -575,7 +633,7 @@ class OperationStream:
             kernel, args, homes = self.fusion._plan(exprs, self, into)
             _before_write(list(into.values()))
             try:
-                outs = _call(kernel, args, any(lt._grad for lt in firsts.values()))
+                outs = _call(kernel, args, any(lt._grad for lt in firsts.values()), self.fusion)
             except BaseException:
                 if homes and _launched(kernel, args):  # (not launched: a lowering error)
                     written.extend(homes)
@@ -1051,7 +1109,7 @@ class LazyTensor:
         )
         if kernel.draws_seeds or grads or any(v._stream is not stream for v in lazies):
             real = [v._real("an rtxdsl kernel call") if isinstance(v, LazyTensor) else v for v in values]
-            with _saved_hooks(real):
+            with _saved_hooks(real, stream.fusion):
                 return _wrap(kernel(*real), stream.fusion)
         names = [v.attr("name") for v in kernel.variables]
         while True:

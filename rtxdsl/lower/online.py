@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
+from ..dtypes import accumulator
 from ..expr import Expr, node
 from ..ops.reduction import softmax_of
 from ..registry import REGISTRY, OpKind
@@ -171,7 +172,11 @@ def normalized_after(p: Expr, info: Callable[[Expr], Info], typed: Callable[[Exp
     that keep it proportional (``LINEAR``: a cast, a mask, dropout): ``(exp(x - c) @ v) / total``,
     the total summed over ``exp(x - c)`` itself, cast to ``p``'s own dtype after the division (as
     ``rx.attention`` declares it). The same value, and the form whose K loop merges the logsumexp
-    online: the prologue reads the shift only. ``info(e)`` is a typed node's ``Info``;
+    online: the prologue reads the shift only. The product is kept at its accumulator's dtype
+    (``contract(dtype=fp32)`` for half operands) and rounded once, after the division: a backward
+    that saves it (hand-written attention's ``rowsum(dO * (E @ v))``) reads it unrounded, as eager's
+    ``sum(dP * P)`` is (bf16: a projection weight's gradient was 17x eager's error, model fuzzer
+    program 2026130100046). ``info(e)`` is a typed node's ``Info``;
     ``typed(e)`` types a new node. ``p`` itself where the rule does not apply."""
     if REGISTRY[p.op].kind is not OpKind.CONTRACTION or p.attr("ta") or p.attr("sum_batch"):
         return p
@@ -184,6 +189,6 @@ def normalized_after(p: Expr, info: Callable[[Expr], Info], typed: Callable[[Exp
     a = u
     for above, k in reversed(path):  # the chain again, over the unnormalized exp
         a = typed(node(above.op, *(a if j == k else s for j, s in enumerate(above.srcs)), **above.attr_dict))
-    product = typed(node(p.op, a, p.srcs[1], **p.attr_dict))
+    product = typed(node(p.op, a, p.srcs[1], **(p.attr_dict | {"dtype": accumulator(info(p).dtype)})))
     rowsum = typed(node("sum", u, axis=total.attr("axis"), keepdim=True))
     return typed(node("cast", typed(node("div", product, rowsum)), dtype=info(p).dtype))
