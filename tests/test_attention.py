@@ -458,6 +458,54 @@ def test_tiles_the_mask_rules_out_are_skipped_and_the_result_is_unchanged(mask, 
     _check(expr, ins, lambda r: _reference(r, keep=keep(i, j))[0], torch.float32, 2e-5, 2e-5, gen)
 
 
+DATA_MASKS = {  # mask_mod over document ids or a key padding mask, and its form over (i, j, ids, pad)
+    "documents": (lambda dq, dk, m: lambda b, h, i, j: dq == dk, lambda i, j, d, p: d[i] == d[j]),
+    "documents, causal": (
+        lambda dq, dk, m: lambda b, h, i, j: (dq == dk) & (i >= j),
+        lambda i, j, d, p: (d[i] == d[j]) & (i >= j),
+    ),
+    "padding, causal": (lambda dq, dk, m: lambda b, h, i, j: m & (i >= j), lambda i, j, d, p: p[j] & (i >= j)),
+}
+
+
+@pytest.mark.parametrize("mask", list(DATA_MASKS))
+def test_tiles_a_mask_of_data_rules_out_are_skipped_on_the_device(mask, gen):
+    """Packed documents (ids one per query and one per key) and a key padding mask: the kernels scan
+    each tile's range of the ids (a vector load and its min and max: ``GemmWriter.load_range``) and
+    skip the tiles where no id can match. Keys 128 on (two of the interpreter's 64-wide K slices)
+    belong to no query's document, or are padding, and hold NaN: a tile that ran would multiply
+    them by 0 (NaN, as eager's does); skipped, the output and every gradient are those of the first
+    128 keys alone (NaN everywhere before)."""
+    t, d = 256, 16
+    docs = torch.arange(t) // 48  # documents of 48 tokens: tiles within, across and between them
+    key_docs = torch.where(torch.arange(t) < 128, docs, 99)
+    pad = torch.arange(t) < 128
+    ins = {n: torch.randn(1, 2, t, d, generator=gen) for n in "qkv"}
+    for n in "kv":
+        ins[n][..., 128:, :] = float("nan")
+    dq, dk, m = rx.var("dq"), rx.var("dk"), rx.var("m")
+    mod, keep = DATA_MASKS[mask]
+    data = {"dq": docs.reshape(1, 1, t, 1), "dk": key_docs.reshape(1, 1, 1, t), "m": pad.reshape(1, 1, 1, t)}
+    kern = rx.compile(rx.attention(q, k, v, mask_mod=mod(dq, dk, m)))
+    data = {n: x for n, x in data.items() if n in kern.inputs}
+    assert "tl.max(tl.load(" in kern.sources(**ins, **data)[0]  # the scan reads the ids (or the mask)
+    i, j = torch.arange(t)[:, None], torch.arange(128)[None, :]
+    kept = keep(i, j, docs, pad)  # (key j < 128 is in document docs[j])
+    leaves = {n: x.clone().requires_grad_() for n, x in ins.items()}
+    out = kern(**leaves, **data)
+    cot = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, list(leaves.values()), cot)
+    exact = {n: (x[..., :128, :] if n in "kv" else x).double().requires_grad_() for n, x in ins.items()}
+    s = (exact["q"] @ exact["k"].mT / d**0.5).masked_fill(~kept, float("-inf"))
+    want_out = torch.softmax(s, -1).nan_to_num(0.0) @ exact["v"]  # a query with no key: 0
+    want = torch.autograd.grad(want_out, list(exact.values()), cot.double())
+    torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=2e-5)
+    for name, g, w in zip("qkv", got, want):
+        full = torch.zeros(g.shape, dtype=torch.float64)
+        full[..., : w.shape[-2], :] = w  # the keys no query reaches get no gradient
+        torch.testing.assert_close(g.double(), full, atol=2e-5, rtol=2e-5, msg=lambda m, name=name: f"d{name}: {m}")
+
+
 def _planned_flops(expr, extra=None):
     """Forward and backward tensor-core FLOPs planned for sm_90 at 1 x 8 heads x 4096 x 64, bf16."""
     bf = {"dtype": torch.bfloat16}
@@ -475,8 +523,10 @@ def _planned_flops(expr, extra=None):
 
 def test_the_compute_model_counts_only_the_tiles_that_run():
     """Causal attention computes about half the tiles (up to the diagonal's, at most 128 of 4096:
-    <= 51.6%), a window of 256 under 10%, a padding mask (data, not positions) all of them; the
-    generated loops scan the tiles' ranges only where the guard is positions."""
+    <= 51.6%), a window of 256 under 10%, a padding mask (data, not positions) all of them: the
+    model plans without the data (a kernel whose guard reads ids or a mask beside positions scans
+    their ranges on the device: ``test_tiles_a_mask_of_data_rules_out_are_skipped_on_the_device``),
+    and a bool tensor alone as the guard is not scanned."""
     full = _planned_flops(rx.attention(q, k, v))
     causal = _planned_flops(rx.attention(q, k, v, causal=True))
     window = _planned_flops(rx.attention(q, k, v, causal=True, mask_mod=lambda b, h, i, j: i - j < 256))

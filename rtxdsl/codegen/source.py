@@ -848,6 +848,11 @@ class Writer:
         self.top.add(f"for col_start in range({span}, BLOCK_SIZE):")
         self.top.lines.extend(loop.lines)
 
+    def load_range(self, k: int) -> tuple[str, str] | None:
+        """Block sparsity over data: load ``k``'s smallest and largest value over the tile being
+        scanned, or None where this writer cannot tell (see ``GemmWriter.load_range``)."""
+        return None
+
     def tile_scan(self, scope: Scope, bounds: tuple[str, str], start: str, extent: str, block: str) -> bool:
         """Block sparsity (``lower.sparsity``): where the kernel has a guard, scan the loop's tiles
         (``start`` over ``extent`` in steps of ``block``) into ``bounds``, the first and past-the-last
@@ -855,7 +860,8 @@ class Writer:
         g = self.spec.gemm
         if g is None or g.skip < 0:
             return False
-        keep = may_hold(self.spec, TEXT, self.TILE_RANGES, [f"s{k}" for k in range(len(self.spec.scalars))])
+        slots = [f"s{k}" for k in range(len(self.spec.scalars))]
+        keep = may_hold(self.spec, TEXT, self.TILE_RANGES, slots, self.load_range)
         if keep == TEXT.TRUE:
             return False
         scan = render(TILE_SCAN, lo=bounds[0], hi=bounds[1], start=start, extent=extent, block=block, keep=keep)

@@ -9,6 +9,12 @@ which every value the loop accumulates is its reduction's neutral value (0 for a
 each tile's ranges of positions (:func:`may_hold`, the writers' ``tile_scan``) and runs the loop
 over the tiles where it may hold (``[lo, hi)``; a tile between two kept ones still runs).
 
+The guard may also read integer or bool tensors that are one value per row or per column of the
+tile (packed documents' ids, ``doc_q == doc_k``; a key padding mask): the kernel loads each one's
+slice over the tile and takes its smallest and largest value as its range (``load_range`` of the
+GEMM writer), on the device, at every sequence length, with nothing built on the host (FlexAttention
+rebuilds a ``BlockMask`` there). The compute model, at plan time, counts such tiles as kept.
+
 A skipped tile's values are taken as the neutral ones, as FlashAttention and FlexAttention take
 them: where the guard is false the decomposition multiplies ``0`` by values from its other
 operands, which are assumed finite (an inf or NaN there, from ``q`` or ``k``, would give NaN in
@@ -68,7 +74,10 @@ def _is_positions(x: Expr) -> bool:
 
 
 def _positional(c: Expr, graph: Graph) -> bool:
-    """Is ``c`` computed from positions and scalars only (no tensor it loads)?"""
+    """Is ``c`` computed from positions, scalars and integer or bool tensors only (document ids,
+    a key padding mask: the kernel scans a tile's range of their values where each is one value
+    per row or per column of the tile, ``load_range``; any other such tensor leaves the tile
+    undecided)?"""
     stack, seen = [c], set()
     while stack:
         x = stack.pop()
@@ -76,7 +85,8 @@ def _positional(c: Expr, graph: Graph) -> bool:
             continue
         seen.add(id(x))
         if is_leaf(x, graph.info):
-            if graph.of(x).shape != ():
+            info = graph.of(x)
+            if info.shape != () and (info.dtype.is_floating_point or info.dtype.is_complex):
                 return False
             continue
         if REGISTRY[x.op].kind is not OpKind.ELEMENTWISE:
@@ -214,9 +224,16 @@ def tile_dim(spec: KernelSpec, i: int) -> str | None:
     return {rank - 2: dims[0], rank - 1: dims[1]}.get(axis)
 
 
-def may_hold(spec: KernelSpec, algebra: Any, bounds: Mapping[str, tuple[Any, Any]], slots: Sequence[Any]) -> Any:
+def may_hold(
+    spec: KernelSpec,
+    algebra: Any,
+    bounds: Mapping[str, tuple[Any, Any]],
+    slots: Sequence[Any],
+    load_range: Callable[[int], tuple[Any, Any] | None] = lambda _: None,
+) -> Any:
     """May the guard (``spec.gemm.skip``) hold anywhere in a tile whose dims span ``bounds``
-    (``tile_dim``'s names), scalar argument ``k`` being ``slots[k]``? In ``algebra``'s terms;
+    (``tile_dim``'s names), scalar argument ``k`` being ``slots[k]``, load ``k``'s values over the
+    tile spanning ``load_range(k)`` (None: unknown, as at plan time)? In ``algebra``'s terms;
     ``algebra.TRUE`` when nothing about the tile decides it."""
     assert spec.gemm is not None
 
@@ -224,6 +241,8 @@ def may_hold(spec: KernelSpec, algebra: Any, bounds: Mapping[str, tuple[Any, Any
         kind, i = ref
         if kind is Src.SLOT:
             return slots[i], slots[i]
+        if kind is Src.LOAD:  # data: the smallest and largest value the tile reads
+            return load_range(i)
         if kind is not Src.NODE:
             return None
         node = spec.nodes[i]
@@ -237,6 +256,8 @@ def may_hold(spec: KernelSpec, algebra: Any, bounds: Mapping[str, tuple[Any, Any
 
     def truth(ref: tuple) -> tuple[Any, Any]:
         kind, i = ref
+        if kind is Src.LOAD and (r := load_range(i)) is not None:  # a bool tensor (a key padding mask)
+            return algebra.gt(r[1], 0), algebra.gt(r[0], 0)
         node = spec.nodes[i] if kind is Src.NODE else None
         if node is not None and node.op in COMPARES:
             a, b = (rng(r) for r in node.srcs)
