@@ -745,8 +745,9 @@ def _draw(rnd):
         rnd.choice(["none", "softcap", "bias", "shared_bias", "alibi"]),
         # additive masks far below zero: Hugging Face's padding (finfo.min on a left prefix of the
         # keys, a whole key slice in wide draws) and scores near -200: a row's first finite max
-        # under -88 (the one-pass forward's first rescale overflowed there)
-        rnd.choice(["none", "window", "bool", "float", "padding", "low"]),
+        # under -88 (the one-pass forward's first rescale overflowed there); packed documents (ids per
+        # query and per key, sorted: tiles within, across and between documents, skipped on the device)
+        rnd.choice(["none", "window", "bool", "float", "padding", "low", "documents"]),
     )
     # one draw in eight takes the keys as queries too (q and k projections tied): one tensor is
     # both operands of the scores' product
@@ -796,7 +797,13 @@ def test_random_attentions_match_float64(draw, gen):
         "shared_bias": lambda s, *_: s + rx.var("bias"),
         "alibi": lambda s, b, h, i, j: s - rx.var("slopes") * (i - j).abs(),
     }
-    window = (lambda b, h, i, j: (i - j < 3) & (j - i < 3)) if mask == "window" else None
+    if mask == "documents":  # some keys in a document no query is in (ids 0-3 against 0-4)
+        ins["dq"] = torch.randint(0, 4, (b_, 1, tq, 1), generator=gen).sort(dim=2).values
+        ins["dk"] = torch.randint(0, 5, (b_, 1, 1, tk), generator=gen).sort(dim=3).values
+    window = {
+        "window": lambda b, h, i, j: (i - j < 3) & (j - i < 3),
+        "documents": lambda b, h, i, j: rx.var("dq") == rx.var("dk"),
+    }.get(mask)
     expr = rx.attention(
         k if tied else q,
         k,
@@ -826,6 +833,8 @@ def test_random_attentions_match_float64(draw, gen):
         keep = keep & ((i - j).abs() < 3) if mask == "window" else keep
         if mask == "bool":
             keep = keep & r["m"]
+        if mask == "documents":
+            keep = keep & (r["dq"] == r["dk"])
         if mask in ("float", "padding", "low"):
             s = s + r["m"]
         s = s.masked_fill(~keep, float("-inf"))
