@@ -14,6 +14,7 @@ from conftest import assert_close
 
 import rtxdsl as rx
 from rtxdsl.errors import DtypeMismatchError, RtxError, ShapeError
+from rtxdsl.lower.spec import Src
 from rtxdsl.lower.target import GPU
 
 q, k, v = rx.var("q"), rx.var("k"), rx.var("v")
@@ -458,24 +459,29 @@ def test_tiles_the_mask_rules_out_are_skipped_and_the_result_is_unchanged(mask, 
     _check(expr, ins, lambda r: _reference(r, keep=keep(i, j))[0], torch.float32, 2e-5, 2e-5, gen)
 
 
-DATA_MASKS = {  # mask_mod over document ids or a key padding mask, and its form over (i, j, ids, pad)
-    "documents": (lambda dq, dk, m: lambda b, h, i, j: dq == dk, lambda i, j, d, p: d[i] == d[j]),
+DATA_MASKS = {  # rx.attention's mask arguments over document ids or a padding mask, and their form over (i, j)
+    "documents": (lambda dq, dk, m: {"mask_mod": lambda b, h, i, j: dq == dk}, lambda i, j, d, p: d[i] == d[j]),
     "documents, causal": (
-        lambda dq, dk, m: lambda b, h, i, j: (dq == dk) & (i >= j),
+        lambda dq, dk, m: {"mask_mod": lambda b, h, i, j: (dq == dk) & (i >= j)},
         lambda i, j, d, p: (d[i] == d[j]) & (i >= j),
     ),
-    "padding, causal": (lambda dq, dk, m: lambda b, h, i, j: m & (i >= j), lambda i, j, d, p: p[j] & (i >= j)),
+    "padding, causal": (
+        lambda dq, dk, m: {"mask_mod": lambda b, h, i, j: m & (i >= j)},
+        lambda i, j, d, p: p[j] & (i >= j),
+    ),
+    "padding": (lambda dq, dk, m: {"attn_mask": m}, lambda i, j, d, p: p[j] & (i >= 0)),  # a bool mask alone
+    "2-D": (lambda dq, dk, m: {"attn_mask": m}, lambda i, j, d, p: p[j] & (i >= j)),  # Hugging Face's, causal
 }
 
 
 @pytest.mark.parametrize("mask", list(DATA_MASKS))
 def test_tiles_a_mask_of_data_rules_out_are_skipped_on_the_device(mask, gen):
-    """Packed documents (ids one per query and one per key) and a key padding mask: the kernels scan
-    each tile's range of the ids (a vector load and its min and max: ``GemmWriter.load_range``) and
-    skip the tiles where no id can match. Keys 128 on (two of the interpreter's 64-wide K slices)
-    belong to no query's document, or are padding, and hold NaN: a tile that ran would multiply
-    them by 0 (NaN, as eager's does); skipped, the output and every gradient are those of the first
-    128 keys alone (NaN everywhere before)."""
+    """Packed documents (ids one per query and one per key), a key padding mask and a 2-D bool mask:
+    the kernels scan each tile's range of the ids or the mask (a load and its min and max:
+    ``GemmWriter.load_range``) and skip the tiles where no id can match or the mask is false. Keys
+    128 on (two of the interpreter's 64-wide K slices) belong to no query's document, or are
+    padding, and hold NaN: a tile that ran would multiply them by 0 (NaN, as eager's does); skipped,
+    the output and every gradient are those of the first 128 keys alone (NaN everywhere before)."""
     t, d = 256, 16
     docs = torch.arange(t) // 48  # documents of 48 tokens: tiles within, across and between them
     key_docs = torch.where(torch.arange(t) < 128, docs, 99)
@@ -484,13 +490,16 @@ def test_tiles_a_mask_of_data_rules_out_are_skipped_on_the_device(mask, gen):
     for n in "kv":
         ins[n][..., 128:, :] = float("nan")
     dq, dk, m = rx.var("dq"), rx.var("dk"), rx.var("m")
-    mod, keep = DATA_MASKS[mask]
-    data = {"dq": docs.reshape(1, 1, t, 1), "dk": key_docs.reshape(1, 1, 1, t), "m": pad.reshape(1, 1, 1, t)}
-    kern = rx.compile(rx.attention(q, k, v, mask_mod=mod(dq, dk, m)))
+    args, keep = DATA_MASKS[mask]
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    bools = keep(i, j, docs, pad).reshape(1, 1, t, t) if mask == "2-D" else pad.reshape(1, 1, 1, t)
+    data = {"dq": docs.reshape(1, 1, t, 1), "dk": key_docs.reshape(1, 1, 1, t), "m": bools}
+    kern = rx.compile(rx.attention(q, k, v, **args(dq, dk, m)))
     data = {n: x for n, x in data.items() if n in kern.inputs}
-    assert "tl.max(tl.load(" in kern.sources(**ins, **data)[0]  # the scan reads the ids (or the mask)
-    i, j = torch.arange(t)[:, None], torch.arange(128)[None, :]
-    kept = keep(i, j, docs, pad)  # (key j < 128 is in document docs[j])
+    assert "tl.max(tl.load(" in kern.sources(**ins, **data)[0].replace(
+        "tl.max(tl.max(", "tl.max("
+    )  # the scan reads them
+    kept = keep(i, j[:, :128], docs, pad)  # (key j < 128 is in document docs[j])
     leaves = {n: x.clone().requires_grad_() for n, x in ins.items()}
     out = kern(**leaves, **data)
     cot = torch.randn(out.shape, generator=gen)
@@ -524,9 +533,8 @@ def _planned_flops(expr, extra=None):
 def test_the_compute_model_counts_only_the_tiles_that_run():
     """Causal attention computes about half the tiles (up to the diagonal's, at most 128 of 4096:
     <= 51.6%), a window of 256 under 10%, a padding mask (data, not positions) all of them: the
-    model plans without the data (a kernel whose guard reads ids or a mask beside positions scans
-    their ranges on the device: ``test_tiles_a_mask_of_data_rules_out_are_skipped_on_the_device``),
-    and a bool tensor alone as the guard is not scanned."""
+    model plans without the data (the kernels scan the mask's ranges on the device:
+    ``test_tiles_a_mask_of_data_rules_out_are_skipped_on_the_device``)."""
     full = _planned_flops(rx.attention(q, k, v))
     causal = _planned_flops(rx.attention(q, k, v, causal=True))
     window = _planned_flops(rx.attention(q, k, v, causal=True, mask_mod=lambda b, h, i, j: i - j < 256))
@@ -536,9 +544,9 @@ def test_the_compute_model_counts_only_the_tiles_that_run():
         assert 0.5 <= causal[part] / full[part] <= 0.516, part
         assert window[part] / full[part] < 0.1, part
         assert padded[part] == full[part], part
-    scans = [(c.spec.gemm.skip >= 0) for c in causal[2].kernels]
+    scans = [(c.spec.gemm.guard is not None) for c in causal[2].kernels]
     assert scans == [True]  # the P @ v GEMM, its logsumexp merged in its K loop
-    assert not any(c.spec.gemm.skip >= 0 for c in padded[2].kernels if c.spec.gemm is not None)
+    assert [c.spec.gemm.guard[0] for c in padded[2].kernels] == [Src.LOAD]  # the mask itself
 
 
 @pytest.mark.parametrize("causal", [False, True])

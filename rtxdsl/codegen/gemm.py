@@ -608,27 +608,35 @@ class GemmWriter(Writer):
         return name
 
     def load_range(self, k: int) -> tuple[str, str] | None:
-        """Block sparsity over data (``lower.sparsity``): an A prologue's integer or bool load that
-        is one value per row of the tile (the program's rows) or per K index (the slice the scan is
-        at, ``k_start``), its smallest and largest value there: one vector load each, the lanes
-        past the edge filled so that they move neither (a tile wholly past it decides nothing)."""
+        """Block sparsity over data (``lower.sparsity``): an A prologue's integer or bool load over
+        the tile the scan is at (the program's rows, the K slice at ``k_start``), its smallest and
+        largest value there: a load each (one value per row or per K index: a vector; a mask over
+        both: the tile), the lanes past the edge filled so that they move neither (a tile wholly
+        past it decides nothing)."""
         ld = self.spec.loads[k]
         dtype = self.spec.in_dtypes[ld.input]
         if ld.role != Role.A or len(ld.rows) != 1 or len(ld.cols) != 1 or dtype.is_floating_point:
             return None
-        along = {(False, True): ("offs_m", "0"), (True, False): ("0", "(k_start + offs_k)")}
-        index = along.get((ld.rows[0] == BCAST, ld.cols[0] == BCAST))
+        m, ks = "offs_m", "(k_start + offs_k)"
+        index, mask, axes = {  # (rows, K) broadcast -> where the load lies, its mask, its dims
+            (False, True): ((m, "0"), f"{m} < M", 1),
+            (True, False): (("0", ks), f"{ks} < K", 1),
+            (False, False): ((f"{m}[:, None]", f"{ks}[None, :]"), f"({m}[:, None] < M) & ({ks}[None, :] < K)", 2),
+        }.get((ld.rows[0] == BCAST, ld.cols[0] == BCAST), (None, "", 0))
         if index is None:
             return None
-        vector, extent = (index[0], "M") if index[1] == "0" else (index[1], "K")
         at = f"in{ld.input}_ptr + {self._tile_offset(self.load_names[k], (*ld.rows, *ld.cols), self.batch_idx, index)}"
         info = torch.iinfo(torch.int32 if dtype == torch.bool else dtype)
         value = ".to(tl.int32)" if dtype == torch.bool else ""
-        lo, hi = (1, 0) if dtype == torch.bool else (info.max, info.min)
-        return (
-            f"tl.min(tl.load({at}, mask={vector} < {extent}, other={lo}){value}, axis=0)",
-            f"tl.max(tl.load({at}, mask={vector} < {extent}, other={hi}){value}, axis=0)",
-        )
+        fill = {"min": 1 if dtype == torch.bool else info.max, "max": 0 if dtype == torch.bool else info.min}
+
+        def reduced(how: str) -> str:
+            text = f"tl.load({at}, mask={mask}, other={fill[how]}){value}"
+            for axis in range(axes - 1, -1, -1):
+                text = f"tl.{how}({text}, axis={axis})"
+            return text
+
+        return reduced("min"), reduced("max")
 
     def _store(self, k: int, loop: Scope) -> str:
         o = self.spec.outputs[k]

@@ -858,7 +858,7 @@ class Writer:
         (``start`` over ``extent`` in steps of ``block``) into ``bounds``, the first and past-the-last
         tile where the guard may hold over the tile's ranges (``TILE_RANGES``). Was a scan added?"""
         g = self.spec.gemm
-        if g is None or g.skip < 0:
+        if g is None or g.guard is None:
             return False
         slots = [f"s{k}" for k in range(len(self.spec.scalars))]
         keep = may_hold(self.spec, TEXT, self.TILE_RANGES, slots, self.load_range)

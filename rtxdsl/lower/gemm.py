@@ -129,7 +129,7 @@ def gemm_spec(
             b_classes=(_unit(sb[0], sb[1]), _unit(sb[1], sb[0])),
             precision="tf32" if tf32 and a.dtype == torch.float32 else "ieee",
             window=_window(group, graph.of(c).dtype),
-            skip=_skip(group, graph, bd),
+            **_skip(group, graph, bd),
             online=_online(group, bd),
             whole_k=whole,
         ),
@@ -207,27 +207,33 @@ def _window(group: Group, dtype: torch.dtype) -> Window | None:
     return Window(chunk.axis, relative, relative_out, accumulator(dtype) if chunk.axis == "k" else None)
 
 
-def _skip(group: Group, graph: Graph, bd: Body) -> int:
-    """Block sparsity: the guard (its node) under which the K loop's A tile, a product computed in
-    tiles, is 0 and each reduction in the K loop reads its neutral value (``lower.sparsity``), or -1."""
+def _skip(group: Group, graph: Graph, bd: Body) -> dict[str, int]:
+    """Block sparsity: the guard under which the K loop's A tile, a product computed in tiles, is 0
+    and each reduction in the K loop reads its neutral value (``lower.sparsity``): ``{"skip": its
+    node}``, ``{"skip_load": its load}`` where it is a bool tensor itself (a padding mask read at
+    A's tile), or ``{}``."""
     c = group.contraction
     assert c is not None
     a = c.srcs[0]
     if group.chunk is not None or c.attr("sum_batch") or group.roles.get(id(a)) is not Role.A:
-        return -1
+        return {}
     prologue = [n for n in group.nodes if group.role(n) is Role.A]
     if not any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in prologue):
-        return -1  # only where A is a product computed in tiles (attention's P, dS): a masked
+        return {}  # only where A is a product computed in tiles (attention's P, dS): a masked
         # operand read from memory keeps eager's 0 * inf in every tile
     targets = [(a, 0.0)]  # and each product summed beside it from a prologue (dV's P beside dK's dS)
     targets += [(n.srcs[0], 0.0) for n in group.nodes if n is not c and _from_prologue(n, group)]
     for n in prologue:
         if REGISTRY[n.op].kind is OpKind.REDUCTION:
             if n.op not in NEUTRAL:
-                return -1
+                return {}
             targets.append((n.srcs[0], NEUTRAL[n.op]))
     guard = vanishing_guard(prologue, graph, targets)
-    return -1 if guard is None or group.roles.get(id(guard)) is not Role.A else bd.index[id(guard)]
+    if guard is not None and group.roles.get(id(guard)) is Role.A:
+        return {"skip": bd.index[id(guard)]}
+    held = [i for i, x in enumerate(group.inputs) if x is guard]  # a bool tensor as the guard, loaded at A's tile
+    loads = [k for k, (i, role, _) in enumerate(bd.loads) if i in held and role is Role.A]
+    return {"skip_load": loads[0]} if len(loads) == 1 else {}
 
 
 def _from_prologue(n: Expr, group: Group) -> bool:

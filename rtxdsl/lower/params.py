@@ -149,7 +149,7 @@ def shared_operands(spec: KernelSpec) -> dict[int, int]:
         side = next((s for s in (0, 1) if nd.srcs[s] == own.srcs[s]), None)
         # an operand shared: read the same way, one dtype (as matmul's), a K loop of the kernel's own
         # only (a block-sparse guard or a summed batch: summed beside it as none shared, if at all)
-        if nd.attrs != own.attrs or g.skip >= 0 or g.summed:
+        if nd.attrs != own.attrs or g.guard is not None or g.summed:
             side = None
         if side is not None and _at_tile(spec, nd.srcs[1 - side], OPERAND_ROLES[1 - side]):
             shared[i] = side

@@ -606,7 +606,7 @@ def kernel_spec(
     split = 1 if spec.split is Split.TILE else n_split
     scalar_inputs = scalar_positions(w.slots, kinds, graph, len(ints))
     kept = 1.0
-    if spec.gemm is not None and spec.gemm.skip >= 0:  # block sparsity: the tiles that run
+    if spec.gemm is not None and spec.gemm.guard is not None:  # block sparsity: the tiles that run
         kept = kept_fraction(spec, {"rows": (w.rows[-1], cfg.rows_per_program), "cols": (n_cols, cfg.block)}, vals)
     return spec, Launch(ints, tuple(vals), grid, meta, empty, scalar_inputs, w.checks, split, n_rows, kept)
 

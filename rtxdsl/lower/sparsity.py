@@ -9,11 +9,12 @@ which every value the loop accumulates is its reduction's neutral value (0 for a
 each tile's ranges of positions (:func:`may_hold`, the writers' ``tile_scan``) and runs the loop
 over the tiles where it may hold (``[lo, hi)``; a tile between two kept ones still runs).
 
-The guard may also read integer or bool tensors that are one value per row or per column of the
-tile (packed documents' ids, ``doc_q == doc_k``; a key padding mask): the kernel loads each one's
-slice over the tile and takes its smallest and largest value as its range (``load_range`` of the
-GEMM writer), on the device, at every sequence length, with nothing built on the host (FlexAttention
-rebuilds a ``BlockMask`` there). The compute model, at plan time, counts such tiles as kept.
+The guard may also read integer or bool tensors (packed documents' ids, ``doc_q == doc_k``; a
+key padding mask; a 2-D bool mask, or the guard that mask is itself: ``GemmTile.skip_load``): the
+kernel loads each one's slice over the tile and takes its smallest and largest value as its range
+(``load_range`` of the GEMM writer), on the device, at every sequence length, with nothing built
+on the host (FlexAttention rebuilds a ``BlockMask`` there). The compute model, at plan time,
+counts such tiles as kept.
 
 A skipped tile's values are taken as the neutral ones, as FlashAttention and FlexAttention take
 them: where the guard is false the decomposition multiplies ``0`` by values from its other
@@ -75,9 +76,8 @@ def _is_positions(x: Expr) -> bool:
 
 def _positional(c: Expr, graph: Graph) -> bool:
     """Is ``c`` computed from positions, scalars and integer or bool tensors only (document ids,
-    a key padding mask: the kernel scans a tile's range of their values where each is one value
-    per row or per column of the tile, ``load_range``; any other such tensor leaves the tile
-    undecided)?"""
+    a padding mask: the kernel scans a tile's range of their values, ``load_range``; one it cannot
+    read at the tile leaves the tile undecided)?"""
     stack, seen = [c], set()
     while stack:
         x = stack.pop()
@@ -231,7 +231,7 @@ def may_hold(
     slots: Sequence[Any],
     load_range: Callable[[int], tuple[Any, Any] | None] = lambda _: None,
 ) -> Any:
-    """May the guard (``spec.gemm.skip``) hold anywhere in a tile whose dims span ``bounds``
+    """May the guard (``spec.gemm.guard``) hold anywhere in a tile whose dims span ``bounds``
     (``tile_dim``'s names), scalar argument ``k`` being ``slots[k]``, load ``k``'s values over the
     tile spanning ``load_range(k)`` (None: unknown, as at plan time)? In ``algebra``'s terms;
     ``algebra.TRUE`` when nothing about the tile decides it."""
@@ -267,14 +267,15 @@ def may_hold(
             return LOGIC[node.op](algebra, *(truth(r) for r in node.srcs))
         return algebra.TRUE, algebra.FALSE
 
-    return truth((Src.NODE, spec.gemm.skip))[0]
+    assert spec.gemm.guard is not None
+    return truth(spec.gemm.guard)[0]
 
 
 def kept_fraction(spec: KernelSpec, tiles: Mapping[str, tuple[int, int]], slots: Sequence[Any]) -> float:
     """The fraction of a guarded loop's tiles that run (the compute model's): ``tiles`` gives,
     per tile dim, its extent and block (a GEMM's ``m`` and ``k``, a row kernel's ``rows`` and
     ``cols``); each tile's range is evaluated as the kernel evaluates it."""
-    if spec.gemm is None or spec.gemm.skip < 0:
+    if spec.gemm is None or spec.gemm.guard is None:
         return 1.0
     starts = [torch.arange(0, max(extent, 1), block) for extent, block in tiles.values()]
     grid = torch.meshgrid(*starts, indexing="ij")
