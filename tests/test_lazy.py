@@ -616,6 +616,31 @@ def test_a_plain_tensor_a_kernel_saved_is_copied_before_an_eager_write_after_the
     torch.testing.assert_close(grads[1], grads[0])
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (4, 1),  # an inner dim of one: both of the operand's strides are 1
+        (1, 1),  # one element
+        (5, 3),  # an ordinary matrix
+    ],
+)
+def test_an_operand_of_a_recomputed_product_read_at_the_tile_too_gets_one_set_of_strides(f, shape):
+    """The backward of ``linear(v, v)`` beside a write to ``v``'s source reads ``v`` as a recomputed
+    product's operand and elementwise at the tile: one load, whose stride classes the launch
+    took from the product's rule (a ``[4, 1]`` tensor's strides 1 and 1: both strided) and the
+    parameters from the tile's (both unit): 'launch values do not match the parameters' (lazy
+    fuzzer program 2026151400164). Both now follow the load's own classes."""
+    grads = []
+    for lazy in (True, False):
+        t = torch.randn(shape, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        x = f.lazy(t * 1) if lazy else t * 1
+        v = x.clone()
+        x.div_(v.abs() + 1)
+        out = F.linear(v, v) * x.sum()
+        grads.append(torch.autograd.grad(out.sum(), (t,))[0])
+    torch.testing.assert_close(torch.as_tensor(grads[0]), grads[1])
+
+
 def test_requires_grad_grad_fn_and_is_leaf_of_pending_values_are_eagers(f):
     """Answered without a flush, and the flushed values agree (no gradient through ``no_grad`` or
     ``detach``: it leaked, the kernel differentiated the whole expression)."""

@@ -308,7 +308,10 @@ def _tile_values(
             for j in product_loads(spec, i, shared):
                 over_batch, (r, cl) = strides[j]
                 values |= {f"{names[j]}_stride_b{d}": v for d, v in enumerate(over_batch)}
-                classes = (_unit(r, cl), _unit(cl, r))
+                # the load's own classes (one load read at a tile too has them from there: a [4, 1]
+                # operand of a recomputed product read elementwise as well, both strides unit;
+                # lazy fuzzer program 2026151400164)
+                classes = (*spec.loads[j].rows, *spec.loads[j].cols)
                 values |= {f"{names[j]}_stride{d}": v for d, (v, c) in enumerate(zip((r, cl), classes)) if c == STRIDED}
     return values
 
