@@ -7,11 +7,15 @@ bf16, with ``Hkv`` key/value heads; "largest buffer" is the largest tensor a pla
 
     python -m benches.attention_report            # 1 x 32 heads x 4096 x 128
     python -m benches.attention_report --quick    # CI smoke: 1 x 8 heads x 256 x 64
+
+A decoding step (one query per head over a cache of ``Tk`` keys, 32 query and 8 key/value heads,
+head dim 128) follows, as planned with its keys split into chunks (``SPLIT_KV``) and whole.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 
 import torch
@@ -54,6 +58,33 @@ def _row(case: str, pass_: str, program: Program) -> dict:
     }
 
 
+def _decode_rows(tk: int) -> list[dict]:
+    """A decoding step at ``tk`` keys, split into chunks and whole (``SPLIT_KV``'s threshold raised)."""
+    ops = importlib.import_module("rtxdsl.ops.attention")
+    ins = {n: torch.empty(1, h, t, 128, dtype=torch.bfloat16) for n, h, t in (("q", 32, 1), ("k", 8, tk), ("v", 8, tk))}
+    rows = []
+    for how, least in (("split", ops.SPLIT_KV["min_keys"]), ("whole", tk + 1)):
+        kept, ops.SPLIT_KV["min_keys"] = ops.SPLIT_KV["min_keys"], least
+        try:
+            # (a kernel of its own each time: plans are cached per kernel)
+            program = rx.compile(rx.attention(rx.var("q"), rx.var("k"), rx.var("v"), enable_gqa=True)).lower_for(
+                GPU, **ins
+            )
+        finally:
+            ops.SPLIT_KV["min_keys"] = kept
+        rows.append(
+            {
+                "Tk": tk,
+                "keys": how,
+                "launches": len(program.launched),
+                "programs of the largest launch": max(math.prod(c.grid) for c in program.kernels),
+                "moved MB": round(program.bytes_moved / MB, 2),
+                "GFLOP": round(program.flops / 1e9, 3),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -65,7 +96,10 @@ def main() -> None:
         rows += [_row(case, "forward", forward), _row(case, "backward", backward)]
     print(f"causal attention, 1 x {hq} heads x {t} x {d}, bf16, planned for sm_90 ({machine()})\n")
     print(markdown(rows, list(rows[0])))
-    save("attention-quick" if args.quick else "attention", {"rows": rows})
+    decode = [r for tk in ((8192,) if args.quick else (4096, 32768)) for r in _decode_rows(tk)]
+    print("\ndecoding step, 1 x 32 query heads (8 key/value heads) x 1 query x Tk keys x 128, bf16\n")
+    print(markdown(decode, list(decode[0])))
+    save("attention-quick" if args.quick else "attention", {"rows": rows, "decode": decode})
 
 
 if __name__ == "__main__":

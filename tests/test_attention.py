@@ -5,6 +5,7 @@ F.scaled_dot_product_attention, and the errors that name the input at fault."""
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -16,6 +17,8 @@ import rtxdsl as rx
 from rtxdsl.errors import DtypeMismatchError, RtxError, ShapeError
 from rtxdsl.lower.spec import Src
 from rtxdsl.lower.target import GPU
+
+attention_ops = importlib.import_module("rtxdsl.ops.attention")  # (rx.attention is the function)
 
 q, k, v = rx.var("q"), rx.var("k"), rx.var("v")
 
@@ -1107,3 +1110,71 @@ def test_hugging_faces_bf16_attention_backward_sums_dp_times_p_unrounded(shape, 
         errors = zip(grads(lambda a, b, c: kernel(q=a, k=b, v=c), bf), grads(eager, bf), want)
         worst = max(worst, *((g - w).abs().max().item() / (e - w).abs().max().item() for g, e, w in errors))
     assert worst <= 1.6, worst  # saved rounded: 2.0 to 3.0
+
+
+# ---- split-KV decoding: a long cache's keys split into chunks, one program each, then merged ---------
+@pytest.mark.parametrize(
+    "hq, hkv, mods",
+    [
+        (4, 2, {}),  # grouped: the chunks of each key head's group
+        (2, 2, {"softcap": True}),  # one query head per key head, a score function
+        (4, 1, {"padding": True}),  # multi-query, a key padding mask ([Tk]) beside the chunks' positions
+    ],
+)
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 2e-5, 2e-5), (torch.bfloat16, 2e-2, 2e-2)])
+def test_a_decoding_step_over_a_long_cache_splits_its_keys_and_merges_them(
+    hq, hkv, mods, dtype, atol, rtol, monkeypatch, gen
+):
+    """One query per head over 1,100 keys (``SPLIT_KV``'s threshold lowered from 4,096 for the
+    interpreter): the keys split into chunks of their own programs (a batch axis of the product,
+    its positions guarding the tiles: each program runs its chunk's tiles only), each chunk's
+    output and logsumexp merged by a row kernel over the chunks. Output, logsumexp and every
+    gradient against float64, and the chunks' programs in the plan (``b * heads * chunks``)."""
+    monkeypatch.setitem(attention_ops.SPLIT_KV, "min_keys", 1024)
+    tk, d = 1100, 8
+    ins = _inputs(gen, 1, hq, hkv, 1, tk, d, d, dtype)
+    extra, keep = {}, torch.ones(1, tk, dtype=torch.bool)
+    if mods.get("padding"):
+        ins["m"] = (torch.arange(tk) < 700) & (torch.arange(tk) % 5 != 0)
+        extra["attn_mask"] = rx.var("m")
+        keep = ins["m"][None, :]
+    if mods.get("softcap"):
+        extra["score_mod"] = lambda s, *_: 3.0 * rx.tanh(s / 3.0)
+    expr = rx.attention(q, k, v, enable_gqa=hq != hkv, return_lse=True, **extra)
+
+    def ref(r):
+        kd, vd = r["k"].repeat_interleave(hq // hkv, 1), r["v"].repeat_interleave(hq // hkv, 1)
+        s = r["q"] @ kd.mT / math.sqrt(d)
+        s = 3.0 * torch.tanh(s / 3.0) if mods.get("softcap") else s
+        s = s.masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, -1) @ vd, torch.logsumexp(s, -1)
+
+    _check(expr, ins, ref, dtype, atol, rtol, gen)
+    program = rx.compile(expr).lower_for(GPU, **{n: t for n, t in ins.items()})
+    (split,) = [c for c in program.kernels if c.spec.gemm is not None and c.spec.gemm.guard is not None]
+    chunks = min(16, 128 // hkv)
+    assert math.prod(split.grid) == hkv * chunks  # one program per key head and chunk (a row tile each)
+    # a mask with a head or query axis ([B, 1, 1, Tk]) keeps the step whole: one program per key head
+    ins["m"] = torch.ones(1, 1, 1, tk, dtype=torch.bool)
+    whole = rx.compile(rx.attention(q, k, v, enable_gqa=hq != hkv, attn_mask=rx.var("m")))
+    assert [math.prod(c.grid) for c in whole.lower_for(GPU, **ins).kernels] == [hkv]
+
+
+def test_a_statistic_kept_out_of_a_k_loop_where_it_would_make_kernels_read_each_other(gen):
+    """Chunks of attention merged by hand, ``sum_c exp(lse_c - logsumexp_c(lse_c)) * (P_c @ v)``:
+    merging each chunk's logsumexp into the ``P @ v`` GEMM's K loop (online softmax) while that
+    GEMM's epilogue multiplies by weights computed from it in another kernel made the two
+    kernels read each other (graphlib.CycleError at planning, before ``analyze._cyclic``). Such a
+    move is undone; the result against float64."""
+    qv, kv, vv = rx.var("q"), rx.var("k"), rx.var("v")
+    s = qv @ rx.transpose(kv, -1, -2)
+    lse = rx.logsumexp(s, -1, keepdim=True)
+    out = rx.sum(rx.exp(lse - rx.logsumexp(lse, 1, keepdim=True)) * (rx.exp(s - lse) @ vv), 1)
+    ins = {"q": torch.randn(2, 3, 5, 4, generator=gen), "k": torch.randn(2, 1, 7, 4, generator=gen)}
+    ins["v"] = torch.randn(2, 1, 7, 6, generator=gen)
+    got = rx.compile(out)(**ins)
+    d = {n: t.double() for n, t in ins.items()}
+    sc = d["q"] @ d["k"].mT
+    chunk = torch.logsumexp(sc, -1, keepdim=True)
+    want = (torch.exp(chunk - torch.logsumexp(chunk, 1, keepdim=True)) * (torch.exp(sc - chunk) @ d["v"])).sum(1)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)

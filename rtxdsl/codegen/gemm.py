@@ -94,7 +94,11 @@ class GemmWriter(Writer):
     strides (batch dims, then ``m, k`` / ``k, n``), each epilogue load's and output's strides over
     the product's dims, the scalars (the order :func:`rtxdsl.lower.gemm.gemm_spec` passes them)."""
 
-    TILE_RANGES = GEMM_RANGES
+    @property
+    def TILE_RANGES(self) -> dict[str, tuple[str, str]]:  # noqa: N802 (the Writer's name)
+        """GEMM_RANGES and each batch dim's position, the program's own (``sparsity.tile_dim``)."""
+        batch = getattr(self, "batch_idx", [])
+        return GEMM_RANGES | {f"b{d - len(batch) - 2}": (ix, ix) for d, ix in enumerate(batch)}
 
     def __init__(self, spec: KernelSpec) -> None:
         super().__init__(spec)

@@ -989,39 +989,75 @@ def absorb_prologues(
     no reduction, no movement op) is copied into every GEMM reading the operand, when the traffic
     model (:mod:`rtxdsl.lower.prologue`) says recomputing it per tile costs less than writing it
     and reading it back. Its home kernel then stops writing it, and disappears if nothing else of
-    it is needed. Each candidate's choice is a note on the GEMM's group (``explain()``).
+    it is needed. Each candidate's choice is a note on the GEMM's group (``explain()``). A choice
+    that would make two kernels read each other's values (a statistic moved into a GEMM whose
+    epilogue reads what another kernel computes from that statistic: split-KV decoding's merge
+    weights) is undone (``_cyclic``).
     """
-    requested = {id(e) for _, e in graph.outputs}
-    consumers = _consumers(graph, fl)
-    work = [_Work.of(g) for g in groups]
-    homes = _homes(work)
-    readers = _gemm_readers(work, homes)
-    taken: dict[int, set[int]] = {id(w): set() for w in work}  # nodes already in a GEMM's prologues
-    emptied: list[_Work] = []  # kernels that computed an operand now recomputed: still needed?
-    # a product recomputed in tiles reads its operands from memory wherever it is computed: they
-    # are written, and no GEMM recomputes them (it would hold the value both as a member and a load)
-    stored = {id(x) for n in graph.nodes if _tileable(graph, n) for x in n.srcs}
-    writable = _writable(work, graph)
-    in_kernels = {id(m) for w in work for m in w.nodes}  # not the free nodes: recomputed, never written
-    for s in (n for n in graph.nodes if id(n) in readers and id(n) not in stored):
-        home = work[homes[id(s)]]
-        tiled = _product_cone(s, graph, consumers, writable, in_kernels)
+    st = _Absorb(graph, fl, groups, config, solo)
+    for s in (n for n in graph.nodes if id(n) in st.readers and id(n) not in st.stored):
+        before = st.snapshot()
+        st.absorb(s)
+        if _cyclic(st.work, st.emptied, fl, st.requested, st.consumers):
+            st.restore(before)
+    dead = {id(h) for h in st.emptied if not _writes(h, st.work, st.requested, st.consumers)}
+    order = _order(graph)
+    return tuple(g.freeze(order) for g in st.work if id(g) not in dead)
+
+
+class _Absorb:
+    """``absorb_prologues``'s state: the kernels, what each GEMM's prologues hold, the kernels
+    emptied of an operand now recomputed."""
+
+    def __init__(
+        self, graph: Graph, fl: Flow, groups: tuple[Group, ...], config: FusionConfig, solo: frozenset[int]
+    ) -> None:
+        self.graph, self.config, self.solo = graph, config, solo
+        self.requested = {id(e) for _, e in graph.outputs}
+        self.consumers = _consumers(graph, fl)
+        self.work = [_Work.of(g) for g in groups]
+        self.homes = _homes(self.work)
+        self.readers = _gemm_readers(self.work, self.homes)
+        self.taken: dict[int, set[int]] = {id(w): set() for w in self.work}  # nodes already in a GEMM's prologues
+        self.emptied: list[_Work] = []  # kernels that computed an operand now recomputed: still needed?
+        # a product recomputed in tiles reads its operands from memory wherever it is computed: they
+        # are written, and no GEMM recomputes them (it would hold the value both as a member and a load)
+        self.stored = {id(x) for n in graph.nodes if _tileable(graph, n) for x in n.srcs}
+        self.writable = _writable(self.work, graph)
+        self.in_kernels = {id(m) for w in self.work for m in w.nodes}  # not the free nodes: never written
+
+    def snapshot(self) -> tuple:
+        kernels = [(w, list(w.nodes), dict(w.roles), len(w.notes)) for w in self.work]
+        return kernels, {k: set(v) for k, v in self.taken.items()}, len(self.emptied)
+
+    def restore(self, snap: tuple) -> None:
+        kernels, taken, emptied = snap
+        for w, nodes, roles, notes in kernels:
+            w.nodes[:], w.roles = nodes, roles
+            del w.notes[notes:]
+        self.taken, self.emptied[:] = taken, self.emptied[:emptied]
+
+    def absorb(self, s: Expr) -> None:
+        """Operand ``s`` recomputed in the GEMMs reading it, where the traffic model says so."""
+        graph, work, consumers, requested = self.graph, self.work, self.consumers, self.requested
+        home = work[self.homes[id(s)]]
+        tiled = _product_cone(s, graph, consumers, self.writable, self.in_kernels)
         if tiled is not None:  # a product no kernel writes: every reader computes it in its K loop
-            found = _recompute_in_prologues(s, tiled, readers, work, graph, consumers, requested)
+            found = _recompute_in_prologues(s, tiled, self.readers, work, graph, consumers, requested)
             if found is not None:
-                emptied += found
-                continue
-        cone = _elementwise_cone(s, home, solo)
-        gemm_readers = readers[id(s)]
+                self.emptied += found
+                return
+        cone = _elementwise_cone(s, home, self.solo)
+        gemm_readers = self.readers[id(s)]
         chain, bounds = cone if cone is not None else ([], [])
         if cone is None or any(
-            taken[id(w)] & {id(m) for m in chain}
-            or graph.ops(w.nodes + chain) > config.max_fusion_ops
+            self.taken[id(w)] & {id(m) for m in chain}
+            or graph.ops(w.nodes + chain) > self.config.max_fusion_ops
             or _epilogue_reads(w, chain, consumers)
             or _holds_other_operand(w, side, chain)
             for w, side in gemm_readers
         ):
-            continue
+            return
         inside = {id(m) for m in home.nodes}
         gemm_nodes = {id(w.contraction) for w, _ in gemm_readers}
         outside = [c for c in consumers.get(id(s), ()) if id(c) not in gemm_nodes]
@@ -1045,18 +1081,29 @@ def absorb_prologues(
                 for m in chain:
                     w.roles[id(m)] = side
                 w.nodes[:0] = chain
-                taken[id(w)] |= members
+                self.taken[id(w)] |= members
         if choice.fuse:
-            emptied.append(home)
+            self.emptied.append(home)
             if not computed:  # its own kernel no longer computes what only the GEMMs read
                 kept = _still_needed(chain, home, members, consumers)
                 home.nodes = [m for m in home.nodes if id(m) not in members or id(m) in kept]
             for w, side in gemm_readers:  # once every reader recomputes it
                 if side is Role.A:
-                    emptied += _reduce_in_k_loop(w, [s], work, graph, consumers, requested)
+                    self.emptied += _reduce_in_k_loop(w, [s], work, graph, consumers, requested)
+
+
+def _cyclic(work: list[_Work], emptied: list[_Work], fl: Flow, requested: set[int], consumers: dict) -> bool:
+    """Would the kernels left (an emptied one that writes nothing is dropped) read each other's
+    values in a cycle, so that none could launch first?"""
     dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
-    order = _order(graph)
-    return tuple(g.freeze(order) for g in work if id(g) not in dead)
+    live = [w for w in work if id(w) not in dead]
+    homes = _homes(live)
+    deps = {i: _group_reads(w, fl, homes, i) for i, w in enumerate(live)}
+    try:
+        tuple(graphlib.TopologicalSorter(deps).static_order())
+    except graphlib.CycleError:
+        return True
+    return False
 
 
 #: the products one K loop sums at most (an fp32 accumulator each: at sm_90's 64 x 128 bf16 tile

@@ -51,7 +51,7 @@ from .schedule import (
     viewed,
     wide_epilogue,
 )
-from .sparsity import NEUTRAL, kept_fraction, vanishing_guard
+from .sparsity import NEUTRAL, guard_dims, kept_fraction, vanishing_guard
 from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, OutSpec, Src, Window
 from .target import Target
 
@@ -149,7 +149,10 @@ def gemm_spec(
         raise RtxError(f"matmul: {batches} batches exceed the grid's limit of {MAX_BATCH_GRID}; fold the batch dims")
     meta = tuple((name, getattr(tile, attr)) for name, attr in TILE_META)
     empty = math.prod(domain) == 0
-    kept = kept_fraction(spec, {"m": (m, tile.block_m), "k": (k, tile.block_k)}, vals)
+    spans = {"m": (m, tile.block_m), "k": (k, tile.block_k)}
+    # a batch dim the guard reads positions along (a split of the keys): each of its positions
+    spans |= {d: (batch[int(d[1:]) + 2], 1) for d in guard_dims(spec) if d[0] == "b" and -int(d[1:]) - 2 <= len(batch)}
+    kept = kept_fraction(spec, spans, vals)
     grid = (max(1, tiles), max(1, batches))
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, kept=kept)
 

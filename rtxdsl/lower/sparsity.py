@@ -89,7 +89,7 @@ def _positional(c: Expr, graph: Graph) -> bool:
             if info.shape != () and (info.dtype.is_floating_point or info.dtype.is_complex):
                 return False
             continue
-        if REGISTRY[x.op].kind is not OpKind.ELEMENTWISE:
+        if REGISTRY[x.op].kind is not OpKind.ELEMENTWISE and not REGISTRY[x.op].view:  # (size-1 dims inserted)
             return False
         stack.extend(x.srcs)
     return True
@@ -211,7 +211,9 @@ TEXT, TILES = _Text(), _Tiles()
 def tile_dim(spec: KernelSpec, i: int) -> str | None:
     """The tile dim positions node ``i`` of a guarded kernel runs along: a GEMM's ``"m"`` (the A
     tile's rows, its output rows) or ``"k"`` (the K slice), a row kernel's ``"rows"`` or
-    ``"cols"``; ``"0"`` where it has size 1; None along a batch dim."""
+    ``"cols"``; ``"0"`` where it has size 1; a GEMM's batch dim ``"b-3"``, ``"b-4"``, ... (counted
+    from the end of the value's dims: one position per program, a split of the keys); None along a
+    row kernel's batch dims."""
     node = spec.nodes[i]
     rank = len(node.ones)
     axis = dict(node.attrs)["axis"] % rank
@@ -219,6 +221,8 @@ def tile_dim(spec: KernelSpec, i: int) -> str | None:
         return "0"
     if spec.kind != "gemm":
         return {rank - 2: "rows", rank - 1: "cols"}.get(axis)
+    if axis < rank - 2:
+        return f"b{axis - rank}"
     own = next(n for n in spec.nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION and n.role is Role.FULL)
     dims = ("k", "m") if dict(own.attrs)["ta"] else ("m", "k")
     return {rank - 2: dims[0], rank - 1: dims[1]}.get(axis)
@@ -271,10 +275,29 @@ def may_hold(
     return truth(spec.gemm.guard)[0]
 
 
+def guard_dims(spec: KernelSpec) -> set[str]:
+    """The tile dims (``tile_dim``'s names) the positions under a GEMM's guard run along."""
+    g = spec.gemm
+    if g is None or g.guard is None or g.guard[0] is not Src.NODE:
+        return set()
+    dims, stack, seen = set(), [g.guard[1]], set()
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        node = spec.nodes[i]
+        if REGISTRY[node.op].kind is OpKind.MOVEMENT and not REGISTRY[node.op].view:
+            dims.add(tile_dim(spec, i))
+        stack.extend(j for kind, j in node.srcs if kind is Src.NODE)
+    return {d for d in dims if d is not None}
+
+
 def kept_fraction(spec: KernelSpec, tiles: Mapping[str, tuple[int, int]], slots: Sequence[Any]) -> float:
     """The fraction of a guarded loop's tiles that run (the compute model's): ``tiles`` gives,
     per tile dim, its extent and block (a GEMM's ``m`` and ``k``, a row kernel's ``rows`` and
-    ``cols``); each tile's range is evaluated as the kernel evaluates it."""
+    ``cols``, a GEMM's batch dims ``b-3``, ... with block 1); each tile's range is evaluated as the
+    kernel evaluates it."""
     if spec.gemm is None or spec.gemm.guard is None:
         return 1.0
     starts = [torch.arange(0, max(extent, 1), block) for extent, block in tiles.values()]

@@ -37,6 +37,12 @@ from .random import draw_seed, seed_operand
 #: the positions a score or mask function receives, in order, and the axis of the scores each counts
 POSITIONS = ("b", "h", "q_idx", "kv_idx")
 
+#: split-KV decoding (FlashDecoding): a decoding step (one query per head) over at least
+#: ``min_keys`` keys whose programs (one per key head and batch) would not fill ``programs``
+#: programs splits its keys into a power of two of chunks, at most ``most``, one program each
+#: (``_splits``); the chunks' outputs merge by their logsumexps (``_merged``)
+SPLIT_KV = {"min_keys": 4096, "programs": 128, "most": 16}
+
 
 def _slot(name: str | int) -> Expr:
     return Expr("attention_slot", (), {"slot": name})
@@ -246,11 +252,17 @@ def _mask_shape(mask: tuple[int, ...], scores: tuple[int, ...]) -> None:
     raise ShapeError(f"attention: attn_mask has shape {list(mask)}, which does not broadcast to {list(scores)}")
 
 
-def _positions(scores: Expr, rank: int, groups: int | None = None) -> dict[str | int, Any]:
+def _positions(scores: Expr, rank: int, groups: int | None = None, split: bool = False) -> dict[str | int, Any]:
     """The four positions over the scores ``[B, Hq, Tq, Tk]``; over grouped scores (``groups``:
     ``[B, Hkv, G, Tq, Tk]``, or a decoding step's ``[B, Hkv, G, Tk]``, its one query a row per
-    head) the query head is ``kv_head * G + g``."""
+    head) the query head is ``kv_head * G + g``; a split decoding step's (``split``) have a chunk
+    axis before the rows: ``[B, Hq, C, 1, Tk]``, ``[B, Hkv, C, G, Tk]``."""
     at = [node("arange_like", scores, axis=axis) for axis in range(rank)]
+    if split:
+        at = at[:2] + at[3:]  # (the chunk axis is no position a score function sees)
+        if groups is None:
+            return dict(zip(POSITIONS, at))
+        return {"b": at[0], "h": node("add", node("mul", at[1], groups), at[2]), "q_idx": as_expr(0), "kv_idx": at[-1]}
     if groups is None:
         return dict(zip(POSITIONS, at))
     query = at[3] if rank == 5 else as_expr(0)  # a decoding step's one query: position 0
@@ -297,6 +309,35 @@ def _heads(e: Expr, b: int, hkv: int, groups: int, t: int, d: int) -> Expr:
     return node("reshape", wide, shape=(b, hkv * groups, t, d))
 
 
+def _splits(b: int, heads: int, tq: int, tk: int, dropout_p: float, tensors: list) -> int:
+    """How many chunks a decoding step splits its keys into (``SPLIT_KV``); 1: none. Not where a
+    tensor the scores read has a head or query axis (a mask of ``[B, 1, 1, Tk]``): its chunk axis
+    would be a view the mask's kernel computes apart (written, and read back by the product)."""
+    if tq != 1 or tk < SPLIT_KV["min_keys"] or dropout_p > 0.0 or any(s is not None and len(s) >= 3 for s in tensors):
+        return 1
+    most = min(SPLIT_KV["most"], SPLIT_KV["programs"] // max(1, b * heads))
+    return 1 << (most.bit_length() - 1) if most >= 2 else 1
+
+
+def _merged(out: Expr, lse: Expr, shape: tuple[int, int, int, int, int]) -> tuple[Expr, Expr]:
+    """The chunks' outputs ``[B, H, C, R, Dv]`` (each normalized over its own keys) and logsumexps
+    ``[B, H, C, R, 1]`` merged: ``sum_c exp(lse_c - lse) * out_c`` with ``lse = logsumexp_c(lse_c)``,
+    one row kernel over the chunks read transposed (a weighted sum after the chunks' product: its
+    epilogue, were the weights its own, would read what is computed from its logsumexp); a chunk
+    with no key (``-inf``) weighs 0, a row with none anywhere gives 0 and ``-inf``. Returns
+    ``[B, H, R, Dv]`` and ``[B, H, R, 1]``."""
+    b, h, c, r, _ = shape
+    lses = node("permute", node("reshape", lse, shape=(b, h, c, r)), dims=(0, 1, 3, 2))
+    whole = node("logsumexp", lses, axis=-1, keepdim=True)
+    shift = node("detach", node("where", node("eq", whole, float("-inf")), 0.0, whole))
+    weights = node("exp", node("sub", lses, shift))
+    total = node("sum", weights, axis=-1, keepdim=True)
+    total = node("where", node("eq", total, 0.0), 1.0, total)
+    chunks = node("permute", out, dims=(0, 1, 3, 4, 2))
+    merged = node("sum", node("mul", node("unsqueeze", weights, axes=(3,)), chunks), axis=-1, keepdim=False)
+    return node("div", merged, total), node("add", shift, node("log", total))
+
+
 def _decompose(
     q: Expr, k: Expr, v: Expr, *rest: Expr, scale: float | None, causal: bool, dropout_p: float, enable_gqa: bool,
     score_mod: Expr | None, mask_mod: Expr | None, attn_mask: int | None, output: str, shapes: list, dtypes: list,
@@ -318,12 +359,21 @@ def _decompose(
         rest = tuple(x if s is None else _grouped(x, s) for x, s in zip(rest, tensors))
     else:
         k, v = _heads(k, b, hkv, g, tk, d), _heads(v, b, hkv, g, tk, dv)
+    # split-KV decoding: a chunk axis before the rows (q a view repeated along it, k and v one
+    # chunk of one), each program the keys of its chunk (a guard of positions: the other tiles
+    # are skipped), the chunks merged after
+    chunks = _splits(b, hkv if grouped else hq, tq, tk, dropout_p, tensors)
+    if chunks > 1:
+        heads, rows = (hkv, g) if grouped else (hq, tq)
+        q = node("expand", node("unsqueeze", q, axes=(2,)), shape=(b, heads, chunks, rows, d))
+        k, v = node("unsqueeze", k, axes=(2,)), node("unsqueeze", v, axes=(2,))
+        rank = 5
     # the scores in fp32 (the product's accumulator, never rounded to q's dtype: SDPA's, as the
     # reference's ``q.to(f) @ k.mT``); their cotangent multiplies in q's dtype
     qk = contract(q, k, tb=True, dtype=f)
     s = node("mul", qk, 1.0 / math.sqrt(d) if scale is None else scale)
     scores = (b, hq, tq, tk)
-    values = {**_positions(s, rank, g if grouped else None), **dict(enumerate(rest, 3)), "s": s}
+    values = {**_positions(s, rank, g if grouped else None, chunks > 1), **dict(enumerate(rest, 3)), "s": s}
     if score_mod is not None:
         _probe(score_mod, "score_mod", scores, f, shapes, dtypes)
         s = node("cast", _fill(score_mod, values), dtype=f)
@@ -343,6 +393,11 @@ def _decompose(
             s = node("add", s, mask)
         else:
             raise RtxError(f"attention: attn_mask must be bool or floating point, got {dtypes[attn_mask]}")
+    if chunks > 1:  # this program's chunk of the keys, ceil(Tk / chunks) of them
+        size = -(-tk // chunks)
+        start = node("mul", node("arange_like", s, axis=2), size)
+        mine = node("and", node("ge", values["kv_idx"], start), node("lt", values["kv_idx"], node("add", start, size)))
+        keep = mine if keep is None else node("and", keep, mine)
     if keep is not None:
         s = node("where", keep, s, float("-inf"))
     # the row statistic in one online pass (logsumexp's state), made finite and detached: a shift,
@@ -355,11 +410,18 @@ def _decompose(
     total = node("sum", u, axis=-1, keepdim=True)
     empty = node("eq", total, 0.0)
     total = node("where", empty, 1.0, total)
-    if output == "lse":  # per row, then its keepdim dim dropped (a view of what the kernel writes)
-        lse = node("where", empty, float("-inf"), node("add", m, node("log", total)))
+    lse = node("where", empty, float("-inf"), node("add", m, node("log", total)))
+    if output == "lse" and chunks == 1:  # per row, then its keepdim dim dropped (a view of what the kernel writes)
         return node("reshape", lse, shape=(b, hq, tq))
     p = node("dropout", u, rest[-1], p=dropout_p) if dropout_p > 0.0 else u
     p = node("cast", p, dtype=dtypes[2])
+    if chunks > 1:  # each chunk's output kept in fp32 for the merge, rounded once after it
+        heads, rows = (hkv, g) if grouped else (hq, tq)
+        chunked = node("div", contract(p, v, dtype=f), total)
+        out, lse = _merged(chunked, lse, (b, heads, chunks, rows, dv))
+        if output == "lse":
+            return node("reshape", node("where", node("eq", lse, float("-inf")), float("-inf"), lse), shape=(b, hq, tq))
+        return node("reshape", node("cast", out, dtype=dtypes[2]), shape=(b, hq, tq, dv))
     out = node("cast", node("div", contract(p, v), total), dtype=dtypes[2])
     return node("reshape", out, shape=(b, hq, tq, dv)) if grouped else out
 
