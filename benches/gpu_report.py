@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import rtxdsl as rx
-from benches import gemm_gpu, loss_gpu, moe_gpu, norm_gpu
+from benches import attention_gpu, gemm_gpu, loss_gpu, moe_gpu, norm_gpu
 from benches.common import GPU_SIZES, host_us, machine, markdown, save
 from rtxdsl.workloads import WORKLOADS, Workload, max_error, tolerance
 
@@ -207,6 +207,7 @@ def main() -> None:
         gemms += moe_gpu.check(torch.device("cpu"), [(9, 16, 12, 4, 2)])
         gemms += norm_gpu.check(torch.device("cpu"), [(37, 50)])
         gemms += loss_gpu.check(torch.device("cpu"), [(4, 9, 16, 37)])
+        gemms += attention_gpu.check(torch.device("cpu"), [(1, 4, 2, 37, 29, 16), (1, 4, 2, 1, 1100, 8)])
         print(markdown(gemms, ["case", "shape", "dtype", "max error", "ok", "kernels"]))
         bad = [r for r in rows + gemms if not r["ok"]]
         raise SystemExit(1 if bad else 0)
@@ -262,6 +263,7 @@ def main() -> None:
     gemm_checks += moe_gpu.check(torch.device("cuda"), [(37, 64, 48, 5, 2), (512, 1024, 768, 16, 4)])
     gemm_checks += norm_gpu.check(torch.device("cuda"), [(37, 781), (4096, 4096)])
     gemm_checks += loss_gpu.check(torch.device("cuda"), [(4, 37, 64, 1000), (8, 512, 1024, 32000)])
+    gemm_checks += attention_gpu.check(torch.device("cuda"), [(1, 8, 2, 300, 300, 64), (1, 32, 8, 1, 5000, 128)])
     print(markdown(gemm_checks, ["case", "shape", "dtype", "max error", "ok", "kernels"]))
     if all(r["ok"] for r in gemm_checks):
         gemms = gemm_gpu.time_gemms(time.perf_counter() + GEMM_BUDGET_S, args.quick)
@@ -270,8 +272,9 @@ def main() -> None:
         moe = moe_gpu.time_moe(args.quick)
         norms = norm_gpu.time_norms(args.quick, copy_gbs)
         losses = loss_gpu.time_losses(args.quick)
+        attention = attention_gpu.time_prefill(args.quick) + attention_gpu.time_decode(args.quick)
     else:
-        gemms, mlp, lce, moe, norms, losses = [], [], [], [], [], []
+        gemms, mlp, lce, moe, norms, losses, attention = [], [], [], [], [], [], []
         print("  contractions: not timed (a correctness check failed)")
     print("\n## Kernel time (do_bench median), achieved GB/s and fraction of copy bandwidth\n")
     print(markdown(timings, ["workload", "shape", "dtype", "impl", "us", "GB/s", "of copy", "kernels"]))
@@ -289,8 +292,10 @@ def main() -> None:
     print(markdown(norms, ["case", "shape", "impl", "us", "GB/s", "of copy"]))
     print("\n## Post-training losses over a head, bf16, forward + backward: rtxdsl vs Liger's chunks\n")
     print(markdown(losses, ["case", "shape", "impl", "forward + backward us", "peak extra MB", "logits MB"]))
+    print("\n## Attention, bf16: prefill TFLOP/s (FlashAttention-2's count) and a decoding step's time\n")
+    print(markdown(attention, ["case", "shape", "impl", "pass", "us", "TFLOP/s"]))
     results = {"gemm_checks": gemm_checks, "gemms": gemms, "mlp": mlp, "lce": lce, "moe": moe, "norms": norms}
-    results["losses"] = losses
+    results["losses"], results["attention"] = losses, attention
     path = save(name, {**payload(), **results}, args.out)
     print(f"\nwrote {path} in {time.perf_counter() - start:.0f} s")
 
