@@ -40,10 +40,14 @@ Generator = Callable[[KernelSpec, str, str, str], str]
 
 
 def generator_digest() -> str:
-    """Hash of the code that turns specs into source: a changed generator never reuses stale files."""
+    """Hash of the code that turns specs into source: a changed generator never reuses stale files.
+    ``lower/`` too: some of it writes source text from a spec (block sparsity's tile scan,
+    ``lower.sparsity.may_hold``; online softmax's names), which a changed rule changed with the
+    spec the same (a scan through a view of document ids was served from a file without it)."""
     root = Path(__file__).parent
     h = hashlib.sha256()
-    for path in sorted([*root.glob("codegen/*.py"), *root.glob("ops/*.py"), root / "registry.py", root / "dtypes.py"]):
+    code = [*root.glob("codegen/*.py"), *root.glob("lower/*.py"), *root.glob("ops/*.py")]
+    for path in sorted([*code, root / "registry.py", root / "dtypes.py"]):
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -1178,3 +1178,37 @@ def test_a_statistic_kept_out_of_a_k_loop_where_it_would_make_kernels_read_each_
     chunk = torch.logsumexp(sc, -1, keepdim=True)
     want = (torch.exp(chunk - torch.logsumexp(chunk, 1, keepdim=True)) * (torch.exp(sc - chunk) @ d["v"])).sum(1)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_grouped_attention_over_document_ids_compares_them_per_tile(gen):
+    """Grouped-query attention with ``mask_mod=lambda b, h, i, j: doc_q == doc_k``: the ids compare
+    at the scores' tiles (``_template`` keeps elementwise math over its tensors in the template),
+    read through their group-axis views, and the scan skips the tiles between documents. Lifted
+    whole, ``doc_q == doc_k`` was a ``[Tq, Tk]`` bool computed by a kernel of its own and written
+    (2 launches, 300,000 bytes where the minimum is 120,000). Keys no query's document holds are
+    NaN: the output and every gradient those of the others."""
+    t, d = 256, 16
+    docs = torch.arange(t) // 48
+    key_docs = torch.where(torch.arange(t) < 128, docs, 99)
+    ins = {n: torch.randn(1, h, t, d, generator=gen) for n, h in (("q", 4), ("k", 2), ("v", 2))}
+    for n in "kv":
+        ins[n][..., 128:, :] = float("nan")
+    data = {"dq": docs.reshape(1, 1, t, 1), "dk": key_docs.reshape(1, 1, 1, t)}
+    kern = rx.compile(rx.attention(q, k, v, enable_gqa=True, mask_mod=lambda b, h, i, j: rx.var("dq") == rx.var("dk")))
+    summary = kern.summary(**ins, **data)
+    assert summary.kernels == 1 and summary.bytes_moved == summary.bytes_minimum
+    assert "tile_keep = (tl.max(tl.load(dk_ptr" in kern.sources(**ins, **data)[0]
+    leaves = {n: x.clone().requires_grad_() for n, x in ins.items()}
+    out = kern(**leaves, **data)
+    cot = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, list(leaves.values()), cot)
+    exact = {n: (x[..., :128, :] if n in "kv" else x).double().requires_grad_() for n, x in ins.items()}
+    s = exact["q"] @ exact["k"].repeat_interleave(2, 1).mT / d**0.5
+    s = s.masked_fill(~(docs[:, None] == docs[None, :128]), float("-inf"))
+    want_out = torch.softmax(s, -1).nan_to_num(0.0) @ exact["v"].repeat_interleave(2, 1)
+    want = torch.autograd.grad(want_out, list(exact.values()), cot.double())
+    torch.testing.assert_close(out.double(), want_out, atol=2e-5, rtol=2e-5)
+    for name, g, w in zip("qkv", got, want):
+        full = torch.zeros(g.shape, dtype=torch.float64)
+        full[..., : w.shape[-2], :] = w
+        torch.testing.assert_close(g.double(), full, atol=2e-5, rtol=2e-5, msg=lambda m, name=name: f"d{name}: {m}")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import torch
 
@@ -123,3 +125,22 @@ def test_four_processes_share_an_empty_cache_dir_and_a_fifth_starts_from_disk(tm
     fifth = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     compiles, disk_hits, healed = map(int, fifth.stdout.split())
     assert (compiles, healed) == (0, 0) and disk_hits == len(sources)
+
+
+def test_the_generator_digest_covers_every_module_that_writes_source(tmp_path, monkeypatch):
+    """A kernel file on disk is reused only by the code that wrote it: the digest in its name
+    changes with codegen/, ops/ and lower/ (block sparsity's tile scan is written by
+    ``lower.sparsity``; a change there was served a stale file without it)."""
+    import rtxdsl.cache as cache_module
+
+    root = Path(cache_module.__file__).parent
+    for sub in ("codegen", "lower", "ops"):
+        fake = tmp_path / "rtxdsl"
+        if fake.exists():
+            shutil.rmtree(fake)
+        shutil.copytree(root, fake, ignore=shutil.ignore_patterns("__pycache__"))
+        monkeypatch.setattr(cache_module, "__file__", str(fake / "cache.py"))
+        before = cache_module.generator_digest()
+        target = sorted((fake / sub).glob("*.py"))[-1]
+        target.write_text(target.read_text() + "\n# changed\n")
+        assert cache_module.generator_digest() != before, sub

@@ -253,6 +253,8 @@ def may_hold(
         if REGISTRY[node.op].kind is OpKind.MOVEMENT and not REGISTRY[node.op].view:  # positions
             dim = tile_dim(spec, i)
             return (0, 0) if dim == "0" else bounds.get(dim) if dim is not None else None
+        if REGISTRY[node.op].view:  # size-1 dims inserted (grouped attention's ids): the same values
+            return rng(node.srcs[0])
         operands = [rng(r) for r in node.srcs]
         if node.op not in RANGES or any(o is None for o in operands):
             return None

@@ -54,7 +54,10 @@ register(OpDef(name="attention_slot", kind=OpKind.LEAF, arity=0, ref=lambda **_:
 
 def _template(fn: Callable[..., Any], slots: tuple[str, ...], what: str, operands: list[Expr]) -> Expr:
     """``fn`` called on slots; each subexpression it reads that holds no slot (a tensor, a lazy
-    value) becomes an operand (appended to ``operands``, offset 3 past q, k, v) and a slot."""
+    value) becomes an operand (appended to ``operands``, offset 3 past q, k, v) and a slot, but
+    elementwise math over such operands stays in the template, computed at the scores' tiles:
+    ``doc_q == doc_k`` compares ids per score where, lifted whole, it was a ``[Tq, Tk]`` mask
+    computed apart (grouped-query attention wrote it at the scores' size)."""
     try:
         out = fn(*[_slot(s) for s in slots])
     except RtxError as exc:
@@ -64,11 +67,16 @@ def _template(fn: Callable[..., Any], slots: tuple[str, ...], what: str, operand
     out = as_expr(out, f"attention: {what}")
     free: dict[int, bool] = {}
     maximal: set[int] = set()
+
+    def inline(n: Expr) -> bool:  # kept in the template: it holds a slot, or is elementwise math
+        return not free[id(n)] or (REGISTRY[n.op].kind is OpKind.ELEMENTWISE and bool(n.srcs))
+
     for n in walk([out]):
         free[id(n)] = n.op != "attention_slot" and all(free[id(s)] for s in n.srcs)
-        if not free[id(n)]:
-            maximal.update(id(s) for s in n.srcs if free[id(s)] and not s.is_const)
-    if free[id(out)] and not out.is_const:
+    for n in walk([out]):
+        if inline(n):
+            maximal.update(id(s) for s in n.srcs if free[id(s)] and not s.is_const and not inline(s))
+    if not inline(out) and not out.is_const:
         maximal.add(id(out))
 
     def lift(n: Expr) -> Expr | None:
