@@ -276,7 +276,8 @@ def test_a_product_whose_operand_is_the_other_product_is_never_merged(build, gen
 
 #: the seeds of the random square-product programs: fixed ones, and one from the commit
 #: (``RTXDSL_FUZZ_SEED`` sets it)
-SQUARE_SEEDS = [*range(10), commit_seed("RTXDSL_FUZZ_SEED")]
+#: (11, 81 and 194 draw a product's operand also read elementwise at the tile: wrong before analyze._operands_loaded)
+SQUARE_SEEDS = [*range(10), 11, 81, 194, commit_seed("RTXDSL_FUZZ_SEED")]
 
 
 def _square_program(r: random.Random) -> tuple[list[tuple[str, int, int]], list[int]]:
@@ -284,17 +285,24 @@ def _square_program(r: random.Random) -> tuple[list[tuple[str, int, int]], list[
     right one transposed), a relu, a sum; outputs: the last value and one drawn. Every product has
     one shape, so any two that share an operand are candidates to merge, whatever reads what."""
     steps, values = [], 3
-    for _ in range(r.randint(2, 5)):
-        steps.append((r.choice(["mm", "mm", "mmT", "relu", "add"]), r.randrange(values), r.randrange(values)))
+    for _ in range(r.randint(2, 6)):
+        kinds = ["mm", "mm", "mmT", "relu", "exp", "add", "mul"]
+        steps.append((r.choice(kinds), r.randrange(values), r.randrange(values)))
         values += 1
     return steps, sorted({values - 1, r.randrange(3, values)})
 
 
-def _run_square(steps, outs, leaves, relu, scale):
+def _run_square(steps, outs, leaves, ops, scale):
     values = list(leaves)
     for kind, i, j in steps:
         a, b = values[i], values[j]
-        value = {"mm": lambda: a @ b * scale, "mmT": lambda: a @ b.mT * scale, "relu": lambda: relu(a)}
+        value = {
+            "mm": lambda: a @ b * scale,
+            "mmT": lambda: a @ b.mT * scale,
+            "relu": lambda: ops["relu"](a),
+            "exp": lambda: ops["exp"](a * 0.25),  # (a smooth function of a product: its operand and elementwise)
+            "mul": lambda: a * b,
+        }
         values.append(value.get(kind, lambda: a + b * 0.5)())
     return [values[o] for o in outs]
 
@@ -306,15 +314,17 @@ def test_random_programs_of_square_products_match_float64(seed):
     operand was the other product's output tile (``analyze._operands_at_tiles``)."""
     r = random.Random(seed)
     dtype, n = r.choice([torch.float32, torch.float16]), r.choice([1, 5, 17, 33])  # (1: every stride 1)
+    batch = r.choice([(), (2,)])  # batched: a product's operand read both in its tiles and elementwise
     steps, outs = _square_program(r)
     gen = torch.Generator().manual_seed(seed)
-    leaves = {name: torch.randn(n, n, generator=gen).to(dtype) for name in "abc"}
-    exprs = _run_square(steps, outs, [rx.var(name) for name in "abc"], rx.relu, n**-0.5)
+    leaves = {name: torch.randn(*batch, n, n, generator=gen).to(dtype) for name in "abc"}
+    exprs = _run_square(steps, outs, [rx.var(name) for name in "abc"], {"relu": rx.relu, "exp": rx.exp}, n**-0.5)
     kernel = rx.compile({f"o{k}": e for k, e in enumerate(exprs)})
     ins = {name: leaves[name].requires_grad_() for name in kernel.inputs}
     got = list(kernel(**ins).values())
     ref_in = {name: leaves[name].detach().double().requires_grad_() for name in kernel.inputs}
-    want = _run_square(steps, outs, [ref_in.get(name, leaves[name].double()) for name in "abc"], torch.relu, n**-0.5)
+    ops = {"relu": torch.relu, "exp": torch.exp}
+    want = _run_square(steps, outs, [ref_in.get(name, leaves[name].double()) for name in "abc"], ops, n**-0.5)
     cots = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
     grads = torch.autograd.grad(got, list(ins.values()), [c.to(dtype) for c in cots], allow_unused=True)
     wanted = torch.autograd.grad(want, list(ref_in.values()), cots, allow_unused=True)
@@ -404,3 +414,51 @@ def test_random_functions_of_one_recomputed_product_match_float64(seed):
     for what, a, b in [*zip(["o0", "o1"], got, want), *zip(floats, grads, wanted)]:
         if a is not None and b is not None:
             assert (a.double() - b).abs().max() <= tol * (1 + b.abs().max()), f"{what}: {p}"
+
+
+_g, _s, _w = rx.var("g"), rx.var("s"), rx.var("w")
+PROLOGUE_PRODUCTS = {  # a GEMM whose A prologue recomputes products, and its float64 form
+    # the product's operand also read elementwise at the tile: one load, two sets of stride names
+    "operand read at the tile too": (
+        lambda: rx.matmul(rx.matmul(rx.transpose(_g, -1, -2), _s) * rx.exp(_s), _w),
+        lambda g, s, w: (g.mT @ s * s.exp()) @ w,
+    ),
+    # a product's operand computed at the tile for another use: it cannot be a product's load
+    "operand computed at the tile": (
+        lambda: rx.matmul(rx.matmul(_g, rx.exp(_s)) + rx.matmul(_g, _s) * rx.exp(_s), _w),
+        lambda g, s, w: (g @ s.exp() + g @ s * s.exp()) @ w,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PROLOGUE_PRODUCTS))
+def test_products_a_prologue_recomputes_read_their_operands_right(case):
+    """Batched products recomputed in a GEMM's A prologue beside elementwise values of their own
+    operands: the backward of ``linear(x, w) @ exp(linear(x, w)).mT`` with ``w`` frozen is such a
+    GEMM (lazy fuzzer seed 20261516, program 2026151600347: d/dx 1.5x off). The operand read both
+    in the product's tiles and elementwise had one stride name for two strides (``s_stride0``: its
+    batch stride at the tile, its row stride in the product), and an operand the prologue computes
+    was read as the load it is computed from (``exp(s)`` as ``s``); both now right
+    (``params._gemm`` numbers a product operand's strides past the batch dims,
+    ``analyze._operands_loaded`` keeps a computed operand written)."""
+    expr, ref = PROLOGUE_PRODUCTS[case]
+    gen = torch.Generator().manual_seed(3)
+    ins = {"g": torch.randn(2, 3, 3, generator=gen), "s": torch.randn(2, 3, 3, generator=gen)}
+    ins["w"] = torch.randn(3, 4, generator=gen)
+    got = rx.compile(expr())(**ins)
+    torch.testing.assert_close(got.double(), ref(*(t.double() for t in ins.values())), atol=1e-5, rtol=1e-5)
+
+
+def test_the_gradient_of_a_product_of_a_frozen_projection_and_a_function_of_it():
+    """d/dx of ``v @ exp(v).mT``, ``v = linear(x, w)`` with ``w`` frozen (the fuzzer's program)."""
+    x, w = rx.var("x"), rx.var("w")
+    v = rx.linear(x, w)
+    kernel = rx.compile(rx.matmul(v, rx.transpose(rx.exp(v), -1, -2)))
+    gen = torch.Generator().manual_seed(4)
+    tx, tw = torch.randn(2, 3, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    leaf = tx.clone().requires_grad_()
+    got = torch.autograd.grad(kernel(x=leaf, w=tw).sum(), leaf)[0]
+    exact = tx.double().requires_grad_()
+    vd = exact @ tw.double().T
+    want = torch.autograd.grad((vd @ vd.exp().mT).sum(), exact)[0]
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)

@@ -548,7 +548,8 @@ class GemmWriter(Writer):
         """A recomputed product's operand ``k`` at index vectors ``at`` of its named stored dims."""
         ld, name = self.spec.loads[k], self.load_names[k]
         terms = [f"{b} * {name}_stride_b{d}" for d, b in enumerate(self.batch_idx)]
-        return " + ".join(terms + offset_terms(name, (*ld.rows, *ld.cols), [at[dim] for dim in dims]))
+        matrix = offset_terms(name, (*ld.rows, *ld.cols), [at[dim] for dim in dims], len(self.batch_idx))
+        return " + ".join(terms + matrix)
 
     def _k_reduction(self, i: int, v: str, mask: str, scope: Scope) -> None:
         """Reduction ``i`` of A over its contracted dims: each K tile's states merged into one

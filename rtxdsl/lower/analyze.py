@@ -1285,8 +1285,10 @@ def _product_cone(
     as it is)."""
     tiled = _tiled_cone(s, graph)
     if tiled is not None:
-        return tiled
+        return tiled if _operands_loaded(tiled) else None
     tiled = _tiled_cone(s, graph, bounded=writable)
+    if tiled is not None and not _operands_loaded(tiled):
+        return None
     members = {id(m) for m in tiled or ()}
     if any(
         id(c) not in members and id(c) not in in_kernels and not _untiled(m, graph)
@@ -1295,6 +1297,15 @@ def _product_cone(
     ):
         return None
     return tiled
+
+
+def _operands_loaded(cone: list[Expr]) -> bool:
+    """Does no product of ``cone`` read a value the cone itself computes (``(g @ exp(s)) + (g @ s) *
+    exp(s)``: ``exp(s)`` computed at the tile for the ``*`` is also ``g @ exp(s)``'s operand, which
+    a product recomputed in tiles reads from memory, written by no kernel once the cone moves: the
+    generated product read ``s`` in its place)? Views of inputs are loads either way."""
+    computed = {id(m) for m in cone if REGISTRY[m.op].kind is OpKind.ELEMENTWISE}
+    return not any(id(x) in computed for m in cone if REGISTRY[m.op].kind is OpKind.CONTRACTION for x in m.srcs)
 
 
 def _writable(work: list[_Work], graph: Graph) -> frozenset[int]:

@@ -315,7 +315,10 @@ def _tile_values(
                 # operand of a recomputed product read elementwise as well, both strides unit;
                 # lazy fuzzer program 2026151400164)
                 classes = (*spec.loads[j].rows, *spec.loads[j].cols)
-                values |= {f"{names[j]}_stride{d}": v for d, (v, c) in enumerate(zip((r, cl), classes)) if c == STRIDED}
+                n_b = len(over_batch)  # (numbered past the batch dims: params.strided's first)
+                values |= {
+                    f"{names[j]}_stride{n_b + d}": v for d, (v, c) in enumerate(zip((r, cl), classes)) if c == STRIDED
+                }
     return values
 
 

@@ -206,7 +206,10 @@ def _gemm(spec: KernelSpec) -> list[Param]:
         for k in product_loads(spec, i, shared):
             ld = spec.loads[k]
             ints += [f"{names[k]}_stride_b{d}" for d in range(nb)]
-            ints += strided(names[k], (*ld.rows, *ld.cols))
+            # numbered past the batch dims, as a load at a tile numbers them: one read both ways
+            # (``(g.mT @ s) * exp(s)``) has one name per stride (``s_stride0`` was its batch stride
+            # at the tile and its row stride in the product: one value for both, the product wrong)
+            ints += strided(names[k], (*ld.rows, *ld.cols), nb)
     if g.window is not None:  # a chunk loop's kernel: where its chunk starts; accumulating, is it the last
         ints += ["W_LO", *(["W_LAST"] if g.window.accumulate is not None else [])]
         if g.window.accumulate is not None:
