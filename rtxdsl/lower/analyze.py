@@ -998,7 +998,7 @@ def absorb_prologues(
     for s in (n for n in graph.nodes if id(n) in st.readers and id(n) not in st.stored):
         before = st.snapshot()
         st.absorb(s)
-        if _cyclic(st.work, st.emptied, fl, st.requested, st.consumers):
+        if _cyclic(graph, st.work, st.emptied, fl, st.requested, st.consumers):
             st.restore(before)
     dead = {id(h) for h in st.emptied if not _writes(h, st.work, st.requested, st.consumers)}
     order = _order(graph)
@@ -1092,13 +1092,21 @@ class _Absorb:
                     self.emptied += _reduce_in_k_loop(w, [s], work, graph, consumers, requested)
 
 
-def _cyclic(work: list[_Work], emptied: list[_Work], fl: Flow, requested: set[int], consumers: dict) -> bool:
+def _cyclic(
+    graph: Graph, work: list[_Work], emptied: list[_Work], fl: Flow, requested: set[int], consumers: dict
+) -> bool:
     """Would the kernels left (an emptied one that writes nothing is dropped) read each other's
-    values in a cycle, so that none could launch first?"""
+    values in a cycle, so that none could launch first? Each value read from the kernel that
+    writes it, as ``finish`` orders them (``_writers``: a copy a GEMM's prologue recomputes is
+    not where it is read from)."""
     dead = {id(h) for h in emptied if not _writes(h, work, requested, consumers)}
     live = [w for w in work if id(w) not in dead]
-    homes = _homes(live)
-    deps = {i: _group_reads(w, fl, homes, i) for i, w in enumerate(live)}
+    homes = _writers(graph, live)  # type: ignore[arg-type]
+    deps = {}
+    for i, w in enumerate(live):
+        inside = {id(m) for m in (*w.nodes, *w.free)}
+        reads = {homes.get(id(s)) for m in (*w.nodes, *w.free) for s in fl.reads[id(m)] if id(s) not in inside}
+        deps[i] = {r for r in reads if r is not None} - {i}
     try:
         tuple(graphlib.TopologicalSorter(deps).static_order())
     except graphlib.CycleError:
