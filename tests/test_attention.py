@@ -1158,6 +1158,10 @@ def test_a_decoding_step_over_a_long_cache_splits_its_keys_and_merges_them(
     ins["m"] = torch.ones(1, 1, 1, tk, dtype=torch.bool)
     whole = rx.compile(rx.attention(q, k, v, enable_gqa=hq != hkv, attn_mask=rx.var("m")))
     assert [math.prod(c.grid) for c in whole.lower_for(GPU, **ins).kernels] == [hkv]
+    # a step with no key at all: output 0 and logsumexp -inf, as the whole step's (the merge gave 0)
+    ins["m"] = torch.zeros(tk, dtype=torch.bool)
+    out, lse = rx.compile(rx.attention(q, k, v, enable_gqa=hq != hkv, attn_mask=rx.var("m"), return_lse=True))(**ins)
+    assert not out.any() and bool((lse == float("-inf")).all())
 
 
 def test_a_statistic_kept_out_of_a_k_loop_where_it_would_make_kernels_read_each_other(gen):

@@ -16,6 +16,7 @@ from ..lower.online import EXPS, SHIFTS, SUMS
 from ..lower.params import own_params, shared_operands
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
+from ..lower.sparsity import batch_dim
 from ..lower.spec import BCAST, STRIDED, UNIT, KernelSpec, NodeSpec, Src
 from ..ops import REGISTRY, Coords, DtypeRule, EmitCtx, OpKind, ReduceSpec, RemapCtx
 from ..ops.elementwise import to_storage
@@ -98,7 +99,7 @@ class GemmWriter(Writer):
     def TILE_RANGES(self) -> dict[str, tuple[str, str]]:  # noqa: N802 (the Writer's name)
         """GEMM_RANGES and each batch dim's position, the program's own (``sparsity.tile_dim``)."""
         batch = getattr(self, "batch_idx", [])
-        return GEMM_RANGES | {f"b{d - len(batch) - 2}": (ix, ix) for d, ix in enumerate(batch)}
+        return GEMM_RANGES | {batch_dim(d, len(batch)): (ix, ix) for d, ix in enumerate(batch)}
 
     def __init__(self, spec: KernelSpec) -> None:
         super().__init__(spec)

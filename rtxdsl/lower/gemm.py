@@ -51,7 +51,7 @@ from .schedule import (
     viewed,
     wide_epilogue,
 )
-from .sparsity import NEUTRAL, guard_dims, kept_fraction, vanishing_guard
+from .sparsity import NEUTRAL, batch_dim, guard_dims, kept_fraction, vanishing_guard
 from .spec import STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, OutSpec, Src, Window
 from .target import Target
 
@@ -129,7 +129,7 @@ def gemm_spec(
             b_classes=(_unit(sb[0], sb[1]), _unit(sb[1], sb[0])),
             precision="tf32" if tf32 and a.dtype == torch.float32 else "ieee",
             window=_window(group, graph.of(c).dtype),
-            **_skip(group, graph, bd),
+            guard=_guard(group, graph, bd),
             online=_online(group, bd),
             whole_k=whole,
         ),
@@ -151,7 +151,8 @@ def gemm_spec(
     empty = math.prod(domain) == 0
     spans = {"m": (m, tile.block_m), "k": (k, tile.block_k)}
     # a batch dim the guard reads positions along (a split of the keys): each of its positions
-    spans |= {d: (batch[int(d[1:]) + 2], 1) for d in guard_dims(spec) if d[0] == "b" and -int(d[1:]) - 2 <= len(batch)}
+    batch_spans = {batch_dim(d, len(batch)): (size, 1) for d, size in enumerate(batch)}
+    spans |= {d: batch_spans[d] for d in guard_dims(spec) if d in batch_spans}
     kept = kept_fraction(spec, spans, vals)
     grid = (max(1, tiles), max(1, batches))
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, kept=kept)
@@ -210,33 +211,32 @@ def _window(group: Group, dtype: torch.dtype) -> Window | None:
     return Window(chunk.axis, relative, relative_out, accumulator(dtype) if chunk.axis == "k" else None)
 
 
-def _skip(group: Group, graph: Graph, bd: Body) -> dict[str, int]:
+def _guard(group: Group, graph: Graph, bd: Body) -> tuple[Src, int] | None:
     """Block sparsity: the guard under which the K loop's A tile, a product computed in tiles, is 0
-    and each reduction in the K loop reads its neutral value (``lower.sparsity``): ``{"skip": its
-    node}``, ``{"skip_load": its load}`` where it is a bool tensor itself (a padding mask read at
-    A's tile), or ``{}``."""
+    and each reduction in the K loop reads its neutral value (``lower.sparsity``): its node, its
+    load where it is a bool tensor itself (a padding mask read at A's tile), or None."""
     c = group.contraction
     assert c is not None
     a = c.srcs[0]
     if group.chunk is not None or c.attr("sum_batch") or group.roles.get(id(a)) is not Role.A:
-        return {}
+        return None
     prologue = [n for n in group.nodes if group.role(n) is Role.A]
     if not any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in prologue):
-        return {}  # only where A is a product computed in tiles (attention's P, dS): a masked
+        return None  # only where A is a product computed in tiles (attention's P, dS): a masked
         # operand read from memory keeps eager's 0 * inf in every tile
     targets = [(a, 0.0)]  # and each product summed beside it from a prologue (dV's P beside dK's dS)
     targets += [(n.srcs[0], 0.0) for n in group.nodes if n is not c and _from_prologue(n, group)]
     for n in prologue:
         if REGISTRY[n.op].kind is OpKind.REDUCTION:
             if n.op not in NEUTRAL:
-                return {}
+                return None
             targets.append((n.srcs[0], NEUTRAL[n.op]))
     guard = vanishing_guard(prologue, graph, targets)
     if guard is not None and group.roles.get(id(guard)) is Role.A:
-        return {"skip": bd.index[id(guard)]}
+        return Src.NODE, bd.index[id(guard)]
     held = [i for i, x in enumerate(group.inputs) if x is guard]  # a bool tensor as the guard, loaded at A's tile
     loads = [k for k, (i, role, _) in enumerate(bd.loads) if i in held and role is Role.A]
-    return {"skip_load": loads[0]} if len(loads) == 1 else {}
+    return (Src.LOAD, loads[0]) if len(loads) == 1 else None
 
 
 def _from_prologue(n: Expr, group: Group) -> bool:

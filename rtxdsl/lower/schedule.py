@@ -629,8 +629,8 @@ def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> 
         m = w.rows[-1] if batch else n_rows
         bm, bn, bk = gemm_block(bm, max(16, bn // 2), bk, m, n_cols, dtype)
         precision = "tf32" if tf32 and dtype == torch.float32 else "ieee"
-        skip = _row_skip(group, graph, w) if batch else -1
-        tile = GemmTile(bm, bn, bk, 1, warps, stages, batch=batch, precision=precision, skip=skip)
+        guard = _row_guard(group, graph, w) if batch else None
+        tile = GemmTile(bm, bn, bk, 1, warps, stages, batch=batch, precision=precision, guard=guard)
         return Config(bn, bm, True, warps), tile
     if w.row:
         # a load varying along the reduced dims is a tile; per-row ones (targets) and 0-dim ones (a
@@ -643,17 +643,17 @@ def _config(group: Group, graph: Graph, w: Walk, target: Target, tf32: bool) -> 
     return Config(0, 1, False, 0), None
 
 
-def _row_skip(group: Group, graph: Graph, w: Walk) -> int:
+def _row_guard(group: Group, graph: Graph, w: Walk) -> tuple[Src, int] | None:
     """Block sparsity in a row kernel computing a product in tiles (its rows in one batch): the
-    guard under which every reduction reads its neutral value (``lower.sparsity``), when the
-    kernel writes per-row values only; or -1."""
+    guard (its node) under which every reduction reads its neutral value (``lower.sparsity``),
+    when the kernel writes per-row values only; or None."""
     if any(group.role(o) is Role.FULL for o in group.outputs):
-        return -1
+        return None
     reductions = [n for n in group.nodes if REGISTRY[n.op].kind is OpKind.REDUCTION]
     if any(n.op not in NEUTRAL for n in reductions):
-        return -1
+        return None
     guard = vanishing_guard(group.nodes, graph, [(n.srcs[0], NEUTRAL[n.op]) for n in reductions])
-    return -1 if guard is None or id(guard) not in w.index else w.index[id(guard)]
+    return None if guard is None or id(guard) not in w.index else (Src.NODE, w.index[id(guard)])
 
 
 def _programs(spec: KernelSpec, w: Walk, target: Target) -> tuple[KernelSpec, int, int, int]:

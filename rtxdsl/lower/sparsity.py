@@ -10,7 +10,7 @@ each tile's ranges of positions (:func:`may_hold`, the writers' ``tile_scan``) a
 over the tiles where it may hold (``[lo, hi)``; a tile between two kept ones still runs).
 
 The guard may also read integer or bool tensors (packed documents' ids, ``doc_q == doc_k``; a
-key padding mask; a 2-D bool mask, or the guard that mask is itself: ``GemmTile.skip_load``): the
+key padding mask; a 2-D bool mask, or the guard that mask is itself: ``GemmTile.guard``): the
 kernel loads each one's slice over the tile and takes its smallest and largest value as its range
 (``load_range`` of the GEMM writer), on the device, at every sequence length, with nothing built
 on the host (FlexAttention rebuilds a ``BlockMask`` there). The compute model, at plan time,
@@ -208,6 +208,12 @@ class _Tiles:
 TEXT, TILES = _Text(), _Tiles()
 
 
+def batch_dim(d: int, nb: int) -> str:
+    """``tile_dim``'s name of a GEMM's batch dim ``d`` of ``nb``: counted from the end of a value's
+    dims (a matrix's two last), as values of fewer dims align."""
+    return f"b{d - nb - 2}"
+
+
 def tile_dim(spec: KernelSpec, i: int) -> str | None:
     """The tile dim positions node ``i`` of a guarded kernel runs along: a GEMM's ``"m"`` (the A
     tile's rows, its output rows) or ``"k"`` (the K slice), a row kernel's ``"rows"`` or
@@ -222,7 +228,7 @@ def tile_dim(spec: KernelSpec, i: int) -> str | None:
     if spec.kind != "gemm":
         return {rank - 2: "rows", rank - 1: "cols"}.get(axis)
     if axis < rank - 2:
-        return f"b{axis - rank}"
+        return batch_dim(axis, rank - 2)
     own = next(n for n in spec.nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION and n.role is Role.FULL)
     dims = ("k", "m") if dict(own.attrs)["ta"] else ("m", "k")
     return {rank - 2: dims[0], rank - 1: dims[1]}.get(axis)

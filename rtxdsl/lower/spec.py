@@ -131,22 +131,16 @@ class GemmTile:
     b_classes: tuple[Stride, Stride] = (STRIDED, STRIDED)
     precision: str = "ieee"  # fp32 operands: "ieee" (exact products) or "tf32" (FusionConfig.allow_tf32)
     window: Window | None = None  # a kernel of a chunk loop
-    #: block sparsity: the node (a condition of positions) over whose tiles, where it is false
-    #: everywhere, the loop computes nothing (``lower.sparsity``); -1: every tile runs
-    skip: int = -1
-    #: block sparsity where the guard is a bool tensor itself (a padding mask): its load; -1: none
-    skip_load: int = -1
+    #: block sparsity: the condition over whose tiles, where it is false everywhere, the loop
+    #: computes nothing (``lower.sparsity``): a node (of positions, ids, masks), or a load (a bool
+    #: tensor itself: a padding mask); None: every tile runs
+    guard: tuple[Src, int] | None = None
     #: online softmax (``lower.online``): the logsumexp merged in the K loop as it runs and the shift
     #: node the prologue reads (the running max's in the loop); None: none
     online: tuple[int, int] | None = None
     #: a prologue's only product computed as one slice of its contracted size: (node, the slice, a
     #: power of two >= 16 covering it); its operand tile the K loop does not move is loaded once
     whole_k: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def guard(self) -> tuple[Src, int] | None:
-        """Block sparsity's guard: a node, or a load (a bool tensor itself); None: every tile runs."""
-        return (Src.NODE, self.skip) if self.skip >= 0 else (Src.LOAD, self.skip_load) if self.skip_load >= 0 else None
 
 
 @dataclass(frozen=True)

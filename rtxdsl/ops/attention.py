@@ -266,11 +266,8 @@ def _positions(scores: Expr, rank: int, groups: int | None = None, split: bool =
     head) the query head is ``kv_head * G + g``; a split decoding step's (``split``) have a chunk
     axis before the rows: ``[B, Hq, C, 1, Tk]``, ``[B, Hkv, C, G, Tk]``."""
     at = [node("arange_like", scores, axis=axis) for axis in range(rank)]
-    if split:
-        at = at[:2] + at[3:]  # (the chunk axis is no position a score function sees)
-        if groups is None:
-            return dict(zip(POSITIONS, at))
-        return {"b": at[0], "h": node("add", node("mul", at[1], groups), at[2]), "q_idx": as_expr(0), "kv_idx": at[-1]}
+    if split:  # the chunk axis is no position a score function sees: the step's own, unsplit
+        at, rank = at[:2] + at[3:], rank - 1
     if groups is None:
         return dict(zip(POSITIONS, at))
     query = at[3] if rank == 5 else as_expr(0)  # a decoding step's one query: position 0
@@ -327,23 +324,34 @@ def _splits(b: int, heads: int, tq: int, tk: int, dropout_p: float, tensors: lis
     return 1 << (most.bit_length() - 1) if most >= 2 else 1
 
 
+def _rows(s: Expr) -> tuple[Expr, Expr, Expr]:
+    """Softmax over the last axis of ``s``, by parts: ``(exp(s - m), its row sum, logsumexp)``.
+    The shift ``m`` is the row's logsumexp (one online pass: logsumexp's state), made finite and
+    detached: a shift, not a value the gradient flows through (a fully masked row's ``-inf`` would
+    give ``exp(-inf + inf)``). The row sum is 1 up to rounding, made 1 on a fully masked row (its
+    probabilities 0, its logsumexp ``-inf``): dividing by it after ``P @ v`` gives the softmax's
+    gradient its row term, and a kernel computes it in the ``P @ v`` product's K loop."""
+    lse0 = node("logsumexp", s, axis=-1, keepdim=True)
+    m = node("detach", node("where", node("eq", lse0, float("-inf")), 0.0, lse0))
+    u = node("exp", node("sub", s, m))
+    total = node("sum", u, axis=-1, keepdim=True)
+    empty = node("eq", total, 0.0)
+    total = node("where", empty, 1.0, total)
+    return u, total, node("where", empty, float("-inf"), node("add", m, node("log", total)))
+
+
 def _merged(out: Expr, lse: Expr, shape: tuple[int, int, int, int, int]) -> tuple[Expr, Expr]:
     """The chunks' outputs ``[B, H, C, R, Dv]`` (each normalized over its own keys) and logsumexps
-    ``[B, H, C, R, 1]`` merged: ``sum_c exp(lse_c - lse) * out_c`` with ``lse = logsumexp_c(lse_c)``,
-    one row kernel over the chunks read transposed (a weighted sum after the chunks' product: its
-    epilogue, were the weights its own, would read what is computed from its logsumexp); a chunk
-    with no key (``-inf``) weighs 0, a row with none anywhere gives 0 and ``-inf``. Returns
-    ``[B, H, R, Dv]`` and ``[B, H, R, 1]``."""
+    ``[B, H, C, R, 1]`` merged: ``sum_c exp(lse_c - lse) * out_c`` with ``lse = logsumexp_c(lse_c)``
+    (``_rows`` over the chunks), one row kernel over the chunks read transposed (a weighted sum
+    after the chunks' product: its epilogue, were the weights its own, would read what is computed
+    from its logsumexp); a chunk with no key (``-inf``) weighs 0, a row with none anywhere gives 0
+    and ``-inf``. Returns ``[B, H, R, Dv]`` and ``[B, H, R, 1]``."""
     b, h, c, r, _ = shape
-    lses = node("permute", node("reshape", lse, shape=(b, h, c, r)), dims=(0, 1, 3, 2))
-    whole = node("logsumexp", lses, axis=-1, keepdim=True)
-    shift = node("detach", node("where", node("eq", whole, float("-inf")), 0.0, whole))
-    weights = node("exp", node("sub", lses, shift))
-    total = node("sum", weights, axis=-1, keepdim=True)
-    total = node("where", node("eq", total, 0.0), 1.0, total)
+    weights, total, whole = _rows(node("permute", node("reshape", lse, shape=(b, h, c, r)), dims=(0, 1, 3, 2)))
     chunks = node("permute", out, dims=(0, 1, 3, 4, 2))
     merged = node("sum", node("mul", node("unsqueeze", weights, axes=(3,)), chunks), axis=-1, keepdim=False)
-    return node("div", merged, total), node("add", shift, node("log", total))
+    return node("div", merged, total), whole
 
 
 def _decompose(
@@ -370,9 +378,9 @@ def _decompose(
     # split-KV decoding: a chunk axis before the rows (q a view repeated along it, k and v one
     # chunk of one), each program the keys of its chunk (a guard of positions: the other tiles
     # are skipped), the chunks merged after
-    chunks = _splits(b, hkv if grouped else hq, tq, tk, dropout_p, tensors)
+    heads, rows = (hkv, g) if grouped else (hq, tq)
+    chunks = _splits(b, heads, tq, tk, dropout_p, tensors)
     if chunks > 1:
-        heads, rows = (hkv, g) if grouped else (hq, tq)
         q = node("expand", node("unsqueeze", q, axes=(2,)), shape=(b, heads, chunks, rows, d))
         k, v = node("unsqueeze", k, axes=(2,)), node("unsqueeze", v, axes=(2,))
         rank = 5
@@ -408,27 +416,16 @@ def _decompose(
         keep = mine if keep is None else node("and", keep, mine)
     if keep is not None:
         s = node("where", keep, s, float("-inf"))
-    # the row statistic in one online pass (logsumexp's state), made finite and detached: a shift,
-    # not a value the gradient flows through (a fully masked row's -inf would give exp(-inf + inf))
-    lse0 = node("logsumexp", s, axis=-1, keepdim=True)
-    m = node("detach", node("where", node("eq", lse0, float("-inf")), 0.0, lse0))
-    u = node("exp", node("sub", s, m))  # the probabilities (0 on a fully masked row)
-    # their row sum, 1 up to rounding (0 on a fully masked row): dividing by it after P @ v gives
-    # the softmax's gradient its row term, and a kernel computes it in the P @ v product's K loop
-    total = node("sum", u, axis=-1, keepdim=True)
-    empty = node("eq", total, 0.0)
-    total = node("where", empty, 1.0, total)
-    lse = node("where", empty, float("-inf"), node("add", m, node("log", total)))
+    u, total, lse = _rows(s)
     if output == "lse" and chunks == 1:  # per row, then its keepdim dim dropped (a view of what the kernel writes)
         return node("reshape", lse, shape=(b, hq, tq))
     p = node("dropout", u, rest[-1], p=dropout_p) if dropout_p > 0.0 else u
     p = node("cast", p, dtype=dtypes[2])
     if chunks > 1:  # each chunk's output kept in fp32 for the merge, rounded once after it
-        heads, rows = (hkv, g) if grouped else (hq, tq)
         chunked = node("div", contract(p, v, dtype=f), total)
         out, lse = _merged(chunked, lse, (b, heads, chunks, rows, dv))
         if output == "lse":
-            return node("reshape", node("where", node("eq", lse, float("-inf")), float("-inf"), lse), shape=(b, hq, tq))
+            return node("reshape", lse, shape=(b, hq, tq))
         return node("reshape", node("cast", out, dtype=dtypes[2]), shape=(b, hq, tq, dv))
     out = node("cast", node("div", contract(p, v), total), dtype=dtypes[2])
     return node("reshape", out, shape=(b, hq, tq, dv)) if grouped else out
