@@ -98,13 +98,29 @@ def test_snapshot_kernels_have_no_identity_cast_or_self_copy():
         typed = {m.group(1): m.group(2) for m in map(casts.match, body) if m}
         assigned = [ln.split(" = ")[0].strip() for ln in body if " = " in ln]
         for ln in body:
-            m = re.match(r"^(\w+) = (\w+)$", ln.strip())
+            m = re.match(r"^(\w+) = ([A-Za-z_]\w*)$", ln.strip())  # (``pid = 0`` is no copy)
             if m and assigned.count(m.group(1)) == 1:
                 copies.append(f"{name}: {ln}")
             for v, t in re.findall(r"\b(\w+)\.to\((tl\.\w+)\)", ln):
                 if typed.get(v) == t and assigned.count(v) == 1:
                     identity.append(f"{name}: {ln}")
     assert copies == [] and identity == []
+
+
+def test_snapshot_kernels_pad_no_pointer_that_has_its_shape():
+    """``x_ptr + rows * x_stride0 + v6 + rows * 0``: the last term only gave a scalar offset the
+    tile's shape, and ``rows * x_stride0`` has it already. A pad stays where it is the only term
+    of its index (a scalar's pointer stored to per row); a tail runs as program ``0``, not
+    ``tl.program_id(0) * 0``."""
+    padded = []
+    for name, body in _bodies().items():
+        for ln in body:
+            assert "tl.program_id(0) * 0" not in ln, f"{name}: {ln}"
+            for ptr in re.findall(r"tl\.(?:load|store)\((.*?), (?:mask=|\w+\.to|v|\d)", ln):
+                for index in re.findall(r"\b(\w+) \* 0\b", ptr):
+                    if re.search(rf"\b{index} \* (?!0\b)|\+ {index}\b(?! \*)|^{index}\b", ptr) or " + 0 " in ptr:
+                        padded.append(f"{name}: {ln}")
+    assert padded == []
 
 
 @pytest.mark.parametrize("pattern", ["softmax", "layer_norm", "rms_norm"])
@@ -122,4 +138,4 @@ def test_cross_entropy_reads_the_target_logit_once_per_row():
     src = (SNAPSHOT / "workload.cross_entropy.fwd0.py").read_text()
     head = src.split("@triton.jit")[-1]  # the row kernel (the first function is its tail)
     assert len(re.findall(r"tl\.(?:max|min|sum)\(", head)) == 3
-    assert re.search(r"tl\.load\(x_ptr \+ rows \* x_stride0 \+ v\d+ ", head)  # x: the logits
+    assert re.search(r"tl\.load\(x_ptr \+ rows \* x_stride0 \+ v\d+\b", head)  # x: the logits

@@ -221,3 +221,59 @@ def test_the_log_of_a_scaled_exp_is_a_sum(body, want):
 )
 def test_log_exp_leaves_other_logs_alone(body):
     assert simplify(body) == body
+
+
+@pytest.mark.parametrize(
+    "body, want",
+    [
+        # the pointer has rows' shape from its row stride: the pad goes
+        (
+            ["a = tl.load(x_ptr + rows * s0 + t + rows * 0, mask=m, other=0)", "tl.store(o_ptr + rows, a)"],
+            ["a = tl.load(x_ptr + rows * s0 + t, mask=m, other=0)", "tl.store(o_ptr + rows, a)"],
+        ),
+        # through names: ``v`` is computed from a load at ``rows``, so it has their shape
+        (
+            [
+                "t = tl.load(t_ptr + rows)",
+                "v = tl.where(t != s0, t, s1)",
+                "i = (v + rows * 0).to(tl.int64)",
+                "tl.store(o_ptr + i, 1)",
+            ],
+            [
+                "t = tl.load(t_ptr + rows)",
+                "v = tl.where(t != s0, t, s1)",
+                "i = v.to(tl.int64)",
+                "tl.store(o_ptr + i, 1)",
+            ],
+        ),
+        # a pair of pads goes where the rest spans both indices; ``+ 0`` goes
+        (
+            ["tl.store(o_ptr + rows * s0 + cols + 0 + (rows * 0 + cols * 0), v)"],
+            ["tl.store(o_ptr + rows * s0 + cols, v)"],
+        ),
+    ],
+    ids=["pointer", "through-names", "pair"],
+)
+def test_a_shape_pad_beside_a_term_of_its_shape_goes(body, want):
+    assert simplify(body) == want
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        ["tl.store(out_ptr + rows * 0, v, mask=row_mask)"],  # the only term: it is the pointer's shape
+        ["tl.store(out_ptr + cols + rows * 0, v)"],  # ``cols`` does not have ``rows``' shape
+        ["t = tl.sum(x + rows, axis=0)", "tl.store(o_ptr + t + rows * 0, v)"],  # a reduction drops it
+        ["a = (f + rows * 0).to(tl.float32)", "tl.store(o_ptr + rows, a)"],  # a float cast: -0.0 + 0 is 0.0
+        ["a = f + rows * 0 + rows", "tl.store(o_ptr + rows, a)"],  # not a pointer, not an integer cast
+    ],
+    ids=["only-term", "other-index", "reduced", "float-cast", "plain-value"],
+)
+def test_shape_pad_leaves_pads_that_shape_or_type_a_value(body):
+    assert simplify(body) == body
+
+
+def test_a_load_the_writer_knows_the_type_of_is_not_cast_to_it_again():
+    body = ["t = tl.load(t_ptr + rows)", "v = t.to(tl.int64)", "tl.store(o_ptr + rows, v != s0)"]
+    assert simplify(body, {"t": "tl.int64"}) == ["t = tl.load(t_ptr + rows)", "tl.store(o_ptr + rows, t != s0)"]
+    assert simplify(body, {"t": "tl.int32"}) == body

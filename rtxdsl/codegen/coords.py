@@ -227,9 +227,11 @@ class CoordWriter(Writer):
             text = f"tl.load({ptr} + {' + '.join([*terms, *pad])}, mask={mask}, other=0)"
         dtype = self.spec.in_dtypes[ld.input]
         cdt = compute_dtype(dtype)
+        name = f"x{j}_{next(self.tmp_ids)}"
         if cdt != dtype:
             text += f".to({TRITON_TYPE[cdt]})"
-        name = f"x{j}_{next(self.tmp_ids)}"
+        elif dtype is not torch.bool:  # (a bool tensor's pointer type is the launcher's to choose)
+            self.known[name] = TRITON_TYPE[dtype]
         scope.add(f"{name} = {text}")
         self.types[name] = cdt
         return name

@@ -188,7 +188,7 @@ class GemmWriter(Writer):
             GEMM,
             name=name,
             params=params,
-            body="\n".join(annotated(simplify(self.top.lines), self.spec.notes)),
+            body="\n".join(annotated(simplify(self.top.lines, self.known), self.spec.notes)),
             m_span=spans["m"][0],
             n_span=spans["n"][0],
             m_start=spans["m"][1],

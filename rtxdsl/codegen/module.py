@@ -25,7 +25,7 @@ def kernel_source(spec: KernelSpec, name: str, signature: str, summary: str) -> 
     helpers = dict(w.helpers)
     if spec.tail is not None:
         t = _writer(spec.tail)
-        t.program = "tl.program_id(0) * 0"  # called by the head's last program: it is program 0 of one
+        t.program = "0"  # called by the head's last program: it is program 0 of one
         helpers[f"{name}_tail"] = t.row_kernel(f"{name}_tail").rstrip("\n")
         helpers.update(t.helpers)
         w.tail = (f"{name}_tail", t.params)

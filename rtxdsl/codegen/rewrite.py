@@ -17,6 +17,7 @@ copy               ``a = b``, ``a`` assigned once, ``b`` not after it: ``a`` rea
 load_other         ``tl.where(mask, a, c)``, ``a`` a load under ``mask`` read only there: ``other=c``
 round_trip         ``b.to(H)``, ``b = a.to(H).to(W)`` with ``W`` wider than the half type ``H``: ``a.to(H)``
 log_exp            ``tl.log(a * tl.exp(b))`` (or through a name holding it): ``tl.log(a) + b``
+shape_pad          ``p + rows * 0`` (or ``p + 0``) in a pointer or an integer cast, ``p`` of ``rows``' shape: ``p``
 dead               ``a = <pure>`` never read, a loop left empty: dropped
 =================  =========================================================================
 """
@@ -25,13 +26,13 @@ from __future__ import annotations
 
 import ast
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from copy import deepcopy as copy_tree
 
 #: calls with effects or an order (loads, stores, atomics, barriers): never merged, moved or dropped
 EFFECTS = frozenset({"load", "store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "debug_barrier"})
 
-Types = dict[str, str]  # a name -> its Triton dtype ("tl.int64"), where a cast in the body says it
+Types = dict[str, str]  # a name -> its Triton dtype ("tl.int64"), where a cast or the writer says it
 
 
 def _calls(e: ast.AST) -> Iterator[str]:
@@ -436,21 +437,102 @@ def log_exp(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     return changed
 
 
+#: calls whose result has the broadcast shape of their arguments' (a load: its pointer's)
+_ELEMENTWISE = frozenset(
+    {"where", "maximum", "minimum", "exp", "exp2", "log", "log2", "abs", "sqrt", "rsqrt", "erf", "to"}
+)
+
+
+def _spans(e: ast.AST, spans: dict[str, set[str]]) -> set[str]:
+    """The index names (``rows``, ``offs``) whose shape ``e``'s shape includes, as far as its
+    syntax says: arithmetic and elementwise calls broadcast their operands; a load has its
+    pointer's shape; anything else (a reduction, a subscript) says nothing."""
+    if isinstance(e, ast.Name):
+        return {e.id} | spans.get(e.id, set())
+    if isinstance(e, ast.BinOp):
+        return _spans(e.left, spans) | _spans(e.right, spans)
+    if isinstance(e, ast.UnaryOp):
+        return _spans(e.operand, spans)
+    if isinstance(e, ast.Compare):
+        return set().union(*(_spans(x, spans) for x in (e.left, *e.comparators)))
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute):
+        if e.func.attr == "load" and e.args:
+            return _spans(e.args[0], spans)
+        if e.func.attr in _ELEMENTWISE:
+            args = [*e.args, *(k.value for k in e.keywords)] + ([e.func.value] if e.func.attr == "to" else [])
+            return set().union(*(_spans(x, spans) for x in args))
+    return set()
+
+
+def _pad(e: ast.expr) -> set[str] | None:
+    """The index names of a shape pad ``rows * 0`` (or a sum of pads, ``rows * 0 + cols * 0``);
+    None for any other expression."""
+    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mult) and isinstance(e.left, ast.Name):
+        return {e.left.id} if isinstance(e.right, ast.Constant) and e.right.value == 0 else None
+    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add):
+        a, b = _pad(e.left), _pad(e.right)
+        return a | b if a is not None and b is not None else None
+    return None
+
+
+def shape_pad(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """``p + rows * 0`` where ``p`` already has ``rows``' shape: ``p``. Only where the pad's int32
+    zero cannot change what the sum is for: a load's or store's pointer, or a value cast to an
+    integer type (an int32 zero added to a float or a bool changes its sign of zero or its type)."""
+    spans: dict[str, set[str]] = {}  # a name assigned once -> the index names its shape includes
+    changed = False
+
+    def fold(e: ast.expr) -> ast.expr:
+        nonlocal changed
+        if not (isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add)):
+            return e
+        e.left, e.right = fold(e.left), fold(e.right)
+        for pad, other in ((e.right, e.left), (e.left, e.right)):
+            if isinstance(pad, ast.Constant) and pad.value == 0 and type(pad.value) is int:
+                changed = True  # ``p + 0``
+                return other
+            names = _pad(pad)
+            if names is not None and _pad(other) is None and names <= _spans(other, spans):
+                changed = True
+                return other
+        return e
+
+    class Fold(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            self.generic_visit(node)
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in EFFECTS and node.args:
+                node.args[0] = fold(node.args[0])  # the pointer
+            elif _cast(node) is not None and _cast(node)[1].startswith(("tl.int", "tl.uint")):
+                f.value = fold(f.value)  # type: ignore[attr-defined]
+            return node
+
+    for stmt in _preorder(body):
+        if hasattr(stmt, "body"):
+            continue  # a loop's or a branch's statements come next, in order
+        Fold().visit(stmt)
+        name = _target(stmt)
+        if name is not None and once[name] == 1:
+            spans[name] = _spans(stmt.value, spans)
+    return changed
+
+
 Rule = Callable[[list[ast.stmt], Counter[str], Types], bool]
 
 #: the rules, in the order each round applies them
-RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, load_other, round_trip, log_exp, copy, dead)
+RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, load_other, round_trip, log_exp, shape_pad, copy, dead)
 
 
-def simplify(lines: Sequence[str]) -> list[str]:
-    """A kernel body's ``lines`` rewritten by ``RULES`` until none applies.
+def simplify(lines: Sequence[str], known: Mapping[str, str] | None = None) -> list[str]:
+    """A kernel body's ``lines`` rewritten by ``RULES`` until none applies; ``known``: the Triton
+    dtypes of names the writer knows (a load of an int64 input, uncast), beside those casts say.
 
     Example:
         >>> simplify(["a = x * 2", "b = x * 2", "c = b", "tl.store(p, c + a)"])
         ['a = x * 2', 'tl.store(p, a + a)']
     """
     body = ast.parse("\n".join(lines)).body
-    types: Types = {}
+    types: Types = dict(known or {})
     while True:
         changed = False
         for rule in RULES:

@@ -219,6 +219,8 @@ class Writer:
         self.spec = spec
         self.row = spec.kind == "row"
         self.types: dict[str, torch.dtype] = {}
+        #: Triton dtypes of names no cast in the body states (a load of an int64 input): the rewrites' types
+        self.known: dict[str, str] = {}
         self.tmp_ids = itertools.count()
         self.params: list[str] = []
         self.helpers: dict[str, str] = {}  # module-level @triton.jit helpers the emitters asked for
@@ -770,7 +772,7 @@ class Writer:
             name=name,
             params="\n".join(f"{p}," for p in self.params),
             program=self.program,
-            body="\n".join(annotated(simplify(self.top.lines), self.spec.notes)),
+            body="\n".join(annotated(simplify(self.top.lines, self.known), self.spec.notes)),
             **extra,
         )
 

@@ -27,7 +27,7 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    pid = tl.program_id(0) * 0
+    pid = 0
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     n_11 = tl.full([ROWS, 1], 0.0, dtype=tl.float32)

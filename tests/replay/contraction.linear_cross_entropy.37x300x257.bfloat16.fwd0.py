@@ -17,7 +17,7 @@ def linear_cross_entropy_row_SIG_tail(
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    pid = tl.program_id(0) * 0
+    pid = 0
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
@@ -77,9 +77,8 @@ def linear_cross_entropy_row_SIG(
     acc_11 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     t = tl.load(t_ptr + rows, mask=row_mask, other=0)
     # linear_cross_entropy
-    v0 = t.to(tl.int64)
-    v1 = v0 != s0
-    v8 = tl.where(v1, v0, s1).to(tl.int64)
+    v1 = t != s0
+    v8 = tl.where(v1, t, s1).to(tl.int64)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols
@@ -118,12 +117,9 @@ def linear_cross_entropy_row_SIG(
     v12 = v5 - v11
     v14 = tl.log(s_4) + (m_4 - v5)
     v15 = v12 + v14
-    v17_16 = t != s0
-    v18_15 = tl.where(v17_16, t, s1).to(tl.int64)
-    t18 = (v18_15 >= 0) & (v18_15 < m19_0)
-    tl.store(flag_ptr + 0 + rows * 0, 1, mask=row_mask & ~t18)
-    v7_20 = (v18_15 + rows * 0).to(tl.int64)
-    v19_14 = tl.where(t18, v7_20, 0).to(tl.int64)
+    t18 = (v8 >= 0) & (v8 < m19_0)
+    tl.store(flag_ptr + rows * 0, 1, mask=row_mask & ~t18)
+    v19_14 = tl.where(t18, v8, 0).to(tl.int64)
     v21 = (v19_14 * s1).to(tl.int64)
     v23 = v15 + v21.to(tl.float32)
     v24 = tl.where(v1, v23, s2)

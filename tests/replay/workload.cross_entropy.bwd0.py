@@ -31,8 +31,7 @@ def pointwise_unsqueeze_ne_div_where_SIG(
     i1 = offs % size1
     irem = offs // size1
     t = tl.load(t_ptr + irem, mask=mask, other=0)
-    v0 = t.to(tl.int64)
-    v1 = v0 != s0
+    v1 = t != s0
     dout0 = tl.load(dout0_ptr + offs * 0, mask=mask, other=0)
     stat6 = tl.load(stat6_ptr + offs * 0, mask=mask, other=0)
     v2 = dout0 / stat6
@@ -52,8 +51,8 @@ def pointwise_unsqueeze_ne_div_where_SIG(
     v15 = tl.exp(v14)
     v16 = v11 * v15
     v17 = v7 + v16
-    v18 = (i1 + offs * 0).to(tl.int32)
-    v19 = tl.where(v1, v0, s5).to(tl.int64)
+    v18 = i1.to(tl.int32)
+    v19 = tl.where(v1, t, s5).to(tl.int64)
     v20 = v18.to(tl.int64) == v19
     v21 = -v9
     v22 = tl.where(v20, v21, s1)

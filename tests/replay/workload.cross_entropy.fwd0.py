@@ -17,7 +17,7 @@ def cross_entropy_row_SIG_tail(
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    pid = tl.program_id(0) * 0
+    pid = 0
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
@@ -83,22 +83,18 @@ def cross_entropy_row_SIG(
     v2 = t2 + tl.log(t5)
     v3 = v2 + (v2 - v2)
     t = tl.load(t_ptr + rows, mask=row_mask, other=0)
-    v0 = t.to(tl.int64)
-    v1 = v0 != s0
-    v6 = tl.where(v1, v0, s1).to(tl.int64)
+    v1 = t != s0
+    v6 = tl.where(v1, t, s1).to(tl.int64)
     t7 = (v6 >= 0) & (v6 < n_cols)
-    x_1 = tl.load(x_ptr + rows * x_stride0 + v6 + rows * 0, mask=row_mask & t7, other=0)
+    x_1 = tl.load(x_ptr + rows * x_stride0 + v6, mask=row_mask & t7, other=0)
     t9 = n_cols + tl.zeros([1, 1], dtype=tl.float32) - t7.to(tl.float32)
     v9 = tl.where(t7, x_1, 0.0) + tl.where(t9 > 0, t9 * s2, 0.0)
     v10 = v3 - v9
     v12 = tl.log(t5) + (t2 - v3)
     v13 = v10 + v12
-    v15_13 = t != s0
-    v16_12 = tl.where(v15_13, t, s1).to(tl.int64)
-    t15 = (v16_12 >= 0) & (v16_12 < m17_0)
-    tl.store(flag_ptr + 0 + rows * 0, 1, mask=row_mask & ~t15)
-    v5_17 = (v16_12 + rows * 0).to(tl.int64)
-    v17_11 = tl.where(t15, v5_17, 0).to(tl.int64)
+    t15 = (v6 >= 0) & (v6 < m17_0)
+    tl.store(flag_ptr + rows * 0, 1, mask=row_mask & ~t15)
+    v17_11 = tl.where(t15, v6, 0).to(tl.int64)
     v19 = (v17_11 * s1).to(tl.int64)
     v21 = v13 + v19.to(tl.float32)
     v22 = v21 * s3

@@ -65,16 +65,16 @@ def pointwise_mul_slice_unslice_neg_SIG(
     t0 = i1 - m2_0
     t1 = t0 // m2_1
     t2 = (t0 >= 0) & (t0 % m2_1 == 0) & (t1 < m2_2)
-    dout0 = tl.load(dout0_ptr + irem * dout0_stride0 + (m1_0 + m1_1 * t1) + offs * 0, mask=mask & t2, other=0)
-    s = tl.load(s_ptr + irem * s_stride0 + (m1_0 + m1_1 * t1) + offs * 0, mask=mask & t2, other=0)
+    dout0 = tl.load(dout0_ptr + irem * dout0_stride0 + (m1_0 + m1_1 * t1), mask=mask & t2, other=0)
+    s = tl.load(s_ptr + irem * s_stride0 + (m1_0 + m1_1 * t1), mask=mask & t2, other=0)
     v0_4 = dout0 * s
     v1_3 = v0_4.to(tl.float32)
     v2 = tl.where(t2, v1_3, 0).to(tl.float32)
     t7 = i1 - m5_0
     t8 = t7 // m5_1
     t9 = (t7 >= 0) & (t7 % m5_1 == 0) & (t8 < m5_2)
-    dout0_1 = tl.load(dout0_ptr + irem * dout0_stride0 + (m3_0 + m3_1 * t8) + offs * 0, mask=mask & t9, other=0)
-    s_1 = tl.load(s_ptr + irem * s_stride0 + (m3_0 + m3_1 * t8) + offs * 0, mask=mask & t9, other=0)
+    dout0_1 = tl.load(dout0_ptr + irem * dout0_stride0 + (m3_0 + m3_1 * t8), mask=mask & t9, other=0)
+    s_1 = tl.load(s_ptr + irem * s_stride0 + (m3_0 + m3_1 * t8), mask=mask & t9, other=0)
     v0_12 = dout0_1 * s_1
     v3_11 = v0_12.to(tl.float32)
     v4_10 = -v3_11
@@ -90,34 +90,30 @@ def pointwise_mul_slice_unslice_neg_SIG(
     q = tl.load(q_ptr + irem * q_stride0 + i1, mask=mask, other=0)
     v10 = dout0_2 * q
     v11 = v9 + v10
-    k_1 = tl.load(k_ptr + irem * k_stride0 + (m12_0 + m12_1 * i1) + offs * 0, mask=mask & (i1 < m15_0), other=0)
-    v12_21 = k_1.to(tl.float32)
-    v13_20 = -v12_21
-    k_2 = tl.load(k_ptr + irem * k_stride0 + (m14_0 + m14_1 * (i1 - m15_0)) + offs * 0, mask=mask & (i1 >= m15_0), other=0)
-    v14_23 = k_2.to(tl.float32)
-    v15 = tl.where(i1 < m15_0, v13_20, v14_23).to(tl.float32)
+    k_1 = tl.load(k_ptr + irem * k_stride0 + (m12_0 + m12_1 * i1), mask=mask & (i1 < m15_0), other=0)
+    v13_20 = -k_1
+    k_2 = tl.load(k_ptr + irem * k_stride0 + (m14_0 + m14_1 * (i1 - m15_0)), mask=mask & (i1 >= m15_0), other=0)
+    v15 = tl.where(i1 < m15_0, v13_20, k_2).to(tl.float32)
     v16 = dout1 * v15
-    q_1 = tl.load(q_ptr + irem * q_stride0 + (m17_0 + m17_1 * i1) + offs * 0, mask=mask & (i1 < m20_0), other=0)
-    v17_26 = q_1.to(tl.float32)
-    v18_25 = -v17_26
-    q_2 = tl.load(q_ptr + irem * q_stride0 + (m19_0 + m19_1 * (i1 - m20_0)) + offs * 0, mask=mask & (i1 >= m20_0), other=0)
-    v19_28 = q_2.to(tl.float32)
-    v20 = tl.where(i1 < m20_0, v18_25, v19_28).to(tl.float32)
+    q_1 = tl.load(q_ptr + irem * q_stride0 + (m17_0 + m17_1 * i1), mask=mask & (i1 < m20_0), other=0)
+    v18_25 = -q_1
+    q_2 = tl.load(q_ptr + irem * q_stride0 + (m19_0 + m19_1 * (i1 - m20_0)), mask=mask & (i1 >= m20_0), other=0)
+    v20 = tl.where(i1 < m20_0, v18_25, q_2).to(tl.float32)
     v21 = dout0_2 * v20
     v22 = v16 + v21
     t30 = i1 - m25_0
     t31 = t30 // m25_1
     t32 = (t30 >= 0) & (t30 % m25_1 == 0) & (t31 < m25_2)
-    dout1_1 = tl.load(dout1_ptr + irem * dout1_stride0 + (m24_0 + m24_1 * t31) + offs * 0, mask=mask & t32, other=0)
-    s_2 = tl.load(s_ptr + irem * s_stride0 + (m24_0 + m24_1 * t31) + offs * 0, mask=mask & t32, other=0)
+    dout1_1 = tl.load(dout1_ptr + irem * dout1_stride0 + (m24_0 + m24_1 * t31), mask=mask & t32, other=0)
+    s_2 = tl.load(s_ptr + irem * s_stride0 + (m24_0 + m24_1 * t31), mask=mask & t32, other=0)
     v23_34 = dout1_1 * s_2
     v24_33 = v23_34.to(tl.float32)
     v25 = tl.where(t32, v24_33, 0).to(tl.float32)
     t37 = i1 - m28_0
     t38 = t37 // m28_1
     t39 = (t37 >= 0) & (t37 % m28_1 == 0) & (t38 < m28_2)
-    dout1_2 = tl.load(dout1_ptr + irem * dout1_stride0 + (m26_0 + m26_1 * t38) + offs * 0, mask=mask & t39, other=0)
-    s_3 = tl.load(s_ptr + irem * s_stride0 + (m26_0 + m26_1 * t38) + offs * 0, mask=mask & t39, other=0)
+    dout1_2 = tl.load(dout1_ptr + irem * dout1_stride0 + (m26_0 + m26_1 * t38), mask=mask & t39, other=0)
+    s_3 = tl.load(s_ptr + irem * s_stride0 + (m26_0 + m26_1 * t38), mask=mask & t39, other=0)
     v23_42 = dout1_2 * s_3
     v26_41 = v23_42.to(tl.float32)
     v27_40 = -v26_41

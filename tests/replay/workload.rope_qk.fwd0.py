@@ -40,23 +40,19 @@ def rope_pointwise_SIG(
     c = tl.load(c_ptr + irem * c_stride0 + i1, mask=mask, other=0)
     # rope
     v0 = q * c
-    q_1 = tl.load(q_ptr + irem * q_stride0 + (m1_0 + m1_1 * i1) + offs * 0, mask=mask & (i1 < m4_0), other=0)
-    v1_3 = q_1.to(tl.float32)
-    v2_2 = -v1_3
-    q_2 = tl.load(q_ptr + irem * q_stride0 + (m3_0 + m3_1 * (i1 - m4_0)) + offs * 0, mask=mask & (i1 >= m4_0), other=0)
-    v3_5 = q_2.to(tl.float32)
-    v4 = tl.where(i1 < m4_0, v2_2, v3_5).to(tl.float32)
+    q_1 = tl.load(q_ptr + irem * q_stride0 + (m1_0 + m1_1 * i1), mask=mask & (i1 < m4_0), other=0)
+    v2_2 = -q_1
+    q_2 = tl.load(q_ptr + irem * q_stride0 + (m3_0 + m3_1 * (i1 - m4_0)), mask=mask & (i1 >= m4_0), other=0)
+    v4 = tl.where(i1 < m4_0, v2_2, q_2).to(tl.float32)
     s = tl.load(s_ptr + irem * s_stride0 + i1, mask=mask, other=0)
     v5 = v4 * s
     v6 = v0 + v5
     k = tl.load(k_in_ptr + irem * k_in_stride0 + i1, mask=mask, other=0)
     v7 = k * c
-    k_1 = tl.load(k_in_ptr + irem * k_in_stride0 + (m8_0 + m8_1 * i1) + offs * 0, mask=mask & (i1 < m11_0), other=0)
-    v8_10 = k_1.to(tl.float32)
-    v9_9 = -v8_10
-    k_2 = tl.load(k_in_ptr + irem * k_in_stride0 + (m10_0 + m10_1 * (i1 - m11_0)) + offs * 0, mask=mask & (i1 >= m11_0), other=0)
-    v10_12 = k_2.to(tl.float32)
-    v11 = tl.where(i1 < m11_0, v9_9, v10_12).to(tl.float32)
+    k_1 = tl.load(k_in_ptr + irem * k_in_stride0 + (m8_0 + m8_1 * i1), mask=mask & (i1 < m11_0), other=0)
+    v9_9 = -k_1
+    k_2 = tl.load(k_in_ptr + irem * k_in_stride0 + (m10_0 + m10_1 * (i1 - m11_0)), mask=mask & (i1 >= m11_0), other=0)
+    v11 = tl.where(i1 < m11_0, v9_9, k_2).to(tl.float32)
     v12 = v11 * s
     v13 = v7 + v12
     tl.store(q_out_ptr + offs, v6, mask=mask)
