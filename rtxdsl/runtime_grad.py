@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -33,6 +34,15 @@ class GradPlan:
     grads: Gradients
     input_names: tuple[str, ...]
     passthrough: tuple[tuple[str, str], ...] = ()
+
+    @cached_property
+    def cotangents_read(self) -> dict[str, frozenset[str]]:
+        """The cotangents (``_g<k>``) each gradient reads, by gradient key."""
+        out = {key: frozenset({name}) for key, name in self.passthrough}
+        for key, e in self.grads.backward:
+            names = (n.attr("name") for n in walk([e]) if n.is_var)
+            out.setdefault(key, frozenset(n for n in names if n.startswith(COTANGENT)))
+        return out
 
     def gradients(self, feed: Mapping[str, Any]) -> dict[str, Any]:
         """Every gradient by key: the backward kernel's, and the passed-through cotangents."""
@@ -64,14 +74,22 @@ class GradPlan:
 
 
 class GradFunction(torch.autograd.Function):
-    """Fused forward saving the row statistics; fused backward reading them (autograd
-    materializes the cotangents of unused outputs as zeros)."""
+    """Fused forward saving the row statistics; fused backward reading them.
+
+    An input whose gradient reads only the cotangents of outputs the loss does not use gets no
+    gradient (None), as eager torch, where no op's backward reaches it: a leaf's ``.grad`` stays
+    None (an optimizer skips it; a zero gradient would decay and move its moments). The other
+    unused outputs' cotangents are zeros."""
 
     @staticmethod
     def forward(ctx: Any, plan: GradPlan, *inputs: Any) -> Any:
         outs = plan.forward(**dict(zip(plan.input_names, inputs)))
         g = plan.grads
         ctx.plan = plan
+        results = tuple(outs[k] for k in g.user_keys)
+        # (a DTensor's zero cotangent is autograd's to make, placements and all)
+        ctx.set_materialize_grads(any(is_dtensor(r) for r in results))
+        ctx.metas = [(r.shape, r.dtype, r.device) for r in results]
         ctx.scalars = {i: v for i, v in enumerate(inputs) if not isinstance(v, torch.Tensor)}
         ctx.shapes = [v.shape if isinstance(v, torch.Tensor) else None for v in inputs]
         # only the inputs the backward reads, as eager saves per op (a product with a frozen weight
@@ -79,7 +97,6 @@ class GradFunction(torch.autograd.Function):
         read = plan.backward.inputs if plan.backward is not None else ()
         kept = [t if name in read else None for name, t in zip(plan.input_names, inputs) if isinstance(t, torch.Tensor)]
         ctx.save_for_backward(*kept, *[outs[k] for k in g.saved_keys])
-        results = tuple(outs[k] for k in g.user_keys)
         ctx.mark_non_differentiable(*[r for r, f in zip(results, g.float_outputs) if not f])
         return results
 
@@ -93,12 +110,16 @@ class GradFunction(torch.autograd.Function):
         inputs = [ctx.scalars[i] if i in ctx.scalars else next(saved) for i in range(len(plan.input_names))]
         feed = dict(zip(plan.input_names, inputs))
         feed.update(zip(g.saved_keys, saved))
-        feed.update({f"{COTANGENT}{k}": gr for k, (gr, f) in enumerate(zip(grads, g.float_outputs)) if f})
+        unused = set()
+        for k, (gr, f, (shape, dtype, device)) in enumerate(zip(grads, g.float_outputs, ctx.metas)):
+            if f:
+                unused.update([f"{COTANGENT}{k}"] if gr is None else [])
+                feed[f"{COTANGENT}{k}"] = torch.zeros(shape, dtype=dtype, device=device) if gr is None else gr
         outs = plan.gradients(feed)
-        grad_of = dict(g.grad_of)
+        grad_of, read = dict(g.grad_of), plan.cotangents_read
         grads_in = []
         for name, shape in zip(plan.input_names, ctx.shapes):
-            gi = outs[grad_of[name]] if name in grad_of else None
+            gi = outs[grad_of[name]] if name in grad_of and not read[grad_of[name]] <= unused else None
             grads_in.append(gi if gi is None or gi.shape == shape else gi.expand(shape))
         return (None, *grads_in)
 

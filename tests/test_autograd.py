@@ -271,3 +271,28 @@ def test_a_half_cast_returned_is_read_back_not_the_value_under_it(gen):
     cots = [torch.zeros_like(out["h"]), torch.zeros_like(out["l"]), torch.ones_like(out["z"])]
     (got,) = torch.autograd.grad([out["h"], out["l"], out["z"]], [t], cots)
     torch.testing.assert_close(got.double(), 18.0 * t.detach().double(), atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("front", ["dsl", "lazy"])
+def test_an_input_only_unused_outputs_read_gets_no_gradient_as_in_eager(front, gen):
+    """Two outputs of one kernel, the loss reading one: ``w``, which only the other reads, keeps
+    ``.grad`` None as eager's (an optimizer skips it; a zero gradient would decay it and move its
+    moments). ``x``, read by both, gets the used output's gradient, the unused cotangent as zeros."""
+    xs = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    ws = torch.randn(7, generator=gen, dtype=torch.float64)
+    xe, we = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    (torch.relu(xe) * 2).sum().backward()  # eager: (x * w) is never part of the loss
+    xr, wr = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    if front == "dsl":
+        k = rx.compile({"a": rx.relu(x) * 2, "b": x * w + rx.exp(w)})
+        out = k(x=xr, w=wr)
+        a = out["a"]
+    else:
+        f = rx.Fusion()
+        lx, lw = f.lazy(xr), f.lazy(wr)
+        a, b = torch.relu(lx) * 2, lx * lw + torch.exp(lw)
+        a, _ = a.torch(), b.torch()
+        assert f.stats().kernels_launched == 1  # one kernel computes both
+    a.sum().backward()
+    assert we.grad is None and wr.grad is None
+    torch.testing.assert_close(xr.grad, xe.grad, rtol=0, atol=0)
