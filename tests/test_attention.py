@@ -1154,14 +1154,37 @@ def test_a_decoding_step_over_a_long_cache_splits_its_keys_and_merges_them(
     (split,) = [c for c in program.kernels if c.spec.gemm is not None and c.spec.gemm.guard is not None]
     chunks = min(16, 128 // hkv)
     assert math.prod(split.grid) == hkv * chunks  # one program per key head and chunk (a row tile each)
-    # a mask with a head or query axis ([B, 1, 1, Tk]) keeps the step whole: one program per key head
-    ins["m"] = torch.ones(1, 1, 1, tk, dtype=torch.bool)
-    whole = rx.compile(rx.attention(q, k, v, enable_gqa=hq != hkv, attn_mask=rx.var("m")))
-    assert [math.prod(c.grid) for c in whole.lower_for(GPU, **ins).kernels] == [hkv]
     # a step with no key at all: output 0 and logsumexp -inf, as the whole step's (the merge gave 0)
     ins["m"] = torch.zeros(tk, dtype=torch.bool)
     out, lse = rx.compile(rx.attention(q, k, v, enable_gqa=hq != hkv, attn_mask=rx.var("m"), return_lse=True))(**ins)
     assert not out.any() and bool((lse == float("-inf")).all())
+
+
+@pytest.mark.parametrize(
+    "hq, hkv, mask_shape",
+    [
+        (4, 2, (2, 1, 1, 1100)),  # Hugging Face's 4-D padding mask of a batch, grouped query heads
+        (4, 4, (2, 4, 1, 1100)),  # a mask per head (not grouped: a head axis of its own)
+        (4, 2, (1, 1100)),  # SDPA's [Tq, Tk]
+    ],
+)
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 2e-5, 2e-5), (torch.bfloat16, 2e-2, 2e-2)])
+def test_a_decoding_step_with_a_batch_or_head_mask_splits_too(hq, hkv, mask_shape, dtype, atol, rtol, monkeypatch, gen):
+    """``attn_mask`` only broadcasts against the scores, so a mask with batch, head and query axes
+    takes a chunk axis of one (a view read by the chunks' GEMM, no kernel of its own) and the step
+    splits as with a key padding mask (it stayed one program per head). Two sequences, different
+    padding; output, logsumexp and every gradient against float64; the chunks' programs."""
+    monkeypatch.setitem(attention_ops.SPLIT_KV, "min_keys", 1024)
+    b, tk, d = 2, 1100, 8
+    ins = _inputs(gen, b, hq, hkv, 1, tk, d, d, dtype)
+    ins["m"] = torch.rand(mask_shape, generator=gen) < 0.7
+    expr = rx.attention(q, k, v, enable_gqa=hq != hkv, attn_mask=rx.var("m"), return_lse=True)
+    _check(expr, ins, lambda r: _reference(r, keep=ins["m"]), dtype, atol, rtol, gen)
+    program = rx.compile(expr).lower_for(GPU, **ins)
+    (split,) = [c for c in program.kernels if c.spec.gemm is not None]
+    heads = hkv if mask_shape[-3:-2] != (hq,) else hq
+    assert math.prod(split.grid) == b * heads * min(16, 128 // (b * heads))
+    assert "m" in split.spec.names  # the mask read by the chunks' GEMM, not computed apart
 
 
 def test_a_statistic_kept_out_of_a_k_loop_where_it_would_make_kernels_read_each_other(gen):

@@ -314,14 +314,22 @@ def _heads(e: Expr, b: int, hkv: int, groups: int, t: int, d: int) -> Expr:
     return node("reshape", wide, shape=(b, hkv * groups, t, d))
 
 
-def _splits(b: int, heads: int, tq: int, tk: int, dropout_p: float, tensors: list) -> int:
+def _splits(b: int, heads: int, tq: int, tk: int, dropout_p: float, tensors: list, attn_mask: int | None) -> int:
     """How many chunks a decoding step splits its keys into (``SPLIT_KV``); 1: none. Not where a
-    tensor the scores read has a head or query axis (a mask of ``[B, 1, 1, Tk]``): its chunk axis
-    would be a view the mask's kernel computes apart (written, and read back by the product)."""
-    if tq != 1 or tk < SPLIT_KV["min_keys"] or dropout_p > 0.0 or any(s is not None and len(s) >= 3 for s in tensors):
+    tensor a score or mask function reads has a head or query axis (it may index them by
+    position); ``attn_mask`` only broadcasts, and takes a chunk axis of one (``_chunk_axis``)."""
+    if tq != 1 or tk < SPLIT_KV["min_keys"] or dropout_p > 0.0:
+        return 1
+    if any(s is not None and len(s) >= 3 and j + 3 != attn_mask for j, s in enumerate(tensors)):
         return 1
     most = min(SPLIT_KV["most"], SPLIT_KV["programs"] // max(1, b * heads))
     return 1 << (most.bit_length() - 1) if most >= 2 else 1
+
+
+def _chunk_axis(e: Expr, shape: tuple[int, ...]) -> Expr:
+    """A mask broadcasting to the scores ``[..., H, Tq, Tk]`` as it broadcasts to the split
+    scores ``[..., H, C, Tq, Tk]``: a view with a chunk axis of one before its query axis."""
+    return node("unsqueeze", e, axes=(len(shape) - 2,)) if len(shape) >= 3 else e
 
 
 def _rows(s: Expr) -> tuple[Expr, Expr, Expr]:
@@ -379,11 +387,14 @@ def _decompose(
     # chunk of one), each program the keys of its chunk (a guard of positions: the other tiles
     # are skipped), the chunks merged after
     heads, rows = (hkv, g) if grouped else (hq, tq)
-    chunks = _splits(b, heads, tq, tk, dropout_p, tensors)
+    chunks = _splits(b, heads, tq, tk, dropout_p, tensors, attn_mask)
     if chunks > 1:
         q = node("expand", node("unsqueeze", q, axes=(2,)), shape=(b, heads, chunks, rows, d))
         k, v = node("unsqueeze", k, axes=(2,)), node("unsqueeze", v, axes=(2,))
         rank = 5
+        if attn_mask is not None:
+            j = attn_mask - 3
+            rest = (*rest[:j], _chunk_axis(rest[j], shapes[attn_mask]), *rest[j + 1 :])
     # the scores in fp32 (the product's accumulator, never rounded to q's dtype: SDPA's, as the
     # reference's ``q.to(f) @ k.mT``); their cotangent multiplies in q's dtype
     qk = contract(q, k, tb=True, dtype=f)
