@@ -537,3 +537,35 @@ def test_explain_reports_tensor_core_flops_beside_bytes(gen):
     feed = {"_g0": torch.randn(3, 5, 11, generator=gen), "x": xs, "w": ws}
     bwd = grad.backward.program(**{n: feed[n] for n in grad.backward.inputs})
     assert bwd.flops == bwd.minimum_flops == 2 * flops  # dx and dw (its batch contracted)
+
+
+@pytest.mark.parametrize(
+    "m, n, k, unmasked",
+    [
+        (64, 64, 128, True),  # every extent fills the interpreter's 64 x 64 x 64 tile: no bounds check
+        (64, 64, 100, False),  # K does not: the K loop's loads keep their masks (and the output's)
+        (37, 64, 128, False),  # nor M
+    ],
+)
+def test_a_product_whose_extents_fill_their_blocks_checks_no_bounds(m, n, k, unmasked, gen):
+    """``GemmTile.even``: a GEMM whose M, N and K are multiples of its blocks loads and stores
+    without masks and selects nothing (``rewrite.in_bounds``), as a hand-written kernel assuming
+    divisible sizes does; another size class compiles the checked variant. The output and the
+    gradients (their GEMMs even too) against float64 either way."""
+    expr = rx.gelu(rx.linear(x, w) + b)
+    xs, ws = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((m, k), (n, k)))
+    bs = torch.randn(n, generator=gen, dtype=torch.float64)
+    kern = rx.compile(expr)
+    (src,) = kern.sources(x=xs, w=ws, b=bs)
+    loop = src[src.index("for k_start") :]
+    assert ("mask=" not in loop) is unmasked, loop
+    leaves = {n_: t.float().requires_grad_() for n_, t in (("x", xs), ("w", ws), ("b", bs))}
+    out = kern(**leaves)
+    exact = {n_: t.clone().requires_grad_() for n_, t in (("x", xs), ("w", ws), ("b", bs))}
+    want = F.gelu(F.linear(exact["x"], exact["w"]) + exact["b"])
+    assert_close(out.double(), want, 1e-4, 1e-4)
+    cot = torch.randn(m, n, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, list(leaves.values()), cot.float())
+    ref = torch.autograd.grad(want, list(exact.values()), cot)
+    for a, e in zip(got, ref):
+        assert_close(a.double(), e, 1e-4 * max(1.0, e.abs().max().item()), 1e-4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtxdsl.codegen.rewrite import RULES, simplify
+from rtxdsl.codegen.rewrite import RULES, SIGNED_INDEX, simplify
 
 
 def test_every_rule_is_documented_in_the_module_table():
@@ -277,3 +277,68 @@ def test_a_load_the_writer_knows_the_type_of_is_not_cast_to_it_again():
     body = ["t = tl.load(t_ptr + rows)", "v = t.to(tl.int64)", "tl.store(o_ptr + rows, v != s0)"]
     assert simplify(body, {"t": "tl.int64"}) == ["t = tl.load(t_ptr + rows)", "tl.store(o_ptr + rows, t != s0)"]
     assert simplify(body, {"t": "tl.int32"}) == body
+
+
+def test_a_compare_of_widened_signed_integers_compares_them_as_they_are():
+    """Positions widened to int64 (torch's arange dtype) compared: the int32 indices compared, and
+    the pads that only gave each side the other's shape go too (the compare broadcasts them)."""
+    body = [
+        "ks = k_start + offs_k",
+        "v2 = (offs_m[:, None] + (offs_m[:, None] * 0 + ks[None, :] * 0)).to(tl.int64)",
+        "v3 = (ks[None, :] + (offs_m[:, None] * 0 + ks[None, :] * 0)).to(tl.int64)",
+        "v4 = v2 >= v3",
+        "tl.store(p + offs_m, v4)",
+    ]
+    index = {"offs_m": SIGNED_INDEX, "offs_k": SIGNED_INDEX, "k_start": SIGNED_INDEX}
+    assert simplify(body, index) == ["ks = k_start + offs_k", "v4 = offs_m[:, None] >= ks[None, :]", body[-1]]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        ["v2 = f.to(tl.int64)", "v4 = v2 >= i.to(tl.int64)", "tl.store(p, v4)"],  # f's type unknown: a float truncates
+        ["v2 = b.to(tl.int64)", "v4 = v2 >= i.to(tl.int64)", "tl.store(p, v4)"],  # a bool compares unsigned
+        ["v4 = offs_m.to(tl.int32) >= i.to(tl.int32)", "tl.store(p, v4)"],  # a narrowing cast wraps
+    ],
+    ids=["unknown", "bool", "narrowing"],
+)
+def test_narrow_compare_leaves_casts_that_change_values(body):
+    assert simplify(body, {"offs_m": SIGNED_INDEX, "b": "tl.int1"}) == body
+
+
+def test_bounds_checks_known_true_leave_no_mask_and_no_select():
+    """``offs_m < M`` and ``ks < K`` true everywhere (M and K fill their blocks): the loads and the
+    store unmasked, the select its value; a check against another extent stays."""
+    body = [
+        "ks = k_start + offs_k",
+        "a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)",
+        "x = tl.load(x_ptr + offs_m[:, None] * s + ks[None, :], mask=a_mask, other=0)",
+        "y = tl.load(y_ptr + offs_m[:, None], mask=offs_m[:, None] < M, other=0)",
+        "z = tl.load(z_ptr + ks[None, :], mask=ks[None, :] < N, other=0)",
+        "v = tl.where(a_mask, x * y + z, float('-inf'))",
+        "rows = offs_m[:, None]",
+        "tl.store(o_ptr + rows * s + ks[None, :], v, mask=(rows < M) & (ks[None, :] < K))",
+    ]
+    want = [
+        "ks = k_start + offs_k",
+        "x = tl.load(x_ptr + offs_m[:, None] * s + ks[None, :])",
+        "y = tl.load(y_ptr + offs_m[:, None])",
+        "z = tl.load(z_ptr + ks[None, :], mask=ks[None, :] < N, other=0)",
+        "v = x * y + z",
+        "rows = offs_m[:, None]",
+        "tl.store(o_ptr + rows * s + ks[None, :], v)",
+    ]
+    assert simplify(body, bounds=frozenset({("offs_m", "M"), ("ks", "K")})) == want
+    assert simplify(body) == simplify(body, bounds=frozenset({("offs_m", "N")}))  # no fact: as it was
+
+
+def test_in_bounds_keeps_a_mask_or_select_that_gives_its_value_a_shape():
+    """``y`` is one value per row: under the tile's mask its load or select is a whole tile, and
+    dropping the mask would change what a sum over the tile adds up."""
+    body = [
+        "a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)",
+        "y = tl.load(y_ptr + offs_m[:, None], mask=a_mask, other=0)",
+        "t = tl.sum(tl.where(a_mask, y, 0.0), axis=1)",
+        "tl.store(o_ptr + offs_m, t)",
+    ]
+    assert simplify(body, bounds=frozenset({("offs_m", "M"), ("ks", "K")})) == body

@@ -188,12 +188,24 @@ class GemmWriter(Writer):
             GEMM,
             name=name,
             params=params,
-            body="\n".join(annotated(simplify(self.top.lines, self.known), self.spec.notes)),
+            body="\n".join(annotated(simplify(self.top.lines, self.known, self._in_bounds()), self.spec.notes)),
             m_span=spans["m"][0],
             n_span=spans["n"][0],
             m_start=spans["m"][1],
             n_start=spans["n"][1],
         )
+
+    def _in_bounds(self) -> frozenset[tuple[str, str]]:
+        """The bounds checks true everywhere (``GemmTile.even``): ``(index, extent)``, each index
+        vector the template or a recomputed product's K loop compares against that extent."""
+        g = self.spec.gemm
+        assert g is not None
+        vectors = {**dict((e, (v,)) for v, e in (*TILE_VECTORS["a"], *TILE_VECTORS["b"])), "N": ("offs_n",)}
+        out = set()
+        for extent in g.even:
+            for v in vectors.get(extent, ("kk", f"kk{extent[1:]}")):  # K<i>: a K loop's, or its one slice
+                out.add((v, extent))
+        return frozenset(out)
 
     def _siblings(self, tiles: list[str], scope: Scope, precision: str) -> dict[int, str]:
         """Each product sharing an operand with the kernel's own, summed in its K loop: its accumulator."""

@@ -18,6 +18,8 @@ load_other         ``tl.where(mask, a, c)``, ``a`` a load under ``mask`` read on
 round_trip         ``b.to(H)``, ``b = a.to(H).to(W)`` with ``W`` wider than the half type ``H``: ``a.to(H)``
 log_exp            ``tl.log(a * tl.exp(b))`` (or through a name holding it): ``tl.log(a) + b``
 shape_pad          ``p + rows * 0`` (or ``p + 0``) in a pointer or an integer cast, ``p`` of ``rows``' shape: ``p``
+narrow_compare     ``a.to(tl.int64) >= b.to(tl.int64)``, ``a`` and ``b`` signed integers: ``a >= b``
+in_bounds          a mask or select of bounds checks the writer knows true (``offs_m < M``): dropped
 dead               ``a = <pure>`` never read, a loop left empty: dropped
 =================  =========================================================================
 """
@@ -32,7 +34,19 @@ from copy import deepcopy as copy_tree
 #: calls with effects or an order (loads, stores, atomics, barriers): never merged, moved or dropped
 EFFECTS = frozenset({"load", "store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "debug_barrier"})
 
-Types = dict[str, str]  # a name -> its Triton dtype ("tl.int64"), where a cast or the writer says it
+
+class Types(dict[str, str]):
+    """A name -> its Triton dtype (``"tl.int64"``), where a cast or the writer says it; ``bounds``:
+    the writer's facts ``(index, extent)``, each ``index < extent`` true everywhere (``offs_m < M``
+    where ``M`` is a multiple of ``BLOCK_M``: ``GemmTile.even``)."""
+
+    bounds: frozenset[tuple[str, str]] = frozenset()
+
+
+#: the Triton type ``Types`` gives a name the writer's template defines as a signed integer whose
+#: width it does not state (an index: ``rows``, ``offs_m``, ``ks``; int32, or int64 past 2**31)
+SIGNED_INDEX = "signed"
+_SIGNED = frozenset({"tl.int8", "tl.int16", "tl.int32", "tl.int64", SIGNED_INDEX})
 
 
 def _calls(e: ast.AST) -> Iterator[str]:
@@ -443,12 +457,24 @@ _ELEMENTWISE = frozenset(
 )
 
 
-def _spans(e: ast.AST, spans: dict[str, set[str]]) -> set[str]:
-    """The index names (``rows``, ``offs``) whose shape ``e``'s shape includes, as far as its
-    syntax says: arithmetic and elementwise calls broadcast their operands; a load has its
-    pointer's shape; anything else (a reduction, a subscript) says nothing."""
+def _leaf(e: ast.expr) -> str | None:
+    """The key of an index tile: a name, or a view of one (``offs_m[:, None]``: its own shape)."""
     if isinstance(e, ast.Name):
-        return {e.id} | spans.get(e.id, set())
+        return e.id
+    if isinstance(e, ast.Subscript) and isinstance(e.value, ast.Name):
+        parts = e.slice.elts if isinstance(e.slice, ast.Tuple) else [e.slice]
+        if all(isinstance(x, ast.Slice) or (isinstance(x, ast.Constant) and x.value is None) for x in parts):
+            return ast.unparse(e)
+    return None
+
+
+def _spans(e: ast.AST, spans: dict[str, set[str]]) -> set[str]:
+    """The index tiles (``rows``, ``offs_m[:, None]``) whose shape ``e``'s shape includes, as far
+    as its syntax says: arithmetic and elementwise calls broadcast their operands; a load has its
+    pointer's shape; anything else (a reduction, another subscript) says nothing."""
+    leaf = _leaf(e)  # type: ignore[arg-type]
+    if leaf is not None:
+        return {leaf} | spans.get(leaf, set())
     if isinstance(e, ast.BinOp):
         return _spans(e.left, spans) | _spans(e.right, spans)
     if isinstance(e, ast.UnaryOp):
@@ -465,10 +491,10 @@ def _spans(e: ast.AST, spans: dict[str, set[str]]) -> set[str]:
 
 
 def _pad(e: ast.expr) -> set[str] | None:
-    """The index names of a shape pad ``rows * 0`` (or a sum of pads, ``rows * 0 + cols * 0``);
+    """The index tiles of a shape pad ``rows * 0`` (or a sum of pads, ``rows * 0 + cols * 0``);
     None for any other expression."""
-    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mult) and isinstance(e.left, ast.Name):
-        return {e.left.id} if isinstance(e.right, ast.Constant) and e.right.value == 0 else None
+    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mult) and _leaf(e.left) is not None:
+        return {_leaf(e.left)} if isinstance(e.right, ast.Constant) and e.right.value == 0 else None  # type: ignore[misc]
     if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add):
         a, b = _pad(e.left), _pad(e.right)
         return a | b if a is not None and b is not None else None
@@ -477,22 +503,25 @@ def _pad(e: ast.expr) -> set[str] | None:
 
 def shape_pad(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     """``p + rows * 0`` where ``p`` already has ``rows``' shape: ``p``. Only where the pad's int32
-    zero cannot change what the sum is for: a load's or store's pointer, or a value cast to an
-    integer type (an int32 zero added to a float or a bool changes its sign of zero or its type)."""
-    spans: dict[str, set[str]] = {}  # a name assigned once -> the index names its shape includes
+    zero cannot change what the sum is for: a load's or store's pointer, a value cast to an integer
+    type, or a side of a compare of two signed integers, whose other side broadcasts with it (an
+    int32 zero added to a float or a bool changes its sign of zero or its type)."""
+    spans: dict[str, set[str]] = {}  # a name assigned once -> the index tiles its shape includes
     changed = False
 
-    def fold(e: ast.expr) -> ast.expr:
+    def fold(e: ast.expr, beside: frozenset[str] = frozenset()) -> ast.expr:
+        """``e`` without its pads, ``beside``: tiles what ``e`` broadcasts with has already."""
         nonlocal changed
         if not (isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add)):
             return e
-        e.left, e.right = fold(e.left), fold(e.right)
+        e.left = fold(e.left, beside | _spans(e.right, spans))
+        e.right = fold(e.right, beside | _spans(e.left, spans))
         for pad, other in ((e.right, e.left), (e.left, e.right)):
             if isinstance(pad, ast.Constant) and pad.value == 0 and type(pad.value) is int:
                 changed = True  # ``p + 0``
                 return other
             names = _pad(pad)
-            if names is not None and _pad(other) is None and names <= _spans(other, spans):
+            if names is not None and _pad(other) is None and names <= _spans(other, spans) | beside:
                 changed = True
                 return other
         return e
@@ -507,6 +536,13 @@ def shape_pad(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
                 f.value = fold(f.value)  # type: ignore[attr-defined]
             return node
 
+        def visit_Compare(self, node: ast.Compare) -> ast.AST:
+            self.generic_visit(node)
+            if len(node.ops) == 1 and _signed(node.left, types) and _signed(node.comparators[0], types):
+                node.left = fold(node.left, frozenset(_spans(node.comparators[0], spans)))
+                node.comparators[0] = fold(node.comparators[0], frozenset(_spans(node.left, spans)))
+            return node
+
     for stmt in _preorder(body):
         if hasattr(stmt, "body"):
             continue  # a loop's or a branch's statements come next, in order
@@ -517,22 +553,165 @@ def shape_pad(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     return changed
 
 
+def _signed(e: ast.expr, types: Types) -> bool:
+    """Is ``e`` a signed integer, as far as its syntax and ``types`` say? (A bool, an unsigned or a
+    float value is not: a bool's compare is unsigned, a float's cast truncates.)"""
+    if isinstance(e, ast.Name):
+        return types.get(e.id) in _SIGNED
+    if isinstance(e, ast.Constant):
+        return type(e.value) is int
+    if isinstance(e, ast.Subscript):  # ``offs_m[:, None]``: a view
+        return _signed(e.value, types)
+    if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub, ast.Mult)):
+        return _signed(e.left, types) and _signed(e.right, types)
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+        return _signed(e.operand, types)
+    found = _cast(e)
+    return found is not None and found[1] in _SIGNED
+
+
+def narrow_compare(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """``a.to(tl.int64) >= b.to(tl.int64)``, ``a`` and ``b`` signed integers (an int32 index, a
+    position): ``a >= b``. Widening a signed integer keeps its order, and Triton compares two
+    signed integers at the wider one's width: the same truth, without the 64-bit compares (two
+    per element on a GPU: attention's causal mask per score). Also through a name assigned once
+    holding the cast, read later in its own block while nothing the cast reads is assigned again."""
+    changed = False
+
+    def narrow(side: ast.expr, held: dict[str, ast.expr]) -> ast.expr | None:
+        if isinstance(side, ast.Name) and side.id in held:
+            side = held[side.id]
+        found = _cast(side)
+        if found is None or found[1] != "tl.int64" or not _signed(found[0], types):
+            return None
+        return copy_tree(found[0])
+
+    class Fold(ast.NodeTransformer):
+        def __init__(self, held: dict[str, ast.expr]) -> None:
+            self.held = held
+
+        def visit_Compare(self, node: ast.Compare) -> ast.AST:
+            nonlocal changed
+            self.generic_visit(node)
+            if len(node.ops) != 1:
+                return node
+            a, b = narrow(node.left, self.held), narrow(node.comparators[0], self.held)
+            if a is None or b is None:
+                return node
+            changed = True
+            return ast.copy_location(ast.Compare(left=a, ops=node.ops, comparators=[b]), node)
+
+    def block(stmts: list[ast.stmt]) -> None:
+        held: dict[str, ast.expr] = {}  # a name -> the int64 cast it holds
+        for stmt in stmts:
+            assigned = set(_assigned([stmt]))
+            for n in [n for n, v in held.items() if n in assigned or _names(v) & assigned]:
+                del held[n]
+            Fold(held).visit(stmt)
+            for field in ("body", "orelse"):
+                block(getattr(stmt, field, []))
+            name = _target(stmt)
+            if name is None or once[name] != 1:
+                continue
+            if narrow(stmt.value, {}) is not None:
+                held[name] = stmt.value
+            elif name not in types and _signed(stmt.value, types):
+                types[name] = SIGNED_INDEX  # (``ks = k_start + offs_k``)
+
+    block(body)
+    return changed
+
+
+def in_bounds(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """A load's or store's mask, or a select's condition, made of bounds checks ``index < extent``
+    the writer knows true everywhere (``types.bounds``: a GEMM whose extents fill their blocks):
+    the load or store unmasked (its ``other`` dropped), the select its value. Only where what it
+    masks has every index tile the mask has, so no shape changes (a mask broadcasts with its
+    pointer; a select with its value)."""
+    if not types.bounds:
+        return False
+    held: dict[str, ast.expr] = {}  # a name assigned once -> its value (``a_mask``, ``rows``)
+    spans: dict[str, set[str]] = {}
+    extents = {e for _, e in types.bounds}
+    changed = False
+
+    def index(e: ast.expr) -> str | None:
+        e = held.get(e.id, e) if isinstance(e, ast.Name) else e
+        if isinstance(e, ast.Subscript):
+            e = e.value
+        return e.id if isinstance(e, ast.Name) else None
+
+    def true(e: ast.expr) -> bool:
+        e = held.get(e.id, e) if isinstance(e, ast.Name) else e
+        if isinstance(e, ast.BinOp) and isinstance(e.op, ast.BitAnd):
+            return true(e.left) and true(e.right)
+        if isinstance(e, ast.Compare) and len(e.ops) == 1 and isinstance(e.ops[0], ast.Lt):
+            bound = e.comparators[0]
+            return isinstance(bound, ast.Name) and (index(e.left), bound.id) in types.bounds
+        return False
+
+    def covers(e: ast.expr, mask: ast.expr) -> bool:
+        return _spans(mask, spans) - extents <= _spans(e, spans) | {mask.id if isinstance(mask, ast.Name) else ""}
+
+    class Drop(ast.NodeTransformer):
+        def visit_Call(self, node: ast.Call) -> ast.AST:
+            nonlocal changed
+            self.generic_visit(node)
+            f = node.func
+            if not isinstance(f, ast.Attribute):
+                return node
+            mask = next((k.value for k in node.keywords if k.arg == "mask"), None)
+            if f.attr in ("load", "store") and mask is not None and true(mask) and covers(node.args[0], mask):
+                node.keywords = [k for k in node.keywords if k.arg not in ("mask", "other")]
+                changed = True
+            elif ast.unparse(f) == "tl.where" and len(node.args) == 3 and true(node.args[0]):
+                if covers(node.args[1], node.args[0]):
+                    changed = True
+                    return node.args[1]
+            return node
+
+    for stmt in _preorder(body):
+        if hasattr(stmt, "body"):
+            continue
+        Drop().visit(stmt)
+        name = _target(stmt)
+        if name is not None and once[name] == 1:
+            held[name] = stmt.value
+            spans[name] = _spans(stmt.value, spans)
+    return changed
+
+
 Rule = Callable[[list[ast.stmt], Counter[str], Types], bool]
 
 #: the rules, in the order each round applies them
-RULES: tuple[Rule, ...] = (identity_cast, common_subexpr, load_other, round_trip, log_exp, shape_pad, copy, dead)
+RULES: tuple[Rule, ...] = (
+    identity_cast,
+    common_subexpr,
+    load_other,
+    round_trip,
+    log_exp,
+    shape_pad,
+    narrow_compare,
+    in_bounds,
+    copy,
+    dead,
+)
 
 
-def simplify(lines: Sequence[str], known: Mapping[str, str] | None = None) -> list[str]:
+def simplify(
+    lines: Sequence[str], known: Mapping[str, str] | None = None, bounds: frozenset[tuple[str, str]] = frozenset()
+) -> list[str]:
     """A kernel body's ``lines`` rewritten by ``RULES`` until none applies; ``known``: the Triton
-    dtypes of names the writer knows (a load of an int64 input, uncast), beside those casts say.
+    dtypes of names the writer knows (a load of an int64 input, uncast), beside those casts say;
+    ``bounds``: the bounds checks it knows true (``Types.bounds``).
 
     Example:
         >>> simplify(["a = x * 2", "b = x * 2", "c = b", "tl.store(p, c + a)"])
         ['a = x * 2', 'tl.store(p, a + a)']
     """
     body = ast.parse("\n".join(lines)).body
-    types: Types = dict(known or {})
+    types = Types(known or {})
+    types.bounds = bounds
     while True:
         changed = False
         for rule in RULES:

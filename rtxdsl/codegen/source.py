@@ -26,7 +26,7 @@ from ..ops import REGISTRY, AxisRule, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from ..ops.movement import positions_compared
 from ..ops.reduction import exp_below, exp_of_logsumexp, factors, reciprocal_of
-from .rewrite import simplify
+from .rewrite import SIGNED_INDEX, simplify
 from .template import render
 
 POINTWISE = """\
@@ -197,6 +197,11 @@ def annotated(lines: Sequence[str], notes: Sequence[str]) -> list[str]:
     return out
 
 
+#: the index tiles the row, pointwise and GEMM templates define: signed integers (int32, or int64
+#: where a size passes 2**31)
+INDICES = ("pid", "offs", "rows", "cols", "rows_m", "batch", "row_block", "offs_m", "offs_n", "offs_k", "ks", "k_start")
+
+
 class Scope:
     def __init__(self, indent: str = "") -> None:
         self.lines: list[str] = []
@@ -219,8 +224,9 @@ class Writer:
         self.spec = spec
         self.row = spec.kind == "row"
         self.types: dict[str, torch.dtype] = {}
-        #: Triton dtypes of names no cast in the body states (a load of an int64 input): the rewrites' types
-        self.known: dict[str, str] = {}
+        #: Triton dtypes of names no cast in the body states (a load of an int64 input; the templates'
+        #: indices, signed integers): the rewrites' types
+        self.known: dict[str, str] = dict.fromkeys(INDICES, SIGNED_INDEX)
         self.tmp_ids = itertools.count()
         self.params: list[str] = []
         self.helpers: dict[str, str] = {}  # module-level @triton.jit helpers the emitters asked for

@@ -94,8 +94,7 @@ def gemm_spec(
     sa = (a.strides[-1], a.strides[-2]) if ta else (a.strides[-2], a.strides[-1])  # (m, k)
     sb = (b.strides[-1], b.strides[-2]) if tb else (b.strides[-2], b.strides[-1])  # (k, n)
     operand = {Role.A: (a, ta, batch), Role.B: (b, tb, batch)}
-    strides = _load_strides(group, bd, layouts, operand, domain, inner)
-    at_tiles = tile_loads(bd.nodes)
+    strides, at_tiles = _load_strides(group, bd, layouts, operand, domain, inner), tile_loads(bd.nodes)
     loads = tuple(
         LoadSpec(j, role, *_load_classes(strides[i][1], i in at_tiles) if i in strides else ((), ()))
         for i, (j, role, _) in enumerate(bd.loads)
@@ -137,6 +136,7 @@ def gemm_spec(
     values = {"M": m, "N": n, "K": k} | {f"bsize{d}": v for d, v in enumerate(batch)} | _window_values(spec)
     values |= _operand_values(spec, (a, b), (sa, sb), batch)
     values |= _tile_values(spec, group, graph, layouts, bd, strides, inner)
+    spec = _even(spec, group.chunk is None, values)
     ints = list(launch_ints(spec, values))
     kinds, vals = scalar_args(bd.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = replace(spec, scalars=tuple(kinds), scalar_names=scalar_names(bd.slots))
@@ -156,6 +156,25 @@ def gemm_spec(
     kept = kept_fraction(spec, spans, vals)
     grid = (max(1, tiles), max(1, batches))
     return spec, Launch(tuple(ints), tuple(vals), grid, meta, empty, scalar_inputs, kept=kept)
+
+
+def _even(spec: KernelSpec, unchunked: bool, values: Mapping[str, int]) -> KernelSpec:
+    """``spec`` with the extents that fill their blocks (``GemmTile.even``): ``M``, ``N``, ``K``
+    multiples of the tile's blocks, a recomputed product's ``K<i>`` of ``BLOCK_K`` (or equal to its
+    one slice). None in a chunk loop's kernel (its windows start mid-extent)."""
+    tile = spec.gemm
+    assert tile is not None
+    if not unchunked or tile.window is not None:
+        return spec
+    blocks = {"M": tile.block_m, "N": tile.block_n, "K": tile.block_k}
+    whole = {f"K{i}": size for i, size in tile.whole_k}
+    even = []
+    for name, v in values.items():
+        if name in blocks and v % blocks[name] == 0:
+            even.append(name)
+        elif name[:1] == "K" and name[1:].isdigit() and (v == whole[name] if name in whole else v % tile.block_k == 0):
+            even.append(name)
+    return replace(spec, gemm=replace(tile, even=tuple(sorted(even))))
 
 
 def _load_strides(

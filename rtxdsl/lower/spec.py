@@ -141,6 +141,10 @@ class GemmTile:
     #: a prologue's only product computed as one slice of its contracted size: (node, the slice, a
     #: power of two >= 16 covering it); its operand tile the K loop does not move is loaded once
     whole_k: tuple[tuple[int, int], ...] = ()
+    #: the extents (``M``, ``N``, ``K``, a recomputed product's ``K<i>``) that are multiples of
+    #: their blocks at this call: the bounds checks against them are true everywhere, and the
+    #: printed kernel has none (``rewrite.in_bounds``); a size class, as ``KernelSpec.even``
+    even: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
