@@ -25,7 +25,7 @@ from ..lower.spec import BCAST, UNIT, KernelSpec, NodeSpec, Split, Src, Stride, 
 from ..ops import REGISTRY, AxisRule, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
 from ..ops.movement import positions_compared
-from ..ops.reduction import exp_below, exp_of_logsumexp, factors, reciprocal_of
+from ..ops.reduction import exp_below, exp_of_logsumexp, exp_of_shift, factors, reciprocal_of
 from .rewrite import SIGNED_INDEX, simplify
 from .template import render
 
@@ -379,7 +379,7 @@ class Writer:
                     break
         found = exp_of_logsumexp(node, self._node_at)
         if found is None:
-            return None
+            return self._shifted_exp(node, name, scope, operand) if other is None else None
         x_ref, lse, y_ref = found
         if reduce_dtype(self.spec.nodes[lse]) != node.cdt or self.spec.nodes[node.srcs[0][1]].cdt != node.cdt:
             return None
@@ -402,6 +402,17 @@ class Writer:
                     factor = f"{factor} * {self.cast(operand(other), node.cdt)}"
                 factor = self.tmp(self.top, factor)
             scope.add(f"{name} = {e} * {factor}")
+        self.types[name] = node.cdt
+        return name
+
+    def _shifted_exp(self, node: NodeSpec, name: str, scope: Scope, operand: Callable[[tuple], str]) -> str | None:
+        """``exp(x - detach(c))`` in fp32 (``exp_of_shift``: a probability recomputed from a saved
+        logsumexp), as ``exp_below`` computes it; None for any other node."""
+        found = exp_of_shift(node, self._node_at)
+        if found is None or node.cdt != torch.float32:
+            return None
+        x, y = (self.cast(operand(r), node.cdt) for r in found)
+        scope.add(f"{name} = {exp_below(x, y)}")
         self.types[name] = node.cdt
         return name
 

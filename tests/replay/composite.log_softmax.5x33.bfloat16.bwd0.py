@@ -34,8 +34,7 @@ def row_neg_sum_div_finite_or_nan_SIG(
     x = tl.load(x_ptr + rows + cols * x_stride1, mask=mask, other=0).to(tl.float32)
     stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
     v3 = stat0 + (stat0 - stat0)
-    v5 = x - v3
-    v6 = tl.exp(v5)
+    v6 = tl.exp2((x - v3) * 1.4426950408889634)
     v7 = v2 * v6
     v8 = v7 + dout0
     tl.store(grad0_ptr + rows + cols * grad0_stride1, v8.to(tl.bfloat16), mask=mask)

@@ -31,8 +31,7 @@ def row_finite_or_nan_detach_sub_exp_SIG(
         dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0).to(tl.float32)
         x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
         v0 = stat0 + (stat0 - stat0)
-        v2 = x - v0
-        v3 = tl.exp(v2)
+        v3 = tl.exp2((x - v0) * 1.4426950408889634)
         v4 = dout0 * v3
         t3 = tl.where(mask, v4, 0)
         t4 = acc_5 + t3
@@ -51,9 +50,8 @@ def row_finite_or_nan_detach_sub_exp_SIG(
         v10 = dout0_1 * v6
         v11 = v9 + v10
         x_1 = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
-        v0_11 = stat0 + (stat0 - stat0)
-        v2_8 = x_1 - v0_11
-        v3_7 = tl.exp(v2_8)
+        v0_10 = stat0 + (stat0 - stat0)
+        v3_7 = tl.exp2((x_1 - v0_10) * 1.4426950408889634)
         v12 = v11 * v3_7
         tl.store(grad0_ptr + rows * grad0_stride0 + cols, v12.to(tl.bfloat16), mask=mask)
 

@@ -29,8 +29,7 @@ def row_finite_or_nan_detach_sub_exp_SIG(
     x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0).to(tl.float32)
     stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
     v0 = stat0 + (stat0 - stat0)
-    v2 = x - v0
-    v3 = tl.exp(v2)
+    v3 = tl.exp2((x - v0) * 1.4426950408889634)
     v4 = dout0 * v3
     t3 = tl.where(mask, v4, 0)
     v5 = tl.sum(t3, axis=1)[:, None]

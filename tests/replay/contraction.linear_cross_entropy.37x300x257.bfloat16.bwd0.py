@@ -69,8 +69,7 @@ def gemm_unsqueeze_ne_div_where_SIG(
     v8 = acc_r + b_in
     stat0 = tl.load(stat0_ptr + rows, mask=rows < M, other=0)
     v9 = stat0 + (stat0 - stat0)
-    v11 = v8 - v9
-    v12 = tl.exp(v11)
+    v12 = tl.exp2((v8 - v9) * 1.4426950408889634)
     v13 = v6 * v12
     v14 = (cols + tl.zeros((1, 1), dtype=tl.int32)).to(tl.int32)
     v15 = tl.where(v1, v0, s2).to(tl.int64)

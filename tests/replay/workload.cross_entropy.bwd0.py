@@ -47,8 +47,7 @@ def pointwise_unsqueeze_ne_div_where_SIG(
     x = tl.load(x_ptr + irem * x_stride0 + i1, mask=mask, other=0)
     stat0 = tl.load(stat0_ptr + irem, mask=mask, other=0)
     v12 = stat0 + (stat0 - stat0)
-    v14 = x - v12
-    v15 = tl.exp(v14)
+    v15 = tl.exp2((x - v12) * 1.4426950408889634)
     v16 = v11 * v15
     v17 = v7 + v16
     v18 = i1.to(tl.int32)

@@ -37,8 +37,7 @@ def row_mul_add_finite_or_nan_detach_SIG(
     v1 = v0 + m
     stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
     v2 = stat0 + (stat0 - stat0)
-    v4 = v1 - v2
-    v5 = tl.exp(v4)
+    v5 = tl.exp2((v1 - v2) * 1.4426950408889634)
     v6 = dout0 * v5
     t4 = tl.where(mask, v6, 0)
     v7 = tl.sum(t4, axis=1)[:, None]
