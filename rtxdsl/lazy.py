@@ -661,8 +661,8 @@ class OperationStream:
                 first = firsts.get(id(lt._expr))
                 src = first._value if first is not None else tensor_of[id(lt._expr)]
                 self._copy_record(src, eager=True)  # eager computed it twice
-                with torch.set_grad_enabled(lt._grad):
-                    lt._materialize(src.clone())
+                with torch.set_grad_enabled(lt._grad):  # (row-major: the loop below lays out the others)
+                    lt._materialize(src.clone(memory_format=torch.contiguous_format))
         for lt in computed:  # eager strides, where eager's value is not contiguous
             if lt._strides is not None and lt._home is None and tuple(lt._value.stride()) != lt._strides:  # type: ignore[union-attr]
                 real = torch.empty_strided(lt._info.shape, lt._strides, dtype=lt.dtype, device=self.device)

@@ -259,3 +259,17 @@ def test_lazy_programs_agree_with_eager(label, seed):
     print(report + "\n\n" + "\n\n".join(bad))
     assert len(bad) <= TOLERATED * FUZZ_PROGRAMS, report + "\n\n" + "\n\n".join(bad[:3])
     assert refused <= 0.05 * FUZZ_PROGRAMS, f"{refused} refusals"
+
+
+def test_contiguous_of_a_value_eager_lays_out_transposed_is_contiguous():
+    """``v1`` is computed over a transposed input, so eager lays it out transposed too, and
+    ``v1.contiguous()`` is a row-major copy: a flat view of it is valid. The stream computed one
+    kernel output for both and copied it for ``v2`` keeping the transposed strides, so the view
+    raised (lazy fuzzer seed 20261628, program 2026162800283, where it failed a flush)."""
+    f = rx.Fusion()
+    t = torch.randn(5, 3).t()
+    v1 = 2.5 * f.lazy(t * 1)
+    v2 = v1.contiguous()
+    flat = v2.view(-1)
+    assert v2.torch().is_contiguous() and not v1.torch().is_contiguous()
+    assert torch.equal(flat.torch(), (2.5 * t).contiguous().view(-1))
