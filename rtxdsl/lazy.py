@@ -378,6 +378,9 @@ class OperationStream:
         # ids of the tensors the segment holds (its leaves, their detached aliases), by storage
         self.on_storage: dict[tuple[torch.device, int], set[int]] = {}
         self.grad_vars: set[int] = set()  # ids of the leaf variables whose tensor requires grad
+        #: leaf variables whose tensor autograd refuses to differentiate through (a view of a
+        #: multi-output op written in place): the error eager raises where a differentiable op reads it
+        self.refused: dict[int, RuntimeError] = {}
         self.versions: dict[int, int] = {}  # id(tensor) -> its version counter when first read
         self.read_storages: set[tuple[torch.device, int]] = set()  # storages the leaves live in
         self.holders: list[weakref.ref[LazyTensor]] = []
@@ -415,12 +418,20 @@ class OperationStream:
                 raise RtxError(held[0].message)
         with torch._C.DisableTorchFunctionSubclass():  # (metadata of a guarded tensor, without its dispatch)
             grad = t.requires_grad  # (a guarded tensor's requires_grad_() flushes first: fixed until then)
+            refused = None
             if grad and torch.is_grad_enabled():
-                t.grad_fn  # noqa: B018 - autograd's checks of a view it refuses to use raise here, as in eager
+                try:  # autograd's checks of a view it refuses to use: raised by the op reading it with
+                    t.grad_fn  # noqa: B018 - a gradient, as in eager (``record``), not by ``.int()``
+                except RuntimeError as e:
+                    refused = e
             key, holders = _holders(t)
             if holders > 1 and self.unseen_alias(t, key, holders):
                 return self.snapshot(t)
-            v = self.new_leaf(t, grad)
+            if refused is None:
+                v = self.new_leaf(t, grad)
+            else:  # read detached: no kernel's autograd may reach it (a non-differentiable read is fine)
+                v = self.detached_leaf(t)
+                self.refused[id(v)] = refused
             self.versions[id(t)] = t._version  # a write the guards cannot see still bumps it
         self.read_storages.add(key)
         self.on_storage.setdefault(key, set()).add(id(t))
@@ -523,6 +534,10 @@ class OperationStream:
         lt._base, lt._chain, lt._strides = None, (), None
         if grad:
             grad = typed.dtype in _FLOATS and torch.is_grad_enabled() and (_READS.get(expr.op) or _reads_values(expr))
+        if self.refused and torch.is_grad_enabled() and typed.dtype in _FLOATS and _reads_values(expr):
+            refused = next((self.refused[id(n)] for n in walk([expr]) if id(n) in self.refused), None)
+            if refused is not None:  # eager's differentiable op raises it here
+                raise RuntimeError(str(refused))
         lt._grad = grad
         self.holders.append(weakref.ref(lt))
         if self.queued == self.cap:  # flushed once the call recording it is done (see _over_cap)
@@ -684,9 +699,10 @@ class OperationStream:
                 w._value, w._home = home, None
         for v in views:  # recorded views become real views of their root's tensor
             value = v._base._value  # type: ignore[union-attr]
-            with torch._C.DisableTorchFunctionSubclass(), torch.set_grad_enabled(v._base._grad):  # type: ignore[union-attr]
-                for func, rest, kw in v._chain:
-                    value = func(value, *rest, **kw)
+            with torch._C.DisableTorchFunctionSubclass():
+                for func, rest, kw, grad in v._chain:
+                    with torch.set_grad_enabled(grad):
+                        value = func(value, *rest, **kw)
             self.fusion._remember(v._base._value)  # type: ignore[union-attr,arg-type]
             self.fusion._remember(value)  # (views the stream made: seen, never a reason to copy a read)
             v._value, v._expr, v._base, v._chain = value, None, None, ()
@@ -745,6 +761,7 @@ class OperationStream:
         self.snapshots.clear()
         self.on_storage.clear()
         self.grad_vars.clear()
+        self.refused.clear()
         self.versions.clear()
         self.read_storages.clear()
         self.holders.clear()
@@ -1508,7 +1525,9 @@ def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
                 return view
             if view is not None and _agrees(view, meta):
                 view._base = base._base if base._base is not None else base
-                view._chain = (*base._chain, (func, args[1:], kwargs))
+                # (made as eager made it, with grad on or off: a view made in no_grad mode may not be
+                # written in place with grad on)
+                view._chain = (*base._chain, (func, args[1:], kwargs, torch.is_grad_enabled()))
                 view._strides = _view_strides(meta)
                 stream.views.append(weakref.ref(view))
                 return view

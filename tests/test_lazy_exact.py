@@ -273,3 +273,20 @@ def test_contiguous_of_a_value_eager_lays_out_transposed_is_contiguous():
     flat = v2.view(-1)
     assert v2.torch().is_contiguous() and not v1.torch().is_contiguous()
     assert torch.equal(flat.torch(), (2.5 * t).contiguous().view(-1))
+
+
+# programs the fuzzer found at fresh seeds, each a fault fixed (python tests/lazy_fuzz.py --one ID)
+FOUND = [
+    (2026162800283, "contiguous() of a transposed value copied transposed: a view of it failed a flush"),
+    (2027010700177, "a leaf's grad_fn probed at every read: .int() of a view autograd refuses raised"),
+    (2027012200346, "a recorded view made again at the flush under its base's grad mode, not its own"),
+    (2027012000349, "(x @ x.T).reshape(-1): the row-flattening rule made a 1-d operand of the product"),
+    (2027013000031, "x @ log_softmax(x).T, x = a + b: B's prologue read A's x, at A's tile"),
+    (2027013700212, "the backward of linear(x, w) * x with K = 1: a copied value's writer made a cycle"),
+]
+
+
+@pytest.mark.parametrize("seed, what", FOUND, ids=[str(s) for s, _ in FOUND])
+def test_programs_the_fuzzer_found_agree_with_eager(seed, what):
+    verdict, detail = check(generate(seed))
+    assert verdict == "ok", f"{what}: {verdict}: {detail}"

@@ -752,6 +752,7 @@ def recompute_elementwise(
     # product into its prologue (linear cross-entropy over tanh(h): d/dh's epilogue recomputing
     # tanh(h) made the recomputed logits read it at the output's coordinates, d/dh wrong)
     stored = {id(x) for n in graph.nodes if _tileable(graph, n) for x in n.srcs}
+    consumers = _consumers(graph, fl)
 
     def ancestry(s: Expr, r1: _Work, r2: _Work) -> list[Expr] | None:
         """``s`` and what it needs inside ``r1``, if all of it is elementwise over leaves and fits ``r2``
@@ -797,11 +798,13 @@ def recompute_elementwise(
                 c = r2.contraction
                 if c is not None and any(x is n for n in chain for x in c.srcs):
                     continue  # the GEMM loads that operand: its epilogue reads it back too (``a + a @ w``)
+                roles = dict(r2.roles)
                 for n in chain:
                     r2.roles[id(n)] = _per_row(r2, graph.of(n).shape)
                 r2.nodes[:0] = chain
+                if _cyclic(graph, work, [], fl, requested, consumers):  # the copy would be read from r2
+                    r2.nodes[: len(chain)], r2.roles = [], roles  # (a [4, 1] value at r2's domain exactly)
     # a kernel whose every value its readers now recompute (a causal mask's positions) is gone
-    consumers = _consumers(graph, fl)
     order = _order(graph)
     return tuple(g.freeze(order) for g in work if _writes(g, work, requested, consumers))
 
@@ -1055,6 +1058,7 @@ class _Absorb:
             or graph.ops(w.nodes + chain) > self.config.max_fusion_ops
             or _epilogue_reads(w, chain, consumers)
             or _holds_other_operand(w, side, chain)
+            or _crosses_tiles(w, side, chain, bounds)
             for w, side in gemm_readers
         ):
             return
@@ -1281,6 +1285,18 @@ def _holds_other_operand(w: _Work, side: Role, chain: list[Expr]) -> bool:
     assert w.contraction is not None
     other = w.contraction.srcs[1 if side is Role.A else 0]
     return any(m is other for m in chain)
+
+
+def _crosses_tiles(w: _Work, side: Role, chain: list[Expr], bounds: list[Expr]) -> bool:
+    """Would ``side``'s prologue read a value the GEMM computes at another tile (the other operand's
+    prologue: ``x @ log_softmax(x).T`` with ``x = a + b`` in A's), or compute one that another
+    tile's nodes read? Each node is one value per kernel, at its role's tile: the other prologue
+    would read it at the wrong coordinates (lazy fuzzer seed 20270130, program 2027013000031)."""
+    other = Role.B if side is Role.A else Role.A
+    members = {id(m) for m in chain}
+    if any(w.roles.get(id(x)) is other for x in (*bounds, *(x for m in chain for x in m.srcs))):
+        return True
+    return any(w.roles.get(id(m)) is other and any(id(x) in members for x in m.srcs) for m in w.nodes)
 
 
 def _product_cone(

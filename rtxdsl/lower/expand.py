@@ -175,8 +175,8 @@ def _flatten_rows_of_product(p: Expr, info: dict[int, Info], keep: list[Expr]) -
     tile without ever writing it; eager values are the same."""
     (x,) = p.srcs
     shape, have = info[id(p)].shape, info[id(x)].shape
-    if not shape or not have or shape[-1] != have[-1] or shape == have:
-        return p
+    if len(shape) < 2 or not have or shape[-1] != have[-1] or shape == have:
+        return p  # (a 1-d result: its operand would be 1-d too, not a product's rows)
     chain: list[Expr] = []
     c = x
     while REGISTRY[c.op].kind is OpKind.ELEMENTWISE:
