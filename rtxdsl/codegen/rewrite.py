@@ -221,6 +221,33 @@ def _preorder(stmts: list[ast.stmt]) -> Iterator[ast.stmt]:
             yield from _preorder(getattr(stmt, field, []))
 
 
+def _through_names(
+    body: list[ast.stmt],
+    once: Counter[str],
+    fold: Callable[[ast.stmt, dict[str, ast.expr]], None],
+    holds: Callable[[ast.stmt, str], ast.expr | None],
+) -> None:
+    """Each block's statements in order, ``fold(stmt, held)`` on each: ``held`` maps a name assigned
+    once to the value ``holds(stmt, name)`` kept of its statement, forgotten where the name or a
+    name that value reads is assigned again (a rule that sees through names, in their own block)."""
+
+    def block(stmts: list[ast.stmt]) -> None:
+        held: dict[str, ast.expr] = {}
+        for stmt in stmts:
+            assigned = set(_assigned([stmt]))
+            for n in [n for n, v in held.items() if n in assigned or _names(v) & assigned]:
+                del held[n]
+            fold(stmt, held)
+            for field in ("body", "orelse"):
+                block(getattr(stmt, field, []))
+            name = _target(stmt)
+            kept = holds(stmt, name) if name is not None and once[name] == 1 else None
+            if kept is not None:
+                held[name] = kept  # type: ignore[index]
+
+    block(body)
+
+
 def copy(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     """``a = b`` (a self-copy: an identity op, a detach, a running state read off after its loop),
     ``a`` assigned once and ``b`` never again after it: every ``a`` reads ``b``; the line goes."""
@@ -434,20 +461,10 @@ def log_exp(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
             log_a = ast.Call(func=copy_tree(node.func), args=[a], keywords=[])
             return ast.copy_location(ast.BinOp(left=log_a, op=ast.Add(), right=b), node)
 
-    def block(stmts: list[ast.stmt]) -> None:
-        held: dict[str, ast.expr] = {}  # a name -> the product it holds
-        for stmt in stmts:
-            assigned = set(_assigned([stmt]))
-            for n in [n for n, v in held.items() if n in assigned or _names(v) & assigned]:
-                del held[n]
-            Fold(held).visit(stmt)
-            for field in ("body", "orelse"):
-                block(getattr(stmt, field, []))
-            name = _target(stmt)
-            if name is not None and once[name] == 1 and _scaled_exp(stmt.value) is not None:
-                held[name] = stmt.value
-
-    block(body)
+    # (a name -> the product it holds)
+    _through_names(
+        body, once, lambda stmt, held: Fold(held).visit(stmt), lambda stmt, _: _scaled_exp(stmt.value) and stmt.value
+    )  # type: ignore[attr-defined]
     return changed
 
 
@@ -601,24 +618,16 @@ def narrow_compare(body: list[ast.stmt], once: Counter[str], types: Types) -> bo
             changed = True
             return ast.copy_location(ast.Compare(left=a, ops=node.ops, comparators=[b]), node)
 
-    def block(stmts: list[ast.stmt]) -> None:
-        held: dict[str, ast.expr] = {}  # a name -> the int64 cast it holds
-        for stmt in stmts:
-            assigned = set(_assigned([stmt]))
-            for n in [n for n, v in held.items() if n in assigned or _names(v) & assigned]:
-                del held[n]
-            Fold(held).visit(stmt)
-            for field in ("body", "orelse"):
-                block(getattr(stmt, field, []))
-            name = _target(stmt)
-            if name is None or once[name] != 1:
-                continue
-            if narrow(stmt.value, {}) is not None:
-                held[name] = stmt.value
-            elif name not in types and _signed(stmt.value, types):
-                types[name] = SIGNED_INDEX  # (``ks = k_start + offs_k``)
+    def holds(stmt: ast.stmt, name: str) -> ast.expr | None:
+        """The int64 cast a name holds; a name holding a signed integer typed as one (``ks``)."""
+        value = stmt.value  # type: ignore[attr-defined]
+        if narrow(value, {}) is not None:
+            return value
+        if name not in types and _signed(value, types):
+            types[name] = SIGNED_INDEX
+        return None
 
-    block(body)
+    _through_names(body, once, lambda stmt, held: Fold(held).visit(stmt), holds)
     return changed
 
 
