@@ -36,11 +36,14 @@ UNARY = [
     "{a}.contiguous()", "{a}.clone()", "{a} * {s}", "{s} / ({a}.abs() + 1)", "{s} * {a}", "{a} - {s}",
     "torch.where({a} > 0, {a}, {s})", "{a}.clamp(-{s}, {s})", "{a}.exp().clamp(max=4.0)", "({a} + {s}).square()",
     "{a}.sign()", "torch.floor({a})", "{a} // 2", "{a} % 3", "{a}.int()", "{a} > 0", "~({a} > 0)",
+    "F.pad({a}, (1, 1))", "{a}.index_select(-1, torch.tensor([0]))", "torch.rsqrt({a}.abs() + 1)", "{a}.pow(2)",
+    "F.normalize({a}, dim=-1)", "{a}.flip(-1)", "torch.roll({a}, 1, -1)",
 ]  # fmt: skip
 BINARY = [
     "{a} + {b}", "{a} * {b}", "{a} - {b}", "{a} / ({b}.abs() + 1)", "torch.maximum({a}, {b})",
     "torch.add({a}, {b}, alpha=2)", "torch.sub({a}, {b}, alpha=0.5)", "torch.where({a} > {b}, {a}, {b})",
-    "{a}.lerp({b}, 0.25)", "torch.minimum({a}, {b})",
+    "{a}.lerp({b}, 0.25)", "torch.minimum({a}, {b})", "torch.cat([{a}, {b}], -1)", "torch.stack([{a}, {b}], 0).sum(0)",
+    "{a}.masked_fill({b} > 0, {s})", "torch.where({b} > 0, {a}, {s})", "{a}.gather(-1, ({b}.abs() * 0).long())",
 ]  # fmt: skip
 REDUCE = [
     "{a}.sum(-1)", "{a}.mean(0)", "{a}.amax(-1, keepdim=True)", "{a}.max(-1).values", "{a}.min(0)[0]",
@@ -55,6 +58,8 @@ REDUCE = [
 MATMUL = [
     "{a} @ {a}.mT", "{a} @ {b}.mT", "torch.matmul({a}, {b})", "F.linear({a}, {b})", "{a}.mT @ {b}",
     "F.linear({a}, {b}, {b}[..., 0])", "torch.mm({a}, {b}.t())", "({a} @ {a}.mT).relu_()",
+    "F.scaled_dot_product_attention({a}[None], {a}[None], {b}[None])[0]",
+    "F.scaled_dot_product_attention({a}[None], {b}[None], {b}[None], is_causal=True)[0]",
 ]  # fmt: skip
 CROSS = [
     "F.cross_entropy({a}, {t})", "F.cross_entropy({a} * 2, {t}, label_smoothing=0.1)",
