@@ -461,10 +461,12 @@ def log_exp(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
             log_a = ast.Call(func=copy_tree(node.func), args=[a], keywords=[])
             return ast.copy_location(ast.BinOp(left=log_a, op=ast.Add(), right=b), node)
 
-    # (a name -> the product it holds)
-    _through_names(
-        body, once, lambda stmt, held: Fold(held).visit(stmt), lambda stmt, _: _scaled_exp(stmt.value) and stmt.value
-    )  # type: ignore[attr-defined]
+    def holds(stmt: ast.stmt, name: str) -> ast.expr | None:
+        """The product a name holds."""
+        value = stmt.value  # type: ignore[attr-defined]
+        return value if _scaled_exp(value) is not None else None
+
+    _through_names(body, once, lambda stmt, held: Fold(held).visit(stmt), holds)
     return changed
 
 
