@@ -1435,7 +1435,10 @@ def _agrees(out: LazyTensor, meta: Any) -> bool:
 
 
 def _strides_of(meta: Any) -> tuple[int, ...] | None:
-    return _contiguous_strides(meta) if isinstance(meta, torch.Tensor) else None
+    """Eager's strides of a result, None where they are a fresh tensor's: exactly, size-1 dims too
+    (``2.0 * x`` of a ``[4, 1]`` transposed view keeps its strides ``(1, 4)``; lazy fuzzer seed
+    20271023, program 2027102300140 read ``(1, 1)``)."""
+    return _view_strides(meta)
 
 
 def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:

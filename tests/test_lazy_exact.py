@@ -283,6 +283,7 @@ FOUND = [
     (2027012000349, "(x @ x.T).reshape(-1): the row-flattening rule made a 1-d operand of the product"),
     (2027013000031, "x @ log_softmax(x).T, x = a + b: B's prologue read A's x, at A's tile"),
     (2027013700212, "the backward of linear(x, w) * x with K = 1: a copied value's writer made a cycle"),
+    (2027102300140, "2.0 * x of a [4, 1] transposed view: eager's strides (1, 4), the stream's (1, 1)"),
 ]
 
 
