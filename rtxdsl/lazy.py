@@ -381,6 +381,7 @@ class OperationStream:
         #: leaf variables whose tensor autograd refuses to differentiate through (a view of a
         #: multi-output op written in place): the error eager raises where a differentiable op reads it
         self.refused: dict[int, RuntimeError] = {}
+        self.unprobed: set[int] = set()  # leaf variables of tensors that require grad, made under no_grad
         self.versions: dict[int, int] = {}  # id(tensor) -> its version counter when first read
         self.read_storages: set[tuple[torch.device, int]] = set()  # storages the leaves live in
         self.holders: list[weakref.ref[LazyTensor]] = []
@@ -407,7 +408,9 @@ class OperationStream:
             self.flush("read of a tensor aliased by a pending in-place write")
         hit = self.leaves.get(id(t))
         if hit is not None and hit[0] is t:
-            return hit[1]
+            if id(hit[1]) not in self.unprobed or not torch.is_grad_enabled():
+                return hit[1]
+            return self.probed(t, hit[1])  # first read with gradients of a leaf made under no_grad
         snap = self.snapshots.get(id(t))
         if snap is not None and snap[0] is t and snap[1] == t._version:
             if snap[3].requires_grad or not (t.requires_grad and torch.is_grad_enabled()):
@@ -429,6 +432,8 @@ class OperationStream:
                 return self.snapshot(t)
             if refused is None:
                 v = self.new_leaf(t, grad)
+                if grad and not torch.is_grad_enabled():
+                    self.unprobed.add(id(v))
             else:  # read detached: no kernel's autograd may reach it (a non-differentiable read is fine)
                 v = self.detached_leaf(t)
                 self.refused[id(v)] = refused
@@ -436,6 +441,20 @@ class OperationStream:
         self.read_storages.add(key)
         self.on_storage.setdefault(key, set()).add(id(t))
         self.guard(t, READ)
+        return v
+
+    def probed(self, t: torch.Tensor, v: Expr) -> Expr:
+        """Leaf ``v`` of ``t``, made under ``no_grad``, read with gradients: autograd's checks of ``t``
+        now (see ``leaf``); a tensor it refuses is read detached from here on."""
+        self.unprobed.discard(id(v))
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                t.grad_fn  # noqa: B018
+        except RuntimeError as e:
+            del self.leaves[id(t)]  # (read under no_grad, it was read through its detached alias)
+            detached = self.detached_leaf(t)
+            self.refused[id(detached)] = e
+            return detached
         return v
 
     def new_leaf(self, t: torch.Tensor, grad: bool) -> Expr:
@@ -762,6 +781,7 @@ class OperationStream:
         self.on_storage.clear()
         self.grad_vars.clear()
         self.refused.clear()
+        self.unprobed.clear()
         self.versions.clear()
         self.read_storages.clear()
         self.holders.clear()
