@@ -227,9 +227,12 @@ def test_an_index_error_raised_at_the_flush_is_the_eager_one_deferred():
     assert p.raises[1] and "cross_entropy" in p.lines[1]
     assert check(p) == ("deferred", "line 1's index error raised at line 2's flush")
     index_error = rx.RtxError("cross_entropy: Target 1 is out of bounds.")
-    assert _deferred(p, 1, [None, None])[0] == "wrong"
-    assert _deferred(p, 1, [None, ValueError("out of bounds")])[0] == "wrong"
-    assert _deferred(p, 1, [None, index_error])[0] == "deferred"
+    quiet = [None, None]  # eager raises at no later line
+    assert _deferred(p, 1, [None, None], quiet)[0] == "wrong"
+    assert _deferred(p, 1, [None, ValueError("out of bounds")], quiet)[0] == "wrong"
+    assert _deferred(p, 1, [None, index_error], quiet)[0] == "deferred"
+    # a later line where eager raises too (the same error) is passed over (program 2027100000210)
+    assert _deferred(p, 1, [IndexError("dim"), index_error], [IndexError("dim"), None])[0] == "deferred"
 
 
 def test_half_precision_gradients_are_compared_at_the_scale_of_the_largest():
