@@ -421,12 +421,7 @@ class OperationStream:
                 raise RtxError(held[0].message)
         with torch._C.DisableTorchFunctionSubclass():  # (metadata of a guarded tensor, without its dispatch)
             grad = t.requires_grad  # (a guarded tensor's requires_grad_() flushes first: fixed until then)
-            refused = None
-            if grad and torch.is_grad_enabled():
-                try:  # autograd's checks of a view it refuses to use: raised by the op reading it with
-                    t.grad_fn  # noqa: B018 - a gradient, as in eager (``record``), not by ``.int()``
-                except RuntimeError as e:
-                    refused = e
+            refused = _refusal(t) if grad and torch.is_grad_enabled() else None
             key, holders = _holders(t)
             if holders > 1 and self.unseen_alias(t, key, holders):
                 return self.snapshot(t)
@@ -447,15 +442,14 @@ class OperationStream:
         """Leaf ``v`` of ``t``, made under ``no_grad``, read with gradients: autograd's checks of ``t``
         now (see ``leaf``); a tensor it refuses is read detached from here on."""
         self.unprobed.discard(id(v))
-        try:
-            with torch._C.DisableTorchFunctionSubclass():
-                t.grad_fn  # noqa: B018
-        except RuntimeError as e:
-            del self.leaves[id(t)]  # (read under no_grad, it was read through its detached alias)
-            detached = self.detached_leaf(t)
-            self.refused[id(detached)] = e
-            return detached
-        return v
+        with torch._C.DisableTorchFunctionSubclass():
+            refused = _refusal(t)
+        if refused is None:
+            return v
+        del self.leaves[id(t)]  # (read under no_grad, it was read through its detached alias)
+        detached = self.detached_leaf(t)
+        self.refused[id(detached)] = refused
+        return detached
 
     def new_leaf(self, t: torch.Tensor, grad: bool) -> Expr:
         v = var(f"t{len(self.leaves) + len(self.detached) + 1}")
@@ -1452,6 +1446,16 @@ def _agrees(out: LazyTensor, meta: Any) -> bool:
     if not isinstance(meta, torch.Tensor):
         return meta is None
     return out.dtype == meta.dtype and out._info.shape == tuple(meta.shape)
+
+
+def _refusal(t: torch.Tensor) -> RuntimeError | None:
+    """Autograd's error for a tensor it refuses to differentiate through (a view of a multi-output op
+    written in place), which eager raises where a differentiable op reads it, not at ``.int()``."""
+    try:
+        t.grad_fn  # noqa: B018
+    except RuntimeError as e:
+        return e
+    return None
 
 
 def _strides_of(meta: Any) -> tuple[int, ...] | None:

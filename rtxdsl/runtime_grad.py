@@ -112,9 +112,11 @@ class GradFunction(torch.autograd.Function):
         feed.update(zip(g.saved_keys, saved))
         unused = set()
         for k, (gr, f, (shape, dtype, device)) in enumerate(zip(grads, g.float_outputs, ctx.metas)):
+            if f and gr is None:  # an output the loss does not use
+                unused.add(f"{COTANGENT}{k}")
+                gr = torch.zeros(shape, dtype=dtype, device=device)
             if f:
-                unused.update([f"{COTANGENT}{k}"] if gr is None else [])
-                feed[f"{COTANGENT}{k}"] = torch.zeros(shape, dtype=dtype, device=device) if gr is None else gr
+                feed[f"{COTANGENT}{k}"] = gr
         outs = plan.gradients(feed)
         grad_of, read = dict(g.grad_of), plan.cotangents_read
         grads_in = []

@@ -200,7 +200,7 @@ class GemmWriter(Writer):
         vector the template or a recomputed product's K loop compares against that extent."""
         g = self.spec.gemm
         assert g is not None
-        vectors = {**dict((e, (v,)) for v, e in (*TILE_VECTORS["a"], *TILE_VECTORS["b"])), "N": ("offs_n",)}
+        vectors = {e: (v,) for v, e in (*TILE_VECTORS["a"], *TILE_VECTORS["b"])}  # M, K, N
         out = set()
         for extent in g.even:
             for v in vectors.get(extent, ("kk", f"kk{extent[1:]}")):  # K<i>: a K loop's, or its one slice
