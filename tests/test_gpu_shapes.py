@@ -525,9 +525,12 @@ def test_tail_code_takes_one_ticket_and_resets_the_counter(gen):
     k = rx.compile(rx.cross_entropy(x, t_))
     a, tg = torch.randn(9, 30, generator=gen), torch.randint(0, 30, (9,), generator=gen)
     (src,) = k.sources(x=a, t=tg)
-    assert src.count("tl.atomic_add(count_ptr, 1") == 1 and src.count("tl.atomic_xchg(count_ptr, 0)") == 1
-    assert src.count("def ") == 2 and "_tail(" in src  # the head kernel and the function its last program calls
+    assert src.count("tl.atomic_add(count_ptr, 1") == 1 and src.count("tl.store(count_ptr, 0)") == 1
+    assert "atomic_xchg" not in src  # (its unused result would pass through shared memory: two barriers)
+    # the head kernel, the function its last program calls, and the tail's two sums' combine
+    assert src.count("def ") == 3 and "_tail(" in src and "tl.reduce(" in src
     assert src.index("tl.debug_barrier()") < src.index("tl.atomic_add(count_ptr")  # every store before the ticket
+    assert src.index("_tail(t_") < src.index("tl.store(count_ptr, 0)")  # the reset after the tail's reads
     big = k.lower_for(GPU, x=torch.empty(8192, 32000), t=torch.zeros(8192, dtype=torch.long))
     assert big.kernels_launched == 1 and big.kernels[0].grid == (8192,) and big.kernels[0].tail.grid == (1,)
 

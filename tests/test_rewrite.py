@@ -342,3 +342,70 @@ def test_in_bounds_keeps_a_mask_or_select_that_gives_its_value_a_shape():
         "tl.store(o_ptr + offs_m, t)",
     ]
     assert simplify(body, bounds=frozenset({("offs_m", "M"), ("ks", "K")})) == body
+
+
+#: a row kernel's index tiles, as its writer states them (``source.ROW_AXES``)
+ROW = {"rows": frozenset({0}), "row_mask": frozenset({0})}
+#: the head of a row kernel's body: its columns, its mask and a full fp32 tile ``x``
+TILE = [
+    "cols = tl.arange(0, BLOCK_SIZE)[None, :]",
+    "mask = row_mask & (cols < n_cols)",
+    "x = tl.load(x_ptr + rows * n_cols + cols, mask=mask, other=0).to(tl.float32)",
+]
+
+
+def test_two_sums_of_full_tiles_are_one_reduction():
+    """A layer norm backward's two row sums: one pass through shared memory. What read the first
+    sum before the second runs after the merged reduction, what did not stays where it was."""
+    body = [
+        *TILE,
+        "a = tl.sum(tl.where(mask, x * 2.0, 0), axis=1)[:, None]",
+        "u = a * s0",
+        "y = tl.load(y_ptr + rows, mask=row_mask, other=0).to(tl.float32)",
+        "b = tl.sum(tl.where(mask, x * y, 0), axis=1)[:, None]",
+        "tl.store(o_ptr + rows, u + b, mask=row_mask)",
+    ]
+    assert simplify(body, axes=ROW)[3:] == [
+        "y = tl.load(y_ptr + rows, mask=row_mask, other=0).to(tl.float32)",
+        "a_b = tl.reduce((tl.where(mask, x * 2.0, 0), tl.where(mask, x * y, 0)), 1, add_pairs)",
+        "a = a_b[0][:, None]",
+        "b = a_b[1][:, None]",
+        "u = a * s0",
+        "tl.store(o_ptr + rows, u + b, mask=row_mask)",
+    ]
+
+
+@pytest.mark.parametrize(
+    "second, why",
+    [
+        ("tl.sum(tl.where(mask, x * a, 0), axis=1)[:, None]", "computed from the first sum"),
+        ("tl.sum(tl.where(mask, x * u, 0), axis=1)[:, None]", "computed from what the first sum made"),
+        ("tl.sum(tl.where(mask, x, 0), axis=0)[None, :]", "along another axis"),
+        ("tl.sum(tl.load(w_ptr + cols).to(tl.float32), axis=1)[:, None]", "one row of columns: another shape"),
+        ("tl.sum(tl.where(mask, x > 0, 0), axis=1)[:, None]", "a bool tile: tl.sum widens it first"),
+        ("tl.sum(tl.where(mask, z, 0), axis=1)[:, None]", "z's type unknown"),
+        ("tl.sum(tl.where(mask, x, 0) * c, axis=1)[:, None]", "c a tile of unknown shape"),
+    ],
+)
+def test_sibling_sums_leave_sums_that_cannot_be_one(second, why):
+    body = [
+        *TILE,
+        "a = tl.sum(tl.where(mask, x, 0), axis=1)[:, None]",
+        "u = a * 2.0",
+        f"b = {second}",
+        "tl.store(o_ptr + rows, u + b, mask=row_mask)",
+    ]
+    assert not any("tl.reduce" in line for line in simplify(body, axes=ROW)), why
+
+
+def test_sibling_sums_leave_a_sum_whose_reader_is_stored_before_the_second():
+    """A store reading the first sum's result cannot move after the second sum."""
+    body = [
+        *TILE,
+        "a = tl.sum(tl.where(mask, x, 0), axis=1)[:, None]",
+        "tl.store(p_ptr + rows, a, mask=row_mask)",
+        "b = tl.sum(tl.where(mask, x * x, 0), axis=1)[:, None]",
+        "tl.store(o_ptr + rows, b, mask=row_mask)",
+    ]
+    assert simplify(body, axes=ROW) == body
+    assert simplify(body) == body  # (no writer's axes: nowhere)

@@ -20,6 +20,7 @@ log_exp            ``tl.log(a * tl.exp(b))`` (or through a name holding it): ``t
 shape_pad          ``p + rows * 0`` (or ``p + 0``) in a pointer or an integer cast, ``p`` of ``rows``' shape: ``p``
 narrow_compare     ``a.to(tl.int64) >= b.to(tl.int64)``, ``a`` and ``b`` signed integers: ``a >= b``
 in_bounds          a mask or select of bounds checks the writer knows true (``offs_m < M``): dropped
+sibling_sums       two ``tl.sum(x, axis=k)`` of full tiles, neither reading the other: one ``tl.reduce`` of both
 dead               ``a = <pure>`` never read, a loop left empty: dropped
 =================  =========================================================================
 """
@@ -31,6 +32,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from copy import deepcopy as copy_tree
 
+from ..ops.reduction import ADD_PAIRS
+
 #: calls with effects or an order (loads, stores, atomics, barriers): never merged, moved or dropped
 EFFECTS = frozenset({"load", "store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "debug_barrier"})
 
@@ -41,6 +44,12 @@ class Types(dict[str, str]):
     where ``M`` is a multiple of ``BLOCK_M``: ``GemmTile.even``)."""
 
     bounds: frozenset[tuple[str, str]] = frozenset()
+    #: a 2-d kernel's index tiles defined outside its body -> the axes each spans (``rows``: 0);
+    #: empty where the writer states none (``sibling_sums`` then applies nowhere)
+    axes: Mapping[str, frozenset[int]] = {}
+    #: names the writer computes as a float or an integer of 32 bits or more (``tl.sum`` adds them
+    #: as they are, where it widens a narrower integer first)
+    wide: frozenset[str] = frozenset()
 
 
 #: the Triton type ``Types`` gives a name the writer's template defines as a signed integer whose
@@ -692,6 +701,142 @@ def in_bounds(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
     return changed
 
 
+_WIDE = frozenset({"tl.float16", "tl.bfloat16", "tl.float32", "tl.float64", "tl.int32", "tl.int64", SIGNED_INDEX})
+_FLOATING = frozenset({"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "erf", "sigmoid", "sin", "cos", "fdiv"})
+
+
+def _wide(e: ast.expr, wide: set[str]) -> bool:
+    """Is ``e`` a float or an integer of 32 bits or more, as far as its syntax and the names in
+    ``wide`` say? (``tl.sum`` adds such a tile as it is; a bool or an int8 it widens first.)"""
+    if isinstance(e, ast.Constant):
+        return type(e.value) in (int, float)
+    if isinstance(e, ast.Name):
+        return e.id in wide
+    if isinstance(e, ast.UnaryOp):
+        return isinstance(e.op, ast.USub) and _wide(e.operand, wide)
+    if isinstance(e, ast.BinOp):  # Triton's true division of integers is a float
+        both = isinstance(e.op, (ast.Add, ast.Sub, ast.Mult)) and _wide(e.left, wide) and _wide(e.right, wide)
+        return isinstance(e.op, ast.Div) or both
+    found = _cast(e)
+    if found is not None:
+        return found[1] in _WIDE
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute):
+        if e.func.attr in _FLOATING:
+            return True
+        if e.func.attr in ("where", "maximum", "minimum", "abs"):  # (a select's values, not its condition)
+            return all(_wide(x, wide) for x in e.args[e.func.attr == "where" :])
+    return False
+
+
+def _axes(e: ast.expr, axes: Mapping[str, frozenset[int]]) -> set[int]:
+    """The axes ``e``'s shape spans, as far as its syntax and the index tiles' ``axes`` say (a lower
+    bound: ``_spans``' walk): a range viewed as a row or a column (``tl.arange(0, B)[None, :]``)
+    spans its slice's axis; a load, its pointer's and its mask's."""
+    if isinstance(e, ast.Name):
+        return set(axes.get(e.id, ()))
+    if isinstance(e, ast.Subscript) and isinstance(e.value, ast.Call) and ast.unparse(e.value.func) == "tl.arange":
+        parts = e.slice.elts if isinstance(e.slice, ast.Tuple) else [e.slice]
+        return {k for k, part in enumerate(parts) if isinstance(part, ast.Slice)}
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in _ELEMENTWISE | {"load"}:
+        parts = [*e.args, *(k.value for k in e.keywords if k.arg != "other")]
+        return set().union(*(_axes(x, axes) for x in parts + ([e.func.value] if e.func.attr == "to" else [])))
+    if isinstance(e, (ast.BinOp, ast.UnaryOp, ast.Compare)):
+        return set().union(*(_axes(x, axes) for x in ast.iter_child_nodes(e) if isinstance(x, ast.expr)))
+    return set()
+
+
+def _tile_sum(stmt: ast.stmt) -> tuple[ast.expr, int, str | None] | None:
+    """``(x, k, view)`` of ``name = tl.sum(x, axis=k)`` or ``name = tl.sum(x, axis=k)[view]``."""
+    v = getattr(stmt, "value", None) if _target(stmt) is not None else None
+    view = ast.unparse(v.slice).removeprefix("(").removesuffix(")") if isinstance(v, ast.Subscript) else None
+    call = v.value if isinstance(v, ast.Subscript) else v
+    if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "tl.sum" and len(call.args) == 1):
+        return None
+    if [k.arg for k in call.keywords] != ["axis"] or not isinstance(call.keywords[0].value, ast.Constant):
+        return None
+    return call.args[0], call.keywords[0].value.value, view
+
+
+def sibling_sums(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
+    """Two sums of full tiles along one axis in one block (``a = tl.sum(x, axis=1)[:, None]``, then
+    ``b = tl.sum(y, axis=1)[:, None]``), ``y`` not computed from ``a``: one ``tl.reduce`` of both,
+    where ``b`` was, the lines between that read ``a`` after it. One pass through shared memory
+    for both (a layer norm backward's two row sums; a mean's total and count): a barrier and a
+    reduction tree fewer. Only in a 2-d kernel whose index tiles the writer states (``types.axes``)
+    and where both tiles span both axes (``tl.reduce`` wants one shape), each a float or an integer
+    of 32 bits or more (``tl.sum`` widens a narrower one first)."""
+    views = (n.slice for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Subscript))
+    if not types.axes or any(isinstance(v, ast.Tuple) and len(v.elts) > 2 for v in views):
+        return False  # (no writer's axes, or a tile of three dims)
+    axes, wide = dict(types.axes), set(types.wide) | {n for n, t in types.items() if t in _WIDE}
+    # a name -> the values its statements assign, as text: one value (``cols`` set again per block
+    # of a loop, as before it) is one tile wherever it is read
+    values: dict[str, list[str]] = {}
+    for stmt in _preorder(body):
+        if _target(stmt) is not None:
+            values.setdefault(_target(stmt), []).append(ast.dump(stmt.value))  # type: ignore[arg-type, attr-defined]
+    for stmt in _preorder(body):
+        name = _target(stmt)
+        if name is not None and len(set(values[name])) == 1 and len(values[name]) == once[name]:
+            axes[name] = frozenset(_axes(stmt.value, axes))  # type: ignore[attr-defined]
+            if _wide(stmt.value, wide):
+                wide.add(name)
+
+    def full(x: ast.expr) -> bool:
+        return _axes(x, axes) == {0, 1} and _wide(x, wide)
+
+    def merge(stmts: list[ast.stmt]) -> bool:
+        sums = {k: _tile_sum(s) for k, s in enumerate(stmts) if _tile_sum(s) is not None and once[_target(s)] == 1}
+        for j, (y, axis, view) in sums.items():  # type: ignore[misc]
+            for i, (x, *how) in ((i, s) for i, s in sums.items() if i < j):  # type: ignore[misc]
+                if how != [axis, view] or not (full(x) and full(y)):
+                    continue
+                a, b = _target(stmts[i]), _target(stmts[j])
+                moved = _readers(stmts[i + 1 : j], a, _names(x))  # type: ignore[arg-type]
+                if moved is None or once[f"{a}_{b}"] or b in _names(x):
+                    continue
+                if _names(y) & {a, *(_target(stmts[i + 1 + k]) for k in moved)}:
+                    continue  # ``y`` is computed from ``a``
+                between = stmts[i + 1 : j]
+                kept = [s for k, s in enumerate(between) if k not in moved]
+                stmts[i : j + 1] = kept + _sum_pair(a, b, x, y, axis, view) + [between[k] for k in moved]  # type: ignore[arg-type]
+                return True
+        return any(merge(getattr(s, f)) for s in stmts for f in ("body", "orelse") if hasattr(s, f))
+
+    return merge(body)
+
+
+def _sum_pair(a: str, b: str, x: ast.expr, y: ast.expr, axis: int, view: str | None) -> list[ast.stmt]:
+    """``a_b = tl.reduce((x, y), axis, add_pairs)``, then ``a`` and ``b`` read off it (``view``)."""
+    pair = f"{a}_{b}"
+    tail = f"[{view}]" if view is not None else ""
+    merged = ast.parse(f"{pair} = tl.reduce((x, y), {axis}, add_pairs)\n{a} = {pair}[0]{tail}\n{b} = {pair}[1]{tail}")
+    merged.body[0].value.args[0].elts = [x, y]  # type: ignore[attr-defined]
+    return merged.body
+
+
+def _readers(between: list[ast.stmt], name: str, reads: set[str]) -> set[int] | None:
+    """The statements of ``between`` computed from ``name`` (transitively), to run after a sum
+    moved past them all; None where one cannot move: an effect or a block reads ``name``'s
+    results, a name one of them reads is assigned after it, or a name ``reads`` (the sum's
+    operand) is assigned in ``between``."""
+    held, moved = {name}, set()
+    if set(_assigned(between)) & reads:
+        return None
+    for k, stmt in enumerate(between):
+        if not _names(stmt) & held:
+            continue
+        target = _target(stmt)
+        if target is None or not _pure(stmt.value):  # type: ignore[attr-defined]
+            return None
+        later = set(_assigned([s for s in between[k + 1 :] if _target(s) not in held]))
+        if _names(stmt.value) & later:  # type: ignore[attr-defined]
+            return None
+        held.add(target)
+        moved.add(k)
+    return moved
+
+
 Rule = Callable[[list[ast.stmt], Counter[str], Types], bool]
 
 #: the rules, in the order each round applies them
@@ -704,17 +849,26 @@ RULES: tuple[Rule, ...] = (
     shape_pad,
     narrow_compare,
     in_bounds,
+    sibling_sums,
     copy,
     dead,
 )
 
+#: the module-level helpers a rule's rewrite may call, by name (``sibling_sums``' combine)
+HELPERS = {"add_pairs": ADD_PAIRS}
+
 
 def simplify(
-    lines: Sequence[str], known: Mapping[str, str] | None = None, bounds: frozenset[tuple[str, str]] = frozenset()
+    lines: Sequence[str],
+    known: Mapping[str, str] | None = None,
+    bounds: frozenset[tuple[str, str]] = frozenset(),
+    axes: Mapping[str, frozenset[int]] | None = None,
+    wide: frozenset[str] = frozenset(),
 ) -> list[str]:
     """A kernel body's ``lines`` rewritten by ``RULES`` until none applies; ``known``: the Triton
     dtypes of names the writer knows (a load of an int64 input, uncast), beside those casts say;
-    ``bounds``: the bounds checks it knows true (``Types.bounds``).
+    ``bounds``, ``axes``, ``wide``: what it knows of bounds checks, index tiles and names (``Types``).
+    A rewritten body may call a helper of ``HELPERS``.
 
     Example:
         >>> simplify(["a = x * 2", "b = x * 2", "c = b", "tl.store(p, c + a)"])
@@ -722,7 +876,7 @@ def simplify(
     """
     body = ast.parse("\n".join(lines)).body
     types = Types(known or {})
-    types.bounds = bounds
+    types.bounds, types.axes, types.wide = bounds, axes or {}, wide
     while True:
         changed = False
         for rule in RULES:

@@ -84,5 +84,5 @@ def row_amax_eq_mul_sum_SIG(
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_amax_eq_mul_sum_SIG_tail(t_dout1_ptr, t_x_ptr, t_div_ptr, t_grad0_ptr, t_n_rows, t_n_cols, t_x_stride1, t_div_stride1, t_grad0_stride1, T_ROWS, T_BLOCK_SIZE)
-        tl.atomic_xchg(count_ptr, 0)
+        tl.store(count_ptr, 0)
 

@@ -5,6 +5,11 @@ import triton.language as tl
 
 
 @triton.jit
+def add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def row_sub_div_add_rsqrt_SIG(
     x_ptr,
     stat0_ptr,
@@ -35,8 +40,9 @@ def row_sub_div_add_rsqrt_SIG(
     v3 = tl.rsqrt(v2)
     v4 = v0 * v3
     v5 = dout0 * v4
-    v6 = tl.sum(v5, axis=1)[:, None]
-    v7 = tl.sum(dout0, axis=1)[:, None]
+    v6_v7 = tl.reduce((v5, dout0), 1, add_pairs)
+    v6 = v6_v7[0][:, None]
+    v7 = v6_v7[1][:, None]
     tl.store(grad1_ptr + rows, v6, mask=row_mask)
     tl.store(grad2_ptr + rows, v7, mask=row_mask)
 

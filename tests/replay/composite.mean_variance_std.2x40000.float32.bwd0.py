@@ -171,5 +171,5 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_div_unsqueeze_mul_m2_mean_SIG_tail(t_stat2_ptr, t_dout2_ptr, t_x_ptr, t_mul_ptr, t_dout0_ptr, t_grad0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_x_stride1, t_mul_stride1, t_grad0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, T_ROWS, T_BLOCK_SIZE)
-        tl.atomic_xchg(count_ptr, 0)
+        tl.store(count_ptr, 0)
 

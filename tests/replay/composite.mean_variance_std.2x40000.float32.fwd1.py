@@ -113,5 +113,5 @@ def row_m2_div_SIG(
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_m2_div_SIG_tail(t_x_ptr, t_s_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
-        tl.atomic_xchg(count_ptr, 0)
+        tl.store(count_ptr, 0)
 

@@ -77,5 +77,5 @@ def row_sum_div_SIG(
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         row_sum_div_SIG_tail(t_x_ptr, t_v_ptr, t_n_rows, t_n_cols, t_x_stride0, t_s0, T_ROWS, T_BLOCK_SIZE)
-        tl.atomic_xchg(count_ptr, 0)
+        tl.store(count_ptr, 0)
 

@@ -24,16 +24,21 @@ def linear_cross_entropy_row_SIG_tail(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     sum_in = tl.load(sum_ptr + cols, mask=mask, other=0)
-    # linear_cross_entropy
     t1 = tl.where(mask, sum_in, 0)
-    v1 = tl.sum(t1, axis=1)[:, None]
     t = tl.load(t_ptr + cols, mask=mask, other=0)
+    # linear_cross_entropy
     v0 = t != s0
     v2 = tl.where(v0, s1, s2)
     t3 = tl.where(mask, v2, 0)
-    v3 = tl.sum(t3, axis=1)[:, None]
+    v1_v3 = tl.reduce((t1, t3), 1, add_pairs)
+    v1 = v1_v3[0][:, None]
+    v3 = v1_v3[1][:, None]
     v4 = v1 / v3
     tl.store(out_ptr + rows * 0, v4.to(tl.bfloat16), mask=row_mask)
+
+@triton.jit
+def add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -128,5 +133,5 @@ def linear_cross_entropy_row_SIG(
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         linear_cross_entropy_row_SIG_tail(t_t_ptr, t_sum_ptr, t_out_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
-        tl.atomic_xchg(count_ptr, 0)
+        tl.store(count_ptr, 0)
 

@@ -24,16 +24,21 @@ def cross_entropy_row_SIG_tail(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     sum_in = tl.load(sum_ptr + cols, mask=mask, other=0)
-    # cross_entropy
     t1 = tl.where(mask, sum_in, 0)
-    v1 = tl.sum(t1, axis=1)[:, None]
     t = tl.load(t_ptr + cols, mask=mask, other=0)
+    # cross_entropy
     v0 = t != s0
     v2 = tl.where(v0, s1, s2)
     t3 = tl.where(mask, v2, 0)
-    v3 = tl.sum(t3, axis=1)[:, None]
+    v1_v3 = tl.reduce((t1, t3), 1, add_pairs)
+    v1 = v1_v3[0][:, None]
+    v3 = v1_v3[1][:, None]
     v4 = v1 / v3
     tl.store(out_ptr + rows * 0, v4, mask=row_mask)
+
+@triton.jit
+def add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -74,33 +79,34 @@ def cross_entropy_row_SIG(
     col_mask = cols < n_cols
     mask = row_mask & col_mask
     x = tl.load(x_ptr + rows * x_stride0 + cols, mask=mask, other=0)
-    # cross_entropy
     t1 = tl.where(mask, x, float('-inf'))
     t2 = tl.max(t1, axis=1)[:, None]
     t3 = tl.where(tl.abs(t2) == float('inf'), 0.0, t2)
     t4 = tl.exp2((t1 - t3) * 1.4426950408889634)
-    t5 = tl.sum(t4, axis=1)[:, None]
-    v2 = t2 + tl.log(t5)
-    v3 = v2 + (v2 - v2)
     t = tl.load(t_ptr + rows, mask=row_mask, other=0)
+    # cross_entropy
     v1 = t != s0
     v6 = tl.where(v1, t, s1).to(tl.int64)
     t7 = (v6 >= 0) & (v6 < n_cols)
     x_1 = tl.load(x_ptr + rows * x_stride0 + v6, mask=row_mask & t7, other=0)
     t9 = n_cols + tl.zeros([1, 1], dtype=tl.float32) - t7.to(tl.float32)
     v9 = tl.where(t7, x_1, 0.0) + tl.where(t9 > 0, t9 * s2, 0.0)
-    v10 = v3 - v9
-    v12 = tl.log(t5) + (t2 - v3)
-    v13 = v10 + v12
     t15 = (v6 >= 0) & (v6 < m17_0)
     tl.store(flag_ptr + rows * 0, 1, mask=row_mask & ~t15)
     v17_11 = tl.where(t15, v6, 0).to(tl.int64)
     v19 = (v17_11 * s1).to(tl.int64)
+    t18 = tl.where(mask, x, 0)
+    t5_v24 = tl.reduce((t4, t18), 1, add_pairs)
+    t5 = t5_v24[0][:, None]
+    v24 = t5_v24[1][:, None]
+    v2 = t2 + tl.log(t5)
+    v3 = v2 + (v2 - v2)
+    v10 = v3 - v9
+    v12 = tl.log(t5) + (t2 - v3)
+    v13 = v10 + v12
     v21 = v13 + v19.to(tl.float32)
     v22 = v21 * s3
     v23 = v3 * s4
-    t18 = tl.where(mask, x, 0)
-    v24 = tl.sum(t18, axis=1)[:, None]
     v25 = v23 - v24
     v26 = v12 * s4
     v27 = v25 + v26
@@ -112,5 +118,5 @@ def cross_entropy_row_SIG(
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
         cross_entropy_row_SIG_tail(t_t_ptr, t_sum_ptr, t_out_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
-        tl.atomic_xchg(count_ptr, 0)
+        tl.store(count_ptr, 0)
 

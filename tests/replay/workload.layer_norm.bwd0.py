@@ -5,6 +5,11 @@ import triton.language as tl
 
 
 @triton.jit
+def add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def row_mul_sub_sum_div_SIG(
     dout0_ptr,
     w_ptr,
@@ -45,23 +50,24 @@ def row_mul_sub_sum_div_SIG(
         v1 = x - stat0
         v2 = v0 * v1
         t4 = tl.where(mask, v2, 0)
-        v3 = tl.sum(t4, axis=1)[:, None]
-        v4 = v3 * s0
         stat1 = tl.load(stat1_ptr + rows, mask=row_mask, other=0)
         v5 = stat1 / s1
         v6 = v5 + s2
         v7 = tl.rsqrt(v6)
         v8 = v7 * v7
         v9 = v7 * v8
+        v14 = v0 * v7
+        v16 = -v14
+        t6 = tl.where(mask, v16, 0)
+        v3_v17 = tl.reduce((t4, t6), 1, add_pairs)
+        v3 = v3_v17[0][:, None]
+        v17 = v3_v17[1][:, None]
+        v4 = v3 * s0
         v10 = v4 * v9
         v11 = v10 / s1
         v12 = v11 * s3
         v13 = v12 * v1
-        v14 = v0 * v7
         v15 = v13 + v14
-        v16 = -v14
-        t6 = tl.where(mask, v16, 0)
-        v17 = tl.sum(t6, axis=1)[:, None]
         v18 = v17 / s1
         v19 = v15 + v18
         tl.store(grad0_ptr + rows * grad0_stride0 + cols, v19, mask=mask)

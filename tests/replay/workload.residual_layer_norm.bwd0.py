@@ -5,6 +5,11 @@ import triton.language as tl
 
 
 @triton.jit
+def add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def row_mul_add_sub_sum_SIG(
     dout1_ptr,
     w_ptr,
@@ -51,25 +56,26 @@ def row_mul_add_sub_sum_SIG(
         v2 = v1 - stat0
         v3 = v0 * v2
         t5 = tl.where(mask, v3, 0)
-        v4 = tl.sum(t5, axis=1)[:, None]
-        v5 = v4 * s0
         stat1 = tl.load(stat1_ptr + rows, mask=row_mask, other=0)
         v6 = stat1 / s1
         v7 = v6 + s2
         v8 = tl.rsqrt(v7)
         v9 = v8 * v8
         v10 = v8 * v9
+        dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
+        v16 = v0 * v8
+        v18 = -v16
+        t8 = tl.where(mask, v18, 0)
+        v4_v19 = tl.reduce((t5, t8), 1, add_pairs)
+        v4 = v4_v19[0][:, None]
+        v19 = v4_v19[1][:, None]
+        v5 = v4 * s0
         v11 = v5 * v10
         v12 = v11 / s1
         v13 = v12 * s3
         v14 = v13 * v2
-        dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
         v15 = dout0 + v14
-        v16 = v0 * v8
         v17 = v15 + v16
-        v18 = -v16
-        t8 = tl.where(mask, v18, 0)
-        v19 = tl.sum(t8, axis=1)[:, None]
         v20 = v19 / s1
         v21 = v17 + v20
         tl.store(grad1_ptr + rows * grad1_stride0 + cols, v21, mask=mask)
