@@ -398,6 +398,29 @@ def test_the_backward_computes_each_product_once_per_gemm_that_reads_it(gen):
     assert all(math.prod(b.shape) < 32 * 4096 * 4096 for b in backward.buffers)
 
 
+@pytest.mark.parametrize(
+    ("d", "warps"),
+    [(64, {"dQ": 4, "dK + dV": 4}), (128, {"dQ": 4, "dK + dV": 8})],  # dK + dV's four tiles at 128: 8
+)
+def test_the_backward_gemms_run_on_four_warps_where_their_tiles_fit(d, warps):
+    """Planned for sm_90 (causal bf16, 32 heads x 4096): dQ's GEMM (its accumulator, the scores and
+    ``dO @ v.T`` recomputed) and dK beside dV at head dim 64 fit ``schedule.FOUR_WARP_ELEMENTS`` and
+    run on 4 warps, as tutorial 06's backward (sm_90 SASS: 0.924 -> 0.688 and 1.09 -> 0.821 warp
+    instructions per score, no spills); dK + dV at 128 (two 64 x 128 accumulators) keeps 8, and so
+    does a GEMM of three accumulators (q, k and v of one input) that recomputes nothing."""
+    bf = {"dtype": torch.bfloat16, "requires_grad": True}
+    ins = {n: torch.empty(1, 32, 4096, d, **bf) for n in "qkv"}
+    plan = rx.compile(rx.attention(q, k, v, causal=True)).grad_plan(**ins)
+    feed = plan.backward_feed({n: t.detach() for n, t in ins.items()})
+    gemms = [c for c in plan.backward.lower_for(GPU, **feed).launched if c.spec.kind == "gemm"]
+    got = {"dK + dV" if len(c.spec.outputs) == 2 else "dQ": dict(c.meta)["num_warps"] for c in gemms}
+    assert got == warps
+    x, w = rx.var("x"), [rx.var(f"w{j}") for j in range(3)]
+    qkv = rx.compile({f"o{j}": rx.linear(x, w[j]) for j in range(3)})
+    mats = {n: torch.empty(4096, 4096, dtype=torch.bfloat16) for n in ("x", "w0", "w1", "w2")}
+    assert [dict(c.meta)["num_warps"] for c in qkv.lower_for(GPU, **mats).launched] == [8]
+
+
 @pytest.mark.parametrize("hkv", [32, 8, 1])  # multi-head, grouped (4 query heads a key head), multi-query
 def test_a_half_precision_backward_writes_each_gradient_once_in_its_dtype(hkv):
     """bf16 at 1 x 32 heads x 4096 x 128, causal, planned for sm_90: three launches whatever the

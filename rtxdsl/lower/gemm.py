@@ -59,13 +59,20 @@ MAX_BATCH_GRID = 65535  # CUDA's limit on a grid's second dim
 
 
 def gemm_tile(
-    target: Target, m: int, n: int, dtype: torch.dtype, inner: int = 0, whole_k: tuple[tuple[int, int], ...] = ()
+    target: Target,
+    m: int,
+    n: int,
+    dtype: torch.dtype,
+    inner: int = 0,
+    whole_k: tuple[tuple[int, int], ...] = (),
+    at_output: int = 0,
 ) -> GemmTile:
     """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)
-    and to ``inner`` products its prologues recompute (``schedule.inner_rows``, ``inner_warps``)."""
+    and to ``inner`` products its prologues recompute (``schedule.inner_rows``, ``inner_warps``;
+    ``at_output`` of them at the output tile)."""
     bm, bn, bk, group_m, warps, stages = target.gemm
     block = gemm_block(inner_rows(bm, dtype, inner, whole_k), bn, bk, m, n, dtype)
-    return GemmTile(*block, group_m, inner_warps(warps, dtype, inner, whole_k), stages)
+    return GemmTile(*block, group_m, inner_warps(warps, dtype, inner, whole_k, block, at_output), stages)
 
 
 def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:
@@ -101,7 +108,8 @@ def gemm_spec(
     )
     outputs = tuple(_out_spec(bd.index[id(o)], layouts[id(o)].dtype, group.role(o)) for o in group.outputs)
     wide = wide_epilogue(bd.nodes, loads, outputs)
-    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner) + wide, whole_k=whole)
+    at_output = sum(bd.nodes[i].role is Role.FULL for i in inner) + wide
+    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner) + wide, whole_k=whole, at_output=at_output)
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(
         kind="gemm",

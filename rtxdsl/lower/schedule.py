@@ -277,10 +277,34 @@ def inner_rows(bm: int, dtype: torch.dtype, inner: int, whole_k: tuple[tuple[int
     return min(bm, WHOLE_ROWS) if inner == 1 and whole_k else bm // 2
 
 
-def inner_warps(warps: int, dtype: torch.dtype, inner: int, whole_k: tuple[tuple[int, int], ...]) -> int:
+#: the most fp32 tile elements a GEMM of 16-bit operands recomputing two products or more keeps at
+#: 4 warps (128 registers a thread): its accumulators and the products at its output tile (``BLOCK_M
+#: x BLOCK_N`` each), the products its prologues recompute at an operand's (``BLOCK_M x BLOCK_K``).
+#: Attention's backward, compiled for sm_90 (``python -m benches.attention_sass``, causal bf16, 64 x
+#: 64 tiles), 8 -> 4 warps: dQ 0.924 -> 0.688 warp instructions per score at head dim 64 (194
+#: registers), 0.955 -> 0.715 at 128 (224); dK + dV 1.09 -> 0.821 at 64 (250). dK + dV at 128 and
+#: q, k and v's three accumulators at 64 x 128 (24,576 elements) spill at 4 warps: they keep 8
+FOUR_WARP_ELEMENTS = 128 * 128
+
+
+def inner_warps(
+    warps: int,
+    dtype: torch.dtype,
+    inner: int,
+    whole_k: tuple[tuple[int, int], ...],
+    block: tuple[int, int, int] = (0, 0, 0),
+    at_output: int = 0,
+) -> int:
     """A GEMM's warps: :data:`WHOLE_K_WARPS` beside the one product its prologue recomputes in
-    one slice (attention's forward), with 16-bit operands; the target's otherwise."""
-    if inner != 1 or dtype.itemsize != 2 or len(whole_k) != 1:
+    one slice (attention's forward), with 16-bit operands; 4 beside two or more whose tiles fit
+    :data:`FOUR_WARP_ELEMENTS` (attention's backward; ``at_output`` of the ``inner`` products are
+    at the output tile); the target's otherwise."""
+    if dtype.itemsize != 2:
+        return warps
+    bm, bn, bk = block
+    if inner >= 2 and (1 + at_output) * bm * bn + (inner - at_output) * bm * bk <= FOUR_WARP_ELEMENTS:
+        return min(warps, 4)
+    if inner != 1 or len(whole_k) != 1:
         return warps
     return min(warps, WHOLE_K_WARPS.get(whole_k[0][1], warps))
 
