@@ -329,7 +329,8 @@ def _saved_results(tensors: tuple[torch.Tensor | None, ...], key: tuple[torch.de
     which no user code writes)."""
     n = 0
     with torch._C.DisableTorchFunctionSubclass():
-        for node in {id(x.grad_fn): x.grad_fn for x in tensors if x is not None and x.grad_fn is not None}.values():
+        nodes = (_grad_fn(x) for x in tensors if x is not None)
+        for node in {id(fn): fn for fn in nodes if fn is not None}.values():
             for name in dir(node):
                 if not name.startswith("_saved_"):
                     continue
@@ -424,7 +425,7 @@ class OperationStream:
             refused = _refusal(t) if grad and torch.is_grad_enabled() else None
             key, holders = _holders(t)
             if holders > 1 and self.unseen_alias(t, key, holders):
-                return self.snapshot(t)
+                return self.snapshot(t, refused)
             if refused is None:
                 v = self.new_leaf(t, grad)
                 if grad and not torch.is_grad_enabled():
@@ -471,13 +472,16 @@ class OperationStream:
             known.add(id(base))
         return holders > len(known) and holders > len(known) + _saved_results((t, base), key, known)
 
-    def snapshot(self, t: torch.Tensor) -> Expr:
+    def snapshot(self, t: torch.Tensor, refused: RuntimeError | None = None) -> Expr:
         """A copy of ``t`` that the segment reads in its place, as eager reads it now: a write
         through a view the stream never saw (see ``unseen_alias``) cannot change it. Read again
-        after such a write (its version moved), ``t`` is copied again."""
+        after such a write (its version moved), ``t`` is copied again. A tensor autograd refuses
+        (``refused``, see ``leaf``) is copied detached, and its copy refused likewise."""
         with torch._C.DisableTorchFunctionSubclass():
-            copy = t.clone()  # (differentiable: a gradient reaches t)
+            copy = t.clone() if refused is None else t.detach().clone()  # (differentiable: a gradient reaches t)
         v = self.new_leaf(copy, copy.requires_grad)
+        if refused is not None:
+            self.refused[id(v)] = refused
         self.versions[id(copy)] = copy._version
         self.snapshots[id(t)] = (t, t._version, v, copy)
         self._copy_record(copy, eager=False)
@@ -548,7 +552,7 @@ class OperationStream:
         if grad:
             grad = typed.dtype in _FLOATS and torch.is_grad_enabled() and (_READS.get(expr.op) or _reads_values(expr))
         if self.refused and torch.is_grad_enabled() and typed.dtype in _FLOATS and _reads_values(expr):
-            refused = next((self.refused[id(n)] for n in walk([expr]) if id(n) in self.refused), None)
+            refused = next((self.refused[id(n)] for n in self.differentiable(expr) if id(n) in self.refused), None)
             if refused is not None:  # eager's differentiable op raises it here
                 raise RuntimeError(str(refused))
         lt._grad = grad
@@ -556,6 +560,22 @@ class OperationStream:
         if self.queued == self.cap:  # flushed once the call recording it is done (see _over_cap)
             _OVER.append(self)
         return lt
+
+    def differentiable(self, expr: Expr) -> list[Expr]:
+        """The nodes of ``expr`` a gradient of it reaches: through floating-point values only (a
+        compare, an integer cast or an index cuts the path, as eager's autograd records no
+        gradient through them: ``where(v > 0, a, b)`` reads ``v`` without differentiating it)."""
+        out, seen, stack = [], set(), [expr]
+        while stack:
+            n = stack.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            out.append(n)
+            info = self.info.get(id(n))
+            if info is None or info.dtype in _FLOATS:
+                stack.extend(n.srcs)
+        return out
 
     def reads(self, t: torch.Tensor) -> bool:
         """Does an op recorded since the last flush read ``t``'s memory (``t`` or an alias of it)?"""
@@ -1446,6 +1466,15 @@ def _agrees(out: LazyTensor, meta: Any) -> bool:
     if not isinstance(meta, torch.Tensor):
         return meta is None
     return out.dtype == meta.dtype and out._info.shape == tuple(meta.shape)
+
+
+def _grad_fn(t: torch.Tensor) -> Any:
+    """``t.grad_fn``, None where autograd refuses ``t`` (``_refusal``): the stream's own reads of
+    autograd's metadata never raise what eager raises only at a differentiable op."""
+    try:
+        return t.grad_fn
+    except RuntimeError:
+        return None
 
 
 def _refusal(t: torch.Tensor) -> RuntimeError | None:

@@ -289,6 +289,9 @@ FOUND = [
     (2027102300140, 20, "2.0 * x of a [4, 1] transposed view: eager's strides (1, 4), the stream's (1, 1)"),
     (2027103100042, 30, "a refused view read under no_grad, then with grad: its leaf was never probed"),
     (2027100000210, 10, "the harness: a deferred index error, then a line eager raises at too (deferred)"),
+    (2027200400059, 30, "where(v > 0, a, b) of a refused view v: a compare reads it without differentiating"),
+    (2027201000058, 30, "a refused view with a second holder: its snapshot and saved-result count raised"),
+    (2027200300061, 20, "the harness: an index error a queue cap's flush raises at eager's line (deferred)"),
 ]
 
 
