@@ -409,3 +409,20 @@ def test_sibling_sums_leave_a_sum_whose_reader_is_stored_before_the_second():
     ]
     assert simplify(body, axes=ROW) == body
     assert simplify(body) == body  # (no writer's axes: nowhere)
+
+
+def test_sibling_sums_leave_a_reader_whose_name_is_assigned_again_before_the_second():
+    """``u`` read off the first sum, then assigned again: the store reads the second value, however
+    the lines move (moving only the first assignment after the second sum would overwrite it)."""
+    body = [
+        *TILE,
+        "a = tl.sum(tl.where(mask, x, 0), axis=1)[:, None]",
+        "u = a * 2.0",
+        "w = x * 5.0",
+        "u = x * 3.0",
+        "b = tl.sum(tl.where(mask, x * x, 0), axis=1)[:, None]",
+        "tl.store(o_ptr + rows, u + b + w, mask=row_mask)",
+    ]
+    out = simplify(body, axes=ROW)
+    assert [ln for ln in out if ln.startswith("u = ")][-1] == "u = x * 3.0"
+    assert out[-1] == body[-1] and out.index("u = x * 3.0") > out.index("u = a * 2.0")

@@ -818,8 +818,8 @@ def _sum_pair(a: str, b: str, x: ast.expr, y: ast.expr, axis: int, view: str | N
 def _readers(between: list[ast.stmt], name: str, reads: set[str]) -> set[int] | None:
     """The statements of ``between`` computed from ``name`` (transitively), to run after a sum
     moved past them all; None where one cannot move: an effect or a block reads ``name``'s
-    results, a name one of them reads is assigned after it, or a name ``reads`` (the sum's
-    operand) is assigned in ``between``."""
+    results, a name one of them reads or assigns is assigned after it, or a name ``reads`` (the
+    sum's operand) is assigned in ``between``."""
     held, moved = {name}, set()
     if set(_assigned(between)) & reads:
         return None
@@ -830,8 +830,8 @@ def _readers(between: list[ast.stmt], name: str, reads: set[str]) -> set[int] | 
         if target is None or not _pure(stmt.value):  # type: ignore[attr-defined]
             return None
         later = set(_assigned([s for s in between[k + 1 :] if _target(s) not in held]))
-        if _names(stmt.value) & later:  # type: ignore[attr-defined]
-            return None
+        if (_names(stmt.value) | {target}) & later:  # type: ignore[attr-defined]
+            return None  # (what it reads, or its own name, is assigned again before the sum)
         held.add(target)
         moved.add(k)
     return moved
