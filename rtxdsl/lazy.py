@@ -1371,6 +1371,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     except (Unsupported, RtxError):
         return fusion._eager(func, args, kwargs, f"unsupported arguments of {_name(func)}")
     if not _agrees(out, meta):  # our typing differs from torch's: torch's answer, eagerly
+        del out  # (recorded, held by no one: a flush the eager call makes must not compute it)
         return fusion._eager(func, args, kwargs, f"{_name(func)}: dtype or shape other than torch's")
     out._strides = _strides_of(meta)
     return out

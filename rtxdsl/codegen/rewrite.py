@@ -815,12 +815,13 @@ def _sum_pair(a: str, b: str, x: ast.expr, y: ast.expr, axis: int, view: str | N
     return merged.body
 
 
-def _readers(between: list[ast.stmt], name: str, reads: set[str]) -> set[int] | None:
+def _readers(between: list[ast.stmt], name: str, reads: set[str]) -> list[int] | None:
     """The statements of ``between`` computed from ``name`` (transitively), to run after a sum
     moved past them all; None where one cannot move: an effect or a block reads ``name``'s
     results, a name one of them reads or assigns is assigned after it, or a name ``reads`` (the
     sum's operand) is assigned in ``between``."""
-    held, moved = {name}, set()
+    held: set[str] = {name}
+    moved: list[int] = []  # (in program order: each runs after what it reads)
     if set(_assigned(between)) & reads:
         return None
     for k, stmt in enumerate(between):
@@ -833,7 +834,7 @@ def _readers(between: list[ast.stmt], name: str, reads: set[str]) -> set[int] | 
         if (_names(stmt.value) | {target}) & later:  # type: ignore[attr-defined]
             return None  # (what it reads, or its own name, is assigned again before the sum)
         held.add(target)
-        moved.add(k)
+        moved.append(k)
     return moved
 
 
