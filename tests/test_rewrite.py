@@ -198,8 +198,8 @@ def test_round_trip_inside_a_loop_body():
         ),
         # a running state read off after its loop: the product holds where the log reads it
         (
-            ["for i in range(n):", "    s = s + i", "v = s * tl.exp(m)", "tl.store(p, tl.log(v))"],
-            ["for i in range(n):", "    s = s + i", "tl.store(p, tl.log(s) + m)"],
+            ["s = 0.0", "for i in range(n):", "    s = s + i", "v = s * tl.exp(m)", "tl.store(p, tl.log(v))"],
+            ["s = 0.0", "for i in range(n):", "    s = s + i", "tl.store(p, tl.log(s) + m)"],
         ),
     ],
     ids=["inline", "exp-first", "named", "after-a-loop"],
@@ -212,7 +212,7 @@ def test_the_log_of_a_scaled_exp_is_a_sum(body, want):
     "body",
     [
         # what the product reads is assigned again before the log: another value
-        ["v = s * tl.exp(m)", "for i in range(n):", "    s = s + i", "tl.store(p, tl.log(v))"],
+        ["s = 0.0", "v = s * tl.exp(m)", "for i in range(n):", "    s = s + i", "tl.store(p, tl.log(v))"],
         # a log of a sum, of a quotient: not this rule's
         ["tl.store(p, tl.log(s + tl.exp(m)))"],
         ["tl.store(p, tl.log(s / tl.exp(m)))"],
@@ -446,3 +446,23 @@ def test_sibling_sums_move_the_first_sums_readers_in_their_order():
     out = simplify(body, axes=ROW)
     assert any("tl.reduce(" in ln for ln in out)
     assert out.index("u = a * 2.0") < out.index("w = u + 1.0")
+
+
+def test_a_rewrite_that_reads_a_name_before_assigning_it_keeps_the_body_as_written(monkeypatch):
+    """Every rule is an optimization: where the rewritten body would read a name before the line
+    assigning it (a rule's fault, as ``sibling_sums``' order was), the writer's lines are kept."""
+    import rtxdsl.codegen.rewrite as rw
+
+    def swap(body, once, types):  # a faulty rule: the first two statements swapped, once
+        if _target(body[0]) == "a":
+            body[0], body[1] = body[1], body[0]
+            return True
+        return False
+
+    from rtxdsl.codegen.rewrite import _target
+
+    body = ["a = x * 2", "b = a + 1", "tl.store(p, b)"]
+    monkeypatch.setattr(rw, "RULES", (swap,))
+    assert simplify(body) == body
+    monkeypatch.setattr(rw, "RULES", ())
+    assert simplify(["b = a + 1", "a = 2", "tl.store(p, b)"]) == ["b = a + 1", "a = 2", "tl.store(p, b)"]

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from copy import deepcopy as copy_tree
 
+from ..log import log
 from ..ops.reduction import ADD_PAIRS
 
 #: calls with effects or an order (loads, stores, atomics, barriers): never merged, moved or dropped
@@ -876,6 +877,7 @@ def simplify(
         ['a = x * 2', 'tl.store(p, a + a)']
     """
     body = ast.parse("\n".join(lines)).body
+    before = set(read_before_assigned(body))  # (parameters a writer assigns again: ``a_ptr += ...``)
     types = Types(known or {})
     types.bounds, types.axes, types.wide = bounds, axes or {}, wide
     while True:
@@ -884,4 +886,29 @@ def simplify(
             changed |= rule(body, _assigned(body), types)
         if not changed:
             break
+    early = [n for n in read_before_assigned(body) if n not in before]
+    if early:  # a rule's fault (every rule is an optimization): the body as the writer wrote it
+        log.warning("kernel body rewrite read %s before assigning it: kept unrewritten", early)
+        return list(lines)
     return [line for stmt in body for line in ast.unparse(stmt).splitlines()]
+
+
+def read_before_assigned(body: Sequence[ast.stmt]) -> list[str]:
+    """Names the body assigns that a statement reads before any statement assigns them (in
+    source order: a loop's running state is assigned before its loop; a loop variable by its
+    head). A rewrite that reorders statements must leave none.
+
+    Example:
+        >>> read_before_assigned(ast.parse("b = a + 1; a = 2; c = b").body)
+        ['a']
+    """
+    assigned, seen, early = set(_assigned(body)), set(), []
+    for stmt in _preorder(list(body)):
+        parts: list[ast.AST] = [stmt.target, stmt.iter] if isinstance(stmt, ast.For) else []
+        parts += [stmt.test] if isinstance(stmt, (ast.If, ast.While)) else []
+        for node in (n for p in (parts if hasattr(stmt, "body") else [stmt]) for n in ast.walk(p)):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                if node.id in assigned and node.id not in seen and node.id not in early:
+                    early.append(node.id)
+        seen |= set(_assigned(parts if hasattr(stmt, "body") else [stmt]))
+    return early

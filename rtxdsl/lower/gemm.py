@@ -69,7 +69,7 @@ def gemm_tile(
 ) -> GemmTile:
     """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)
     and to ``inner`` products its prologues recompute (``schedule.inner_rows``, ``inner_warps``;
-    ``at_output`` of them at the output tile)."""
+    ``at_output`` of them at the output tile: an epilogue's, and a wide epilogue's tiles as one)."""
     bm, bn, bk, group_m, warps, stages = target.gemm
     block = gemm_block(inner_rows(bm, dtype, inner, whole_k), bn, bk, m, n, dtype)
     return GemmTile(*block, group_m, inner_warps(warps, dtype, inner, whole_k, block, at_output), stages)
@@ -107,8 +107,7 @@ def gemm_spec(
         for i, (j, role, _) in enumerate(bd.loads)
     )
     outputs = tuple(_out_spec(bd.index[id(o)], layouts[id(o)].dtype, group.role(o)) for o in group.outputs)
-    wide = wide_epilogue(bd.nodes, loads, outputs)
-    at_output = sum(bd.nodes[i].role is Role.FULL for i in inner) + wide
+    at_output = sum(bd.nodes[i].role is Role.FULL for i in inner) + (wide := wide_epilogue(bd.nodes, loads, outputs))
     tile = gemm_tile(target, m, n, a.dtype, inner=len(inner) + wide, whole_k=whole, at_output=at_output)
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(
