@@ -788,12 +788,17 @@ def sibling_sums(body: list[ast.stmt], once: Counter[str], types: Types) -> bool
 
     def merge(stmts: list[ast.stmt]) -> bool:
         sums = {k: _tile_sum(s) for k, s in enumerate(stmts) if _tile_sum(s) is not None and once[_target(s)] == 1}
+        sums = {k: s for k, s in sums.items() if full(s[0])}  # type: ignore[index]
+        if len(sums) < 2:
+            return any(merge(getattr(s, f)) for s in stmts for f in ("body", "orelse") if hasattr(s, f))
+        names = [_names(s) for s in stmts]
+        assigns = [set(_assigned([s])) for s in stmts]
         for j, (y, axis, view) in sums.items():  # type: ignore[misc]
             for i, (x, *how) in ((i, s) for i, s in sums.items() if i < j):  # type: ignore[misc]
-                if how != [axis, view] or not (full(x) and full(y)):
+                if how != [axis, view]:
                     continue
                 a, b = _target(stmts[i]), _target(stmts[j])
-                moved = _readers(stmts[i + 1 : j], a, _names(x))  # type: ignore[arg-type]
+                moved = _readers(stmts[i + 1 : j], a, _names(x), names[i + 1 : j], assigns[i + 1 : j])  # type: ignore[arg-type]
                 if moved is None or once[f"{a}_{b}"] or b in _names(x):
                     continue
                 if _names(y) & {a, *(_target(stmts[i + 1 + k]) for k in moved)}:
@@ -816,26 +821,34 @@ def _sum_pair(a: str, b: str, x: ast.expr, y: ast.expr, axis: int, view: str | N
     return merged.body
 
 
-def _readers(between: list[ast.stmt], name: str, reads: set[str]) -> list[int] | None:
+def _readers(
+    between: list[ast.stmt], name: str, reads: set[str], names: list[set[str]], assigns: list[set[str]]
+) -> list[int] | None:
     """The statements of ``between`` computed from ``name`` (transitively), to run after a sum
-    moved past them all; None where one cannot move: an effect or a block reads ``name``'s
-    results, a name one of them reads or assigns is assigned after it, or a name ``reads`` (the
-    sum's operand) is assigned in ``between``."""
-    held: set[str] = {name}
-    moved: list[int] = []  # (in program order: each runs after what it reads)
-    if set(_assigned(between)) & reads:
+    moved past them all, in program order; None where they cannot move: an effect or a block reads
+    ``name``'s results, a statement left in place after one assigns a name it reads or its own,
+    or a name ``reads`` (the sum's operand) is assigned in ``between``. ``names`` and ``assigns``:
+    each statement's names and assigned names (one pass over the body, not one per pair of sums)."""
+    if reads & set().union(*assigns):
         return None
+    held: set[str] = {name}
+    moved: list[int] = []
     for k, stmt in enumerate(between):
-        if not _names(stmt) & held:
-            continue
-        target = _target(stmt)
-        if target is None or not _pure(stmt.value):  # type: ignore[attr-defined]
-            return None
-        later = set(_assigned([s for s in between[k + 1 :] if _target(s) not in held]))
-        if (_names(stmt.value) | {target}) & later:  # type: ignore[attr-defined]
-            return None  # (what it reads, or its own name, is assigned again before the sum)
-        held.add(target)
-        moved.append(k)
+        if names[k] & held:
+            target = _target(stmt)
+            if target is None or not _pure(stmt.value):  # type: ignore[attr-defined]
+                return None
+            held.add(target)
+            moved.append(k)
+    later: set[str] = set()  # what the statements left in place after each assign
+    rest = list(moved)
+    for k in reversed(range(len(between))):
+        if rest and k == rest[-1]:
+            rest.pop()
+            if (names[k] - {name}) & later:  # (its own name among them)
+                return None
+        else:
+            later |= assigns[k]
     return moved
 
 
