@@ -412,8 +412,8 @@ def _as_in_float32(p: Program, scalars: dict[str, float], name: str, want: Any, 
     rounding in the half dtype moved it (``sign(layer_norm(x))`` over one element: exactly 0, eager
     bf16 -7.6e-6, so ``sign`` 1; lazy fuzzer seed 20261626, program 2026162600349)?"""
     text = [p.inputs, p.lines]
-    for half, wide in HALVES.items():
-        text = [[ln.replace(half, wide) for ln in lines] for lines in text]
+    for half, wide in HALVES.items():  # a cast the program asks for still rounds, then widens
+        text = [[_widened(ln, half, wide) for ln in lines] for lines in text]
     try:
         env, _ = _run(Program(text[0], text[1], p.scalars, p.raises, p.cap), None, scalars)
     except Exception:  # noqa: BLE001 - the float32 program is no reference
@@ -421,8 +421,17 @@ def _as_in_float32(p: Program, scalars: dict[str, float], name: str, want: Any, 
     if name not in env:
         return False
     exact, grads = _like(env[name], want), name.startswith("zg")
-    # eager's half-precision value is off the float32 program's, and the stream's is on it
-    return _differ(want, exact, coarse, grads) is not None and _differ(exact, got, coarse, grads) is None
+    # the stream's value is the float32 program's (eager's may be too, rounded the other way)
+    return _differ(exact, got, coarse, grads) is None
+
+
+def _widened(line: str, half: str, wide: str) -> str:
+    """``line`` of a half-precision program in float32: its values held in ``wide`` where ``half``
+    held them, each cast to ``half`` it asks for kept as a rounding (``x.to(torch.bfloat16)``:
+    ``x.to(torch.bfloat16).to(torch.float32)``; ``.half()``: ``.half().float()``)."""
+    cast = f".to({half})" if half.startswith("torch.") else half
+    kept = f"{cast}{f'.to({wide})' if wide.startswith('torch.') else wide}"
+    return kept.join(part.replace(half, wide) for part in line.split(cast))
 
 
 def _like(value: Any, like: Any) -> Any:

@@ -68,6 +68,9 @@ FOUND = [
     # moved the lines read off the first row sum in a set's order, so one read a value before the
     # line assigning it (a helper, seed 20273001)
     (2027300100033, "dsl"),
+    # two products sharing a weight, one's operand a residual over the other's value: summed in one
+    # K loop, its operand read at the tile before the other's product existed (a helper, seed 20275012)
+    (2027501200038, "dsl"),
 ]
 
 

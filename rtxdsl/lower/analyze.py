@@ -1203,10 +1203,20 @@ def _operands_at_tiles(ga: _Work, gb: _Work, prologues: tuple[Role, ...]) -> boo
     """Is each operand of both kernels' products read from memory or computed by a prologue (a
     role in ``prologues``), never a value one of them computes at its output tile (``h`` of
     ``dy @ wd``'s epilogue, the operand of ``dy.T @ h``: at the product's coordinates, not the
-    operand's; a merged kernel would read it at the wrong ones)?"""
+    operand's; a merged kernel would read it at the wrong ones), directly or through a prologue?"""
     roles = {**ga.roles, **gb.roles}
     operands = [s for g in (ga, gb) if (c := g.contraction) is not None for s in c.srcs]
-    return all(id(s) not in roles or roles[id(s)] in prologues for s in operands)
+    if not all(id(s) not in roles or roles[id(s)] in prologues for s in operands):
+        return False
+    # nor does a prologue read a value the other kernel computes at its output tile (a residual
+    # over the other's product, ``(x + rms_norm(x) @ w) @ w``: its product read before it exists)
+    return all(_prologue_reads_at_tiles(g, h.roles, prologues) for g, h in ((ga, gb), (gb, ga)))
+
+
+def _prologue_reads_at_tiles(g: _Work, other: dict[int, Role], prologues: tuple[Role, ...]) -> bool:
+    """Does every prologue node of ``g`` read only loads, its own nodes, or ``other``'s prologues?"""
+    at_tiles = [m for m in g.nodes if g.roles.get(id(m)) in prologues]
+    return all(id(s) not in other or other[id(s)] in prologues for m in at_tiles for s in m.srcs)
 
 
 def shared_operand(a: Expr, b: Expr, graph: Graph) -> int | None:
