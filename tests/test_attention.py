@@ -399,22 +399,32 @@ def test_the_backward_computes_each_product_once_per_gemm_that_reads_it(gen):
 
 
 @pytest.mark.parametrize(
-    ("d", "warps"),
-    [(64, {"dQ": 4, "dK + dV": 4}), (128, {"dQ": 4, "dK + dV": 8})],  # dK + dV's four tiles at 128: 8
+    ("d", "hkv", "planned"),
+    [
+        (64, 32, {"dQ": (4, 2), "dK + dV": (4, 2)}),
+        (128, 32, {"dQ": (4, 2), "dK + dV": (8, 0)}),  # dK + dV's four tiles at 128: 8 warps, sliced
+        (128, 8, {"dQ": (8, 0), "dK + dV": (8, 0)}),  # grouped: 5-D coordinates, summed over the group
+    ],
 )
-def test_the_backward_gemms_run_on_four_warps_where_their_tiles_fit(d, warps):
+def test_the_backward_gemms_run_on_four_warps_where_their_tiles_fit(d, hkv, planned):
     """Planned for sm_90 (causal bf16, 32 heads x 4096): dQ's GEMM (its accumulator, the scores and
     ``dO @ v.T`` recomputed) and dK beside dV at head dim 64 fit ``schedule.FOUR_WARP_ELEMENTS`` and
-    run on 4 warps, as tutorial 06's backward (sm_90 SASS: 0.924 -> 0.688 and 1.09 -> 0.821 warp
-    instructions per score, no spills); dK + dV at 128 (two 64 x 128 accumulators) keeps 8, and so
-    does a GEMM of three accumulators (q, k and v of one input) that recomputes nothing."""
+    run on 4 warps, as tutorial 06's backward, with both recomputed products taken whole
+    (``GemmTile.whole_k``: the tiles the loop does not move loaded once; sm_90 SASS, warp
+    instructions per score: dQ 0.924 -> 0.688 -> 0.492, dK + dV 1.09 -> 0.821 -> 0.604, no
+    spills); dK + dV at 128 (two 64 x 128 accumulators) keeps 8 warps and slices, and so do
+    grouped-query attention's GEMMs (5-D coordinates: dQ spilled at 4 warps with a partial last
+    tile) and a GEMM of three accumulators (q, k and v of one input) that recomputes nothing."""
     bf = {"dtype": torch.bfloat16, "requires_grad": True}
-    ins = {n: torch.empty(1, 32, 4096, d, **bf) for n in "qkv"}
-    plan = rx.compile(rx.attention(q, k, v, causal=True)).grad_plan(**ins)
+    ins = {n: torch.empty(1, 32 if n == "q" else hkv, 4096, d, **bf) for n in "qkv"}
+    plan = rx.compile(rx.attention(q, k, v, causal=True, enable_gqa=hkv != 32)).grad_plan(**ins)
     feed = plan.backward_feed({n: t.detach() for n, t in ins.items()})
     gemms = [c for c in plan.backward.lower_for(GPU, **feed).launched if c.spec.kind == "gemm"]
-    got = {"dK + dV" if len(c.spec.outputs) == 2 else "dQ": dict(c.meta)["num_warps"] for c in gemms}
-    assert got == warps
+    got = {
+        "dK + dV" if len(c.spec.outputs) == 2 else "dQ": (dict(c.meta)["num_warps"], len(c.spec.gemm.whole_k))
+        for c in gemms
+    }
+    assert got == planned
     x, w = rx.var("x"), [rx.var(f"w{j}") for j in range(3)]
     qkv = rx.compile({f"o{j}": rx.linear(x, w[j]) for j in range(3)})
     mats = {n: torch.empty(4096, 4096, dtype=torch.bfloat16) for n in ("x", "w0", "w1", "w2")}
@@ -980,6 +990,33 @@ def test_the_sm90_forward_runs_right_under_the_interpreter(gen, d, dtype, atol, 
         out = rx.memory_trace(rx.compile(expr), target=GPU, **ins, **extra).result
         ref = _reference(ins, keep=torch.ones(70, 75, dtype=torch.bool).tril() if mask is None else mask)
         assert_close(out, ref[0] if isinstance(ref, tuple) else ref, atol, rtol, "out")
+
+
+# head dim 64: both GEMMs on 4 warps take their two products whole; 80: dQ alone (dK + dV's 64 x
+# 128 tiles keep 8 warps and slices)
+@pytest.mark.parametrize(("d", "whole"), [(64, 2), (80, 1)], ids=["head dim 64", "80: a masked slice of 128"])
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[2:])  # 16-bit operands: 4 warps
+def test_the_sm90_backward_runs_right_under_the_interpreter(gen, d, whole, dtype, atol, rtol):
+    """The backward's GEMMs as planned for sm_90 (the recomputed products taken whole: ``q`` and
+    ``dO`` loaded once before dQ's loop over keys, ``k`` and ``v`` before dK + dV's over queries),
+    run under the interpreter at the GPU's launch choices (``rx.memory_trace``): every gradient
+    against float64, causal, 70 queries over 75 keys (two slices of each, the last partial)."""
+    from rtxdsl.build import prepare
+
+    ins = _inputs(gen, 1, 2, 2, 70, 75, d, d, dtype)
+    leaves = {n: t.clone().requires_grad_() for n, t in ins.items()}
+    plan = rx.compile(rx.attention(q, k, v, causal=True)).grad_plan(**leaves)
+    cot = torch.randn(1, 2, 70, d, generator=gen, dtype=torch.float64)
+    feed = ins | plan.forward(**ins) | {"_g0": cot.to(dtype)}
+    feed = {n: feed[n] for n in plan.backward.inputs}
+    gemms = [c.source for c in prepare(plan.backward, feed, target=GPU)[1] if "tl.dot(" in c.source]
+    assert len(gemms) == 2 and sum("for kk_start" not in src for src in gemms) == whole  # no loop over the head dim
+    got = rx.memory_trace(plan.backward, target=GPU, **feed).result
+    leaves = {n: t.double().requires_grad_() for n, t in ins.items()}
+    keep = torch.ones(70, 75, dtype=torch.bool).tril()
+    want = _grads(_reference(leaves, keep=keep)[0], list(leaves.values()), cot)
+    for n, a, e in zip("qkv", got if isinstance(got, tuple) else tuple(got.values()), want):
+        assert_close(a, e, atol * max(1.0, float(e.abs().max())), rtol, f"d/d{n}")
 
 
 @pytest.mark.parametrize("tk", [1, 2, 45], ids=["one key", "two keys", "two K slices"])

@@ -66,13 +66,21 @@ def gemm_tile(
     inner: int = 0,
     whole_k: tuple[tuple[int, int], ...] = (),
     at_output: int = 0,
+    batch: int = 0,
 ) -> GemmTile:
     """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)
     and to ``inner`` products its prologues recompute (``schedule.inner_rows``, ``inner_warps``;
-    ``at_output`` of them at the output tile: an epilogue's, and a wide epilogue's tiles as one)."""
+    ``at_output`` of them at the output tile: an epilogue's, and a wide epilogue's tiles as one),
+    with the products of ``whole_k`` taken whole: several only on 4 warps (on 8, sm_90 attention's
+    dK + dV at head dim 128 held its two operand tiles for 1.48 warp instructions per score where
+    slices take 1.13; at 4, a softcap's spilled 16 bytes). Over more than two ``batch`` dims two
+    products keep the target's warps (grouped-query attention's dQ, its 5-D coordinates and a
+    partial last tile, spilled 32 bytes at 4 warps, head dim 80 or 128 on sm_90)."""
     bm, bn, bk, group_m, warps, stages = target.gemm
     block = gemm_block(inner_rows(bm, dtype, inner, whole_k), bn, bk, m, n, dtype)
-    return GemmTile(*block, group_m, inner_warps(warps, dtype, inner, whole_k, block, at_output), stages)
+    if inner < 2 or batch <= 2:
+        warps = inner_warps(warps, dtype, inner, whole_k, block, at_output)
+    return GemmTile(*block, group_m, warps, stages, whole_k=whole_k if len(whole_k) < 2 or warps == 4 else ())
 
 
 def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:
@@ -108,7 +116,7 @@ def gemm_spec(
     )
     outputs = tuple(_out_spec(bd.index[id(o)], layouts[id(o)].dtype, group.role(o)) for o in group.outputs)
     at_output = sum(bd.nodes[i].role is Role.FULL for i in inner) + (wide := wide_epilogue(bd.nodes, loads, outputs))
-    tile = gemm_tile(target, m, n, a.dtype, inner=len(inner) + wide, whole_k=whole, at_output=at_output)
+    tile = gemm_tile(target, m, n, a.dtype, len(inner) + wide, whole, at_output, len(batch))
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(
         kind="gemm",
@@ -137,7 +145,7 @@ def gemm_spec(
             window=_window(group, graph.of(c).dtype),
             guard=_guard(group, graph, bd),
             online=_online(group, bd),
-            whole_k=whole,
+            whole_k=tile.whole_k,
         ),
     )
     values = {"M": m, "N": n, "K": k} | {f"bsize{d}": v for d, v in enumerate(batch)} | _window_values(spec)
@@ -272,23 +280,24 @@ def _from_prologue(n: Expr, group: Group) -> bool:
 
 
 def _whole_k(group: Group, graph: Graph, bd: Body, target: Target) -> tuple[tuple[int, int], ...]:
-    """The prologue's recomputed product whose contracted size fits one slice (``target.whole_k``),
-    with that slice (a power of two >= 16), where it is the kernel's only product of its own and no
-    batch loop runs inside the program: its operand tile the K loop does not move is loaded once
-    before it. Not with two products: their four tiles of the whole head dim took the backward's
-    GEMMs to 255 registers and spills. (The GPU's MMA sums K in order, so one slice gives the
-    bits a loop of slices gives in a kernel recomputing the same product.)"""
+    """The prologues' recomputed products whose contracted size fits one slice (``target.whole_k``),
+    each with that slice (a power of two >= 16), where no batch loop runs inside the program: the
+    operand tile the K loop does not move is loaded once before it, and each K tile takes one
+    ``tl.dot`` without a zero-filled accumulator (as tutorial 06 holds ``q``, and ``k`` and ``v``
+    in its backward; two or more only on 4 warps, ``gemm_tile``). (The GPU's MMA sums K in order,
+    so one slice gives the bits a loop of slices gives in a kernel recomputing the same product.)"""
     own = group.contraction
     assert own is not None
-    inner = inner_products(bd.nodes)
-    if len(inner) != 1 or own.attr("sum_batch") or own.attr_dict.get("summed"):
+    at_operand = [i for i in inner_products(bd.nodes) if bd.nodes[i].role in (Role.A, Role.B)]
+    if not at_operand or own.attr("sum_batch") or own.attr_dict.get("summed"):
         return ()
-    (i,) = inner
-    p = next(p for p in group.nodes if bd.index.get(id(p)) == i)
-    size = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
-    if bd.nodes[i].role not in (Role.A, Role.B) or size > target.whole_k:
-        return ()
-    return ((i, max(16, 1 << (size - 1).bit_length())),)
+    whole = []
+    for i in at_operand:
+        p = next(p for p in group.nodes if bd.index.get(id(p)) == i)
+        size = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
+        if size <= target.whole_k:
+            whole.append((i, max(16, 1 << (size - 1).bit_length())))
+    return tuple(whole)
 
 
 def _online(group: Group, bd: Body) -> tuple[int, int] | None:

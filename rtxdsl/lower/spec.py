@@ -138,8 +138,8 @@ class GemmTile:
     #: online softmax (``lower.online``): the logsumexp merged in the K loop as it runs and the shift
     #: node the prologue reads (the running max's in the loop); None: none
     online: tuple[int, int] | None = None
-    #: a prologue's only product computed as one slice of its contracted size: (node, the slice, a
-    #: power of two >= 16 covering it); its operand tile the K loop does not move is loaded once
+    #: the prologues' products computed as one slice of their contracted size: (node, the slice, a
+    #: power of two >= 16 covering it); each operand tile the K loop does not move is loaded once
     whole_k: tuple[tuple[int, int], ...] = ()
     #: the extents (``M``, ``N``, ``K``, a recomputed product's ``K<i>``) that are multiples of
     #: their blocks at this call: the bounds checks against them are true everywhere, and the
