@@ -602,13 +602,18 @@ _math(
     lambda d: (node("mul", d.g, node("add", 1.0, node("mul", d.y, d.y))),),
     "tangent",
 )
-_math(
-    "tanh",
-    tanh_text,
-    lambda d: (node("mul", d.g, node("sub", 1.0, node("mul", d.y, d.y))),),
-    "hyperbolic tangent",
-    pattern=Pattern.ACTIVATION,
-)
+
+
+def _tanh_derivative(d: D) -> tuple:
+    """``1 - tanh(x)**2`` from ``x``, as ``4t / (1 + t)**2`` with ``t = exp(-2|x|)``: from ``y``,
+    ``1 - y * y`` keeps none of its digits where ``y`` rounds within an ulp of 1 (a softcap's
+    gradient 7x eager's error at 9e-8 of 1e-5; model fuzzer seed 20275015, program 2027501500043)."""
+    t = node("exp", node("mul", -2.0, node("abs", d.a)))
+    one_t = node("add", 1.0, t)
+    return (node("mul", d.g, node("div", node("mul", 4.0, t), node("mul", one_t, one_t))),)
+
+
+_math("tanh", tanh_text, _tanh_derivative, "hyperbolic tangent", pattern=Pattern.ACTIVATION)
 _math(
     "erf",
     lambda c, a: f"tl.erf({a})",
