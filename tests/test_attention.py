@@ -992,13 +992,17 @@ def test_the_sm90_forward_runs_right_under_the_interpreter(gen, d, dtype, atol, 
         assert_close(out, ref[0] if isinstance(ref, tuple) else ref, atol, rtol, "out")
 
 
-# head dim 64: both GEMMs on 4 warps take their two products whole; 80: dQ alone (dK + dV's 64 x
-# 128 tiles keep 8 warps and slices)
-@pytest.mark.parametrize(("d", "whole"), [(64, 2), (80, 1)], ids=["head dim 64", "80: a masked slice of 128"])
+# head dim 64: both GEMMs on 4 warps take their two products whole, and read k (dQ), q and dO
+# (dK + dV) as the tiles those load, transposed; 80: dQ alone (dK + dV's 64 x 128 tiles keep 8
+# warps and slices)
+@pytest.mark.parametrize(
+    ("d", "whole", "trans"), [(64, 2, 3), (80, 1, 1)], ids=["head dim 64", "80: a masked slice of 128"]
+)
 @pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[2:])  # 16-bit operands: 4 warps
-def test_the_sm90_backward_runs_right_under_the_interpreter(gen, d, whole, dtype, atol, rtol):
+def test_the_sm90_backward_runs_right_under_the_interpreter(gen, d, whole, trans, dtype, atol, rtol):
     """The backward's GEMMs as planned for sm_90 (the recomputed products taken whole: ``q`` and
-    ``dO`` loaded once before dQ's loop over keys, ``k`` and ``v`` before dK + dV's over queries),
+    ``dO`` loaded once before dQ's loop over keys, ``k`` and ``v`` before dK + dV's over queries;
+    an operand the K loop reads twice, once per product, loaded once: ``params.transposed_operands``),
     run under the interpreter at the GPU's launch choices (``rx.memory_trace``): every gradient
     against float64, causal, 70 queries over 75 keys (two slices of each, the last partial)."""
     from rtxdsl.build import prepare
@@ -1011,12 +1015,29 @@ def test_the_sm90_backward_runs_right_under_the_interpreter(gen, d, whole, dtype
     feed = {n: feed[n] for n in plan.backward.inputs}
     gemms = [c.source for c in prepare(plan.backward, feed, target=GPU)[1] if "tl.dot(" in c.source]
     assert len(gemms) == 2 and sum("for kk_start" not in src for src in gemms) == whole  # no loop over the head dim
+    assert sum(src.count("tl.trans(") for src in gemms) == trans
     got = rx.memory_trace(plan.backward, target=GPU, **feed).result
     leaves = {n: t.double().requires_grad_() for n, t in ins.items()}
     keep = torch.ones(70, 75, dtype=torch.bool).tril()
     want = _grads(_reference(leaves, keep=keep)[0], list(leaves.values()), cot)
     for n, a, e in zip("qkv", got if isinstance(got, tuple) else tuple(got.values()), want):
         assert_close(a, e, atol * max(1.0, float(e.abs().max())), rtol, f"d/d{n}")
+
+
+def test_autotune_keeps_the_columns_one_block_where_an_operand_is_a_recomputed_tile_transposed():
+    """dQ's ``dS @ k`` reads ``k`` as the transposed tile its recomputed scores loaded (head dim
+    128, sm_90): its columns are one block of the slice, in every tile autotune may try (a
+    64-column candidate would read half the tile)."""
+    from rtxdsl.lower.params import transposed_operands
+    from rtxdsl.lower.schedule import candidates
+
+    bf = {"dtype": torch.bfloat16, "requires_grad": True}
+    ins = {n: torch.empty(1, 32, 4096, 128, **bf) for n in "qkv"}
+    plan = rx.compile(rx.attention(q, k, v, causal=True)).grad_plan(**ins)
+    feed = plan.backward_feed({n: t.detach() for n, t in ins.items()})
+    (dq,) = [c for c in plan.backward.lower_for(GPU, **feed).launched if transposed_operands(c.spec)]
+    options = candidates(dq.spec, dq.meta, dq.grid, dq.args)
+    assert len(options) > 1 and {m["BLOCK_N"] for m, _ in options} == {128}
 
 
 @pytest.mark.parametrize("tk", [1, 2, 45], ids=["one key", "two keys", "two K slices"])

@@ -358,7 +358,10 @@ def test_the_lazy_stream_fuses_a_causal_lm_loss_over_flattened_logits(gen):
 
 def test_memory_trace_on_the_sm90_configuration_stores_no_logits(gen):
     """The kernels as an H200 would run them (128-row tiles), traced: every tensor a launch loads or
-    stores is far smaller than the logits, and stored once, forward and backward."""
+    stores is far smaller than the logits, and stored once, forward and backward; the gradients are
+    the interpreter's plan's (there the hidden dim is one slice, ``w`` and ``h`` loaded once a tile:
+    the recomputed logits' tile read transposed as the gradient GEMM's operand,
+    ``params.transposed_operands``)."""
     tokens, vocab, hidden = 130, 2000, 32
     ins = _inputs(gen, (tokens,), vocab, hidden, torch.bfloat16, bias=True)
     plan = rx.compile(_expr(True, False, {})).grad_plan(**ins)
@@ -366,6 +369,9 @@ def test_memory_trace_on_the_sm90_configuration_stores_no_logits(gen):
     saved = {k: forward.result[k] for k in plan.grads.saved_keys}
     feed = ins | saved | {"_g0": torch.ones((), dtype=torch.bfloat16)}
     backward = rx.memory_trace(plan.backward, **{n: feed[n] for n in plan.backward.inputs})
+    here = plan.backward(**{n: feed[n] for n in plan.backward.inputs})
+    for key, got in backward.result.items():
+        assert_close(got, here[key], 2e-2, 2e-2, key)
     logits = tokens * vocab * 2
     launches = [*forward.launches, *backward.launches]
     assert len(forward.launches) == 1 and len(backward.launches) == 2

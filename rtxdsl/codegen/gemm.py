@@ -13,7 +13,7 @@ import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.online import EXPS, SHIFTS, SUMS
-from ..lower.params import own_params, shared_operands
+from ..lower.params import own_params, shared_operands, transposed_operands
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
 from ..lower.sparsity import batch_dim
@@ -106,6 +106,9 @@ class GemmWriter(Writer):
         #: reductions of A merged in the K loop: (node, its reduction, context, running state)
         self.k_reductions: list[tuple[int, ReduceSpec, EmitCtx, tuple[str, ...]]] = []
         self.store_mask = "mask"  # an accumulating chunk loop's kernel stores its outputs in the last chunk
+        #: the tile a product recomputed whole loads as the K loop moves (its right operand), by node
+        self.moving: dict[int, str] = {}
+        self.transposed = transposed_operands(spec)  # products whose right tile is one of those, transposed
 
     def build_params(self) -> None:
         g = self.spec.gemm
@@ -243,8 +246,15 @@ class GemmWriter(Writer):
             dims, at = (("k", "m") if attrs["ta"] else ("m", "k")), {"m": "offs_m[:, None]", "k": "ks[None, :]"}
         j = self.spec.loads[k].input
         tile = f"tl.load(in{j}_ptr + {self._stored_offset(k, dims, at)}, mask={op}_mask, other=0)"
-        scope.add(f"{op}_tile{i} = {load_as(tile, self.spec.in_dtypes[j], node.cdt)}")
+        shared = self._transposed(i) if op == "b" else None
+        scope.add(f"{op}_tile{i} = {shared or load_as(tile, self.spec.in_dtypes[j], node.cdt)}")
         return f"{op}_tile{i}"
+
+    def _transposed(self, c: int) -> str | None:
+        """Product ``c``'s right tile as the transposed tile a recomputed product loaded in this
+        iteration (``params.transposed_operands``), or None: load it."""
+        i = self.transposed.get(c)
+        return f"tl.trans({self.moving[i]})" if i in self.moving else None
 
     def _relative(self, top: Scope) -> None:
         """A chunk loop's buffers hold one chunk, its element 0 at ``W_LO`` of the windowed dim
@@ -270,8 +280,9 @@ class GemmWriter(Writer):
         if j >= 0:
             base = "".join(f"{i} * {op}_stride_b{d} + " for d, i in enumerate(self.batch_idx))
             offset = base + _matrix_offset(op, (r, c), dims, g.a_classes if op == "a" else g.b_classes)
-            tile = f"tl.load(in{j}_ptr + {offset}, mask={mask}, other=0)"
-            scope.add(f"{op} = {load_as(tile, self.spec.in_dtypes[j], dtype)}")
+            tile = load_as(f"tl.load(in{j}_ptr + {offset}, mask={mask}, other=0)", self.spec.in_dtypes[j], dtype)
+            shared = self._transposed(self.own) if op == "b" else None
+            scope.add(f"{op} = {shared or tile}")
             if self.spec.in_dtypes[j] == dtype:  # a reduction of the operand itself reads the tile
                 for k, ld in enumerate(self.spec.loads):
                     if ld.input == j and ld.role == op:
@@ -552,6 +563,8 @@ class GemmWriter(Writer):
             before, at = one_slice(acc, node.cdt, kk, block, loads, g.precision, stored, 0 if role == "a" else 1)
             self.hoist.add_all(before)
             scope.add_all(at)
+            if role == "a":
+                self.moving[i] = f"rhs_{acc}"  # (one_slice's name for the tile it loads per iteration)
         else:
             scope.add_all(k_loop(acc, shape, node.cdt, size, "kk", loads[0], loads[1], g.precision, stored))
         self.types[acc] = accumulator(node.cdt)

@@ -159,6 +159,40 @@ def shared_operands(spec: KernelSpec) -> dict[int, int]:
     return shared
 
 
+def transposed_operands(spec: KernelSpec) -> dict[int, int]:
+    """The products of the K loop (the kernel's own, and those summed beside it: ``shared_operands``)
+    whose right operand's tile is, transposed, the tile a product its A prologue recomputes whole
+    (``GemmTile.whole_k``) loads as the K loop moves, ``X[ks, kk]`` at ``[kk, ks]``: each such
+    product -> the recomputed one. Attention's backward: dK + dV's ``dS.T @ q`` and ``P.T @ dO``
+    read ``q`` and ``dO`` where the scores and ``dO @ v.T`` read them transposed (dQ's ``dS @ k``
+    likewise ``k``). Both read one input in one dtype; the product's columns are the recomputed
+    product's contracted size (that input's last dim), one block of ``BLOCK_N`` = the slice
+    (autotune keeps it: ``schedule.candidates``), so ``offs_n`` is the slice's index vector."""
+    g = spec.gemm
+    own = next(
+        (i for i, nd in enumerate(spec.nodes) if REGISTRY[nd.op].kind is OpKind.CONTRACTION and nd.role is Role.FULL),
+        None,
+    )
+    if g is None or own is None or not g.whole_k:
+        return {}
+    # the moving tile: the product's right operand read transposed, or, where the kernel reads A
+    # transposed (its products' tiles swapped), its left operand read as stored
+    side, flag, want = (0, "ta", False) if dict(spec.nodes[own].attrs)["ta"] else (1, "tb", True)
+    moving: dict[tuple[int, object], int] = {}
+    for i, _ in g.whole_k:
+        nd = spec.nodes[i]
+        kind, k = nd.srcs[side]
+        if nd.role is Role.A and kind is Src.LOAD and dict(nd.attrs)[flag] is want:
+            moving.setdefault((spec.loads[k].input, nd.cdt), i)
+    found = {}
+    for c in (own, *shared_operands(spec)):
+        kind, k = spec.nodes[c].srcs[1]
+        key = (spec.loads[k].input, spec.nodes[c].cdt) if kind is Src.LOAD else None
+        if key in moving and not dict(spec.nodes[c].attrs)["tb"]:
+            found[c] = moving[key]
+    return found
+
+
 def _prologue(spec: KernelSpec, ref: tuple[Src, int]) -> bool:
     """Is ``ref`` computed by A's prologue (a product recomputed at its tile)?"""
     kind, i = ref

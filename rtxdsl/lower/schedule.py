@@ -23,7 +23,7 @@ from ..ops import REGISTRY, AxisRule, DtypeRule, OpKind
 from .analyze import Group, Role, broadcasts, positions_only
 from .expand import Graph, float_dtype_of
 from .names import io_names, scalar_names
-from .params import inner_products, launch_ints, load_names, strided, tile_loads
+from .params import inner_products, launch_ints, load_names, strided, tile_loads, transposed_operands
 from .passes import levels
 from .sparsity import NEUTRAL, kept_fraction, vanishing_guard
 from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split, Src, Stride
@@ -215,6 +215,8 @@ def candidates(spec: KernelSpec, meta: tuple[tuple[str, int], ...], grid: tuple[
         if spec.kind == "pointwise":
             g = (max(1, -(-args[0] // m["BLOCK_SIZE"])),)
         elif spec.kind == "gemm":
+            if transposed_operands(spec):  # an operand's tile is a recomputed one's: its columns one block
+                m["BLOCK_N"] = base["BLOCK_N"]
             m, g = _gemm_candidate(spec, m, args[0], args[1], grid)
         else:
             g = grid
