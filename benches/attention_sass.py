@@ -6,7 +6,8 @@ FlashAttention-2 loop, written here as the tutorial writes it (``q`` loaded once
 the scale folded into ``log2(e)``, the running max and sum, ``acc`` rescaled per key block), with
 its H100 choice (128 query rows x 64 keys per block, 3 stages; 4 warps at head dim 64, 8 at
 128). The tutorial runs causal attention in two loops, the blocks below the diagonal unmasked
-and the diagonal's masked; the peer here is its masked loop (rtxdsl masks every block).
+and the diagonal's masked: both are compiled (its ``MASKED`` constexpr), as rtxdsl splits its K
+loop where registers allow (``GemmWriter._split_loop``: 8 warps, or dQ's one accumulator).
 
 Both are compiled by Triton for ``GPUTarget("cuda", 90, 32)`` and read with the ``ptxas`` /
 ``cuobjdump`` in Triton's wheel: ``wgmma`` in the PTX, registers, spills, static SASS inside the
@@ -15,8 +16,10 @@ instructions one score costs (the static count of the key loop's body; an inner 
 dim, rtxdsl's ``q @ k.mT`` K loop, counts once).
 
 The backward's GEMM kernels (dQ's; dK and dV's, one K loop over the queries) beside tutorial 06's
-dK/dV kernel as it writes it (its masked loop: 128 keys x 32 queries per iteration, 4 warps, 5
-stages, K and V loaded once), per score likewise.
+dK/dV kernel as it writes it (128 keys x 32 queries per iteration, 4 warps, 5 stages, K and V
+loaded once; masked and unmasked), per score likewise; "per score, each loop" lists each loop's
+(rtxdsl's tile scan first, then its K loop or its split K loop's two: the diagonal's slices, then
+those below it).
 
     python -m benches.attention_sass            # head dims 64 and 128, forward and backward
     python -m benches.attention_sass --quick    # CI smoke: head dim 64, the forward
@@ -46,7 +49,7 @@ from rtxdsl.codegen.ptx import CompileFacts, compile_call, sass_counts  # noqa: 
 @triton.jit
 def tutorial_attention(
     Q, K, V, Out, M, sm_scale, stride_h, stride_m, n_ctx,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     # Triton tutorial 06 (FlashAttention-2), forward: one program per block of query rows of a head
     start_m = tl.program_id(0)
@@ -64,8 +67,11 @@ def tutorial_attention(
     for start_n in range(0, hi, BLOCK_N):
         k = tl.load(K + base + (start_n + offs_n)[None, :] * stride_m + offs_d[:, None])
         qk = tl.dot(q, k)
-        mask = offs_m[:, None] >= (start_n + offs_n[None, :])
-        qk = qk * qk_scale + tl.where(mask, 0, -1.0e6)
+        if MASKED:  # the diagonal's blocks (stage 2); those below it run the same loop unmasked (stage 1)
+            mask = offs_m[:, None] >= (start_n + offs_n[None, :])
+            qk = qk * qk_scale + tl.where(mask, 0, -1.0e6)
+        else:
+            qk = qk * qk_scale
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         qk -= m_ij[:, None]
         p = tl.math.exp2(qk)
@@ -85,7 +91,7 @@ def tutorial_attention(
 @triton.jit
 def tutorial_attention_dkdv(
     Q, K, V, DO, DK, DV, M, D, stride_h, stride_m, n_ctx,
-    HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     # Triton tutorial 06, backward: dK and dV of a block of keys in one loop over blocks of queries
     # (from the diagonal on: its masked loop), K scaled by sm_scale * log2(e) by the host as the
@@ -104,7 +110,8 @@ def tutorial_attention_dkdv(
         qT = tl.load(Q + base + offs_m[None, :] * stride_m + offs_k[:, None])
         m = tl.load(M + row + offs_m)
         pT = tl.math.exp2(tl.dot(k, qT) - m[None, :])
-        pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        if MASKED:  # the diagonal's blocks; the tutorial runs those past them unmasked
+            pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         do = tl.load(DO + base + offs_m[:, None] * stride_m + offs_k[None, :])
         dv += tl.dot(pT.to(do.dtype), do)
         dpT = tl.dot(v, tl.trans(do)).to(tl.float32)
@@ -115,8 +122,11 @@ def tutorial_attention_dkdv(
 
 
 def _row(kernel: str, facts: CompileFacts, warps: int, rows: int, keys: int) -> dict:
+    """A kernel's facts; per score: each loop's (rtxdsl's: the tile scan, then the K loop, or a
+    split K loop's two, the diagonal's slices and those below it, ``GemmWriter._split_loop``)."""
     sass = sass_counts(facts.ptx)
     assert sass is not None, "no ptxas / cuobjdump in this Triton's wheel"
+    per_loop = [round(n * warps / (rows * keys), 3) for n in sass.loops]
     return {
         "kernel": kernel,
         "tile (rows x keys)": f"{rows} x {keys}",
@@ -125,19 +135,27 @@ def _row(kernel: str, facts: CompileFacts, warps: int, rows: int, keys: int) -> 
         "registers": facts.registers,
         "spills": facts.spill_bytes,
         "SASS": sass.instructions,
-        "in the loop": sass.loop,
-        "loop per score": round(sass.loop * warps / (rows * keys), 3),
+        "in the loops": sass.loop,
+        "per score, each loop": " / ".join(map(str, per_loop)),
     }
 
 
-def _tutorial(heads: int, t: int, d: int, dtype: torch.dtype) -> dict:
+def _tutorial(heads: int, t: int, d: int, dtype: torch.dtype, masked: bool) -> dict:
     block_m, block_n, warps = 128, 64, 4 if d == 64 else 8
     q, k, v, out = (torch.empty(heads, t, d, dtype=dtype) for _ in range(4))
     stat = torch.empty(heads, t)
-    meta = {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": 3}
+    meta = {
+        "HEAD_DIM": d,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "MASKED": masked,
+        "num_warps": warps,
+        "num_stages": 3,
+    }
     call = SimpleNamespace(meta=meta, args=[d**-0.5, t * d, d, t])  # sm_scale, head and row strides, n_ctx
     facts = compile_call(tutorial_attention, call, [q, k, v, out, stat])
-    return _row("Triton tutorial 06 (masked loop)", facts, warps, block_m, block_n)
+    which = "masked loop" if masked else "unmasked loop"
+    return _row(f"Triton tutorial 06 ({which})", facts, warps, block_m, block_n)
 
 
 def _rtxdsl(heads: int, t: int, d: int, dtype: torch.dtype) -> dict:
@@ -150,12 +168,14 @@ def _rtxdsl(heads: int, t: int, d: int, dtype: torch.dtype) -> dict:
     return _row("rtxdsl rx.attention", facts, meta["num_warps"], meta["BLOCK_M"], meta["BLOCK_K"])
 
 
-def _tutorial_dkdv(heads: int, t: int, d: int, dtype: torch.dtype) -> dict:
+def _tutorial_dkdv(heads: int, t: int, d: int, dtype: torch.dtype, masked: bool) -> dict:
     block_m1, block_n1, warps = 32, 128, 4  # the tutorial's backward choice (5 stages), at every head dim
     tensors = [torch.empty(heads, t, d, dtype=dtype) for _ in range(6)] + [torch.empty(heads, t) for _ in range(2)]
-    meta = {"HEAD_DIM": d, "BLOCK_M1": block_m1, "BLOCK_N1": block_n1, "num_warps": warps, "num_stages": 5}
+    meta = {"HEAD_DIM": d, "BLOCK_M1": block_m1, "BLOCK_N1": block_n1, "MASKED": masked}
+    meta |= {"num_warps": warps, "num_stages": 5}
     facts = compile_call(tutorial_attention_dkdv, SimpleNamespace(meta=meta, args=[t * d, d, t]), tensors)
-    return _row("Triton tutorial 06 dK + dV (masked loop)", facts, warps, block_n1, block_m1)
+    which = "masked loop" if masked else "unmasked loop"
+    return _row(f"Triton tutorial 06 dK + dV ({which})", facts, warps, block_n1, block_m1)
 
 
 def _rtxdsl_backward(heads: int, t: int, d: int, dtype: torch.dtype) -> list[dict]:
@@ -182,13 +202,15 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for d in (64,) if args.quick else (64, 128):
-        for make in (_rtxdsl, _tutorial):
-            rows.append({"head dim": d} | make(32, 4096, d, torch.bfloat16))
+        rows.append({"head dim": d} | _rtxdsl(32, 4096, d, torch.bfloat16))
+        for masked in (True, False):
+            rows.append({"head dim": d} | _tutorial(32, 4096, d, torch.bfloat16, masked))
     print("causal attention forward, bf16, 32 heads x 4096 tokens, compiled for sm_90\n")
     print(markdown(rows, list(rows[0])))
     backward = []
     for d in () if args.quick else (64, 128):
-        for row in (*_rtxdsl_backward(32, 4096, d, torch.bfloat16), _tutorial_dkdv(32, 4096, d, torch.bfloat16)):
+        tutorial = [_tutorial_dkdv(32, 4096, d, torch.bfloat16, masked) for masked in (True, False)]
+        for row in (*_rtxdsl_backward(32, 4096, d, torch.bfloat16), *tutorial):
             backward.append({"head dim": d} | row)
     if backward:  # per score: loop instructions * warps / (rows x the K slice one iteration covers)
         print("\ncausal attention backward, bf16, 32 heads x 4096 tokens, compiled for sm_90\n")

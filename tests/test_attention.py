@@ -82,6 +82,17 @@ def _normalized(p, vd):
     return (p @ vd) / torch.where(total == 0, 1.0, total)
 
 
+def _k_loops(src):
+    """A GEMM's K loops over the kept key (or query) slices, each loop's text: where the guard
+    holds over whole tiles (causal, a window) two, the slices it may fail over, then the others
+    (``GemmWriter._split_loop``), whose names end in ``_f``."""
+    lines = src.splitlines()
+    heads = [i for i, line in enumerate(lines) if re.match(r"\s*for (kp|k_start) in range\((k_lo|full_lo)", line)]
+    depth = [len(line) - len(line.lstrip()) for line in lines]
+    ends = [next((j for j in range(i + 1, len(lines)) if depth[j] <= depth[i]), len(lines)) for i in heads]
+    return ["\n".join(lines[i:j]) for i, j in zip(heads, ends)]
+
+
 def _grads(out, leaves, cot):
     return torch.autograd.grad(out, leaves, cot, allow_unused=True)
 
@@ -458,13 +469,13 @@ def test_dk_and_dv_are_one_k_loop_recomputing_the_scores_once(gen):
     sources = plan.backward.sources(**plan.backward_feed(ins))
     assert len(sources) == 3
     both = [src for src in sources if "tl.dot(" in src and src.count("tl.store(") == 2]
-    assert len(both) == 1 and both[0].count("tl.dot(") == 4  # the scores, dO @ v.T, dK's, dV's
-    # P once (flush-to-zero exp2 of the scores less their saved logsumexp); the causal mask's tiles skipped
-    assert both[0].count("tl.exp2(") == 1 and "tl.exp(" not in both[0] and "k_lo" in both[0]
-    # the logsumexp and the row term, one per query, load one row of the tile, masked along it alone
-    assert (
-        both[0].count("ks[None, :], mask=ks[None, :] < K, other=0)") == 2 and "ks[None, :], mask=a_mask" not in both[0]
-    )
+    assert len(both) == 1 and "tl.exp(" not in both[0] and "k_lo" in both[0]  # the causal mask's tiles skipped
+    for loop in _k_loops(both[0]):
+        assert loop.count("tl.dot(") == 4  # the scores, dO @ v.T, dK's, dV's
+        assert loop.count("tl.exp2(") == 1  # P once (flush-to-zero exp2 of the scores less their logsumexp)
+        # the logsumexp and the row term, one per query, load one row of the tile, masked along it alone
+        assert len(re.findall(r"(ks(_f)?)\[None, :\], mask=\1\[None, :\] < K, other=0\)", loop)) == 2
+        assert "mask=a_mask" not in loop
     _check(
         rx.attention(q, k, v, causal=True),
         ins,
@@ -960,20 +971,24 @@ def test_the_one_pass_forward_computes_the_scores_once_per_k_slice(gen):
     ins = _inputs(gen, 1, 2, 2, 37, 37, 16, 16, torch.float32)
     kern = rx.compile(rx.attention(q, k, v, causal=True))
     (src,) = kern.sources(**ins)
-    assert src.count("tl.dot(") == 2  # q @ k.mT (in its K0 loop), P @ v
-    assert src.count("tl.exp2(") == 1  # one exp per score (base 2: at most 1, the running max's term)
-    assert src.count("tl.exp(") == 2  # per row: the loop's rescale, the rescale after the loop
-    assert src.count("tl.where(a_mask") == 1  # the scores masked once: their exp is 0 outside
-    assert src.count("acc = acc * rescale") == 2
+    loops = _k_loops(src)
+    for loop in loops:
+        assert loop.count("tl.dot(") == 2  # q @ k.mT (in its K0 loop), P @ v
+        assert loop.count("tl.exp2(") == 1  # one exp per score (base 2: at most 1, the running max's term)
+        assert loop.count("tl.exp(") == 1  # per row: the rescale
+        assert len(re.findall(r"tl\.where\(a_mask(_f)?, ", loop)) == 1  # the scores masked once: exp 0 outside
+        assert loop.count("acc = acc * rescale") == 1
+    assert src.count("tl.exp(") == src.count("acc = acc * rescale") == len(loops) + 1  # and once after the loop
     assert src.count("tl.store(") == 1
     leaves = {n: t.clone().requires_grad_() for n, t in ins.items()}
     assert len(kern.grad_plan(**leaves).forward.program(**ins).launched) == 1
     from rtxdsl.build import prepare
 
     (gpu,) = (c.source for c in prepare(kern, ins)[1])
-    loop = gpu.index("for k_start in range(k_lo")  # the key slices (block sparsity's bounds)
+    loop = gpu.index(_k_loops(gpu)[0])  # the key slices (block sparsity's bounds)
     assert gpu.count("tl.load(q_ptr") == 1 and gpu.index("tl.load(q_ptr") < loop
-    assert gpu.count("tl.dot(") == 2 and "for kk_start" not in gpu  # one slice: no loop over the head dim
+    assert all(loop.count("tl.dot(") == 2 for loop in _k_loops(gpu))
+    assert "for kk_start" not in gpu  # one slice: no loop over the head dim
 
 
 @pytest.mark.parametrize("d", [64, 80], ids=["head dim 64", "80: a masked slice of 128"])
@@ -1015,13 +1030,31 @@ def test_the_sm90_backward_runs_right_under_the_interpreter(gen, d, whole, trans
     feed = {n: feed[n] for n in plan.backward.inputs}
     gemms = [c.source for c in prepare(plan.backward, feed, target=GPU)[1] if "tl.dot(" in c.source]
     assert len(gemms) == 2 and sum("for kk_start" not in src for src in gemms) == whole  # no loop over the head dim
-    assert sum(src.count("tl.trans(") for src in gemms) == trans
+    assert sum(_k_loops(src)[-1].count("tl.trans(") for src in gemms) == trans  # (in each loop of a split one)
     got = rx.memory_trace(plan.backward, target=GPU, **feed).result
     leaves = {n: t.double().requires_grad_() for n, t in ins.items()}
     keep = torch.ones(70, 75, dtype=torch.bool).tril()
     want = _grads(_reference(leaves, keep=keep)[0], list(leaves.values()), cot)
     for n, a, e in zip("qkv", got if isinstance(got, tuple) else tuple(got.values()), want):
         assert_close(a, e, atol * max(1.0, float(e.abs().max())), rtol, f"d/d{n}")
+
+
+def test_grouped_attention_at_head_dim_256_plans_its_backward_for_sm90(gen):
+    """Gemma's shape (head dim 256, 4 query heads a key/value head), causal, as planned for sm_90:
+    dK and dV sum the group in their programs, so no chunk loop computes their recomputed scores
+    (``chunk._reader``; the chunk's kernels keep one batch a program: an AssertionError in
+    codegen, found by a register sweep). Every gradient against float64 under the interpreter."""
+    ins = _inputs(gen, 1, 4, 1, 70, 70, 256, 256, torch.float32)
+    plan = rx.compile(rx.attention(q, k, v, causal=True, enable_gqa=True)).grad_plan(
+        **{n: t.clone().requires_grad_() for n, t in ins.items()}
+    )
+    cot = torch.randn(1, 4, 70, 256, generator=gen, dtype=torch.float64)
+    feed = ins | plan.forward(**ins) | {"_g0": cot.float()}
+    got = rx.memory_trace(plan.backward, target=GPU, **{n: feed[n] for n in plan.backward.inputs}).result
+    leaves = {n: t.double().requires_grad_() for n, t in ins.items()}
+    want = _grads(_reference(leaves, keep=torch.ones(70, 70, dtype=torch.bool).tril())[0], list(leaves.values()), cot)
+    for n, a, e in zip("qkv", got if isinstance(got, tuple) else tuple(got.values()), want):
+        assert_close(a, e, 2e-5 * max(1.0, float(e.abs().max())), 2e-5, f"d/d{n}")
 
 
 def test_autotune_keeps_the_columns_one_block_where_an_operand_is_a_recomputed_tile_transposed():
@@ -1324,6 +1357,54 @@ def test_grouped_attention_over_document_ids_compares_them_per_tile(gen):
         torch.testing.assert_close(g.double(), full, atol=2e-5, rtol=2e-5, msg=lambda m, name=name: f"d{name}: {m}")
 
 
+# head dim 80: every GEMM on 8 warps, or dQ's on 4 (one accumulator, no online softmax), splits;
+# 64: the forward (online softmax) and dK + dV (two accumulators) on 4 warps keep one loop
+@pytest.mark.parametrize(
+    ("d", "window", "split"),
+    [
+        (80, None, {"forward": 2, "dQ": 2, "dK + dV": 2}),
+        (64, None, {"forward": 1, "dQ": 2, "dK + dV": 1}),
+        (80, 129, {"forward": 2, "dQ": 2, "dK + dV": 2}),  # a sliding window: its full slices in the middle
+    ],
+)
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES[2:3])
+def test_causal_key_slices_below_the_diagonal_run_in_a_loop_without_the_mask(gen, d, window, split, dtype, atol, rtol):
+    """As planned for sm_90, a guarded K loop runs as two where registers allow
+    (``GemmWriter._split_loop``, ``_roomy``): the slices across the diagonal (``k_start`` stepping
+    over the others), then those below it, where the causal compare is ``| True`` and Triton
+    folds it and every select by it (sm_90, causal bf16 32 x 4096, warp instructions per score in
+    that loop: the forward 0.519 -> 0.432 at head dim 128, dQ 0.441 -> 0.302 at 64). Run under
+    the interpreter at the GPU's choices: output and every gradient against float64, 200 queries
+    and keys (full slices below the diagonal; a window of 129's between two partial ones)."""
+    from rtxdsl.build import prepare
+
+    ins = _inputs(gen, 1, 2, 2, 200, 200, d, d, dtype)
+    mods = {} if window is None else {"mask_mod": lambda b, h, i, j: (i >= j) & (i - j < window)}
+    kern = rx.compile(rx.attention(q, k, v, causal=window is None, **mods))
+    leaves = {n: t.clone().requires_grad_() for n, t in ins.items()}
+    plan = kern.grad_plan(**leaves)
+    cot = torch.randn(1, 2, 200, d, generator=gen, dtype=torch.float64)
+    feed = ins | plan.forward(**ins) | {"_g0": cot.to(dtype)}
+    feed = {n: feed[n] for n in plan.backward.inputs}
+    sources = [c.source for c in prepare(kern, ins, target=GPU)[1]]
+    sources += [c.source for c in prepare(plan.backward, feed, target=GPU)[1] if "tl.dot(" in c.source]
+    names = ["forward", *("dK + dV" if src.count("tl.store(") == 2 else "dQ" for src in sources[1:])]
+    assert {n: len(_k_loops(src)) for n, src in zip(names, sources)} == split
+    for src in sources:
+        if len(_k_loops(src)) == 2:
+            assert re.search(r"\w+_f = .* \| True", _k_loops(src)[1])
+    pos = torch.arange(200)
+    keep = (pos[:, None] >= pos) & (pos[:, None] - pos < (window or 200))
+    ref_leaves = {n: t.double().requires_grad_() for n, t in ins.items()}
+    ref = _reference(ref_leaves, keep=keep)[0]
+    out = rx.memory_trace(kern, target=GPU, **ins).result
+    assert_close(out, ref, atol, rtol, "out")
+    got = rx.memory_trace(plan.backward, target=GPU, **feed).result
+    want = _grads(ref, list(ref_leaves.values()), cot)
+    for n, a, e in zip("qkv", got if isinstance(got, tuple) else tuple(got.values()), want):
+        assert_close(a, e, atol * max(1.0, float(e.abs().max())), rtol, f"d/d{n}")
+
+
 @pytest.mark.parametrize("t, unmasked", [(64, True), (63, False)])  # 64: the interpreter's tile, filled
 def test_attention_whose_lengths_fill_its_tiles_checks_no_bounds(t, unmasked, gen):
     """Causal attention at 64 tokens, head dim 64: every extent of the forward's and the
@@ -1339,9 +1420,9 @@ def test_attention_whose_lengths_fill_its_tiles_checks_no_bounds(t, unmasked, ge
     _check(expr, ins, lambda r: _reference(r, keep=keep)[0], torch.float32, 2e-5, 2e-5, gen)
     plan = kern.grad_plan(**{n: x.clone().requires_grad_() for n, x in ins.items()})
     sources = [*kern.sources(**ins), *plan.backward.sources(**plan.backward_feed(ins))]
-    start, end = "for k_start in range(k_lo", "rows = offs_m[:, None]"  # the K loop (stores after it)
-    gemms = [s[s.index(start) : s.index(end)] for s in sources if start in s]
+    gemms = [_k_loops(s) for s in sources if "tl.dot(" in s]
     assert len(gemms) == 3  # the forward, dQ's and dK / dV's GEMMs
-    for loop in gemms:
-        assert ("mask=" not in loop and "a_mask" not in loop) is unmasked, loop
-        assert re.search(r"tl\.where\(v\d+, ", loop)  # the causal mask
+    for loops in gemms:
+        for loop in loops:
+            assert ("mask=" not in loop and "a_mask" not in loop) is unmasked, loop
+        assert re.search(r"tl\.where\(v\d+, ", loops[0])  # the causal mask

@@ -7,7 +7,10 @@ tile's ``rows`` x ``cols`` coordinates, with ``acc`` as the contraction's value.
 
 from __future__ import annotations
 
+import ast
 import functools
+import re
+import textwrap
 
 import torch
 
@@ -58,6 +61,45 @@ for k_start in range(${k_start}, ${k_end}, BLOCK_K):
     a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
     b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
 """
+
+#: the comments before a split K loop's loops (``GemmWriter._split_loop``, ``_own_names``)
+SOME_LOOP = "# the K slices where the guard may fail (the others skipped)"
+FULL_LOOP = "# the K slices where the guard holds everywhere: its selects keep their first value"
+
+
+def _block_end(lines: list[str], start: int) -> int:
+    """The line past the statement at ``start`` (a loop: its indented body)."""
+    depth = len(lines[start]) - len(lines[start].lstrip())
+    return next(
+        (i for i in range(start + 1, len(lines)) if len(lines[i]) - len(lines[i].lstrip()) <= depth), len(lines)
+    )
+
+
+def _names(lines: list[str], ctx: type = ast.expr_context) -> set[str]:
+    """The names ``lines`` (whole statements, at one indentation) use in ``ctx`` (any; ``ast.Store``)."""
+    tree = ast.parse(textwrap.dedent("\n".join(lines)))
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
+
+
+def _own_names(lines: list[str]) -> list[str]:
+    """``lines`` with the names a split K loop's second loop assigns that nothing outside the two
+    loops uses renamed (``_f``): the rewrites take a name assigned once for one value
+    (``common_subexpr``); the running state, assigned before the loops, both carry."""
+    at = [line.strip() for line in lines]
+    if FULL_LOOP not in at:
+        return lines
+    first, start = at.index(SOME_LOOP), at.index(FULL_LOOP) + 1
+    end = _block_end(lines, start)
+    own = _names(lines[start:end], ast.Store) - _names(lines[:first] + lines[end:])
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:
+            return ast.copy_location(ast.Name(f"{node.id}_f", node.ctx), node) if node.id in own else node
+
+    depth = len(lines[start]) - len(lines[start].lstrip())
+    loop = Rename().visit(ast.parse(textwrap.dedent("\n".join(lines[start:end]))))
+    return [*lines[:start], *(" " * depth + line for line in ast.unparse(loop).splitlines()), *lines[end:]]
+
 
 #: each dim of a GEMM's A tile, its range over the tile (block sparsity's bounds)
 GEMM_RANGES = {"m": ("pid_m * BLOCK_M", "pid_m * BLOCK_M + BLOCK_M - 1"), "k": ("k_start", "k_start + BLOCK_K - 1")}
@@ -159,11 +201,7 @@ class GemmWriter(Writer):
         precision = f', input_precision="{g.precision}"' if operand_dtype == torch.float32 else ""
         k_scope.add(f"acc = tl.dot({tiles[0]}, {tiles[1]}, acc{precision})")
         siblings = self._siblings(tiles, k_scope, precision)
-        k_start, k_end = "W_LO" if window is not None and window.axis == "k" else "0", "K"
-        if self.tile_scan(batches, ("k_lo", "k_hi"), "k_start", "K", "BLOCK_K"):  # block sparsity
-            k_start, k_end = "k_lo", "k_hi"  # only the K slices where the guard may hold
-        batches.add_all(render(K_LOOP, k_start=k_start, k_end=k_end).rstrip("\n").splitlines())
-        batches.lines.extend(k_scope.lines)
+        self._k_loop(batches, k_scope, "W_LO" if window is not None and window.axis == "k" else "0")
         if batches is not top:
             loop, dims = ("inner", range(kept, self.nb)) if g.summed else ("batch", range(self.nb))
             top.add(f"for {loop} in range(0, {' * '.join(f'bsize{d}' for d in dims)}):")
@@ -191,12 +229,62 @@ class GemmWriter(Writer):
             GEMM,
             name=name,
             params=params,
-            body="\n".join(annotated(simplify(self.top.lines, self.known, self._in_bounds()), self.spec.notes)),
+            body="\n".join(annotated(self._rewritten(), self.spec.notes)),
             m_span=spans["m"][0],
             n_span=spans["n"][0],
             m_start=spans["m"][1],
             n_start=spans["n"][1],
         )
+
+    def _rewritten(self) -> list[str]:
+        """The body through the rewrite rules (a split K loop's second loop's names its own, ``_f``:
+        the types and bounds checks the writer knows of its index vectors hold for theirs)."""
+        known = self.known | {f"{name}_f": t for name, t in self.known.items()}
+        bounds = self._in_bounds()
+        return simplify(_own_names(self.top.lines), known, bounds | {(f"{v}_f", e) for v, e in bounds})
+
+    def _k_loop(self, batches: Scope, k_scope: Scope, k_start: str) -> None:
+        """The K loop from ``k_start`` with ``k_scope``'s body: over the slices where the guard may
+        hold (``tile_scan``), split where it holds over whole slices (``_split_loop``)."""
+        g = self.spec.gemm
+        assert g is not None
+        k_end, guard = "K", None
+        if g.guard is not None and g.guard[0] is Src.NODE and self._roomy():
+            guard = k_scope.memo.get(g.guard)
+        if self.tile_scan(batches, ("k_lo", "k_hi"), "k_start", "K", "BLOCK_K", full=guard is not None):
+            k_start, k_end = "k_lo", "k_hi"  # only the K slices where the guard may hold
+        if self.full_tiles and guard is not None:  # those where it must hold: a loop of their own
+            self._split_loop(batches, k_scope, guard)
+        else:
+            batches.add_all(render(K_LOOP, k_start=k_start, k_end=k_end).rstrip("\n").splitlines())
+            batches.lines.extend(k_scope.lines)
+
+    def _roomy(self) -> bool:
+        """Registers to spare for a split K loop (``_split_loop``): its loop without the guard's
+        selects took up to 20 registers a thread more on sm_90 than the loop with them, so on 4
+        warps only a kernel of one accumulator and no online softmax splits (dQ's: 135 and 187
+        registers at head dims 64 and 128). Split, grouped-query attention's forward at head dim 64
+        spilled 16 bytes and a softcap's dK + dV 4, both on 4 warps; 8-warp kernels kept under 254."""
+        g = self.spec.gemm
+        assert g is not None
+        return self.spec.num_warps >= 8 or (g.online is None and not shared_operands(self.spec))
+
+    def _split_loop(self, batches: Scope, k_scope: Scope, guard: str) -> None:
+        """The K loop as two (``tile_scan``'s ``full_lo``, ``full_hi``), as tutorial 06 runs causal
+        attention: the tiles where the guard may fail (``k_start`` stepping over the full ones), then
+        those where it holds everywhere, with ``guard`` true (``x | True``: Triton folds the
+        compare and every select by it away). The second loop's own names are renamed at the end
+        (``_own_names``): both loops carry the same running state."""
+        header = render(K_LOOP, k_start="k_lo", k_end="k_hi - (full_hi - full_lo)").rstrip("\n").splitlines()
+        batches.add(SOME_LOOP)
+        batches.add(header[0].replace("for k_start in", "for kp in"))
+        batches.add("    k_start = kp + tl.where(kp >= full_lo, full_hi - full_lo, 0)  # (over the full tiles)")
+        batches.add_all(header[1:])
+        batches.lines.extend(k_scope.lines)
+        batches.add(FULL_LOOP)
+        batches.add_all(render(K_LOOP, k_start="full_lo", k_end="full_hi").rstrip("\n").splitlines())
+        holds = re.compile(rf"^(\s*){guard} = (.*)$")
+        batches.lines.extend(holds.sub(rf"\g<1>{guard} = (\g<2>) | True", line) for line in k_scope.lines)
 
     def _in_bounds(self) -> frozenset[tuple[str, str]]:
         """The bounds checks true everywhere (``GemmTile.even``): ``(index, extent)``, each index

@@ -130,6 +130,8 @@ class Sass:
     #: instruction), NOPs excluded: what a looped row issues per block of each pass, a row kernel
     #: per row of its programs' loop; 0 where the kernel has none
     loop: int = 0
+    #: the same per outermost loop, in code order (a scan, then a split K loop's two loops)
+    loops: tuple[int, ...] = ()
 
 
 def sass_counts(ptx: str, arch: int = 90) -> Sass | None:
@@ -152,7 +154,11 @@ def sass_counts(ptx: str, arch: int = 90) -> Sass | None:
         if back is not None and int(back.group(1), 16) < at:
             spans.append((int(back.group(1), 16), at))
     looped = sum(1 for a, _, _ in code if any(lo <= a <= hi for lo, hi in spans))
-    return Sass(len(code), sum(o.startswith("BAR") for _, o, _ in code), looped)
+    outer = [
+        (lo, hi) for lo, hi in sorted(spans) if not any(a <= lo and hi <= b and (a, b) != (lo, hi) for a, b in spans)
+    ]
+    loops = tuple(sum(1 for a, _, _ in code if lo <= a <= hi) for lo, hi in outer)
+    return Sass(len(code), sum(o.startswith("BAR") for _, o, _ in code), looped, loops)
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:

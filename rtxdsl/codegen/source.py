@@ -20,7 +20,7 @@ from ..dtypes import TRITON_TYPE, compute_dtype
 from ..lower.params import kernel_params, load_names
 from ..lower.passes import early_outputs, is_reshape, levels, partial_states, reduce_dtype, state_twins
 from ..lower.roles import Role
-from ..lower.sparsity import TEXT, may_hold
+from ..lower.sparsity import TEXT, guard_truth
 from ..lower.spec import BCAST, UNIT, KernelSpec, NodeSpec, Split, Src, Stride, tail_constexprs
 from ..ops import REGISTRY, AxisRule, DtypeRule, EmitCtx, OpKind, ReduceSpec
 from ..ops.elementwise import to_storage
@@ -88,6 +88,20 @@ for ${start} in range(0, ${extent}, ${block}):
     tile_keep = ${keep}
     ${lo} = tl.minimum(${lo}, tl.where(tile_keep, ${start}, ${extent}))
     ${hi} = tl.maximum(${hi}, tl.where(tile_keep, ${start} + ${block}, 0))
+"""
+
+#: beside ``TILE_SCAN``: the tiles where the guard holds everywhere, ``[full_lo, full_hi)`` where
+#: they are contiguous (else none), whose loop drops the guard's selects (split from the others:
+#: causal attention's tiles below the diagonal, as tutorial 06 runs them)
+FULL_INIT = """full_lo = tl.zeros((), dtype=tl.int32) + ${extent}
+full_hi = tl.zeros((), dtype=tl.int32)
+n_full = tl.zeros((), dtype=tl.int32)
+"""
+FULL_STEP = """    tile_full = ${full}
+    full_lo = tl.minimum(full_lo, tl.where(tile_full, ${start}, ${extent}))
+    full_hi = tl.maximum(full_hi, tl.where(tile_full, ${start} + ${block}, 0))
+    n_full += tl.where(tile_full, 1, 0)
+full_hi = tl.where(n_full * ${block} == full_hi - full_lo, full_hi, full_lo)
 """
 
 #: each dim of a product row kernel's tile (rows kept to one batch), its range over the tile:
@@ -891,17 +905,26 @@ class Writer:
         scanned, or None where this writer cannot tell (see ``GemmWriter.load_range``)."""
         return None
 
-    def tile_scan(self, scope: Scope, bounds: tuple[str, str], start: str, extent: str, block: str) -> bool:
+    def tile_scan(
+        self, scope: Scope, bounds: tuple[str, str], start: str, extent: str, block: str, full: bool = False
+    ) -> bool:
         """Block sparsity (``lower.sparsity``): where the kernel has a guard, scan the loop's tiles
         (``start`` over ``extent`` in steps of ``block``) into ``bounds``, the first and past-the-last
-        tile where the guard may hold over the tile's ranges (``TILE_RANGES``). Was a scan added?"""
+        tile where the guard may hold over the tile's ranges (``TILE_RANGES``), and with ``full``
+        the tiles where it must (``FULL_INIT``; ``self.full_tiles``). Was a scan added?"""
         g = self.spec.gemm
+        self.full_tiles = False
         if g is None or g.guard is None:
             return False
         slots = [f"s{k}" for k in range(len(self.spec.scalars))]
-        keep = may_hold(self.spec, TEXT, self.TILE_RANGES, slots, self.load_range)
+        keep, must = guard_truth(self.spec, TEXT, self.TILE_RANGES, slots, self.load_range)
         if keep == TEXT.TRUE:
             return False
-        scan = render(TILE_SCAN, lo=bounds[0], hi=bounds[1], start=start, extent=extent, block=block, keep=keep)
-        scope.add_all(scan.rstrip("\n").splitlines())
+        tiles = {"start": start, "extent": extent, "block": block}
+        self.full_tiles = full and must != TEXT.FALSE
+        if self.full_tiles:
+            scope.add_all(render(FULL_INIT, extent=extent).rstrip("\n").splitlines())
+        scope.add_all(render(TILE_SCAN, keep=keep, lo=bounds[0], hi=bounds[1], **tiles).rstrip("\n").splitlines())
+        if self.full_tiles:
+            scope.add_all(render(FULL_STEP, full=must, **tiles).rstrip("\n").splitlines())
         return True

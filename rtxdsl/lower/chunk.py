@@ -185,10 +185,12 @@ def _reader(g: Group, p: Expr, shape: tuple[int, ...], graph: Graph) -> tuple[st
     Another product of ``p``'s shape recomputed beside it (a teacher's logits beside a student's)
     joins the chunk: the first kernel computes it at its output tile. None for readers the loop
     does not handle: a B prologue, another product of another shape, a reduction over the
-    chunked dim (it would need an accumulator of its own)."""
+    chunked dim (it would need an accumulator of its own), a product summing batch dims in its
+    programs (grouped-query attention's dK and dV at head dim 256: the chunk's kernels keep one
+    batch per program; an AssertionError in codegen)."""
     c = g.contraction
     assert c is not None
-    if graph.of(c.srcs[0]).shape != shape:
+    if graph.of(c.srcs[0]).shape != shape or c.attr_dict.get("summed"):
         return None
     prologue = [m for m in g.nodes if g.roles[id(m)] in (Role.A, Role.B)]
     if any(g.roles[id(m)] is Role.B for m in prologue):

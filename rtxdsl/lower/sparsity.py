@@ -183,9 +183,22 @@ class _Text:
     max = staticmethod(lambda a, b: f"tl.maximum({a}, {b})")
     ge = staticmethod(lambda a, b: f"({a}) >= ({b})")
     gt = staticmethod(lambda a, b: f"({a}) > ({b})")
-    both = staticmethod(lambda a, b: f"({a}) & ({b})")
-    either = staticmethod(lambda a, b: f"({a}) | ({b})")
-    inv = staticmethod(lambda a: f"({a}) == 0")
+
+    @staticmethod
+    def both(a: str, b: str) -> str:
+        if "False" in (a, b):  # (constants folded: a guard nothing decides is no scan)
+            return "False"
+        return b if a == "True" else a if b == "True" else f"({a}) & ({b})"
+
+    @staticmethod
+    def either(a: str, b: str) -> str:
+        if "True" in (a, b):
+            return "True"
+        return b if a == "False" else a if b == "False" else f"({a}) | ({b})"
+
+    @staticmethod
+    def inv(a: str) -> str:
+        return {"True": "False", "False": "True"}.get(a, f"({a}) == 0")
 
 
 class _Tiles:
@@ -245,6 +258,19 @@ def may_hold(
     (``tile_dim``'s names), scalar argument ``k`` being ``slots[k]``, load ``k``'s values over the
     tile spanning ``load_range(k)`` (None: unknown, as at plan time)? In ``algebra``'s terms;
     ``algebra.TRUE`` when nothing about the tile decides it."""
+    return guard_truth(spec, algebra, bounds, slots, load_range)[0]
+
+
+def guard_truth(
+    spec: KernelSpec,
+    algebra: Any,
+    bounds: Mapping[str, tuple[Any, Any]],
+    slots: Sequence[Any],
+    load_range: Callable[[int], tuple[Any, Any] | None] = lambda _: None,
+) -> tuple[Any, Any]:
+    """(may, must): does the guard hold somewhere in the tile (``may_hold``), and everywhere in it
+    (a tile whose selects by it keep their first value: causal attention's below the diagonal)?
+    ``algebra.FALSE`` for ``must`` where nothing about the tile decides it."""
     assert spec.gemm is not None
 
     def rng(ref: tuple) -> tuple[Any, Any] | None:
@@ -280,7 +306,7 @@ def may_hold(
         return algebra.TRUE, algebra.FALSE
 
     assert spec.gemm.guard is not None
-    return truth(spec.gemm.guard)[0]
+    return truth(spec.gemm.guard)
 
 
 def guard_dims(spec: KernelSpec) -> set[str]:
