@@ -118,11 +118,41 @@ def _check(expr, ins, ref_fn, dtype, atol, rtol, gen, grad=True):
     want = _grads(refs, [ref_leaves[n] for n in names], cots)
     for n, a, e in zip(names, got, want):
         assert a is not None and torch.isfinite(a).all(), f"d/d{n} not finite"
-        scale = max(1.0, float(e.abs().max()))
-        if dtype in (torch.float16, torch.bfloat16):  # a tensor the scores read sums the rounding of
-            # every score it touches (a random walk): an ALiBi slope's gradient, 0 where Tk = 1
-            scale *= math.sqrt(max(1, max(o.numel() for o in outs) // max(e.numel(), 1)))
-        assert_close(a, e, atol * scale, rtol, f"d/d{n}")
+        assert_close(a, e, atol * _grad_scale(e, outs, dtype), rtol, f"d/d{n}")
+
+
+def _grad_scale(e, outs, dtype):
+    """A gradient's tolerance scale: its largest value (at least 1); in half precision also the
+    square root of the outputs' elements per element of it (a tensor the scores read sums the
+    rounding of every score it touches, a random walk: an ALiBi slope's gradient, 0 where Tk = 1)."""
+    scale = max(1.0, float(e.abs().max()))
+    if dtype in (torch.float16, torch.bfloat16):
+        scale *= math.sqrt(max(1, max(o.numel() for o in outs) // max(e.numel(), 1)))
+    return scale
+
+
+def _check_sm90(expr, ins, ref_fn, dtype, atol, rtol, gen):
+    """``_check`` at sm_90's plan, run under the interpreter (``rx.memory_trace``): the kernels an
+    H200 runs (its tiles and warps, products taken whole, operands read transposed, split K loops),
+    every output and gradient against float64."""
+    plan = rx.compile(expr).grad_plan(
+        **{n: t.clone().requires_grad_(t.dtype.is_floating_point) for n, t in ins.items()}
+    )
+    forward = rx.memory_trace(plan.forward, target=GPU, **{n: ins[n] for n in plan.forward.inputs}).result
+    ref_leaves = {n: t.double().requires_grad_() if t.dtype.is_floating_point else t for n, t in ins.items()}
+    ref = ref_fn(ref_leaves)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    outs = [forward[key] for key in plan.grads.user_keys]
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert_close(o, r, atol, rtol, f"sm_90 output {i}")
+    cots = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+    feed = ins | forward | {f"_g{i}": c.to(o.dtype) for i, (c, o) in enumerate(zip(cots, outs))}
+    got = rx.memory_trace(plan.backward, target=GPU, **{n: feed[n] for n in plan.backward.inputs}).result
+    got |= {key: feed[name] for key, name in plan.passthrough}
+    names = [n for n, t in ref_leaves.items() if t.requires_grad]
+    for n, e in zip(names, _grads(refs, [ref_leaves[n] for n in names], cots)):
+        a = got[dict(plan.grads.grad_of)[n]].expand(e.shape)
+        assert_close(a, e, atol * _grad_scale(e, outs, dtype), rtol, f"sm_90 d/d{n}")
 
 
 @pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES, ids=lambda x: str(x).removeprefix("torch."))
@@ -902,6 +932,7 @@ def test_random_attentions_match_float64(draw, gen):
     if tied and dtype in (torch.float16, torch.bfloat16):  # k's gradient sums both operands' rounding
         atol *= 2  # (Tk = 1: dS is 0 in float64, bf16's O - v rounding twice over, 0.035 at seed 41)
     _check(expr, ins, ref, dtype, atol, rtol, gen)
+    _check_sm90(expr, ins, ref, dtype, atol, rtol, gen)  # and as planned for an H200
 
 
 # ---- the forward in one pass: online softmax in the P @ v GEMM's K loop (lower/online.py) --------
