@@ -7,10 +7,8 @@ tile's ``rows`` x ``cols`` coordinates, with ``acc`` as the contraction's value.
 
 from __future__ import annotations
 
-import ast
 import functools
 import re
-import textwrap
 
 import torch
 
@@ -25,7 +23,7 @@ from ..ops import REGISTRY, Coords, DtypeRule, EmitCtx, OpKind, ReduceSpec, Rema
 from ..ops.elementwise import to_storage
 from ..ops.reduction import exp_below
 from .dot import k_loop, load_as, one_slice
-from .rewrite import simplify
+from .rewrite import assigned_names, renamed, simplify
 from .source import Scope, Writer, annotated, offset_terms, state_name
 from .template import render
 
@@ -61,45 +59,6 @@ for k_start in range(${k_start}, ${k_end}, BLOCK_K):
     a_mask = (offs_m[:, None] < M) & (ks[None, :] < K)
     b_mask = (ks[:, None] < K) & (offs_n[None, :] < N)
 """
-
-#: the comments before a split K loop's loops (``GemmWriter._split_loop``, ``_own_names``)
-SOME_LOOP = "# the K slices where the guard may fail (the others skipped)"
-FULL_LOOP = "# the K slices where the guard holds everywhere: its selects keep their first value"
-
-
-def _block_end(lines: list[str], start: int) -> int:
-    """The line past the statement at ``start`` (a loop: its indented body)."""
-    depth = len(lines[start]) - len(lines[start].lstrip())
-    return next(
-        (i for i in range(start + 1, len(lines)) if len(lines[i]) - len(lines[i].lstrip()) <= depth), len(lines)
-    )
-
-
-def _names(lines: list[str], ctx: type = ast.expr_context) -> set[str]:
-    """The names ``lines`` (whole statements, at one indentation) use in ``ctx`` (any; ``ast.Store``)."""
-    tree = ast.parse(textwrap.dedent("\n".join(lines)))
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
-
-
-def _own_names(lines: list[str]) -> list[str]:
-    """``lines`` with the names a split K loop's second loop assigns that nothing outside the two
-    loops uses renamed (``_f``): the rewrites take a name assigned once for one value
-    (``common_subexpr``); the running state, assigned before the loops, both carry."""
-    at = [line.strip() for line in lines]
-    if FULL_LOOP not in at:
-        return lines
-    first, start = at.index(SOME_LOOP), at.index(FULL_LOOP) + 1
-    end = _block_end(lines, start)
-    own = _names(lines[start:end], ast.Store) - _names(lines[:first] + lines[end:])
-
-    class Rename(ast.NodeTransformer):
-        def visit_Name(self, node: ast.Name) -> ast.Name:
-            return ast.copy_location(ast.Name(f"{node.id}_f", node.ctx), node) if node.id in own else node
-
-    depth = len(lines[start]) - len(lines[start].lstrip())
-    loop = Rename().visit(ast.parse(textwrap.dedent("\n".join(lines[start:end]))))
-    return [*lines[:start], *(" " * depth + line for line in ast.unparse(loop).splitlines()), *lines[end:]]
-
 
 #: each dim of a GEMM's A tile, its range over the tile (block sparsity's bounds)
 GEMM_RANGES = {"m": ("pid_m * BLOCK_M", "pid_m * BLOCK_M + BLOCK_M - 1"), "k": ("k_start", "k_start + BLOCK_K - 1")}
@@ -237,11 +196,11 @@ class GemmWriter(Writer):
         )
 
     def _rewritten(self) -> list[str]:
-        """The body through the rewrite rules (a split K loop's second loop's names its own, ``_f``:
-        the types and bounds checks the writer knows of its index vectors hold for theirs)."""
+        """The body through the rewrite rules (a split K loop's second loop's own names end in
+        ``_f``: the types and bounds checks the writer knows of its index vectors hold for theirs)."""
         known = self.known | {f"{name}_f": t for name, t in self.known.items()}
         bounds = self._in_bounds()
-        return simplify(_own_names(self.top.lines), known, bounds | {(f"{v}_f", e) for v, e in bounds})
+        return simplify(self.top.lines, known, bounds | {(f"{v}_f", e) for v, e in bounds})
 
     def _k_loop(self, batches: Scope, k_scope: Scope, k_start: str) -> None:
         """The K loop from ``k_start`` with ``k_scope``'s body: over the slices where the guard may
@@ -273,18 +232,21 @@ class GemmWriter(Writer):
         """The K loop as two (``tile_scan``'s ``full_lo``, ``full_hi``), as tutorial 06 runs causal
         attention: the tiles where the guard may fail (``k_start`` stepping over the full ones), then
         those where it holds everywhere, with ``guard`` true (``x | True``: Triton folds the
-        compare and every select by it away). The second loop's own names are renamed at the end
-        (``_own_names``): both loops carry the same running state."""
+        compare and every select by it away). The second loop's own names end in ``_f`` (the
+        rewrites take a name assigned once for one value); both carry the running state, assigned
+        before them."""
+        before = assigned_names(self.top.lines) | (assigned_names(batches.lines) if batches is not self.top else set())
         header = render(K_LOOP, k_start="k_lo", k_end="k_hi - (full_hi - full_lo)").rstrip("\n").splitlines()
-        batches.add(SOME_LOOP)
         batches.add(header[0].replace("for k_start in", "for kp in"))
         batches.add("    k_start = kp + tl.where(kp >= full_lo, full_hi - full_lo, 0)  # (over the full tiles)")
         batches.add_all(header[1:])
         batches.lines.extend(k_scope.lines)
-        batches.add(FULL_LOOP)
-        batches.add_all(render(K_LOOP, k_start="full_lo", k_end="full_hi").rstrip("\n").splitlines())
+        full = render(K_LOOP, k_start="full_lo", k_end="full_hi").rstrip("\n").splitlines()
+        batches.add(full[0])
         holds = re.compile(rf"^(\s*){guard} = (.*)$")
-        batches.lines.extend(holds.sub(rf"\g<1>{guard} = (\g<2>) | True", line) for line in k_scope.lines)
+        body = [batches.indent + line for line in full[1:]]
+        body += [holds.sub(rf"\g<1>{guard} = (\g<2>) | True", line) for line in k_scope.lines]
+        batches.lines.extend(renamed(body, before, "_f"))
 
     def _in_bounds(self) -> frozenset[tuple[str, str]]:
         """The bounds checks true everywhere (``GemmTile.even``): ``(index, extent)``, each index

@@ -28,6 +28,7 @@ dead               ``a = <pure>`` never read, a loop left empty: dropped
 from __future__ import annotations
 
 import ast
+import textwrap
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from copy import deepcopy as copy_tree
@@ -904,6 +905,31 @@ def simplify(
         log.warning("kernel body rewrite read %s before assigning it: kept unrewritten", early)
         return list(lines)
     return [line for stmt in body for line in ast.unparse(stmt).splitlines()]
+
+
+def renamed(lines: Sequence[str], keep: set[str], suffix: str) -> list[str]:
+    """``lines`` (whole statements under one indentation) with each name they assign, other than
+    ``keep``, renamed with ``suffix`` wherever they use it: a loop's copy whose own values stay
+    its own (a split K loop's second loop; its running state, assigned before it, kept).
+
+    Example:
+        >>> renamed(["    t = acc * 2", "    acc = acc + t"], {"acc"}, "_f")
+        ['    t_f = acc * 2', '    acc = acc + t_f']
+    """
+    indent = lines[0][: len(lines[0]) - len(lines[0].lstrip())] if lines else ""
+    body = ast.parse(textwrap.dedent("\n".join(lines))).body
+    own = set(_assigned(body)) - keep
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:
+            return ast.copy_location(ast.Name(f"{node.id}{suffix}", node.ctx), node) if node.id in own else node
+
+    return [indent + line for stmt in body for line in ast.unparse(Rename().visit(stmt)).splitlines()]
+
+
+def assigned_names(lines: Sequence[str]) -> set[str]:
+    """The names ``lines`` (whole statements under one indentation) assign."""
+    return set(_assigned(ast.parse(textwrap.dedent("\n".join(lines))).body))
 
 
 def read_before_assigned(body: Sequence[ast.stmt]) -> list[str]:

@@ -210,13 +210,13 @@ def candidates(spec: KernelSpec, meta: tuple[tuple[str, int], ...], grid: tuple[
     sizes a new block or tile resizes the grid by): the heuristic's first."""
     base = dict(meta)
     out = [(base, grid)]
+    # an operand's tile is a recomputed one's, transposed: its columns stay one block of the slice
+    columns = {"BLOCK_N": base["BLOCK_N"]} if spec.kind == "gemm" and transposed_operands(spec) else {}
     for opts in TUNABLE[family(spec)]:
-        m = {**base, **opts}
+        m = {**base, **opts, **columns}
         if spec.kind == "pointwise":
             g = (max(1, -(-args[0] // m["BLOCK_SIZE"])),)
         elif spec.kind == "gemm":
-            if transposed_operands(spec):  # an operand's tile is a recomputed one's: its columns one block
-                m["BLOCK_N"] = base["BLOCK_N"]
             m, g = _gemm_candidate(spec, m, args[0], args[1], grid)
         else:
             g = grid
