@@ -231,18 +231,18 @@ def as_expr(value: Any, where: str = "expression") -> Expr:
 def walk(roots: list[Expr]) -> list[Expr]:
     """Every node reachable from ``roots``, operands before their users."""
     order: list[Expr] = []
-    seen: set[int] = set()
+    seen: set[Expr] = set()
     stack: list[tuple[Expr, bool]] = [(r, False) for r in reversed(roots)]
     while stack:
         n, expanded = stack.pop()
         if expanded:
             order.append(n)
             continue
-        if id(n) in seen:
+        if n in seen:
             continue
-        seen.add(id(n))
+        seen.add(n)
         stack.append((n, True))
-        stack.extend((s, False) for s in reversed(n.srcs) if id(s) not in seen)
+        stack.extend((s, False) for s in reversed(n.srcs) if s not in seen)
     return order
 
 
@@ -256,14 +256,14 @@ def substitute(roots: list[Expr], replace: Callable[[Expr], Expr | None]) -> lis
         >>> substitute([rx.exp(x) + x], lambda n: y if n is x else None)
         [exp(y) + y]
     """
-    memo: dict[int, Expr] = {}
+    memo: dict[Expr, Expr] = {}
     for n in walk(roots):
         new = replace(n)
         if new is None:
-            srcs = tuple(memo[id(s)] for s in n.srcs)
+            srcs = tuple(memo[s] for s in n.srcs)
             new = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
-        memo[id(n)] = new
-    return [memo[id(r)] for r in roots]
+        memo[n] = new
+    return [memo[r] for r in roots]
 
 
 def variables(roots: list[Expr]) -> tuple[Expr, ...]:
@@ -303,19 +303,19 @@ def format_expr(e: Expr) -> str:
     the tree it unfolds to.
     """
     nodes = walk([e])
-    uses: dict[int, int] = {}
+    uses: dict[Expr, int] = {}
     for n in nodes:
         for s in n.srcs:
-            uses[id(s)] = uses.get(id(s), 0) + 1
-    text: dict[int, tuple[str, int]] = {}
+            uses[s] = uses.get(s, 0) + 1
+    text: dict[Expr, tuple[str, int]] = {}
     shared: list[str] = []  # the text of each named node, by its hole number
     for n in nodes:
-        t, p = _format_one(n, [text[id(s)] for s in n.srcs])
-        if uses.get(id(n), 0) > 1 and not (n.is_var or n.is_const) and len(t) > SHARED_TEXT:
+        t, p = _format_one(n, [text[s] for s in n.srcs])
+        if uses.get(n, 0) > 1 and not (n.is_var or n.is_const) and len(t) > SHARED_TEXT:
             shared.append(t)
             t, p = f"\x00{len(shared) - 1}\x00", 99
-        text[id(n)] = (t, p)
-    return _bind_shared(text[id(e)][0], shared, {v.attr("name") for v in nodes if v.is_var})
+        text[n] = (t, p)
+    return _bind_shared(text[e][0], shared, {v.attr("name") for v in nodes if v.is_var})
 
 
 def _bind_shared(root: str, shared: list[str], taken: set[str]) -> str:

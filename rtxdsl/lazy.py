@@ -367,22 +367,21 @@ class OperationStream:
     def __init__(self, fusion: Fusion, device: torch.device) -> None:
         self.fusion = fusion
         self.device = device
-        self.info: dict[int, Info] = {}  # types of the nodes recorded since the last flush
-        self.keep: list[Expr] = []  # ... kept alive while their ids are keys above
+        self.info: dict[Expr, Info] = {}  # types of the nodes recorded since the last flush
         self.leaves: dict[int, tuple[torch.Tensor, Expr]] = {}  # id(tensor) -> (tensor, var)
         # leaves read without gradient (no_grad, detach): id(tensor) -> (its detached alias, var)
         self.detached: dict[int, tuple[torch.Tensor, Expr]] = {}
-        self.stops: dict[int, Expr] = {}  # id(expr) -> the expression read without gradient
+        self.stops: dict[Expr, Expr] = {}  # expr -> the expression read without gradient
         # plain tensors another tensor the stream never saw aliases, read as a copy:
         # id(tensor) -> (tensor, its version when copied, var, copy)
         self.snapshots: dict[int, tuple[torch.Tensor, int, Expr, torch.Tensor]] = {}
         # ids of the tensors the segment holds (its leaves, their detached aliases), by storage
         self.on_storage: dict[tuple[torch.device, int], set[int]] = {}
-        self.grad_vars: set[int] = set()  # ids of the leaf variables whose tensor requires grad
+        self.grad_vars: set[Expr] = set()  # the leaf variables whose tensor requires grad
         #: leaf variables whose tensor autograd refuses to differentiate through (a view of a
         #: multi-output op written in place): the error eager raises where a differentiable op reads it
-        self.refused: dict[int, RuntimeError] = {}
-        self.unprobed: set[int] = set()  # leaf variables of tensors that require grad, made under no_grad
+        self.refused: dict[Expr, RuntimeError] = {}
+        self.unprobed: set[Expr] = set()  # leaf variables of tensors that require grad, made under no_grad
         self.versions: dict[int, int] = {}  # id(tensor) -> its version counter when first read
         self.read_storages: set[tuple[torch.device, int]] = set()  # storages the leaves live in
         self.holders: list[weakref.ref[LazyTensor]] = []
@@ -409,7 +408,7 @@ class OperationStream:
             self.flush("read of a tensor aliased by a pending in-place write")
         hit = self.leaves.get(id(t))
         if hit is not None and hit[0] is t:
-            if id(hit[1]) not in self.unprobed or not torch.is_grad_enabled():
+            if hit[1] not in self.unprobed or not torch.is_grad_enabled():
                 return hit[1]
             return self.probed(t, hit[1])  # first read with gradients of a leaf made under no_grad
         snap = self.snapshots.get(id(t))
@@ -429,10 +428,10 @@ class OperationStream:
             if refused is None:
                 v = self.new_leaf(t, grad)
                 if grad and not torch.is_grad_enabled():
-                    self.unprobed.add(id(v))
+                    self.unprobed.add(v)
             else:  # read detached: no kernel's autograd may reach it (a non-differentiable read is fine)
                 v = self.detached_leaf(t)
-                self.refused[id(v)] = refused
+                self.refused[v] = refused
             self.versions[id(t)] = t._version  # a write the guards cannot see still bumps it
         self.read_storages.add(key)
         self.on_storage.setdefault(key, set()).add(id(t))
@@ -442,23 +441,22 @@ class OperationStream:
     def probed(self, t: torch.Tensor, v: Expr) -> Expr:
         """Leaf ``v`` of ``t``, made under ``no_grad``, read with gradients: autograd's checks of ``t``
         now (see ``leaf``); a tensor it refuses is read detached from here on."""
-        self.unprobed.discard(id(v))
+        self.unprobed.discard(v)
         with torch._C.DisableTorchFunctionSubclass():
             refused = _refusal(t)
         if refused is None:
             return v
         del self.leaves[id(t)]  # (read under no_grad, it was read through its detached alias)
         detached = self.detached_leaf(t)
-        self.refused[id(detached)] = refused
+        self.refused[detached] = refused
         return detached
 
     def new_leaf(self, t: torch.Tensor, grad: bool) -> Expr:
         v = var(f"t{len(self.leaves) + len(self.detached) + 1}")
         self.leaves[id(t)] = (t, v)
         if grad:
-            self.grad_vars.add(id(v))
-        self.info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
-        self.keep.append(v)
+            self.grad_vars.add(v)
+        self.info[v] = Info.tensor(tuple(t.shape), t.dtype)
         return v
 
     def unseen_alias(self, t: torch.Tensor, key: tuple[torch.device, int], holders: int) -> bool:
@@ -481,7 +479,7 @@ class OperationStream:
             copy = t.clone() if refused is None else t.detach().clone()  # (differentiable: a gradient reaches t)
         v = self.new_leaf(copy, copy.requires_grad)
         if refused is not None:
-            self.refused[id(v)] = refused
+            self.refused[v] = refused
         self.versions[id(copy)] = copy._version
         self.snapshots[id(t)] = (t, t._version, v, copy)
         self._copy_record(copy, eager=False)
@@ -490,18 +488,17 @@ class OperationStream:
     def stopped(self, e: Expr) -> Expr:
         """``e`` read without gradient (under ``no_grad``, through ``detach``): each leaf that requires
         grad read as its detached alias (the same memory, no autograd history), as eager reads it."""
-        hit = self.stops.get(id(e))
+        hit = self.stops.get(e)
         if hit is not None:
             return hit
-        of = {id(v): t for t, v in self.leaves.values()}
+        of = {v: t for t, v in self.leaves.values()}
 
         def detached(n: Expr) -> Expr | None:
-            t = of.get(id(n)) if n.is_var else None
+            t = of.get(n) if n.is_var else None
             return self.detached_leaf(t) if t is not None and t.requires_grad else None
 
         (out,) = substitute([e], detached)
-        self.stops[id(e)] = out
-        self.keep.append(e)
+        self.stops[e] = out
         return out
 
     def detached_leaf(self, t: torch.Tensor) -> Expr:
@@ -513,36 +510,34 @@ class OperationStream:
         self.on_storage.setdefault(_storage_key(alias), set()).add(id(alias))
         v = var(f"t{len(self.leaves) + len(self.detached) + 1}")
         self.detached[id(t)] = (alias, v)
-        self.info[id(v)] = Info.tensor(tuple(t.shape), t.dtype)
-        self.keep.append(v)
+        self.info[v] = Info.tensor(tuple(t.shape), t.dtype)
         return v
 
-    def tensor_of(self) -> dict[int, torch.Tensor]:
+    def tensor_of(self) -> dict[Expr, torch.Tensor]:
         """The tensor each leaf variable reads."""
-        out = {id(v): t for t, v in self.leaves.values()}
-        out.update((id(v), t) for t, v in self.detached.values())
+        out = {v: t for t, v in self.leaves.values()}
+        out.update((v, t) for t, v in self.detached.values())
         return out
 
     def record(self, expr: Expr, grad: bool = False) -> LazyTensor:
         """A pending value computing ``expr``; ``grad``: an operand requires grad (the value does as
         in eager: with grad enabled, floating point, and reading an operand's values)."""
         info = self.info
-        typed = info.get(id(expr))
+        typed = info.get(expr)
         if typed is None:
             srcs = []
             for s in expr.srcs:  # the common case: one new node over known operands and constants
-                i = info.get(id(s))
+                i = info.get(s)
                 if i is None:
                     if not s.is_const:
                         break
                     i = Info(s.attrs[0][1])
                 srcs.append(i)
             else:
-                typed = info[id(expr)] = infer(expr, srcs)
-                self.keep.append(expr)
+                typed = info[expr] = infer(expr, srcs)
             if typed is None:  # operands a builder made itself: type the whole new subtree
-                infer_all([expr], info, self.keep)
-                typed = info[id(expr)]
+                infer_all([expr], info, [])
+                typed = info[expr]
         self.queued += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug("queued %s (%d pending)", expr, self.queued)
@@ -552,7 +547,7 @@ class OperationStream:
         if grad:
             grad = typed.dtype in _FLOATS and torch.is_grad_enabled() and (_READS.get(expr.op) or _reads_values(expr))
         if self.refused and torch.is_grad_enabled() and typed.dtype in _FLOATS and _reads_values(expr):
-            refused = next((self.refused[id(n)] for n in self.differentiable(expr) if id(n) in self.refused), None)
+            refused = next((self.refused[n] for n in self.differentiable(expr) if n in self.refused), None)
             if refused is not None:  # eager's differentiable op raises it here
                 raise RuntimeError(str(refused))
         lt._grad = grad
@@ -568,11 +563,11 @@ class OperationStream:
         out, seen, stack = [], set(), [expr]
         while stack:
             n = stack.pop()
-            if id(n) in seen:
+            if n in seen:
                 continue
-            seen.add(id(n))
+            seen.add(n)
             out.append(n)
-            info = self.info.get(id(n))
+            info = self.info.get(n)
             if info is None or info.dtype in _FLOATS:
                 stack.extend(n.srcs)
         return out
@@ -664,10 +659,10 @@ class OperationStream:
 
     def _compute(self, reason: str, computed: list[LazyTensor], written: list[torch.Tensor]) -> bool:
         """The segment's kernel, each computed value materialized (True: a dry run, nothing computed)."""
-        firsts: dict[int, LazyTensor] = {}  # one kernel output per distinct expression
+        firsts: dict[Expr, LazyTensor] = {}  # one kernel output per distinct expression
         for lt in computed:
-            if not lt._expr.is_var and id(lt._expr) not in firsts:  # type: ignore[union-attr]
-                firsts[id(lt._expr)] = lt
+            if not lt._expr.is_var and lt._expr not in firsts:  # type: ignore[union-attr]
+                firsts[lt._expr] = lt
         kernel = None
         if firsts:
             # a value eager lays out as a permuted dense tensor is computed in that memory order
@@ -706,8 +701,8 @@ class OperationStream:
         tensor_of = self.tensor_of()
         for lt in computed:  # a copy of a leaf, or an expression equal to another: a tensor of its own
             if lt._expr is not None:
-                first = firsts.get(id(lt._expr))
-                src = first._value if first is not None else tensor_of[id(lt._expr)]
+                first = firsts.get(lt._expr)
+                src = first._value if first is not None else tensor_of[lt._expr]
                 self._copy_record(src, eager=True)  # eager computed it twice
                 with torch.set_grad_enabled(lt._grad):  # (row-major: the loop below lays out the others)
                     lt._materialize(src.clone(memory_format=torch.contiguous_format))
@@ -787,7 +782,6 @@ class OperationStream:
 
     def _reset(self) -> None:
         self.info.clear()
-        self.keep.clear()
         self.leaves.clear()
         self.detached.clear()
         self.stops.clear()
@@ -833,19 +827,19 @@ def canonical(roots: tuple[Expr, ...]) -> tuple[tuple[Expr, ...], tuple[Expr, ..
     """The segment's structure and the nodes that feed it: leaves renamed by first use and python
     numbers as scalar inputs (except 0, 1, -1). Interned, so the same structure gives the same
     roots; the second result lists, in argument order, the var or const node each input comes from."""
-    memo: dict[int, Expr] = {}
+    memo: dict[Expr, Expr] = {}
     params: list[Expr] = []
     for n in walk(list(roots)):
         value = n.attr("value")
         if n.is_var or n.is_const and (type(value).__name__, repr(value)) not in STRUCTURAL:
-            memo[id(n)] = _arg(len(params))
+            memo[n] = _arg(len(params))
             params.append(n)
         elif n.srcs:
-            srcs = tuple(memo[id(s)] for s in n.srcs)
-            memo[id(n)] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
+            srcs = tuple(memo[s] for s in n.srcs)
+            memo[n] = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
         else:
-            memo[id(n)] = n
-    return tuple(memo[id(r)] for r in roots), tuple(params)
+            memo[n] = n
+    return tuple(memo[r] for r in roots), tuple(params)
 
 
 class Fusion:
@@ -957,7 +951,7 @@ class Fusion:
             self._canon.put(key, hit)
         canon, params = hit
         tensor_of = stream.tensor_of()
-        args = [tensor_of[id(p)] if p.is_var else p.attr("value") for p in params]
+        args = [tensor_of[p] if p.is_var else p.attr("value") for p in params]
         slot = {id(t): k for k, t in enumerate(args) if isinstance(t, torch.Tensor)}
         targets = tuple((f"o{r}", f"a{slot[id(t)]}") for r, t in into.items() if id(t) in slot)
         entry = self._plans.get((canon, targets))
@@ -1256,7 +1250,7 @@ class LazyTensor:
                     else:
                         v = stream.leaf(a._value)
                         operands.append(v)
-                        grad = grad or id(v) in stream.grad_vars or not v.is_var and a._value.requires_grad
+                        grad = grad or v in stream.grad_vars or not v.is_var and a._value.requires_grad
                 elif isinstance(a, (bool, int, float)):
                     operands.append(a)
                 else:

@@ -570,18 +570,18 @@ class Kernel:
             >>> rx.compile(rx.var("x") * 2.0).reference((torch.ones(2),)).tolist()
             [2.0, 2.0]
         """
-        vals: dict[int, Any] = {id(v): t for v, t in zip(self._vars, tensors)}
+        vals: dict[Expr, Any] = {v: t for v, t in zip(self._vars, tensors)}
         for n in walk([e for _, e in self._outputs]):
-            if id(n) in vals:
+            if n in vals:
                 continue
             if n.is_const:
-                vals[id(n)] = n.attr("value")
+                vals[n] = n.attr("value")
                 continue
-            vals[id(n)] = apply_ref(REGISTRY[n.op], [vals[id(s)] for s in n.srcs], n.attr_dict)
+            vals[n] = apply_ref(REGISTRY[n.op], [vals[s] for s in n.srcs], n.attr_dict)
         device = device_of(tensors)
         res = {}
         for k, e in self._outputs:
-            r = vals[id(e)]
+            r = vals[e]
             if not isinstance(r, torch.Tensor):
                 r = torch.tensor(r, device=device)
             elif e.is_var:

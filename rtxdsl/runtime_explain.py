@@ -82,23 +82,24 @@ def explain_text(kernel: KernelHandle, launch: PreparedCall) -> str:
         + ("  [dry_run]" if launch.config.dry_run else "")
         + (f"  [{launch.note}]" if launch.note else "")
     )
-    names = {id(v): n for n, v in zip(kernel.inputs, kernel.variables)}
-    outs = {id(e): k for k, e in graph.outputs}
-    writer = {id(o): g for g in plan.groups for o in g.outputs}
+    names = {v: n for n, v in zip(kernel.inputs, kernel.variables)}
+    outs = {e: k for k, e in graph.outputs}
+    writer = {o: g for g in plan.groups for o in g.outputs}
+    position = {n: k for k, n in enumerate(graph.nodes)}  # an intermediate's name: tmp<its place>
     for i, g in enumerate(plan.groups):
         domain = f"rows over axes {list(g.axes)} of" if g.is_row else "pointwise over"
         shape = ", ".join(map(str, g.shape))
         lines.append(f"group {i}: {g.pattern} — {domain} [{shape}], {len(g.nodes)} ops: {', '.join(g.ops)}")
-        in_names = [names.get(id(n), f"tmp{id(n) % 997}") for n in g.inputs]
+        in_names = [names.get(n, f"tmp{position.get(n, 0)}") for n in g.inputs]
 
         def stored(n: Expr) -> str:  # as the buffer holds it (per-row statistics in float32)
             info = graph.of(n)
-            home = writer.get(id(n))
-            dtype = info.dtype if id(n) in outs or home is None else intermediate_dtype(home, info)
+            home = writer.get(n)
+            dtype = info.dtype if n in outs or home is None else intermediate_dtype(home, info)
             return f"{SHORT_NAME[dtype]}[{', '.join(map(str, info.shape))}]"
 
         reads = ", ".join(f"{n} {stored(v)}" for n, v in zip(in_names, g.inputs))
-        writes = ", ".join(f"{outs.get(id(n), 'intermediate')} {stored(n)}" for n in g.outputs)
+        writes = ", ".join(f"{outs.get(n, 'intermediate')} {stored(n)}" for n in g.outputs)
         lines.append(f"  reads {reads or 'nothing'}; writes {writes}")
         lines.extend(f"  {note}" for note in g.notes)
         for call in (c for c in p.kernels if c.group == i or c.tail and c.tail.group == i):

@@ -166,15 +166,15 @@ def in_forward_programs(
         return dict(forward), dict(units)
     grads = substitute(list(units.values()), lambda n: saved.get(n.attr("name")) if n.is_var else None)
     apart: list[Expr] = []  # outermost first: a reduction inside another one stays inside it
-    inside: set[int] = set()
+    inside: set[Expr] = set()
     for n in reversed(walk(grads)):
-        if REGISTRY[n.op].kind is OpKind.REDUCTION and id(n) not in inside and not _reads(n, logits):
+        if REGISTRY[n.op].kind is OpKind.REDUCTION and n not in inside and not _reads(n, logits):
             apart.append(n)
-            inside.update(map(id, walk([n])))
+            inside.update(walk([n]))
     pre = {f"{PRE}{k}": r for k, r in enumerate(apart)}
-    read = {id(r): named_var(k) for k, r in pre.items()}
+    read = {r: named_var(k) for k, r in pre.items()}
     user = {k: e for k, e in forward.items() if k not in saved}
-    roots = substitute([*user.values(), *grads], lambda n: read.get(id(n)))
+    roots = substitute([*user.values(), *grads], lambda n: read.get(n))
     return pre, dict(zip([*user, *units], roots))
 
 
@@ -186,8 +186,8 @@ def _reads(e: Expr, logits: str) -> bool:
         n = stack.pop()
         if n.is_var and n.attr("name") in (logits, f"{COTANGENT}0"):
             return True
-        seen.add(id(n))
-        stack.extend(s for s in read_srcs(n) if id(s) not in seen)
+        seen.add(n)
+        stack.extend(s for s in read_srcs(n) if s not in seen)
     return False
 
 

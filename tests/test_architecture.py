@@ -163,6 +163,24 @@ def test_no_op_name_string_comparison_outside_ops():
     assert not found, found
 
 
+def test_planner_and_code_generators_key_nodes_by_themselves_not_by_id():
+    """Expression nodes are interned (equal structure: one object) and hash by identity, so the
+    planner's and code generators' tables are keyed by the nodes (and groups) themselves, as
+    tinygrad keys its UOps: no ``id()`` side table, which needs the keys kept alive beside it and
+    reads as an int where a node is meant."""
+    found = []
+    for path, tree in _trees().items():
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(("lower/", "codegen/")):
+            continue
+        for n in ast.walk(tree):
+            called = n.func if isinstance(n, ast.Call) else None
+            mapped = isinstance(called, ast.Name) and called.id == "map" and isinstance(n.args[0], ast.Name)
+            if isinstance(called, ast.Name) and called.id == "id" or mapped and n.args[0].id == "id":
+                found.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
+    assert not found, found
+
+
 def test_no_function_over_80_lines_in_lower_codegen_and_runtime():
     """The planner, the code generators and the runtime read in pieces of one job each."""
     long = []

@@ -632,7 +632,7 @@ def test_the_compute_model_counts_only_the_tiles_that_run():
 def test_the_output_and_its_logsumexp_are_one_launch(causal, gen):
     """``return_lse=True`` returns ``m + log(row sum)`` beside the output: the one-pass GEMM merges
     the logsumexp and the row sum in its K loop and writes both values per row (the per-row math
-    reading both moves with them: analyze._online_in_k_loop's ``pending`` sums), the lse's
+    reading both moves with them: analyze.kloop._online_in_k_loop's ``pending`` sums), the lse's
     ``[B, H, Tq]`` a view of its ``[B, H, Tq, 1]``; bytes moved the minimum (two launches, a
     flat kernel reading the two statistics back, before)."""
     ins = _inputs(gen, 1, 2, 2, 37, 29, 16, 16, torch.float32)
@@ -1338,7 +1338,7 @@ def test_a_statistic_kept_out_of_a_k_loop_where_it_would_make_kernels_read_each_
     """Chunks of attention merged by hand, ``sum_c exp(lse_c - logsumexp_c(lse_c)) * (P_c @ v)``:
     merging each chunk's logsumexp into the ``P @ v`` GEMM's K loop (online softmax) while that
     GEMM's epilogue multiplies by weights computed from it in another kernel made the two
-    kernels read each other (graphlib.CycleError at planning, before ``analyze._cyclic``). Such a
+    kernels read each other (graphlib.CycleError at planning, before ``analyze.groups.cyclic``). Such a
     move is undone; the result against float64."""
     qv, kv, vv = rx.var("q"), rx.var("k"), rx.var("v")
     s = qv @ rx.transpose(kv, -1, -2)

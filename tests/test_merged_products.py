@@ -227,7 +227,7 @@ def test_an_operand_computed_at_another_products_tile_is_never_merged():
     """At tokens == hidden = 2048, intermediate 4096 (planned, not run: the traffic model writes
     ``h = silu(g) * u`` from ``dy @ wd``'s epilogue at this size), ``dwd = dy.T @ h`` has the
     product shape of ``dy @ wd`` and reads ``h``: merged, ``h`` would be read at the product's
-    coordinates, not the operand's (``analyze._operands_at_tiles``; planning raised a KeyError)."""
+    coordinates, not the operand's (``analyze.products._operands_at_tiles``; planning raised a KeyError)."""
     wd = rx.var("wd")
     kernel = rx.compile(rx.linear(rx.swiglu(rx.linear(x, wg), rx.linear(x, wu)), wd))
     t, inter, bf = 2048, 4096, torch.bfloat16
@@ -279,7 +279,8 @@ def test_a_product_whose_operand_is_the_other_product_is_never_merged(build, ker
 
 #: the seeds of the random square-product programs: fixed ones, and one from the commit
 #: (``RTXDSL_FUZZ_SEED`` sets it)
-#: (11, 81 and 194 draw a product's operand also read elementwise at the tile: wrong before analyze._operands_loaded)
+#: (11, 81 and 194 draw a product's operand also read elementwise at the tile: wrong before
+#: analyze.prologues._operands_loaded)
 SQUARE_SEEDS = [*range(10), 11, 81, 194, commit_seed("RTXDSL_FUZZ_SEED")]
 
 
@@ -314,7 +315,7 @@ def _run_square(steps, outs, leaves, ops, scale):
 def test_random_programs_of_square_products_match_float64(seed):
     """Chains of square products (a tied weight applied twice, ``x @ (x @ w)``): forward and every
     gradient against float64 torch. 22 of 400 such programs were wrong or crashed when a product's
-    operand was the other product's output tile (``analyze._operands_at_tiles``)."""
+    operand was the other product's output tile (``analyze.products._operands_at_tiles``)."""
     r = random.Random(seed)
     dtype, n = r.choice([torch.float32, torch.float16]), r.choice([1, 5, 17, 33])  # (1: every stride 1)
     batch = r.choice([(), (2,)])  # batched: a product's operand read both in its tiles and elementwise
@@ -395,7 +396,7 @@ TORCH_OPS = {
 def test_random_functions_of_one_recomputed_product_match_float64(seed):
     """Attention-like programs (``_scores_program``): forward and every gradient against float64
     torch, where the backward's GEMMs recompute the scores in their prologues and those of one
-    product shape share one K loop (``analyze._prologues_share``)."""
+    product shape share one K loop (``analyze.products._prologues_share``)."""
     r = random.Random(seed)
     p = _scores_program(r)
     t, s, d, e = p["sizes"]
@@ -443,7 +444,7 @@ def test_products_a_prologue_recomputes_read_their_operands_right(case):
     batch stride at the tile, its row stride in the product), and an operand the prologue computes
     was read as the load it is computed from (``exp(s)`` as ``s``); both now right
     (``params._gemm`` numbers a product operand's strides past the batch dims,
-    ``analyze._operands_loaded`` keeps a computed operand written)."""
+    ``analyze.prologues._operands_loaded`` keeps a computed operand written)."""
     expr, ref = PROLOGUE_PRODUCTS[case]
     gen = torch.Generator().manual_seed(3)
     ins = {"g": torch.randn(2, 3, 3, generator=gen), "s": torch.randn(2, 3, 3, generator=gen)}

@@ -50,10 +50,10 @@ def _graph(k: rx.Kernel, metas: tuple[Layout, ...]):
 
 def _described(plan: Plan) -> list[tuple]:
     """A plan as positions in its graph: equal for two plans that group the same nodes alike."""
-    at = {id(n): k for k, n in enumerate(plan.graph.nodes)}
+    at = {n: k for k, n in enumerate(plan.graph.nodes)}
 
     def pos(nodes):
-        return tuple(at[id(n)] for n in nodes)
+        return tuple(at[n] for n in nodes)
 
     return [
         (

@@ -151,12 +151,12 @@ class _Keys:
 
     def __init__(self) -> None:
         self.table: dict[tuple, int] = {}
-        self.memo: dict[int, tuple[ast.AST, int]] = {}  # id(node) -> (node, held so its id stays its, key)
+        self.memo: dict[ast.AST, int] = {}  # node -> its key (AST nodes hash by identity)
 
     def __call__(self, node: ast.AST) -> int:
-        hit = self.memo.get(id(node))
+        hit = self.memo.get(node)
         if hit is not None:
-            return hit[1]
+            return hit
         parts: list = [type(node).__name__]
         for f, v in ast.iter_fields(node):
             if isinstance(v, ast.AST):
@@ -166,7 +166,7 @@ class _Keys:
             elif f != "ctx":
                 parts.append(v)
         k = self.table.setdefault(tuple(parts), len(self.table))
-        self.memo[id(node)] = (node, k)
+        self.memo[node] = k
         return k
 
 
@@ -270,7 +270,7 @@ def copy(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
         for n in (n for h in head for n in ast.walk(h)):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 last[n.id] = k
-    at = {id(stmt): k for k, stmt in enumerate(order)}
+    at = {stmt: k for k, stmt in enumerate(order)}
     names: dict[str, str] = {}
 
     def drop(stmts: list[ast.stmt]) -> list[ast.stmt]:
@@ -283,7 +283,7 @@ def copy(body: list[ast.stmt], once: Counter[str], types: Types) -> bool:
                 and isinstance(v, ast.Name)
                 and once[name] == 1
                 and v.id != name
-                and last.get(v.id, -1) < at[id(stmt)]
+                and last.get(v.id, -1) < at[stmt]
             ):
                 names[name] = names.get(v.id, v.id)
                 continue

@@ -83,25 +83,25 @@ def program(
     it gets a buffer of its own."""
     graph = plan.graph
     n_inputs = len(metas)
-    slots: dict[int, int] = {}
-    lay: dict[int, Layout] = {}
+    slots: dict[Expr, int] = {}
+    lay: dict[Expr, Layout] = {}
     for i, (v, meta) in enumerate(zip(graph.inputs, metas)):
         if isinstance(meta, Layout):
-            slots[id(v)] = i
-            lay[id(v)] = meta
-    requested = {id(e) for _, e in graph.outputs}
+            slots[v] = i
+            lay[v] = meta
+    requested = {e for _, e in graph.outputs}
     for g in plan.groups:
         for o in g.outputs:
             info = graph.of(o)
-            dtype = info.dtype if id(o) in requested else intermediate_dtype(g, info)
-            lay[id(o)] = Layout(info.shape, contiguous_strides(info.shape), dtype)
+            dtype = info.dtype if o in requested else intermediate_dtype(g, info)
+            lay[o] = Layout(info.shape, contiguous_strides(info.shape), dtype)
     stored = _chunk_buffers(plan, lay)
     views = _views(plan, lay, slots, requested)
     out_views = _output_views(plan, lay, requested, stored)
     groups = list(plan.groups)
     scheduled: list[tuple[KernelSpec, Launch] | None] = [
         None
-        if id(g) in views or id(g) in out_views
+        if g in views or g in out_views
         else gemm_spec(g, graph, lay, target, tf32)
         if g.contraction is not None and not g.is_row
         else kernel_spec(g, graph, lay, target, tf32)
@@ -115,8 +115,8 @@ def program(
     outputs: list[tuple[str, int | None]] = []
     scalars = {}
     for key, root in graph.outputs:
-        if id(root) in slots:
-            outputs.append((key, slots[id(root)]))
+        if root in slots:
+            outputs.append((key, slots[root]))
         else:  # a scalar-only output: no kernel needed
             info = graph.of(root)
             outputs.append((key, None))
@@ -141,8 +141,8 @@ def _launches(
     groups: list[Group],
     scheduled: list[tuple[KernelSpec, Launch] | None],
     merges: dict[int, int],
-    slots: dict[int, int],
-    lay: dict[int, Layout],
+    slots: dict[Expr, int],
+    lay: dict[Expr, Layout],
     buffers: list[Buffer],
     n_inputs: int,
     graph: Graph,
@@ -167,7 +167,7 @@ def _column_reductions(
     groups: list[Group],
     scheduled: list[tuple[KernelSpec, Launch] | None],
     graph: Graph,
-    lay: dict[int, Layout],
+    lay: dict[Expr, Layout],
     target: Target,
     tf32: bool,
 ) -> dict[int, int]:
@@ -207,8 +207,8 @@ def _calls(
     g: Group,
     spec: KernelSpec,
     launch: Launch,
-    slots: dict[int, int],
-    lay: dict[int, Layout],
+    slots: dict[Expr, int],
+    lay: dict[Expr, Layout],
     buffers: list[Buffer],
     n_inputs: int,
     flops: int,
@@ -218,14 +218,14 @@ def _calls(
     add (index-check flags, partial states) appended to ``buffers``; ``flops``: the group's (a
     split row's partial kernel computes them); ``parts``: the partial states a row kernel's column
     reductions store (its own) or a merge reads."""
-    in_slots = tuple(slots[id(i)] for i in g.inputs)
-    out_slots = tuple(slots[id(o)] for o in g.outputs)
+    in_slots = tuple(slots[i] for i in g.inputs)
+    out_slots = tuple(slots[o] for o in g.outputs)
     flags: tuple[int, ...] = ()
     if spec.flags:  # index checks: an int32 flag per gathering op, zeroed per call
         flags = (n_inputs + len(buffers),)
         buffers.append(Buffer((len(spec.flags),), torch.int32, zero=True))
-    in_bytes = [lay[id(i)].nbytes for i in g.inputs]
-    out_bytes = [0 if launch.empty else lay[id(o)].nbytes for o in g.outputs]
+    in_bytes = [lay[i].nbytes for i in g.inputs]
+    out_bytes = [0 if launch.empty else lay[o].nbytes for o in g.outputs]
     part_bytes = sum(math.prod(buffers[s - n_inputs].shape) * buffers[s - n_inputs].dtype.itemsize for s in parts)
     window = spec.gemm.window if spec.gemm is not None else None
     if window is not None and window.accumulate is not None:  # the sum across a chunk loop's chunks
@@ -295,19 +295,19 @@ def _product_passes(spec: KernelSpec, reads: list[int]) -> list[int]:
     return [reads[spec.loads[j].input] if kind is Src.LOAD else 1 for kind, j in (p.srcs[1] for p in products)]
 
 
-def _chunk_buffers(plan: Plan, lay: dict[int, Layout]) -> dict[int, tuple[int, ...]]:
+def _chunk_buffers(plan: Plan, lay: dict[Expr, Layout]) -> dict[Expr, tuple[int, ...]]:
     """Values a chunk loop stores one chunk at a time (``lower/chunk.py``): laid out over their full
     shape with one chunk's strides (column ``c`` of a chunk starting at ``lo`` at ``c - lo``), their
-    buffer one chunk: node id -> the buffer's shape."""
+    buffer one chunk: node -> the buffer's shape."""
     found = {}
     for g in plan.groups:
         if g.chunk is None:
             continue
         for v in g.chunk.values:
             if any(v is o for o in g.outputs):
-                have = lay[id(v)]
-                found[id(v)] = (*have.shape[:-1], g.chunk.size)
-                lay[id(v)] = Layout(have.shape, contiguous_strides(found[id(v)]), have.dtype)
+                have = lay[v]
+                found[v] = (*have.shape[:-1], g.chunk.size)
+                lay[v] = Layout(have.shape, contiguous_strides(found[v]), have.dtype)
     return found
 
 
@@ -370,64 +370,66 @@ def _read_before(call: KernelCall, between: list[KernelCall]) -> list[KernelCall
 
 def _buffers(
     groups: list[Group],
-    views: dict[int, dict[int, int]],
-    out_views: dict[int, list[Expr]],
-    aliases: dict[int, int],
-    stored: Mapping[int, tuple[int, ...]],
-    lay: dict[int, Layout],
-    slots: dict[int, int],
+    views: dict[Group, dict[Expr, int]],
+    out_views: dict[Group, list[Expr]],
+    aliases: dict[Expr, int],
+    stored: Mapping[Expr, tuple[int, ...]],
+    lay: dict[Expr, Layout],
+    slots: dict[Expr, int],
     n_inputs: int,
 ) -> list[Buffer]:
     """A buffer (and slot) per value a kernel writes: none for a view of an input (its slot is the
     input's) or for an output that only reshapes an intermediate (that intermediate's kernel writes
     into the output's buffer)."""
-    into_output = {id(s): n for g in groups for n, s in zip(g.nodes, out_views.get(id(g), ()))}
+    into_output = {s: n for g in groups for n, s in zip(g.nodes, out_views.get(g, ()))}
     buffers: list[Buffer] = []
     for g in groups:
-        if id(g) in views:  # reshapes of inputs: the inputs' own memory, no kernel
-            slots.update(views[id(g)])
+        if g in views:  # reshapes of inputs: the inputs' own memory, no kernel
+            slots.update(views[g])
             continue
-        if id(g) in out_views:  # its source's kernel wrote the output
+        if g in out_views:  # its source's kernel wrote the output
             continue
         for o in g.outputs:
-            if id(o) in aliases:
-                slots[id(o)] = aliases[id(o)]
+            if o in aliases:
+                slots[o] = aliases[o]
                 continue
-            slots[id(o)] = n_inputs + len(buffers)
-            shown = into_output.get(id(o), o)
-            slots[id(shown)] = slots[id(o)]
-            buffers.append(Buffer(stored.get(id(o), lay[id(shown)].shape), lay[id(o)].dtype))
+            slots[o] = n_inputs + len(buffers)
+            shown = into_output.get(o, o)
+            slots[shown] = slots[o]
+            buffers.append(Buffer(stored.get(o, lay[shown].shape), lay[o].dtype))
     return buffers
 
 
-def _views(plan: Plan, lay: dict[int, Layout], slots: dict[int, int], requested: set[int]) -> dict[int, dict[int, int]]:
-    """id(group) -> {id(node): input slot}, for groups that only reshape inputs into intermediates
+def _views(
+    plan: Plan, lay: dict[Expr, Layout], slots: dict[Expr, int], requested: set[Expr]
+) -> dict[Group, dict[Expr, int]]:
+    """group -> {node: input slot}, for groups that only reshape inputs into intermediates
     (a flattened ``[batch, tokens, hidden]`` GEMM operand, attention's heads split into groups)
     where torch could view them: the inputs' own memory, no copy. A view's strides are its layout."""
     found = {}
     for g in plan.groups:
-        if not _writes_each_node(g) or any(id(n) in requested for n in g.nodes) or not views_of_inputs(g.nodes):
+        if not _writes_each_node(g) or any(n in requested for n in g.nodes) or not views_of_inputs(g.nodes):
             continue
         views = {}
         for n in g.nodes:
             src = n.srcs[0]
-            if id(src) not in slots:
+            if src not in slots:
                 break
-            have, want = lay[id(src)], lay[id(n)]
+            have, want = lay[src], lay[n]
             strides = view_strides(have, want.shape)
             if strides is None or have.dtype != want.dtype:
                 break
-            views[id(n)] = (slots[id(src)], Layout(want.shape, strides, want.dtype))
+            views[n] = (slots[src], Layout(want.shape, strides, want.dtype))
         else:
-            found[id(g)] = {i: slot for i, (slot, _) in views.items()}
+            found[g] = {i: slot for i, (slot, _) in views.items()}
             lay.update({i: layout for i, (_, layout) in views.items()})
     return found
 
 
 def _writes_each_node(g: Group) -> bool:
     """Is every node of ``g`` one of its outputs (nothing computed only inside it)?"""
-    written = {id(o) for o in g.outputs}
-    return len(written) == len(g.nodes) and all(id(n) in written for n in g.nodes)
+    written = set(g.outputs)
+    return len(written) == len(g.nodes) and all(n in written for n in g.nodes)
 
 
 def view_strides(have: Layout, shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -439,40 +441,42 @@ def view_strides(have: Layout, shape: tuple[int, ...]) -> tuple[int, ...] | None
         return None
 
 
-def _output_views(plan: Plan, lay: dict[int, Layout], requested: set[int], stored: Mapping) -> dict[int, list[Expr]]:
-    """id(group) -> the intermediates its requested outputs only reshape (grouped attention's
+def _output_views(
+    plan: Plan, lay: dict[Expr, Layout], requested: set[Expr], stored: Mapping
+) -> dict[Group, list[Expr]]:
+    """group -> the intermediates its requested outputs only reshape (grouped attention's
     ``[B, Hkv, G, Tq, Dv]`` as ``[B, Hq, Tq, Dv]``, and its gradients): their kernels write the
     outputs' memory, in the same order, and the reshapes launch nothing."""
     found = {}
-    writers = {id(o) for g in plan.groups for o in g.outputs}
+    writers = {o for g in plan.groups for o in g.outputs}
     for g in plan.groups:
-        if not _writes_each_node(g) or any(id(n) not in requested for n in g.nodes):
+        if not _writes_each_node(g) or any(n not in requested for n in g.nodes):
             continue
         srcs = [n.srcs[0] for n in g.nodes]
-        if len({id(s) for s in srcs}) == len(srcs) and all(
+        if len(set(srcs)) == len(srcs) and all(
             REGISTRY[n.op].regroups
-            and id(s) not in requested
-            and id(s) not in stored
-            and id(s) in writers
-            and lay[id(s)].dtype == lay[id(n)].dtype
-            and lay[id(s)].strides == contiguous_strides(lay[id(s)].shape)
+            and s not in requested
+            and s not in stored
+            and s in writers
+            and lay[s].dtype == lay[n].dtype
+            and lay[s].strides == contiguous_strides(lay[s].shape)
             for n, s in zip(g.nodes, srcs)
         ):
-            found[id(g)] = srcs
+            found[g] = srcs
     return found
 
 
 def _aliases(
-    plan: Plan, scheduled: list, lay: dict[int, Layout], slots: dict[int, int], into: Mapping[str, str]
-) -> dict[int, int]:
-    """Output node id -> the input slot it is written into (the safe cases of ``into``)."""
+    plan: Plan, scheduled: list, lay: dict[Expr, Layout], slots: dict[Expr, int], into: Mapping[str, str]
+) -> dict[Expr, int]:
+    """Output node -> the input slot it is written into (the safe cases of ``into``)."""
     graph = plan.graph
     roots = {key: root for key, root in graph.outputs}
-    found: dict[int, int] = {}
+    found: dict[Expr, int] = {}
     for key, name in into.items():
         v = next((v for v in graph.inputs if v.attr("name") == name), None)
         o = roots.get(key)
-        if v is None or o is None or id(v) not in slots:
+        if v is None or o is None or v not in slots:
             continue
         writer = [k for k, g in enumerate(plan.groups) if any(x is o for x in g.outputs)]
         readers = [k for k, g in enumerate(plan.groups) if any(x is v for x in g.inputs)]
@@ -481,13 +485,13 @@ def _aliases(
         if scheduled[writer[0]] is None:
             continue
         g, (spec, launch) = plan.groups[writer[0]], scheduled[writer[0]]
-        src, out = lay[id(v)], lay[id(o)]
+        src, out = lay[v], lay[o]
         same = (src.shape, src.strides, src.dtype) == (out.shape, out.strides, out.dtype)
         # pointwise, and no movement op reads it (one might read an element another program wrote;
         # shape-only operands, such as positions', read nothing)
         local = not any(REGISTRY[n.op].kind is OpKind.MOVEMENT and any(s is v for s in read_srcs(n)) for n in g.nodes)
         if same and local and not spec.split and launch.split <= 1 and _read_before_written(g, spec, v, o):
-            found[id(o)] = slots[id(v)]
+            found[o] = slots[v]
     return found
 
 

@@ -202,21 +202,21 @@ def _infer(n: Expr, srcs: list[Info]) -> Info:
     return Info.tensor(shape, answer)
 
 
-def infer_all(roots: list[Expr], info: dict[int, Info], keep: list[Expr]) -> None:
+def infer_all(roots: list[Expr], info: dict[Expr, Info], typed: list[Expr]) -> None:
     """Type every node reachable from ``roots`` that ``info`` does not know yet.
 
     Known nodes are not descended into, so typing a new op over a large typed DAG costs only
     the new nodes (the lazy stream records one op at a time). Typed nodes are appended to
-    ``keep``, which holds them alive while their ids key ``info``.
+    ``typed``, in the order they were typed (a composite's expansion reads which are its own).
     """
     stack: list[tuple[Expr, bool]] = [(r, False) for r in roots]
     while stack:
         n, ready = stack.pop()
-        if id(n) in info:
+        if n in info:
             continue
         if ready:
-            info[id(n)] = infer(n, [info[id(s)] for s in n.srcs])
-            keep.append(n)
+            info[n] = infer(n, [info[s] for s in n.srcs])
+            typed.append(n)
             continue
         stack.append((n, True))
-        stack.extend((s, False) for s in n.srcs if id(s) not in info)
+        stack.extend((s, False) for s in n.srcs if s not in info)

@@ -2,7 +2,7 @@
 
 Linear cross-entropy's backward reads ``dP`` (the gradient of the logits, from the recomputed
 product, the saved logsumexp, the targets and the cotangent) in two GEMMs: ``dh = dP @ w`` and
-``dw = dP.T @ h``. The analyzer makes ``dP`` their prologue (``analyze._recompute_in_prologues``):
+``dw = dP.T @ h``. The analyzer makes ``dP`` their prologue (``analyze.prologues._recompute_in_prologues``):
 no tokens x vocabulary buffer, but each output tile of each GEMM recomputes every logit tile it
 reads, hidden / 128 times per GEMM at sm_90's tiles (66x the logits GEMM's FLOPs at hidden 4096).
 
@@ -52,7 +52,7 @@ class _Group(Protocol):
     @property
     def nodes(self) -> tuple[Expr, ...]: ...
     @property
-    def roles(self) -> Mapping[int, Role]: ...
+    def roles(self) -> Mapping[Expr, Role]: ...
     @property
     def notes(self) -> tuple[str, ...]: ...
     @property
@@ -86,43 +86,43 @@ def chunk_recomputed(graph: Graph, groups: tuple[Group, ...], config: FusionConf
             continue
         first, chunked = made
         at = min(k for k, g in enumerate(out) if any(g is r for r in readers))
-        out = [chunked.get(id(g), g) for g in out]
+        out = [chunked.get(g, g) for g in out]
         out.insert(at, first)
     return tuple(out)
 
 
 def _recomputed(groups: tuple[Group, ...]) -> list[Expr]:
     """The products GEMM prologues recompute at their operands' tiles, each once."""
-    found: dict[int, Expr] = {}
+    found: dict[Expr, Expr] = {}
     for g in groups:
         for m in g.nodes:
-            if REGISTRY[m.op].kind is OpKind.CONTRACTION and g.roles[id(m)] in (Role.A, Role.B) and not g.is_row:
-                found.setdefault(id(m), m)
+            if REGISTRY[m.op].kind is OpKind.CONTRACTION and g.roles[m] in (Role.A, Role.B) and not g.is_row:
+                found.setdefault(m, m)
     return list(found.values())
 
 
 def _reads(g: Group, p: Expr) -> bool:
     """Does GEMM ``g`` recompute product ``p`` in a prologue?"""
-    return not g.is_row and g.contraction is not None and any(m is p for m in g.nodes) and g.roles[id(p)] is Role.A
+    return not g.is_row and g.contraction is not None and any(m is p for m in g.nodes) and g.roles[p] is Role.A
 
 
 def _chunked(
     p: Expr, readers: list[Group], graph: Graph, budget: float, loop: int
-) -> tuple[Group, dict[int, Group]] | None:
+) -> tuple[Group, dict[Group, Group]] | None:
     """The chunk loop's first kernel (the product and the stored value) and each reader run over
-    the chunk, by id; None where the loop does not apply or would not pay."""
+    the chunk, keyed by the reader; None where the loop does not apply or would not pay."""
     shape = graph.of(p).shape
     if len(shape) < 2 or math.prod(shape) == 0 or not readers:
         return None
-    chain: dict[int, Expr] = {}
+    chain: dict[Expr, Expr] = {}
     frontier: list[Expr] = []
-    axes: dict[int, str] = {}
+    axes: dict[Group, str] = {}
     for g in readers:
         reading = _reader(g, p, shape, graph)
         if reading is None:
             return None
-        axes[id(g)], values, needed = reading
-        chain.update((id(m), m) for m in values)
+        axes[g], values, needed = reading
+        chain.update((m, m) for m in values)
         frontier += needed
     stored = _stored(frontier, chain)
     if len(stored) != 1:
@@ -137,7 +137,7 @@ def _chunked(
     size = _size(extent, budget * graph.of(p).dtype.itemsize / graph.of(u).dtype.itemsize)
     cone = _cone(u, chain)
     first_reader = readers[0]
-    nodes = tuple(m for m in first_reader.nodes if id(m) in cone)
+    nodes = tuple(m for m in first_reader.nodes if m in cone)
     chunks = -(-extent // size)
     nbytes = tokens * size * graph.of(u).dtype.itemsize
     note = (
@@ -152,7 +152,7 @@ def _chunked(
         axes=(),
         nodes=nodes,
         roles=MappingProxyType(
-            {id(m): Role.FULL if first_reader.roles[id(m)] is Role.A else first_reader.roles[id(m)] for m in nodes}
+            {m: Role.FULL if first_reader.roles[m] is Role.A else first_reader.roles[m] for m in nodes}
         ),
         cone=(),
         notes=(note,),
@@ -160,18 +160,18 @@ def _chunked(
     )
     chunked = {}
     for g in readers:
-        axis = axes[id(g)]
-        keep = tuple(m for m in g.nodes if id(m) not in cone)
+        axis = axes[g]
+        keep = tuple(m for m in g.nodes if m not in cone)
         how = (
             "sums the chunks in an fp32 accumulator (the last chunk's launch stores)"
             if axis == "k"
             else "writes the chunk's rows"
         )
         notes = (*(n for n in g.notes if "recomputed in tiles" not in n), f"reads the chunk loop's buffer: {how}")
-        chunked[id(g)] = replace(
+        chunked[g] = replace(
             g,
             nodes=keep,
-            roles=MappingProxyType({id(m): g.roles[id(m)] for m in keep}),
+            roles=MappingProxyType({m: g.roles[m] for m in keep}),
             notes=notes,
             chunk=Chunk(loop, axis, extent, size, (u,)),
         )
@@ -192,8 +192,8 @@ def _reader(g: Group, p: Expr, shape: tuple[int, ...], graph: Graph) -> tuple[st
     assert c is not None
     if graph.of(c.srcs[0]).shape != shape or c.attr_dict.get("summed"):
         return None
-    prologue = [m for m in g.nodes if g.roles[id(m)] in (Role.A, Role.B)]
-    if any(g.roles[id(m)] is Role.B for m in prologue):
+    prologue = [m for m in g.nodes if g.roles[m] in (Role.A, Role.B)]
+    if any(g.roles[m] is Role.B for m in prologue):
         return None
     kinds = [REGISTRY[m.op].kind for m in prologue]
     values = [m for m, k in zip(prologue, kinds) if k is not OpKind.REDUCTION]
@@ -206,31 +206,31 @@ def _reader(g: Group, p: Expr, shape: tuple[int, ...], graph: Graph) -> tuple[st
     return axis, values, [c.srcs[0], *(r.srcs[0] for r in reductions)]
 
 
-def _stored(frontier: list[Expr], chain: dict[int, Expr]) -> list[Expr]:
+def _stored(frontier: list[Expr], chain: dict[Expr, Expr]) -> list[Expr]:
     """The values to store, one each: those read outside the prologue, less any that only converts
     another of them (the readers convert it again, from the stored one)."""
-    unique = list({id(f): f for f in frontier}.values())
-    ids = {id(f) for f in unique}
+    unique = list(dict.fromkeys(frontier))
+    ids = set(unique)
 
     def converts_another(f: Expr) -> bool:
-        while is_cast(f) and id(f.srcs[0]) in chain:
+        while is_cast(f) and f.srcs[0] in chain:
             f = f.srcs[0]
-            if id(f) in ids:
+            if f in ids:
                 return True
         return False
 
     return [f for f in unique if not converts_another(f)]
 
 
-def _cone(u: Expr, chain: dict[int, Expr]) -> set[int]:
+def _cone(u: Expr, chain: dict[Expr, Expr]) -> set[Expr]:
     """The prologue's nodes ``u`` is computed from (``u`` included): the first kernel's."""
-    seen: set[int] = set()
+    seen: set[Expr] = set()
     stack = [u]
     while stack:
         n = stack.pop()
-        if id(n) in seen or id(n) not in chain:
+        if n in seen or n not in chain:
             continue
-        seen.add(id(n))
+        seen.add(n)
         stack.extend(n.srcs)
     return seen
 

@@ -29,22 +29,22 @@ def _cone(b: Group) -> list[Expr] | None:
     """The column group's reductions and the elementwise nodes they read (its nodes after them,
     per column, stay with the merge), or None where a row kernel could not compute them: a
     movement op, a reduction whose state has no column form, or one reading another."""
-    members = {id(n) for n in b.nodes}
+    members = set(b.nodes)
     reductions = [n for n in b.nodes if REGISTRY[n.op].kind is OpKind.REDUCTION]
     if not reductions or any(REGISTRY[r.op].reduce.columns is None for r in reductions):
         return None
-    cone: dict[int, Expr] = {}
+    cone: dict[Expr, Expr] = {}
     stack = [s for r in reductions for s in r.srcs]
     while stack:
         n = stack.pop()
-        if id(n) not in members or id(n) in cone:
+        if n not in members or n in cone:
             continue
         if REGISTRY[n.op].kind is not OpKind.ELEMENTWISE:  # a reduction read by another, a movement op
             return None
-        cone[id(n)] = n
+        cone[n] = n
         stack += n.srcs
-    keep = set(cone) | {id(r) for r in reductions}
-    return [n for n in b.nodes if id(n) in keep]
+    keep = set(cone) | set(reductions)
+    return [n for n in b.nodes if n in keep]
 
 
 def _merge_reads_elements(b: Group) -> bool:
@@ -52,17 +52,17 @@ def _merge_reads_elements(b: Group) -> bool:
     which it has no coordinates for: a node between its outputs and its reductions (``sum(g * b,
     0) + g`` with ``g`` a broadcast cotangent, read per element by the product the row kernel
     computes: a lazy program's backward crashed in codegen)?"""
-    members = {id(n) for n in b.nodes}
-    stack, seen = [o for o in b.outputs if id(o) in members], set()
+    members = set(b.nodes)
+    stack, seen = [o for o in b.outputs if o in members], set()
     while stack:
         n = stack.pop()
-        if id(n) in seen:
+        if n in seen:
             continue
-        seen.add(id(n))
+        seen.add(n)
         if b.role(n) is Role.FULL:
             return True
         if REGISTRY[n.op].kind is not OpKind.REDUCTION:  # (a reduction: merged from its partial states)
-            stack += [s for s in n.srcs if id(s) in members]
+            stack += [s for s in n.srcs if s in members]
     return False
 
 
@@ -96,8 +96,8 @@ def column_pairs(plan: Plan) -> dict[int, int]:
             a = plan.groups[ai]
             if ai in pairs.values() or not _fits(a, b):
                 continue
-            known = {id(n) for n in (*a.inputs, *a.nodes)}
-            if all(id(i) in known for i in b.inputs):
+            known = set((*a.inputs, *a.nodes))
+            if all(i in known for i in b.inputs):
                 pairs[bi] = ai
                 break
     return pairs
@@ -107,8 +107,8 @@ def with_columns(a: Group, b: Group, graph: Graph) -> Group:
     """Row group ``a`` also computing the cones of ``b``'s column reductions (role "column"): their
     elementwise nodes per row (KEEP) where they are one value per row, else full-size. It reads
     nothing more (``column_pairs``)."""
-    members = {id(n) for n in a.nodes}
-    extra = [n for n in _cone(b) or () if id(n) not in members]
+    members = set(a.nodes)
+    extra = [n for n in _cone(b) or () if n not in members]
     keep = a.keep_shape()
 
     def role(n: Expr) -> Role:
@@ -116,5 +116,5 @@ def with_columns(a: Group, b: Group, graph: Graph) -> Group:
             return Role.COLUMN
         return Role.KEEP if graph.of(n).shape == keep else Role.FULL
 
-    roles = MappingProxyType({**a.roles, **{id(n): role(n) for n in extra}})
+    roles = MappingProxyType({**a.roles, **{n: role(n) for n in extra}})
     return replace(a, nodes=(*a.nodes, *extra), roles=roles)

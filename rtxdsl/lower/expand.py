@@ -36,33 +36,32 @@ class Graph:
     outputs: tuple[tuple[str, Expr], ...]  # output key -> primitive root
     inputs: tuple[Expr, ...]  # the kernel's var nodes, in call order
     nodes: tuple[Expr, ...]  # primitives reachable from the outputs, operands first
-    info: Mapping[int, Info]
-    origin: Mapping[int, str]  # node id -> composite op it came from
-    written: Mapping[int, int]  # node id -> id of the outermost composite node it came from
+    info: Mapping[Expr, Info]
+    origin: Mapping[Expr, str]  # node -> composite op it came from
+    written: Mapping[Expr, Expr]  # node -> the outermost composite node it came from
     eager_launches: int
     eager_bytes: int
-    keep: tuple[Expr, ...]  # every node whose id keys ``info``: kept alive with the graph
 
     def of(self, n: Expr) -> Info:
-        return self.info[id(n)]
+        return self.info[n]
 
     def ops(self, nodes: list[Expr]) -> int:
         """How many ops the user wrote among ``nodes``: a composite (softmax, sparsemax) is one,
         however many primitives it lowers to. ``FusionConfig``'s op limits count these."""
-        return len({self.written.get(id(n), id(n)) for n in nodes})
+        return len({self.written.get(n, n) for n in nodes})
 
 
-def is_leaf(n: Expr, info: Mapping[int, Info]) -> bool:
+def is_leaf(n: Expr, info: Mapping[Expr, Info]) -> bool:
     """Loaded or passed, never computed by a fusion group: vars, constants, scalar-valued nodes
     (math on scalar inputs is recomputed by each kernel that reads it)."""
-    return (n.is_var or n.is_const) or info[id(n)].is_scalar
+    return (n.is_var or n.is_const) or info[n].is_scalar
 
 
-def _eager_cost(n: Expr, info: Mapping[int, Info]) -> tuple[int, int]:
+def _eager_cost(n: Expr, info: Mapping[Expr, Info]) -> tuple[int, int]:
     """Eager torch's launches and bytes for node ``n``: its op's own model (``OpDef.eager``), or
     ``eager_launches`` kernels reading each operand once and writing the result once."""
-    opdef, srcs = REGISTRY[n.op], [info[id(s)] for s in n.srcs]
-    operands, result = [i.nbytes for i in srcs], info[id(n)].nbytes
+    opdef, srcs = REGISTRY[n.op], [info[s] for s in n.srcs]
+    operands, result = [i.nbytes for i in srcs], info[n].nbytes
     if opdef.eager is not None:
         return opdef.eager(operands, result, [i.shape for i in srcs], [i.dtype for i in srcs], **n.attr_dict)
     return opdef.eager_launches, (result + sum(operands) if opdef.eager_launches else 0)
@@ -70,32 +69,32 @@ def _eager_cost(n: Expr, info: Mapping[int, Info]) -> tuple[int, int]:
 
 def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tuple[Info, ...]) -> Graph:
     """Type ``outputs`` for inputs with ``metas`` (in ``inputs`` order) and lower them to primitives."""
-    info: dict[int, Info] = {id(v): m for v, m in zip(inputs, metas)}
-    keep: list[Expr] = list(inputs)
+    info: dict[Expr, Info] = {v: m for v, m in zip(inputs, metas)}
+    typed: list[Expr] = list(inputs)
     roots = [e for _, e in outputs]
-    infer_all(roots, info, keep)
+    infer_all(roots, info, typed)
 
     eager_launches = eager_bytes = 0
     for n in walk(roots):
         opdef = REGISTRY[n.op]
-        me = info[id(n)]
+        me = info[n]
         if opdef.kind not in (OpKind.LEAF, OpKind.SCALAR) and not me.is_scalar:
             launches, nbytes = _eager_cost(n, info)
             eager_launches += launches
             eager_bytes += nbytes
 
-    memo: dict[int, Expr] = {}
-    origin: dict[int, str] = {}
-    written: dict[int, int] = {}
-    _lower_all(roots, info, keep, memo, origin, written)
-    prim = [(k, _fold_scalars(memo[id(e)], info, keep, origin, written)) for k, e in outputs]
+    memo: dict[Expr, Expr] = {}
+    origin: dict[Expr, str] = {}
+    written: dict[Expr, Expr] = {}
+    _lower_all(roots, info, typed, memo, origin, written)
+    prim = [(k, _fold_scalars(memo[e], info, typed, origin, written)) for k, e in outputs]
     for k, p in prim:
-        if info[id(p)].symbolic:
+        if info[p].symbolic:
             raise RtxError(f"output {k!r} depends only on scalar inputs: compute it in python")
     for i, (k, p) in enumerate(prim):
         if p.is_var:  # outputs that are leaves still need a kernel producing a fresh tensor
-            c = node("cast", p, dtype=info[id(p)].dtype)
-            infer_all([c], info, keep)
+            c = node("cast", p, dtype=info[p].dtype)
+            infer_all([c], info, typed)
             prim[i] = (k, c)
     return Graph(
         outputs=tuple(prim),
@@ -106,67 +105,66 @@ def expand(outputs: list[tuple[str, Expr]], inputs: tuple[Expr, ...], metas: tup
         written=MappingProxyType(written),
         eager_launches=eager_launches,
         eager_bytes=eager_bytes,
-        keep=tuple(keep),
     )
 
 
 def _lower_all(
     roots: list[Expr],
-    info: dict[int, Info],
-    keep: list[Expr],
-    memo: dict[int, Expr],
-    origin: dict[int, str],
-    written: dict[int, int],
+    info: dict[Expr, Info],
+    typed: list[Expr],
+    memo: dict[Expr, Expr],
+    origin: dict[Expr, str],
+    written: dict[Expr, Expr],
 ) -> None:
-    """Fill ``memo`` (node id -> its primitive form) for every node reachable from ``roots``."""
+    """Fill ``memo`` (node -> its primitive form) for every node reachable from ``roots``."""
     for n in walk(roots):
-        if id(n) in memo:
+        if n in memo:
             continue
-        srcs = tuple(memo[id(s)] for s in n.srcs)
+        srcs = tuple(memo[s] for s in n.srcs)
         opdef = REGISTRY[n.op]
-        me = info[id(n)]
+        me = info[n]
         if opdef.kind is OpKind.COMPOSITE and not me.is_scalar:
-            start = len(keep)
-            typed = (
-                {"shapes": [info[id(x)].shape for x in srcs], "dtypes": [info[id(x)].dtype for x in srcs]}
+            start = len(typed)
+            types = (
+                {"shapes": [info[x].shape for x in srcs], "dtypes": [info[x].dtype for x in srcs]}
                 if opdef.typed_decompose
                 else {}
             )
-            d = opdef.decompose(*srcs, **n.attr_dict, **typed)
-            infer_all([d], info, keep)
-            _lower_all([d], info, keep, memo, origin, written)
-            p = memo[id(d)]
-            if info[id(p)].dtype != me.dtype:
-                p = _typed(node("cast", p, dtype=me.dtype), info, keep)
-            for m in keep[start:]:
-                origin.setdefault(id(m), n.op)
+            d = opdef.decompose(*srcs, **n.attr_dict, **types)
+            infer_all([d], info, typed)
+            _lower_all([d], info, typed, memo, origin, written)
+            p = memo[d]
+            if info[p].dtype != me.dtype:
+                p = _typed(node("cast", p, dtype=me.dtype), info, typed)
+            for m in typed[start:]:
+                origin.setdefault(m, n.op)
             for m in _inside(p, srcs):  # its primitives, typed before too (interned: a saving plan's statistics)
-                written[id(m)] = id(n)  # outermost last: a composite inside another counts as that one
+                written[m] = n  # outermost last: a composite inside another counts as that one
         else:
             attrs = n.attr_dict
             if opdef.canonical is not None and not me.is_scalar:
-                attrs = opdef.canonical([info[id(x)].shape for x in srcs], **attrs)
+                attrs = opdef.canonical([info[x].shape for x in srcs], **attrs)
             if opdef.kind is OpKind.REDUCTION and not me.is_scalar and not attrs["axis"]:
                 # reducing a 0-dim tensor: the single element's reduction, converted
                 single = SINGLE.get(n.op)
-                p = _typed(single(srcs[0]), info, keep) if single is not None else srcs[0]
-                if info[id(p)].dtype != me.dtype:
-                    p = _typed(node("cast", p, dtype=me.dtype), info, keep)
-            elif opdef.rule is DtypeRule.CAST and info[id(srcs[0])].dtype == me.dtype:
+                p = _typed(single(srcs[0]), info, typed) if single is not None else srcs[0]
+                if info[p].dtype != me.dtype:
+                    p = _typed(node("cast", p, dtype=me.dtype), info, typed)
+            elif opdef.rule is DtypeRule.CAST and info[srcs[0]].dtype == me.dtype:
                 p = srcs[0]  # a cast to the dtype it has: nothing to compute
             elif all(a is b for a, b in zip(srcs, n.srcs)) and attrs == n.attr_dict:
                 p = n
             else:
-                p = _typed(Expr(n.op, srcs, attrs), info, keep)
+                p = _typed(Expr(n.op, srcs, attrs), info, typed)
             if opdef.regroups and not me.is_scalar:
-                p = _flatten_rows_of_product(p, info, keep)
+                p = _flatten_rows_of_product(p, info, typed)
             if opdef.kind is OpKind.CONTRACTION:
-                p = normalized_after(p, lambda e: info[id(e)], lambda e: _typed(e, info, keep))
-        memo[id(n)] = p
-        memo[id(p)] = p
+                p = normalized_after(p, lambda e: info[e], lambda e: _typed(e, info, typed))
+        memo[n] = p
+        memo[p] = p
 
 
-def _flatten_rows_of_product(p: Expr, info: dict[int, Info], keep: list[Expr]) -> Expr:
+def _flatten_rows_of_product(p: Expr, info: dict[Expr, Info], typed: list[Expr]) -> Expr:
     """``reshape(f(a @ b), (..., n))`` that only regroups the product's rows, ``b`` a matrix and ``f``
     elementwise over the product (with scalars and per-column operands): ``f(reshape(a) @ b)``.
 
@@ -174,15 +172,15 @@ def _flatten_rows_of_product(p: Expr, info: dict[int, Info], keep: list[Expr]) -
     of the flattened hidden states (a free view of them), which a row kernel can reduce tile by
     tile without ever writing it; eager values are the same."""
     (x,) = p.srcs
-    shape, have = info[id(p)].shape, info[id(x)].shape
+    shape, have = info[p].shape, info[x].shape
     if len(shape) < 2 or not have or shape[-1] != have[-1] or shape == have:
         return p  # (a 1-d result: its operand would be 1-d too, not a product's rows)
     chain: list[Expr] = []
     c = x
     while REGISTRY[c.op].kind is OpKind.ELEMENTWISE:
-        tensors = [s for s in c.srcs if not info[id(s)].is_scalar and info[id(s)].shape == have]
-        narrow = [s for s in c.srcs if not info[id(s)].is_scalar and info[id(s)].shape != have]
-        if len(tensors) != 1 or any(len(info[id(s)].shape) > 1 for s in narrow):
+        tensors = [s for s in c.srcs if not info[s].is_scalar and info[s].shape == have]
+        narrow = [s for s in c.srcs if not info[s].is_scalar and info[s].shape != have]
+        if len(tensors) != 1 or any(len(info[s].shape) > 1 for s in narrow):
             return p
         chain.append(c)
         c = tensors[0]
@@ -191,61 +189,61 @@ def _flatten_rows_of_product(p: Expr, info: dict[int, Info], keep: list[Expr]) -
     if c.attr_dict.get("summed"):
         return p
     a, b = c.srcs
-    if len(info[id(b)].shape) != 2 or info[id(c)].shape != have:
+    if len(info[b].shape) != 2 or info[c].shape != have:
         return p
-    k = info[id(a)].shape[-1]
-    flat = _typed(Expr(p.op, (a,), {**p.attr_dict, "shape": (*shape[:-1], k)}), info, keep)
-    out = _typed(Expr(c.op, (flat, b), c.attr_dict), info, keep)
+    k = info[a].shape[-1]
+    flat = _typed(Expr(p.op, (a,), {**p.attr_dict, "shape": (*shape[:-1], k)}), info, typed)
+    out = _typed(Expr(c.op, (flat, b), c.attr_dict), info, typed)
     for e in reversed(chain):  # rebuild f over the new product
-        srcs = tuple(out if info[id(s)].shape == have and not info[id(s)].is_scalar else s for s in e.srcs)
-        out = _typed(Expr(e.op, srcs, e.attr_dict), info, keep)
+        srcs = tuple(out if info[s].shape == have and not info[s].is_scalar else s for s in e.srcs)
+        out = _typed(Expr(e.op, srcs, e.attr_dict), info, typed)
     return out
 
 
 def _inside(root: Expr, operands: tuple[Expr, ...]) -> list[Expr]:
     """The nodes of a composite's decomposition ``root``: reachable from it without passing through
     its ``operands`` (whose cones belong to the ops that made them)."""
-    stop = {id(m) for m in operands}
+    stop = set(operands)
     found: list[Expr] = []
-    seen: set[int] = set()
+    seen: set[Expr] = set()
     stack = [root]
     while stack:
         m = stack.pop()
-        if id(m) in seen or id(m) in stop:
+        if m in seen or m in stop:
             continue
-        seen.add(id(m))
+        seen.add(m)
         found.append(m)
         stack.extend(m.srcs)
     return found
 
 
-def _typed(e: Expr, info: dict[int, Info], keep: list[Expr]) -> Expr:
-    infer_all([e], info, keep)
+def _typed(e: Expr, info: dict[Expr, Info], typed: list[Expr]) -> Expr:
+    infer_all([e], info, typed)
     return e
 
 
 def _fold_scalars(
-    root: Expr, info: dict[int, Info], keep: list[Expr], origin: dict[int, str], written: dict[int, int]
+    root: Expr, info: dict[Expr, Info], typed: list[Expr], origin: dict[Expr, str], written: dict[Expr, Expr]
 ) -> Expr:
     """Replace scalar-only subexpressions (constants, element counts) by constants of their value."""
-    memo: dict[int, Expr] = {}
+    memo: dict[Expr, Expr] = {}
     for n in walk([root]):
-        i = info[id(n)]
+        i = info[n]
         if i.is_scalar and not i.symbolic and not n.is_const:
             new = Expr("const", (), {"value": i.value})
         else:
-            srcs = tuple(memo[id(s)] for s in n.srcs)
+            srcs = tuple(memo[s] for s in n.srcs)
             new = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)
-        if id(new) not in info:
-            info[id(new)] = i
-            keep.append(new)
+        if new not in info:
+            info[new] = i
+            typed.append(new)
         for side in (origin, written):  # a node typed inside a composite may lie outside its cone
-            if id(n) in side:
-                side.setdefault(id(new), side[id(n)])
-        memo[id(n)] = new
-    return memo[id(root)]
+            if n in side:
+                side.setdefault(new, side[n])
+        memo[n] = new
+    return memo[root]
 
 
-def float_dtype_of(nodes: list[Expr], info: Mapping[int, Info]) -> torch.dtype:
+def float_dtype_of(nodes: list[Expr], info: Mapping[Expr, Info]) -> torch.dtype:
     """fp64 when any node computes in float64, else fp32: the kernel's float scalar type."""
-    return torch.float64 if any(info[id(n)].dtype is torch.float64 for n in nodes) else torch.float32
+    return torch.float64 if any(info[n].dtype is torch.float64 for n in nodes) else torch.float32

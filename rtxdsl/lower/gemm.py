@@ -83,16 +83,16 @@ def gemm_tile(
     return GemmTile(*block, group_m, warps, stages, whole_k=whole_k if len(whole_k) < 2 or warps == 4 else ())
 
 
-def operand_layout(s: Expr, graph: Graph, layouts: Mapping[int, Layout]) -> Layout:
+def operand_layout(s: Expr, graph: Graph, layouts: Mapping[Expr, Layout]) -> Layout:
     """A contraction operand's layout: read from memory, or (a prologue) computed at load time."""
-    if id(s) in layouts:
-        return layouts[id(s)]
+    if s in layouts:
+        return layouts[s]
     info = graph.of(s)
     return Layout(info.shape, contiguous_strides(info.shape), info.dtype)
 
 
 def gemm_spec(
-    group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target, tf32: bool = False
+    group: Group, graph: Graph, layouts: Mapping[Expr, Layout], target: Target, tf32: bool = False
 ) -> tuple[KernelSpec, Launch]:
     """Spec and launch of a contraction group; ``tf32``: fp32 operands multiply in TF32."""
     c = group.contraction
@@ -114,13 +114,13 @@ def gemm_spec(
         LoadSpec(j, role, *_load_classes(strides[i][1], i in at_tiles) if i in strides else ((), ()))
         for i, (j, role, _) in enumerate(bd.loads)
     )
-    outputs = tuple(_out_spec(bd.index[id(o)], layouts[id(o)].dtype, group.role(o)) for o in group.outputs)
+    outputs = tuple(_out_spec(bd.index[o], layouts[o].dtype, group.role(o)) for o in group.outputs)
     at_output = sum(bd.nodes[i].role is Role.FULL for i in inner) + (wide := wide_epilogue(bd.nodes, loads, outputs))
     tile = gemm_tile(target, m, n, a.dtype, len(inner) + wide, whole, at_output, len(batch))
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(
         kind="gemm",
-        in_dtypes=tuple(layouts[id(s)].dtype for s in group.inputs),
+        in_dtypes=tuple(layouts[s].dtype for s in group.inputs),
         loads=loads,
         nodes=bd.nodes,
         outputs=outputs,
@@ -130,7 +130,7 @@ def gemm_spec(
         block=0,
         rows_per_program=0,
         looped=False,
-        big=_int64_needed([a, b, *(layouts[id(i)] for i in group.inputs)], math.prod(domain)),
+        big=_int64_needed([a, b, *(layouts[i] for i in group.inputs)], math.prod(domain)),
         num_warps=tile.num_warps,
         gemm=replace(
             tile,
@@ -193,7 +193,7 @@ def _even(spec: KernelSpec, unchunked: bool, values: Mapping[str, int]) -> Kerne
 
 
 def _load_strides(
-    group: Group, bd: Body, layouts: Mapping[int, Layout], operand: dict, domain: tuple[int, ...], inner: list[int]
+    group: Group, bd: Body, layouts: Mapping[Expr, Layout], operand: dict, domain: tuple[int, ...], inner: list[int]
 ) -> dict[int, tuple[tuple[int, ...], tuple[int, int]]]:
     """Each load's strides over the product's batch dims and its tile: at an operand's tile (a
     prologue's), at the product's (the epilogue's), or as stored (a recomputed product's operand)."""
@@ -201,7 +201,7 @@ def _load_strides(
     batch = operand[Role.A][2]
     strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]] = {}
     for i, (j, role, view) in enumerate(bd.loads):
-        lay = viewed(layouts[id(group.inputs[j])], view)
+        lay = viewed(layouts[group.inputs[j]], view)
         if i in at_tiles:
             strides[i] = _operand_strides(lay, *operand[role]) if role in operand else _tile_strides(lay, domain)
         elif any((Src.LOAD, i) in bd.nodes[p].srcs for p in inner):
@@ -252,7 +252,7 @@ def _guard(group: Group, graph: Graph, bd: Body) -> tuple[Src, int] | None:
     c = group.contraction
     assert c is not None
     a = c.srcs[0]
-    if group.chunk is not None or c.attr("sum_batch") or group.roles.get(id(a)) is not Role.A:
+    if group.chunk is not None or c.attr("sum_batch") or group.roles.get(a) is not Role.A:
         return None
     prologue = [n for n in group.nodes if group.role(n) is Role.A]
     if not any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in prologue):
@@ -266,8 +266,8 @@ def _guard(group: Group, graph: Graph, bd: Body) -> tuple[Src, int] | None:
                 return None
             targets.append((n.srcs[0], NEUTRAL[n.op]))
     guard = vanishing_guard(prologue, graph, targets)
-    if guard is not None and group.roles.get(id(guard)) is Role.A:
-        return Src.NODE, bd.index[id(guard)]
+    if guard is not None and group.roles.get(guard) is Role.A:
+        return Src.NODE, bd.index[guard]
     held = [i for i, x in enumerate(group.inputs) if x is guard]  # a bool tensor as the guard, loaded at A's tile
     loads = [k for k, (i, role, _) in enumerate(bd.loads) if i in held and role is Role.A]
     return (Src.LOAD, loads[0]) if len(loads) == 1 else None
@@ -275,8 +275,8 @@ def _guard(group: Group, graph: Graph, bd: Body) -> tuple[Src, int] | None:
 
 def _from_prologue(n: Expr, group: Group) -> bool:
     """Is ``n`` a product at the output tile whose A operand is a prologue at A's tile?"""
-    full = REGISTRY[n.op].kind is OpKind.CONTRACTION and group.roles.get(id(n)) is Role.FULL
-    return full and group.roles.get(id(n.srcs[0])) is Role.A
+    full = REGISTRY[n.op].kind is OpKind.CONTRACTION and group.roles.get(n) is Role.FULL
+    return full and group.roles.get(n.srcs[0]) is Role.A
 
 
 def _whole_k(group: Group, graph: Graph, bd: Body, target: Target) -> tuple[tuple[int, int], ...]:
@@ -293,7 +293,7 @@ def _whole_k(group: Group, graph: Graph, bd: Body, target: Target) -> tuple[tupl
         return ()
     whole = []
     for i in at_operand:
-        p = next(p for p in group.nodes if bd.index.get(id(p)) == i)
+        p = next(p for p in group.nodes if bd.index.get(p) == i)
         size = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
         if size <= target.whole_k:
             whole.append((i, max(16, 1 << (size - 1).bit_length())))
@@ -303,7 +303,7 @@ def _whole_k(group: Group, graph: Graph, bd: Body, target: Target) -> tuple[tupl
 def _online(group: Group, bd: Body) -> tuple[int, int] | None:
     """Online softmax (``lower.online``): the logsumexp merged in the K loop and its shift node."""
     found = shifted_by(group.nodes, group.roles)
-    return None if found is None else (bd.index[id(found[0])], bd.index[id(found[1])])
+    return None if found is None else (bd.index[found[0]], bd.index[found[1]])
 
 
 def _window_values(spec: KernelSpec) -> dict[str, int]:
@@ -319,7 +319,7 @@ def _tile_values(
     spec: KernelSpec,
     group: Group,
     graph: Graph,
-    layouts: Mapping[int, Layout],
+    layouts: Mapping[Expr, Layout],
     bd: Body,
     strides: dict[int, tuple[tuple[int, ...], tuple[int, int]]],
     inner: list[int],
@@ -335,11 +335,11 @@ def _tile_values(
         values |= {f"{names[i]}_stride{n_b + d}": v for d, v in enumerate(tile_strides) if stride_class(v) == STRIDED}
     for k, o in enumerate(group.outputs):
         if group.role(o) is Role.FULL:  # a reduction of A is one contiguous value per row of the product
-            row_strides = layouts[id(o)].strides[:-1]  # contiguous (one chunk's, in a chunk loop): columns' is 1
+            row_strides = layouts[o].strides[:-1]  # contiguous (one chunk's, in a chunk loop): columns' is 1
             values |= {f"out{k}_stride{d}": v for d, v in enumerate(row_strides)}
     shared = shared_operands(spec)
     for p in group.nodes:  # each recomputed product: its contracted size, its operands' strides
-        i = bd.index.get(id(p))
+        i = bd.index.get(p)
         if i in inner:
             if i not in shared:
                 values[f"K{i}"] = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]

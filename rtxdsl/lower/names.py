@@ -34,10 +34,10 @@ def readable(raw: str) -> str:
 
 def io_names(group: Group, graph: Graph) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The names of a group's inputs and outputs: a var's name, an output's key, else its op's."""
-    keys = {id(e): k for k, e in graph.outputs}
+    keys = {e: k for k, e in graph.outputs}
 
     def name(n: Expr) -> str:
-        raw = n.attr("name") if n.is_var else keys.get(id(n), n.op)
+        raw = n.attr("name") if n.is_var else keys.get(n, n.op)
         return readable(raw) or n.op
 
     return tuple(name(n) for n in group.inputs), tuple(name(o) for o in group.outputs)

@@ -52,7 +52,7 @@ def _zero(e: Expr) -> bool:
 
 def online_shift(
     r: Expr,
-    members: Mapping[int, Role],
+    members: Mapping[Expr, Role],
     readers: Callable[[Expr], Iterable[Expr]],
     per_row: Iterable[Expr],
     product: Expr,
@@ -67,38 +67,40 @@ def online_shift(
     if r.op not in STATISTICS:
         return None
     x = r.srcs[0]
-    rows = {id(p): p for p in (r, *per_row)}
-    subs = [c for p in rows.values() for c in readers(p) if members.get(id(c)) is Role.A]
-    if not subs or any(s.op not in SHIFTS or s.srcs[0] is not x or id(s.srcs[1]) not in rows for s in subs):
+    rows = dict.fromkeys((r, *per_row))
+    subs = [c for p in rows for c in readers(p) if members.get(c) is Role.A]
+    if not subs or any(s.op not in SHIFTS or s.srcs[0] is not x or s.srcs[1] not in rows for s in subs):
         return None
-    if len({id(s.srcs[1]) for s in subs}) != 1:
+    if len({s.srcs[1] for s in subs}) != 1:
         return None
-    shifted = _shifted(subs, members, readers, product, {*rows, *map(id, subs)})
+    shifted = _shifted(subs, members, readers, product, {*rows, *subs})
     return subs[0].srcs[1] if shifted else None
 
 
-def _shifted(subs: list[Expr], members: Mapping[int, Role], readers: Callable, product: Expr, shift: set[int]) -> bool:
+def _shifted(
+    subs: list[Expr], members: Mapping[Expr, Role], readers: Callable, product: Expr, shift: set[Expr]
+) -> bool:
     """Does every value computed from ``exp(x - c)`` stay proportional to it up to the K loop's
     sums (the product's A operand, a ``sum`` of A over K), inside the kernel's prologue, scaled
     only by factors that read neither the statistic nor the shifted values (``shift``)?"""
-    chain: dict[int, Expr] = {}
+    chain: dict[Expr, Expr] = {}
     stack = []
     for s in subs:
         outs = list(readers(s))
-        if not outs or any(e.op not in EXPS or members.get(id(e)) is not Role.A for e in outs):
+        if not outs or any(e.op not in EXPS or members.get(e) is not Role.A for e in outs):
             return False
         stack += outs
     while stack:
         z = stack.pop()
-        if id(z) in chain:
+        if z in chain:
             continue
-        chain[id(z)] = z
+        chain[z] = z
         for y in readers(z):
             if y is product:
                 if y.srcs[0] is not z or y.srcs[1] is z:
                     return False
                 continue
-            if members.get(id(y)) is not Role.A:
+            if members.get(y) is not Role.A:
                 return False  # read by the epilogue, or by another kernel: it would see the running shift
             if REGISTRY[y.op].kind is OpKind.REDUCTION:
                 if y.op not in SUMS:
@@ -115,25 +117,25 @@ def _shifted(subs: list[Expr], members: Mapping[int, Role], readers: Callable, p
     return True
 
 
-def _reads(e: Expr, targets: set[int]) -> bool:
+def _reads(e: Expr, targets: set[Expr]) -> bool:
     """Does ``e`` depend on one of the nodes ``targets``?"""
-    seen: set[int] = set()
+    seen: set[Expr] = set()
     stack = [e]
     while stack:
         n = stack.pop()
-        if id(n) in targets:
+        if n in targets:
             return True
-        if id(n) not in seen:
-            seen.add(id(n))
+        if n not in seen:
+            seen.add(n)
             stack.extend(n.srcs)
     return False
 
 
-def shifted_by(nodes: Iterable[Expr], roles: Mapping[int, Role]) -> tuple[Expr, Expr] | None:
+def shifted_by(nodes: Iterable[Expr], roles: Mapping[Expr, Role]) -> tuple[Expr, Expr] | None:
     """A GEMM kernel's online logsumexp and the shift node its prologue reads (``exp(x - c)``, ``c``
     computed from the logsumexp of ``x`` in the same kernel: only ``online_shift`` puts one there),
     or None."""
-    members = {id(n): n for n in nodes if roles[id(n)] is Role.A}
+    members = {n: n for n in nodes if roles[n] is Role.A}
     for s in members.values():
         if s.op not in SHIFTS:
             continue
@@ -141,10 +143,10 @@ def shifted_by(nodes: Iterable[Expr], roles: Mapping[int, Role]) -> tuple[Expr, 
         stack, seen = [c], set()
         while stack:
             n = stack.pop()
-            if n.op in STATISTICS and n.srcs[0] is x and id(n) in members:  # (not another kernel's)
+            if n.op in STATISTICS and n.srcs[0] is x and n in members:  # (not another kernel's)
                 return n, c
-            if id(n) in members and id(n) not in seen:
-                seen.add(id(n))
+            if n in members and n not in seen:
+                seen.add(n)
                 stack.extend(n.srcs)
     return None
 
@@ -161,7 +163,7 @@ def _path_to_softmax(e: Expr) -> tuple[list[tuple[Expr, int]], Expr, Expr] | Non
         if below is None or (select and not _zero(e.srcs[3 - k])):
             continue
         others = [s for j, s in enumerate(e.srcs) if j != k]
-        if any(_reads(o, {id(below[2])}) for o in others):  # (p * p: its other p needs the total first)
+        if any(_reads(o, {below[2]}) for o in others):  # (p * p: its other p needs the total first)
             return None
         return [(e, k), *below[0]], below[1], below[2]
     return None

@@ -61,68 +61,68 @@ class Pieces:
     stacks: tuple[Stand, ...]  # per reduction over the axis, in ``cuts`` order
     stand_ins: tuple[Stand, ...]
     cuts: tuple[Expr, ...]
-    held: dict[int, int]  # node id -> its dimension on the axis, for every node holding it
-    shape_of: dict[int, str]  # node id -> the stand-in standing for it in the merge kernel
+    held: dict[Expr, int]  # node -> its dimension on the axis, for every node holding it
+    shape_of: dict[Expr, str]  # node -> the stand-in standing for it in the merge kernel
 
     def piece(self, size: int) -> dict[str, Expr]:
         """The outputs of the kernel computing a piece ``size`` long along the axis: each
         reduction over the axis (named as its stack) and the local outputs."""
         offset = node("var", name=self.offset, dtype=None)
-        built: dict[int, Expr] = {}
+        built: dict[Expr, Expr] = {}
         for n in self.graph.nodes:  # operands first
             attrs = n.attr_dict
-            how, d = REGISTRY[n.op].axes, self.held.get(id(n))
+            how, d = REGISTRY[n.op].axes, self.held.get(n)
             if how is AxisRule.SIZES and d is not None:
                 attrs["shape"] = tuple(size if k == d else s for k, s in enumerate(attrs["shape"]))
-            got = Expr(n.op, tuple(built[id(s)] for s in n.srcs), attrs)
-            built[id(n)] = node("add", got, offset) if how is AxisRule.POSITIONS and d is not None else got
+            got = Expr(n.op, tuple(built[s] for s in n.srcs), attrs)
+            built[n] = node("add", got, offset) if how is AxisRule.POSITIONS and d is not None else got
         roots = dict(self.graph.outputs)
-        return {s.name: built[id(c)] for s, c in zip(self.stacks, self.cuts)} | {
-            name: built[id(roots[name])] for name, _ in self.local
+        return {s.name: built[c] for s, c in zip(self.stacks, self.cuts)} | {
+            name: built[roots[name]] for name, _ in self.local
         }
 
     def merge(self) -> dict[str, Expr]:
         """The outputs of the kernel merging the stacks (inputs: the stacks, the stand-ins and the
         kernel's inputs that do not hold the axis)."""
-        stacks = {id(c): s.name for s, c in zip(self.stacks, self.cuts)}
-        built: dict[int, Expr] = {}
+        stacks = {c: s.name for s, c in zip(self.stacks, self.cuts)}
+        built: dict[Expr, Expr] = {}
 
         def merged(c: Expr) -> Expr:  # a reduction's value of the whole, from its pieces'
-            stack = node("var", name=stacks[id(c)], dtype=None)
+            stack = node("var", name=stacks[c], dtype=None)
             beside = REGISTRY[c.op].reduce.merged_with
             if beside is None:
                 return node(c.op, stack, axis=(0,), keepdim=False)
             twin = _twin(c, self.cuts)
-            return beside[1](stack, node("var", name=stacks[id(twin)], dtype=None), merged(twin))
+            return beside[1](stack, node("var", name=stacks[twin], dtype=None), merged(twin))
 
         for n in self.graph.nodes:
-            if id(n) in stacks:
-                built[id(n)] = merged(n)
+            if n in stacks:
+                built[n] = merged(n)
                 continue
             skip = REGISTRY[n.op].shape_only
             srcs = tuple(
-                node("var", name=self.shape_of[id(s)], dtype=None) if j in skip and id(s) in self.shape_of
-                else built[id(s)]
+                node("var", name=self.shape_of[s], dtype=None) if j in skip and s in self.shape_of
+                else built[s]
                 for j, s in enumerate(n.srcs)
             )  # fmt: skip
-            built[id(n)] = Expr(n.op, srcs, n.attr_dict)
+            built[n] = Expr(n.op, srcs, n.attr_dict)
         roots = dict(self.graph.outputs)
-        return {name: built[id(roots[name])] for name in self.merged}
+        return {name: built[roots[name]] for name in self.merged}
 
 
 def pieces(graph: Graph, k: int, dim: int) -> Pieces | str:
     """``graph`` run in pieces along dimension ``dim`` of its input ``k``, or why it cannot be."""
     lb, dims = axis_labels(graph, follow_positions=True)
-    axis = lb.find(dims[id(graph.inputs[k])][dim])
+    axis = lb.find(dims[graph.inputs[k]][dim])
     held = {}
     for n in graph.nodes:
-        found = [d for d, lab in enumerate(dims.get(id(n), ())) if lb.find(lab) == axis]
+        found = [d for d, lab in enumerate(dims.get(n, ())) if lb.find(lab) == axis]
         if len(found) > 1:
             return f"{n.op} holds the axis twice"
         if found:
-            held[id(n)] = found[0]
+            held[n] = found[0]
     cuts = [n for n in graph.nodes if _reduces(n, held, graph)]
-    why = _piece_side(graph, held, set(map(id, cuts)))  # (first: softmax's total is such a value too)
+    why = _piece_side(graph, held, set(cuts))  # (first: softmax's total is such a value too)
     if why:
         return why
     for c in cuts:
@@ -132,8 +132,8 @@ def pieces(graph: Graph, k: int, dim: int) -> Pieces | str:
                 return f"{c.op} over the axis merges beside its {spec.merged_with[0]}, which is not computed"
         elif spec is None or not spec.of_values:
             return f"{c.op} over the axis does not merge from its pieces' values"
-    shape_of: dict[int, str] = {}
-    why = _merge_side(graph, held, set(map(id, cuts)), shape_of)
+    shape_of: dict[Expr, str] = {}
+    why = _merge_side(graph, held, set(cuts), shape_of)
     if why:
         return why
     taken = {v.attr("name") for v in graph.inputs}
@@ -141,14 +141,14 @@ def pieces(graph: Graph, k: int, dim: int) -> Pieces | str:
     stacks = tuple(Stand(_fresh(f"part{j}", taken), graph.of(c).shape, graph.of(c).dtype) for j, c in enumerate(cuts))
     stand_ins = []
     for n in graph.nodes:
-        if id(n) in shape_of:
-            shape_of[id(n)] = _fresh(f"shape{len(stand_ins)}", taken)
-            stand_ins.append(Stand(shape_of[id(n)], graph.of(n).shape, graph.of(n).dtype))
-    local = tuple((name, held[id(root)]) for name, root in graph.outputs if id(root) in held)
-    merged = tuple(name for name, root in graph.outputs if id(root) not in held)
+        if n in shape_of:
+            shape_of[n] = _fresh(f"shape{len(stand_ins)}", taken)
+            stand_ins.append(Stand(shape_of[n], graph.of(n).shape, graph.of(n).dtype))
+    local = tuple((name, held[root]) for name, root in graph.outputs if root in held)
+    merged = tuple(name for name, root in graph.outputs if root not in held)
     return Pieces(
         graph=graph,
-        dims=tuple(held.get(id(v)) for v in graph.inputs),
+        dims=tuple(held.get(v) for v in graph.inputs),
         local=local,
         merged=merged,
         offset=offset,
@@ -166,76 +166,76 @@ def _twin(c: Expr, cuts: list[Expr] | tuple[Expr, ...]) -> Expr | None:
     return next((t for t in cuts if t.op == op and t.srcs[0] is c.srcs[0] and t.attrs == c.attrs), None)
 
 
-def _reduces(n: Expr, held: dict[int, int], graph: Graph) -> bool:
+def _reduces(n: Expr, held: dict[Expr, int], graph: Graph) -> bool:
     """Is ``n`` a reduction over the axis (its operand holds it there)?"""
-    if REGISTRY[n.op].kind is not OpKind.REDUCTION or id(n.srcs[0]) not in held:
+    if REGISTRY[n.op].kind is not OpKind.REDUCTION or n.srcs[0] not in held:
         return False
-    return held[id(n.srcs[0])] in axes_of(n, len(graph.of(n.srcs[0]).shape))
+    return held[n.srcs[0]] in axes_of(n, len(graph.of(n.srcs[0]).shape))
 
 
-def _piece_side(graph: Graph, held: dict[int, int], cuts: set[int]) -> str:
+def _piece_side(graph: Graph, held: dict[Expr, int], cuts: set[Expr]) -> str:
     """Why a piece cannot compute the reductions over the axis and the outputs holding it ("": it can)."""
-    roots = [n for n in graph.nodes if id(n) in cuts] + [r for _, r in graph.outputs if id(r) in held]
-    seen: set[int] = set()
-    stack = [s for r in roots for s in (r.srcs if id(r) in cuts else (r,))]
+    roots = [n for n in graph.nodes if n in cuts] + [r for _, r in graph.outputs if r in held]
+    seen: set[Expr] = set()
+    stack = [s for r in roots for s in (r.srcs if r in cuts else (r,))]
     while stack:
         n = stack.pop()
-        if id(n) in seen:
+        if n in seen:
             continue
-        seen.add(id(n))
-        if id(n) in cuts:
+        seen.add(n)
+        if n in cuts:
             return f"a value of the whole axis ({n.op} over it) is needed inside a piece"
-        why = _piecewise(n, held, graph) if id(n) in held else _reads_held(n, held)
+        why = _piecewise(n, held, graph) if n in held else _reads_held(n, held)
         if why:
             return why
         stack.extend(n.srcs)
     return ""
 
 
-def _piecewise(n: Expr, held: dict[int, int], graph: Graph) -> str:
+def _piecewise(n: Expr, held: dict[Expr, int], graph: Graph) -> str:
     """Why ``n``, holding the axis, is not computed by a piece alone ("": it is)."""
     op = REGISTRY[n.op]
     if op.kind is OpKind.MOVEMENT:
         if op.axes not in PIECEWISE:
             return f"{n.op} along the axis"
         if op.axes in (AxisRule.ALONG_AXIS, AxisRule.GATHER) and any(
-            id(s) in held and held[id(s)] in axes_of(n, len(graph.of(s).shape)) for s in read_srcs(n)[:1]
+            s in held and held[s] in axes_of(n, len(graph.of(s).shape)) for s in read_srcs(n)[:1]
         ):
             return f"{n.op} re-indexes the axis"
-        if op.axes is AxisRule.GATHER and held[id(n)] not in axes_of(n, len(graph.of(n).shape)):
-            if held.get(id(n.srcs[0])) != held[id(n)]:  # a piece would read the input at its own positions
+        if op.axes is AxisRule.GATHER and held[n] not in axes_of(n, len(graph.of(n).shape)):
+            if held.get(n.srcs[0]) != held[n]:  # a piece would read the input at its own positions
                 return f"{n.op} reads its input at the positions of the axis"
     elif op.kind is OpKind.CONTRACTION:
         a = n.srcs[0]
         k_dim = len(graph.of(a).shape) - (2 if n.attr("ta") else 1)
-        if held.get(id(a)) == k_dim:
+        if held.get(a) == k_dim:
             return f"{n.op} contracts the axis"
     return ""
 
 
-def _reads_held(n: Expr, held: dict[int, int]) -> str:
+def _reads_held(n: Expr, held: dict[Expr, int]) -> str:
     """A node without the axis computed in a piece may take only a shape from one holding it."""
-    if any(id(s) in held for s in read_srcs(n)):
+    if any(s in held for s in read_srcs(n)):
         return f"{n.op} reads along the axis without keeping it"
     return ""
 
 
-def _merge_side(graph: Graph, held: dict[int, int], cuts: set[int], shape_of: dict[int, str]) -> str:
+def _merge_side(graph: Graph, held: dict[Expr, int], cuts: set[Expr], shape_of: dict[Expr, str]) -> str:
     """Why the merge kernel cannot compute the outputs without the axis ("": it can); fills
     ``shape_of`` with the nodes holding the axis whose shape (positions) it reads."""
-    seen: set[int] = set()
-    stack = [r for _, r in graph.outputs if id(r) not in held]
+    seen: set[Expr] = set()
+    stack = [r for _, r in graph.outputs if r not in held]
     while stack:
         n = stack.pop()
-        if id(n) in seen or id(n) in cuts:
+        if n in seen or n in cuts:
             continue
-        seen.add(id(n))
-        if id(n) in held and not positions_only(n):
+        seen.add(n)
+        if n in held and not positions_only(n):
             return f"{n.op} needs the whole axis after its reductions"
         skip = REGISTRY[n.op].shape_only
         for j, s in enumerate(n.srcs):
-            if j in skip and id(s) in held:
-                shape_of[id(s)] = ""
+            if j in skip and s in held:
+                shape_of[s] = ""
             else:
                 stack.append(s)
     return ""

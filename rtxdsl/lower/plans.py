@@ -74,26 +74,26 @@ def structure(graph: Graph) -> Hashable:
             return s
         return ("d", symbols.setdefault(s, len(symbols)))
 
-    position = {id(n): k for k, n in enumerate(graph.nodes)}
+    position = {n: k for k, n in enumerate(graph.nodes)}
     # which nodes one composite wrote (``Graph.ops`` counts them once): its first node's position
-    first: dict[int, int] = {}
+    first: dict[Expr, int] = {}
     for k, n in enumerate(graph.nodes):
-        if id(n) in graph.written:
-            first.setdefault(graph.written[id(n)], k)
+        if n in graph.written:
+            first.setdefault(graph.written[n], k)
     nodes = tuple(
         (
             n.op,
             n.attrs,
             _scalar(graph, n),
-            tuple(position[id(s)] for s in n.srcs),
+            tuple(position[s] for s in n.srcs),
             tuple(dim(s) for s in graph.of(n).shape),
-            graph.origin.get(id(n)),
-            first.get(graph.written.get(id(n), -1)),
+            graph.origin.get(n),
+            first.get(graph.written.get(n)),
         )
         for n in graph.nodes
     )
-    outputs = tuple((key, position[id(e)]) for key, e in graph.outputs)
-    return (nodes, outputs, tuple(position.get(id(v)) for v in graph.inputs))
+    outputs = tuple((key, position[e]) for key, e in graph.outputs)
+    return (nodes, outputs, tuple(position.get(v) for v in graph.inputs))
 
 
 def _scalar(graph: Graph, n: Expr) -> Hashable:
@@ -130,20 +130,20 @@ def _collect(value: Any, found: set[int]) -> None:
 def translated(plan: Plan, graph: Graph) -> Plan:
     """``plan`` (for a graph of ``graph``'s structure) over ``graph``'s nodes and sizes."""
     old = plan.graph
-    node_of = {id(a): b for a, b in zip(old.nodes, graph.nodes)}
+    node_of = {a: b for a, b in zip(old.nodes, graph.nodes)}
     size_of: dict[int, int] = {}
     for a, b in zip(old.nodes, graph.nodes):
         size_of.update(zip(old.of(a).shape, graph.of(b).shape))
 
     def at(nodes: Iterable[Expr]) -> tuple[Expr, ...]:
-        return tuple(node_of[id(n)] for n in nodes)
+        return tuple(node_of[n] for n in nodes)
 
     def group(g: Group) -> Group:
         return replace(
             g,
             shape=tuple(size_of[s] for s in g.shape),
             nodes=at(g.nodes),
-            roles=MappingProxyType({id(node_of[k]): role for k, role in g.roles.items()}),
+            roles=MappingProxyType({node_of[k]: role for k, role in g.roles.items()}),
             inputs=at(g.inputs),
             outputs=at(g.outputs),
             cone=at(g.cone),

@@ -371,7 +371,7 @@ def stride_class(stride: int) -> Stride:
 @dataclass(frozen=True)
 class Body:
     nodes: tuple[NodeSpec, ...]
-    index: Mapping[int, int]  # id(node) -> its position in ``nodes``
+    index: Mapping[Expr, int]  # node -> its position in ``nodes``
     loads: tuple[tuple[int, Role, tuple[int, ...] | None], ...]  # (input index, role, unsqueezed axes)
     slots: tuple[Expr, ...]  # constants and scalar inputs, passed as scalar arguments
 
@@ -379,8 +379,8 @@ class Body:
 def body(group: Group, graph: Graph) -> Body:
     """Node specs with operands as references; each (input, role, view) loaded once; constants and
     scalar inputs as slots; math on scalar inputs computed in the kernel (role "scalar")."""
-    index: dict[int, int] = {}
-    inputs = {id(n): i for i, n in enumerate(group.inputs)}
+    index: dict[Expr, int] = {}
+    inputs = {n: i for i, n in enumerate(group.inputs)}
     # a row kernel's per-row shape (its reduced dims of size 1); a GEMM's tiles load as they are
     per_row = group.keep_shape() if group.is_row and group.contraction is None else ()
     per_row = per_row if per_row != group.shape else ()  # (nothing reduced: every value is per row)
@@ -389,8 +389,8 @@ def body(group: Group, graph: Graph) -> Body:
     specs: list[NodeSpec] = []
 
     def ref(s: Expr, consumer_role: Role, view: tuple[int, ...] | None) -> tuple:
-        if id(s) in index:
-            return (Src.NODE, index[id(s)])
+        if s in index:
+            return (Src.NODE, index[s])
         info = graph.of(s)
         if info.is_scalar and not (s.is_var or s.is_const):
             srcs = tuple(ref(x, Role.FULL, None) for x in s.srcs)
@@ -403,7 +403,7 @@ def body(group: Group, graph: Graph) -> Body:
             return (Src.SLOT, k)
         if consumer_role is Role.FULL and per_row and view is None and broadcasts(info.shape, per_row):
             consumer_role = Role.KEEP  # one value per row (a saved statistic): loaded once per row, not per element
-        key = (inputs[id(s)], consumer_role, view)
+        key = (inputs[s], consumer_role, view)
         if key not in loads:
             loads.append(key)
         return (Src.LOAD, loads.index(key))
@@ -413,8 +413,8 @@ def body(group: Group, graph: Graph) -> Body:
         # positions (a movement op reading nothing) are indices at the tile: which dims have size 1
         ones = tuple(d == 1 for d in graph.of(n).shape) if op.kind is OpKind.MOVEMENT and not op.view else ()
         specs.append(NodeSpec(n.op, n.attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role, ones))
-        index[id(n)] = len(specs) - 1
-        return (Src.NODE, index[id(n)])
+        index[n] = len(specs) - 1
+        return (Src.NODE, index[n])
 
     for n in group.nodes:
         role = group.role(n)
@@ -437,13 +437,13 @@ def printed_names(group: Group, graph: Graph, notes: tuple[str, ...]) -> dict[st
     return {"names": names, "out_names": out_names, "notes": notes}
 
 
-def notes_of(index: Mapping[int, int], nodes: Iterable[Expr], graph: Graph, n: int) -> tuple[str, ...]:
-    """Per node spec (``index``: node id -> its position): the composite op it came from, "" for
+def notes_of(index: Mapping[Expr, int], nodes: Iterable[Expr], graph: Graph, n: int) -> tuple[str, ...]:
+    """Per node spec (``index``: node -> its position): the composite op it came from, "" for
     the user's own ops (``Graph.origin``); the printed kernel marks where each composite's lines start."""
     notes = [""] * n
     for e in nodes:
-        if (i := index.get(id(e))) is not None:
-            notes[i] = graph.origin.get(id(e), "")
+        if (i := index.get(e)) is not None:
+            notes[i] = graph.origin.get(e, "")
     return tuple(notes)
 
 
@@ -476,7 +476,7 @@ def viewed(lay: Layout, view: tuple[int, ...] | None) -> Layout:
     return Layout(tuple(shape), tuple(strides), lay.dtype)
 
 
-def operand_strides(group: Group, graph: Graph, layouts: Mapping[int, Layout], b: Body) -> list[tuple[int, ...]]:
+def operand_strides(group: Group, graph: Graph, layouts: Mapping[Expr, Layout], b: Body) -> list[tuple[int, ...]]:
     """Strides of every load and then every output over the group's domain (0 on reduced dims
     for per-row operands, 0 where broadcast)."""
     domain = group.shape
@@ -492,7 +492,7 @@ def operand_strides(group: Group, graph: Graph, layouts: Mapping[int, Layout], b
     target = {Role.FULL: domain, Role.KEEP: group.keep_shape(), Role.DROP: group.drop_shape()}
     out: list[tuple[int, ...]] = []
     for j, role, view in b.loads:
-        lay = viewed(layouts[id(group.inputs[j])], view)
+        lay = viewed(layouts[group.inputs[j]], view)
         out.append(over_domain(expand_strides(lay, target[role]), role))
     for o in group.outputs:
         role = group.role(o)
@@ -559,19 +559,19 @@ class Walk:
     domain: tuple[bool, ...] | None = None  # a coordinate kernel's: per domain dim, is it reduced?
     flags: tuple[int, ...] = ()  # nodes that report an out-of-range index
     checks: tuple[IndexCheck, ...] = ()  # per flag: what an out-of-range index there means
-    index: Mapping[int, int] = field(default_factory=dict)  # a coordinate kernel's: id(node) -> its spec
+    index: Mapping[Expr, int] = field(default_factory=dict)  # a coordinate kernel's: node -> its spec
     notes: tuple[str, ...] = ()  # per node: the composite op it came from ("" for the user's own)
 
 
 def kernel_spec(
     group: Group,
     graph: Graph,
-    layouts: Mapping[int, Layout],
+    layouts: Mapping[Expr, Layout],
     target: Target = GPU,
     tf32: bool = False,
     merge_of: int = 0,
 ) -> tuple[KernelSpec, Launch]:
-    """Spec and launch arguments for ``group`` on ``target``; ``layouts`` maps id(input node) -> its
+    """Spec and launch arguments for ``group`` on ``target``; ``layouts`` maps input node -> its
     layout; ``tf32``: a product computed in the kernel multiplies fp32 operands in TF32;
     ``merge_of``: the group's reductions were computed by that many programs of a row kernel, as
     its column reductions: the kernel merges their partial states (``Split.MERGE``).
@@ -590,7 +590,7 @@ def kernel_spec(
     kinds, vals = scalar_args(w.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
     spec = KernelSpec(
         kind="row" if w.row else "pointwise",
-        in_dtypes=tuple(layouts[id(n)].dtype for n in group.inputs),
+        in_dtypes=tuple(layouts[n].dtype for n in group.inputs),
         loads=w.loads,
         nodes=w.nodes,
         outputs=w.outputs,
@@ -679,7 +679,7 @@ def _row_guard(group: Group, graph: Graph, w: Walk) -> tuple[Src, int] | None:
     if any(n.op not in NEUTRAL for n in reductions):
         return None
     guard = vanishing_guard(group.nodes, graph, [(n.srcs[0], NEUTRAL[n.op]) for n in reductions])
-    return None if guard is None or id(guard) not in w.index else (Src.NODE, w.index[id(guard)])
+    return None if guard is None or guard not in w.index else (Src.NODE, w.index[guard])
 
 
 def _programs(spec: KernelSpec, w: Walk, target: Target) -> tuple[KernelSpec, int, int, int]:
@@ -730,7 +730,7 @@ def _extents(
 
 
 # ---- flat kernels: dims coalesced, every operand read at the kernel's own index --------------------
-def flat_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout], target: Target) -> Walk:
+def flat_walk(group: Group, graph: Graph, layouts: Mapping[Expr, Layout], target: Target) -> Walk:
     """A group without movement ops: each (input, role, view) loaded once at the kernel's index,
     the dims every operand walks together coalesced (a pointwise group whose operands disagree on
     the fastest axis runs in 2-D tiles: ``_tile_axis``).
@@ -752,7 +752,7 @@ def flat_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout], target:
     loads = tuple(LoadSpec(j, role, (*rows, *cols), ()) for (j, role, _), (rows, cols) in zip(b.loads, classes))
     outputs = tuple(
         # pointwise outputs are contiguous over the domain: written at offs
-        OutSpec(b.index[id(o)], layouts[id(o)].dtype, group.role(o), (*rows, *cols) if group.is_row else (), ())
+        OutSpec(b.index[o], layouts[o].dtype, group.role(o), (*rows, *cols) if group.is_row else (), ())
         for o, (rows, cols) in zip(group.outputs, classes[n_loads:])
     )
     names = [*load_names(loads), *(f"out{k}" for k in range(len(outputs)))][
@@ -821,10 +821,10 @@ def _tile_axis(group: Group, b: Body, strides: list[tuple[int, ...]]) -> int | N
     return None
 
 
-def _is_column(group: Group, layouts: Mapping[int, Layout], b: Body, classes: list) -> bool:
+def _is_column(group: Group, layouts: Mapping[Expr, Layout], b: Body, classes: list) -> bool:
     """Does the group's biggest full-size operand run contiguously along a kept axis and with
     stride along the reduced ones (a column reduction: tile it with kept elements side by side)?"""
-    full = [(layouts[id(group.inputs[j])].nbytes, k) for k, (j, role, _) in enumerate(b.loads) if role is Role.FULL]
+    full = [(layouts[group.inputs[j]].nbytes, k) for k, (j, role, _) in enumerate(b.loads) if role is Role.FULL]
     if not full:
         return False
     rows, cols = classes[max(full)[1]]
@@ -880,11 +880,11 @@ def _as_rows(group: Group, graph: Graph) -> Group:
         s = graph.of(n).shape
         return not s or s[-1] == 1  # shapes broadcast from the right
 
-    roles = {id(n): Role.KEEP if group.role(n) is Role.FULL and per_row(n) else group.role(n) for n in group.nodes}
+    roles = {n: Role.KEEP if group.role(n) is Role.FULL and per_row(n) else group.role(n) for n in group.nodes}
     return replace(group, axes=(len(group.shape) - 1,), roles=MappingProxyType({**group.roles, **roles}))
 
 
-def coordinate_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -> Walk:
+def coordinate_walk(group: Group, graph: Graph, layouts: Mapping[Expr, Layout]) -> Walk:
     """A group whose values are read at re-indexed coordinates (slices, ``cat``, ``gather``).
 
     Nothing is coalesced: every domain dim has its own index, every input its own strides over
@@ -902,7 +902,7 @@ def coordinate_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -
     rows = tuple(s for d, s in enumerate(domain) if d not in group.axes)
     cols = tuple(s for d, s in enumerate(domain) if d in group.axes)
     flags = tuple(i for i, n in enumerate(specs) if REGISTRY[n.op].index_operand is not None)
-    by_index = {i: n for n in (*group.cone, *group.nodes) if (i := index.get(id(n))) is not None}
+    by_index = {i: n for n in (*group.cone, *group.nodes) if (i := index.get(n)) is not None}
     return Walk(
         tuple(specs),
         tuple(slots),
@@ -921,27 +921,27 @@ def coordinate_walk(group: Group, graph: Graph, layouts: Mapping[int, Layout]) -
     )
 
 
-def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[Expr], list[NodeSpec], dict[str, int]]:
-    """A coordinate kernel's node specs (its cone's free nodes too), in graph order: node id ->
+def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[Expr, int], list[Expr], list[NodeSpec], dict[str, int]]:
+    """A coordinate kernel's node specs (its cone's free nodes too), in graph order: node ->
     spec index, the scalar slots, the specs, and the movement ops' launch arguments by name."""
-    order = {id(n): i for i, n in enumerate(graph.nodes)}
-    members = {id(m) for m in group.nodes}
-    inputs = {id(n): i for i, n in enumerate(group.inputs)}
-    index: dict[int, int] = {}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    members = set(group.nodes)
+    inputs = {n: i for i, n in enumerate(group.inputs)}
+    index: dict[Expr, int] = {}
     slots: list[Expr] = []
     specs: list[NodeSpec] = []
     nargs: dict[str, int] = {}
 
     def ref(s: Expr) -> tuple:
-        if id(s) in index:
-            return (Src.NODE, index[id(s)])
+        if s in index:
+            return (Src.NODE, index[s])
         if graph.of(s).is_scalar and not (s.is_var or s.is_const):
             return add(s, Role.SCALAR)
         if graph.of(s).is_scalar:
             if not any(o is s for o in slots):
                 slots.append(s)
             return (Src.SLOT, next(i for i, o in enumerate(slots) if o is s))
-        return (Src.LOAD, inputs[id(s)])
+        return (Src.LOAD, inputs[s])
 
     def add(n: Expr, role: str) -> tuple:
         op = REGISTRY[n.op]
@@ -953,18 +953,18 @@ def _coordinate_body(group: Group, graph: Graph) -> tuple[dict[int, int], list[E
         ones = tuple(d == 1 for d in graph.of(n).shape)
         specs.append(NodeSpec(n.op, attrs, srcs, graph.of(n).dtype, _compute_dtype(n, graph), role, ones, len(args)))
         nargs.update((f"m{len(specs) - 1}_{k}", a) for k, a in enumerate(args))
-        index[id(n)] = len(specs) - 1
-        return (Src.NODE, index[id(n)])
+        index[n] = len(specs) - 1
+        return (Src.NODE, index[n])
 
-    for n in sorted((*group.cone, *group.nodes), key=lambda m: order[id(m)]):
+    for n in sorted((*group.cone, *group.nodes), key=lambda m: order[m]):
         # a cone node another kernel writes is read, not recomputed where the kernel also reads it
-        if id(n) not in index and (id(n) in members or id(n) not in inputs):
-            add(n, group.role(n) if id(n) in members else Role.FREE)
+        if n not in index and (n in members or n not in inputs):
+            add(n, group.role(n) if n in members else Role.FREE)
     return index, slots, specs, nargs
 
 
 def _coordinate_operands(
-    group: Group, graph: Graph, layouts: Mapping[int, Layout], index: dict[int, int]
+    group: Group, graph: Graph, layouts: Mapping[Expr, Layout], index: dict[Expr, int]
 ) -> tuple[list[LoadSpec], list[OutSpec], dict[str, int], int]:
     """A coordinate kernel's loads and outputs, each with its own strides over its own dims (a
     size-1 dim broadcast), their strided strides as launch arguments by name, and the farthest
@@ -975,7 +975,7 @@ def _coordinate_operands(
     values: dict[str, int] = {}
     reach = math.prod(domain)
     for j, n in enumerate(group.inputs):
-        lay = layouts[id(n)]
+        lay = layouts[n]
         classes = tuple(BCAST if size == 1 else stride_class(st) for size, st in zip(lay.shape, lay.strides))
         loads.append(LoadSpec(j, Role.FULL, classes, ()))
         values |= {f"in{j}_stride{d}": st for d, (c, st) in enumerate(zip(classes, lay.strides)) if c == STRIDED}
@@ -988,7 +988,7 @@ def _coordinate_operands(
         over = [0 if size == 1 else st for size, st in zip(domain, over)]
         classes = tuple(stride_class(st) for st in over) if group.is_row else ()
         k = len(outs)
-        outs.append(OutSpec(index[id(o)], layouts[id(o)].dtype, role, classes, ()))
+        outs.append(OutSpec(index[o], layouts[o].dtype, role, classes, ()))
         values |= {f"out{k}_stride{d}": st for d, (c, st) in enumerate(zip(classes, over)) if c == STRIDED}
     return loads, outs, values, reach
 
@@ -1010,8 +1010,8 @@ def scalar_positions(
 ) -> tuple[tuple[int, int, str], ...]:
     """Where a launch's scalar inputs go: (argument position from ``first`` on, the input's
     position in the call, its kind), for the slots that are inputs (not constants)."""
-    position = {id(v): i for i, v in enumerate(graph.inputs)}
-    return tuple((first + k, position[id(s)], kind) for k, (s, kind) in enumerate(zip(slots, kinds)) if s.is_var)
+    position = {v: i for i, v in enumerate(graph.inputs)}
+    return tuple((first + k, position[s], kind) for k, (s, kind) in enumerate(zip(slots, kinds)) if s.is_var)
 
 
 def _reductions(nodes: list[NodeSpec] | tuple[NodeSpec, ...]) -> tuple[int, ...]:
@@ -1029,7 +1029,7 @@ def _check_message(n: Expr, graph: Graph) -> IndexCheck:
     size = shape[n.attr("axis")] if shape else 1
     steps, index = _host_steps(idx, graph)
     if positions_only(data):  # a range check (cross-entropy's target): the positions are no one's tensor
-        owner = REGISTRY.get(graph.origin.get(id(n), n.op))  # the composite that built it words it
+        owner = REGISTRY.get(graph.origin.get(n, n.op))  # the composite that built it words it
         if owner is not None and owner.range_error is not None:
             text = owner.range_error(", ".join(sorted({repr(v) for v in walk([idx]) if v.is_var})), size)
         else:
@@ -1045,17 +1045,17 @@ def _check_message(n: Expr, graph: Graph) -> IndexCheck:
 
 def _host_steps(idx: Expr, graph: Graph) -> tuple[tuple[Any, ...], HostRef | None]:
     """``idx``'s cone as steps the host runs with torch references (see :class:`IndexCheck`)."""
-    position = {id(v): i for i, v in enumerate(graph.inputs)}
-    refs: dict[int, HostRef] = {}
+    position = {v: i for i, v in enumerate(graph.inputs)}
+    refs: dict[Expr, HostRef] = {}
     steps: list[tuple[str, tuple[tuple[str, Any], ...], tuple[HostRef, ...]]] = []
     for m in walk([idx]):
         if m.is_var:
-            if id(m) not in position:
+            if m not in position:
                 return (), None
-            refs[id(m)] = ("in", position[id(m)])
+            refs[m] = ("in", position[m])
         elif m.is_const:
-            refs[id(m)] = ("const", m.attr("value"))
+            refs[m] = ("const", m.attr("value"))
         else:
-            refs[id(m)] = len(steps)
-            steps.append((m.op, tuple(m.attr_dict.items()), tuple(refs[id(s)] for s in m.srcs)))
-    return tuple(steps), refs[id(idx)]
+            refs[m] = len(steps)
+            steps.append((m.op, tuple(m.attr_dict.items()), tuple(refs[s] for s in m.srcs)))
+    return tuple(steps), refs[idx]

@@ -210,39 +210,39 @@ MOVEMENT: dict[AxisRule, Rule] = {
 }
 
 
-def axis_labels(graph: Graph, follow_positions: bool = False) -> tuple[_Labels, dict[int, Dims]]:
-    """Each node's axis labels (by node id). ``follow_positions``: positions and ``expand`` line
+def axis_labels(graph: Graph, follow_positions: bool = False) -> tuple[_Labels, dict[Expr, Dims]]:
+    """Each node's axis labels (keyed by the node). ``follow_positions``: positions and ``expand`` line
     up with their operand's axes (a piece of them is the positions or sizes of a piece, given its
     offset): what running a graph in pieces along an axis asks (``lower.pieces``)."""
     lb = _Labels()
-    dims: dict[int, Dims] = {}
+    dims: dict[Expr, Dims] = {}
     for v in graph.inputs:
         info = graph.of(v)
-        dims[id(v)] = () if info.is_scalar else tuple(lb.fresh(s) for s in info.shape)
+        dims[v] = () if info.is_scalar else tuple(lb.fresh(s) for s in info.shape)
     for n in graph.nodes:
-        if id(n) in dims:
+        if n in dims:
             continue
         info = graph.of(n)
         kind = REGISTRY[n.op].kind
-        srcs = [(dims[id(s)], graph.of(s).shape) for s in n.srcs if not graph.of(s).is_scalar]
+        srcs = [(dims[s], graph.of(s).shape) for s in n.srcs if not graph.of(s).is_scalar]
         if kind is OpKind.SCALAR:  # a count of reduced elements: those axes stay whole
             if srcs:
                 for a in axes_of(n, len(srcs[0][1])):
                     lb.mark(srcs[0][0][a], f"counted by {n.op}")
-            dims[id(n)] = ()
+            dims[n] = ()
         elif info.is_scalar or kind is OpKind.LEAF:
-            dims[id(n)] = tuple(lb.fresh(s) for s in info.shape)
+            dims[n] = tuple(lb.fresh(s) for s in info.shape)
         elif kind is OpKind.REDUCTION:
-            dims[id(n)] = _reduce(lb, n, info.shape, srcs)
+            dims[n] = _reduce(lb, n, info.shape, srcs)
         elif kind is OpKind.MOVEMENT:
             axes = REGISTRY[n.op].axes
             following = follow_positions and srcs and axes in (AxisRule.POSITIONS, AxisRule.RANDOM, AxisRule.SIZES)
             rule = _broadcast if following else MOVEMENT[axes]
-            dims[id(n)] = rule(lb, n, info.shape, srcs)
+            dims[n] = rule(lb, n, info.shape, srcs)
         elif kind is OpKind.CONTRACTION:
-            dims[id(n)] = _contract(lb, n, info.shape, srcs)
+            dims[n] = _contract(lb, n, info.shape, srcs)
         else:
-            dims[id(n)] = _broadcast(lb, n, info.shape, srcs)
+            dims[n] = _broadcast(lb, n, info.shape, srcs)
     return lb, dims
 
 
@@ -250,8 +250,8 @@ def sharding(graph: Graph) -> Sharding:
     """The shardable axes of ``graph`` (typed for the full, unsharded inputs)."""
     lb, dims = axis_labels(graph)
     partial = _partial_outputs(graph, lb)
-    ins = [tuple(lb.find(d) for d in dims[id(v)]) for v in graph.inputs]
-    outs = [tuple(lb.find(d) for d in dims[id(p)]) for _, p in graph.outputs]
+    ins = [tuple(lb.find(d) for d in dims[v]) for v in graph.inputs]
+    outs = [tuple(lb.find(d) for d in dims[p]) for _, p in graph.outputs]
     tensors = [*outs, *ins]
     ways, why = [], {}
     for label in sorted({d for t in ins for d in t}):
@@ -273,19 +273,19 @@ def sharding(graph: Graph) -> Sharding:
 
 def _partial_outputs(graph: Graph, lb: _Labels) -> dict[int, set[int] | None]:
     """Per summed axis: the outputs holding its sums, or None when some sum is used inside the kernel."""
-    users: dict[int, list[Expr]] = {}
+    users: dict[Expr, list[Expr]] = {}
     for n in graph.nodes:
         for s in n.srcs:
-            users.setdefault(id(s), []).append(n)
-    roots = {id(p): k for k, (_, p) in enumerate(graph.outputs)}
+            users.setdefault(s, []).append(n)
+    roots = {p: k for k, (_, p) in enumerate(graph.outputs)}
 
     def output_of(n: Expr) -> int | None:  # the output ``n`` is, through casts only
-        while id(n) not in roots:
-            used = users.get(id(n), [])
+        while n not in roots:
+            used = users.get(n, [])
             if len(used) != 1 or REGISTRY[used[0].op].rule is not DtypeRule.CAST:
                 return None
             n = used[0]
-        return None if users.get(id(n)) else roots[id(n)]
+        return None if users.get(n) else roots[n]
 
     found: dict[int, set[int] | None] = {}
     for label, n in lb.summed:

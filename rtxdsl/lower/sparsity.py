@@ -43,15 +43,15 @@ NEUTRAL = {"sum": 0.0, "amax": -math.inf, "logsumexp": -math.inf, "amin": math.i
 def vanishing_guard(nodes: Iterable[Expr], graph: Graph, targets: list[tuple[Expr, float]]) -> Expr | None:
     """A condition of positions only (a ``where`` condition among ``nodes``, or one of its
     conjuncts) under which each target value is its neutral value; None when there is none."""
-    seen: set[int] = set()
+    seen: set[Expr] = set()
     for n in nodes:
         if n.op not in SELECTS:
             continue
         for g in _conjuncts(n.srcs[0]):
-            if id(g) in seen or not _positional(g, graph):
+            if g in seen or not _positional(g, graph):
                 continue
-            seen.add(id(g))
-            memo: dict[int, float | None] = {}
+            seen.add(g)
+            memo: dict[Expr, float | None] = {}
             if all(_off(t, g, memo) == want for t, want in targets):
                 return g
     return None
@@ -81,9 +81,9 @@ def _positional(c: Expr, graph: Graph) -> bool:
     stack, seen = [c], set()
     while stack:
         x = stack.pop()
-        if id(x) in seen or x.is_const or _is_positions(x):
+        if x in seen or x.is_const or _is_positions(x):
             continue
-        seen.add(id(x))
+        seen.add(x)
         if is_leaf(x, graph.info):
             info = graph.of(x)
             if info.shape != () and (info.dtype.is_floating_point or info.dtype.is_complex):
@@ -130,16 +130,16 @@ CONJUNCTIONS = frozenset({"and"})  # conditions true only where each operand is
 COMMUTES = frozenset({"add"})
 
 
-def _off(e: Expr, g: Expr, memo: dict[int, float | None]) -> float | None:
+def _off(e: Expr, g: Expr, memo: dict[Expr, float | None]) -> float | None:
     """The value ``e`` takes wherever guard ``g`` is false (other operands taken as finite), or None."""
-    if id(e) not in memo:
+    if e not in memo:
         if e.is_const:
             value = e.attr("value")
-            memo[id(e)] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            memo[e] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         else:
             rule = OFF.get(e.op) if e.srcs else None
-            memo[id(e)] = None if rule is None else rule(e, g, lambda x: _off(x, g, memo))
-    return memo[id(e)]
+            memo[e] = None if rule is None else rule(e, g, lambda x: _off(x, g, memo))
+    return memo[e]
 
 
 # ---- the guard over a tile: intervals of positions ------------------------------------------------

@@ -85,28 +85,28 @@ def _sums_inner_batch(c: Expr, keep: tuple[int, ...], rank: int) -> bool:
 
 
 class _Cotangents:
-    """The gradients accumulated so far (by node id), and the types of the nodes they build."""
+    """The gradients accumulated so far (by node), and the types of the nodes they build."""
 
     def __init__(self, graph: Graph) -> None:
-        self.info: dict[int, Info] = dict(graph.info)
-        self.keep: list[Expr] = []  # new nodes, alive while their ids key ``info``
-        self.grads: dict[int, Expr] = {}
+        self.info: dict[Expr, Info] = dict(graph.info)
+        self.keep: list[Expr] = []  # new nodes, alive while they key ``info``
+        self.grads: dict[Expr, Expr] = {}
 
     def typed(self, e: Expr) -> Info:
         infer_all([e], self.info, self.keep)
-        return self.info[id(e)]
+        return self.info[e]
 
     def accumulate(self, target: Expr, c: Expr) -> None:
         """Add cotangent ``c`` to ``target``'s; two products by one factor add their other factors
         first, ``a * f + b * f = (a + b) * f`` (softmax's two paths into its exp: one product per
         element fewer)."""
-        old = self.grads.get(id(target))
+        old = self.grads.get(target)
         shared = _common_factor(old, c) if old is not None else None
         if shared is not None:
             f, a, b = shared
-            self.grads[id(target)] = node("mul", node("add", a, b), f)
+            self.grads[target] = node("mul", node("add", a, b), f)
         else:
-            self.grads[id(target)] = c if old is None else node("add", old, c)
+            self.grads[target] = c if old is None else node("add", old, c)
 
     def seed(self, graph: Graph) -> list[bool]:
         """One cotangent input per floating-point output; which outputs are floating-point."""
@@ -116,14 +116,14 @@ class _Cotangents:
             floats.append(not ri.is_scalar and ri.dtype.is_floating_point)
             if floats[-1]:
                 g = Expr("var", (), {"name": f"{COTANGENT}{k}", "dtype": None})
-                self.info[id(g)] = Info.tensor(ri.shape, ri.dtype)
+                self.info[g] = Info.tensor(ri.shape, ri.dtype)
                 self.keep.append(g)
                 self.accumulate(root, g)
         return floats
 
     def propagate(self, graph: Graph, n: Expr) -> None:
         """Apply ``n``'s derivative rule to its cotangent, accumulating into its operands'."""
-        g = self.grads.get(id(n))
+        g = self.grads.get(n)
         if g is None or is_leaf(n, graph.info):
             return
         opdef = REGISTRY[n.op]
@@ -133,30 +133,30 @@ class _Cotangents:
         if opdef.kind is OpKind.REDUCTION and not n.attr("keepdim"):
             axes = n.attr("axis")
             g, y = node("unsqueeze", g, axes=axes), node("unsqueeze", n, axes=axes)
-        elif opdef.kind is OpKind.MOVEMENT and self.typed(g).shape != info[id(n)].shape:
-            g = node("expand", g, shape=info[id(n)].shape)  # re-indexing needs the cotangent at every element
+        elif opdef.kind is OpKind.MOVEMENT and self.typed(g).shape != info[n].shape:
+            g = node("expand", g, shape=info[n].shape)  # re-indexing needs the cotangent at every element
         elif opdef.kind is OpKind.CONTRACTION:
             # a GEMM's operands share one dtype: the cotangent is the product's, as eager autograd's
             # (always written: saved statistics replace reductions in wider dtypes after this
             # typing; a cast to the dtype a value already has is dropped when the backward expands);
             # and it multiplies a whole matrix: one that broadcasts (a sum's) is expanded first
-            if self.typed(g).shape != info[id(n)].shape:
-                g = node("expand", g, shape=info[id(n)].shape)
+            if self.typed(g).shape != info[n].shape:
+                g = node("expand", g, shape=info[n].shape)
             g, factor = _constant_factor(g)  # (h * c) @ w = (h @ w) * c: c scales each product once
-            g = node("cast", g, dtype=info[id(n.srcs[0])].dtype)  # (a product kept in fp32: its operands')
+            g = node("cast", g, dtype=info[n.srcs[0]].dtype)  # (a product kept in fp32: its operands')
         rule_in = D(
             n,
             g,
             y,
             g_ndim=len(self.typed(g).shape),
-            n_ndim=len(info[id(n)].shape),
-            src_shapes=tuple(info[id(s)].shape for s in n.srcs),
+            n_ndim=len(info[n].shape),
+            src_shapes=tuple(info[s].shape for s in n.srcs),
         )
         for s, c in zip(n.srcs, opdef.derivative(rule_in)):
-            si = info[id(s)]
+            si = info[s]
             if c is None or si.is_scalar or not si.dtype.is_floating_point:
                 continue
-            full = info[id(n)].shape if opdef.kind is OpKind.ELEMENTWISE else None
+            full = info[n].shape if opdef.kind is OpKind.ELEMENTWISE else None
             c = sum_to(c, self.typed(c).shape, si.shape, full)  # (a product summing its batch: still one)
             self.accumulate(s, c if factor is None else node("mul", c, factor))
 
@@ -193,29 +193,29 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     # the forward saves its row statistics and its contractions' products (a GEMM is not
     # recomputed), but for products it only reduces over their rows and never writes: those the
     # backward recomputes in tiles (marked ``recompute``), never a tokens x vocabulary buffer
-    tiled = {id(n) for n in graph.nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION and reduced_in_rows(graph, n)}
+    tiled = {n for n in graph.nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION and reduced_in_rows(graph, n)}
     # (an extreme's derivative compares its operand with it: both recomputed alike, never saved)
     reductions = [
         n
         for n in graph.nodes
         if REGISTRY[n.op].kind in (OpKind.REDUCTION, OpKind.CONTRACTION)
-        and id(n) not in tiled
+        and n not in tiled
         and not (REGISTRY[n.op].reduce is not None and REGISTRY[n.op].reduce.exact)
     ]
-    reductions += _multiplied(graph, tiled, {id(r) for r in reductions})
-    saved = {id(r): Expr("var", (), {"name": f"{SAVED}{k}", "dtype": None}) for k, r in enumerate(reductions)}
+    reductions += _multiplied(graph, tiled, set(reductions))
+    saved = {r: Expr("var", (), {"name": f"{SAVED}{k}", "dtype": None}) for k, r in enumerate(reductions)}
     read_back = _read_back(graph, reductions)
     saved |= {i: e for i, (_, _, e) in read_back.items()}
     backward: list[tuple[str, Expr]] = []
     grad_of: list[tuple[str, str]] = []
     for v, need in zip(graph.inputs, needs):
-        if not need or id(v) not in cot.grads:
+        if not need or v not in cot.grads:
             continue
         # the gradient in its input's dtype, also where it is computed from saved statistics (fp32
         # for half inputs), which widen it: else autograd's engine casts it in a launch of its own,
         # after twice the bytes written (a cast to its own dtype is dropped when the backward
         # expands; a cotangent handed on as it is, a residual's, is its output's dtype already)
-        e = cot.grads[id(v)]
+        e = cot.grads[v]
         if not e.is_var or cot.typed(e).dtype != graph.of(v).dtype:
             e = _cast_under_regroups(e, graph.of(v).dtype)
         key = f"{GRADIENT}{len(backward)}"
@@ -235,16 +235,16 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     )
 
 
-def _read_back(graph: Graph, reductions: list[Expr]) -> dict[int, tuple[str, Expr, Expr]]:
+def _read_back(graph: Graph, reductions: list[Expr]) -> dict[Expr, tuple[str, Expr, Expr]]:
     """The values the backward reads back from an output (``OpDef.reads_output``, or a computed
-    half output: :func:`_half_output`): node id ->
+    half output: :func:`_half_output`): node ->
     (saved key, the output's root, the value as the backward reads it: the output's views undone,
     widened to the value's dtype). An output ``cast(y)``, or a view of it, of such a composite
     gives ``y``, whose recompute would read a saved product (attention's unnormalized ``P @ v``:
     the training forward saved it beside the output it divides, 33.5 MB at 32 heads x 4096 x 128
     in bf16); the output is saved instead, the very tensor returned (eager SDPA saves its own)."""
-    out: dict[int, tuple[str, Expr, Expr]] = {}
-    reduced = {id(n) for n in walk([s for r in reductions for s in r.srcs])}  # what saved statistics reduce
+    out: dict[Expr, tuple[str, Expr, Expr]] = {}
+    reduced = {n for n in walk([s for r in reductions for s in r.srcs])}  # what saved statistics reduce
     for _, root in graph.outputs:
         y = _under(root, casts=True)
         if not _composite_output(y, graph):
@@ -253,19 +253,19 @@ def _read_back(graph: Graph, reductions: list[Expr]) -> dict[int, tuple[str, Exp
             y = _under(root, casts=False)
             if not _half_output(y, graph, reduced):
                 continue
-        if id(y) in out:
+        if y in out:
             continue
         key = f"{SAVED}{len(reductions) + len(out)}"
         back = Expr("var", (), {"name": key, "dtype": None})
         if graph.of(root).shape != graph.of(y).shape:
             back = node("reshape", back, shape=graph.of(y).shape)
-        out[id(y)] = (key, root, node("cast", back, dtype=graph.of(y).dtype))
+        out[y] = (key, root, node("cast", back, dtype=graph.of(y).dtype))
     return out
 
 
 def _composite_output(y: Expr, graph: Graph) -> bool:
     """Is ``y`` the output of a composite that reads it back (``OpDef.reads_output``) over a product?"""
-    composite = graph.origin.get(id(y))
+    composite = graph.origin.get(y)
     if composite is None or not REGISTRY[composite].reads_output:
         return False
     return any(REGISTRY[n.op].kind is OpKind.CONTRACTION for n in walk([y]))
@@ -289,19 +289,19 @@ def _under(root: Expr, casts: bool) -> Expr:
     return y
 
 
-def _half_output(y: Expr, graph: Graph, reduced: Set[int]) -> bool:
+def _half_output(y: Expr, graph: Graph, reduced: Set[Expr]) -> bool:
     """Is ``y`` (an output, its views undone) a computed half value that a statistic the forward
-    saves reduces (its id in ``reduced``)? The forward's kernels read it rounded, as it is stored
+    saves reduces (one in ``reduced``)? The forward's kernels read it rounded, as it is stored
     (``codegen.source.rounded_values``): the statistic is of the rounded value (attention's
     logsumexp over scores also returned in fp16, a norm's over a residual kept by the lazy
     stream), so the backward reads the output back, as stored, rather than recompute it unrounded
     (rows whose probabilities no longer sum to one: fp16 scores at ``finfo.min`` gave gradients
     100x eager's error; model fuzzer program 2026122400033). An output no saved statistic reduces
     (a logsumexp returned itself) is recomputed unrounded."""
-    return graph.of(y).dtype in (torch.float16, torch.bfloat16) and not is_leaf(y, graph.info) and id(y) in reduced
+    return graph.of(y).dtype in (torch.float16, torch.bfloat16) and not is_leaf(y, graph.info) and y in reduced
 
 
-def _multiplied(graph: Graph, tiled: Set[int], saved: Set[int]) -> list[Expr]:
+def _multiplied(graph: Graph, tiled: Set[Expr], saved: Set[Expr]) -> list[Expr]:
     """The half operands of the products recomputed in tiles that the backward could compute
     otherwise than the forward did: those computed by more than one op. The forward saves them and
     the backward multiplies what the forward multiplied. Its saved logsumexp is of the forward's
@@ -312,11 +312,11 @@ def _multiplied(graph: Graph, tiled: Set[int], saved: Set[int]) -> list[Expr]:
     anywhere, and not saved (a weight's copy would cost its size)."""
     out: list[Expr] = []
     for c in graph.nodes:
-        if id(c) not in tiled:
+        if c not in tiled:
             continue
         for s in c.srcs:
             half = graph.of(s).dtype in (torch.float16, torch.bfloat16)
-            if half and id(s) not in saved and not _recomputed_alike(s, graph) and all(s is not o for o in out):
+            if half and s not in saved and not _recomputed_alike(s, graph) and all(s is not o for o in out):
                 out.append(s)
     return out
 
@@ -341,23 +341,23 @@ def _saving(
     user: tuple[tuple[str, Expr], ...],
     backward: list[tuple[str, Expr]],
     reductions: list[Expr],
-    saved: dict[int, Expr],
-    read_back: dict[int, tuple[str, Expr, Expr]],
+    saved: dict[Expr, Expr],
+    read_back: dict[Expr, tuple[str, Expr, Expr]],
 ) -> tuple[list[tuple[str, Expr]], list[str]]:
     """The forward's outputs: the user's, then each statistic the backward reads (in its compute
     dtype; a product, or a product's operand, in its own dtype, as eager autograd saves it)."""
-    used = {id(n) for _, e in backward for n in walk([e])}
+    used = {n for _, e in backward for n in walk([e])}
     forward = list(user)
     saved_keys = []
     for k, r in enumerate(reductions):
-        if id(saved[id(r)]) in used:
+        if saved[r] in used:
             dt = graph.of(r).dtype
             own = REGISTRY[r.op].kind is not OpKind.REDUCTION  # a product or an operand: as multiplied
             stat = r if own or compute_dtype(dt) == dt else node("cast", r, dtype=compute_dtype(dt))
             forward.append((f"{SAVED}{k}", stat))
             saved_keys.append(f"{SAVED}{k}")
     for key, root, back in read_back.values():
-        if id(back) in used:
+        if back in used:
             forward.append((key, root))
             saved_keys.append(key)
     return forward, saved_keys
@@ -365,8 +365,8 @@ def _saving(
 
 def _substitute(
     e: Expr,
-    repl: dict[int, Expr],
-    recompute: Set[int] = frozenset(),
+    repl: dict[Expr, Expr],
+    recompute: Set[Expr] = frozenset(),
     dtype_of: Callable[[Expr], torch.dtype] | None = None,
 ) -> Expr:
     """``e`` with the nodes in ``repl`` replaced (saved values) and those in ``recompute`` marked.
@@ -374,18 +374,18 @@ def _substitute(
     A saved statistic may be wider than the reduction it replaces (fp32 for a half row), which
     widens what is recomputed from it; a contraction's operand is cast back to its forward dtype
     (``dtype_of``: the dtype the forward multiplied in, as a GEMM's operands share one)."""
-    memo: dict[int, Expr] = {}
+    memo: dict[Expr, Expr] = {}
     for n in walk([e]):
-        if id(n) in repl:
-            memo[id(n)] = repl[id(n)]
+        if n in repl:
+            memo[n] = repl[n]
             continue
-        srcs = tuple(memo[id(s)] for s in n.srcs)
+        srcs = tuple(memo[s] for s in n.srcs)
         if dtype_of is not None and REGISTRY[n.op].kind is OpKind.CONTRACTION:
             srcs = tuple(m if m is s else node("cast", m, dtype=dtype_of(s)) for m, s in zip(srcs, n.srcs))
-        if id(n) in recompute:
-            memo[id(n)] = Expr(n.op, srcs, {**n.attr_dict, "recompute": True})
+        if n in recompute:
+            memo[n] = Expr(n.op, srcs, {**n.attr_dict, "recompute": True})
         elif all(a is b for a, b in zip(srcs, n.srcs)):
-            memo[id(n)] = n
+            memo[n] = n
         else:
-            memo[id(n)] = Expr(n.op, srcs, n.attr_dict)
-    return memo[id(e)]
+            memo[n] = Expr(n.op, srcs, n.attr_dict)
+    return memo[e]

@@ -65,22 +65,22 @@ def _template(fn: Callable[..., Any], slots: tuple[str, ...], what: str, operand
     if isinstance(out, bool) or not isinstance(out, (Expr, int, float)):
         raise RtxError(f"attention: {what} must return an expression, got {type(out).__name__}")
     out = as_expr(out, f"attention: {what}")
-    free: dict[int, bool] = {}
-    maximal: set[int] = set()
+    free: dict[Expr, bool] = {}
+    maximal: set[Expr] = set()
 
     def inline(n: Expr) -> bool:  # kept in the template: it holds a slot, or is elementwise math
-        return not free[id(n)] or (REGISTRY[n.op].kind is OpKind.ELEMENTWISE and bool(n.srcs))
+        return not free[n] or (REGISTRY[n.op].kind is OpKind.ELEMENTWISE and bool(n.srcs))
 
     for n in walk([out]):
-        free[id(n)] = n.op != "attention_slot" and all(free[id(s)] for s in n.srcs)
+        free[n] = n.op != "attention_slot" and all(free[s] for s in n.srcs)
     for n in walk([out]):
         if inline(n):
-            maximal.update(id(s) for s in n.srcs if free[id(s)] and not s.is_const and not inline(s))
+            maximal.update(s for s in n.srcs if free[s] and not s.is_const and not inline(s))
     if not inline(out) and not out.is_const:
-        maximal.add(id(out))
+        maximal.add(out)
 
     def lift(n: Expr) -> Expr | None:
-        if id(n) not in maximal:
+        if n not in maximal:
             return None
         at = next((i for i, o in enumerate(operands) if o is n), None)
         if at is None:
@@ -204,15 +204,15 @@ def _fill(template: Expr, values: dict[str | int, Any]) -> Any:
 
 def _evaluate(template: Expr, values: dict[str | int, Any]) -> Any:
     """The template evaluated with torch ops (each op's reference) on ``values``."""
-    vals: dict[int, Any] = {}
+    vals: dict[Expr, Any] = {}
     for n in walk([template]):
         if n.op == "attention_slot":
-            vals[id(n)] = values[n.attr("slot")]
+            vals[n] = values[n.attr("slot")]
         elif n.is_const:
-            vals[id(n)] = n.attr("value")
+            vals[n] = n.attr("value")
         else:
-            vals[id(n)] = apply_ref(REGISTRY[n.op], [vals[id(s)] for s in n.srcs], n.attr_dict)
-    return vals[id(template)]
+            vals[n] = apply_ref(REGISTRY[n.op], [vals[s] for s in n.srcs], n.attr_dict)
+    return vals[template]
 
 
 def _probe(
@@ -284,15 +284,15 @@ def _groupable(mods: list[Expr | None], operands: list[tuple[int, ...] | None]) 
     for template in mods:
         if template is None:
             continue
-        reads: dict[int, bool] = {}  # per node: is an operand slot among what it reads
+        reads: dict[Expr, bool] = {}  # per node: is an operand slot among what it reads
         for n in walk([template]):
-            inner = any(reads[id(x)] for x in n.srcs)
+            inner = any(reads[x] for x in n.srcs)
             if n.op == "attention_slot":
-                reads[id(n)] = isinstance(n.attr("slot"), int)
+                reads[n] = isinstance(n.attr("slot"), int)
             elif inner and REGISTRY[n.op].kind != OpKind.ELEMENTWISE:
                 return False
             else:
-                reads[id(n)] = inner
+                reads[n] = inner
     return True
 
 
