@@ -181,6 +181,23 @@ def test_planner_and_code_generators_key_nodes_by_themselves_not_by_id():
     assert not found, found
 
 
+def test_kernel_parameter_names_are_spelled_in_one_place():
+    """A pointer's or a stride's name (``in0_ptr``, ``x_stride_b0``) is formatted by
+    ``lower/params.py`` alone, which orders the parameters too: the scheduler keying launch values
+    and the code generators writing loads ask it for the name, so the two cannot drift apart."""
+    found = []
+    for path, tree in _trees().items():
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(("lower/", "codegen/")) or rel == "lower/params.py":
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.JoinedStr):
+                text = "".join(v.value for v in n.values if isinstance(v, ast.Constant))
+                if "_ptr" in text or "_stride" in text:
+                    found.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
+    assert not found, found
+
+
 def test_no_function_over_80_lines_in_lower_codegen_and_runtime():
     """The planner, the code generators and the runtime read in pieces of one job each."""
     long = []

@@ -18,7 +18,12 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
-from ..lower.params import own_params
+from ..lower.params import (
+    FLAG_PTR,
+    input_ptr,
+    output_ptr,
+    own_params,
+)
 from ..lower.passes import reduce_dtype, remaps
 from ..lower.roles import Role
 from ..lower.spec import BCAST, NodeSpec, Src
@@ -215,7 +220,7 @@ class CoordWriter(Writer):
     def _load_at(self, j: int, c: Coords, scope: Scope, full: bool) -> str:
         ld = self.spec.loads[j]
         terms = offset_terms(self.load_names[j], ld.rows, c.idx)
-        ptr = f"in{ld.input}_ptr"
+        ptr = input_ptr(ld.input)
         if self._plain(c) and not terms and not (full and self.row) and not remaps(self.spec):
             # one element, the same everywhere (where no index arithmetic needs it as a tile)
             text = f"tl.load({ptr})"
@@ -249,7 +254,7 @@ class CoordWriter(Writer):
 
         def flag(bad: str) -> None:
             where = self._mask(full, c)
-            scope.add(f"tl.store(flag_ptr + {self.flag_slot[i]} + {self._zero(full)}, 1, mask={where} & ({bad}))")
+            scope.add(f"tl.store({FLAG_PTR} + {self.flag_slot[i]} + {self._zero(full)}, 1, mask={where} & ({bad}))")
 
         zero = self._zero(full)
         # index arithmetic on tiles only (the interpreter rejects masks made from scalars)
@@ -287,8 +292,8 @@ class CoordWriter(Writer):
         b_idx = ["ks[:, None]", c.idx[-1]][:: -1 if attrs["tb"] else 1]
         b_idx[:0] = self.rbatch  # its batch dims at the program's batch (its rows keep to one)
         operand = node.cdt  # the dtype the product's operands multiply in (an fp32 buffer is cast as loaded)
-        left = (f"in{ja}_ptr + {self._operand_offset(ja, a_idx)}", f"row_mask & (ks[None, :] < {size})")
-        right = (f"in{jb}_ptr + {self._operand_offset(jb, b_idx)}", f"(ks[:, None] < {size}) & col_mask")
+        left = (f"{input_ptr(ja)} + {self._operand_offset(ja, a_idx)}", f"row_mask & (ks[None, :] < {size})")
+        right = (f"{input_ptr(jb)} + {self._operand_offset(jb, b_idx)}", f"(ks[:, None] < {size}) & col_mask")
         stored = (self.spec.in_dtypes[self.spec.loads[ja].input], self.spec.in_dtypes[self.spec.loads[jb].input])
         scope.add_all(k_loop(name, "(ROWS, BLOCK_SIZE)", operand, size, "ks", left, right, tile.precision, stored))
         self.types[name] = accumulator(operand)
@@ -308,7 +313,7 @@ class CoordWriter(Writer):
         val = self.storage(v, o.dtype)
         full = o.role is Role.FULL
         if not self.row:
-            return f"tl.store(out{k}_ptr + offs, {val}, mask=mask)"
+            return f"tl.store({output_ptr(k)} + offs, {val}, mask=mask)"
         assert self.spec.domain is not None
         index = self._domain(full)
         terms = offset_terms(f"out{k}", o.rows, index)
@@ -319,7 +324,7 @@ class CoordWriter(Writer):
         if full and not on_cols:
             terms.append("cols * 0")
         mask = "mask" if full else self.row_store_mask
-        return f"tl.store(out{k}_ptr + {' + '.join(terms)}, {val}, mask={mask})"
+        return f"tl.store({output_ptr(k)} + {' + '.join(terms)}, {val}, mask={mask})"
 
     def _begin(self, flat: str, prefix: str, size: str) -> None:
         self.named: set[tuple] = set()

@@ -14,7 +14,17 @@ import torch
 
 from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.online import EXPS, SHIFTS, SUMS
-from ..lower.params import own_params, shared_operands, transposed_operands
+from ..lower.params import (
+    ACC_PTR,
+    batch_stride_name,
+    dim_stride_name,
+    input_ptr,
+    output_ptr,
+    own_params,
+    shared_operands,
+    stride_name,
+    transposed_operands,
+)
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
 from ..lower.sparsity import batch_dim
@@ -88,7 +98,7 @@ def _positions_op(node: NodeSpec) -> bool:
 
 def _matrix_offset(op: str, idx: tuple[str, str], dims: str, classes: tuple[str, str]) -> str:
     """An operand tile's offset: a unit stride is the index itself (vectorized loads along it)."""
-    return " + ".join(i if c == UNIT else f"{i} * {op}_stride_{d}" for i, d, c in zip(idx, dims, classes))
+    return " + ".join(i if c == UNIT else f"{i} * {dim_stride_name(op, d)}" for i, d, c in zip(idx, dims, classes))
 
 
 class GemmWriter(Writer):
@@ -142,7 +152,7 @@ class GemmWriter(Writer):
         window = g.window
         self._relative(top)
         if window is not None and window.accumulate is not None:  # the sum so far: every chunk's before this one
-            top.add(f"acc = tl.load(acc_ptr + {ACC_OFFSET}, mask={ACC_MASK}, other=0.0)")
+            top.add(f"acc = tl.load({ACC_PTR} + {ACC_OFFSET}, mask={ACC_MASK}, other=0.0)")
         else:
             top.add(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={TRITON_TYPE[acc_dtype]})")
         kept = self.nb - g.summed  # the output's batch dims (a summed product's last are summed in the loop)
@@ -176,7 +186,7 @@ class GemmWriter(Writer):
             top.memo[(Src.NODE, i)] = self.round_stored(acc, i, top) if i in self.rounded else acc
         if window is not None and window.accumulate is not None:  # carried to the next chunk; stored by the last
             carried = "(rows < tl.where(W_LAST == 0, M, 0)) & (cols < N)"
-            top.add(f"tl.store(acc_ptr + (batch * M + rows) * N + cols, acc, mask={carried})")
+            top.add(f"tl.store({ACC_PTR} + (batch * M + rows) * N + cols, acc, mask={carried})")
             self.store_mask = "(rows < tl.where(W_LAST != 0, M, 0)) & (cols < N)"
         top.add_all(self.stores(range(len(self.spec.outputs)), top))
         params = "\n".join(f"{p}," for p in self.params)
@@ -295,7 +305,7 @@ class GemmWriter(Writer):
         else:  # its left operand: an (m, k) tile
             dims, at = (("k", "m") if attrs["ta"] else ("m", "k")), {"m": "offs_m[:, None]", "k": "ks[None, :]"}
         j = self.spec.loads[k].input
-        tile = f"tl.load(in{j}_ptr + {self._stored_offset(k, dims, at)}, mask={op}_mask, other=0)"
+        tile = f"tl.load({input_ptr(j)} + {self._stored_offset(k, dims, at)}, mask={op}_mask, other=0)"
         shared = self._transposed(i) if op == "b" else None
         scope.add(f"{op}_tile{i} = {shared or load_as(tile, self.spec.in_dtypes[j], node.cdt)}")
         return f"{op}_tile{i}"
@@ -314,9 +324,9 @@ class GemmWriter(Writer):
         if g.window is None:
             return
         for j in g.window.relative:
-            top.add(f"in{j}_ptr = in{j}_ptr - W_LO")
+            top.add(f"{input_ptr(j)} = {input_ptr(j)} - W_LO")
         for k in g.window.relative_out:
-            top.add(f"out{k}_ptr = out{k}_ptr - W_LO")
+            top.add(f"{output_ptr(k)} = {output_ptr(k)} - W_LO")
 
     def _operand(self, op: str, j: int, ref: tuple, dtype: torch.dtype, scope: Scope) -> str:
         """Operand ``op``'s tile in the K loop: loaded through its strides, or its prologue computed
@@ -328,9 +338,9 @@ class GemmWriter(Writer):
         if op == "a" and g.online is not None:
             self._online_step(scope)
         if j >= 0:
-            base = "".join(f"{i} * {op}_stride_b{d} + " for d, i in enumerate(self.batch_idx))
+            base = "".join(f"{i} * {batch_stride_name(op, d)} + " for d, i in enumerate(self.batch_idx))
             offset = base + _matrix_offset(op, (r, c), dims, g.a_classes if op == "a" else g.b_classes)
-            tile = load_as(f"tl.load(in{j}_ptr + {offset}, mask={mask}, other=0)", self.spec.in_dtypes[j], dtype)
+            tile = load_as(f"tl.load({input_ptr(j)} + {offset}, mask={mask}, other=0)", self.spec.in_dtypes[j], dtype)
             shared = self._transposed(self.own) if op == "b" else None
             scope.add(f"{op} = {shared or tile}")
             if self.spec.in_dtypes[j] == dtype:  # a reduction of the operand itself reads the tile
@@ -604,7 +614,7 @@ class GemmWriter(Writer):
             f"({kk}[:, None] < {size}) & ({cv}[None, :] < {c_size})",
         )
         loads = [
-            (f"in{self.spec.loads[k].input}_ptr + {self._stored_offset(k, dims, at)}", mask)
+            (f"{input_ptr(self.spec.loads[k].input)} + {self._stored_offset(k, dims, at)}", mask)
             for (k, dims, at), mask in zip((left, right), masks)
         ]
         acc = f"p{i}"
@@ -623,7 +633,7 @@ class GemmWriter(Writer):
     def _stored_offset(self, k: int, dims: tuple[str, str], at: dict[str, str]) -> str:
         """A recomputed product's operand ``k`` at index vectors ``at`` of its named stored dims."""
         ld, name = self.spec.loads[k], self.load_names[k]
-        terms = [f"{b} * {name}_stride_b{d}" for d, b in enumerate(self.batch_idx)]
+        terms = [f"{b} * {batch_stride_name(name, d)}" for d, b in enumerate(self.batch_idx)]
         matrix = offset_terms(name, (*ld.rows, *ld.cols), [at[dim] for dim in dims], len(self.batch_idx))
         return " + ".join(terms + matrix)
 
@@ -651,7 +661,7 @@ class GemmWriter(Writer):
     ) -> str:
         """A tensor's offset at a tile: its strides over ``batch``'s coordinates, then the tile's
         two ``index`` vectors (the product's rows and columns, or an operand's)."""
-        terms = [f"{b} * {prefix}_stride{d}" for d, b in enumerate(batch)]
+        terms = [f"{b} * {stride_name(prefix, d)}" for d, b in enumerate(batch)]
         tile = offset_terms(prefix, classes, index, len(batch))
         # a block pointer even where the tensor is one element (per batch) broadcast over the tile
         return " + ".join(terms + (tile or [f"({index[0]} * 0 + {index[1]} * 0)"]))
@@ -677,9 +687,9 @@ class GemmWriter(Writer):
                 (ld.rows == (BCAST,), ld.cols == (BCAST,)), "mask"
             )
         if ld.role is Role.FULL and not self.out_idx and all(c == BCAST for c in classes):  # one element: a scalar
-            text = f"tl.load(in{ld.input}_ptr)"
+            text = f"tl.load({input_ptr(ld.input)})"
         else:
-            text = f"tl.load(in{ld.input}_ptr + {offset}, mask={mask}, other=0)"
+            text = f"tl.load({input_ptr(ld.input)} + {offset}, mask={mask}, other=0)"
         cdt = compute_dtype(dtype)
         if cdt != dtype:
             text += f".to({TRITON_TYPE[cdt]})"
@@ -706,7 +716,8 @@ class GemmWriter(Writer):
         }.get((ld.rows[0] == BCAST, ld.cols[0] == BCAST), (None, "", 0))
         if index is None:
             return None
-        at = f"in{ld.input}_ptr + {self._tile_offset(self.load_names[k], (*ld.rows, *ld.cols), self.batch_idx, index)}"
+        offset = self._tile_offset(self.load_names[k], (*ld.rows, *ld.cols), self.batch_idx, index)
+        at = f"{input_ptr(ld.input)} + {offset}"
         info = torch.iinfo(torch.int32 if dtype == torch.bool else dtype)
         value = ".to(tl.int32)" if dtype == torch.bool else ""
         fill = {"min": 1 if dtype == torch.bool else info.max, "max": 0 if dtype == torch.bool else info.min}
@@ -725,6 +736,6 @@ class GemmWriter(Writer):
         val = self.storage(v, o.dtype)
         if o.role is not Role.FULL:  # a reduction of A, one value per row: the first column of tiles writes it
             rows = "batch * M + rows" if self.out_idx else "rows"  # each batch's rows (a contiguous buffer)
-            return f"tl.store(out{k}_ptr + {rows}, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
+            return f"tl.store({output_ptr(k)} + {rows}, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
         offset = self._tile_offset(f"out{k}", (STRIDED, UNIT), self.out_idx)
-        return f"tl.store(out{k}_ptr + {offset}, {val}, mask={self.store_mask})"
+        return f"tl.store({output_ptr(k)} + {offset}, {val}, mask={self.store_mask})"

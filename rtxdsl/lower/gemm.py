@@ -31,7 +31,18 @@ from .analyze import Group, Role
 from .expand import Graph, float_dtype_of
 from .names import scalar_names
 from .online import shifted_by
-from .params import inner_products, launch_ints, load_names, product_loads, shared_operands, tile_loads
+from .params import (
+    batch_stride_name,
+    dim_stride_name,
+    inner_products,
+    launch_ints,
+    load_names,
+    output_name,
+    product_loads,
+    shared_operands,
+    stride_name,
+    tile_loads,
+)
 from .schedule import (
     INT32_LIMIT,
     Body,
@@ -229,8 +240,8 @@ def _operand_values(
     values: dict[str, int] = {}
     for op, dims, lay, st, cls, j in zip("ab", ("mk", "kn"), layouts, strides, (g.a_classes, g.b_classes), (g.a, g.b)):
         if j >= 0:
-            values |= {f"{op}_stride_b{d}": v for d, v in enumerate(_batch_strides(lay, batch))}
-            values |= {f"{op}_stride_{dim}": v for dim, v, c in zip(dims, st, cls) if c == STRIDED}
+            values |= {batch_stride_name(op, d): v for d, v in enumerate(_batch_strides(lay, batch))}
+            values |= {dim_stride_name(op, dim): v for dim, v, c in zip(dims, st, cls) if c == STRIDED}
     return values
 
 
@@ -330,13 +341,13 @@ def _tile_values(
     values: dict[str, int] = {}
     for i in tile_loads(spec.nodes):
         over_batch, tile_strides = strides[i]
-        values |= {f"{names[i]}_stride{d}": v for d, v in enumerate(over_batch)}
+        values |= {stride_name(names[i], d): v for d, v in enumerate(over_batch)}
         n_b = len(over_batch)
-        values |= {f"{names[i]}_stride{n_b + d}": v for d, v in enumerate(tile_strides) if stride_class(v) == STRIDED}
+        values |= {stride_name(names[i], n_b + d): v for d, v in enumerate(tile_strides) if stride_class(v) == STRIDED}
     for k, o in enumerate(group.outputs):
         if group.role(o) is Role.FULL:  # a reduction of A is one contiguous value per row of the product
             row_strides = layouts[o].strides[:-1]  # contiguous (one chunk's, in a chunk loop): columns' is 1
-            values |= {f"out{k}_stride{d}": v for d, v in enumerate(row_strides)}
+            values |= {stride_name(output_name(k), d): v for d, v in enumerate(row_strides)}
     shared = shared_operands(spec)
     for p in group.nodes:  # each recomputed product: its contracted size, its operands' strides
         i = bd.index.get(p)
@@ -345,14 +356,14 @@ def _tile_values(
                 values[f"K{i}"] = graph.of(p.srcs[0]).shape[-2 if p.attr("ta") else -1]
             for j in product_loads(spec, i, shared):
                 over_batch, (r, cl) = strides[j]
-                values |= {f"{names[j]}_stride_b{d}": v for d, v in enumerate(over_batch)}
+                values |= {batch_stride_name(names[j], d): v for d, v in enumerate(over_batch)}
                 # the load's own classes (one load read at a tile too has them from there: a [4, 1]
                 # operand of a recomputed product read elementwise as well, both strides unit;
                 # lazy fuzzer program 2026151400164)
                 classes = (*spec.loads[j].rows, *spec.loads[j].cols)
                 n_b = len(over_batch)  # (numbered past the batch dims: params.strided's first)
                 values |= {
-                    f"{names[j]}_stride{n_b + d}": v for d, (v, c) in enumerate(zip((r, cl), classes)) if c == STRIDED
+                    stride_name(names[j], n_b + d): v for d, (v, c) in enumerate(zip((r, cl), classes)) if c == STRIDED
                 }
     return values
 

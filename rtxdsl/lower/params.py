@@ -37,6 +37,50 @@ class ParamKind(enum.Enum):
 
 POINTERS = (ParamKind.INPUT, ParamKind.OUTPUT, ParamKind.PARTIAL, ParamKind.FLAGS, ParamKind.COUNTER)
 
+# ---- parameter names: spelled here only (the code generators and the launch ask for them) ----------
+#: the pointer of gathers' index-check flags, a tail's ticket counter, a chunk loop's accumulator
+FLAG_PTR, COUNT_PTR, ACC_PTR = "flag_ptr", "count_ptr", "acc_ptr"
+
+
+def input_name(j: int) -> str:
+    """The positional name of a group's ``j``-th input (``in{j}``; ``codegen.names`` renames it
+    after the user's input in the printed module)."""
+    return f"in{j}"
+
+
+def output_name(k: int) -> str:
+    """The positional name of a group's ``k``-th output (``out{k}``)."""
+    return f"out{k}"
+
+
+def input_ptr(j: int) -> str:
+    return f"{input_name(j)}_ptr"
+
+
+def output_ptr(k: int) -> str:
+    return f"{output_name(k)}_ptr"
+
+
+def partial_ptr(i: int) -> str:
+    """The pointer of a split row's partial states of reduction ``i``."""
+    return f"part{i}_ptr"
+
+
+def stride_name(prefix: str, d: int) -> str:
+    """The stride of dim ``d`` of what ``prefix`` names (a load, an output, a GEMM operand's tile
+    dims numbered after its batch dims)."""
+    return f"{prefix}_stride{d}"
+
+
+def batch_stride_name(prefix: str, d: int) -> str:
+    """A GEMM operand's stride along its ``d``-th batch dim."""
+    return f"{prefix}_stride_b{d}"
+
+
+def dim_stride_name(prefix: str, dim: str) -> str:
+    """A GEMM operand's stride along its matrix dim ``dim`` (``m``, ``n`` or ``k``)."""
+    return f"{prefix}_stride_{dim}"
+
 
 @dataclass(frozen=True)
 class Param:
@@ -64,7 +108,7 @@ def _pointers(spec: KernelSpec, parts: bool, flags: bool) -> list[Param]:
     out += [Param(f"out{k}_ptr", ParamKind.OUTPUT, k) for k in range(len(spec.outputs))]
     if parts:
         out += [Param(f"part{i}_ptr", ParamKind.PARTIAL, k) for k, (i, _, _) in enumerate(partial_states(spec))]
-    return out + ([Param("flag_ptr", ParamKind.FLAGS)] if flags else [])
+    return out + ([Param(FLAG_PTR, ParamKind.FLAGS)] if flags else [])
 
 
 def _scalars(spec: KernelSpec) -> list[Param]:
@@ -247,7 +291,7 @@ def _gemm(spec: KernelSpec) -> list[Param]:
     if g.window is not None:  # a chunk loop's kernel: where its chunk starts; accumulating, is it the last
         ints += ["W_LO", *(["W_LAST"] if g.window.accumulate is not None else [])]
         if g.window.accumulate is not None:
-            params.append(Param("acc_ptr", ParamKind.PARTIAL, 0))
+            params.append(Param(ACC_PTR, ParamKind.PARTIAL, 0))
     # a load two products read (attention's ``q @ k.mT`` with q and k one tensor: both operands of
     # one product) has its strides once
     return params + _ints(list(dict.fromkeys(ints))) + _scalars(spec)
@@ -274,7 +318,7 @@ def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     tptrs = [p for p in tail if p.kind in POINTERS]
     rest = [p for p in own if p.kind not in POINTERS]
     trest = [p for p in tail if p.kind not in POINTERS]
-    return (*ptrs, *tptrs, Param("count_ptr", ParamKind.COUNTER), *rest, *trest)
+    return (*ptrs, *tptrs, Param(COUNT_PTR, ParamKind.COUNTER), *rest, *trest)
 
 
 def pointer_slots(spec: KernelSpec, slots: Mapping[ParamKind, tuple[int, ...]]) -> tuple[int, ...]:

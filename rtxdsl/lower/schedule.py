@@ -23,7 +23,17 @@ from ..ops import REGISTRY, AxisRule, DtypeRule, OpKind
 from .analyze import Group, Role, broadcasts, positions_only
 from .expand import Graph, float_dtype_of
 from .names import io_names, scalar_names
-from .params import inner_products, launch_ints, load_names, strided, tile_loads, transposed_operands
+from .params import (
+    inner_products,
+    input_name,
+    launch_ints,
+    load_names,
+    output_name,
+    stride_name,
+    strided,
+    tile_loads,
+    transposed_operands,
+)
 from .passes import levels
 from .sparsity import NEUTRAL, kept_fraction, vanishing_guard
 from .spec import BCAST, STRIDED, UNIT, GemmTile, KernelSpec, LoadSpec, NodeSpec, OutSpec, Split, Src, Stride
@@ -978,7 +988,8 @@ def _coordinate_operands(
         lay = layouts[n]
         classes = tuple(BCAST if size == 1 else stride_class(st) for size, st in zip(lay.shape, lay.strides))
         loads.append(LoadSpec(j, Role.FULL, classes, ()))
-        values |= {f"in{j}_stride{d}": st for d, (c, st) in enumerate(zip(classes, lay.strides)) if c == STRIDED}
+        name = input_name(j)
+        values |= {stride_name(name, d): st for d, (c, st) in enumerate(zip(classes, lay.strides)) if c == STRIDED}
         reach = max(reach, sum(abs(st) * (size - 1) for size, st in zip(lay.shape, lay.strides)))
     outs = []
     for o in group.outputs:
@@ -989,7 +1000,7 @@ def _coordinate_operands(
         classes = tuple(stride_class(st) for st in over) if group.is_row else ()
         k = len(outs)
         outs.append(OutSpec(index[o], layouts[o].dtype, role, classes, ()))
-        values |= {f"out{k}_stride{d}": st for d, (c, st) in enumerate(zip(classes, over)) if c == STRIDED}
+        values |= {stride_name(output_name(k), d): st for d, (c, st) in enumerate(zip(classes, over)) if c == STRIDED}
     return loads, outs, values, reach
 
 
