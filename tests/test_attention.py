@@ -1388,13 +1388,33 @@ def test_grouped_attention_over_document_ids_compares_them_per_tile(gen):
         torch.testing.assert_close(g.double(), full, atol=2e-5, rtol=2e-5, msg=lambda m, name=name: f"d{name}: {m}")
 
 
+# (costs per score, OpDef.cost summed over the prologues: causal 20, a softcap's tanh and its
+# derivative's exp 39)
+@pytest.mark.parametrize(("score_mod", "loops"), [(None, 2), (lambda s, b, h, i, j: 30 * rx.tanh(s / 30), 1)])
+def test_a_four_warp_dk_dv_splits_its_loop_where_its_math_per_score_leaves_registers(score_mod, loops):
+    """dK + dV at head dim 64 runs on 4 warps with two accumulators: planned for sm_90 its K loop
+    splits where the prologues' math per score costs at most ``SPLIT_SCORE_COST`` (compiled, causal
+    bf16 32 x 4096: 197 registers, warp instructions per score below the diagonal 0.529 -> 0.396),
+    not for a softcap's (split, it spilled 4 bytes at 255 registers)."""
+    from rtxdsl.build import prepare
+
+    ins = {n: torch.empty(1, 2, 300, 64, dtype=torch.bfloat16) for n in "qkv"}
+    kern = rx.compile(rx.attention(q, k, v, causal=True, score_mod=score_mod))
+    plan = kern.grad_plan(**{n: t.clone().requires_grad_() for n, t in ins.items()})
+    program, compiled = prepare(plan.backward, plan.backward_feed(ins), target=GPU)
+    calls = zip(compiled, program.kernels)
+    ((src, meta),) = [(c.source, dict(k.meta)) for c, k in calls if k.spec.kind == "gemm" and len(k.spec.outputs) == 2]
+    assert meta["num_warps"] == 4 and len(_k_loops(src)) == loops
+
+
 # head dim 80: every GEMM on 8 warps, or dQ's on 4 (one accumulator, no online softmax), splits;
-# 64: the forward (online softmax) and dK + dV (two accumulators) on 4 warps keep one loop
+# 64: dK + dV on 4 warps too (two accumulators, its prologues' math per score within
+# SPLIT_SCORE_COST); the forward (online softmax, 253 registers of 255 split) keeps one loop
 @pytest.mark.parametrize(
     ("d", "window", "split"),
     [
         (80, None, {"forward": 2, "dQ": 2, "dK + dV": 2}),
-        (64, None, {"forward": 1, "dQ": 2, "dK + dV": 1}),
+        (64, None, {"forward": 1, "dQ": 2, "dK + dV": 2}),
         (80, 129, {"forward": 2, "dQ": 2, "dK + dV": 2}),  # a sliding window: its full slices in the middle
     ],
 )
