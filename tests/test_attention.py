@@ -1039,8 +1039,8 @@ def test_the_sm90_forward_runs_right_under_the_interpreter(gen, d, dtype, atol, 
 
 
 # head dim 64: both GEMMs on 4 warps take their two products whole, and read k (dQ), q and dO
-# (dK + dV) as the tiles those load, transposed; 80: dQ alone (dK + dV's 64 x 128 tiles keep 8
-# warps and slices)
+# (dK + dV) as the tiles those load, transposed; 80: dQ alone (dK + dV's 128 x 128 x 32 tiles keep
+# 8 warps and slices)
 @pytest.mark.parametrize(
     ("d", "whole", "trans"), [(64, 2, 3), (80, 1, 1)], ids=["head dim 64", "80: a masked slice of 128"]
 )
@@ -1068,6 +1068,31 @@ def test_the_sm90_backward_runs_right_under_the_interpreter(gen, d, whole, trans
     want = _grads(_reference(leaves, keep=keep)[0], list(leaves.values()), cot)
     for n, a, e in zip("qkv", got if isinstance(got, tuple) else tuple(got.values()), want):
         assert_close(a, e, atol * max(1.0, float(e.abs().max())), rtol, f"d/d{n}")
+
+
+SOFTCAP = lambda s, b, h, i, j: 30 * rx.tanh(s / 30)  # noqa: E731 - a score_mod
+
+
+@pytest.mark.parametrize(
+    ("d", "score_mod", "tile", "warps"),
+    [(64, None, (64, 64, 64), 4), (128, None, (128, 128, 32), 8), (128, SOFTCAP, (64, 128, 64), 8)],
+    ids=["64: 4 warps", "128", "128 softcapped: costlier math per score"],
+)
+def test_an_eight_warp_dk_dv_keeps_its_rows_and_halves_its_k_slice(d, score_mod, tile, warps):
+    """dK + dV at head dim 128 runs on 8 warps: as planned for sm_90 it takes tutorial 06's shape,
+    128 keys a program and 32 queries a K slice (``schedule.inner_slices``), where halving its rows
+    to 64 recomputed each product over twice the programs (compiled, causal bf16 32 x 4096: 0.961
+    -> 0.812 warp instructions per score below the diagonal, 238 registers, no spill). On 4 warps
+    (head dim 64) the tile stays 64 x 64, and so does a softcapped one's (its tanh and derivative
+    cost 39 a score, over ``CHEAP_SCORE_COST``: at 128 rows it spilled 20 bytes)."""
+    from rtxdsl.build import prepare
+
+    ins = {n: torch.empty(1, 4, 4096, d, dtype=torch.bfloat16) for n in "qkv"}
+    kern = rx.compile(rx.attention(q, k, v, causal=True, score_mod=score_mod))
+    plan = kern.grad_plan(**{n: t.requires_grad_() for n, t in ins.items()})
+    program, _ = prepare(plan.backward, plan.backward_feed(ins), target=GPU)
+    (meta,) = [dict(c.meta) for c in program.kernels if c.spec.kind == "gemm" and len(c.spec.outputs) == 2]
+    assert (meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"], meta["num_warps"]) == (*tile, warps)
 
 
 def test_grouped_attention_at_head_dim_256_plans_its_backward_for_sm90(gen):
@@ -1393,7 +1418,7 @@ def test_grouped_attention_over_document_ids_compares_them_per_tile(gen):
 @pytest.mark.parametrize(("score_mod", "loops"), [(None, 2), (lambda s, b, h, i, j: 30 * rx.tanh(s / 30), 1)])
 def test_a_four_warp_dk_dv_splits_its_loop_where_its_math_per_score_leaves_registers(score_mod, loops):
     """dK + dV at head dim 64 runs on 4 warps with two accumulators: planned for sm_90 its K loop
-    splits where the prologues' math per score costs at most ``SPLIT_SCORE_COST`` (compiled, causal
+    splits where the prologues' math per score costs at most ``CHEAP_SCORE_COST`` (compiled, causal
     bf16 32 x 4096: 197 registers, warp instructions per score below the diagonal 0.529 -> 0.396),
     not for a softcap's (split, it spilled 4 bytes at 255 registers)."""
     from rtxdsl.build import prepare
@@ -1409,7 +1434,7 @@ def test_a_four_warp_dk_dv_splits_its_loop_where_its_math_per_score_leaves_regis
 
 # head dim 80: every GEMM on 8 warps, or dQ's on 4 (one accumulator, no online softmax), splits;
 # 64: dK + dV on 4 warps too (two accumulators, its prologues' math per score within
-# SPLIT_SCORE_COST); the forward (online softmax, 253 registers of 255 split) keeps one loop
+# CHEAP_SCORE_COST); the forward (online softmax, 253 registers of 255 split) keeps one loop
 @pytest.mark.parametrize(
     ("d", "window", "split"),
     [

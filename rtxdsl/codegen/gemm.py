@@ -16,18 +16,19 @@ from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.online import EXPS, SHIFTS, SUMS
 from ..lower.params import (
     ACC_PTR,
-    OPERAND_ROLES,
     batch_stride_name,
     dim_stride_name,
     input_ptr,
     output_ptr,
     own_params,
+    prologue_cost,
     shared_operands,
     stride_name,
     transposed_operands,
 )
 from ..lower.passes import reduce_dtype
 from ..lower.roles import Role
+from ..lower.schedule import CHEAP_SCORE_COST
 from ..lower.sparsity import batch_dim
 from ..lower.spec import BCAST, STRIDED, UNIT, KernelSpec, NodeSpec, Src
 from ..ops import REGISTRY, Coords, DtypeRule, EmitCtx, OpKind, ReduceSpec, RemapCtx
@@ -80,12 +81,6 @@ ACC_OFFSET = "(batch * M + offs_m[:, None]) * N + offs_n[None, :]"
 ACC_MASK = "(offs_m[:, None] < tl.where(W_LO > 0, M, 0)) & (offs_n[None, :] < N)"
 
 #: the index vectors along an operand tile's rows and columns, with the extents that mask them
-#: the most a 4-warp GEMM with two accumulators may spend on its prologues' math per score
-#: (``OpDef.cost``: 1 an arithmetic op, 4 a transcendental one) and still run its guarded K loop
-#: split (``GemmWriter._roomy``): causal attention's dK + dV costs 20 (an exp, a mask, the
-#: row terms), a sliding window's 23, a softcapped one's 39 (a tanh and its derivative's exp)
-SPLIT_SCORE_COST = 24
-
 TILE_VECTORS = {"a": (("offs_m", "M"), ("ks", "K")), "b": (("ks", "K"), ("offs_n", "N"))}
 #: the output tile's: where an epilogue computes a second product (a chunk loop's)
 OUTPUT_VECTORS = (("offs_m", "M"), ("offs_n", "N"))
@@ -240,16 +235,16 @@ class GemmWriter(Writer):
         selects took up to 20 registers a thread more on sm_90 than the loop with them. On 4 warps
         a kernel without online softmax splits where it has one accumulator (dQ's: 135 and 187
         registers at head dims 64 and 128) or its prologues' math per score costs at most
-        :data:`SPLIT_SCORE_COST` (causal dK + dV at head dim 64: 197 registers, a sliding window's
-        223); split, a softcap's dK + dV (cost 39) spilled 4 bytes and grouped-query attention's
+        ``schedule.CHEAP_SCORE_COST`` (causal dK + dV at head dim 64: 197 registers, a sliding
+        window's 223); split, a softcap's dK + dV (cost 39) spilled 4 bytes and grouped-query attention's
         forward at head dim 64 16, and the causal forward took 253 registers of 255. 8-warp kernels
         kept under 254."""
         g = self.spec.gemm
         assert g is not None
         if self.spec.num_warps >= 8:
             return True
-        cost = sum(REGISTRY[n.op].cost for n in self.spec.nodes if n.role in OPERAND_ROLES)
-        return g.online is None and (not shared_operands(self.spec) or cost <= SPLIT_SCORE_COST)
+        cheap = prologue_cost(self.spec.nodes) <= CHEAP_SCORE_COST
+        return g.online is None and (not shared_operands(self.spec) or cheap)
 
     def _split_loop(self, batches: Scope, k_scope: Scope, guard: str) -> None:
         """The K loop as two (``tile_scan``'s ``full_lo``, ``full_hi``), as tutorial 06 runs causal

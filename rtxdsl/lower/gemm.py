@@ -39,6 +39,7 @@ from .params import (
     load_names,
     output_name,
     product_loads,
+    prologue_cost,
     shared_operands,
     stride_name,
     tile_loads,
@@ -53,6 +54,7 @@ from .schedule import (
     expand_strides,
     gemm_block,
     inner_rows,
+    inner_slices,
     inner_warps,
     notes_of,
     printed_names,
@@ -78,10 +80,12 @@ def gemm_tile(
     whole_k: tuple[tuple[int, int], ...] = (),
     at_output: int = 0,
     batch: int = 0,
+    cost: int = 0,
 ) -> GemmTile:
     """The target's tile, narrowed to small products (a power of two >= 16: ``tl.dot``'s minimum)
-    and to ``inner`` products its prologues recompute (``schedule.inner_rows``, ``inner_warps``;
-    ``at_output`` of them at the output tile: an epilogue's, and a wide epilogue's tiles as one),
+    and to ``inner`` products its prologues recompute (``schedule.inner_rows``, ``inner_warps``,
+    ``inner_slices``; ``at_output`` of them at the output tile: an epilogue's, and a wide
+    epilogue's tiles as one),
     with the products of ``whole_k`` taken whole: several only on 4 warps (on 8, sm_90 attention's
     dK + dV at head dim 128 held its two operand tiles for 1.48 warp instructions per score where
     slices take 1.13; at 4, a softcap's spilled 16 bytes). Over more than two ``batch`` dims two
@@ -91,6 +95,7 @@ def gemm_tile(
     block = gemm_block(inner_rows(bm, dtype, inner, whole_k), bn, bk, m, n, dtype)
     if inner < 2 or batch <= 2:
         warps = inner_warps(warps, dtype, inner, whole_k, block, at_output)
+        block = inner_slices(block, gemm_block(bm, bn, bk, m, n, dtype)[0], dtype, inner, at_output, warps, cost)
     return GemmTile(*block, group_m, warps, stages, whole_k=whole_k if len(whole_k) < 2 or warps == 4 else ())
 
 
@@ -127,7 +132,7 @@ def gemm_spec(
     )
     outputs = tuple(_out_spec(bd.index[o], layouts[o].dtype, group.role(o)) for o in group.outputs)
     at_output = sum(bd.nodes[i].role is Role.FULL for i in inner) + (wide := wide_epilogue(bd.nodes, loads, outputs))
-    tile = gemm_tile(target, m, n, a.dtype, len(inner) + wide, whole, at_output, len(batch))
+    tile = gemm_tile(target, m, n, a.dtype, len(inner) + wide, whole, at_output, len(batch), prologue_cost(bd.nodes))
     a_in, b_in = (next((j for j, s in enumerate(group.inputs) if s is x), -1) for x in c.srcs)
     spec = KernelSpec(
         kind="gemm",

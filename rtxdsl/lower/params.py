@@ -23,6 +23,12 @@ from .spec import STRIDED, KernelCall, KernelSpec, LoadSpec, NodeSpec, Split, Sr
 OPERAND_ROLES = (Role.A, Role.B)
 
 
+def prologue_cost(nodes: tuple[NodeSpec, ...]) -> int:
+    """What a GEMM's prologues compute per score, in ``OpDef.cost`` (1 an arithmetic op, 4 a
+    transcendental one): attention's causal dK + dV 20 (an exp, a mask, the row terms)."""
+    return sum(REGISTRY[n.op].cost for n in nodes if n.role in OPERAND_ROLES)
+
+
 class ParamKind(enum.Enum):
     """What a kernel parameter is, and so where its value comes from."""
 

@@ -321,6 +321,40 @@ def inner_warps(
     return min(warps, WHOLE_K_WARPS.get(whole_k[0][1], warps))
 
 
+#: the most a GEMM's prologues may compute per score (``params.prologue_cost``) for the choices
+#: that take registers from them: a 4-warp GEMM with two accumulators running its guarded K loop
+#: split (``GemmWriter._roomy``), an 8-warp one at the target's rows (:func:`inner_slices`). On
+#: sm_90 attention's dK + dV costs 20 (causal), 23 (a sliding window), 39 (softcapped: a tanh and
+#: its derivative's exp), which spilled both ways: 4 bytes split at head dim 64, 20 at 128 rows
+#: at head dim 128 (at 80 it took 255 registers)
+CHEAP_SCORE_COST = 24
+
+#: the most fp32 tile elements an 8-warp GEMM of 16-bit operands recomputing two products or more
+#: keeps at the target's rows with its K slice halved, as tutorial 06's dK + dV takes 128 keys x 32
+#: queries: its accumulators and products at the output tile (``BLOCK_M x BLOCK_N`` each) and the
+#: products at an operand's (``BLOCK_M x BLOCK_K``). Attention's dK + dV at head dim 128, compiled
+#: for sm_90 (causal bf16 32 x 4096), 64 x 128 x 64 -> 128 x 128 x 32: warp instructions per score
+#: below the diagonal 0.961 -> 0.812, 210 -> 238 registers, no spill (128 x 128 x 64 spilled 172
+#: bytes; 128 x 128 x 16: 0.996)
+EIGHT_WARP_ELEMENTS = 2 * 128 * 128 + 2 * 128 * 32
+
+
+def inner_slices(
+    block: tuple[int, int, int], bm: int, dtype: torch.dtype, inner: int, at_output: int, warps: int, cost: int
+) -> tuple[int, int, int]:
+    """An 8-warp GEMM's tile beside ``inner`` >= 2 products its prologues recompute (``at_output``
+    of them at the output tile; ``cost`` their math per score): the target's rows ``bm`` with half
+    the K slice where the tiles fit :data:`EIGHT_WARP_ELEMENTS` and the math is cheap
+    (:data:`CHEAP_SCORE_COST`), as rows halved by :func:`inner_rows` recompute each product over
+    twice the programs; ``block`` otherwise."""
+    rows, cols, k = block
+    if inner < 2 or warps < 8 or dtype.itemsize != 2 or rows >= bm or k < 32 or cost > CHEAP_SCORE_COST:
+        return block
+    wide = (bm, cols, k // 2)
+    fits = (1 + at_output) * bm * cols + (inner - at_output) * bm * wide[2] <= EIGHT_WARP_ELEMENTS
+    return wide if fits else block
+
+
 def gemm_block(bm: int, bn: int, bk: int, rows: int, cols: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """A GEMM tile for 16-bit operands adapted to ``dtype`` (4- and 8-byte elements halve BLOCK_K:
     the same bytes per K slice) and narrowed to a small ``rows x cols`` product (a power of two
