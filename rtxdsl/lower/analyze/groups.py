@@ -4,7 +4,7 @@ groups' dependences."""
 from __future__ import annotations
 
 import graphlib
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -16,8 +16,37 @@ from ..spec import Chunk
 from .flow import Flow, reindexes
 
 
+class Domain:
+    """What a group says of its domain (a full shape and the axes it reduces) and its nodes' roles:
+    shared by the frozen :class:`Group` and the :class:`Work` group a pass edits."""
+
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    nodes: Sequence[Expr]
+    roles: Mapping[Expr, Role]
+
+    @property
+    def is_row(self) -> bool:
+        return bool(self.axes)
+
+    @property
+    def contraction(self) -> Expr | None:
+        """The contraction a GEMM kernel computes (the rest of its nodes are its epilogue and its
+        prologues, which may recompute a product of their own)."""
+        return contraction_of(self.nodes, self.roles)
+
+    def keep_shape(self) -> tuple[int, ...]:
+        return tuple(1 if d in self.axes else s for d, s in enumerate(self.shape))
+
+    def drop_shape(self) -> tuple[int, ...]:
+        return tuple(s for d, s in enumerate(self.shape) if d not in self.axes)
+
+    def role(self, n: Expr) -> Role:
+        return self.roles[n]
+
+
 @dataclass(frozen=True, eq=False)
-class Group:
+class Group(Domain):
     """One kernel: its domain, its nodes (operands first) with their roles, what it reads and writes."""
 
     shape: tuple[int, ...]
@@ -43,25 +72,6 @@ class Group:
         return self.is_row and self.contraction is not None
 
     @property
-    def is_row(self) -> bool:
-        return bool(self.axes)
-
-    @property
-    def contraction(self) -> Expr | None:
-        """The contraction a GEMM kernel computes (the rest of its nodes are its epilogue and its
-        prologues, which may recompute a product of their own)."""
-        return contraction_of(self.nodes, self.roles)
-
-    def keep_shape(self) -> tuple[int, ...]:
-        return tuple(1 if d in self.axes else s for d, s in enumerate(self.shape))
-
-    def drop_shape(self) -> tuple[int, ...]:
-        return tuple(s for d, s in enumerate(self.shape) if d not in self.axes)
-
-    def role(self, n: Expr) -> Role:
-        return self.roles[n]
-
-    @property
     def ops(self) -> list[str]:
         return [n.op for n in self.nodes]
 
@@ -76,14 +86,14 @@ class Plan:
         return len(self.groups)
 
 
-def contraction_of(nodes: list[Expr] | tuple[Expr, ...], roles: Mapping[Expr, Role]) -> Expr | None:
+def contraction_of(nodes: Sequence[Expr], roles: Mapping[Expr, Role]) -> Expr | None:
     """The kernel's own contraction: not one a prologue recomputes at an operand's tiles."""
     own = (n for n in nodes if REGISTRY[n.op].kind is OpKind.CONTRACTION and roles[n] not in (Role.A, Role.B))
     return next(own, None)
 
 
 @dataclass(eq=False)
-class Work:
+class Work(Domain):
     shape: tuple[int, ...]
     axes: tuple[int, ...] = ()
     nodes: list[Expr] = field(default_factory=list)
@@ -101,23 +111,6 @@ class Work:
         cone = tuple(sorted(dict.fromkeys(self.free), key=lambda m: order[m]))
         roles = MappingProxyType(dict(self.roles))
         return Group(self.shape, self.axes, nodes, roles, cone=cone, notes=tuple(self.notes))
-
-    @property
-    def is_row(self) -> bool:
-        return bool(self.axes)
-
-    def keep_shape(self) -> tuple[int, ...]:
-        return tuple(1 if d in self.axes else s for d, s in enumerate(self.shape))
-
-    def drop_shape(self) -> tuple[int, ...]:
-        return tuple(s for d, s in enumerate(self.shape) if d not in self.axes)
-
-    def role(self, n: Expr) -> Role:
-        return self.roles[n]
-
-    @property
-    def contraction(self) -> Expr | None:
-        return contraction_of(self.nodes, self.roles)
 
 
 def order_of(graph: Graph) -> dict[Expr, int]:
