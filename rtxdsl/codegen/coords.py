@@ -21,6 +21,7 @@ from ..dtypes import TRITON_TYPE, accumulator, compute_dtype
 from ..lower.params import (
     FLAG_PTR,
     input_ptr,
+    output_name,
     output_ptr,
     own_params,
 )
@@ -316,7 +317,7 @@ class CoordWriter(Writer):
             return f"tl.store({output_ptr(k)} + offs, {val}, mask=mask)"
         assert self.spec.domain is not None
         index = self._domain(full)
-        terms = offset_terms(f"out{k}", o.rows, index)
+        terms = offset_terms(output_name(k), o.rows, index)
         walked = [red for cls, idx, red in zip(o.rows, index, self.spec.domain) if cls != BCAST and idx != "0"]
         on_rows, on_cols = any(not red for red in walked), any(walked)
         if not on_rows:

@@ -19,6 +19,7 @@ from ..lower.params import (
     batch_stride_name,
     dim_stride_name,
     input_ptr,
+    output_name,
     output_ptr,
     own_params,
     prologue_cost,
@@ -745,5 +746,5 @@ class GemmWriter(Writer):
         if o.role is not Role.FULL:  # a reduction of A, one value per row: the first column of tiles writes it
             rows = "batch * M + rows" if self.out_idx else "rows"  # each batch's rows (a contiguous buffer)
             return f"tl.store({output_ptr(k)} + {rows}, {val}, mask=rows < tl.where(pid_n == 0, M, 0))"
-        offset = self._tile_offset(f"out{k}", (STRIDED, UNIT), self.out_idx)
+        offset = self._tile_offset(output_name(k), (STRIDED, UNIT), self.out_idx)
         return f"tl.store({output_ptr(k)} + {offset}, {val}, mask={self.store_mask})"

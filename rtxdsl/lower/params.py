@@ -99,7 +99,7 @@ def load_names(loads: tuple[LoadSpec, ...]) -> list[str]:
     """Each load's name in parameters (``in{j}``; ``in{j}_{k}`` for an input loaded again, re-laid-out)."""
     names, seen = [], set()
     for k, ld in enumerate(loads):
-        base = f"in{ld.input}"
+        base = input_name(ld.input)
         names.append(base if ld.input not in seen else f"{base}_{k}")
         seen.add(ld.input)
     return names
@@ -110,10 +110,10 @@ def _ints(names: list[str]) -> list[Param]:
 
 
 def _pointers(spec: KernelSpec, parts: bool, flags: bool) -> list[Param]:
-    out = [Param(f"in{j}_ptr", ParamKind.INPUT, j) for j in range(len(spec.in_dtypes))]
-    out += [Param(f"out{k}_ptr", ParamKind.OUTPUT, k) for k in range(len(spec.outputs))]
+    out = [Param(input_ptr(j), ParamKind.INPUT, j) for j in range(len(spec.in_dtypes))]
+    out += [Param(output_ptr(k), ParamKind.OUTPUT, k) for k in range(len(spec.outputs))]
     if parts:
-        out += [Param(f"part{i}_ptr", ParamKind.PARTIAL, k) for k, (i, _, _) in enumerate(partial_states(spec))]
+        out += [Param(partial_ptr(i), ParamKind.PARTIAL, k) for k, (i, _, _) in enumerate(partial_states(spec))]
     return out + ([Param(FLAG_PTR, ParamKind.FLAGS)] if flags else [])
 
 
@@ -125,7 +125,7 @@ def strided(prefix: str, classes: tuple[Stride, ...], first: int = 0) -> list[st
     """An operand's stride parameters, in every kernel family: ``<prefix>_stride<d>`` for each
     strided dim ``d`` of those the kernel indexes it by (a flat kernel's rows then columns, a
     coordinate kernel's own dims, a GEMM tile's dims after ``first`` batch dims)."""
-    return [f"{prefix}_stride{first + d}" for d, c in enumerate(classes) if c == STRIDED]
+    return [stride_name(prefix, first + d) for d, c in enumerate(classes) if c == STRIDED]
 
 
 def _extent_names(spec: KernelSpec, nr: int, nc: int) -> list[str]:
@@ -150,7 +150,7 @@ def _indexed(spec: KernelSpec) -> list[Param]:
     for name, ld in zip(load_names(spec.loads), spec.loads):
         names += strided(name, ld.rows)
     for k, o in enumerate(spec.outputs):
-        names += strided(f"out{k}", o.rows)
+        names += strided(output_name(k), o.rows)
     for i, n in enumerate(spec.nodes):
         names += [f"m{i}_{k}" for k in range(n.nargs)]
     return params + _ints(names) + _scalars(spec)
@@ -273,23 +273,23 @@ def _gemm(spec: KernelSpec) -> list[Param]:
     ints = ["M", "N", "K", *(f"bsize{d}" for d in range(nb))]
     for op, dims, classes, j in (("a", "mk", g.a_classes, g.a), ("b", "kn", g.b_classes, g.b)):
         if j >= 0:  # read from memory (a prologue reads its own loads)
-            ints += [f"{op}_stride_b{d}" for d in range(nb)]
-            ints += [f"{op}_stride_{dim}" for dim, c in zip(dims, classes) if c == STRIDED]
+            ints += [batch_stride_name(op, d) for d in range(nb)]
+            ints += [dim_stride_name(op, dim) for dim, c in zip(dims, classes) if c == STRIDED]
     for k in tile_loads(spec.nodes):
         ld = spec.loads[k]
         n_b = nb if ld.role in OPERAND_ROLES else out_dims - 2
-        ints += [f"{names[k]}_stride{d}" for d in range(n_b)]
+        ints += [stride_name(names[k], d) for d in range(n_b)]
         ints += strided(names[k], (*ld.rows, *ld.cols), n_b)
     for k, o in enumerate(spec.outputs):
         if o.role is Role.FULL:  # a reduction of A is contiguous: one value per row of the product
-            ints += [f"out{k}_stride{d}" for d in range(out_dims - 1)]  # columns: stride 1
+            ints += [stride_name(output_name(k), d) for d in range(out_dims - 1)]  # columns: stride 1
     shared = shared_operands(spec)
     for i in inner_products(spec.nodes):  # a recomputed product: its contracted size, its operands' strides
         if i not in shared:
             ints.append(f"K{i}")
         for k in product_loads(spec, i, shared):
             ld = spec.loads[k]
-            ints += [f"{names[k]}_stride_b{d}" for d in range(nb)]
+            ints += [batch_stride_name(names[k], d) for d in range(nb)]
             # numbered past the batch dims, as a load at a tile numbers them: one read both ways
             # (``(g.mT @ s) * exp(s)``) has one name per stride (``s_stride0`` was its batch stride
             # at the tile and its row stride in the product: one value for both, the product wrong)

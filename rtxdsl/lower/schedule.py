@@ -799,7 +799,7 @@ def flat_walk(group: Group, graph: Graph, layouts: Mapping[Expr, Layout], target
         OutSpec(b.index[o], layouts[o].dtype, group.role(o), (*rows, *cols) if group.is_row else (), ())
         for o, (rows, cols) in zip(group.outputs, classes[n_loads:])
     )
-    names = [*load_names(loads), *(f"out{k}" for k in range(len(outputs)))][
+    names = [*load_names(loads), *(output_name(k) for k in range(len(outputs)))][
         : n_loads + (len(outputs) if group.is_row else 0)
     ]
     ints: dict[str, int] = {}
