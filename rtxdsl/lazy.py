@@ -37,12 +37,14 @@ flush runs its kernel with gradients where a value needs them. A kernel saves on
 backward reads, and what it saved is copied before the stream writes that memory (eager's ops
 save their results, or a copy of what they overwrite, where rtxdsl's backward recomputes); a
 plain input that requires no grad stays guarded while its saved value lives, so an eager write to
-it after the flush copies the value too.
+it after the flush copies the value too, and so does one that requires grad where every op that
+read it is one whose eager backward saves none of its values (``torchsem.saves``: ``where``, ``+``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -202,16 +204,23 @@ _SAVED: dict[tuple[torch.device, int], list[weakref.ref[_Saved]]] = {}
 _KEEPERS: dict[tuple[torch.device, int], list[weakref.ref[torch.Tensor]]] = {}
 
 
-def _packer(args: list[Any], fusion: Fusion) -> Callable[[torch.Tensor], _Saved]:
+def _packer(args: list[Any], fusion: Fusion, unsaved: frozenset[int]) -> Callable[[torch.Tensor], _Saved]:
     """The pack hook of a kernel call reading ``args``: it saves each tensor in a ``_Saved``
     cell, and keeps guarded the plain tensors the user holds over a saved argument's memory
     (the argument, the tensor it views, the fusion's other wrappers of it): eager's ``where``,
     ``relu`` or ``sigmoid`` save a mask or their result where rtxdsl's backward recomputes from
     such an input, so a write to it before the backward is no error in eager (a plain ``p.zero_()``
     after ``torch.where(x > p, x, p)`` was flushed raised autograd's version error; lazy fuzzer
-    program 2026131100010). Parameters and values that require grad are not kept: eager saves
-    those itself, and a weight written between forward and backward fails there too."""
-    plain = [a for a in args if type(a) in (torch.Tensor, _GUARDED.get(torch.Tensor)) and not a.requires_grad]
+    program 2026131100010). Values that require grad are kept where every recorded op that read
+    them is one whose eager backward saves none of its values (``unsaved``, the ids of such
+    arguments: ``where(p > x, p, x)``, ``p + x``; program 2027700900073); the others, and parameters,
+    are not: eager saves those itself, and a weight written between forward and backward fails
+    there too."""
+    plain = [
+        a
+        for a in args
+        if type(a) in (torch.Tensor, _GUARDED.get(torch.Tensor)) and (not a.requires_grad or id(a) in unsaved)
+    ]
 
     def pack(t: torch.Tensor) -> _Saved:
         with torch._C.DisableTorchFunctionSubclass():
@@ -267,20 +276,21 @@ def _unpack(cell: _Saved) -> torch.Tensor:
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def _saved_hooks(tensors: list[Any], fusion: Fusion) -> Any:
+def _saved_hooks(tensors: list[Any], fusion: Fusion, unsaved: frozenset[int]) -> Any:
     """The hooks a kernel call of the stream runs under when it records a backward (none under
     a caller's own saved-tensor hooks, which keep theirs)."""
     grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
     if not grads or _TOP_HOOKS is None or _TOP_HOOKS(False) is not None:
         return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_packer(tensors, fusion), _unpack)
+    return torch.autograd.graph.saved_tensors_hooks(_packer(tensors, fusion, unsaved), _unpack)
 
 
-def _call(kernel: Kernel, args: list[Any], grad: bool, fusion: Fusion) -> Any:
+def _call(kernel: Kernel, args: list[Any], grad: bool, fusion: Fusion, unsaved: frozenset[int] = frozenset()) -> Any:
     """A flush's kernel call, with autograd as when its ops were recorded: a graph where a value
-    requires grad (whatever the mode at the flush), none where none does."""
+    requires grad (whatever the mode at the flush), none where none does. ``unsaved``: the ids
+    of the arguments that require grad but that no eager op reading them saves (see ``_packer``)."""
     if grad:
-        with torch.enable_grad(), _saved_hooks(args, fusion):
+        with torch.enable_grad(), _saved_hooks(args, fusion, unsaved):
             return kernel(*args)
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         with torch.no_grad():
@@ -367,6 +377,7 @@ class OperationStream:
     def __init__(self, fusion: Fusion, device: torch.device) -> None:
         self.fusion = fusion
         self.device = device
+        self.on_cpu = device.type == "cpu"  # (numbers meet half tensors as CPU eager's: scalars_as_cpu_eager)
         self.info: dict[Expr, Info] = {}  # types of the nodes recorded since the last flush
         self.leaves: dict[int, tuple[torch.Tensor, Expr]] = {}  # id(tensor) -> (tensor, var)
         # leaves read without gradient (no_grad, detach): id(tensor) -> (its detached alias, var)
@@ -378,6 +389,9 @@ class OperationStream:
         # ids of the tensors the segment holds (its leaves, their detached aliases), by storage
         self.on_storage: dict[tuple[torch.device, int], set[int]] = {}
         self.grad_vars: set[Expr] = set()  # the leaf variables whose tensor requires grad
+        #: grad leaves -> True while every op that read it is one whose eager backward saves none
+        #: of its values (``torchsem.saves``): rtxdsl's may save it, so it is copied before a write
+        self.unsaved: dict[Expr, bool] = {}
         #: leaf variables whose tensor autograd refuses to differentiate through (a view of a
         #: multi-output op written in place): the error eager raises where a differentiable op reads it
         self.refused: dict[Expr, RuntimeError] = {}
@@ -394,7 +408,15 @@ class OperationStream:
         self.views: list[weakref.ref[LazyTensor]] = []  # recorded views of pending values
 
     # leaves and recording
-    def leaf(self, t: torch.Tensor) -> Expr:
+    def leaf(self, t: torch.Tensor, saved: bool = True) -> Expr:
+        """``t``'s variable in the segment; ``saved``: whether the eager op reading it saves it for
+        its backward (``torchsem.saves``; see ``_packer``)."""
+        v = self.read_leaf(t)
+        if v in self.grad_vars:
+            self.unsaved[v] = not saved and self.unsaved.get(v, True)
+        return v
+
+    def read_leaf(self, t: torch.Tensor) -> Expr:
         home = self.homes.get(id(t))
         if home is not None and home[0] is t:  # t has a pending in-place value: read that
             writer = home[1][-1]
@@ -676,7 +698,8 @@ class OperationStream:
             kernel, args, homes = self.fusion._plan(exprs, self, into)
             _before_write(list(into.values()))
             try:
-                outs = _call(kernel, args, any(lt._grad for lt in firsts.values()), self.fusion)
+                unsaved = frozenset(id(t) for t, v in self.leaves.values() if self.unsaved.get(v))
+                outs = _call(kernel, args, any(lt._grad for lt in firsts.values()), self.fusion, unsaved)
             except BaseException:
                 if homes and _launched(kernel, args):  # (not launched: a lowering error)
                     written.extend(homes)
@@ -788,6 +811,7 @@ class OperationStream:
         self.snapshots.clear()
         self.on_storage.clear()
         self.grad_vars.clear()
+        self.unsaved.clear()
         self.refused.clear()
         self.unprobed.clear()
         self.versions.clear()
@@ -1056,9 +1080,9 @@ class LazyTensor:
         assert self._value is not None
         return self._value
 
-    def _as_expr(self) -> Expr:
+    def _as_expr(self, saved: bool = True) -> Expr:
         if self._expr is None:
-            return self._stream.leaf(self._value)  # type: ignore[arg-type]
+            return self._stream.leaf(self._value, saved)  # type: ignore[arg-type]
         home = self._home
         if home is not None and not self._grad and home.requires_grad and torch.is_grad_enabled():
             # written under no_grad, read with gradients: the tensor itself (its history, the new values)
@@ -1154,7 +1178,7 @@ class LazyTensor:
         )
         if kernel.draws_seeds or grads or any(v._stream is not stream for v in lazies):
             real = [v._real("an rtxdsl kernel call") if isinstance(v, LazyTensor) else v for v in values]
-            with _saved_hooks(real, stream.fusion):
+            with _saved_hooks(real, stream.fusion, frozenset()):
                 return _wrap(kernel(*real), stream.fusion)
         names = [v.attr("name") for v in kernel.variables]
         while True:
@@ -1235,8 +1259,8 @@ class LazyTensor:
             # the hot path: a mapped op over lazy values (one stream, eager layout contiguous) and numbers
             stream = None
             operands = []
-            grad = False
-            for a in args:
+            grad = numbers = False
+            for k, a in enumerate(args):
                 if type(a) is LazyTensor and a._strides is None:
                     if stream is None:
                         stream, epoch = a._stream, a._stream.epoch
@@ -1248,15 +1272,18 @@ class LazyTensor:
                         operands.append(a._expr)
                         grad = grad or a._grad
                     else:
-                        v = stream.leaf(a._value)
+                        v = stream.leaf(a._value, torchsem.saves(func, args, k))
                         operands.append(v)
                         grad = grad or v in stream.grad_vars or not v.is_var and a._value.requires_grad
                 elif isinstance(a, (bool, int, float)):
                     operands.append(a)
+                    numbers = True
                 else:
                     break
             else:  # (a conversion that flushed the stream, or no_grad over grads, takes the careful path)
                 if stream is not None and stream.epoch == epoch and stream.fusion.config.enabled:
+                    if numbers and func in _CPU_ROUNDS and stream.on_cpu and _half(args[0]):
+                        operands = scalars_as_cpu_eager(operands, {a.dtype for a in args if type(a) is LazyTensor})
                     if not grad or torch.is_grad_enabled():
                         try:
                             out = stream.record(entry[1](*operands), grad)
@@ -1358,7 +1385,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return args[0]  # eager returns self (x.float() of a float, eval dropout): so do we
     grad = any(a.requires_grad for a in found)
     try:
-        expr = _build(entry[1], args, kwargs, stream)
+        expr = _build(func, entry, args, kwargs, stream)
         if isinstance(expr, tuple):
             return _record_many(func, expr, stream, meta, grad)
         out = stream.record(expr, grad)
@@ -1390,6 +1417,8 @@ def _name(func: Any) -> str:
 #: the registry's torch mappings, read once per call on the hot path
 _TORCH = REGISTRY.torch
 _new = object.__new__
+#: the torch functions whose numbers CPU eager rounds to a half operand's dtype (``Front.cpu_rounds_numbers``)
+_CPU_ROUNDS = frozenset(f for f, (op, _) in _TORCH.items() if op.front.cpu_rounds_numbers)
 #: functions the hot path leaves to ``_dispatch``: views, writes, ``contiguous``
 _SLOW = frozenset(
     torchsem.VIEWS | torchsem.MAYBE_SELF | {torchsem.CONTIGUOUS} | {f for f in _TORCH if torchsem.writes(f, {})}
@@ -1503,15 +1532,52 @@ def _view_strides(meta: Any) -> tuple[int, ...] | None:
 
 
 # ---- records, views and writes ------------------------------------------------------------------
-def _build(builder: Callable[..., Any], args: tuple, kwargs: dict, stream: OperationStream) -> Any:
-    """Operands as expressions, then the op's builder; redone if converting an operand flushed the
-    stream (a read of a tensor with a pending in-place write): no operand keeps a stale leaf."""
+def _build(func: Any, entry: tuple[Any, Callable[..., Any]], args: tuple, kwargs: dict, stream: OperationStream) -> Any:
+    """Operands as expressions, then the op's builder (``entry``: the registry's op and builder);
+    redone if converting an operand flushed the stream (a read of a tensor with a pending in-place
+    write): no operand keeps a stale leaf. Numbers as CPU eager rounds them (``scalars_as_cpu_eager``)."""
+    builder = entry[1]
+    if entry[0].front.cpu_rounds_numbers and stream.device.type == "cpu":
+        dtypes = {t.dtype for t in _tensors_and_lazies((args, kwargs))}
+        args = tuple(scalars_as_cpu_eager(list(args), dtypes))
+        kwargs = dict(zip(kwargs, scalars_as_cpu_eager(list(kwargs.values()), dtypes)))
     while True:
         epoch = stream.epoch
-        exprs = [_expr_of(a, stream) for a in args]
+        exprs = [_expr_of(a, stream, torchsem.saves(func, args, k)) for k, a in enumerate(args)]
         kw = {k: _expr_of(v, stream) for k, v in kwargs.items()}
         if stream.epoch == epoch:
             return builder(*exprs, **kw)
+
+
+#: the dtypes CPU eager casts a Python number operand to (see ``Front.cpu_rounds_numbers``)
+_HALVES = frozenset({torch.float16, torch.bfloat16})
+
+
+def scalars_as_cpu_eager(values: list[Any], dtypes: set[torch.dtype]) -> list[Any]:
+    """An op's operands with each Python number as CPU eager computes with it, where the op's
+    tensors are all float16 or all bfloat16 and the op is one of those that cast it
+    (``Front.cpu_rounds_numbers``): ``x - 0.387`` subtracts ``0.387`` rounded to ``x``'s dtype,
+    so it is exactly 0 where ``x`` holds that value, as on CPU (CUDA subtracts the float32 value;
+    so does a kernel on a GPU). A number the cast keeps stays as it is (an int stays an int).
+
+    Example:
+        >>> import torch
+        >>> scalars_as_cpu_eager([0.1, 2], {torch.bfloat16})
+        [0.10009765625, 2]
+    """
+    if len(dtypes) != 1 or (dtype := next(iter(dtypes))) not in _HALVES:
+        return values
+    return [_rounded(v, dtype) if type(v) in (int, float) else v for v in values]
+
+
+def _half(a: Any) -> bool:
+    return type(a) is LazyTensor and a._info.dtype in _HALVES
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _rounded(v: float, dtype: torch.dtype) -> float:
+    r = torch.tensor(v, dtype=torch.float64).to(dtype).item()
+    return v if r == v else r
 
 
 def _tensors_and_lazies(obj: Any) -> list[Any]:
@@ -1524,15 +1590,16 @@ def _tensors_and_lazies(obj: Any) -> list[Any]:
     return []
 
 
-def _expr_of(x: Any, stream: OperationStream) -> Any:
-    """An operand as an expression; under ``no_grad``, one that requires grad is read detached."""
+def _expr_of(x: Any, stream: OperationStream, saved: bool = True) -> Any:
+    """An operand as an expression; under ``no_grad``, one that requires grad is read detached.
+    ``saved``: whether eager's op saves it for its backward (``OperationStream.leaf``)."""
     if isinstance(x, LazyTensor):
-        e = x._as_expr()
+        e = x._as_expr(saved)
         return e if not x.requires_grad or torch.is_grad_enabled() else stream.stopped(e)
     if isinstance(x, torch.Tensor):
         if x.device != stream.device:
             raise Unsupported
-        e = stream.leaf(x)
+        e = stream.leaf(x, saved)
         return e if not x.requires_grad or torch.is_grad_enabled() else stream.stopped(e)
     if isinstance(x, (list, tuple)) and any(isinstance(v, (LazyTensor, torch.Tensor)) for v in x):
         return type(x)(_expr_of(v, stream) for v in x)
@@ -1566,7 +1633,7 @@ def _view(func: Any, args: tuple, kwargs: dict, fusion: Fusion) -> Any:
         alias = func in (torch.Tensor.detach, torch.detach)
         if isinstance(meta, torch.Tensor) and (entry is not None or alias) and fusion.config.enabled:
             try:  # a detached alias reads its root's leaves detached; a view requires grad as its root
-                expr = stream.stopped(base._expr) if alias else _build(entry[1], args, kwargs, stream)  # type: ignore[index]
+                expr = stream.stopped(base._expr) if alias else _build(func, entry, args, kwargs, stream)  # type: ignore[index]
                 grad = not alias and base.requires_grad
                 view = stream.record(expr, grad) if isinstance(expr, Expr) and base.is_pending else None
             except (Unsupported, RtxError):

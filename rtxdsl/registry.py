@@ -223,6 +223,11 @@ class Front:
     #: in-place torch methods (``Tensor.add_``) whose out-of-place value this op computes
     inplace: tuple[Any, ...] = ()
     parse: bool = True
+    #: CPU eager casts a Python number operand to the dtype of the op's float16 / bfloat16 tensor
+    #: operands before the op (TensorIterator's wrapped scalars: ``x - s`` is exactly 0 where ``x``
+    #: holds ``s`` rounded, ``x == s`` is True there), where CUDA computes with it in float32: the
+    #: lazy stream rounds such a number on CPU tensors too (``lazy.scalars_as_cpu_eager``)
+    cpu_rounds_numbers: bool = False
 
 
 @dataclass(frozen=True)

@@ -88,3 +88,49 @@ def out_of_place(func: Any, kwargs: dict) -> tuple[Callable[..., Any], dict] | N
             found = getattr(owner, plain, None)
             return (found, kwargs) if callable(found) else None
     return None
+
+
+# ---- what eager's backward saves -------------------------------------------------------------------
+#: functions whose backward saves none of their tensor operands' values (a sum's gradient is the
+#: cotangent broadcast, ``where`` saves its mask, ``relu`` / ``sigmoid`` / ``softmax`` their results,
+#: dropout its mask; a comparison has no backward): eager lets a write to such an operand between
+#: forward and backward go
+_UNSAVED_NAMES = (
+    "add", "sub", "subtract", "rsub", "neg", "negative", "where", "masked_fill", "clone", "sum", "mean", "relu",
+    "sigmoid", "tanh", "exp", "exp2", "expm1", "sqrt", "rsqrt", "reciprocal", "softmax", "log_softmax", "dropout",
+    "to", "float", "half", "bfloat16", "double", "type_as", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__",
+    "__rtruediv__", "gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal",
+    "not_equal", "__gt__", "__lt__", "__ge__", "__le__", "__eq__", "__ne__", "isnan", "isinf", "isfinite", "sign",
+)  # fmt: skip
+_UNSAVED: frozenset[Any] = frozenset(
+    f for owner in _OWNERS for n in _UNSAVED_NAMES if callable(f := getattr(owner, n, None))
+)
+#: products: an operand is saved for the other's gradient only (``x * 2`` saves nothing)
+_PRODUCTS: frozenset[Any] = frozenset(
+    f for owner in _OWNERS for n in ("mul", "multiply", "__mul__", "__rmul__") if callable(f := getattr(owner, n, None))
+)
+#: quotients: the numerator is saved for the denominator's gradient only, the denominator always
+_QUOTIENTS: frozenset[Any] = frozenset(
+    f
+    for owner in _OWNERS
+    for n in ("div", "divide", "true_divide", "__truediv__")
+    if callable(f := getattr(owner, n, None))
+)
+
+
+def saves(func: Any, args: tuple, k: int) -> bool:
+    """Does eager's ``func(*args)`` save positional operand ``k``'s values for its backward? A
+    function outside these tables is taken to save every operand.
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> saves(torch.where, (x > 0, x, x), 1), saves(torch.sin, (x,), 0), saves(torch.mul, (x, 2.0), 0)
+        (False, True, False)
+    """
+    if func in _UNSAVED:
+        return False
+    if func in _PRODUCTS or func in _QUOTIENTS and k == 0:
+        other = args[1 - k] if len(args) == 2 else None
+        return getattr(other, "requires_grad", False) is True  # (a tensor, lazy or not, not a number)
+    return True

@@ -617,6 +617,46 @@ def test_a_plain_tensor_a_kernel_saved_is_copied_before_an_eager_write_after_the
 
 
 @pytest.mark.parametrize(
+    "prog",
+    [
+        lambda x, p: torch.where(p > x, p, x),  # where saves its mask, a comparison nothing
+        lambda x, p: torch.sigmoid(x + p) * 2.0,  # add saves nothing, sigmoid its result
+        lambda x, p: torch.tanh(p * 3.0 - x),  # a product with a number saves nothing, tanh its result
+    ],
+    ids=["where", "add-sigmoid", "scaled-tanh"],
+)
+def test_a_plain_tensor_that_requires_grad_read_by_ops_eager_saves_nothing_of_may_be_written(f, prog):
+    """Eager's backward of these ops keeps none of ``p``'s values, so writing ``p`` in place after
+    the flush is no error there; rtxdsl's recomputes from ``p``, so ``p`` (a plain tensor that
+    requires grad, never wrapped) is copied before the write as a buffer is (``torchsem.saves``).
+    It raised autograd's version error (lazy fuzzer program 2027700900073)."""
+    grads = []
+    for lazy in (False, True):
+        t = torch.linspace(-2.0, 3.0, 6).requires_grad_()
+        x = f.lazy(t * 1) if lazy else t * 1
+        p = t * 0.5 - 0.25  # a plain tensor with a history
+        y = prog(x, p)
+        f.sync()
+        p.relu_()
+        grads.append(torch.autograd.grad(y.float().sum(), t)[0])
+        del y
+    torch.testing.assert_close(torch.as_tensor(grads[1]), grads[0])
+
+
+def test_a_plain_tensor_that_requires_grad_read_by_an_op_eager_saves_still_fails_at_the_backward(f):
+    """``p * x`` saves ``p`` for ``x``'s gradient: a write to ``p`` after the flush fails, as in eager."""
+    for lazy in (False, True):
+        t = torch.linspace(-2.0, 3.0, 6).requires_grad_()
+        x = f.lazy(t * 1) if lazy else t * 1
+        p = t * 0.5
+        y = p * x
+        f.sync()
+        p.relu_()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(y.float().sum(), t)
+
+
+@pytest.mark.parametrize(
     "shape",
     [
         (4, 1),  # an inner dim of one: both of the operand's strides are 1
@@ -786,7 +826,7 @@ def test_a_tensor_a_failed_flush_began_writing_raises_until_overwritten(f, gen, 
     m = torch.randn(7, generator=gen)
     f.lazy(m).mul_(0.5)
 
-    def launch_fails(kernel, args, grad, fusion):
+    def launch_fails(kernel, args, grad, fusion, unsaved):
         raise RuntimeError("launch failed")
 
     monkeypatch.setattr(lazy, "_call", launch_fails)

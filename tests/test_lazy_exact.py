@@ -294,7 +294,46 @@ FOUND = [
     (2027200300061, 20, "the harness: an index error a queue cap's flush raises at eager's line (deferred)"),
     (2027310400130, 30, "a call recorded, then run eagerly (int logits): its flush computed the recording"),
     (2027310300055, 20, "the fuzzer's float32 check: a layer norm of bf16 draws, taken unrounded (a false alarm)"),
+    (2027700900073, 30, "where(p > x, p, x) of a plain p with a history, flushed, then relu_(p): a version error"),
+    (2027702700209, 30, "x16 - s subtracted the float32 number where CPU eager subtracts it rounded to x's dtype"),
 ]
+
+
+# CPU eager casts a Python number to a float16 / bfloat16 tensor's dtype before these ops
+# (TensorIterator's wrapped scalars; CUDA computes with the float32 number), so ``x - s`` is exactly
+# 0 where x holds s rounded and ``x == s`` is True there. The lazy stream rounds the number on CPU
+# tensors too: it subtracted the float32 number, and a ``where(v > 0, ...)`` over ``x - s`` took the
+# other branch (lazy fuzzer program 2027702700209). Each line compared bit for bit.
+NUMBER_LINES = [
+    "x - s",
+    "s - x",
+    "torch.sub(x, s, alpha=1)",
+    "x.clone().sub_(s)",
+    "x + (-s)",
+    "x == s",
+    "x >= s",
+    "x < s",
+    "torch.clamp(x, min=s) - x",
+    "x ** s",
+    "x % s",
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("line", NUMBER_LINES)
+def test_a_number_meets_a_half_tensor_rounded_as_cpu_eager_rounds_it(line, dtype):
+    s = 0.3871234
+    held = torch.tensor(s).to(dtype)  # s rounded, and its neighbours: where the rounding decides
+    x = torch.cat([held.view(1), held.float().nextafter(torch.tensor(1.0)).to(dtype).view(1), -held.view(1)])
+    x = torch.cat([x, (torch.randn(7, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)])
+    want = eval(line, {"torch": torch, "x": x, "s": s})
+    got = eval(line, {"torch": torch, "x": rx.Fusion().lazy(x), "s": s}).torch()
+    assert got.dtype == want.dtype
+    assert (
+        torch.equal(got, want)
+        or torch.equal(got.isnan(), want.isnan())
+        and torch.equal(got.nan_to_num(), want.nan_to_num())
+    ), f"{line}: {got} != {want}"
 
 
 @pytest.mark.parametrize("seed, steps, what", FOUND, ids=[str(s) for s, _, _ in FOUND])

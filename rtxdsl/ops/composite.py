@@ -439,6 +439,7 @@ _composite(
         methods={"clamp": None, "clip": None},
         torch=dict.fromkeys(torch_fns("clamp", "clip"), _torch_clamp),
         inplace=(torch.Tensor.clamp_, torch.Tensor.clip_),
+        cpu_rounds_numbers=True,
     ),
 )
 _composite("clamp_min", 2, lambda x, lo: torch.clamp(x, min=lo), _clamp_min)

@@ -271,6 +271,7 @@ _ew(
             torch.Tensor.__radd__: lambda a, b: node("add", b, a),
         },
         inplace=(torch.Tensor.add_, torch.Tensor.__iadd__),
+        cpu_rounds_numbers=True,
     ),
 )
 _ew(
@@ -293,6 +294,7 @@ _ew(
             torch.rsub: lambda a, b, *, alpha=1: node("sub", b, _scaled(a, alpha)),
         },
         inplace=(torch.Tensor.sub_, torch.Tensor.__isub__),
+        cpu_rounds_numbers=True,
     ),
 )
 _ew(
@@ -374,6 +376,7 @@ _ew(
             **{f: (lambda a, b: a % b) for f in torch_fns("remainder", "__mod__")},
             torch.Tensor.__rmod__: lambda a, b: b % a,
         },
+        cpu_rounds_numbers=True,
     ),
 )
 
@@ -418,6 +421,7 @@ _ew(
             torch.Tensor.__rpow__: lambda a, b: b**a,
         },
         inplace=(torch.Tensor.pow_, torch.Tensor.__ipow__),
+        cpu_rounds_numbers=True,
     ),
 )
 
@@ -810,6 +814,7 @@ for _name, _sym, _aliases in (
             operators=(f"__{_name}__",),
             torch={f: (lambda n: lambda a, b: node(n, a, b))(_name) for f in torch_fns(_name, *_aliases)}
             | {getattr(torch.Tensor, f"__{_name}__"): (lambda n: lambda a, b: node(n, a, b))(_name)},
+            cpu_rounds_numbers=True,
         ),
     )
 _ON_BOOLS = {"and": both, "or": either, "xor": lambda a, b: f"{a} != {b}"}
