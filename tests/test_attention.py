@@ -1285,29 +1285,33 @@ def test_hugging_faces_bf16_attention_backward_sums_dp_times_p_unrounded(shape, 
 
 
 # ---- split-KV decoding: a long cache's keys split into chunks, one program each, then merged ---------
+FP32, BF16 = (torch.float32, 2e-5, 2e-5), (torch.bfloat16, 2e-2, 2e-2)
+
+
+# the split and the merge do not depend on the dtype: each case runs in one, the masked one in both
 @pytest.mark.parametrize(
-    "hq, hkv, mods",
+    "hq, hkv, mods, dtype, atol, rtol",
     [
-        (4, 2, {}),  # grouped: the chunks of each key head's group
-        (2, 2, {"softcap": True}),  # one query head per key head, a score function
-        (4, 1, {"padding": True}),  # multi-query, a key padding mask ([Tk]) beside the chunks' positions
+        (4, 2, {}, *FP32),  # grouped: the chunks of each key head's group
+        (2, 2, {"softcap": True}, *BF16),  # one query head per key head, a score function
+        (4, 1, {"padding": True}, *FP32),  # multi-query, a key padding mask ([Tk]) beside the chunks' positions
+        (4, 1, {"padding": True}, *BF16),
     ],
 )
-@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 2e-5, 2e-5), (torch.bfloat16, 2e-2, 2e-2)])
 def test_a_decoding_step_over_a_long_cache_splits_its_keys_and_merges_them(
     hq, hkv, mods, dtype, atol, rtol, monkeypatch, gen
 ):
-    """One query per head over 1,100 keys (``SPLIT_KV``'s threshold lowered from 4,096 for the
+    """One query per head over 300 keys (``SPLIT_KV``'s threshold lowered from 4,096 for the
     interpreter): the keys split into chunks of their own programs (a batch axis of the product,
     its positions guarding the tiles: each program runs its chunk's tiles only), each chunk's
     output and logsumexp merged by a row kernel over the chunks. Output, logsumexp and every
     gradient against float64, and the chunks' programs in the plan (``b * heads * chunks``)."""
-    monkeypatch.setitem(attention_ops.SPLIT_KV, "min_keys", 1024)
-    tk, d = 1100, 8
+    monkeypatch.setitem(attention_ops.SPLIT_KV, "min_keys", 256)
+    tk, d = 300, 8
     ins = _inputs(gen, 1, hq, hkv, 1, tk, d, d, dtype)
     extra, keep = {}, torch.ones(1, tk, dtype=torch.bool)
     if mods.get("padding"):
-        ins["m"] = (torch.arange(tk) < 700) & (torch.arange(tk) % 5 != 0)
+        ins["m"] = (torch.arange(tk) < 190) & (torch.arange(tk) % 5 != 0)
         extra["attn_mask"] = rx.var("m")
         keep = ins["m"][None, :]
     if mods.get("softcap"):
@@ -1333,14 +1337,14 @@ def test_a_decoding_step_over_a_long_cache_splits_its_keys_and_merges_them(
 
 
 @pytest.mark.parametrize(
-    "hq, hkv, mask_shape",
+    "hq, hkv, mask_shape, dtype, atol, rtol",
     [
-        (4, 2, (2, 1, 1, 300)),  # Hugging Face's 4-D padding mask of a batch, grouped query heads
-        (4, 4, (2, 4, 1, 300)),  # a mask per head (not grouped: a head axis of its own)
-        (4, 2, (1, 300)),  # SDPA's [Tq, Tk]
+        (4, 2, (2, 1, 1, 300), *FP32),  # Hugging Face's 4-D padding mask of a batch, grouped query heads
+        (4, 2, (2, 1, 1, 300), *BF16),
+        (4, 4, (2, 4, 1, 300), *BF16),  # a mask per head (not grouped: a head axis of its own)
+        (4, 2, (1, 300), *FP32),  # SDPA's [Tq, Tk]
     ],
 )
-@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 2e-5, 2e-5), (torch.bfloat16, 2e-2, 2e-2)])
 def test_a_decoding_step_with_a_batch_or_head_mask_splits_too(hq, hkv, mask_shape, dtype, atol, rtol, monkeypatch, gen):
     """``attn_mask`` only broadcasts against the scores, so a mask with batch, head and query axes
     takes a chunk axis of one (a view read by the chunks' GEMM, no kernel of its own) and the step

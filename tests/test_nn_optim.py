@@ -77,16 +77,16 @@ def test_gated_mlp_blocks(cls, act, gen):
 
 
 @pytest.mark.parametrize(("amsgrad", "maximize"), [(False, False), (True, False), (False, True)])
-def test_adamw_matches_torch_over_50_steps(amsgrad, maximize):
+def test_adamw_matches_torch_over_24_steps(amsgrad, maximize):
     a, b = _mlp(), _mlp()
     rx.nn.replace_modules(b)
     opt_a = torch.optim.AdamW(a.parameters(), lr=3e-3, weight_decay=0.05, amsgrad=amsgrad, maximize=maximize)
     opt_b = rx.optim.AdamW(b.parameters(), lr=3e-3, weight_decay=0.05, amsgrad=amsgrad, maximize=maximize)
-    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, 10, 0.5)
-    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, 10, 0.5)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, 6, 0.5)  # four learning rates, one kernel
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, 6, 0.5)
     gen = torch.Generator().manual_seed(1)
     before = rx.cache_stats().compiles
-    for _ in range(50):
+    for _ in range(24):
         x, y = torch.randn(16, 7, generator=gen), torch.randint(0, 5, (16,), generator=gen)
         for model, opt, sched in ((a, opt_a, sched_a), (b, opt_b, sched_b)):
             opt.zero_grad()
