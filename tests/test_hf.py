@@ -113,8 +113,8 @@ def _counting_rope(monkeypatch) -> list[int]:
     """Calls of the fused rope kernel from now on (the forward looks it up at each call)."""
     from rtxdsl.nn import swap
 
-    calls, kernel = [], swap._rope_kernel()
-    monkeypatch.setattr(swap, "_rope_kernel", lambda: lambda **kw: calls.append(1) or kernel(**kw))
+    calls, kernels = [], {pairs: swap._rope_kernel(pairs) for pairs in (False, True)}
+    monkeypatch.setattr(swap, "_rope_kernel", lambda pairs: lambda **kw: calls.append(1) or kernels[pairs](**kw))
     return calls
 
 
@@ -253,6 +253,60 @@ def _trained_compiled(model: torch.nn.Module, fused: torch.nn.Module, between=No
         if between is not None and seed == 5:
             between()
     return checked, graphs
+
+
+def test_a_rotary_function_is_fused_only_where_it_computes_llamas_and_in_its_dtype():
+    """``apply_rotary_pos_emb`` is probed as the norms are (``swap.rotary_pairs``): Cohere's rotates
+    interleaved pairs and GLM's pairs of a half-size cos, and both were fused as Llama's (Cohere's
+    float32 logits 4e-4 off, gradients 1.1e-2); Cohere's now gets the interleaved kernel. OLMo 2's
+    casts q and k back from its float32 cos and sin, and the fused kernel returned float32 (bf16
+    attention then refused q float32 beside v bfloat16)."""
+    from transformers.models.cohere import modeling_cohere
+    from transformers.models.glm import modeling_glm
+    from transformers.models.llama import modeling_llama
+    from transformers.models.olmo2 import modeling_olmo2
+
+    from rtxdsl.nn.swap import rotary_keeps_dtype, rotary_pairs
+
+    def original(module):
+        fn = module.apply_rotary_pos_emb
+        return getattr(fn, "__rtxdsl_original__", fn)
+
+    llama, olmo2 = original(modeling_llama), original(modeling_olmo2)
+    assert rotary_pairs(llama) is False and rotary_pairs(olmo2) is False
+    assert rotary_pairs(original(modeling_cohere)) is True and rotary_pairs(original(modeling_glm)) is None
+    assert rotary_keeps_dtype(olmo2) and not rotary_keeps_dtype(llama)
+
+
+@pytest.mark.parametrize(
+    "config, model_cls, dtype, ropes, tol",
+    [
+        ("CohereConfig", "CohereForCausalLM", torch.float32, LAYERS, 2e-6),  # interleaved pairs
+        ("Olmo2Config", "Olmo2ForCausalLM", torch.bfloat16, LAYERS, 2e-2),  # cast back to q's dtype
+    ],
+)
+def test_models_with_rotary_functions_of_their_own_match(config, model_cls, dtype, ropes, tol):
+    import transformers
+
+    cfg = getattr(transformers, config)(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).eval().to(dtype)
+    fused = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Cohere's norm is left alone, and said so)
+        assert rx.nn.replace_modules(fused).by_kind.get("rope", 0) == ropes
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+    out0, out1 = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out1.logits.float(), out0.logits.float(), atol=tol, rtol=tol)
+    out0.loss.backward()
+    out1.loss.backward()
+    for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
+        scale = float(p0.grad.abs().max())
+        torch.testing.assert_close(p1.grad.float(), p0.grad.float(), atol=tol * max(scale, 1), rtol=tol, msg=name)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -13,7 +13,10 @@ whose norm differs in a way the probe sees keeps its own module (and a warning s
 Hugging Face's rotary embedding is a free function (``apply_rotary_pos_emb``) in each model's
 module; the replaced model's attention modules run it as one kernel for q and k (the original
 still runs for inputs it does not cover, e.g. partial rotary), and only they: another model of
-the family, or this one replaced with ``rope=False``, keeps the original.
+the family, or this one replaced with ``rope=False``, keeps the original. The function is probed
+too (``rotary_pairs``): Cohere's rotates GPT-J's interleaved pairs and gets that kernel, GLM's
+(pairs of a half-size cos) keeps its own, and OLMo 2's returns q's dtype from float32 ``cos`` /
+``sin``, as the fused kernel then does.
 The causal-LM loss (``model.loss_function``) becomes ``rx.cross_entropy`` over the logits as
 they are (no float32 copy of them); with ``logits=False`` it is taken from the hidden states
 without ever making the logits.
@@ -115,7 +118,7 @@ def replace_modules(
             elif _looks_fusable(child):
                 left.add(type(child).__qualname__)
     if rope:
-        counts["rope"] = _fuse_rotary(model)
+        counts["rope"] = _fuse_rotary(model, left)
     if loss and _fuse_loss(model, logits):
         counts["loss"] = 1
     if attention:
@@ -248,20 +251,25 @@ def _gated_module(m: torch.nn.Module, act: str, lin: dict[str, torch.nn.Linear],
 
 # ---- rotary embedding: the model module's free function ------------------------------------------
 @made_once
-def _rope_kernel() -> Kernel:
+def _rope_kernel(pairs: bool) -> Kernel:
     q, k, cos, sin = (dsl.var(n) for n in ("q", "k", "cos", "sin"))
-    return compile({"q": rope(q, cos, sin), "k": rope(k, cos, sin)})
+    return compile({"q": rope(q, cos, sin, interleaved=pairs), "k": rope(k, cos, sin, interleaved=pairs)})
 
 
-def _rope_fused(original: Callable[..., Any], q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
+def _rope_fused(
+    original: Callable[..., Any], form: tuple[bool, bool], q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any
+) -> Any:
     """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` as one kernel for q and k; ``original``
-    for what it does not cover (more arguments, partial rotary, an odd head dim, tensor subclasses)."""
+    for what it does not cover (more arguments, partial rotary, an odd head dim, tensor subclasses).
+    ``form``: whether ``original`` rotates pairs (``rotary_pairs``) and returns q's and k's dtypes
+    whatever cos's (``rotary_keeps_dtype``)."""
+    pairs, keep = form
     unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
     whole = all(type(t) is torch.Tensor for t in (q, k, cos, sin)) and cos.shape[-1] == q.shape[-1]
     if args or kwargs.keys() - {"unsqueeze_dim"} or not whole or q.shape[-1] % 2:
         return original(q, k, cos, sin, *args, **kwargs)
-    out = _rope_kernel()(q=q, k=k, cos=cos.unsqueeze(unsqueeze_dim), sin=sin.unsqueeze(unsqueeze_dim))
-    return out["q"], out["k"]
+    out = _rope_kernel(pairs)(q=q, k=k, cos=cos.unsqueeze(unsqueeze_dim), sin=sin.unsqueeze(unsqueeze_dim))
+    return (out["q"].to(q.dtype), out["k"].to(k.dtype)) if keep else (out["q"], out["k"])
 
 
 def _hub_original(func_class: type) -> Callable[..., Any]:
@@ -278,7 +286,7 @@ def _rotary_forward(self: torch.nn.Module, q: Any, k: Any, cos: Any, sin: Any, *
     """The forward of one attention module's own ``kernels`` hub function (transformers >= 5 with the
     ``kernels`` package): set on that instance only, so other models keep theirs. A module-level
     function: a pickled instance names it (``kernels`` pickles an instance's forward by reference)."""
-    return _rope_fused(_hub_original(type(self)), q, k, cos, sin, *args, **kwargs)
+    return _rope_fused(_hub_original(type(self)), type(self).rtxdsl_rotary_form, q, k, cos, sin, *args, **kwargs)
 
 
 class _RopeGate:
@@ -302,9 +310,11 @@ def _gated_rotary(original: Callable[..., Any]) -> Callable[..., Any]:
     """A model module's plain ``apply_rotary_pos_emb`` (transformers without per-instance hub
     functions), fused only while an attention module ``replace_modules`` hooked is running."""
 
+    form = (bool(rotary_pairs(original)), rotary_keeps_dtype(original))
+
     @functools.wraps(original)
     def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
-        return _rope_fused(original, *args, **kwargs) if _RopeGate.open else original(*args, **kwargs)
+        return _rope_fused(original, form, *args, **kwargs) if _RopeGate.open else original(*args, **kwargs)
 
     apply_rotary_pos_emb.__rtxdsl_original__ = original  # type: ignore[attr-defined]
     return apply_rotary_pos_emb
@@ -323,23 +333,77 @@ def _gate_rotary(attention: torch.nn.Module, home: types.ModuleType, fn: Callabl
         attention.register_forward_hook(_rope_leave, always_call=True)
 
 
-def _fuse_rotary(model: torch.nn.Module) -> int:
+def _rotary_probe(fn: Callable[..., Any], dtype: torch.dtype) -> tuple[list[torch.Tensor], Any]:
+    """Small random ``q`` and ``k`` of ``dtype`` with float32 ``cos`` and ``sin``, and ``fn`` of them
+    (None where it raises: a function taking other arguments)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 3, 8, generator=gen).to(dtype) for _ in range(2))
+    cos, sin = (torch.randn(1, 3, 8, generator=gen) for _ in range(2))
+    try:
+        with torch.no_grad():
+            return [q, k, cos, sin], fn(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - not a rotary function of these arguments
+        return [q, k, cos, sin], None
+
+
+@functools.lru_cache(maxsize=64)
+def rotary_keeps_dtype(fn: Callable[..., Any]) -> bool:
+    """Does the rotary function ``fn`` return bfloat16 ``q`` and ``k`` from float32 ``cos`` and
+    ``sin`` (OLMo 2's casts back; Llama's promotes, its ``cos`` being made in q's dtype already)?"""
+    _, got = _rotary_probe(fn, torch.bfloat16)
+    return isinstance(got, tuple) and all(getattr(g, "dtype", None) == torch.bfloat16 for g in got)
+
+
+@functools.lru_cache(maxsize=64)
+def rotary_pairs(fn: Callable[..., Any]) -> bool | None:
+    """Which rotary embedding ``fn(q, k, cos, sin)`` computes, ``x * cos + rotate(x) * sin`` with
+    ``cos`` and ``sin`` unsqueezed at dim 1: False for Llama's ``rotate_half``, True for GPT-J's
+    pairs (Cohere's, ``x[..., ::2]`` and ``x[..., 1::2]``), None for neither (GLM's rotates pairs
+    of a cos made of half the dims: it keeps its own). Probed once per function on small random
+    inputs, as the norms are.
+
+    Example:
+        >>> import torch
+        >>> rotary_pairs(lambda q, k, cos, sin: (q, k)) is None
+        True
+    """
+    (q, k, cos, sin), got = _rotary_probe(fn, torch.float32)
+    if not isinstance(got, tuple) or len(got) != 2:
+        return None
+    halves = lambda x: torch.cat((-x[..., 4:], x[..., :4]), -1)  # noqa: E731
+    pairs = lambda x: torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)  # noqa: E731
+    for interleaved, rotate in ((False, halves), (True, pairs)):
+        want = [x * cos[:, None] + rotate(x) * sin[:, None] for x in (q, k)]
+        if all(isinstance(g, torch.Tensor) and g.shape == w.shape and torch.allclose(g, w, atol=1e-5)
+               for g, w in zip(got, want)):  # fmt: skip
+            return interleaved
+    return None
+
+
+def _fuse_rotary(model: torch.nn.Module, left: set[str]) -> int:
     """Fuse ``apply_rotary_pos_emb`` for the model's attention modules, and for no other model: the
     count is the attention modules that call it. Each one's own hub function gets the fused forward
     where transformers gives each its own (``_kernel_funcs``); otherwise the function in the module
     defining the attention class (or a shared hub function's forward) is gated, and the attention
-    modules here are hooked to open the gate while they run."""
-    _rope_kernel()  # made here: never inside a torch.compile trace (rtxdsl.nn.memo)
+    modules here are hooked to open the gate while they run. A function computing another rotary
+    embedding (``rotary_pairs``) is left alone, its name added to ``left``."""
+    _rope_kernel(False), _rope_kernel(True)  # made here: never inside a torch.compile trace (rtxdsl.nn.memo)
     users = 0
     for m in model.modules():
         home = sys.modules.get(type(m).__module__)
         fn = getattr(home, "apply_rotary_pos_emb", None) if isinstance(home, types.ModuleType) else None
         if fn is None or not callable(fn) or "Attention" not in type(m).__name__:
             continue
+        if rotary_pairs(getattr(fn, "__rtxdsl_original__", fn)) is None:
+            left.add(f"{home.__name__}.apply_rotary_pos_emb")
+            continue
         own = next((f for f in m.__dict__.get("_kernel_funcs", {}).values() if type(f) is type(fn)), None)
         if own is not None:  # a hub function module of this instance's own (fn's class)
             if getattr(own.__dict__.get("forward"), "__func__", None) is not _rotary_forward:
-                _hub_original(type(own))  # found now: a torch.compile trace only reads it
+                # found now (a torch.compile trace only reads them)
+                original = _hub_original(type(own))
+                form = (bool(rotary_pairs(original)), rotary_keeps_dtype(original))
+                type(own).rtxdsl_rotary_form = form  # type: ignore[attr-defined]
                 own.forward = types.MethodType(_rotary_forward, own)
         else:
             _gate_rotary(m, home, fn)
