@@ -43,23 +43,34 @@ MOE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 LAYERS = 2
 
 
-def tiny_model(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A 2-layer model of ``family`` with every weight moved off its initial value (Gemma's norms
-    start at zero, where ``w`` and ``1 + w`` would not be told apart by a test)."""
+def tiny(config_cls: str, model_cls: str, moved: float = 0.02, **config: Any) -> torch.nn.Module:
+    """transformers' ``model_cls`` of ``config_cls(**config)`` on eager attention, every weight moved
+    off its initial value by ``moved`` standard normals (Gemma's norms start at zero, where ``w``
+    and ``1 + w`` would not be told apart by a test)."""
     import transformers
 
-    config_cls, model_cls, extra = {**FAMILIES, **MOE_FAMILIES}[family]
-    cfg = getattr(transformers, config_cls)(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, **extra,
-    )  # fmt: skip
+    cfg = getattr(transformers, config_cls)(**config)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model.to(dtype)
+            p.add_(torch.randn_like(p) * moved)
+    return model
+
+
+def sizes() -> dict[str, int]:
+    """The sizes of every tiny model (``LAYERS`` layers, read when called)."""
+    return {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 97, "max_position_embeddings": 64,
+    }  # fmt: skip
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A 2-layer model of ``family`` (``tiny``)."""
+    config_cls, model_cls, extra = {**FAMILIES, **MOE_FAMILIES}[family]
+    return tiny(config_cls, model_cls, **sizes(), **extra).to(dtype)
 
 
 def compare(family: str) -> dict[str, Any]:

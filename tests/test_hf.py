@@ -18,7 +18,7 @@ import rtxdsl as rx
 pytest.importorskip("transformers", reason="transformers not installed (pip install -e '.[hf]')")
 
 import benches.hf_report as hf_report  # noqa: E402 (after the skip)
-from benches.hf_report import FAMILIES, LAYERS, tiny_model  # noqa: E402
+from benches.hf_report import FAMILIES, LAYERS, sizes, tiny, tiny_model  # noqa: E402
 
 #: what replace_modules must find per layer besides the final norm and the loss
 NORMS_PER_LAYER = {"qwen3": 4, "gemma2": 4, "gemma3": 6}
@@ -286,27 +286,12 @@ def test_a_rotary_function_is_fused_only_where_it_computes_llamas_and_in_its_dty
     ],
 )
 def test_models_with_rotary_functions_of_their_own_match(config, model_cls, dtype, ropes, tol):
-    import transformers
-
-    cfg = getattr(transformers, config)(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(cfg).eval().to(dtype)
+    model = tiny(config, model_cls, **sizes()).to(dtype)
     fused = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (Cohere's norm is left alone, and said so)
         assert rx.nn.replace_modules(fused).by_kind.get("rope", 0) == ropes
-    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
-    out0, out1 = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
-    torch.testing.assert_close(out1.logits.float(), out0.logits.float(), atol=tol, rtol=tol)
-    out0.loss.backward()
-    out1.loss.backward()
-    for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
-        scale = float(p0.grad.abs().max())
-        torch.testing.assert_close(p1.grad.float(), p0.grad.float(), atol=tol * max(scale, 1), rtol=tol, msg=name)
+    _assert_trains_alike(model, fused, tol, tol)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -404,6 +389,72 @@ def test_a_replaced_mixtral_without_logits_keeps_its_router_loss():
     got = fused(input_ids=ids, labels=ids, output_router_logits=True)
     assert got.logits is None and want.aux_loss > 0
     torch.testing.assert_close(got.loss, want.loss, atol=2e-6, rtol=2e-6)
+
+
+def _assert_trains_alike(model: torch.nn.Module, fused: torch.nn.Module, atol: float, rtol: float) -> None:
+    """Logits and every parameter's gradient of a forward with labels, ``fused`` against ``model``
+    (gradients within ``atol`` times the largest of the parameter's)."""
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+    out0, out1 = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out1.logits.float(), out0.logits.float(), atol=atol, rtol=rtol)
+    out0.loss.backward()
+    out1.loss.backward()
+    for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
+        scale = max(float(p0.grad.abs().max()), 1.0)
+        torch.testing.assert_close(p1.grad.float(), p0.grad.float(), atol=atol * scale, rtol=rtol, msg=name)
+
+
+def test_gpt_oss_attention_sinks_join_each_rows_total(monkeypatch):
+    """GPT-OSS passes a learned logit per head (``s_aux``) that joins the softmax's total only:
+    the rtxdsl attention dropped it (logits 0.22 off, no gradient to the sinks). Its kernel now
+    returns the logsumexp too and the output is scaled by ``sigmoid(lse - sink)``; a sliding-window
+    layer and a full one, logits and every gradient (the sinks' included), no eager fallback."""
+    from rtxdsl.nn import attention as routed
+
+    experts = {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8, "pad_token_id": 0}
+    layers = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+    model = tiny("GptOssConfig", "GptOssForCausalLM", moved=0.5, **sizes(), **experts, **layers)
+    fused = copy.deepcopy(model)
+    assert rx.nn.replace_modules(fused).by_kind["attention"] == LAYERS
+    monkeypatch.setattr(routed, "_eager", lambda module: None)  # a fallback would raise
+    _assert_trains_alike(model, fused, 2e-5, 2e-4)
+
+
+@pytest.mark.parametrize(
+    "config, model_cls, options, routed",
+    [
+        # attentions of their own (ALiBi): routing set the configs to rtxdsl, and their masks came in
+        # SDPA's format (BLOOM's logits 1.8e-2 off; MPT's forward raised on a None mask)
+        ("BloomConfig", "BloomForCausalLM", {"hidden_size": 32, "n_layer": 2, "n_head": 4}, 0),
+        ("MptConfig", "MptForCausalLM", {"d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64}, 0),
+        # an attention_dropout that is a Dropout module: replace_modules raised making its kernels
+        ("PersimmonConfig", "PersimmonForCausalLM", {"hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}, 2),
+    ],
+    ids=["bloom", "mpt", "persimmon"],
+)  # fmt: skip
+def test_families_outside_the_attention_interface_are_left_their_own(config, model_cls, options, routed):
+    model = tiny(config, model_cls, vocab_size=97, **options)
+    fused = copy.deepcopy(model)
+    assert rx.nn.replace_modules(fused).by_kind.get("attention", 0) == routed
+    _assert_trains_alike(model, fused, 2e-6, 2e-5)
+
+
+def test_a_call_the_rtxdsl_attention_leaves_to_the_models_eager_one_gets_an_additive_mask():
+    """The ``"rtxdsl"`` attention registers SDPA's mask format; a call it leaves to the model's own
+    eager attention (attention weights asked for) passed that mask on: a bool mask was added to the
+    scores (True as 1: nothing masked), and a causal call's mask is None (SDPA's ``is_causal``), so
+    eager attended to later tokens (Llama's logits 0.49 off). It is now the additive mask eager
+    expects."""
+    model = tiny_model("llama")
+    fused = copy.deepcopy(model)
+    rx.nn.replace_modules(fused)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids, output_attentions=True)
+        got = fused(input_ids=ids, output_attentions=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(got.attentions[0], want.attentions[0], atol=2e-6, rtol=2e-6)
 
 
 def _ops_called(model: torch.nn.Module, ids: torch.Tensor, monkeypatch) -> list[tuple]:

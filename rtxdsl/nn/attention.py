@@ -4,8 +4,10 @@
 for it) with transformers and points the model's configs at it (those on ``eager`` or ``sdpa``:
 a model set to a flash or flex kernel keeps it); each attention call is one
 rtxdsl kernel for its options (causal or masked, the mask's kind, Gemma 2's logit softcap, GQA,
-dropout while training), made once per option set. What it does not cover (attention weights
-asked for, a position bias, tensors of another kind) runs the model's own eager attention.
+dropout while training), made once per option set. GPT-OSS's attention sinks (``s_aux``, a
+learned logit per head in the softmax's total only) scale the output by ``sigmoid(lse - sink)``
+from the kernel's logsumexp. What it does not cover (attention weights asked for, a position bias,
+tensors of another kind) runs the model's own eager attention.
 """
 
 from __future__ import annotations
@@ -31,20 +33,23 @@ ROUTED = (None, "eager", "sdpa", NAME)
 _MADE: dict[tuple, Kernel] = {}
 
 
-def _kernel(causal: bool, mask: str, softcap: float, scale: float, gqa: bool, dropout: float) -> Kernel | None:
-    key = (causal, mask, softcap, scale, gqa, dropout)
+def _kernel(
+    causal: bool, mask: str, softcap: float, scale: float, gqa: bool, dropout: float, lse: bool = False
+) -> Kernel | None:
+    key = (causal, mask, softcap, scale, gqa, dropout, lse)
     kern = _MADE.get(key)
     if kern is None and not is_dynamo_compiling():
         kern = _MADE[key] = _make(*key)
     return kern
 
 
-def _make(causal: bool, mask: str, softcap: float, scale: float, gqa: bool, dropout: float) -> Kernel:
-    """One attention kernel per option set (``mask``: "", "bool" or "float"; softcap 0: none)."""
+def _make(causal: bool, mask: str, softcap: float, scale: float, gqa: bool, dropout: float, lse: bool) -> Kernel:
+    """One attention kernel per option set (``mask``: "", "bool" or "float"; softcap 0: none; ``lse``:
+    the logsumexp too, for sinks)."""
     score_mod = None if not softcap else (lambda s, *_: softcap * REGISTRY.functions["tanh"](s / softcap))
     extra = {"attn_mask": dsl.var("m")} if mask else {}
-    e = attention(dsl.var("q"), dsl.var("k"), dsl.var("v"), scale, causal, score_mod, None, dropout, gqa, **extra)
-    return compile(e)
+    q, k, v = dsl.var("q"), dsl.var("k"), dsl.var("v")
+    return compile(attention(q, k, v, scale, causal, score_mod, None, dropout, gqa, lse, **extra))
 
 
 def _eager(module: torch.nn.Module) -> Any:
@@ -60,25 +65,44 @@ def rtxdsl_attention_forward(
     an additive or bool ``attention_mask`` (or None: causal when the module is); returns the
     output as ``[B, Tq, Hq, D]`` and no weights, as SDPA's integration does."""
     plain = all(type(t) is torch.Tensor for t in (query, key, value)) and query.dim() == 4
+    sinks = kwargs.get("s_aux")
     kern = None
     if plain and not kwargs.get("output_attentions") and kwargs.get("position_bias") is None:
-        kern, ins = _call(module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap)
+        kern, ins = _call(module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap, sinks)
     if kern is None:
         eager = _eager(module)
         if eager is None:
             raise NotImplementedError(f"rtxdsl attention: {type(module).__name__} asks for what it cannot give")
-        return eager(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
-        )
-    return kern(**ins).transpose(1, 2).contiguous(), None
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        mask = _additive(attention_mask, query, key, causal)
+        return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
+    if sinks is None:
+        return kern(**ins).transpose(1, 2).contiguous(), None
+    out, lse = kern(**ins)  # the sink's exp joins each row's total: exp(lse) / (exp(lse) + exp(sink))
+    kept = torch.sigmoid(lse - sinks.float().view(-1, 1)).unsqueeze(-1)
+    return (out * kept).to(out.dtype).transpose(1, 2).contiguous(), None
+
+
+def _additive(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, causal: bool) -> torch.Tensor | None:
+    """SDPA's mask (the format the ``"rtxdsl"`` attention registers) as the additive one a model's
+    eager attention adds to its scores (transformers' ``eager_mask``: 0 or the dtype's minimum):
+    passed on as it was, a bool mask's True was added as 1 and no score was masked, and a causal
+    call's mask, None where SDPA's ``is_causal`` covers it, masked nothing."""
+    dtype = query.dtype
+    if mask is None and causal and query.shape[-2] > 1:  # bottom-right, as transformers' (queries last)
+        tq, tk = query.shape[-2], key.shape[-2]
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.tensor(0.0, dtype=dtype, device=mask.device), torch.finfo(dtype).min)
 
 
 def _call(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, is_causal: bool | None,
-    softcap: float | None,
+    softcap: float | None, sinks: torch.Tensor | None = None,
 ) -> tuple[Kernel | None, dict[str, torch.Tensor]]:  # fmt: skip
-    """The kernel for this call's options and its inputs."""
+    """The kernel for this call's options and its inputs (``sinks``: GPT-OSS's, one logit a head)."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
     # under autocast, in its dtype as SDPA would run (a rotary embedding's float32 cos may have
@@ -93,7 +117,9 @@ def _call(
             ins["m"] = ins["m"].to(query.dtype)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     gqa = query.shape[1] != key.shape[1]
-    return _kernel(causal, kind, float(softcap or 0.0), scale, gqa, float(dropout)), ins
+    if sinks is not None and (type(sinks) not in (torch.Tensor, torch.nn.Parameter) or sinks.shape != query.shape[1:2]):
+        return None, ins  # (sinks of another shape: the model's own attention)
+    return _kernel(causal, kind, float(softcap or 0.0), scale, gqa, float(dropout), sinks is not None), ins
 
 
 def _register() -> None:
@@ -109,6 +135,10 @@ def route_attention(model: torch.nn.Module) -> int:
     for a model that is not a transformers one, or whose transformers lacks the interface)."""
     configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
     if not configs or "transformers" not in sys.modules:
+        return 0
+    if any(_eager(m) is None for m in model.modules() if "Attention" in type(m).__name__):
+        # an attention of its own (BLOOM's ALiBi, MPT's): the interface's mask format (SDPA's) would
+        # reach it and change what it computes (BLOOM's logits 1.8e-2 off), so nothing is routed
         return 0
     try:
         _register()
@@ -132,7 +162,10 @@ def _premake(m: torch.nn.Module) -> None:
     if scale is None:
         return
     softcap = float(getattr(c, "attn_logit_softcapping", None) or 0.0)
-    drops = {0.0, float(getattr(m, "attention_dropout", 0.0) or 0.0)}
+    dropout = getattr(m, "attention_dropout", 0.0)  # (Persimmon's is a Dropout module)
+    drops = {0.0, float(getattr(dropout, "p", dropout) or 0.0)}
+    lses = {False, isinstance(getattr(m, "sinks", None), torch.Tensor)}
     for causal, kind in ((True, ""), (False, ""), (False, "bool"), (False, "float")):
         for p in drops:
-            _kernel(causal, kind, softcap, float(scale), bool(kv and heads != kv), p)
+            for lse in lses:
+                _kernel(causal, kind, softcap, float(scale), bool(kv and heads != kv), p, lse)

@@ -172,7 +172,8 @@ def _probe_input(p: torch.Tensor, *shape: int) -> torch.Tensor | None:
 
 
 def _rms_norm_like(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
-    """A module whose only parameter is a 1-d ``weight``, with an epsilon, computing RMSNorm."""
+    """A module whose only parameter is a 1-d ``weight``, with an epsilon, computing RMSNorm, or a
+    layer norm without a bias (Cohere's) returning its input's dtype."""
     params = dict(m.named_parameters(recurse=False))
     w = params.get("weight")
     eps = next((getattr(m, a) for a in _EPS_NAMES if isinstance(getattr(m, a, None), float)), None)
@@ -197,6 +198,17 @@ def _rms_norm_like(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
                 new.weight = w  # the same parameter
                 new.train(m.training)
                 return "rms_norm", new
+        centred = x.double() - x.double().mean(-1, keepdim=True)
+        want = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+        if (
+            not promoted
+            and got.shape == want.shape
+            and torch.allclose(got.double(), want, atol=_TOL * 10, rtol=_TOL * 10)
+        ):
+            norm = LayerNorm(w.shape[0], eps=eps, bias=False, device="meta")
+            norm.weight = w
+            norm.train(m.training)
+            return "layer_norm", norm
     return None
 
 
