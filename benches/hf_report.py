@@ -4,6 +4,7 @@ forward + backward (tiny configs: 2 layers, hidden 32, vocab 97; needs ``pip ins
 
     python -m benches.hf_report
     python -m benches.hf_report --bf16   # bf16 training against float64, beside eager bf16's
+    python -m benches.hf_report --more   # 20 more families (GPT-2, OLMo 2, GPT-OSS, T5, BERT, ...)
 """
 
 from __future__ import annotations
@@ -41,6 +42,40 @@ MOE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                    "shared_expert_intermediate_size": 40}),
 }  # fmt: skip
 LAYERS = 2
+#: families beyond tests/test_hf.py's (``--more``), as a user's model would come: config overrides
+#: on ``sizes()`` (the arguments their configs take where those names differ)
+MORE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.5}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}),
+    "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 64, "word_embed_proj_dim": 32}),
+    "falcon": ("FalconConfig", "FalconForCausalLM", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # q / k norms over the projections; rotary cast back
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),  # interleaved rotary; a layer norm without bias
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "glm": ("GlmConfig", "GlmForCausalLM", {"head_dim": 8, "pad_token_id": 0}),  # a rotary of its own
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                "head_dim": 8, "pad_token_id": 0, "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention"]}),  # attention sinks
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {"moe_intermediate_size": 16, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 1,
+                    "num_key_value_heads": 4}),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"n_layer": 2, "n_head": 4}),  # ALiBi: not routed
+    "mpt": ("MptConfig", "MptForCausalLM", {"d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64}),
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", {"num_key_value_heads": 4}),
+    "t5": ("T5Config", "T5ForConditionalGeneration", {"d_model": 32, "d_ff": 64, "d_kv": 8, "num_layers": 2,
+           "num_heads": 4, "decoder_start_token_id": 0, "pad_token_id": 0}),
+    "bart": ("BartConfig", "BartForConditionalGeneration", {"d_model": 32, "encoder_ffn_dim": 64,
+             "decoder_ffn_dim": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+             "decoder_attention_heads": 4, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+             "decoder_start_token_id": 2}),
+    "bert": ("BertConfig", "BertForMaskedLM", {}),
+    "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM", {"pad_token_id": 0, "global_attn_every_n_layers": 2,
+                   "local_attention": 4}),
+}  # fmt: skip
 
 
 def tiny(config_cls: str, model_cls: str, moved: float = 0.02, **config: Any) -> torch.nn.Module:
@@ -69,8 +104,8 @@ def sizes() -> dict[str, int]:
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A 2-layer model of ``family`` (``tiny``)."""
-    config_cls, model_cls, extra = {**FAMILIES, **MOE_FAMILIES}[family]
-    return tiny(config_cls, model_cls, **sizes(), **extra).to(dtype)
+    config_cls, model_cls, extra = {**FAMILIES, **MOE_FAMILIES, **MORE_FAMILIES}[family]
+    return tiny(config_cls, model_cls, **(sizes() | extra)).to(dtype)
 
 
 def compare(family: str) -> dict[str, Any]:
@@ -85,6 +120,11 @@ def compare(family: str) -> dict[str, Any]:
     got = fused(input_ids=ids, labels=ids)
     got.loss.backward()
     grad = max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), fused.parameters()))
+    generates = "n/a"
+    if model.can_generate():
+        with torch.no_grad():
+            greedy = [m.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0) for m in (model, fused)]
+        generates = "same" if torch.equal(*greedy) else "DIFFERENT"
     return {
         "family": family,
         "replaced": ", ".join(f"{k} {v}" for k, v in n.by_kind.items()),
@@ -92,6 +132,7 @@ def compare(family: str) -> dict[str, Any]:
         "loss error": f"{(got.loss - want.loss).abs().item():.1e}",
         "max grad error": f"{grad:.1e}",
         "rtxdsl launches (fwd + bwd)": rx.fusion_stats().kernels_launched,
+        "greedy generate": generates,
     }
 
 
@@ -132,7 +173,12 @@ def bf16_against_float64(family: str) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--bf16", action="store_true", help="bf16 training against float64, beside eager bf16")
+    ap.add_argument("--more", action="store_true", help="the families beyond tests/test_hf.py's (MORE_FAMILIES)")
     args = ap.parse_args()
+    if args.more:
+        rows = [compare(f) for f in MORE_FAMILIES]
+        print(markdown(rows, list(rows[0])))
+        return
     if args.bf16:  # (Mixtral's eager experts run torch's grouped_mm: no float64)
         rows = [bf16_against_float64(f) for f in FAMILIES if f != "mixtral"]
     else:
