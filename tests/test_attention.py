@@ -1284,6 +1284,28 @@ def test_hugging_faces_bf16_attention_backward_sums_dp_times_p_unrounded(shape, 
     assert worst <= 1.6, worst  # saved rounded: 2.0 to 3.0
 
 
+@pytest.mark.parametrize(
+    "q_shape, kv_shape",
+    [
+        ((1, 0, 3, 4), (1, 0, 3, 4)),  # no head (x[1:][1:] of a [2, 3, 4]): hq // hkv divided by zero
+        ((0, 2, 3, 4), (0, 2, 3, 4)),  # no batch
+        ((1, 2, 0, 4), (1, 2, 3, 4)),  # no query
+        ((1, 2, 3, 0), (1, 2, 3, 0)),  # a head dim of 0: 1 / sqrt(0) divided by zero
+    ],
+)
+def test_attention_over_an_empty_axis_is_eagers(q_shape, kv_shape, gen):
+    """SDPA of lazy tensors with an empty axis gives eager's empty result, and gradients (lazy
+    fuzzer program 2027812400026 raised ZeroDivisionError at the flush)."""
+    q, k, v = (torch.randn(s, generator=gen).requires_grad_() for s in (q_shape, kv_shape, kv_shape))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    f = rx.Fusion()
+    got = F.scaled_dot_product_attention(f.lazy(q), f.lazy(k), f.lazy(v), is_causal=True).torch()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.sum(), (q, k, v))
+    assert all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+
+
 # ---- split-KV decoding: a long cache's keys split into chunks, one program each, then merged ---------
 FP32, BF16 = (torch.float32, 2e-5, 2e-5), (torch.bfloat16, 2e-2, 2e-2)
 

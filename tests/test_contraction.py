@@ -88,6 +88,23 @@ def test_operands_are_read_through_their_strides(layout, gen):
     assert k.summary(x=a, w=bb).bytes_moved <= sum(t.untyped_storage().nbytes() for t in (a, bb)) * 2 + got.nbytes
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_shape", [(3, 5), (5,)], ids=["matrix", "vector"])  # addmm and addmv
+def test_a_half_linear_with_a_bias_rounds_once_as_torchs(dtype, x_shape, gen):
+    """torch's ``F.linear(x, w, b)`` adds the bias to the float32 accumulator and rounds once; the
+    product was rounded to the dtype first, then the sum (an ulp off: 5.5 for 5.46875, and a
+    ``remainder`` after it turned the ulp into 1; lazy fuzzer program 2027811800005). Bit for bit
+    against the sum rounded once, from the lazy stream and from an expression."""
+    x = (torch.randn(x_shape, generator=gen) * 3).to(dtype)
+    w, b = (torch.randn(7, 5, generator=gen) * 3).to(dtype), (torch.randn(7, generator=gen) * 3).to(dtype)
+    once = (x.float() @ w.float().T + b.float()).to(dtype)
+    assert torch.equal(F.linear(x, w, b), once)  # torch's own rule
+    got = rx.compile(rx.linear(rx.var("x"), rx.var("w"), rx.var("b")))(x=x, w=w, b=b)
+    f = rx.Fusion()
+    lazy = F.linear(f.lazy(x), f.lazy(w), f.lazy(b)).torch()
+    assert torch.equal(got, once) and torch.equal(lazy, once)
+
+
 def test_linear_bias_activation_and_residual_are_one_kernel(gen):
     xs, ws, bs = (
         torch.randn(2, 5, 33, generator=gen),

@@ -295,6 +295,8 @@ FOUND = [
     (2027310400130, 30, "a call recorded, then run eagerly (int logits): its flush computed the recording"),
     (2027310300055, 20, "the fuzzer's float32 check: a layer norm of bf16 draws, taken unrounded (a false alarm)"),
     (2027700900073, 30, "where(p > x, p, x) of a plain p with a history, flushed, then relu_(p): a version error"),
+    (2027811800005, 50, "a bf16 F.linear with a bias rounded the product, then the sum: torch rounds once"),
+    (2027812400026, 50, "SDPA of q, k, v with no head (x[1:][1:]): hq // hkv divided by zero at the flush"),
     (2027702700209, 30, "x16 - s subtracted the float32 number where CPU eager subtracts it rounded to x's dtype"),
 ]
 

@@ -182,6 +182,11 @@ def _shape(shapes: list[tuple[int, ...]], enable_gqa: bool, output: str, **_: An
     return (b, hq, tq, dv) if output == "out" else (b, hq, tq)
 
 
+def _default_scale(d: int) -> float:
+    """``1 / sqrt(D)``; a head dim of 0 has no score to scale (its scores are all 0, as eager's)."""
+    return 1.0 / math.sqrt(d) if d else 1.0
+
+
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -368,7 +373,7 @@ def _decompose(
 ) -> Expr:  # fmt: skip
     b, hq, hkv, tq, tk, d, dv = _check(shapes, enable_gqa)
     f = _stat_dtype(dtypes[0])
-    g = hq // hkv
+    g = hq // hkv if hkv else 1  # (no head at all: an empty result, as eager's)
     # grouped-query attention: each key/value head's G query heads are one batch of the products,
     # [B, Hkv, G, Tq, D] against [B, Hkv, 1, Tk, D] (views: keys and values are read as they are,
     # never repeated, and their gradients sum over the group inside the contraction)
@@ -398,7 +403,7 @@ def _decompose(
     # the scores in fp32 (the product's accumulator, never rounded to q's dtype: SDPA's, as the
     # reference's ``q.to(f) @ k.mT``); their cotangent multiplies in q's dtype
     qk = contract(q, k, tb=True, dtype=f)
-    s = node("mul", qk, 1.0 / math.sqrt(d) if scale is None else scale)
+    s = node("mul", qk, _default_scale(d) if scale is None else scale)
     scores = (b, hq, tq, tk)
     values = {**_positions(s, rank, g if grouped else None, chunks > 1), **dict(enumerate(rest, 3)), "s": s}
     if score_mod is not None:
@@ -452,7 +457,7 @@ def _ref(
     f = _stat_dtype(q.dtype)
     g = q.shape[1] // max(k.shape[1], 1)
     kf, vf = (t.to(f).repeat_interleave(g, dim=1) for t in (k, v))
-    s = q.to(f) @ kf.mT * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    s = q.to(f) @ kf.mT * (_default_scale(q.shape[-1]) if scale is None else scale)
     values: dict[str | int, Any] = dict(enumerate(rest, 3))
     for axis, name in enumerate(POSITIONS):
         shape = [n if a == axis else 1 for a, n in enumerate(s.shape)]

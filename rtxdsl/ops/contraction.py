@@ -326,14 +326,21 @@ def linear_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 def _linear_decompose(x: Expr, w: Expr, b: Expr, shapes: list, dtypes: list) -> Expr:
-    _contract_dtype(list(dtypes[:2]))
+    dtype = _contract_dtype(list(dtypes[:2]))
     if len(shapes) > 2 and shapes[2] and dtypes[2] != dtypes[0]:
         raise DtypeMismatchError(f"linear: bias is {dtypes[2]} and x is {dtypes[0]}; torch needs one dtype")
+    biased = not (b.op == "const" and b.attr("value") == 0.0)
+    # with a bias in half precision, torch's addmm adds it to the float32 accumulator and rounds
+    # once: the product is kept unrounded (rounded, then added, a bf16 result was an ulp off)
+    wide = torch.float32 if biased and dtype in (torch.float16, torch.bfloat16) else None
     if len(shapes[0]) == 1:
-        y = node("sum", node("mul", x, w), axis=(1,), keepdim=False)
+        pair = (x, w) if wide is None else (node("cast", x, dtype=wide), node("cast", w, dtype=wide))
+        y = node("sum", node("mul", *pair), axis=(1,), keepdim=False)
     else:
-        y = node("contract", x, w, ta=False, tb=True, sum_batch=False)
-    return y if b.op == "const" and b.attr("value") == 0.0 else node("add", y, b)
+        y = contract(x, w, tb=True, dtype=wide)
+    if not biased:
+        return y
+    return node("add", y, b) if wide is None else node("cast", node("add", y, b), dtype=dtype)
 
 
 def _linear_ref(x: torch.Tensor, w: torch.Tensor, b: Any) -> torch.Tensor:
