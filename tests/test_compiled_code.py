@@ -67,7 +67,8 @@ SCRIPT = textwrap.dedent("""
         x=torch.empty(4096, 128, **bf), w=torch.empty(1024, 128, **bf), b=torch.empty(1024, **bf)).backward
     shapes = dict(_g0=(4096, 1024), _s0=(4096, 1024), x=(4096, 128), w=(1024, 128), b=(1024,))
     feed = {n: torch.empty(shapes[n], **bf) for n in bwd.inputs}
-    assert [k.summary.endswith("contract, sum") for k in bwd.program(**feed).kernels] == [False, True]
+    # (dW's product cast to the weight's dtype, then the bias gradient's sum in its K loop)
+    assert [k.summary.endswith("contract, cast, sum") for k in bwd.program(**feed).kernels] == [False, True]
     kernels = {name: (rx.compile(e), ins, 0) for name, (e, ins) in cases.items()}
     kernels["gemm_bwd_bias_sum"] = (bwd, feed, -1)
     # a gated MLP's backward (Llama-2-7B's sizes): dy @ wd whose epilogue reads the gate and up

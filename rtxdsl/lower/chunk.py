@@ -134,7 +134,9 @@ def _chunked(
     if recomputes <= MAX_RECOMPUTES:
         return None
     tokens, extent = math.prod(shape[:-1]), shape[-1]
-    size = _size(extent, budget * graph.of(p).dtype.itemsize / graph.of(u).dtype.itemsize)
+    # the budget is a fraction of the product as eager stores it, in its operands' dtype (a half
+    # linear with a bias keeps its product at the accumulator's float32: its logits are still half)
+    size = _size(extent, budget * graph.of(p.srcs[0]).dtype.itemsize / graph.of(u).dtype.itemsize)
     cone = _cone(u, chain)
     first_reader = readers[0]
     nodes = tuple(m for m in first_reader.nodes if m in cone)
