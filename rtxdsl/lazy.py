@@ -408,11 +408,13 @@ class OperationStream:
         self.views: list[weakref.ref[LazyTensor]] = []  # recorded views of pending values
 
     # leaves and recording
-    def leaf(self, t: torch.Tensor, saved: bool = True) -> Expr:
-        """``t``'s variable in the segment; ``saved``: whether the eager op reading it saves it for
-        its backward (``torchsem.saves``; see ``_packer``)."""
+    def leaf(self, t: torch.Tensor, read_by: tuple[Any, tuple, int] | None = None) -> Expr:
+        """``t``'s variable in the segment; ``read_by``: the torch call reading it, ``(func, args,
+        position)``, asked (for a tensor that requires grad only) whether eager's backward of it
+        saves ``t`` (``torchsem.saves``; see ``_packer``); None: taken to save it."""
         v = self.read_leaf(t)
         if v in self.grad_vars:
+            saved = read_by is None or torchsem.saves(*read_by)
             self.unsaved[v] = not saved and self.unsaved.get(v, True)
         return v
 
@@ -1080,9 +1082,9 @@ class LazyTensor:
         assert self._value is not None
         return self._value
 
-    def _as_expr(self, saved: bool = True) -> Expr:
+    def _as_expr(self, read_by: tuple[Any, tuple, int] | None = None) -> Expr:
         if self._expr is None:
-            return self._stream.leaf(self._value, saved)  # type: ignore[arg-type]
+            return self._stream.leaf(self._value, read_by)  # type: ignore[arg-type]
         home = self._home
         if home is not None and not self._grad and home.requires_grad and torch.is_grad_enabled():
             # written under no_grad, read with gradients: the tensor itself (its history, the new values)
@@ -1272,7 +1274,7 @@ class LazyTensor:
                         operands.append(a._expr)
                         grad = grad or a._grad
                     else:
-                        v = stream.leaf(a._value, torchsem.saves(func, args, k))
+                        v = stream.leaf(a._value, (func, args, k))
                         operands.append(v)
                         grad = grad or v in stream.grad_vars or not v.is_var and a._value.requires_grad
                 elif isinstance(a, (bool, int, float)):
@@ -1282,7 +1284,7 @@ class LazyTensor:
                     break
             else:  # (a conversion that flushed the stream, or no_grad over grads, takes the careful path)
                 if stream is not None and stream.epoch == epoch and stream.fusion.config.enabled:
-                    if numbers and func in _CPU_ROUNDS and stream.on_cpu and _half(args[0]):
+                    if numbers and stream.on_cpu and func in _CPU_ROUNDS and _half(args[0]):
                         operands = scalars_as_cpu_eager(operands, {a.dtype for a in args if type(a) is LazyTensor})
                     if not grad or torch.is_grad_enabled():
                         try:
@@ -1537,13 +1539,13 @@ def _build(func: Any, entry: tuple[Any, Callable[..., Any]], args: tuple, kwargs
     redone if converting an operand flushed the stream (a read of a tensor with a pending in-place
     write): no operand keeps a stale leaf. Numbers as CPU eager rounds them (``scalars_as_cpu_eager``)."""
     builder = entry[1]
-    if entry[0].front.cpu_rounds_numbers and stream.device.type == "cpu":
+    if stream.on_cpu and func in _CPU_ROUNDS:
         dtypes = {t.dtype for t in _tensors_and_lazies((args, kwargs))}
         args = tuple(scalars_as_cpu_eager(list(args), dtypes))
         kwargs = dict(zip(kwargs, scalars_as_cpu_eager(list(kwargs.values()), dtypes)))
     while True:
         epoch = stream.epoch
-        exprs = [_expr_of(a, stream, torchsem.saves(func, args, k)) for k, a in enumerate(args)]
+        exprs = [_expr_of(a, stream, (func, args, k)) for k, a in enumerate(args)]
         kw = {k: _expr_of(v, stream) for k, v in kwargs.items()}
         if stream.epoch == epoch:
             return builder(*exprs, **kw)
@@ -1590,16 +1592,16 @@ def _tensors_and_lazies(obj: Any) -> list[Any]:
     return []
 
 
-def _expr_of(x: Any, stream: OperationStream, saved: bool = True) -> Any:
+def _expr_of(x: Any, stream: OperationStream, read_by: tuple[Any, tuple, int] | None = None) -> Any:
     """An operand as an expression; under ``no_grad``, one that requires grad is read detached.
-    ``saved``: whether eager's op saves it for its backward (``OperationStream.leaf``)."""
+    ``read_by``: the call reading it (``OperationStream.leaf``)."""
     if isinstance(x, LazyTensor):
-        e = x._as_expr(saved)
+        e = x._as_expr(read_by)
         return e if not x.requires_grad or torch.is_grad_enabled() else stream.stopped(e)
     if isinstance(x, torch.Tensor):
         if x.device != stream.device:
             raise Unsupported
-        e = stream.leaf(x, saved)
+        e = stream.leaf(x, read_by)
         return e if not x.requires_grad or torch.is_grad_enabled() else stream.stopped(e)
     if isinstance(x, (list, tuple)) and any(isinstance(v, (LazyTensor, torch.Tensor)) for v in x):
         return type(x)(_expr_of(v, stream) for v in x)
