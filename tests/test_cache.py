@@ -41,6 +41,24 @@ def test_twenty_sizes_one_compile_per_layout():
     assert _compiles() == before
 
 
+def test_a_size_or_number_equal_to_a_constant_the_expansion_made_compiles_nothing():
+    """A mean's count and a norm's eps are kernel arguments of their own: a row of 10 beside
+    ``* 10.0``, or eps beside an equal number written after the norm, share no argument with it,
+    so the kernel's source is the one every other size (in the bucket) and number gets. (Both
+    shared one while constants were interned by value alone: a new kernel at that size.)"""
+    w = rx.var("w")
+    mean = rx.compile(rx.mean(x, -1) * 10.0)
+    sources = {mean.sources(x=torch.randn(3, n))[0] for n in (9, 10, 11)}  # one block bucket, none fills it
+    assert len(sources) == 1
+    ins = {"x": torch.randn(3, 9), "w": torch.randn(9), "y": torch.randn(9)}
+    norms = {rx.compile(rx.layer_norm(x, w, y) + c).sources(**ins)[0] for c in (1e-5, 1e-3)}  # eps=1e-5
+    assert len(norms) == 1
+    k = rx.compile(rx.mean(x, -1) * 10.0)
+    for n in (9, 10, 11):
+        t = torch.randn(3, n)
+        torch.testing.assert_close(k(x=t), t.mean(-1) * 10.0)
+
+
 def test_structure_dtype_and_layout_do_recompile():
     k = rx.compile(x * 2.0)
     k(x=torch.randn(8))

@@ -27,7 +27,8 @@ def test_a_kernel_reads_like_the_tutorials(gen):
     src = rx.compile(rx.layer_norm(x, w, b)).sources(**ins)[0]
     assert _params(src)[:4] == ["x_ptr", "w_ptr", "b_ptr", "out_ptr"]
     assert "x = tl.load(x_ptr + rows * x_stride0 + cols" in src and "w = tl.load(w_ptr + cols" in src
-    assert not re.search(r"\b(?:in|out)\d+_ptr\b|\bx\d+_\d+\b", src)  # no positional name is left
+    assert not re.search(r"\b(?:in|out)\d+_ptr\b|\bx\d+_\d+\b|\bs\d+\b", src)  # no positional name is left
+    assert _params(src)[-2:] == ["rcount", "eps"] and "/ rcount" in src and "+ eps" in src  # numbers by origin
 
 
 def test_names_the_kernel_already_uses_are_not_captured(gen):

@@ -98,8 +98,8 @@ def _target(ident: str, prefix: str, base: str, kind: str, k: int) -> str:
     numbered after the first)."""
     if kind == "load":
         return f"{base}_{k}" if k else base
-    if kind == "scalar":
-        return base
+    if kind == "scalar":  # (a tail's, passed by its head: ``t_count``)
+        return f"{prefix}{base}"
     m = POSITIONAL.match(ident)
     assert m is not None
     return f"{prefix}{base}{m.group(4)}"

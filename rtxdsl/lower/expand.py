@@ -7,6 +7,11 @@
   operand) is the operand itself, converted;
 * scalar-only subexpressions (constants, element counts) are folded into constants: their
   values are kernel arguments like any constant;
+* a constant the expansion makes (a composite's number operand, a folded count) is a node of its
+  own, named after where it came from (``of``: a composite's parameter, ``eps``; ``folded``: the
+  op folded, a reduction's ``rcount``): it never shares a kernel's
+  scalar argument with an equal number written elsewhere, so which numbers share one (and the
+  kernel's source) does not depend on their values, nor on sizes (a row of 8 beside ``* 8.0``);
 * an output that is an input is copied (an output is always a fresh tensor).
 
 The eager traffic model is charged on the user's graph: a composite costs what torch's own
@@ -15,9 +20,12 @@ kernel for it costs, not its decomposition.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cache
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -130,6 +138,7 @@ def _lower_all(
                 if opdef.typed_decompose
                 else {}
             )
+            srcs = _named_numbers(srcs, opdef.decompose)
             d = opdef.decompose(*srcs, **n.attr_dict, **types)
             infer_all([d], info, typed)
             _lower_all([d], info, typed, memo, origin, written)
@@ -200,6 +209,25 @@ def _flatten_rows_of_product(p: Expr, info: dict[Expr, Info], typed: list[Expr])
     return out
 
 
+def own_const(value: bool | int | float, **origin: Any) -> Expr:
+    """A constant the expansion made, keyed by where it came from (see the module docstring)."""
+    return Expr("const", (), {"value": value, **origin})
+
+
+@cache
+def _parameters(decompose: Callable[..., Expr]) -> tuple[str, ...]:
+    return tuple(inspect.signature(decompose).parameters)
+
+
+def _named_numbers(srcs: tuple[Expr, ...], decompose: Callable[..., Expr]) -> tuple[Expr, ...]:
+    """A composite's operands, each number given as a constant named after its parameter (``eps``)."""
+    names = _parameters(decompose)
+    return tuple(
+        own_const(s.attr("value"), of=names[k]) if s.is_const and len(s.attrs) == 1 and k < len(names) else s
+        for k, s in enumerate(srcs)
+    )
+
+
 def _inside(root: Expr, operands: tuple[Expr, ...]) -> list[Expr]:
     """The nodes of a composite's decomposition ``root``: reachable from it without passing through
     its ``operands`` (whose cones belong to the ops that made them)."""
@@ -230,7 +258,7 @@ def _fold_scalars(
     for n in walk([root]):
         i = info[n]
         if i.is_scalar and not i.symbolic and not n.is_const:
-            new = Expr("const", (), {"value": i.value})
+            new = own_const(i.value, folded=n.op)
         else:
             srcs = tuple(memo[s] for s in n.srcs)
             new = n if all(a is b for a, b in zip(srcs, n.srcs)) else Expr(n.op, srcs, n.attr_dict)

@@ -44,5 +44,7 @@ def io_names(group: Group, graph: Graph) -> tuple[tuple[str, ...], tuple[str, ..
 
 
 def scalar_names(slots: tuple[Expr, ...]) -> tuple[str, ...]:
-    """Per scalar slot: a scalar input's name, "" for a constant (its value is the argument)."""
-    return tuple(readable(s.attr("name")) if s.is_var else "" for s in slots)
+    """Per scalar slot: a scalar input's name, a constant's origin (a composite's parameter, ``eps``;
+    the op a folded scalar came from, ``rcount``: a reduction's count), "" for a number written in
+    the expression."""
+    return tuple(readable(s.attr("name") if s.is_var else s.attr("of") or s.attr("folded") or "") for s in slots)

@@ -11,8 +11,8 @@ def pointwise_gt_ge_lt_add_SIG(
     out_ptr,
     n_elements,
     s0,
-    s1,
-    s2,
+    where_in,
+    hi,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -21,15 +21,15 @@ def pointwise_gt_ge_lt_add_SIG(
     x = tl.load(x_ptr + offs, mask=mask, other=0)
     v0 = x > tl.cast(s0, tl.float32)
     # clamp
-    v1 = x >= s1
-    v2 = x < s1
-    v3 = x + s1
-    v5 = tl.where(v2, s1, v3)
+    v1 = x >= where_in
+    v2 = x < where_in
+    v3 = x + where_in
+    v5 = tl.where(v2, where_in, v3)
     v6 = tl.where(v1, x, v5)
-    v7 = v6 <= s2
-    v8 = v6 > s2
-    v9 = v6 + s2
-    v11 = tl.where(v8, s2, v9)
+    v7 = v6 <= hi
+    v8 = v6 > hi
+    v9 = v6 + hi
+    v11 = tl.where(v8, hi, v9)
     v12 = tl.where(v7, v6, v11)
     y = tl.load(y_ptr + offs, mask=mask, other=0)
     # (as written)

@@ -11,8 +11,8 @@ def pointwise_ge_lt_add_detach_SIG(
     grad0_ptr,
     grad1_ptr,
     n_elements,
-    s0,
-    s1,
+    where_in,
+    hi,
     s2,
     s3,
     BLOCK_SIZE: tl.constexpr,
@@ -21,12 +21,12 @@ def pointwise_ge_lt_add_detach_SIG(
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
     x = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float32)
-    v0 = x >= s0
-    v1 = x < s0
-    v2 = x + s0
-    v4 = tl.where(v1, s0, v2)
+    v0 = x >= where_in
+    v1 = x < where_in
+    v2 = x + where_in
+    v4 = tl.where(v1, where_in, v2)
     v5 = tl.where(v0, x, v4)
-    v6 = v5 <= s1
+    v6 = v5 <= hi
     v7 = x > tl.cast(s2, tl.float32)
     dout0 = tl.load(dout0_ptr + offs, mask=mask, other=0).to(tl.float32)
     v8 = tl.where(v7, dout0, s3)

@@ -19,8 +19,8 @@ def layer_norm_row_SIG(
     n_cols,
     x_stride0,
     out_stride0,
-    s0,
-    s1,
+    rcount,
+    eps,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -55,8 +55,8 @@ def layer_norm_row_SIG(
         mean_0 = t16
         m2_0 = t17
     # layer_norm
-    v3 = m2_0 / s0
-    v4 = v3 + s1
+    v3 = m2_0 / rcount
+    v4 = v3 + eps
     v5 = tl.rsqrt(v4)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]

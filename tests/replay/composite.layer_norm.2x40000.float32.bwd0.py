@@ -18,8 +18,8 @@ def row_mul_sub_sum_div_SIG(
     x_stride0,
     grad0_stride0,
     s0,
-    s1,
-    s2,
+    rcount,
+    eps,
     s3,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -31,8 +31,8 @@ def row_mul_sub_sum_div_SIG(
     stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
     acc_17 = tl.full([ROWS, BLOCK_SIZE], 0, dtype=tl.float32)
     stat1 = tl.load(stat1_ptr + rows, mask=row_mask, other=0)
-    v5 = stat1 / s1
-    v6 = v5 + s2
+    v5 = stat1 / rcount
+    v6 = v5 + eps
     v7 = tl.rsqrt(v6)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
@@ -58,9 +58,9 @@ def row_mul_sub_sum_div_SIG(
     v8 = v7 * v7
     v9 = v7 * v8
     v10 = v4 * v9
-    v11 = v10 / s1
+    v11 = v10 / rcount
     v12 = v11 * s3
-    v18 = v17 / s1
+    v18 = v17 / rcount
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols

@@ -21,8 +21,8 @@ def row_sub_div_add_rsqrt_SIG(
     n_cols,
     x_stride1,
     dout0_stride1,
-    s0,
-    s1,
+    rcount,
+    eps,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -35,8 +35,8 @@ def row_sub_div_add_rsqrt_SIG(
     stat0 = tl.load(stat0_ptr + cols, mask=row_mask, other=0)
     v0 = x - stat0
     stat1 = tl.load(stat1_ptr + cols, mask=row_mask, other=0)
-    v1 = stat1 / s0
-    v2 = v1 + s1
+    v1 = stat1 / rcount
+    v2 = v1 + eps
     v3 = tl.rsqrt(v2)
     v4 = v0 * v3
     v5 = dout0 * v4

@@ -25,8 +25,8 @@ def row_mul_sub_sum_div_SIG(
     x_stride0,
     grad0_stride0,
     s0,
-    s1,
-    s2,
+    rcount,
+    eps,
     s3,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -51,8 +51,8 @@ def row_mul_sub_sum_div_SIG(
         v2 = v0 * v1
         t4 = tl.where(mask, v2, 0)
         stat1 = tl.load(stat1_ptr + rows, mask=row_mask, other=0)
-        v5 = stat1 / s1
-        v6 = v5 + s2
+        v5 = stat1 / rcount
+        v6 = v5 + eps
         v7 = tl.rsqrt(v6)
         v8 = v7 * v7
         v9 = v7 * v8
@@ -64,11 +64,11 @@ def row_mul_sub_sum_div_SIG(
         v17 = v3_v17[1][:, None]
         v4 = v3 * s0
         v10 = v4 * v9
-        v11 = v10 / s1
+        v11 = v10 / rcount
         v12 = v11 * s3
         v13 = v12 * v1
         v15 = v13 + v14
-        v18 = v17 / s1
+        v18 = v17 / rcount
         v19 = v15 + v18
         tl.store(grad0_ptr + rows * grad0_stride0 + cols, v19, mask=mask)
         v20 = v1 * v7

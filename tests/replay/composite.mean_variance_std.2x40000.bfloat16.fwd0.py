@@ -11,7 +11,7 @@ def row_sum_div_SIG(
     n_rows,
     n_cols,
     x_stride1,
-    s0,
+    rcount,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -22,6 +22,6 @@ def row_sum_div_SIG(
     x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0).to(tl.float32)
     # mean
     v0 = tl.sum(x, axis=1)[:, None]
-    v1 = v0 / s0
+    v1 = v0 / rcount
     tl.store(m_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
 

@@ -10,7 +10,7 @@ def row_m2_div_SIG_tail(
     s_ptr,
     n_rows,
     n_cols,
-    s0,
+    maximum_in,
     s1,
     s2,
     ROWS: tl.constexpr,
@@ -45,7 +45,7 @@ def row_m2_div_SIG_tail(
         mean_0 = t14
         m2_0 = t15
     # std
-    v1 = m2_0 / s0
+    v1 = m2_0 / maximum_in
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)
     v4 = tl.sqrt(v3)
@@ -67,10 +67,10 @@ def row_m2_div_SIG(
     n_rows,
     n_cols,
     x_stride0,
-    s0,
+    maximum_in,
     t_n_rows,
     t_n_cols,
-    t_s0,
+    t_maximum,
     t_s1,
     t_s2,
     T_ROWS: tl.constexpr,
@@ -107,11 +107,11 @@ def row_m2_div_SIG(
         mean_0 = t14
         m2_0 = t15
     # variance
-    v1 = m2_0 / s0
+    v1 = m2_0 / maximum_in
     tl.store(v_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        row_m2_div_SIG_tail(t_x_ptr, t_s_ptr, t_n_rows, t_n_cols, t_s0, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
+        row_m2_div_SIG_tail(t_x_ptr, t_s_ptr, t_n_rows, t_n_cols, t_maximum, t_s1, t_s2, T_ROWS, T_BLOCK_SIZE)
         tl.store(count_ptr, 0)
 

@@ -19,11 +19,12 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
     x_stride1,
     mul_stride1,
     grad0_stride1,
-    s0,
+    maximum_in,
     s1,
     s2,
     s3,
     s4,
+    rcount,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -59,7 +60,7 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
         mean_11 = t14
         m2_11 = t15
     stat2 = tl.load(stat2_ptr)
-    v0 = stat2 / s0
+    v0 = stat2 / maximum_in
     v1 = v0 == s1
     dout2 = tl.load(dout2_ptr)
     v2 = tl.where(v1, s1, dout2)
@@ -68,7 +69,7 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
     v5 = tl.sqrt(v4)
     v6 = v3 / v5
     v7 = tl.where(v1, s1, v6)
-    v8 = v7 / s0
+    v8 = v7 / maximum_in
     v10 = v8 * s4
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
@@ -83,7 +84,7 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
         mul = tl.load(mul_ptr + c0 * mul_stride1 + c1, mask=mask, other=0)
         v14 = v13 + mul
         dout0 = tl.load(dout0_ptr + c1, mask=mask, other=0)
-        v15 = dout0 / s4
+        v15 = dout0 / rcount
         v17 = v14 + v15
         tl.store(grad0_ptr + c0 * grad0_stride1 + c1 + rows * 0, v17, mask=mask)
 
@@ -108,7 +109,7 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     n_cols,
     x_stride0,
     mul_stride0,
-    s0,
+    maximum_in,
     s1,
     t_n_rows,
     t_n_cols,
@@ -117,11 +118,12 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     t_x_stride1,
     t_mul_stride1,
     t_grad0_stride1,
-    t_s0,
+    t_maximum,
     t_s1,
     t_s2,
     t_s3,
     t_s4,
+    t_rcount,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -156,7 +158,7 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
         mean_3 = t14
         m2_3 = t15
     dout1 = tl.load(dout1_ptr + rows, mask=row_mask, other=0)
-    v0_17 = dout1 / s0
+    v0_17 = dout1 / maximum_in
     v1 = v0_17.to(tl.float32)
     v2 = v1 * s1
     for col_start in range(0, n_cols, BLOCK_SIZE):
@@ -170,6 +172,6 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        row_div_unsqueeze_mul_m2_mean_SIG_tail(t_stat2_ptr, t_dout2_ptr, t_x_ptr, t_mul_ptr, t_dout0_ptr, t_grad0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_x_stride1, t_mul_stride1, t_grad0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, T_ROWS, T_BLOCK_SIZE)
+        row_div_unsqueeze_mul_m2_mean_SIG_tail(t_stat2_ptr, t_dout2_ptr, t_x_ptr, t_mul_ptr, t_dout0_ptr, t_grad0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_x_stride1, t_mul_stride1, t_grad0_stride1, t_maximum, t_s1, t_s2, t_s3, t_s4, t_rcount, T_ROWS, T_BLOCK_SIZE)
         tl.store(count_ptr, 0)
 

@@ -19,12 +19,12 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
     x_stride1,
     mul_stride1,
     grad0_stride1,
-    s0,
+    maximum_in,
     s1,
     s2,
     s3,
     s4,
-    s5,
+    rcount,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -48,7 +48,7 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
     v11 = t4 + t8
     v12 = x - v11
     stat2 = tl.load(stat2_ptr)
-    v0 = stat2 / s0
+    v0 = stat2 / maximum_in
     v1 = v0 == s1
     dout2 = tl.load(dout2_ptr).to(tl.float32)
     v2 = tl.where(v1, s1, dout2)
@@ -57,13 +57,13 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
     v5 = tl.sqrt(v4)
     v6 = v3 / v5
     v7 = tl.where(v1, s1, v6)
-    v8 = v7 / s0
+    v8 = v7 / maximum_in
     v10 = v8 * s4
     v13 = v10 * v12
     mul = tl.load(mul_ptr + crem * mul_stride1 + c1, mask=mask, other=0).to(tl.float32)
     v14 = v13 + mul
     dout0 = tl.load(dout0_ptr + c1, mask=mask, other=0).to(tl.float32)
-    v15 = dout0 / s5
+    v15 = dout0 / rcount
     v17 = v14 + v15
     tl.store(grad0_ptr + crem * grad0_stride1 + c1 + rows * 0, v17.to(tl.bfloat16), mask=mask)
 
@@ -88,7 +88,7 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     n_cols,
     x_stride0,
     mul_stride0,
-    s0,
+    maximum_in,
     s1,
     t_n_rows,
     t_n_cols,
@@ -97,12 +97,12 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     t_x_stride1,
     t_mul_stride1,
     t_grad0_stride1,
-    t_s0,
+    t_maximum,
     t_s1,
     t_s2,
     t_s3,
     t_s4,
-    t_s5,
+    t_rcount,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -126,7 +126,7 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     v3 = t4 + t8
     v4 = x - v3
     dout1 = tl.load(dout1_ptr + rows, mask=row_mask, other=0).to(tl.float32)
-    v0_10 = dout1 / s0
+    v0_10 = dout1 / maximum_in
     v1 = v0_10.to(tl.float32)
     v2 = v1 * s1
     v5 = v2 * v4
@@ -134,6 +134,6 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        row_div_unsqueeze_mul_m2_mean_SIG_tail(t_stat2_ptr, t_dout2_ptr, t_x_ptr, t_mul_ptr, t_dout0_ptr, t_grad0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_x_stride1, t_mul_stride1, t_grad0_stride1, t_s0, t_s1, t_s2, t_s3, t_s4, t_s5, T_ROWS, T_BLOCK_SIZE)
+        row_div_unsqueeze_mul_m2_mean_SIG_tail(t_stat2_ptr, t_dout2_ptr, t_x_ptr, t_mul_ptr, t_dout0_ptr, t_grad0_ptr, t_n_rows, t_n_cols, t_csize0, t_csize1, t_x_stride1, t_mul_stride1, t_grad0_stride1, t_maximum, t_s1, t_s2, t_s3, t_s4, t_rcount, T_ROWS, T_BLOCK_SIZE)
         tl.store(count_ptr, 0)
 

@@ -11,7 +11,7 @@ def row_sum_div_SIG_tail(
     n_rows,
     n_cols,
     x_stride0,
-    s0,
+    maximum_in,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -33,7 +33,7 @@ def row_sum_div_SIG_tail(
     t8 = tl.where(t7 == t7, t7, 0.0)
     t9 = t6[1][:, None] - t1 * t8 * t8
     v0 = tl.where(t9 < 0, 0.0, t9)
-    v1 = v0 / s0
+    v1 = v0 / maximum_in
     tl.store(v_ptr + rows, v1, mask=row_mask)
 
 @triton.jit
@@ -51,11 +51,11 @@ def row_sum_div_SIG(
     n_rows,
     n_cols,
     x_stride1,
-    s0,
+    rcount,
     t_n_rows,
     t_n_cols,
     t_x_stride0,
-    t_s0,
+    t_maximum,
     T_ROWS: tl.constexpr,
     T_BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -71,11 +71,11 @@ def row_sum_div_SIG(
     # mean
     t1 = tl.where(mask, x, 0)
     v0 = tl.sum(t1, axis=1)[:, None]
-    v1 = v0 / s0
+    v1 = v0 / rcount
     tl.store(m_ptr + rows, v1, mask=row_mask)
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr, 1, sem='acq_rel', scope='gpu')
     if ticket == tl.num_programs(0) - 1:
-        row_sum_div_SIG_tail(t_x_ptr, t_v_ptr, t_n_rows, t_n_cols, t_x_stride0, t_s0, T_ROWS, T_BLOCK_SIZE)
+        row_sum_div_SIG_tail(t_x_ptr, t_v_ptr, t_n_rows, t_n_cols, t_x_stride0, t_maximum, T_ROWS, T_BLOCK_SIZE)
         tl.store(count_ptr, 0)
 

@@ -15,7 +15,7 @@ def row_m2_div_eq_where_SIG(
     s_ptr,
     n_rows,
     n_cols,
-    s0,
+    maximum_in,
     s1,
     s2,
     ROWS: tl.constexpr,
@@ -39,7 +39,7 @@ def row_m2_div_eq_where_SIG(
     t8 = tl.where(t7 == t7, t7, 0.0)
     t9 = t6[1][:, None] - t1 * t8 * t8
     v0 = tl.where(t9 < 0, 0.0, t9)
-    v1 = v0 / s0
+    v1 = v0 / maximum_in
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)
     v4 = tl.sqrt(v3)

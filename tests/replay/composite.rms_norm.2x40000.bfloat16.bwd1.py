@@ -14,8 +14,8 @@ def row_div_add_rsqrt_mul_SIG(
     n_cols,
     x_stride1,
     dout0_stride1,
-    s0,
-    s1,
+    rcount,
+    eps,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -26,8 +26,8 @@ def row_div_add_rsqrt_mul_SIG(
     dout0 = tl.load(dout0_ptr + rows + cols * dout0_stride1, mask=row_mask, other=0).to(tl.float32)
     x = tl.load(x_ptr + rows + cols * x_stride1, mask=row_mask, other=0).to(tl.float32)
     stat0 = tl.load(stat0_ptr + cols, mask=row_mask, other=0)
-    v0 = stat0 / s0
-    v1 = v0 + s1
+    v0 = stat0 / rcount
+    v1 = v0 + eps
     v2 = tl.rsqrt(v1)
     v5 = x * v2
     v6 = dout0 * v5

@@ -13,8 +13,8 @@ def rms_norm_row_SIG(
     n_cols,
     x_stride0,
     out_stride0,
-    s0,
-    s1,
+    rcount,
+    eps,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -33,8 +33,8 @@ def rms_norm_row_SIG(
         t2 = acc_1 + t1
         acc_1 = t2
     v1 = tl.sum(acc_1, axis=1)[:, None]
-    v2 = v1 / s0
-    v3 = v2 + s1
+    v2 = v1 / rcount
+    v3 = v2 + eps
     v4 = tl.rsqrt(v3)
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]

@@ -16,8 +16,8 @@ def row_mul_div_add_rsqrt_SIG(
     dout0_stride0,
     x_stride0,
     grad0_stride0,
-    s0,
-    s1,
+    rcount,
+    eps,
     s2,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -41,13 +41,13 @@ def row_mul_div_add_rsqrt_SIG(
     v6 = tl.sum(acc_6, axis=1)[:, None]
     v7 = v6 * s2
     stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
-    v1 = stat0 / s0
-    v2 = v1 + s1
+    v1 = stat0 / rcount
+    v2 = v1 + eps
     v3 = tl.rsqrt(v2)
     v8 = v3 * v3
     v9 = v3 * v8
     v10 = v7 * v9
-    v11 = v10 / s0
+    v11 = v10 / rcount
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]
         col_mask = cols < n_cols

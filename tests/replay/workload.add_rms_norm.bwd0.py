@@ -21,8 +21,8 @@ def row_mul_div_add_rsqrt_SIG(
     x_stride0,
     r_stride0,
     grad1_stride0,
-    s0,
-    s1,
+    rcount,
+    eps,
     s2,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -48,13 +48,13 @@ def row_mul_div_add_rsqrt_SIG(
         v8 = tl.sum(t4, axis=1)[:, None]
         v9 = v8 * s2
         stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
-        v1 = stat0 / s0
-        v2 = v1 + s1
+        v1 = stat0 / rcount
+        v2 = v1 + eps
         v3 = tl.rsqrt(v2)
         v10 = v3 * v3
         v11 = v3 * v10
         v12 = v9 * v11
-        v13 = v12 / s0
+        v13 = v12 / rcount
         v14 = v13 * v6
         dout0 = tl.load(dout0_ptr + rows * dout0_stride0 + cols, mask=mask, other=0)
         v4 = v0 * v3

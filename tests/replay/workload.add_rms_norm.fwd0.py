@@ -17,8 +17,8 @@ def rms_norm_row_SIG(
     r_stride0,
     h_stride0,
     y_stride0,
-    s0,
-    s1,
+    rcount,
+    eps,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -35,8 +35,8 @@ def rms_norm_row_SIG(
     v1 = v0 * v0
     t2 = tl.where(mask, v1, 0)
     v2 = tl.sum(t2, axis=1)[:, None]
-    v3 = v2 / s0
-    v4 = v3 + s1
+    v3 = v2 / rcount
+    v4 = v3 + eps
     v5 = tl.rsqrt(v4)
     v6 = v0 * v5
     w = tl.load(w_ptr + cols, mask=mask, other=0)

@@ -19,8 +19,8 @@ def layer_norm_row_SIG(
     n_cols,
     x_stride0,
     out_stride0,
-    s0,
-    s1,
+    rcount,
+    eps,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -44,8 +44,8 @@ def layer_norm_row_SIG(
     t10 = t4 + t8
     t11 = tl.where(t9 < 0, 0.0, t9)
     v1 = x - t10
-    v3 = t11 / s0
-    v4 = v3 + s1
+    v3 = t11 / rcount
+    v4 = v3 + eps
     v5 = tl.rsqrt(v4)
     v6 = v1 * v5
     w = tl.load(w_ptr + cols, mask=mask, other=0)

@@ -29,8 +29,8 @@ def row_mul_add_sub_sum_SIG(
     dout0_stride0,
     grad1_stride0,
     s0,
-    s1,
-    s2,
+    rcount,
+    eps,
     s3,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -57,8 +57,8 @@ def row_mul_add_sub_sum_SIG(
         v3 = v0 * v2
         t5 = tl.where(mask, v3, 0)
         stat1 = tl.load(stat1_ptr + rows, mask=row_mask, other=0)
-        v6 = stat1 / s1
-        v7 = v6 + s2
+        v6 = stat1 / rcount
+        v7 = v6 + eps
         v8 = tl.rsqrt(v7)
         v9 = v8 * v8
         v10 = v8 * v9
@@ -71,12 +71,12 @@ def row_mul_add_sub_sum_SIG(
         v19 = v4_v19[1][:, None]
         v5 = v4 * s0
         v11 = v5 * v10
-        v12 = v11 / s1
+        v12 = v11 / rcount
         v13 = v12 * s3
         v14 = v13 * v2
         v15 = dout0 + v14
         v17 = v15 + v16
-        v20 = v19 / s1
+        v20 = v19 / rcount
         v21 = v17 + v20
         tl.store(grad1_ptr + rows * grad1_stride0 + cols, v21, mask=mask)
         v22 = v2 * v8

@@ -23,8 +23,8 @@ def layer_norm_row_SIG(
     r_stride0,
     h_stride0,
     y_stride0,
-    s0,
-    s1,
+    rcount,
+    eps,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -50,8 +50,8 @@ def layer_norm_row_SIG(
     t11 = t5 + t9
     t12 = tl.where(t10 < 0, 0.0, t10)
     v2 = v0 - t11
-    v4 = t12 / s0
-    v5 = v4 + s1
+    v4 = t12 / rcount
+    v5 = v4 + eps
     v6 = tl.rsqrt(v5)
     v7 = v2 * v6
     w = tl.load(w_ptr + cols, mask=mask, other=0)

@@ -21,8 +21,8 @@ def row_mul_div_add_rsqrt_SIG(
     g_stride0,
     grad0_stride0,
     grad2_stride0,
-    s0,
-    s1,
+    rcount,
+    eps,
     s2,
     s3,
     ROWS: tl.constexpr,
@@ -44,8 +44,8 @@ def row_mul_div_add_rsqrt_SIG(
         v0 = dout0 * u
         g = tl.load(g_ptr + rows * g_stride0 + cols, mask=mask, other=0)
         stat0 = tl.load(stat0_ptr + rows, mask=row_mask, other=0)
-        v1 = stat0 / s0
-        v2 = v1 + s1
+        v1 = stat0 / rcount
+        v2 = v1 + eps
         v3 = tl.rsqrt(v2)
         v4 = g * v3
         v5 = v4 * w
@@ -63,7 +63,7 @@ def row_mul_div_add_rsqrt_SIG(
         v17 = v3 * v3
         v18 = v3 * v17
         v19 = v16 * v18
-        v20 = v19 / s0
+        v20 = v19 / rcount
         v21 = v20 * g
         v13 = v12 * v3
         v22 = v13 + v21

@@ -15,8 +15,8 @@ def rms_norm_row_SIG(
     g_stride0,
     u_stride0,
     out_stride0,
-    s0,
-    s1,
+    rcount,
+    eps,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -31,8 +31,8 @@ def rms_norm_row_SIG(
     v0 = g * g
     t1 = tl.where(mask, v0, 0)
     v1 = tl.sum(t1, axis=1)[:, None]
-    v2 = v1 / s0
-    v3 = v2 + s1
+    v2 = v1 / rcount
+    v3 = v2 + eps
     v4 = tl.rsqrt(v3)
     v5 = g * v4
     w = tl.load(w_ptr + cols, mask=mask, other=0)
