@@ -29,7 +29,9 @@ class FusionConfig(BaseModel):
         (32, True)
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # strict: a field takes its own type only ("8", 8.0 or True for a size, "off" for a switch are
+    # refused, not coerced); files and environment variables are converted before (``load``)
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, strict=True)
 
     enabled: bool = True
     """Fuse at all; when False every op runs eagerly through torch, one kernel each."""
@@ -78,11 +80,36 @@ class FusionConfig(BaseModel):
         except ValidationError as exc:
             raise ConfigError(_explain(exc)) from None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ConfigError(f"FusionConfig is frozen: {name} cannot be set; use cfg.replace({name}=...)")
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> FusionConfig:  # type: ignore[override]
+        if isinstance(obj, dict) and not kwargs:
+            return cls(**obj)
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc)) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, **kwargs: Any) -> FusionConfig:  # type: ignore[override]
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc)) from None
+
+    def model_copy(self, *, update: Any = None, deep: bool = False) -> FusionConfig:  # type: ignore[override]
+        """A copy with ``update`` applied, validated (pydantic's own copy would skip the checks)."""
+        return self.replace(**(update or {}))
+
     @model_validator(mode="after")
     def _consistent(self) -> FusionConfig:
         for name in ("min_fusion_ops", "max_fusion_ops", "cache_size", "max_queued_ops", "launch_cache_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cache_dir is not None and not self.cache_dir.strip():
+            raise ValueError("cache_dir must name a directory (None: the default one), got ''")
         if not 0 <= self.chunk_budget <= 1:
             raise ValueError(f"chunk_budget must be within [0, 1], got {self.chunk_budget}")
         if self.min_fusion_ops > self.max_fusion_ops:
@@ -120,10 +147,15 @@ class FusionConfig(BaseModel):
         Example:
             >>> cfg = FusionConfig.load("rtxdsl.toml")  # doctest: +SKIP
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"config file: path must be a str or a path, got {path!r}")
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        text = p.read_text()
+            raise ConfigError(f"config file {str(p)!r} " + ("is a directory" if p.is_dir() else "does not exist"))
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text: {exc}") from None
         suffix = p.suffix.lower()
         try:
             if suffix == ".toml":
@@ -176,11 +208,12 @@ def env_overrides() -> dict[str, Any]:
             if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ConfigError(f"environment variable RTXDSL_{name.upper()}={raw!r} is not a boolean")
             out[name] = low in ("1", "true", "yes", "on")
-        elif info.annotation is int:
+        elif info.annotation in (int, float):
             try:
-                out[name] = int(raw)
+                out[name] = info.annotation(raw)
             except ValueError:
-                raise ConfigError(f"environment variable RTXDSL_{name.upper()}={raw!r} is not an integer") from None
+                what = "an integer" if info.annotation is int else "a number"
+                raise ConfigError(f"environment variable RTXDSL_{name.upper()}={raw!r} is not {what}") from None
         else:
             out[name] = raw
     return out

@@ -21,7 +21,7 @@ from .expr import Expr, Scalar, as_expr
 from .ops import REGISTRY
 from .runtime import Kernel, compile
 
-_RESERVED = re.compile(r"_[gsdjp]\d+")  # the VJP pass names its extra inputs and outputs so
+_RESERVED = re.compile(r"_[gsdjp]\d+|_rng\d+")  # the VJP pass names its extra inputs and outputs so
 
 
 def var(name: str, dtype: torch.dtype | None = None) -> Expr:
@@ -38,7 +38,9 @@ def var(name: str, dtype: torch.dtype | None = None) -> Expr:
     if not isinstance(name, str) or not name.isidentifier():
         raise RtxError(f"input name must be a python identifier, got {name!r}")
     if _RESERVED.fullmatch(name):
-        raise RtxError(f"input name {name!r} is reserved for gradients (_g<k>, _s<k>, _d<k>, _j<k>, _p<k>)")
+        raise RtxError(
+            f"input name {name!r} is reserved: gradients' (_g<k>, _s<k>, _d<k>, _j<k>, _p<k>), random seeds' (_rng<k>)"
+        )
     if dtype is not None:
         if not isinstance(dtype, torch.dtype):
             raise RtxError(f"input {name!r}: dtype must be a torch.dtype, got {dtype!r}")
@@ -80,6 +82,8 @@ def fuse(fn: Callable[..., Any] | None = None, *, config: FusionConfig | None = 
     """
 
     def wrap(f: Callable[..., Any]) -> Kernel:
+        if not callable(f):
+            raise RtxError(f"@fuse decorates a function, got {f!r}")
         params = inspect.signature(f).parameters
         for p in params.values():
             if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):

@@ -90,6 +90,9 @@ class Expr:
         raise AttributeError("Expr is immutable")
 
     __hash__ = object.__hash__
+    #: not iterable: ``x[0], x[1], ...`` would never end (an expression's length is known only
+    #: once it is bound to inputs); ``list(e)`` raises TypeError
+    __iter__ = None
 
     def attr(self, name: str, default: Any = None) -> Any:
         for k, v in self.attrs:
@@ -165,7 +168,9 @@ def _attr_text_key(attrs: tuple) -> str:
 def _operator(dunder: str, reflected: bool) -> Any:
     def method(self: Expr, *args: Any) -> Any:
         op = REGISTRY.operators.get(dunder)
-        if op is None:
+        if op is None or any(isinstance(a, str) for a in args):
+            # (a string is no operand: ``approximate not in ("none", "tanh")`` given an expression
+            # is then False, and the op's own check names the argument)
             return NotImplemented
         if reflected:
             return op.front.fn(args[0], self)

@@ -47,7 +47,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -885,6 +885,8 @@ class Fusion:
     def __init__(self, config: FusionConfig | None = None, *, stats: FusionStats | None = None) -> None:
         if config is not None and not isinstance(config, FusionConfig):
             raise RtxError(f"Fusion(config) needs a FusionConfig, got {type(config).__name__}")
+        if stats is not None and not isinstance(stats, FusionStats):
+            raise RtxError(f"Fusion(stats=) needs a FusionStats, got {type(stats).__name__}")
         self._config = config
         self._stats = stats or FusionStats()
         self._streams: dict[torch.device, OperationStream] = {}
@@ -908,6 +910,9 @@ class Fusion:
             return t
         if not isinstance(t, torch.Tensor):
             raise RtxError(f"lazy() takes a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_nested:
+            kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+            raise RtxError(f"lazy() takes a dense (strided) tensor, got a {kind} one: rtxdsl fuses dense tensors")
         self._remember(t)
         return LazyTensor._leaf(self.stream(t.device), t)
 
@@ -1249,6 +1254,11 @@ class LazyTensor:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
 
+    def __iter__(self) -> Iterator[Any]:
+        if not self.shape:  # (torch's words)
+            raise TypeError("iteration over a 0-d tensor")
+        return iter([self[i] for i in range(self.shape[0])])
+
     def __array__(self, dtype: Any = None) -> Any:
         a = self._real("data access: numpy conversion").numpy()
         return a if dtype is None else a.astype(dtype)
@@ -1457,6 +1467,20 @@ def _sig(x: Any) -> Any:
     return (type(x).__name__, x) if isinstance(x, (int, float, bool, str, torch.dtype, type(None))) else repr(x)
 
 
+def _names_device(args: tuple, kwargs: dict) -> bool:
+    """Does a call name a device other than its tensor's (``.to("meta")`` of a CPU value)?"""
+    here = getattr(args[0], "device", None) if args else None
+    for a in (*args[1:], *kwargs.values()):
+        if isinstance(a, (str, torch.device)):
+            try:
+                there = torch.device(a)
+            except RuntimeError:  # a string that names no device (a memory format's name): not one
+                continue
+            if here is None or there.type != here.type or there.index not in (None, here.index):
+                return True
+    return False
+
+
 def _meta_result(func: Any, args: tuple, kwargs: dict) -> Any:
     """What torch gives for this call on meta tensors of the same dtypes, shapes and strides:
     a meta tensor, a tuple of them, ``_RAISES``, or None where meta tensors cannot tell."""
@@ -1471,8 +1495,8 @@ def _meta_result(func: Any, args: tuple, kwargs: dict) -> Any:
     try:
         metas = _meta_of(args)
         out = func(*metas, **{k: _meta_of(v) for k, v in kwargs.items()})
-        if metas and out is metas[0]:
-            out = _SELF
+        if metas and out is metas[0] and not _names_device(args, kwargs):
+            out = _SELF  # (a move to a device: to the meta device, meta tensors stay themselves)
         elif not isinstance(out, (torch.Tensor, tuple)):
             out = None
     except (RuntimeError, IndexError, ValueError, TypeError) as exc:

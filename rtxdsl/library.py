@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -153,11 +154,15 @@ class Library:
 
 def load_library(path: str | Path) -> Library:
     """Read, validate and compile the kernels of a TOML / YAML / JSON file (see the module docstring)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise LibraryError([f"load_library: path must be a str or a path, got {path!r}"])
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise LibraryError([f"{path}: cannot read: {exc.strerror}"]) from None
+    except UnicodeDecodeError as exc:
+        raise LibraryError([f"{path}: not UTF-8 text: {exc}"]) from None
     raw = _load(path, text)
     where = _Locator(path, text)
     try:

@@ -238,6 +238,9 @@ class Kernel:
             return self._key(*tensors)
         except AttributeError:  # a python number for a scalar input (or a wrong argument)
             return _mixed_key(tensors)
+        except RuntimeError:  # a tensor without strides (nested): the layout check names it
+            self._check_types(tensors)
+            raise
 
     def prepared(self, *args: Any) -> PreparedCall | DistributedCall:
         """What a call with these inputs (tensors, positionally in ``inputs`` order) runs: lowered
@@ -479,6 +482,9 @@ class Kernel:
         for name, t in zip(self.inputs, tensors):
             if not isinstance(t, (torch.Tensor, bool, int, float)):
                 raise RtxError(f"input {name!r} must be a torch.Tensor or a python number, got {type(t).__name__}")
+            if isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.is_nested):
+                kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+                raise RtxError(f"input {name!r} is a {kind} tensor: rtxdsl reads dense (strided) tensors (.to_dense())")
 
     def _validate(self, tensors: tuple, cfg: FusionConfig) -> torch.device:
         self._check_types(tensors)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from triton.runtime import interpreter as _interp
 
+from .errors import RtxError
 from .lower import GPU, Target
 from .lower.params import ParamKind, pointers
 from .runtime import Kernel
@@ -262,11 +263,17 @@ def memory_trace(
         >>> torch.allclose(t.result, x.sum(0), atol=1e-5)
         True
     """
+    if not isinstance(kernel, Kernel):
+        raise RtxError(f"memory_trace: kernel must be an rx.Kernel (rx.compile), got {type(kernel).__name__}")
+    if not isinstance(target, Target):
+        raise RtxError(f"memory_trace: target must be a Target (rtxdsl.lower.GPU), got {target!r}")
+    if isinstance(reuse_bytes, bool) or not isinstance(reuse_bytes, int) or reuse_bytes < 0:
+        raise RtxError(f"memory_trace: reuse_bytes must be an int >= 0, got {reuse_bytes!r}")
     tensors = kernel.collect(args, kwargs)
     program = kernel.lower_for(target, *args, **kwargs)
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            raise ValueError("memory_trace runs under Triton's interpreter: pass CPU tensors")
+            raise RtxError("memory_trace runs under Triton's interpreter: pass CPU tensors")
     launch = PreparedCall(
         kernel, kernel.analysis(*args, **kwargs), program, kernel.config.replace(backend="interpreter"), tensors
     )

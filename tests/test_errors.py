@@ -158,3 +158,95 @@ def test_a_gather_index_out_of_range_names_the_first_bad_index_as_torch_does():
             r"\(torch: 'index 9 is out of bounds for dimension 1 with size 7'\)", k, x=data, b=index)  # fmt: skip
     # an index computed in the kernel: the host computes it the same way
     _raises(rx.RtxError, r"the first is -2 ", rx.compile(rx.gather(x, b - 3, -1)), x=data, b=torch.tensor([[1], [5]]))
+
+
+_X, _T = torch.randn(3, 5), torch.tensor([0, 2, 4])
+_q = rx.var("q")
+# (what the user wrote, the error class, words of its message): each fell through to a Python
+# error from inside rtxdsl, or was silently coerced or accepted, until an outside probe of the API
+MISTAKES = {
+    # switches take bools: 'no' is truthy, and a string or a number was read as its truth value
+    "keepdim as a string": (lambda: rx.sum(x, -1, keepdim="no"), rx.RtxError, "sum: keepdim must be True or False"),
+    "a flag of contract": (lambda: rx.contract(x, b, ta=1), rx.RtxError, "contract: ta must be True or False"),
+    "rope's interleaved": (lambda: rx.rope(x, b, b, interleaved="yes"), rx.RtxError, "rope: interleaved must be"),
+    # sizes and axes take ints: a float was truncated, a string raised ValueError inside
+    "a float in a shape": (lambda: rx.reshape(x, (2.0, 6)), rx.RtxError, "reshape: shape must be an int, got 2.0"),
+    "mrope's sections": (lambda: rx.mrope(x, b, b, (1.5, 2.5)), rx.RtxError, "mrope: sections must be an int"),
+    "a flip's axis None": (lambda: rx.flip(x, None), rx.RtxError, "flip: axis"),
+    "a flip of one axis twice": (lambda: rx.flip(x, (0, 0)), rx.ShapeError, "names a dim more than once"),
+    # axis and dim: one of them (dim was taken silently)
+    "softmax's axis and dim": (lambda: rx.softmax(x, axis=0, dim=1), rx.RtxError, "give axis or dim, not both"),
+    "cat's axis and dim": (lambda: rx.cat([x, b], axis=0, dim=1), rx.RtxError, "give axis or dim, not both"),
+    # a number where a tensor is read (ValueError: not enough values to unpack)
+    "a number as a matrix": (lambda: x @ 1.0, rx.RtxError, "matmul: b must be a tensor expression, got 1.0"),
+    "a number as an index": (lambda: rx.gather(x, 0), rx.RtxError, "gather: index must be a tensor expression"),
+    "a number as a weight": (lambda: rx.linear(x, 2.0), rx.RtxError, "linear: weight must be a tensor expression"),
+    # score and mask functions of the wrong arity (TypeError from inside)
+    "a score_mod of one argument": (
+        lambda: rx.attention(_q, x, b, score_mod=lambda s: s), rx.RtxError, r"score_mod must take \(s, b, h"),
+    "a mask_mod of two arguments": (
+        lambda: rx.attention(_q, x, b, mask_mod=lambda i, j: i), rx.RtxError, r"mask_mod must take \(b, h, q_idx"),
+    # a reference model's head is (h, w, bias)
+    "a ref of one tensor": (
+        lambda: rx.preference_outputs("dpo", x, b, _q, ref=(x,)), rx.RtxError, r"ref must be the reference model's"),
+    # an expression is not iterable (list() never ended)
+    "list of an expression": (lambda: list(x), TypeError, "not iterable"),
+    "a reserved input name": (lambda: rx.var("_rng0"), rx.RtxError, "reserved: .* random seeds"),
+    # a string is no operand: the op's own check names the argument ("eq: cannot use str")
+    "a bare word for a choice": (lambda: rx.parse("gelu(x, approximate=tanh)"), rx.ParseError, "gelu: approximate"),
+    "a bare word for a switch": (lambda: rx.parse("rope(x, c, s, interleaved=yes)"), rx.ParseError, "interleaved"),
+    # at the call
+    "integer logits": (lambda: rx.compile(rx.cross_entropy(x, b))(x=_X.long(), b=_T), rx.UnsupportedDtypeError,
+                       "cross_entropy: logits must be floating point"),  # (torch: not implemented for 'Long')
+    "ignore_index with probabilities": (
+        lambda: rx.compile(rx.cross_entropy(x, b, ignore_index=1))(x=_X, b=_X.softmax(-1)), rx.RtxError,
+        r"ignore_index \(1\) is not supported for class-probability targets"),
+    "a half mask for float scores": (
+        lambda: rx.compile(rx.attention(_q, x, b, attn_mask=rx.var("m")))(
+            q=torch.randn(1, 1, 3, 4), x=torch.randn(1, 1, 3, 4), b=torch.randn(1, 1, 3, 4), m=torch.zeros(3, 3).half()),
+        rx.DtypeMismatchError, "attn_mask is torch.float16; as SDPA's, it must be bool or q's dtype"),
+    "an unsqueeze past the rank": (lambda: rx.compile(rx.mrope(x, b, b, (1, 1, 1), unsqueeze_dim=9))(
+        x=torch.randn(1, 2, 3, 6), b=torch.randn(3, 1, 3, 6)), rx.ShapeError, "axis 9 is out of range"),
+    "a sparse input": (lambda: rx.compile(x * 2)(x=_X.to_sparse()), rx.RtxError, "input 'x' is a sparse_coo tensor"),
+    "a sparse lazy tensor": (lambda: rx.Fusion().lazy(_X.to_sparse()), rx.RtxError, "dense"),
+    "a duplicate reduction axis": (lambda: rx.compile(rx.sum(x, axis=(0, 0)))(x=_X), rx.ShapeError,
+                                   r"\(operands \[3, 5\]\): torch refuses it: dim 0 appears multiple times"),
+    # modules and their options
+    "a norm's eps as a string": (lambda: rx.nn.RMSNorm(4, eps="a"), rx.RtxError, "RMSNorm: eps must be a python number"),
+    "a loss's switch as a string": (
+        lambda: rx.nn.CrossEntropyLoss(return_z_loss="yes"), rx.RtxError, "return_z_loss must be True or False"),
+    "a negative hidden size": (lambda: rx.nn.DyT(-1), rx.RtxError, "DyT: hidden_size must be >= 1"),
+    "replace_modules of a string": (lambda: rx.nn.replace_modules("model"), rx.RtxError, "must be a torch.nn.Module"),
+    "Fusion's stats": (lambda: rx.Fusion(stats=1), rx.RtxError, "needs a FusionStats"),
+    "memory_trace of a string": (lambda: rx.memory_trace("k", x=_X), rx.RtxError, "kernel must be an rx.Kernel"),
+    # config fields take their own type (pydantic coerced "8", 8.0, True; "off" was truthy)
+    "a size as a string": (lambda: rx.FusionConfig(cache_size="8"), rx.ConfigError, "cache_size"),
+    "a switch as a string": (lambda: rx.FusionConfig(enabled="off"), rx.ConfigError, "enabled"),
+    "a copy skipping validation": (
+        lambda: rx.FusionConfig().model_copy(update={"cache_size": -1}), rx.ConfigError, "cache_size must be >= 1"),
+    "a field set on a frozen config": (
+        lambda: setattr(rx.FusionConfig(), "cache_size", 5), rx.ConfigError, "frozen: cache_size cannot be set"),
+    "pydantic's own validation": (
+        lambda: rx.FusionConfig.model_validate({"cache_size": -1}), rx.ConfigError, "cache_size must be >= 1"),
+    "an empty cache_dir": (lambda: rx.FusionConfig(cache_dir=""), rx.ConfigError, "cache_dir must name a directory"),
+    "a config file of None": (lambda: rx.FusionConfig.load(None), rx.ConfigError, "path must be a str or a path"),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES, ids=list(MISTAKES))
+def test_a_mistake_is_named_where_it_was_made(mistake):
+    call, cls, words = MISTAKES[mistake]
+    with pytest.raises(cls, match=words):
+        call()
+
+
+def test_a_lazy_iteration_and_a_move_to_another_device_are_eagers():
+    """``list()`` of a 0-d value raises as torch's (it gave []); ``.to("meta")`` moves the value
+    (it was dropped: a meta tensor's ``.to("meta")`` is itself, so it read as "returns self")."""
+    f = rx.Fusion()
+    with pytest.raises(TypeError, match="iteration over a 0-d tensor"):
+        list(f.lazy(_X).sum())
+    assert [tuple(r.shape) for r in f.lazy(_X) * 2] == [(5,)] * 3
+    assert (f.lazy(_X) + 1).to("meta").device.type == "meta"
+    y = (f.lazy(_X) + 1).to("cpu") * 2
+    torch.testing.assert_close(y.torch(), (_X + 1) * 2)

@@ -99,6 +99,13 @@ def broadcast_shapes(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(out)
 
 
+#: what torch's refusal on probes is about, by its words: the error class that says so (else RtxError)
+_REFUSALS = (
+    (ShapeError, ("size", "shape", "dimension", "broadcast", "range", "appears multiple times")),
+    (UnsupportedDtypeError, ("dtype", "type", "not implemented for", "Long", "Float", "Half", "Bool")),
+)
+
+
 def _probe_dtype(n: Expr, srcs: list[Info]) -> Any:
     """torch's result for ``n`` on probes: a dtype, or a python value when every operand is a scalar."""
     opdef = REGISTRY[n.op]
@@ -110,9 +117,10 @@ def _probe_dtype(n: Expr, srcs: list[Info]) -> Any:
         if isinstance(exc, RtxError):
             raise
         msg = str(exc).splitlines()[0]
-        words = ("size", "shape", "dimension", "broadcast", "range")
-        kind = ShapeError if any(w in msg for w in words) else UnsupportedDtypeError
-        raise kind(f"op {n.op!r} in {n!r}: {msg}") from None
+        kind = next((k for k, words in _REFUSALS if any(w in msg for w in words)), RtxError)
+        # torch was asked on one-element stand-ins of the operands' ranks: their shapes, not the probes'
+        shapes = ", ".join(repr(i.value) if i.is_scalar else str(list(i.shape)) for i in srcs)
+        raise kind(f"op {n.op!r} in {n!r} (operands {shapes}): torch refuses it: {msg}") from None
     if not isinstance(out, torch.Tensor):
         return ("value", out)
     return out.dtype

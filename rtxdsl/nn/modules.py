@@ -22,6 +22,7 @@ from ..expr import node
 from ..ops import REGISTRY
 from ..ops.composite import geglu, layer_norm, rms_norm
 from ..ops.elementwise import cast
+from ..ops.helpers import flag_arg, int_arg, scalar_arg
 from ..ops.llm import cross_entropy, cross_entropy_outputs, linear_cross_entropy
 from ..runtime import Kernel, compile
 from ..runtime_grad import land
@@ -95,7 +96,8 @@ def rms_norm_(
         >>> rx.nn.rms_norm_(x) is x, x[0, 0].item()
         (True, 1.0)
     """
-    kernel = _rms_kernel(None if eps is None else float(eps), weight is not None, float(offset), False, True)
+    eps, offset = _eps(eps, "rms_norm_"), scalar_arg(offset, "rms_norm_", "offset")
+    kernel = _rms_kernel(eps, weight is not None, offset, False, True)
     extra = {} if weight is None else {"w": weight}
     _write_over(kernel, {"out": x}, x=x, **extra)
     return x
@@ -118,10 +120,22 @@ def add_rms_norm_(
         >>> out is x, res[0, 0].item(), x[0, 0].item()
         (True, 3.0, 1.0)
     """
-    kernel = _rms_kernel(None if eps is None else float(eps), weight is not None, float(offset), True, True)
+    eps, offset = _eps(eps, "add_rms_norm_"), scalar_arg(offset, "add_rms_norm_", "offset")
+    kernel = _rms_kernel(eps, weight is not None, offset, True, True)
     extra = {} if weight is None else {"w": weight}
     _write_over(kernel, {"out": x, "residual": residual}, x=x, r=residual, **extra)
     return x, residual
+
+
+def _eps(eps: Any, where: str) -> float | None:
+    """A norm's ``eps``: a number, or None (torch's: the machine epsilon of the input's dtype)."""
+    return None if eps is None else scalar_arg(eps, where, "eps")
+
+
+def _positive(n: Any, where: str, name: str) -> int:
+    if int_arg(n, where, name) < 1:
+        raise RtxError(f"{where}: {name} must be >= 1, got {n!r}")
+    return n
 
 
 class _Fused:
@@ -169,6 +183,7 @@ class LayerNorm(_Fused, torch.nn.LayerNorm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        scalar_arg(self.eps, "LayerNorm", "eps")
         self.attach()
 
     def _make_kernel(self) -> Kernel:
@@ -201,7 +216,8 @@ class RMSNorm(_Fused, torch.nn.RMSNorm):
 
     def __init__(self, *args: Any, offset: float = 0.0, promote: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.offset, self.promote = float(offset), bool(promote)
+        _eps(self.eps, "RMSNorm")
+        self.offset, self.promote = scalar_arg(offset, "RMSNorm", "offset"), flag_arg(promote, "RMSNorm", "promote")
         self.attach()
 
     def _make_kernel(self) -> Kernel:
@@ -257,8 +273,9 @@ class AddRMSNorm(_Fused, torch.nn.Module):
     ) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, **factory))
-        self.eps = None if eps is None else float(eps)
-        self.offset, self.in_place = float(offset), bool(in_place)
+        self.eps = _eps(eps, "AddRMSNorm")
+        self.offset = scalar_arg(offset, "AddRMSNorm", "offset")
+        self.in_place = flag_arg(in_place, "AddRMSNorm", "in_place")
         self.attach()
 
     def _make_kernel(self) -> Kernel:
@@ -299,7 +316,9 @@ class ModulatedRMSNorm(_Fused, torch.nn.Module):
         super().__init__()
         weight = torch.nn.Parameter(torch.ones(hidden_size, **factory)) if elementwise_affine else None
         self.register_parameter("weight", weight)
-        self.hidden_size, self.eps, self.offset = int(hidden_size), float(eps), float(offset)
+        self.hidden_size = _positive(hidden_size, "ModulatedRMSNorm", "hidden_size")
+        self.eps = scalar_arg(eps, "ModulatedRMSNorm", "eps")
+        self.offset = scalar_arg(offset, "ModulatedRMSNorm", "offset")
         self.attach()
 
     def _kernel_for(self, shift: bool) -> Kernel:
@@ -372,9 +391,10 @@ class CrossEntropyLoss(_Fused, torch.nn.CrossEntropyLoss):
         return_predicted_tokens: bool = False, **kwargs: Any,
     ) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
-        self.z_loss, self.return_z_loss = float(z_loss), bool(return_z_loss)
-        self.return_token_accuracy = bool(return_token_accuracy)
-        self.return_predicted_tokens = bool(return_predicted_tokens)
+        self.z_loss = scalar_arg(z_loss, "CrossEntropyLoss", "z_loss")
+        self.return_z_loss = flag_arg(return_z_loss, "CrossEntropyLoss", "return_z_loss")
+        self.return_token_accuracy = flag_arg(return_token_accuracy, "CrossEntropyLoss", "return_token_accuracy")
+        self.return_predicted_tokens = flag_arg(return_predicted_tokens, "CrossEntropyLoss", "return_predicted_tokens")
         self.attach()
 
     def _extras(self) -> tuple[bool, ...]:
@@ -638,7 +658,9 @@ class DyT(_Fused, torch.nn.Module):
 
     def __init__(self, hidden_size: int, beta: bool = True, init_alpha: float = 0.5, **factory: Any) -> None:
         super().__init__()
-        self.alpha = torch.nn.Parameter(torch.full((1,), float(init_alpha), **factory))
+        hidden_size = _positive(hidden_size, "DyT", "hidden_size")
+        flag_arg(beta, "DyT", "beta")
+        self.alpha = torch.nn.Parameter(torch.full((1,), scalar_arg(init_alpha, "DyT", "init_alpha"), **factory))
         self.gamma = torch.nn.Parameter(torch.ones(hidden_size, **factory))
         self.beta = torch.nn.Parameter(torch.zeros(hidden_size, **factory)) if beta else None
         self.attach()
@@ -664,7 +686,7 @@ class PolyNorm(_Fused, torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.full((3,), 1.0 / 3.0, **factory))
         self.bias = torch.nn.Parameter(torch.tensor(1.0, **factory))
-        self.eps = float(eps)
+        self.eps = scalar_arg(eps, "PolyNorm", "eps")
         self.attach()
 
     def _make_kernel(self) -> Kernel:
@@ -685,7 +707,7 @@ class Sparsemax(_Fused, torch.nn.Module):
 
     def __init__(self, dim: int = -1) -> None:
         super().__init__()
-        self.dim = int(dim)
+        self.dim = int_arg(dim, "Sparsemax", "dim")
         self.attach()
 
     def _make_kernel(self) -> Kernel:
@@ -754,7 +776,7 @@ class JSD(_LabelledLoss):
 
     def __init__(self, beta: float = 0.5, ignore_index: int = -100) -> None:
         super().__init__()
-        self.beta, self.ignore_index = float(beta), int(ignore_index)
+        self.beta, self.ignore_index = scalar_arg(beta, "JSD", "beta"), int_arg(ignore_index, "JSD", "ignore_index")
         self.attach()
 
     def _options(self) -> tuple[Any, ...]:
@@ -774,7 +796,7 @@ class TVDLoss(_LabelledLoss):
 
     def __init__(self, reduction: str = "batchmean", ignore_index: int = -100) -> None:
         super().__init__()
-        self.reduction, self.ignore_index = reduction, int(ignore_index)
+        self.reduction, self.ignore_index = reduction, int_arg(ignore_index, "TVDLoss", "ignore_index")
         self.attach()
 
     def _options(self) -> tuple[Any, ...]:

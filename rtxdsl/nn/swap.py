@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import dsl
+from ..errors import RtxError
 from ..ops.elementwise import cast
+from ..ops.helpers import flag_arg
 from ..ops.llm import capped_logits, cross_entropy, rope
 from ..runtime import Kernel, compile
 from .attention import route_attention
@@ -104,6 +106,11 @@ def replace_modules(
         >>> int(n), n.by_kind, type(m[1]).__module__
         (1, {'layer_norm': 1}, 'rtxdsl.nn.modules')
     """
+    if not isinstance(model, torch.nn.Module):
+        raise RtxError(f"replace_modules: model must be a torch.nn.Module, got {type(model).__name__}")
+    switches = dict(rope=rope, loss=loss, logits=logits, attention=attention, experts=experts, norms=norms, mlps=mlps)
+    for name, on in switches.items():
+        flag_arg(on, "replace_modules", name)
     counts = {"layer_norm": 0, "rms_norm": 0, "mlp": 0, "rope": 0, "loss": 0, "attention": 0, "experts": 0}
     left: set[str] = set()
     for parent in list(model.modules()):

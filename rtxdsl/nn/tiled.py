@@ -96,4 +96,6 @@ def tiled_mlp(
     """
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise RtxError(f"tiled_mlp: x must be a tensor with a hidden axis, got {getattr(x, 'shape', type(x))}")
+    if not callable(fn):
+        raise RtxError(f"tiled_mlp: fn must be a function of the rows (an MLP), got {fn!r}")
     return _Tiled.apply(fn, shard_count(x, shards), x, *params)

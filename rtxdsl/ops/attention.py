@@ -21,6 +21,7 @@ probabilities, so no branch of the backward divides by 0).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +59,12 @@ def _template(fn: Callable[..., Any], slots: tuple[str, ...], what: str, operand
     elementwise math over such operands stays in the template, computed at the scores' tiles:
     ``doc_q == doc_k`` compares ids per score where, lifted whole, it was a ``[Tq, Tk]`` mask
     computed apart (grouped-query attention wrote it at the scores' size)."""
+    try:
+        inspect.signature(fn).bind(*slots)
+    except TypeError:
+        raise RtxError(f"attention: {what} must take ({', '.join(slots)}), got {fn!r}") from None
+    except ValueError:  # no signature to read (a builtin): called as it is
+        pass
     try:
         out = fn(*[_slot(s) for s in slots])
     except RtxError as exc:
@@ -191,11 +198,14 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _dtype(dtypes: list[torch.dtype], output: str, **_: Any) -> torch.dtype:
+def _dtype(dtypes: list[torch.dtype], output: str, attn_mask: int | None = None, **_: Any) -> torch.dtype:
     q, k, v = dtypes[:3]
     for name, d in (("k", k), ("v", v)):
         if d != q:
             raise DtypeMismatchError(f"attention: q is {q} and {name} is {d}; q, k and v must have one dtype")
+    if attn_mask is not None and dtypes[attn_mask] not in (torch.bool, q):
+        m = dtypes[attn_mask]
+        raise DtypeMismatchError(f"attention: attn_mask is {m}; as SDPA's, it must be bool or q's dtype ({q})")
     if not q.is_floating_point:
         raise RtxError(f"attention: q, k and v must be floating point, got {q}")
     return q if output == "out" else _stat_dtype(q)

@@ -22,7 +22,7 @@ from ..dtypes import compute_dtype
 from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import FLOATING, NUMERIC, Front, OpDef, OpKind, Pattern, Unsupported, register
-from .helpers import ExprLike, axis_arg, binary_fn, int_axis, scalar_arg, torch_fns
+from .helpers import ExprLike, axis_arg, binary_fn, flag_arg, int_axis, scalar_arg, torch_fns
 from .reduction import deviations, mean_of, norm_axes, reduced_shape, softmax_parts
 
 
@@ -102,7 +102,7 @@ def _spread_fn(op: str, text: str) -> Callable[..., Expr]:
     def fn(x: ExprLike, axis: Any = None, keepdim: bool = False, *, correction: int = 1, dim: Any = None) -> Expr:
         if isinstance(correction, bool) or not isinstance(correction, (int, float)):
             raise RtxError(f"{op}: correction must be a number, got {correction!r}")
-        return node(op, x, correction, axis=axis_arg(axis, dim, op), keepdim=bool(keepdim))
+        return node(op, x, correction, axis=axis_arg(axis, dim, op), keepdim=flag_arg(keepdim, op, "keepdim"))
 
     fn.__name__ = fn.__qualname__ = op
     fn.__doc__ = (
@@ -121,7 +121,7 @@ def _mean_fn(x: ExprLike, axis: Any = None, keepdim: bool = False, *, dim: Any =
         >>> rx.mean(rx.var('x'), axis=-1)
         mean(x, axis=-1, keepdim=False)
     """
-    return node("mean", x, axis=axis_arg(axis, dim, "mean"), keepdim=bool(keepdim))
+    return node("mean", x, axis=axis_arg(axis, dim, "mean"), keepdim=flag_arg(keepdim, "mean", "keepdim"))
 
 
 _mean_fn.__name__ = _mean_fn.__qualname__ = "mean"
@@ -168,7 +168,7 @@ _composite(
 
 
 # ---- softmax family ---------------------------------------------------------------------------
-def softmax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
+def softmax(x: ExprLike, axis: int | None = None, *, dim: int | None = None) -> Expr:
     """exp(x - logsumexp(x)) over ``axis``: one kernel, minimum bytes.
 
     Example:
@@ -176,10 +176,10 @@ def softmax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
         >>> rx.softmax(rx.var("x") * 0.125)
         softmax(x * 0.125, axis=-1)
     """
-    return node("softmax", x, axis=int_axis(axis, dim, "softmax"))
+    return node("softmax", x, axis=int_axis(axis, dim, "softmax", -1))
 
 
-def log_softmax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
+def log_softmax(x: ExprLike, axis: int | None = None, *, dim: int | None = None) -> Expr:
     """x - logsumexp(x) over ``axis``.
 
     Example:
@@ -187,7 +187,7 @@ def log_softmax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
         >>> rx.log_softmax(rx.var("x"))
         log_softmax(x, axis=-1)
     """
-    return node("log_softmax", x, axis=int_axis(axis, dim, "log_softmax"))
+    return node("log_softmax", x, axis=int_axis(axis, dim, "log_softmax", -1))
 
 
 def _torch_softmax(fn: Callable[..., Expr]) -> Callable[..., Expr]:
@@ -646,7 +646,7 @@ register(
 
 
 # ---- sparsemax ----------------------------------------------------------------------------------------
-def sparsemax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
+def sparsemax(x: ExprLike, axis: int | None = None, *, dim: int | None = None) -> Expr:
     """Sparsemax (Martins & Astudillo, 2016) over ``axis``: the Euclidean projection of ``x`` onto
     the probability simplex, ``relu(x - tau)`` with ``tau`` the threshold where the row sums to 1.
 
@@ -660,7 +660,7 @@ def sparsemax(x: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
         >>> rx.sparsemax(rx.var("x"))
         sparsemax(x, axis=-1)
     """
-    return node("sparsemax", x, axis=int_axis(axis, dim, "sparsemax"))
+    return node("sparsemax", x, axis=int_axis(axis, dim, "sparsemax", -1))
 
 
 def _sparsemax(x: Expr, axis: int, shapes: list, dtypes: list) -> Expr:

@@ -34,7 +34,7 @@ from ..dtypes import accumulator
 from ..errors import DtypeMismatchError, RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import FLOATING, Front, OpDef, OpKind, Pattern, Unsupported, register
-from .helpers import D, ExprLike, torch_fns
+from .helpers import D, ExprLike, flag_arg, tensor_arg, torch_fns
 
 
 def _batch(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -133,7 +133,8 @@ def contract(
         contract(g, w, sum_batch=False, ta=False, tb=True)
     """
     kept = {} if dtype is None else {"dtype": dtype}
-    return node("contract", a, b, ta=bool(ta), tb=bool(tb), sum_batch=bool(sum_batch), **kept)
+    flags = {k: flag_arg(v, "contract", k) for k, v in (("ta", ta), ("tb", tb), ("sum_batch", sum_batch))}
+    return node("contract", tensor_arg(a, "contract", "a"), tensor_arg(b, "contract", "b"), **flags, **kept)
 
 
 def _contract_grad(d: D) -> tuple[Expr, Expr]:
@@ -196,6 +197,7 @@ def matmul(a: ExprLike, b: ExprLike, *, rank: int | None = None) -> Expr:
     """
     if rank not in (None, 2, 3):
         raise RtxError(f"matmul: rank must be None, 2 (mm) or 3 (bmm), got {rank!r}")
+    a, b = tensor_arg(a, "matmul", "a"), tensor_arg(b, "matmul", "b")
     return node("matmul", a, b) if rank is None else node("matmul", a, b, rank=rank)
 
 
@@ -308,6 +310,7 @@ def linear(x: ExprLike, weight: ExprLike, bias: ExprLike | None = None) -> Expr:
         >>> rx.linear(rx.var("x"), rx.var("w"), rx.var("b"))
         linear(x, w, b)
     """
+    x, weight = tensor_arg(x, "linear", "x"), tensor_arg(weight, "linear", "weight")
     return node("linear", x, weight, 0.0 if bias is None else bias)
 
 

@@ -3,6 +3,7 @@ the input of derivative rules. Nothing here names a particular op."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,16 +72,59 @@ def axis_arg(axis: Any, dim: Any, op: str) -> int | tuple[int, ...] | None:
     return axis
 
 
-def int_axis(axis: Any, dim: Any, op: str) -> int:
-    a = axis_arg(axis if dim is None else None, dim, op)
+def int_axis(axis: Any, dim: Any, op: str, default: int | None = None) -> int:
+    """One axis: ``axis`` or torch's ``dim`` (not both), ``default`` where neither is given."""
+    a = axis_arg(axis, dim, op)
+    if a is None and axis is None and dim is None and default is not None:
+        return default
     if not isinstance(a, int):
         raise RtxError(f"{op}: axis must be an int, got {a!r}")
     return a
 
 
+def tensor_arg(v: Any, op: str, name: str) -> Expr:
+    """An expression given where a tensor is read (an index, a matrix): a python number is refused."""
+    if type(v) is not Expr:
+        raise RtxError(f"{op}: {name} must be a tensor expression, got {v!r}")
+    return v
+
+
+def ref_arg(ref: Any, op: str) -> tuple[Any, Any, Any]:
+    """A reference model's head: ``(h, w, bias)``, bias None where it has none."""
+    if not isinstance(ref, (tuple, list)) or len(ref) != 3:
+        raise RtxError(f"{op}: ref must be the reference model's (h, w, bias), bias None if it has none; got {ref!r}")
+    return ref[0], ref[1], ref[2]
+
+
+def flag_arg(v: Any, op: str, name: str) -> bool:
+    """A python bool given for a switch (``keepdim``): a string or a number is refused, not read as
+    its truth value (``keepdim='no'`` would keep the dims)."""
+    if not isinstance(v, bool):
+        raise RtxError(f"{op}: {name} must be True or False, got {v!r}")
+    return v
+
+
+def int_arg(v: Any, op: str, name: str) -> int:
+    """An integer given for a count, a size or an axis (anything with ``__index__``, as torch takes
+    sizes; a float or a bool is refused, not truncated)."""
+    if not isinstance(v, bool):
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise RtxError(f"{op}: {name} must be an int, got {v!r}")
+
+
+def ints_arg(v: Any, op: str, name: str) -> tuple[int, ...]:
+    """One integer or a sequence of them: a shape, a permutation, axes (``(n,)`` for one)."""
+    if isinstance(v, (tuple, list)):
+        return tuple(int_arg(a, op, name) for a in v)
+    return (int_arg(v, op, f"{name} (an int or a tuple of ints)"),)
+
+
 def reduction_fn(op: str, text: str) -> Callable[..., Expr]:
     def fn(x: ExprLike, axis: Any = None, keepdim: bool = False, *, dim: Any = None) -> Expr:
-        return node(op, x, axis=axis_arg(axis, dim, op), keepdim=bool(keepdim))
+        return node(op, x, axis=axis_arg(axis, dim, op), keepdim=flag_arg(keepdim, op, "keepdim"))
 
     return _doc(
         fn,

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import DtypeMismatchError, RtxError, ShapeError
+from ..errors import DtypeMismatchError, RtxError, ShapeError, UnsupportedDtypeError
 from ..expr import Expr, node
 from ..registry import ANY, FLOATING, Front, OpDef, OpKind, Pattern, Unsupported, register
 from .divergence import valid_rows
-from .helpers import ExprLike, scalar_arg, torch_fns
+from .helpers import ExprLike, flag_arg, int_arg, ints_arg, scalar_arg, torch_fns
 from .reduction import softmax_parts
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -103,10 +103,15 @@ def _ce_shape(shapes: list[tuple[int, ...]], reduction: str, **_: Any) -> tuple[
     return rows
 
 
-def _ce_dtype(dtypes: list[torch.dtype], **_: Any) -> torch.dtype:
-    """torch's rule: class probabilities promote with the logits (and the class weight); class
-    indices are int64 and take a weight of the logits' own dtype (torch raises otherwise)."""
+def _ce_dtype(dtypes: list[torch.dtype], ignore_index: int = -100, **_: Any) -> torch.dtype:
+    """torch's rule: floating-point logits; class probabilities promote with the logits (and the
+    class weight) and know no ignore_index; class indices are int64 and take a weight of the
+    logits' own dtype (torch raises otherwise)."""
     x, t, w = dtypes[0], dtypes[1], dtypes[2] if len(dtypes) == 3 else None
+    if not x.is_floating_point:  # torch: "log_softmax_lastdim_kernel_impl" not implemented for 'Long'
+        raise UnsupportedDtypeError(f"cross_entropy: logits must be floating point, got {x}")
+    if t.is_floating_point and ignore_index != -100:  # torch's own refusal
+        raise RtxError(f"cross_entropy: ignore_index ({ignore_index}) is not supported for class-probability targets")
     if t.is_floating_point:  # -(log_softmax(x) * t * w).sum(): promoted as torch promotes it
         out = torch.promote_types(x, t)
         return out if w is None else torch.promote_types(out, w)
@@ -760,7 +765,7 @@ def rope(x: ExprLike, cos: ExprLike, sin: ExprLike, interleaved: bool = False) -
         >>> rx.rope(rx.var("q"), rx.var("cos"), rx.var("sin"))
         rope(q, cos, sin, interleaved=False)
     """
-    return node("rope", x, cos, sin, interleaved=bool(interleaved))
+    return node("rope", x, cos, sin, interleaved=flag_arg(interleaved, "rope", "interleaved"))
 
 
 def _rotate(x: Expr, interleaved: bool, last: int) -> Expr:
@@ -844,10 +849,10 @@ def mrope(
         >>> rx.mrope(rx.var("q"), rx.var("cos"), rx.var("sin"), (1, 1, 2))
         mrope(q, cos, sin, sections=(1, 1, 2), unsqueeze_dim=1)
     """
-    parts = tuple(int(s) for s in sections)
+    parts = ints_arg(sections, "mrope", "sections")
     if not parts or any(s <= 0 for s in parts):
         raise RtxError(f"mrope: sections must be positive ints, got {sections!r}")
-    return node("mrope", x, cos, sin, sections=parts, unsqueeze_dim=int(unsqueeze_dim))
+    return node("mrope", x, cos, sin, sections=parts, unsqueeze_dim=int_arg(unsqueeze_dim, "mrope", "unsqueeze_dim"))
 
 
 def _mrope_tables(t: Expr, sections: tuple[int, ...], unsqueeze_dim: int) -> Expr:

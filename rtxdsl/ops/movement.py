@@ -20,7 +20,7 @@ import torch
 from ..errors import RtxError, ShapeError
 from ..expr import Expr, node
 from ..registry import ANY, AxisRule, Coords, DtypeRule, Front, OpDef, OpKind, RemapCtx, Unsupported, register
-from .helpers import D, ExprLike, torch_fns
+from .helpers import D, ExprLike, int_axis, ints_arg, tensor_arg, torch_fns
 
 
 def _axis(axis: int, rank: int, op: str) -> int:
@@ -88,6 +88,9 @@ def _unsqueeze_ref(a: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
 def _unsqueeze_shape(shapes: list[tuple[int, ...]], axes: tuple[int, ...]) -> tuple[int, ...]:
     out = list(shapes[0])
     rank = len(out) + len(axes)
+    for a in axes:  # (an axis past the result's rank is refused, not wrapped around)
+        if not -rank <= a < rank:
+            raise ShapeError(f"unsqueeze: axis {a} is out of range for a result of rank {rank}")
     for ax in sorted(a % rank for a in axes):
         if ax > len(out):
             raise ShapeError(f"unsqueeze axis {ax} is out of range for rank {rank}")
@@ -336,7 +339,9 @@ def flip(e: ExprLike, axis: int | tuple[int, ...]) -> Expr:
         >>> rx.flip(rx.var("x"), -1)
         flip(x, axis=-1)
     """
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    axes = ints_arg(axis, "flip", "axis")
+    if len(set(axes)) < len(axes):
+        raise ShapeError(f"flip: axis {list(axes)} names a dim more than once")
     out = e
     for a in axes:
         out = node("flip", out, axis=a)
@@ -385,7 +390,7 @@ def permute(e: ExprLike, dims: tuple[int, ...] | list[int]) -> Expr:
         >>> rx.permute(rx.var("x"), (1, 0))
         permute(x, dims=(1, 0))
     """
-    return node("permute", e, dims=tuple(dims))
+    return node("permute", e, dims=ints_arg(dims, "permute", "dims"))
 
 
 def _permute_dims(shapes: list[tuple[int, ...]], dims: tuple[int, ...]) -> tuple[int, ...]:
@@ -493,7 +498,7 @@ def reshape(e: ExprLike, shape: tuple[int, ...] | list[int]) -> Expr:
         >>> rx.reshape(rx.var("x"), (2, -1))
         reshape(x, shape=(2, -1))
     """
-    return node("reshape", e, shape=tuple(int(d) for d in shape))
+    return node("reshape", e, shape=ints_arg(shape, "reshape", "shape"))
 
 
 def _reshape_shape(shapes: list[tuple[int, ...]], shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -607,7 +612,7 @@ def _cat_back(d: D) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def cat(exprs: Any, axis: int = 0, *, dim: int | None = None) -> Expr:
+def cat(exprs: Any, axis: int | None = None, *, dim: int | None = None) -> Expr:
     """Concatenation along ``axis`` (torch.cat); each operand is read in place by the consumer.
 
     Example:
@@ -615,14 +620,12 @@ def cat(exprs: Any, axis: int = 0, *, dim: int | None = None) -> Expr:
         >>> rx.cat([rx.var("a"), rx.var("b")], -1)
         cat(a, b, axis=-1)
     """
-    if dim is not None:
-        axis = dim
     if not isinstance(exprs, (list, tuple)) or not exprs:
         raise RtxError("cat: needs a non-empty list of expressions")
-    return node("cat", *exprs, axis=axis)
+    return node("cat", *exprs, axis=int_axis(axis, dim, "cat", 0))
 
 
-def stack(exprs: Any, axis: int = 0, *, dim: int | None = None) -> Expr:
+def stack(exprs: Any, axis: int | None = None, *, dim: int | None = None) -> Expr:
     """Stacking along a new ``axis`` (torch.stack): cat of the operands, each with a size-1 dim inserted.
 
     Example:
@@ -630,11 +633,9 @@ def stack(exprs: Any, axis: int = 0, *, dim: int | None = None) -> Expr:
         >>> rx.stack([rx.var("a"), rx.var("b")], 0)
         stack(a, b, axis=0)
     """
-    if dim is not None:
-        axis = dim
     if not isinstance(exprs, (list, tuple)) or not exprs:
         raise RtxError("stack: needs a non-empty list of expressions")
-    return node("stack", *exprs, axis=axis)
+    return node("stack", *exprs, axis=int_axis(axis, dim, "stack", 0))
 
 
 def _torch_cat(tensors: Any, dim: int = 0, *, out: Any = None) -> Expr:
@@ -811,7 +812,7 @@ def _torch_getitem(a: Any, key: Any) -> Expr:
 
 
 # ---- gather ---------------------------------------------------------------------------------------
-def gather(x: ExprLike, index: ExprLike, axis: int = -1, *, dim: int | None = None) -> Expr:
+def gather(x: ExprLike, index: ExprLike, axis: int | None = None, *, dim: int | None = None) -> Expr:
     """``torch.gather``: ``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along ``axis``.
 
     ``index`` (int32 or int64) has the rank of ``x`` and is no larger off ``axis``; the result has
@@ -822,7 +823,8 @@ def gather(x: ExprLike, index: ExprLike, axis: int = -1, *, dim: int | None = No
         >>> rx.gather(rx.var("logits"), rx.var("target"), -1)
         gather(logits, target, axis=-1)
     """
-    return node("gather", x, index, axis=axis if dim is None else dim)
+    tensor_arg(index, "gather", "index")
+    return node("gather", x, index, axis=int_axis(axis, dim, "gather", -1))
 
 
 def _gather_shape(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import RtxError
 from ..expr import Expr, node
-from .helpers import ExprLike, scalar_arg
+from .helpers import ExprLike, int_arg, ref_arg, scalar_arg
 from .llm import linear_logps
 from .reduction import mean_of
 
@@ -209,6 +209,12 @@ def grpo_outputs(
         raise RtxError(
             f"grpo_outputs: importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}"
         )
+    for name, eps in (("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
+        if scalar_arg(eps, "grpo_outputs", name) < 0:
+            raise RtxError(f"grpo_outputs: {name} must be >= 0 (the clip's distance from 1), got {eps!r}")
+    length = max_completion_length
+    if length is not None and int_arg(length, "grpo_outputs", "max_completion_length") < 1:
+        raise RtxError(f"grpo_outputs: max_completion_length must be >= 1, got {max_completion_length!r}")
     if importance_sampling_level == "sequence" and loss_type in TOKEN_LEVEL_ONLY:
         raise RtxError(
             f"grpo_outputs: Sequence-level importance sampling is not supported for loss_type={loss_type!r} "
@@ -244,7 +250,7 @@ def grpo_outputs(
     outs: dict[str, Expr] = {}
     if beta != 0.0:
         if ref is not None:
-            ref_h, ref_w, ref_b = ref
+            ref_h, ref_w, ref_b = ref_arg(ref, "grpo_outputs")
             ref_lp: Expr = node("detach", linear_logps(ref_h, ref_w, target, ref_b, temperature=temperature))
         else:
             ref_lp = node("detach", logps) if ref_logps is None else ref_logps

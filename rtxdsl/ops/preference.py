@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import RtxError
 from ..expr import Expr, node
-from .helpers import ExprLike, scalar_arg
+from .helpers import ExprLike, flag_arg, ref_arg, scalar_arg
 from .llm import capped_logits, linear_logps
 from .movement import chunk
 from .reduction import mean_of
@@ -46,6 +46,7 @@ def sequence_logps(
         >>> [round(v, 4) for v in out.tolist()]  # log(1/8) per token, averaged
         [-2.0794, -2.0794]
     """
+    average = flag_arg(average, "sequence_logps", "average")
     total = node("sum", linear_logps(h, w, target, bias, ignore_index), axis=(-1,), keepdim=False)
     return node("div", total, _tokens(target, ignore_index)) if average else total
 
@@ -245,7 +246,7 @@ def preference_outputs(
     ref_chosen: Expr | float = 0.0
     ref_rejected: Expr | float = 0.0
     if ref is not None:
-        ref_h, ref_w, ref_b = ref
+        ref_h, ref_w, ref_b = ref_arg(ref, "preference_outputs")
         ref_seq = node("detach", sequence_logps(ref_h, ref_w, target, ref_b, ignore_index, average_log_prob))
         ref_chosen, ref_rejected = _halves(ref_seq)
     pair = Pair(chosen, rejected, ref_chosen, ref_rejected, beta, eps, float(discopop_tau), float(gamma))
@@ -303,7 +304,7 @@ def kto_outputs(
     seq = sequence_logps(h, w, target, bias, ignore_index, average_log_prob)
     ratio = seq
     if ref is not None:
-        ref_h, ref_w, ref_b = ref
+        ref_h, ref_w, ref_b = ref_arg(ref, "kto_outputs")
         ratio = node(
             "sub", seq, node("detach", sequence_logps(ref_h, ref_w, target, ref_b, ignore_index, average_log_prob))
         )
