@@ -889,6 +889,7 @@ class Fusion:
             raise RtxError(f"Fusion(stats=) needs a FusionStats, got {type(stats).__name__}")
         self._config = config
         self._stats = stats or FusionStats()
+        _see_lazy_values_in_autograd_functions()
         self._streams: dict[torch.device, OperationStream] = {}
         # segment structure -> its kernel and the argument positions it writes in place
         self._plans: LRU[tuple, tuple[Kernel, tuple[int, ...]]] = LRU(self.config.cache_size)
@@ -1266,6 +1267,8 @@ class LazyTensor:
     # dispatch
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _ANY_AUTOCAST() and not _AUTOCAST_DECIDED[0]:
+            return _autocast(func, args, kwargs or {})
         entry = _TORCH.get(func)
         if entry is not None and not kwargs and func not in _SLOW:
             # the hot path: a mapped op over lazy values (one stream, eager layout contiguous) and numbers
@@ -1312,9 +1315,23 @@ class LazyTensor:
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(torch.Tensor, name, None)
-        if fn is None or not callable(fn):
+        if fn is not None and not callable(fn):  # a property of torch's tensors
+            if name in _META_PROPERTIES:  # metadata: a stand-in of the same layout answers it
+                return getattr(torch.empty(self.shape, dtype=self.dtype, device="meta"), name)
+            if name in _DEVICE_PROPERTIES:
+                return self.device.type == _DEVICE_PROPERTIES[name]
+            return getattr(self._real(f"data access: {name}"), name)  # (``data``, ``real``: the values)
+        if fn is None:
             raise AttributeError(f"LazyTensor has no attribute {name!r}")
         return lambda *args, **kwargs: LazyTensor.__torch_function__(fn, (LazyTensor,), (self, *args), kwargs)
+
+
+#: properties of a dense tensor a meta tensor of its shape and dtype answers as it does (``nn.MultiheadAttention``
+#: asks ``is_nested``); and the device ones, by the device's type
+_META_PROPERTIES = frozenset(
+    {"is_nested", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "layout", "itemsize", "nbytes"}
+)
+_DEVICE_PROPERTIES = {"is_cpu": "cpu", "is_cuda": "cuda", "is_meta": "meta", "is_mps": "mps", "is_xpu": "xpu"}
 
 
 #: streams whose queue reached its cap during the current call; ``_DEPTH``: calls made while
@@ -1333,6 +1350,107 @@ def _over_cap() -> None:
         s = _OVER.pop()
         if s.queued >= s.cap:
             s.flush(f"queue cap ({s.cap} ops)")
+
+
+def _see_lazy_values_in_autograd_functions() -> None:
+    """``torch.autograd.Function.apply`` sees no ``__torch_function__``: a lazy value reached a custom
+    function (a Liger kernel, a reentrant checkpoint) as an opaque object, so its forward ran under
+    no_grad and the gradients upstream were lost without a word. Once a Fusion exists, ``apply``
+    materializes lazy arguments first (a sync point) and wraps tensor results, as any op the stream
+    cannot fuse; calls without lazy arguments pass straight through."""
+    function = torch.autograd.Function
+    if getattr(function.apply, "_rtxdsl", False):
+        return
+    plain = function.apply.__func__
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
+        if not lazies:
+            return plain(cls, *args, **kwargs)
+        run = functools.partial(plain, cls)
+        return lazies[0]._stream.fusion._eager(run, args, kwargs, f"autograd.Function {cls.__name__}")
+
+    apply._rtxdsl = True  # type: ignore[attr-defined]
+    function.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+
+
+#: is any autocast region active (cheap: the hot path asks it per call)
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+#: set while a call under autocast runs with its operands cast already: what it records sees no autocast
+_AUTOCAST_DECIDED = [0]
+#: (func, argument signature, device type, autocast dtype) -> what autocast makes of the call: the
+#: dtype it casts the floating operands to, None where it changes nothing, _UNKNOWN where probes fail
+_AUTOCAST: LRU[tuple, Any] = LRU(4096)
+
+
+def _autocast(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A call under ``torch.autocast`` for the lazy values' device: eager's casts, then the call as
+    it would be recorded. What autocast does to a call is torch's answer on one-element probes of
+    the operands' dtypes (on the device's kind), with autocast on and off: a lower-precision op
+    (``linear``, ``matmul``, SDPA) gives the autocast dtype, an fp32 op (a loss) float32; the
+    floating operands are cast to it (float64 ones stay, as autocast leaves them), then the call is
+    recorded with autocast off. A call the probes cannot tell runs eagerly, under autocast."""
+    lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
+    kind = lazies[0].device.type
+    if func in _SLOW or not torch.is_autocast_enabled(kind):  # (views and writes keep their dtype)
+        cast, target = False, None
+    else:
+        target = _autocast_target(func, args, kwargs, kind)
+        if target is _UNKNOWN:
+            return lazies[0]._stream.fusion._eager(func, args, kwargs, f"{_name(func)} under autocast")
+        cast = target is not None
+    _AUTOCAST_DECIDED[0] += 1
+    try:
+        if cast:
+            args, kwargs = _cast_floating((args, kwargs), target)
+        return LazyTensor.__torch_function__(func, _TYPES, args, kwargs)
+    finally:
+        _AUTOCAST_DECIDED[0] -= 1
+
+
+def _autocast_target(func: Any, args: tuple, kwargs: dict, kind: str) -> Any:
+    key = (func, _sig(args), tuple((k, _sig(v)) for k, v in kwargs.items()), kind, torch.get_autocast_dtype(kind))
+    try:
+        hit = _AUTOCAST.get(key)
+    except TypeError:  # an argument that does not hash
+        return _UNKNOWN
+    if hit is not None:
+        return None if hit is _NONE else hit
+    device = torch.device(kind)
+
+    def probe(x: Any) -> Any:
+        if isinstance(x, (LazyTensor, torch.Tensor)):
+            return torch.zeros((1,) * x.ndim, dtype=x.dtype, device=device)
+        if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+            return type(x)(probe(v) for v in x)
+        return x
+
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            p_args, p_kwargs = probe(args), {k: probe(v) for k, v in kwargs.items()}
+            on = _tensors(func(*p_args, **p_kwargs))
+            with torch.autocast(kind, enabled=False):
+                off = _tensors(func(*p_args, **p_kwargs))
+        answer: Any = _NONE if [t.dtype for t in on] == [t.dtype for t in off] else on[0].dtype
+    except Exception:  # noqa: BLE001 - probes of these sizes cannot tell: eager decides
+        answer = _UNKNOWN
+    if answer is not _UNKNOWN and answer is not _NONE and not answer.is_floating_point:
+        answer = _UNKNOWN
+    _AUTOCAST.put(key, answer)
+    return None if answer is _NONE else answer
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with every floating tensor (lazy or not, float64 aside) cast to ``dtype``."""
+    if isinstance(obj, (LazyTensor, torch.Tensor)):
+        if obj.dtype.is_floating_point and obj.dtype not in (dtype, torch.float64):
+            return obj.to(dtype)
+        return obj
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        return type(obj)(_cast_floating(v, dtype) for v in obj)
+    return obj
 
 
 def _nested(func: Any, args: tuple, kwargs: dict | None = None) -> Any:
@@ -1510,6 +1628,7 @@ def _meta_result(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 _UNKNOWN = object()
+_NONE = object()  # a cached "nothing" (an LRU answers None for a miss)
 
 
 def _agrees(out: LazyTensor, meta: Any) -> bool:

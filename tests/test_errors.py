@@ -160,7 +160,7 @@ def test_a_gather_index_out_of_range_names_the_first_bad_index_as_torch_does():
     _raises(rx.RtxError, r"the first is -2 ", rx.compile(rx.gather(x, b - 3, -1)), x=data, b=torch.tensor([[1], [5]]))
 
 
-_X, _T = torch.randn(3, 5), torch.tensor([0, 2, 4])
+_X, _T, _QKV = torch.randn(3, 5), torch.tensor([0, 2, 4]), torch.randn(1, 1, 3, 4)
 _q = rx.var("q")
 # (what the user wrote, the error class, words of its message): each fell through to a Python
 # error from inside rtxdsl, or was silently coerced or accepted, until an outside probe of the API
@@ -183,12 +183,21 @@ MISTAKES = {
     "a number as a weight": (lambda: rx.linear(x, 2.0), rx.RtxError, "linear: weight must be a tensor expression"),
     # score and mask functions of the wrong arity (TypeError from inside)
     "a score_mod of one argument": (
-        lambda: rx.attention(_q, x, b, score_mod=lambda s: s), rx.RtxError, r"score_mod must take \(s, b, h"),
+        lambda: rx.attention(_q, x, b, score_mod=lambda s: s),
+        rx.RtxError,
+        r"score_mod must take \(s, b, h",
+    ),
     "a mask_mod of two arguments": (
-        lambda: rx.attention(_q, x, b, mask_mod=lambda i, j: i), rx.RtxError, r"mask_mod must take \(b, h, q_idx"),
+        lambda: rx.attention(_q, x, b, mask_mod=lambda i, j: i),
+        rx.RtxError,
+        r"mask_mod must take \(b, h, q_idx",
+    ),
     # a reference model's head is (h, w, bias)
     "a ref of one tensor": (
-        lambda: rx.preference_outputs("dpo", x, b, _q, ref=(x,)), rx.RtxError, r"ref must be the reference model's"),
+        lambda: rx.preference_outputs("dpo", x, b, _q, ref=(x,)),
+        rx.RtxError,
+        r"ref must be the reference model's",
+    ),
     # an expression is not iterable (list() never ended)
     "list of an expression": (lambda: list(x), TypeError, "not iterable"),
     "a reserved input name": (lambda: rx.var("_rng0"), rx.RtxError, "reserved: .* random seeds"),
@@ -196,25 +205,44 @@ MISTAKES = {
     "a bare word for a choice": (lambda: rx.parse("gelu(x, approximate=tanh)"), rx.ParseError, "gelu: approximate"),
     "a bare word for a switch": (lambda: rx.parse("rope(x, c, s, interleaved=yes)"), rx.ParseError, "interleaved"),
     # at the call
-    "integer logits": (lambda: rx.compile(rx.cross_entropy(x, b))(x=_X.long(), b=_T), rx.UnsupportedDtypeError,
-                       "cross_entropy: logits must be floating point"),  # (torch: not implemented for 'Long')
+    "integer logits": (
+        lambda: rx.compile(rx.cross_entropy(x, b))(x=_X.long(), b=_T),
+        rx.UnsupportedDtypeError,
+        "cross_entropy: logits must be floating point",
+    ),  # (torch: not implemented for 'Long')
     "ignore_index with probabilities": (
-        lambda: rx.compile(rx.cross_entropy(x, b, ignore_index=1))(x=_X, b=_X.softmax(-1)), rx.RtxError,
-        r"ignore_index \(1\) is not supported for class-probability targets"),
+        lambda: rx.compile(rx.cross_entropy(x, b, ignore_index=1))(x=_X, b=_X.softmax(-1)),
+        rx.RtxError,
+        r"ignore_index \(1\) is not supported for class-probability targets",
+    ),
     "a half mask for float scores": (
         lambda: rx.compile(rx.attention(_q, x, b, attn_mask=rx.var("m")))(
-            q=torch.randn(1, 1, 3, 4), x=torch.randn(1, 1, 3, 4), b=torch.randn(1, 1, 3, 4), m=torch.zeros(3, 3).half()),
-        rx.DtypeMismatchError, "attn_mask is torch.float16; as SDPA's, it must be bool or q's dtype"),
-    "an unsqueeze past the rank": (lambda: rx.compile(rx.mrope(x, b, b, (1, 1, 1), unsqueeze_dim=9))(
-        x=torch.randn(1, 2, 3, 6), b=torch.randn(3, 1, 3, 6)), rx.ShapeError, "axis 9 is out of range"),
+            q=_QKV, x=_QKV, b=_QKV, m=torch.zeros(3, 3).half()
+        ),
+        rx.DtypeMismatchError,
+        "attn_mask is torch.float16; as SDPA's, it must be bool or q's dtype",
+    ),
+    "an unsqueeze past the rank": (
+        lambda: rx.compile(rx.mrope(x, b, b, (1, 1, 1), unsqueeze_dim=9))(
+            x=torch.randn(1, 2, 3, 6), b=torch.randn(3, 1, 3, 6)
+        ),
+        rx.ShapeError,
+        "axis 9 is out of range",
+    ),
     "a sparse input": (lambda: rx.compile(x * 2)(x=_X.to_sparse()), rx.RtxError, "input 'x' is a sparse_coo tensor"),
     "a sparse lazy tensor": (lambda: rx.Fusion().lazy(_X.to_sparse()), rx.RtxError, "dense"),
-    "a duplicate reduction axis": (lambda: rx.compile(rx.sum(x, axis=(0, 0)))(x=_X), rx.ShapeError,
-                                   r"\(operands \[3, 5\]\): torch refuses it: dim 0 appears multiple times"),
+    "a duplicate reduction axis": (
+        lambda: rx.compile(rx.sum(x, axis=(0, 0)))(x=_X),
+        rx.ShapeError,
+        r"\(operands \[3, 5\]\): torch refuses it: dim 0 appears multiple times",
+    ),
     # modules and their options
-    "a norm's eps as a string": (lambda: rx.nn.RMSNorm(4, eps="a"), rx.RtxError, "RMSNorm: eps must be a python number"),
+    "a norm's eps as a string": (lambda: rx.nn.RMSNorm(4, eps="a"), rx.RtxError, "RMSNorm: eps must be a python"),
     "a loss's switch as a string": (
-        lambda: rx.nn.CrossEntropyLoss(return_z_loss="yes"), rx.RtxError, "return_z_loss must be True or False"),
+        lambda: rx.nn.CrossEntropyLoss(return_z_loss="yes"),
+        rx.RtxError,
+        "return_z_loss must be True or False",
+    ),
     "a negative hidden size": (lambda: rx.nn.DyT(-1), rx.RtxError, "DyT: hidden_size must be >= 1"),
     "replace_modules of a string": (lambda: rx.nn.replace_modules("model"), rx.RtxError, "must be a torch.nn.Module"),
     "Fusion's stats": (lambda: rx.Fusion(stats=1), rx.RtxError, "needs a FusionStats"),
@@ -223,11 +251,20 @@ MISTAKES = {
     "a size as a string": (lambda: rx.FusionConfig(cache_size="8"), rx.ConfigError, "cache_size"),
     "a switch as a string": (lambda: rx.FusionConfig(enabled="off"), rx.ConfigError, "enabled"),
     "a copy skipping validation": (
-        lambda: rx.FusionConfig().model_copy(update={"cache_size": -1}), rx.ConfigError, "cache_size must be >= 1"),
+        lambda: rx.FusionConfig().model_copy(update={"cache_size": -1}),
+        rx.ConfigError,
+        "cache_size must be >= 1",
+    ),
     "a field set on a frozen config": (
-        lambda: setattr(rx.FusionConfig(), "cache_size", 5), rx.ConfigError, "frozen: cache_size cannot be set"),
+        lambda: setattr(rx.FusionConfig(), "cache_size", 5),
+        rx.ConfigError,
+        "frozen: cache_size cannot be set",
+    ),
     "pydantic's own validation": (
-        lambda: rx.FusionConfig.model_validate({"cache_size": -1}), rx.ConfigError, "cache_size must be >= 1"),
+        lambda: rx.FusionConfig.model_validate({"cache_size": -1}),
+        rx.ConfigError,
+        "cache_size must be >= 1",
+    ),
     "an empty cache_dir": (lambda: rx.FusionConfig(cache_dir=""), rx.ConfigError, "cache_dir must name a directory"),
     "a config file of None": (lambda: rx.FusionConfig.load(None), rx.ConfigError, "path must be a str or a path"),
 }

@@ -864,3 +864,83 @@ def test_a_plain_tensor_written_with_operands_that_require_grad_gets_eager_s_his
         results.append([y.detach(), *torch.autograd.grad(y, (t, w) if grad_first else (t,))])
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want)
+
+
+def test_autocast_casts_as_eager_does(f, gen):
+    """Under ``torch.autocast`` a lazy ``linear`` / ``@`` computes in the autocast dtype and a loss in
+    float32, as eager's (they were recorded at the operands' float32: every dtype after them
+    differed); forward and every gradient against eager autocast."""
+    x = torch.randn(6, 8, generator=gen)
+    w1, b1 = torch.randn(16, 8, generator=gen).requires_grad_(), torch.randn(16, generator=gen).requires_grad_()
+    w2 = torch.randn(5, 16, generator=gen).requires_grad_()
+    t = torch.tensor([0, 1, 2, 3, 4, 0])
+
+    def program(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = F.gelu(F.linear(x, w1, b1))
+            logits = h @ w2.T
+            return h, logits, F.cross_entropy(logits, t)
+
+    want, got = program(x), [o.torch() for o in program(f.lazy(x))]
+    assert [o.dtype for o in got] == [o.dtype for o in want] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    for a, b in zip(torch.autograd.grad(got[2], [w1, b1, w2]), torch.autograd.grad(want[2], [w1, b1, w2])):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the product itself: bit for bit
+        assert torch.equal((f.lazy(x) @ w1.T).torch(), x @ w1.T)
+
+
+def test_a_custom_autograd_function_and_a_reentrant_checkpoint_keep_the_gradients(f, gen):
+    """``autograd.Function.apply`` sees no ``__torch_function__``: a lazy value reached it as an opaque
+    object, its forward ran without grad and every gradient upstream was None (a reentrant
+    checkpoint raised 'does not require grad'). It is a sync point now, as any op not fused."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    w = torch.randn(5, generator=gen, requires_grad=True)
+    x = torch.randn(3, 5, generator=gen)
+    (want,) = torch.autograd.grad(Square.apply(x * w).sum(), w)
+    (got,) = torch.autograd.grad(Square.apply(f.lazy(x) * w).torch().sum(), w)
+    torch.testing.assert_close(got, want)
+    block = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    grads = []
+    for inp in (x, f.lazy(x)):  # (a reentrant checkpoint takes .backward(), not autograd.grad)
+        params = [w, *block.parameters()]
+        for p in params:
+            p.grad = None
+        out = torch.utils.checkpoint.checkpoint(block, inp * w, use_reentrant=True)
+        (out.torch() if inp is not x else out).sum().backward()
+        grads.append([p.grad for p in params])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a)
+
+
+def test_nn_multihead_attention_reads_a_lazy_values_metadata(f, gen):
+    """``nn.MultiheadAttention`` asks ``query.is_nested`` (a property, not a method: it raised
+    AttributeError); metadata properties answer without a flush, ``data`` flushes."""
+    att = torch.nn.MultiheadAttention(6, 2, batch_first=True)
+    x = torch.randn(2, 5, 6, generator=gen)
+    want, _ = att(x, x, x, need_weights=False)
+    lx = f.lazy(x)
+    got, _ = att(lx, lx, lx, need_weights=False)
+    torch.testing.assert_close(got.torch() if hasattr(got, "torch") else got, want)
+    y = f.lazy(x) * 2
+    assert (y.is_nested, y.is_cpu, y.is_cuda, y.layout, y.nbytes, f.pending) == (
+        False,
+        True,
+        False,
+        torch.strided,
+        240,
+        1,
+    )
+    assert torch.equal(y.data, x * 2)
