@@ -73,6 +73,15 @@ STRUCTURAL = frozenset(
 
 
 # ---- guarded plain tensors ----------------------------------------------------------------------
+def _version_of(t: torch.Tensor) -> int:
+    """``t``'s version counter; -1 for an inference tensor (``torch.inference_mode``), which keeps none
+    and cannot be written outside inference mode."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 #: Tensor attributes that read metadata, not data: a guarded tensor answers them without a flush
 METADATA = {
     "shape", "dtype", "device", "size", "dim", "ndim", "stride", "is_contiguous", "numel", "requires_grad",
@@ -193,7 +202,7 @@ class _Saved:
     __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.tensor, self.version = t, t._version
+        self.tensor, self.version = t, _version_of(t)
 
 
 #: storage -> the values saved from it by the stream's kernels (alive while autograd holds them)
@@ -264,10 +273,10 @@ def _release(key: tuple[torch.device, int]) -> None:
 def _unpack(cell: _Saved) -> torch.Tensor:
     t = cell.tensor
     with torch._C.DisableTorchFunctionSubclass():
-        if t._version != cell.version:
+        if _version_of(t) != cell.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                f"operation: [{t.type()} {list(t.shape)}] is at version {_version_of(t)}; expected version "
                 f"{cell.version} instead (a write the lazy stream never saw: made after the flush that read it)"
             )
     return t
@@ -309,9 +318,9 @@ def _before_write(tensors: Any) -> None:
             if cell is None:
                 continue
             with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-                if cell.tensor._version == cell.version:  # (one already stale stays so: it raises)
+                if _version_of(cell.tensor) == cell.version:  # (one already stale stays so: it raises)
                     cell.tensor = cell.tensor.detach().clone()
-                    cell.version = cell.tensor._version
+                    cell.version = _version_of(cell.tensor)
         if refs:
             _release(key)
 
@@ -436,7 +445,7 @@ class OperationStream:
                 return hit[1]
             return self.probed(t, hit[1])  # first read with gradients of a leaf made under no_grad
         snap = self.snapshots.get(id(t))
-        if snap is not None and snap[0] is t and snap[1] == t._version:
+        if snap is not None and snap[0] is t and snap[1] == _version_of(t):
             if snap[3].requires_grad or not (t.requires_grad and torch.is_grad_enabled()):
                 return snap[2]
         if _GUARDS:
@@ -456,7 +465,7 @@ class OperationStream:
             else:  # read detached: no kernel's autograd may reach it (a non-differentiable read is fine)
                 v = self.detached_leaf(t)
                 self.refused[v] = refused
-            self.versions[id(t)] = t._version  # a write the guards cannot see still bumps it
+            self.versions[id(t)] = _version_of(t)  # a write the guards cannot see still bumps it
         self.read_storages.add(key)
         self.on_storage.setdefault(key, set()).add(id(t))
         self.guard(t, READ)
@@ -504,8 +513,8 @@ class OperationStream:
         v = self.new_leaf(copy, copy.requires_grad)
         if refused is not None:
             self.refused[v] = refused
-        self.versions[id(copy)] = copy._version
-        self.snapshots[id(t)] = (t, t._version, v, copy)
+        self.versions[id(copy)] = _version_of(copy)
+        self.snapshots[id(t)] = (t, _version_of(t), v, copy)
         self._copy_record(copy, eager=False)
         return v
 
@@ -790,7 +799,7 @@ class OperationStream:
         through an alias the guards never saw (a view made before the tensor was read) changes it
         behind the stream's back: its old values are gone, so the segment cannot run as eager would.
         That is a clear error at the flush, never a silently different result."""
-        stale = [t for t, _ in self.leaves.values() if t._version != self.versions.get(id(t), t._version)]
+        stale = [t for t, _ in self.leaves.values() if _version_of(t) != self.versions.get(id(t), _version_of(t))]
         if not stale:
             return
         t = stale[0]
@@ -1267,6 +1276,8 @@ class LazyTensor:
     # dispatch
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _SAVED_HOOKS(False) is not None:
+            return _hooked(func, args, kwargs or {})
         if _ANY_AUTOCAST() and not _AUTOCAST_DECIDED[0]:
             return _autocast(func, args, kwargs or {})
         entry = _TORCH.get(func)
@@ -1372,6 +1383,27 @@ def _see_lazy_values_in_autograd_functions() -> None:
 
     apply._rtxdsl = True  # type: ignore[attr-defined]
     function.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+
+
+#: the innermost saved-tensor hooks set (a non-reentrant checkpoint's, ``save_on_cpu``), or None
+_SAVED_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _hooked(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A call while saved-tensor hooks are set: a non-reentrant checkpoint counts the tensors its
+    region saves, and runs the region again in the backward to get them back; a kernel flushed
+    later would save them outside it (``CheckpointError``: 8 saved, 6 recomputed). What is pending
+    runs first with the hooks set aside (eager computed it before the region), then the call runs
+    eagerly under them."""
+    fusion = next(a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor))._stream.fusion
+    hooks = _SAVED_HOOKS(False)
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        for stream in list(fusion._streams.values()):
+            stream.flush("saved-tensor hooks (a checkpointed region)")
+    finally:
+        torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
+    return fusion._eager(func, args, kwargs, f"{_name(func)} under saved-tensor hooks")
 
 
 #: is any autocast region active (cheap: the hot path asks it per call)

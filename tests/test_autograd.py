@@ -307,3 +307,27 @@ def test_an_input_only_unused_outputs_read_gets_no_gradient_as_in_eager(front, g
     a.sum().backward()
     assert we.grad is None and wr.grad is None
     torch.testing.assert_close(xr.grad, xe.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("big", [1.0, 1e4, 1e6])
+def test_a_composites_gradient_parts_are_summed_before_another_branchs(big, gen):
+    """``sum(v * w) + big * sum(layer_norm(v))`` over one element: the norm's gradient is exactly 0
+    (its paths through the mean cancel), so ``dv = w``. Its parts reached ``v`` one by one, each added
+    to the running total that held ``w`` first: ``(w + big') - big'`` lost ``w`` (all zeros at 1e6).
+    A composite's parts are summed among themselves first, as eager's one backward sums them."""
+    v, w = rx.var("v"), rx.var("w")
+    k = rx.compile(rx.sum(v * w) + rx.sum(rx.layer_norm(v) * big))
+    tv = torch.randn(5, 1, generator=gen).requires_grad_()
+    tw = torch.randn(5, 1, generator=gen)
+    (got,) = torch.autograd.grad(k(v=tv, w=tw), tv)
+    assert torch.equal(got, tw)
+
+
+def test_round_keeps_the_sign_of_zero(gen):
+    """torch.round is C's rint: round(-0.3) is -0.0 (1 / it: -inf); floor(x + 0.5) gave +0.0."""
+    x = torch.tensor([-0.3, -0.0, -0.5, 0.3, 2.5, -2.5, float("nan")])
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        got = rx.compile(rx.round(rx.var("x")))(x=x.to(dt))
+        want = x.to(dt).round()
+        assert torch.equal(torch.signbit(got), torch.signbit(want)), dt
+        torch.testing.assert_close(got, want, equal_nan=True)

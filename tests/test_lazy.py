@@ -944,3 +944,31 @@ def test_nn_multihead_attention_reads_a_lazy_values_metadata(f, gen):
         1,
     )
     assert torch.equal(y.data, x * 2)
+
+
+def test_inference_mode_flushes_as_no_grad_does(f, gen):
+    """Inference tensors keep no version counter: the flush read ``_version`` and raised."""
+    x, w = torch.randn(3, 4, generator=gen), torch.randn(4, 4, generator=gen)
+    with torch.inference_mode():
+        want = F.layer_norm(x @ w.T + 1.0, (4,))
+        got = F.layer_norm(f.lazy(x) @ w.T + 1.0, (4,)).torch()
+    torch.testing.assert_close(got, want)
+
+
+def test_a_non_reentrant_checkpoint_over_lazy_values_recomputes_what_it_saved(f, gen):
+    """Under saved-tensor hooks (a non-reentrant checkpoint) the region runs eagerly, what was pending
+    before it first with the hooks set aside: a fused kernel flushed later saved its tensors outside
+    the region (CheckpointError: 8 tensors saved, 6 recomputed)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Linear(5, 5), torch.nn.LayerNorm(5))
+    rx.nn.replace_modules(model)
+    x = torch.randn(3, 5, generator=gen)
+    grads = []
+    for inp in (x, f.lazy(x)):
+        model.zero_grad()
+        h = model[0](inp)
+        y = torch.utils.checkpoint.checkpoint(lambda t: model[2](t + model[1](t)), h, use_reentrant=False)
+        (y.torch() if inp is not x else y).pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a)

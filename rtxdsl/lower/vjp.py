@@ -90,23 +90,41 @@ class _Cotangents:
     def __init__(self, graph: Graph) -> None:
         self.info: dict[Expr, Info] = dict(graph.info)
         self.keep: list[Expr] = []  # new nodes, alive while they key ``info``
-        self.grads: dict[Expr, Expr] = {}
+        # per node, its cotangent in parts by where they come from: the composite (layer_norm,
+        # softmax) whose primitives read the node, or None. A composite's parts are summed among
+        # themselves first, as eager's one backward for it sums them: a layer norm over one element
+        # gives exactly 0 so, where summed with another branch's cotangent first it took that
+        # branch's value with it (w + big - big: 0, not w)
+        self.parts: dict[Expr, dict[Expr | None, Expr]] = {}
+        self.written = graph.written
+
+    def total(self, target: Expr) -> Expr | None:
+        """``target``'s cotangent: its parts, each summed first, then added in the order they came."""
+        parts = self.parts.get(target)
+        if not parts:
+            return None
+        out = None
+        for p in parts.values():
+            out = p if out is None else node("add", out, p)
+        return out
 
     def typed(self, e: Expr) -> Info:
         infer_all([e], self.info, self.keep)
         return self.info[e]
 
-    def accumulate(self, target: Expr, c: Expr) -> None:
-        """Add cotangent ``c`` to ``target``'s; two products by one factor add their other factors
-        first, ``a * f + b * f = (a + b) * f`` (softmax's two paths into its exp: one product per
-        element fewer)."""
-        old = self.grads.get(target)
+    def accumulate(self, target: Expr, c: Expr, origin: Expr | None = None) -> None:
+        """Add cotangent ``c`` (from a primitive of composite ``origin``, or None) to ``target``'s
+        part from there; two products by one factor add their other factors first,
+        ``a * f + b * f = (a + b) * f`` (softmax's two paths into its exp: one product per element
+        fewer)."""
+        parts = self.parts.setdefault(target, {})
+        old = parts.get(origin)
         shared = _common_factor(old, c) if old is not None else None
         if shared is not None:
             f, a, b = shared
-            self.grads[target] = node("mul", node("add", a, b), f)
+            parts[origin] = node("mul", node("add", a, b), f)
         else:
-            self.grads[target] = c if old is None else node("add", old, c)
+            parts[origin] = c if old is None else node("add", old, c)
 
     def seed(self, graph: Graph) -> list[bool]:
         """One cotangent input per floating-point output; which outputs are floating-point."""
@@ -123,7 +141,7 @@ class _Cotangents:
 
     def propagate(self, graph: Graph, n: Expr) -> None:
         """Apply ``n``'s derivative rule to its cotangent, accumulating into its operands'."""
-        g = self.grads.get(n)
+        g = self.total(n)
         if g is None or is_leaf(n, graph.info):
             return
         opdef = REGISTRY[n.op]
@@ -158,7 +176,7 @@ class _Cotangents:
                 continue
             full = info[n].shape if opdef.kind is OpKind.ELEMENTWISE else None
             c = sum_to(c, self.typed(c).shape, si.shape, full)  # (a product summing its batch: still one)
-            self.accumulate(s, c if factor is None else node("mul", c, factor))
+            self.accumulate(s, c if factor is None else node("mul", c, factor), self.written.get(n))
 
 
 def _constant_factor(g: Expr) -> tuple[Expr, Expr | None]:
@@ -209,13 +227,13 @@ def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple
     backward: list[tuple[str, Expr]] = []
     grad_of: list[tuple[str, str]] = []
     for v, need in zip(graph.inputs, needs):
-        if not need or v not in cot.grads:
+        e = cot.total(v)
+        if not need or e is None:
             continue
         # the gradient in its input's dtype, also where it is computed from saved statistics (fp32
         # for half inputs), which widen it: else autograd's engine casts it in a launch of its own,
         # after twice the bytes written (a cast to its own dtype is dropped when the backward
         # expands; a cotangent handed on as it is, a residual's, is its output's dtype already)
-        e = cot.grads[v]
         if not e.is_var or cot.typed(e).dtype != graph.of(v).dtype:
             e = _cast_under_regroups(e, graph.of(v).dtype)
         key = f"{GRADIENT}{len(backward)}"

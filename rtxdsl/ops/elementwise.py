@@ -152,7 +152,9 @@ def _round(ctx: EmitCtx, a: str) -> str:
     # round half to even, as torch.round; values beyond 2**mantissa are integers already
     limit = "4503599627370496.0" if ctx.dtype is torch.float64 else "8388608.0"
     r = ctx.tmp(f"tl.floor({a} + 0.5)")
-    fixed = f"tl.where({r} - {a} == 0.5, tl.where({r} - 2.0 * tl.floor({r} * 0.5) != 0.0, {r} - 1.0, {r}), {r})"
+    even = ctx.tmp(f"tl.where({r} - {a} == 0.5, tl.where({r} - 2.0 * tl.floor({r} * 0.5) != 0.0, {r} - 1.0, {r}), {r})")
+    # a zero keeps the operand's sign, as C's rint: round(-0.3) is -0.0 (floor(0.2) gave +0.0)
+    fixed = f"tl.where({even} == 0.0, {a} * 0.0, {even})"
     return f"tl.where(tl.abs({a}) >= {limit}, {a}, {fixed})"
 
 
