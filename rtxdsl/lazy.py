@@ -1424,7 +1424,7 @@ def _autocast(func: Any, args: tuple, kwargs: dict) -> Any:
     recorded with autocast off. A call the probes cannot tell runs eagerly, under autocast."""
     lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
     kind = lazies[0].device.type
-    if func in _SLOW or not torch.is_autocast_enabled(kind):  # (views and writes keep their dtype)
+    if func in _KEEP_DTYPE or not torch.is_autocast_enabled(kind):  # (views and writes keep their dtype)
         cast, target = False, None
     else:
         target = _autocast_target(func, args, kwargs, kind)
@@ -1581,10 +1581,16 @@ _TORCH = REGISTRY.torch
 _new = object.__new__
 #: the torch functions whose numbers CPU eager rounds to a half operand's dtype (``Front.cpu_rounds_numbers``)
 _CPU_ROUNDS = frozenset(f for f, (op, _) in _TORCH.items() if op.front.cpu_rounds_numbers)
-#: functions the hot path leaves to ``_dispatch``: views, writes, ``contiguous``
-_SLOW = frozenset(
+#: functions the hot path leaves to ``_dispatch``: views, writes, ``contiguous``, biased products
+_KEEP_DTYPE = frozenset(
     torchsem.VIEWS | torchsem.MAYBE_SELF | {torchsem.CONTIGUOUS} | {f for f in _TORCH if torchsem.writes(f, {})}
 )
+#: products with a bias whose operands torch requires in one dtype, which its meta kernels do not
+#: check of the bias (a half bias beside float32 matrices: eager raises, the stream promoted)
+_ONE_DTYPE = frozenset(
+    {torch.addmm, torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm, torch.nn.functional.linear}
+)
+_SLOW = _KEEP_DTYPE | _ONE_DTYPE
 
 
 # ---- torch's answer on meta tensors ---------------------------------------------------------------
@@ -1642,6 +1648,8 @@ def _meta_result(func: Any, args: tuple, kwargs: dict) -> Any:
     hit = _META.get(key)
     if hit is not None:
         return None if hit is _UNKNOWN else hit
+    if func in _ONE_DTYPE and len({t.dtype for t in _tensors_and_lazies((args, kwargs))}) > 1:
+        return _RAISES
     try:
         metas = _meta_of(args)
         out = func(*metas, **{k: _meta_of(v) for k, v in kwargs.items()})

@@ -972,3 +972,14 @@ def test_a_non_reentrant_checkpoint_over_lazy_values_recomputes_what_it_saved(f,
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a)
+
+
+def test_a_product_with_a_bias_of_another_dtype_raises_at_the_statement(f, gen):
+    """torch's meta kernels do not check a bias's dtype: a half bias beside float32 matrices was
+    promoted (addmm) or raised only at the flush (linear); eager raises at the call."""
+    a, w, half = torch.randn(3, 4, generator=gen), torch.randn(2, 4, generator=gen), torch.randn(2).half()
+    for call in (lambda x: torch.addmm(half, x, w.T), lambda x: F.linear(x, w, half)):
+        with pytest.raises(RuntimeError, match="same dtype"):
+            call(a)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            call(f.lazy(a) + 1)
