@@ -1187,13 +1187,17 @@ class LazyTensor:
     def __rtxdsl_record__(self, kernel: Kernel, values: tuple) -> Any:
         """``kernel(...)`` with lazy operands: its expressions, bound to the operands', are recorded
         in the segment (one kernel with whatever else is pending). A kernel that draws random
-        seeds, or operands that need gradients, run it on materialized operands instead."""
+        seeds, or operands that need gradients, or a call under saved-tensor hooks, run it on
+        materialized operands instead."""
         stream = self._stream
         lazies = [v for v in values if isinstance(v, LazyTensor)]
         grads = torch.is_grad_enabled() and any(
             v.requires_grad for v in values if isinstance(v, (LazyTensor, torch.Tensor))
         )
-        if kernel.draws_seeds or grads or any(v._stream is not stream for v in lazies):
+        hooked = _SAVED_HOOKS(False) is not None  # (a checkpointed region: as ``_hooked``)
+        if kernel.draws_seeds or grads or hooked or any(v._stream is not stream for v in lazies):
+            if hooked:
+                _flush_outside_hooks(stream.fusion)
             real = [v._real("an rtxdsl kernel call") if isinstance(v, LazyTensor) else v for v in values]
             with _saved_hooks(real, stream.fusion, frozenset()):
                 return _wrap(kernel(*real), stream.fusion)
@@ -1396,6 +1400,13 @@ def _hooked(func: Any, args: tuple, kwargs: dict) -> Any:
     runs first with the hooks set aside (eager computed it before the region), then the call runs
     eagerly under them."""
     fusion = next(a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor))._stream.fusion
+    _flush_outside_hooks(fusion)
+    return fusion._eager(func, args, kwargs, f"{_name(func)} under saved-tensor hooks")
+
+
+def _flush_outside_hooks(fusion: Fusion) -> None:
+    """Compute what is pending with the innermost saved-tensor hooks set aside (eager computed it
+    before their region began), then set them again."""
     hooks = _SAVED_HOOKS(False)
     torch._C._autograd._pop_saved_tensors_default_hooks()
     try:
@@ -1403,7 +1414,6 @@ def _hooked(func: Any, args: tuple, kwargs: dict) -> Any:
             stream.flush("saved-tensor hooks (a checkpointed region)")
     finally:
         torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
-    return fusion._eager(func, args, kwargs, f"{_name(func)} under saved-tensor hooks")
 
 
 #: is any autocast region active (cheap: the hot path asks it per call)

@@ -7,6 +7,7 @@ arguments: a schedule compiles nothing.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -18,27 +19,31 @@ from .ops import REGISTRY
 from .runtime import Kernel
 from .runtime_grad import land
 
-_maximum, _sqrt = REGISTRY.functions["maximum"], REGISTRY.functions["sqrt"]
+_maximum, _sqrt, _where = (REGISTRY.functions[n] for n in ("maximum", "sqrt", "where"))
 
 
 @made_once
 def _adamw_kernel(amsgrad: bool, in_place: bool) -> Kernel:
     """p, m, v (and the running max of v) after one AdamW step, torch's formula step for step;
     ``in_place``: each written over its own tensor where that is safe (not for DTensors, whose
-    kernels run as functional torch ops)."""
+    kernels run as functional torch ops). The step's scalars come computed as torch computes them,
+    in double on the host: ``1 - lr * wd``, ``1 - beta1``, ``1 - beta2`` (formed from a float32
+    ``beta2`` in the kernel it was 1.3e-5 off at 0.999, a bias every step shared), ``lr / (1 -
+    beta1**t)`` and ``sqrt(1 - beta2**t)``."""
     p, g, m, v, vmax = (dsl.var(n) for n in ("p", "g", "m", "v", "vmax"))
-    lr, b1, b2, eps, wd, c1, c2 = (dsl.var(n) for n in ("lr", "b1", "b2", "eps", "wd", "c1", "c2"))
-    decayed = p * (1 - lr * wd)
-    m2 = m * b1 + g * (1 - b1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
-    v2 = v * b2 + g * g * (1 - b2)
+    decay, w1, b2, w2, c2, eps, step = (dsl.var(n) for n in ("decay", "w1", "b2", "w2", "c2", "eps", "step"))
+    decayed = p * decay  # torch: param.mul_(1 - lr * weight_decay)
+    # torch: exp_avg.lerp_(grad, 1 - beta1), whose kernel takes the nearer end by the weight
+    m2 = _where(w1 < 0.5, m + w1 * (g - m), g - (g - m) * (1 - w1))
+    v2 = v * b2 + w2 * g * g  # torch: exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     outs = {"m": m2, "v": v2}
     second = v2
     if amsgrad:
         second = _maximum(vmax, v2)
         outs["vmax"] = second
-    denom = _sqrt(second) / _sqrt(c2) + eps
-    outs["p"] = decayed - (lr / c1) * m2 / denom
-    names = ("p", "g", "m", "v", *(("vmax",) if amsgrad else ()), "lr", "b1", "b2", "eps", "wd", "c1", "c2")
+    denom = _sqrt(second) / c2 + eps
+    outs["p"] = decayed - step * (m2 / denom)  # torch: param.addcdiv_(exp_avg, denom, value=-step_size)
+    names = ("p", "g", "m", "v", *(("vmax",) if amsgrad else ()), "decay", "w1", "b2", "w2", "c2", "eps", "step")
     return Kernel(outs, inputs=names, into={k: k for k in outs} if in_place else None)
 
 
@@ -88,9 +93,10 @@ class AdamW(torch.optim.AdamW):
                 g = -p.grad if group["maximize"] else p.grad
                 args = [p.detach(), g, state["exp_avg"], state["exp_avg_sq"]]
                 args += [state["max_exp_avg_sq"]] if amsgrad else []
-                scalars = [float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"])]
-                kernel = _adamw_kernel(amsgrad, not is_dtensor(p))
-                out = kernel(*args, *scalars, 1 - b1**step, 1 - b2**step)
+                lr, beta1, beta2 = float(group["lr"]), float(b1), float(b2)
+                scalars = [1 - lr * float(group["weight_decay"]), 1 - beta1, beta2, 1 - beta2]
+                scalars += [math.sqrt(1 - beta2**step), float(group["eps"]), lr / (1 - beta1**step)]
+                out = _adamw_kernel(amsgrad, not is_dtensor(p))(*args, *scalars)
                 targets = {"p": p, "m": state["exp_avg"], "v": state["exp_avg_sq"]}
                 if amsgrad:
                     targets["vmax"] = state["max_exp_avg_sq"]

@@ -963,15 +963,17 @@ def test_a_non_reentrant_checkpoint_over_lazy_values_recomputes_what_it_saved(f,
     model = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Linear(5, 5), torch.nn.LayerNorm(5))
     rx.nn.replace_modules(model)
     x = torch.randn(3, 5, generator=gen)
-    grads = []
-    for inp in (x, f.lazy(x)):
-        model.zero_grad()
-        h = model[0](inp)
-        y = torch.utils.checkpoint.checkpoint(lambda t: model[2](t + model[1](t)), h, use_reentrant=False)
-        (y.torch() if inp is not x else y).pow(2).sum().backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(b, a)
+    post_norm, pre_norm = (lambda t: model[2](t + model[1](t))), (lambda t: t + model[1](model[2](t)))
+    for region in (post_norm, pre_norm):  # (pre-norm: the fused module reads the pending value first)
+        grads = []
+        for inp in (x, f.lazy(x)):
+            model.zero_grad()
+            h = model[0](inp)
+            y = torch.utils.checkpoint.checkpoint(region, h, use_reentrant=False)
+            (y.torch() if inp is not x else y).pow(2).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a)
 
 
 def test_a_product_with_a_bias_of_another_dtype_raises_at_the_statement(f, gen):

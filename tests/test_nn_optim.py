@@ -213,3 +213,19 @@ def test_adamw_step_writes_parameters_and_state_in_place(amsgrad):
             assert pointers == [w.data_ptr(), *(v.data_ptr() for k, v in opt.state[w].items() if k != "step")]
         assert w._version > version  # autograd sees the write
         torch.testing.assert_close(w, w2)
+
+
+@pytest.mark.parametrize("beta2", [0.999, 0.99999])
+def test_adamw_first_step_state_is_torchs_bit_for_bit(beta2, gen):
+    """The step's scalars are computed in double on the host, as torch computes them: ``1 - beta2``
+    formed in the kernel from a float32 ``beta2`` was 1.3e-5 (0.999) to 1.4e-3 (0.99999) off, a
+    bias in ``exp_avg_sq`` every step shared (an outside fuzzer's 0-dim parameter drifted)."""
+    p0, g = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
+    a, b = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    ta, tb = torch.optim.AdamW([a], lr=0.1, betas=(0.9, beta2)), rx.optim.AdamW([b], lr=0.1, betas=(0.9, beta2))
+    a.grad, b.grad = g.clone(), g.clone()
+    ta.step()
+    tb.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(tb.state[b][key], ta.state[a][key]), key
+    torch.testing.assert_close(b, a, atol=0, rtol=2e-7)
