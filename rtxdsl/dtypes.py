@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UnsupportedDtypeError
+from .errors import RtxError, UnsupportedDtypeError
 
 #: torch dtype -> Triton type name, for every dtype a kernel can load or store.
 TRITON_TYPE: dict[torch.dtype, str] = {
@@ -42,6 +42,13 @@ def check_supported(dtype: torch.dtype, what: str) -> None:
     if dtype not in TRITON_TYPE:
         supported = ", ".join(SHORT_NAME.values())
         raise UnsupportedDtypeError(f"{what} has dtype {dtype}, which rtxdsl does not support ({supported})")
+
+
+def check_dense(t: torch.Tensor, what: str) -> None:
+    """Raise :class:`RtxError` naming ``what`` unless ``t`` is a dense (strided) tensor."""
+    if t.layout != torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise RtxError(f"{what} is a {kind} tensor: rtxdsl reads dense (strided) tensors (.to_dense())")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -55,7 +55,7 @@ import torch
 from . import torchsem
 from .config import FusionConfig, get_config
 from .dsl import var
-from .dtypes import SHORT_NAME
+from .dtypes import SHORT_NAME, check_dense
 from .errors import RtxError
 from .expr import BINARY_OPERATORS, COMPARISONS, UNARY_OPERATORS, Expr, as_expr, substitute, walk
 from .log import log
@@ -920,9 +920,7 @@ class Fusion:
             return t
         if not isinstance(t, torch.Tensor):
             raise RtxError(f"lazy() takes a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided or t.is_nested:
-            kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
-            raise RtxError(f"lazy() takes a dense (strided) tensor, got a {kind} one: rtxdsl fuses dense tensors")
+        check_dense(t, "lazy()'s tensor")
         self._remember(t)
         return LazyTensor._leaf(self.stream(t.device), t)
 
@@ -1379,7 +1377,7 @@ def _see_lazy_values_in_autograd_functions() -> None:
     plain = function.apply.__func__
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
+        lazies = _lazies((args, kwargs))
         if not lazies:
             return plain(cls, *args, **kwargs)
         run = functools.partial(plain, cls)
@@ -1399,7 +1397,7 @@ def _hooked(func: Any, args: tuple, kwargs: dict) -> Any:
     later would save them outside it (``CheckpointError``: 8 saved, 6 recomputed). What is pending
     runs first with the hooks set aside (eager computed it before the region), then the call runs
     eagerly under them."""
-    fusion = next(a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor))._stream.fusion
+    fusion = _lazies((args, kwargs))[0]._stream.fusion
     _flush_outside_hooks(fusion)
     return fusion._eager(func, args, kwargs, f"{_name(func)} under saved-tensor hooks")
 
@@ -1432,7 +1430,7 @@ def _autocast(func: Any, args: tuple, kwargs: dict) -> Any:
     (``linear``, ``matmul``, SDPA) gives the autocast dtype, an fp32 op (a loss) float32; the
     floating operands are cast to it (float64 ones stay, as autocast leaves them), then the call is
     recorded with autocast off. A call the probes cannot tell runs eagerly, under autocast."""
-    lazies = [a for a in _tensors_and_lazies((args, kwargs)) if isinstance(a, LazyTensor)]
+    lazies = _lazies((args, kwargs))
     kind = lazies[0].device.type
     if func in _KEEP_DTYPE or not torch.is_autocast_enabled(kind):  # (views and writes keep their dtype)
         cast, target = False, None
@@ -1591,7 +1589,7 @@ _TORCH = REGISTRY.torch
 _new = object.__new__
 #: the torch functions whose numbers CPU eager rounds to a half operand's dtype (``Front.cpu_rounds_numbers``)
 _CPU_ROUNDS = frozenset(f for f, (op, _) in _TORCH.items() if op.front.cpu_rounds_numbers)
-#: functions the hot path leaves to ``_dispatch``: views, writes, ``contiguous``, biased products
+#: views, writes and ``contiguous``: their results keep their operand's dtype (autocast too)
 _KEEP_DTYPE = frozenset(
     torchsem.VIEWS | torchsem.MAYBE_SELF | {torchsem.CONTIGUOUS} | {f for f in _TORCH if torchsem.writes(f, {})}
 )
@@ -1600,6 +1598,7 @@ _KEEP_DTYPE = frozenset(
 _ONE_DTYPE = frozenset(
     {torch.addmm, torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm, torch.nn.functional.linear}
 )
+#: functions the hot path leaves to ``_dispatch``
 _SLOW = _KEEP_DTYPE | _ONE_DTYPE
 
 
@@ -1783,6 +1782,11 @@ def _tensors_and_lazies(obj: Any) -> list[Any]:
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in _tensors_and_lazies(o)]
     return []
+
+
+def _lazies(obj: Any) -> list[LazyTensor]:
+    """The lazy values among a call's arguments (nested lists and dicts included)."""
+    return [a for a in _tensors_and_lazies(obj) if isinstance(a, LazyTensor)]
 
 
 def _expr_of(x: Any, stream: OperationStream, read_by: tuple[Any, tuple, int] | None = None) -> Any:

@@ -26,7 +26,7 @@ from torch.compiler import is_dynamo_compiling
 from .cache import GLOBAL_CACHE
 from .config import FusionConfig, get_config
 from .dtensor import DistributedCall, is_dtensor, offer_sharding
-from .dtypes import SHORT_NAME, check_supported
+from .dtypes import SHORT_NAME, check_dense, check_supported
 from .errors import (
     BackendError,
     DeviceMismatchError,
@@ -482,9 +482,8 @@ class Kernel:
         for name, t in zip(self.inputs, tensors):
             if not isinstance(t, (torch.Tensor, bool, int, float)):
                 raise RtxError(f"input {name!r} must be a torch.Tensor or a python number, got {type(t).__name__}")
-            if isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.is_nested):
-                kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
-                raise RtxError(f"input {name!r} is a {kind} tensor: rtxdsl reads dense (strided) tensors (.to_dense())")
+            if isinstance(t, torch.Tensor):
+                check_dense(t, f"input {name!r}")
 
     def _validate(self, tensors: tuple, cfg: FusionConfig) -> torch.device:
         self._check_types(tensors)

@@ -74,9 +74,9 @@ def axis_arg(axis: Any, dim: Any, op: str) -> int | tuple[int, ...] | None:
 
 def int_axis(axis: Any, dim: Any, op: str, default: int | None = None) -> int:
     """One axis: ``axis`` or torch's ``dim`` (not both), ``default`` where neither is given."""
-    a = axis_arg(axis, dim, op)
-    if a is None and axis is None and dim is None and default is not None:
+    if axis is None and dim is None and default is not None:
         return default
+    a = axis_arg(axis, dim, op)
     if not isinstance(a, int):
         raise RtxError(f"{op}: axis must be an int, got {a!r}")
     return a
