@@ -38,6 +38,7 @@ from .errors import (  # noqa: E402
     ShapeError,
     UnknownInputError,
     UnsupportedDtypeError,
+    ZeroDivisorError,
 )
 from .expr import Expr  # noqa: E402
 from .lazy import Fusion, LazyTensor, OperationStream, lazy, sync  # noqa: E402
@@ -98,6 +99,7 @@ __all__ = [
     "Trace",
     "UnknownInputError",
     "UnsupportedDtypeError",
+    "ZeroDivisorError",
     "cache_stats",
     "compile",
     "const",

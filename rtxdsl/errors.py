@@ -41,3 +41,8 @@ class ConfigError(RtxError):
 
 class BackendError(RtxError):
     """The requested backend cannot run on these inputs."""
+
+
+class ZeroDivisorError(RtxError, RuntimeError):
+    """An integer division (``//``, ``%``) by zero on CPU, where torch raises ZeroDivisionError (a
+    RuntimeError: code catching torch's error catches this one too)."""

@@ -56,7 +56,7 @@ from . import torchsem
 from .config import FusionConfig, get_config
 from .dsl import var
 from .dtypes import SHORT_NAME, check_dense
-from .errors import RtxError
+from .errors import RtxError, ZeroDivisorError
 from .expr import BINARY_OPERATORS, COMPARISONS, UNARY_OPERATORS, Expr, as_expr, substitute, walk
 from .log import log
 from .lower.bind import Info, infer, infer_all
@@ -711,8 +711,9 @@ class OperationStream:
             try:
                 unsaved = frozenset(id(t) for t, v in self.leaves.values() if self.unsaved.get(v))
                 outs = _call(kernel, args, any(lt._grad for lt in firsts.values()), self.fusion, unsaved)
-            except BaseException:
-                if homes and _launched(kernel, args):  # (not launched: a lowering error)
+            except BaseException as e:
+                # (not launched: a lowering error, or a zero divisor the host found before the launches)
+                if homes and not isinstance(e, ZeroDivisorError) and _launched(kernel, args):
                     written.extend(homes)
                 raise
             written.extend(homes)

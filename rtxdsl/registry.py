@@ -278,6 +278,9 @@ class OpDef:
     #: movement ops reading at loaded positions (``gather``): the operand holding the indices,
     #: checked against bounds in the kernel
     index_operand: int | None = None
+    #: integer division (``//``, ``%``): the operand whose zero makes torch raise ZeroDivisionError
+    #: on CPU, checked on the host before a CPU launch (``lower.schedule.DivisorCheck``)
+    divisor_operand: int | None = None
     #: derivative rule (see ops/helpers.D); None: not differentiable yet
     derivative: Callable[..., Any] | None = None
     #: eager torch's (launches, bytes) where they are not ``eager_launches`` kernels that read each

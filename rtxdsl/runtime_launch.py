@@ -19,11 +19,11 @@ from . import interpret
 from .cache import GLOBAL_CACHE, CompiledKernel
 from .codegen.module import kernel_source
 from .config import FusionConfig
-from .errors import BackendError, RtxError
+from .errors import BackendError, RtxError, ZeroDivisorError
 from .handle import KernelHandle
 from .lower import Plan, Program
 from .lower.params import ParamKind, slots
-from .lower.schedule import IndexCheck, candidates, encode_scalar
+from .lower.schedule import DivisorCheck, IndexCheck, candidates, encode_scalar
 from .lower.spec import ChunkLoop
 from .ops import REGISTRY, apply_ref
 from .tune import Tuned, tuned_path
@@ -84,6 +84,9 @@ def generate_run(
     lines += _buffer_lines(program, tensors, graph, scope, names)
     repeats = repeated_outputs(program, kernel.shared_outputs)
     if not config.dry_run:
+        if program.divisors and scope["DEV"].type == "cpu":
+            scope["ZERO_DIVISORS"] = _ZeroDivisors(program.divisors)
+            lines.append("    ZERO_DIVISORS(tensors)")
         lines += _launch_lines(program, config, interpret, graph, scope, names)
         if not graph:
             p = program
@@ -235,22 +238,47 @@ class _IndexCheck:
 def first_out_of_range(check: IndexCheck, tensors: tuple[Any, ...]) -> str:
     """The first value of the checked index outside ``[0, size)`` (in the index's element order),
     computed with torch from the call's inputs; "..." where the check cannot say."""
-    vals: list[Any] = []
-
-    def operand(ref: Any) -> Any:
-        return vals[ref] if isinstance(ref, int) else tensors[ref[1]] if ref[0] == "in" else ref[1]
-
     if check.index is None:
         return "..."
     try:
-        with torch.no_grad():
-            for op, attrs, refs in check.steps:
-                vals.append(apply_ref(REGISTRY[op], [operand(r) for r in refs], dict(attrs)))
-            index = torch.as_tensor(operand(check.index)).reshape(-1)
+        index = torch.as_tensor(host_value(check.steps, check.index, tensors)).reshape(-1)
     except Exception:  # the error is raised anyway, only less precisely worded
         return "..."
     bad = index[(index < 0) | (index >= check.size)]
     return str(int(bad[0])) if bad.numel() else "..."
+
+
+def host_value(steps: tuple, ref: Any, tensors: tuple[Any, ...]) -> Any:
+    """The value at ``ref`` of a cone of host steps (``IndexCheck``, ``DivisorCheck``), computed
+    with the ops' torch references from the call's inputs."""
+    vals: list[Any] = []
+
+    def operand(r: Any) -> Any:
+        return vals[r] if isinstance(r, int) else tensors[r[1]] if r[0] == "in" else r[1]
+
+    with torch.no_grad():
+        for op, attrs, refs in steps:
+            vals.append(apply_ref(REGISTRY[op], [operand(r) for r in refs], dict(attrs)))
+        return operand(ref)
+
+
+class _ZeroDivisors:
+    """Raises before a CPU launch where an integer division's divisor holds a zero, as torch's CPU
+    kernels raise ZeroDivisionError (the kernel would give 0 there without a word)."""
+
+    __slots__ = ("checks",)
+
+    def __init__(self, checks: tuple[DivisorCheck, ...]) -> None:
+        self.checks = checks
+
+    def __call__(self, tensors: tuple[Any, ...]) -> None:
+        for check in self.checks:
+            try:
+                zero = bool((torch.as_tensor(host_value(check.steps, check.divisor, tensors)) == 0).any())
+            except RuntimeError as e:  # a division inside the divisor's own cone
+                zero = "ZeroDivisionError" in str(e)
+            if zero:
+                raise ZeroDivisorError(check.message)
 
 
 class _Chunked:

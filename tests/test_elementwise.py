@@ -197,6 +197,58 @@ def test_integer_division_with_negative_operands():
     assert out["t"].dtype == torch.float32 and torch.allclose(out["t"], a / b)
 
 
+# divisors with a zero torch's CPU kernels meet: an input, a computed one, a broadcast row, a
+# constant, one under a where (torch divides every element first), int64 and a remainder
+ZERO_DIVISORS = {
+    "input": lambda a, b: a // b,
+    "computed": lambda a, b: a % (b - 1),
+    "broadcast": lambda a, b: a[:, None] // b[:2],
+    "constant": lambda a, b: a // 0,
+    "under_where": lambda a, b: (rx.where if isinstance(a, rx.Expr) else torch.where)(b != 0, a // b, 0),
+    "int64": lambda a, b: a.to(torch.int64) // b,
+    "remainder": lambda a, b: a % b,
+}
+
+
+@pytest.mark.parametrize("case", ZERO_DIVISORS)
+def test_an_integer_division_by_zero_raises_on_cpu_as_torch(case):
+    fn = ZERO_DIVISORS[case]
+    a, b = torch.tensor([7, -7, 3], dtype=torch.int32), torch.tensor([2, 0, 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fn(a, b)  # torch's
+    k = rx.compile(fn(rx.var("a"), rx.var("b")))
+    with pytest.raises(rx.ZeroDivisorError, match="ZeroDivisionError") as e:
+        k(**{name: {"a": a, "b": b}[name] for name in k.inputs})
+    assert isinstance(e.value, rx.RtxError) and isinstance(e.value, RuntimeError)
+    f = rx.Fusion()
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):  # lazily: at the flush at the latest
+        torch.as_tensor(fn(f.lazy(a), f.lazy(b)).torch())
+    nonzero = torch.tensor([2, 5, 3], dtype=torch.int32)  # (and b - 1 holds no zero)
+    if case != "constant":
+        assert torch.equal(k(a=a, b=nonzero), fn(a, nonzero))
+
+
+def test_a_lazy_in_place_division_by_zero_leaves_its_tensor_as_it_was():
+    a, b = torch.tensor([7, 8, 9], dtype=torch.int32), torch.tensor([1, 0, 2], dtype=torch.int32)
+    f = rx.Fusion()
+    la = f.lazy(a)
+    la //= f.lazy(b)
+    with pytest.raises(rx.ZeroDivisorError):
+        la.torch()
+    assert a.tolist() == [7, 8, 9]  # the check runs before any launch: a is usable, as eager leaves it
+    assert (a + 1).tolist() == [8, 9, 10]
+
+
+def test_what_torch_divides_without_a_zero_divisor_check_does_not_raise():
+    a = torch.tensor([7, -7, 3], dtype=torch.int32)
+    empty, b = torch.empty(0, 3, dtype=torch.int32), torch.tensor([2, 0, 1], dtype=torch.int32)
+    assert rx.compile(rx.var("a") // rx.var("b"))(a=empty, b=b).shape == (empty // b).shape == (0, 3)  # no element
+    x = rx.var("x")
+    assert torch.equal(rx.compile(x // 2)(x=a), a // 2)
+    af, bf = a.float(), b.float()
+    assert_close(rx.compile(rx.var("a") // rx.var("b"))(a=af, b=bf), af // bf, 0, 0, "float floordiv")  # inf, no error
+
+
 def test_float_floordiv_and_remainder_with_negative_operands():
     a = torch.tensor([-7.5, -7.5, 7.5, 7.5, -6.0, 0.0, 5.0])
     b = torch.tensor([2.0, -2.0, 2.0, -2.0, 3.0, -3.0, 0.0])

@@ -28,7 +28,7 @@ from .gemm import gemm_spec
 from .params import ParamKind, own_params, pointer_slots, slots, with_tail_slots
 from .passes import early_outputs, input_reads, input_scopes, partial_states, remaps
 from .plans import plan_of
-from .schedule import Launch, Layout, contiguous_strides, kernel_spec, split_specs
+from .schedule import Launch, Layout, contiguous_strides, divisor_checks, kernel_spec, split_specs
 from .spec import Buffer, ChunkLoop, KernelCall, KernelSpec, Program, Split, Src, tail_constexprs
 from .target import GPU, INTERPRETER, Target, target_for
 
@@ -134,6 +134,7 @@ def program(
         eager_bytes=graph.eager_bytes,
         minimum_bytes=minimum,
         minimum_flops=minimum_flops(graph),
+        divisors=divisor_checks(graph),
     )
 
 

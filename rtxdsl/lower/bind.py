@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..dtypes import SHORT_NAME, check_supported
-from ..errors import RtxError, ShapeError, UnsupportedDtypeError
+from ..errors import RtxError, ShapeError, UnsupportedDtypeError, ZeroDivisorError
 from ..expr import Expr
 from ..lru import LRU
 from ..ops import REGISTRY, OpKind, apply_ref, category
@@ -101,6 +101,7 @@ def broadcast_shapes(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 #: what torch's refusal on probes is about, by its words: the error class that says so (else RtxError)
 _REFUSALS = (
+    (ZeroDivisorError, ("ZeroDivisionError",)),  # a constant divisor of 0 (torch raises whatever the values)
     (ShapeError, ("size", "shape", "dimension", "broadcast", "range", "appears multiple times")),
     (UnsupportedDtypeError, ("dtype", "type", "not implemented for", "Long", "Float", "Half", "Bool")),
 )

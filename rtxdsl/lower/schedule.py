@@ -94,6 +94,35 @@ class IndexCheck:
     index: HostRef | None = None
 
 
+@dataclass(frozen=True)
+class DivisorCheck:
+    """An integer division (``//``, ``%``) whose divisor torch checks for zeros on CPU (it raises
+    ZeroDivisionError; a GPU divides without a check): the divisor's cone as host ``steps`` over the
+    call's inputs (as :class:`IndexCheck`'s), run with torch references before a CPU launch."""
+
+    message: str
+    steps: tuple[tuple[str, tuple[tuple[str, Any], ...], tuple[HostRef, ...]], ...]
+    divisor: HostRef
+
+
+def divisor_checks(graph: Graph) -> tuple[DivisorCheck, ...]:
+    """One check per integer division with elements whose divisor is not a nonzero constant."""
+    out = []
+    for n in graph.nodes:
+        k = REGISTRY[n.op].divisor_operand
+        info = graph.of(n)
+        if k is None or info.dtype.is_floating_point or info.is_scalar or not math.prod(info.shape):
+            continue
+        d = n.srcs[k]
+        if d.is_const and d.attr("value") != 0:
+            continue
+        steps, divisor = _host_steps(d, graph)
+        if divisor is not None:
+            text = f"{n.op}: integer division by zero in {n!r} (torch: 'ZeroDivisionError', on CPU)"
+            out.append(DivisorCheck(text, steps, divisor))
+    return tuple(out)
+
+
 # ---- launch configurations: one table per kernel family ---------------------------------------
 @dataclass(frozen=True)
 class Config:

@@ -263,6 +263,8 @@ class Program:
     eager_bytes: int
     minimum_bytes: int
     minimum_flops: int = 0  # each contraction of the graph once
+    #: integer divisions whose divisors a CPU call checks for zeros first (``lower.schedule.DivisorCheck``)
+    divisors: tuple[Any, ...] = ()
 
     @property
     def launched(self) -> tuple[KernelCall, ...]:

@@ -53,6 +53,7 @@ def _ew(
     pattern: Pattern | None = None,
     eager_launches: int = 1,
     cost: int = 1,
+    divisor_operand: int | None = None,
 ) -> OpDef:
     return register(
         OpDef(
@@ -70,6 +71,7 @@ def _ew(
             symbol=symbol,
             precedence=precedence,
             pattern=pattern,
+            divisor_operand=divisor_operand,
             front=front or Front(),
         )
     )
@@ -354,6 +356,7 @@ _ew(
     _zero,
     symbol="//",
     precedence=6,
+    divisor_operand=1,
     front=Front(
         fn=binary_fn("floordiv", "a // b, rounding toward -inf (torch.floor_divide)", "a // b"),
         operators=("__floordiv__", "__rfloordiv__"),
@@ -371,6 +374,7 @@ _ew(
     lambda d: (d.g, node("neg", node("mul", d.g, node("floordiv", d.a, d.b)))),
     symbol="%",
     precedence=6,
+    divisor_operand=1,
     front=Front(
         fn=binary_fn("remainder", "a % b with the sign of b (torch.remainder)", "a % b"),
         operators=("__mod__", "__rmod__"),
