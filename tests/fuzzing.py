@@ -180,6 +180,9 @@ BINARY_INT: list[tuple[str, Callable[[Any, Any], Any]]] = [
     ("mul", lambda a, b: a * b),
     ("floordiv", lambda a, b: a // (rx.abs(b) + 1)),
     ("remainder", lambda a, b: a % (rx.abs(b) + 1)),
+    # divisors that may hold a zero: torch raises ZeroDivisionError on CPU, so must rtxdsl
+    ("floordiv_any", lambda a, b: a // b),
+    ("remainder_any", lambda a, b: a % b),
     ("maximum", rx.maximum),
     ("minimum", rx.minimum),
     ("and", lambda a, b: a & b),
