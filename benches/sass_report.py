@@ -135,6 +135,29 @@ def _liger_norm_backward(name: str, rows: int, cols: int, dtype: torch.dtype) ->
     return _row(f"Liger-Kernel {name}", facts, warps, block)
 
 
+def _liger_pointwise(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
+    """Liger-Kernel's SwiGLU (one row per program, ``calculate_settings``) and RoPE (one token per
+    program: all heads of q and k, ``rows`` tokens x ``ROPE_HEADS`` heads x ``cols`` head dim; the
+    first half of cos and sin only, as Liger assumes both halves equal), launched as Liger launches them."""
+    from liger_kernel.ops import rope, swiglu
+    from liger_kernel.ops.utils import calculate_settings
+
+    if name.startswith("rope"):
+        q, cos = torch.empty(1, rows, ROPE_HEADS, cols, dtype=dtype), torch.empty(1, rows, cols, dtype=dtype)
+        meta = dict.fromkeys(("n_qh", "n_kh", "pad_n_qh", "pad_n_kh", "BLOCK_SIZE"), ROPE_HEADS)
+        meta |= dict.fromkeys(("hd", "pad_hd", "pad_rd", "rd"), cols) | {"bs": 1, "cos_bs": 1}
+        meta |= {"BACKWARD_PASS": name.endswith("_backward"), "num_warps": 4}
+        args = [q, q.stride(1), q, q.stride(1), cos, cos.stride(-2), cos, cos.stride(-2), rows]
+        facts = compile_call(rope._triton_rope, SimpleNamespace(meta=meta, args=args), [])
+        return _row(f"Liger-Kernel {name}", facts, 4, 2 * ROPE_HEADS * cols)  # q and k of one token
+    block, warps = calculate_settings(cols)
+    a = torch.empty(rows, cols, dtype=dtype)
+    meta = {"n_cols": cols, "BLOCK_SIZE": block, "num_warps": warps}
+    kernel = swiglu._swiglu_backward_kernel if name.endswith("_backward") else swiglu._swiglu_forward_kernel
+    facts = compile_call(kernel, SimpleNamespace(meta=meta, args=[a, a, a, cols, 1.0]), [])
+    return _row(f"Liger-Kernel {name}", facts, warps, cols)
+
+
 def _liger(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     """Liger-Kernel's RMSNorm forward and cross-entropy (loss only, as rtxdsl's forward), at its own
     launch choices: ``calculate_settings`` for RMSNorm; one block up to 32K and 32 warps on sm_90
@@ -142,6 +165,8 @@ def _liger(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     from liger_kernel.ops import cross_entropy, rms_norm
     from liger_kernel.ops.utils import calculate_settings
 
+    if name.startswith(("swiglu", "rope")):
+        return _liger_pointwise(name, rows, cols, dtype)
     if name.endswith("_backward"):
         return _liger_norm_backward(name, rows, cols, dtype)
     x = torch.empty(rows, cols, dtype=dtype)
@@ -182,15 +207,27 @@ def _ours(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
         "cross_entropy": lambda: rx.cross_entropy(x, rx.var("t")),
         # per-row losses: no tail taking the mean (its code is in every program, run by the last)
         "cross_entropy_none": lambda: rx.cross_entropy(x, rx.var("t"), reduction="none"),
+        "swiglu": lambda: rx.swiglu(x, w),
+        "rope": lambda: rx.rope(x, rx.var("c"), rx.var("s")),
     }
     ins = {"x": torch.empty(rows, cols, dtype=dtype), "w": torch.empty(cols, dtype=dtype)}
     ins |= {"b": torch.empty(cols, dtype=dtype), "t": torch.zeros(rows, dtype=torch.long)}
+    if name.startswith("swiglu"):  # gate and up: [tokens, intermediate]
+        ins["w"] = torch.empty(rows, cols, dtype=dtype)
+    if name.startswith("rope"):  # Hugging Face's q: [1, heads, tokens, head dim] over [1, tokens, heads, head dim]
+        ins["x"] = torch.empty(1, rows, ROPE_HEADS, cols, dtype=dtype).transpose(1, 2)
+        ins |= {k: torch.empty(1, 1, rows, cols, dtype=dtype) for k in "cs"}
     if name == "cross_entropy_grad":  # the loss and its gradient: the forward's one-read program
         ce = rx.compile(rx.cross_entropy(x, rx.var("t"), grad_in_forward=True))
         kernel = ce.grad_plan(x=ins["x"].requires_grad_(), t=ins["t"]).forward.then
         ins |= {"_g0": torch.ones((), dtype=dtype), "_p0": torch.ones(())}
     elif name == "cross_entropy_backward":  # the gradient alone, as autograd's backward runs it later
         plan = rx.compile(rx.cross_entropy(x, rx.var("t"))).grad_plan(x=ins["x"].requires_grad_(), t=ins["t"])
+        kernel = plan.backward
+        ins |= plan.backward_feed({n: ins[n].detach() for n in plan.forward.inputs})
+    elif name.startswith(("swiglu", "rope")) and name.endswith("_backward"):  # pointwise: its backward alone
+        fwd = rx.compile(exprs[name.removesuffix("_backward")]())
+        plan = fwd.grad_plan(**{n: ins[n].requires_grad_(n in "xw") for n in fwd.inputs})
         kernel = plan.backward
         ins |= plan.backward_feed({n: ins[n].detach() for n in plan.forward.inputs})
     elif name.endswith("_backward"):  # a norm's backward: dx with dW (and dB) over each program's rows
@@ -206,6 +243,8 @@ def _ours(name: str, rows: int, cols: int, dtype: torch.dtype) -> dict:
     launch, *_ = program.kernels
     meta = dict(launch.meta)
     per_program = meta.get("ROWS", 1) * min(cols, meta["BLOCK_SIZE"])  # a looped row: per block
+    if launch.spec.kind == "pointwise":  # flat blocks over every dim
+        per_program = meta["BLOCK_SIZE"]
     return _row(f"rtxdsl {name}", facts, meta.get("num_warps", 4), per_program)
 
 
@@ -243,7 +282,14 @@ CASES = [  # (pattern, rows, cols, dtype, the hand-written peer: Triton's tutori
     # a 128K vocabulary (Llama 3): looped over the row in 32K blocks of 32 warps, as Liger loops
     ("cross_entropy_none", 4096, 128256, torch.bfloat16, _liger),
     ("cross_entropy_grad", 4096, 128256, torch.bfloat16, _liger),
+    # Llama-2 7B's intermediate size (no power of two), gate and up as two tensors
+    ("swiglu", 4096, 11008, torch.bfloat16, _liger),
+    ("swiglu_backward", 4096, 11008, torch.bfloat16, _liger),
+    # RoPE on q: 4096 tokens x ROPE_HEADS heads x head dim 128, Hugging Face's layout
+    ("rope", 4096, 128, torch.bfloat16, _liger),
+    ("rope_backward", 4096, 128, torch.bfloat16, _liger),
 ]
+ROPE_HEADS = 32
 
 
 def _liger_installed() -> bool:
