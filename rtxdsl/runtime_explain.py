@@ -95,7 +95,7 @@ def explain_text(kernel: KernelHandle, launch: PreparedCall) -> str:
         def stored(n: Expr) -> str:  # as the buffer holds it (per-row statistics in float32)
             info = graph.of(n)
             home = writer.get(n)
-            dtype = info.dtype if n in outs or home is None else intermediate_dtype(home, info)
+            dtype = info.dtype if n in outs or home is None else intermediate_dtype(home, info, n)
             return f"{SHORT_NAME[dtype]}[{', '.join(map(str, info.shape))}]"
 
         reads = ", ".join(f"{n} {stored(v)}" for n, v in zip(in_names, g.inputs))

@@ -261,6 +261,32 @@ def test_softmax_of_a_row_of_one_value_far_from_zero_is_uniform(name, dtype, ato
         assert_close(out[i], expect, atol, rtol, f"{name} of the {label} row")
 
 
+# statistics of rows of one element kept across kernels (expression fuzzer seeds 20301239,
+# 20303912, 20304819): a half statistic was stored rounded where the value it was taken of was
+# read unrounded, so exp(x - round(x)) summed to 0.6
+ONE_ELEMENT_ROWS = {
+    "softmax_of_a_half_sum": lambda b, m: m.softmax(b.sum(0), -1).mT,
+    "log_softmax_of_a_half_sum": lambda b, m: m.log_softmax(b.sum(0), -1).mT,
+    "group_norm_of_a_half_power": lambda b, m: (rx if m is rx else F).group_norm((3.0**b)[..., :1], 1),
+}
+
+
+@pytest.mark.parametrize("case", ONE_ELEMENT_ROWS)
+def test_half_statistics_of_one_element_rows_are_kept_in_fp32_across_kernels(case):
+    fn = ONE_ELEMENT_ROWS[case]
+    t = torch.tensor([[[300.3]], [[400.2]], [[333.1]]]) if "sum" in case else torch.linspace(-2, 2, 23)[:, None, None]
+    t = t.half()
+    got = rx.compile(fn(rx.var("b"), rx))(b=t)
+    assert got.dtype == fn(t, torch).dtype
+    assert_close(got, fn(t.double(), torch), 2e-3, 2e-3, case)
+
+
+def test_the_gradient_of_a_max_over_one_element_read_through_a_slice_is_torchs():
+    t = torch.tensor([0.7], dtype=torch.bfloat16, requires_grad=True)
+    rx.compile(rx.max(rx.exp(rx.var("a"))[0:1]))(a=t).backward()
+    assert_close(t.grad, torch.exp(torch.tensor([0.7], dtype=torch.float64)), 2e-2, 2e-2, "d/da")
+
+
 @pytest.mark.parametrize("keepdim", [False, True])
 @pytest.mark.parametrize("axis", AXES, ids=str)
 @pytest.mark.parametrize("name", REDUCTIONS)

@@ -93,7 +93,7 @@ def program(
     for g in plan.groups:
         for o in g.outputs:
             info = graph.of(o)
-            dtype = info.dtype if o in requested else intermediate_dtype(g, info)
+            dtype = info.dtype if o in requested else intermediate_dtype(g, info, o)
             lay[o] = Layout(info.shape, contiguous_strides(info.shape), dtype)
     stored = _chunk_buffers(plan, lay)
     views = _views(plan, lay, slots, requested)
@@ -575,10 +575,14 @@ __all__ = [
 ]
 
 
-def intermediate_dtype(group: Group, info: Info) -> torch.dtype:
+def intermediate_dtype(group: Group, info: Info, node: Expr | None = None) -> torch.dtype:
     """The dtype of a value only kernels read back, written by ``group``: a per-row statistic
-    (smaller than the group's domain) of fp16 / bf16 keeps float32, so that it is rounded once, at
-    the final store; a full-size value keeps its own dtype (its traffic counts, as in eager)."""
-    if info.dtype in (torch.float16, torch.bfloat16) and math.prod(info.shape) < math.prod(group.shape):
-        return torch.float32
-    return info.dtype
+    (smaller than the group's domain, or a row group's per-row value ``node`` where rows hold one
+    element) of fp16 / bf16 keeps float32, so that it is rounded once, at the final store; a
+    full-size value keeps its own dtype (its traffic counts, as in eager). (A softmax over rows of
+    one element stored its logsumexp rounded to fp16 where its exponentials read the value it was
+    taken of unrounded: exp(x - round(x)) summed to 0.6.)"""
+    if info.dtype not in (torch.float16, torch.bfloat16):
+        return info.dtype
+    per_row = node is not None and group.is_row and group.role(node) is not Role.FULL
+    return torch.float32 if per_row or math.prod(info.shape) < math.prod(group.shape) else info.dtype
