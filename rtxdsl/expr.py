@@ -166,9 +166,11 @@ def _attr_text_key(attrs: tuple) -> str:
 
 
 def _operator(dunder: str, reflected: bool) -> Any:
+    binary = dunder != "__getitem__"  # (an index is no operand: the op's own check names a bad key)
+
     def method(self: Expr, *args: Any) -> Any:
         op = REGISTRY.operators.get(dunder)
-        if op is None or any(isinstance(a, str) for a in args):
+        if op is None or binary and any(isinstance(a, str) for a in args):
             # (a string is no operand: ``approximate not in ("none", "tanh")`` given an expression
             # is then False, and the op's own check names the argument)
             return NotImplemented

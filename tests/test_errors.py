@@ -267,6 +267,24 @@ MISTAKES = {
     ),
     "an empty cache_dir": (lambda: rx.FusionConfig(cache_dir=""), rx.ConfigError, "cache_dir must name a directory"),
     "a config file of None": (lambda: rx.FusionConfig.load(None), rx.ConfigError, "path must be a str or a path"),
+    # a python number where an op reads a tensor (expression fuzzer seeds 20307115, 20307348, 20308402:
+    # a bare IndexError, ValueError or AttributeError from the op's shape rule or reference)
+    **{
+        f"a number read as a tensor by {name}": (
+            lambda e=e, kw=kw: rx.compile(e)(**kw),
+            rx.ShapeError,
+            r"reads d = 1\.5 as a tensor: pass a tensor",
+        )
+        for name, e, kw in [
+            ("cat", rx.cat([rx.var("d"), rx.var("d")], -1), {"d": 1.5}),
+            ("matmul", rx.matmul(rx.var("d"), rx.var("c")), {"d": 1.5, "c": torch.randn(3, 2)}),
+            ("rms_norm", rx.rms_norm(rx.var("d"), rx.var("c")), {"d": 1.5, "c": torch.randn(3)}),
+            ("flip", rx.flip(rx.var("d"), 0), {"d": 1.5}),
+            ("an index", rx.var("d")[0], {"d": 1.5}),
+        ]
+    },
+    # an index no expression takes: the key named (x["a"] returned NotImplemented, named at compile as such)
+    "a string index": (lambda: x["a"], rx.RtxError, "indexing: only slices, integers, None and .* got 'a'"),
 }
 
 

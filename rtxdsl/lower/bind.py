@@ -114,9 +114,10 @@ def _probe_dtype(n: Expr, srcs: list[Info]) -> Any:
         with warnings.catch_warnings():  # one-element probes make torch warn about e.g. var()'s dof
             warnings.simplefilter("ignore")
             out = apply_ref(opdef, [i.like() for i in srcs], n.attr_dict)
-    except (RuntimeError, TypeError, IndexError, ValueError) as exc:
+    except (RuntimeError, TypeError, IndexError, ValueError, AttributeError) as exc:
         if isinstance(exc, RtxError):
             raise
+        _refuse_numbers(n, srcs)
         msg = str(exc).splitlines()[0]
         kind = next((k for k, words in _REFUSALS if any(w in msg for w in words)), RtxError)
         # torch was asked on one-element stand-ins of the operands' ranks: their shapes, not the probes'
@@ -208,7 +209,23 @@ def _infer(n: Expr, srcs: list[Info]) -> Info:
         shape = opdef.shape(shapes, **n.attr_dict) if opdef.shape is not None else broadcast_shapes(shapes)
     except RtxError as exc:
         raise type(exc)(f"op {n.op!r} in {n!r}: {exc}") from None
+    except (IndexError, ValueError, TypeError, KeyError):  # a shape rule handed too few shapes
+        _refuse_numbers(n, srcs)
+        raise
     return Info.tensor(shape, answer)
+
+
+def _refuse_numbers(n: Expr, srcs: list[Info]) -> None:
+    """An op whose shape rule or torch reference failed where python numbers stand for some of its
+    operands (``rx.cat([d, d])`` called with ``d=1.5``): a ShapeError naming them. A shape rule
+    sees tensors' shapes only, so a number where a tensor belongs leaves it short of one."""
+    named = (f"{s!r} = {i.value!r}" for s, i in zip(n.srcs, srcs) if i.is_scalar and not s.is_const)
+    numbers = list(dict.fromkeys(named))
+    if numbers:
+        raise ShapeError(
+            f"op {n.op!r} in {n!r} reads {', '.join(numbers)} as a tensor: pass a tensor (a python number "
+            "is a scalar argument, for elementwise math)"
+        )
 
 
 def infer_all(roots: list[Expr], info: dict[Expr, Info], typed: list[Expr]) -> None:
