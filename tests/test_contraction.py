@@ -586,3 +586,16 @@ def test_a_product_whose_extents_fill_their_blocks_checks_no_bounds(m, n, k, unm
     ref = torch.autograd.grad(want, list(exact.values()), cot)
     for a, e in zip(got, ref):
         assert_close(a.double(), e, 1e-4 * max(1.0, e.abs().max().item()), 1e-4)
+
+
+@pytest.mark.parametrize("keys", [1, 3], ids=["one key", "three keys"])
+def test_a_product_of_an_expanded_operand_in_a_row_kernel_loads_it_as_a_tile(keys, gen):
+    """k expanded along its head dim (stride 0) under a product a row kernel computes (attention's
+    logsumexp, its output read transposed): every stride of the product's tile was dropped but the
+    batch's, so its pointer was one element beside a block mask (Triton refused to load it;
+    expression fuzzer seed 20301990)."""
+    q, v = torch.randn(2, 2, 3, 8, generator=gen), torch.randn(2, 2, keys, 8, generator=gen)
+    k = torch.randn(2, 2, keys, 1, generator=gen).expand(2, 2, keys, 8)
+    got = rx.compile(rx.sum(rx.attention(rx.var("q"), rx.var("k"), rx.var("v")).mT, axis=0))(q=q, k=k, v=v)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double()).mT.sum(0)
+    assert_close(got, want, 1e-5, 1e-5, "attention")

@@ -301,11 +301,13 @@ class CoordWriter(Writer):
 
     def _operand_offset(self, j: int, idx: list[str]) -> str:
         """A contraction operand's offset at index vectors ``idx`` (aligned to its trailing dims): a
-        block of the tile's shape even where the operand is one element (``[1, 1]``, every stride
-        dropped), as its mask is one."""
+        block of the tile's shape even where the operand does not vary along one of the tile's two
+        dims (one element, ``[1, 1]``, or a stride-0 expanded matrix: its batch terms are scalars),
+        as its mask is one."""
         classes = self.spec.loads[j].rows
         terms = offset_terms(self.load_names[j], classes, idx[len(idx) - len(classes) :])
-        return " + ".join(terms) or f"({idx[-2]} * 0 + {idx[-1]} * 0)"
+        pads = [f"{i} * 0" for i in idx[-2:] if not any(i in t for t in terms)]
+        return " + ".join(terms + pads)
 
     # ---- stores -----------------------------------------------------------------------
     def _store(self, k: int, loop: Scope) -> str:
