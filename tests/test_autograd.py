@@ -253,6 +253,26 @@ def test_an_extremes_gradient_finds_its_elements_however_the_forward_computed_th
     torch.testing.assert_close(got.double(), want, atol=1e-5 if dtype == torch.float32 else 1e-12, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_extreme_of_a_half_value_stored_by_another_kernel_finds_its_ties_as_eager(dtype, gen):
+    """amax over rows of a half layer norm written by its own kernel (the amax's output returned
+    beside a loss of it, as the lazy stream's flush returns both): the forward's maximum is of the
+    rounded values, the backward recomputed them in fp32, matched none, and 0 / 0 made every
+    gradient NaN (outside fuzzer, seed 20302028). Now both sides as eager holds them: eager's ties."""
+    t = torch.randn(3, 8, generator=gen).to(dtype)
+    h = rx.amax(rx.layer_norm(x), 0)
+    k = rx.compile({"o0": h, "o1": rx.sum(rx.cast(h, torch.float32))})
+    got_in, want_in = t.clone().requires_grad_(), t.clone().requires_grad_()
+    (got,) = torch.autograd.grad(k(x=got_in)["o1"], got_in)
+    (want,) = torch.autograd.grad(F.layer_norm(want_in, (8,)).amax(0).float().sum(), want_in)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    f = rx.Fusion()  # the same through the lazy stream
+    lazy_in = t.clone().requires_grad_()
+    F.layer_norm(f.lazy(lazy_in), (8,)).amax(dim=0).float().sum().backward()
+    torch.testing.assert_close(lazy_in.grad.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
 def test_float64_tanh_is_exact_to_float64_rounding():
     """tanh's series below |x| = 1/8 carries float64's precision (4 terms left 1e-9 relative)."""
     t = torch.linspace(-0.3, 0.3, 1001, dtype=torch.float64)

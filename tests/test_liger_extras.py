@@ -175,6 +175,21 @@ def test_tiled_mlp_recomputes_once_per_shard_and_accumulates_each_weight_once(ge
     assert set(fired.values()) == {1}
 
 
+@pytest.mark.parametrize("cls", [rx.nn.SwiGLU, rx.nn.GeGLU])
+def test_a_sharded_mlp_takes_a_lazy_value(cls, gen):
+    """A lazy value is a tensor to ``shards=`` too (it raised 'x must be a tensor with a hidden axis';
+    outside fuzzer seeds 20308034, 20308133): it is materialized, as any op the stream cannot fuse."""
+    mlp = cls(H, 16, shards=2)
+    x = torch.randn(2, 3, H, generator=gen, requires_grad=True)
+    want = mlp(x)
+    f = rx.Fusion()
+    got = mlp(f.lazy(x) * 1.0)
+    assert_close(got.torch(), want.double(), 1e-5, 1e-5, "tiled")
+    got.sum().backward()
+    (ref,) = torch.autograd.grad(want.sum(), x)
+    assert_close(x.grad, ref.double(), 1e-5, 1e-5, "d/dx")
+
+
 def test_tiled_mlp_gives_autograd_grad_its_parameter_gradients(gen):
     """``torch.autograd.grad`` over the parameters (a backward that wrote ``.grad`` itself would give
     none), half precision summed in float32 across shards, and an empty sequence."""

@@ -13,7 +13,7 @@ Derivative rules live with each op's declaration (``OpDef.derivative``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Set
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +169,7 @@ class _Cotangents:
             g_ndim=len(self.typed(g).shape),
             n_ndim=len(info[n].shape),
             src_shapes=tuple(info[s].shape for s in n.srcs),
+            rounded=tuple(_held_rounded(s, info) for s in n.srcs),
         )
         for s, c in zip(n.srcs, opdef.derivative(rule_in)):
             si = info[s]
@@ -177,6 +178,17 @@ class _Cotangents:
             full = info[n].shape if opdef.kind is OpKind.ELEMENTWISE else None
             c = sum_to(c, self.typed(c).shape, si.shape, full)  # (a product summing its batch: still one)
             self.accumulate(s, c if factor is None else node("mul", c, factor), self.written.get(n))
+
+
+def _held_rounded(s: Expr, info: Mapping[Expr, Info]) -> torch.dtype | None:
+    """The half dtype eager holds ``s`` in where a kernel may hold it in fp32 (a computed fp16 /
+    bf16 value); None for wider dtypes and for inputs and their views (loaded as stored)."""
+    dtype = info[s].dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    while REGISTRY[s.op].kind is OpKind.MOVEMENT and s.srcs:
+        s = s.srcs[0]
+    return None if is_leaf(s, info) else dtype
 
 
 def _constant_factor(g: Expr) -> tuple[Expr, Expr | None]:

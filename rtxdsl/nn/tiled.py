@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import RtxError
+from ..lazy import LazyTensor
 
 
 def shard_count(x: torch.Tensor, shards: int | None) -> int:
@@ -94,7 +95,7 @@ def tiled_mlp(
         >>> torch.allclose(out, mlp(x), atol=1e-6)
         True
     """
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+    if not isinstance(x, (torch.Tensor, LazyTensor)) or x.dim() == 0:  # (a lazy value materializes at apply)
         raise RtxError(f"tiled_mlp: x must be a tensor with a hidden axis, got {getattr(x, 'shape', type(x))}")
     if not callable(fn):
         raise RtxError(f"tiled_mlp: fn must be a function of the rows (an MLP), got {fn!r}")

@@ -152,6 +152,17 @@ class D:
     g_ndim: int = -1
     n_ndim: int = -1
     src_shapes: tuple[tuple[int, ...], ...] = ()
+    #: per operand: the half dtype eager holds it in where a kernel may hold it wider (a computed
+    #: fp16 / bf16 value, not an input or a view of one); None otherwise
+    rounded: tuple[torch.dtype | None, ...] = ()
+
+    def as_eager_holds(self, e: Expr, k: int = 0) -> Expr:
+        """``e`` (operand ``k``, or a value of its dtype) rounded as eager's tensor holds operand
+        ``k``: a kernel keeps a computed half value in fp32 between its ops, so a comparison with a
+        statistic the forward took of the rounded value (a max over a stored half intermediate)
+        rounds it too."""
+        dtype = self.rounded[k] if k < len(self.rounded) else None
+        return e if dtype is None else node("cast", node("cast", e, dtype=torch.float32), dtype=dtype)
 
     @property
     def a(self) -> Expr:

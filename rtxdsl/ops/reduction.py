@@ -302,8 +302,10 @@ def _torch_reduction(fn):
 
 
 def _extreme_derivative(d: D) -> tuple:
-    """amax/amin: spread evenly over the elements equal to the result."""
-    hit = node("cast", node("eq", d.a, d.y), dtype=torch.float32)
+    """amax/amin: spread evenly over the elements equal to the result, both as eager holds them
+    (a bf16 layer norm reduced by amax in another kernel: its values recomputed in fp32 matched
+    none of the rounded maximum, and 0 / 0 made every gradient NaN; ties are eager's too)."""
+    hit = node("cast", node("eq", d.as_eager_holds(d.a), d.as_eager_holds(d.y)), dtype=torch.float32)
     count = node("sum", hit, axis=d.n.attr("axis"), keepdim=True)
     return (node("div", node("mul", d.g, hit), count),)
 
