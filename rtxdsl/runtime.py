@@ -15,7 +15,7 @@ Triton's interpreter, CPU tensors; it is not thread-safe, so launches are serial
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -378,16 +378,31 @@ class Kernel:
         if mode:
             return self._plan_in_forward(graph, needs, mode == "reuse")
         grads = differentiate(graph, self._outputs, needs)
+        stats, shared = self._stats, grads.shared_keys
+        forward = Kernel(dict(grads.forward), self._config, stats=stats, draw_seeds=False, shared=shared)
+        return self._backward_plan(forward, grads, lambda absent: differentiate(graph, self._outputs, needs, absent))
+
+    def _backward_plan(
+        self, forward: KernelHandle, grads: Gradients, without: Callable[[frozenset[int]], Gradients] | None
+    ) -> GradPlan:
+        """The plan of ``forward`` and the backward of ``grads``; ``without(absent)``: the gradients
+        when outputs go unused (GradPlan.for_used), each planned on first use over the same forward."""
+
+        def unused(absent: frozenset[int]) -> GradPlan | None:
+            try:
+                return self._backward_plan(forward, without(absent), None)  # type: ignore[misc]
+            except RtxError:  # no input's gradient is left
+                return None
+
         passthrough = tuple((k, e.attr("name")) for k, e in grads.backward if e.is_var)
         computed = {k: e for k, e in grads.backward if not e.is_var}
         return GradPlan(
-            forward=Kernel(
-                dict(grads.forward), self._config, stats=self._stats, draw_seeds=False, shared=grads.shared_keys
-            ),
+            forward=forward,
             backward=Kernel(computed, self._config, stats=self._stats, draw_seeds=False) if computed else None,
             grads=grads,
             input_names=tuple(v.attr("name") for v in self._vars),
             passthrough=passthrough,
+            without=unused if without is not None else None,
         )
 
     def _plan_in_forward(self, graph: Graph, needs: tuple[bool, ...], reuse: bool) -> GradPlan:

@@ -4,8 +4,8 @@ and the ``torch.autograd.Function`` that runs them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -34,6 +34,21 @@ class GradPlan:
     grads: Gradients
     input_names: tuple[str, ...]
     passthrough: tuple[tuple[str, str], ...] = ()
+    #: the plan whose backward builds no path from the outputs (by position) the loss does not use
+    #: (``lower.vjp.differentiate``'s ``absent``), None where no input's gradient is left; built
+    #: once per set, on first use
+    without: Callable[[frozenset[int]], GradPlan | None] | None = None
+    _without: dict[frozenset[int], GradPlan | None] = field(default_factory=dict, compare=False, repr=False)
+
+    def for_used(self, absent: frozenset[int]) -> GradPlan | None:
+        """This plan, or where outputs go unused (``absent``) the one whose backward leaves their
+        paths out: a zero cotangent times an infinite derivative (an unused ``log`` of a 0, a
+        variance over too few elements) is NaN, which eager, never reaching them, does not add."""
+        if not absent or self.without is None:
+            return self
+        if absent not in self._without:
+            self._without[absent] = self.without(absent)
+        return self._without[absent]
 
     @cached_property
     def cotangents_read(self) -> dict[str, frozenset[str]]:
@@ -113,15 +128,19 @@ class GradFunction(torch.autograd.Function):
         unused = set()
         for k, (gr, f, (shape, dtype, device)) in enumerate(zip(grads, g.float_outputs, ctx.metas)):
             if f and gr is None:  # an output the loss does not use
-                unused.add(f"{COTANGENT}{k}")
+                unused.add(k)
                 gr = torch.zeros(shape, dtype=dtype, device=device)
             if f:
                 feed[f"{COTANGENT}{k}"] = gr
-        outs = plan.gradients(feed)
-        grad_of, read = dict(g.grad_of), plan.cotangents_read
+        used = plan.for_used(frozenset(unused))
+        if used is None:  # no input's gradient reads a cotangent the loss gives
+            return (None, *[None for _ in plan.input_names])
+        outs = used.gradients(feed)
+        grad_of, read = dict(used.grads.grad_of), used.cotangents_read
+        absent = {f"{COTANGENT}{k}" for k in unused}
         grads_in = []
         for name, shape in zip(plan.input_names, ctx.shapes):
-            gi = outs[grad_of[name]] if name in grad_of and not read[grad_of[name]] <= unused else None
+            gi = outs[grad_of[name]] if name in grad_of and not read[grad_of[name]] <= absent else None
             grads_in.append(gi if gi is None or gi.shape == shape else gi.expand(shape))
         return (None, *grads_in)
 

@@ -228,4 +228,7 @@ def test_adamw_first_step_state_is_torchs_bit_for_bit(beta2, gen):
     tb.step()
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(tb.state[b][key], ta.state[a][key]), key
-    torch.testing.assert_close(b, a, atol=0, rtol=2e-7)
+    # the parameter within two ulps of the step (lr * update, up to 0.1 here): torch's CPU kernels
+    # round the division and the square root as the machine's vector units do (2 ulps on an AMD
+    # EPYC, 0 on CI's machine)
+    torch.testing.assert_close(b, a, atol=2e-8, rtol=2e-7)

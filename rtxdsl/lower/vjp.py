@@ -126,13 +126,14 @@ class _Cotangents:
         else:
             parts[origin] = c if old is None else node("add", old, c)
 
-    def seed(self, graph: Graph) -> list[bool]:
-        """One cotangent input per floating-point output; which outputs are floating-point."""
+    def seed(self, graph: Graph, absent: Set[int] = frozenset()) -> list[bool]:
+        """One cotangent input per floating-point output but those in ``absent`` (outputs the loss
+        does not use: none of their paths is built); which outputs are floating-point."""
         floats = []
         for k, (_, root) in enumerate(graph.outputs):
             ri = graph.of(root)
             floats.append(not ri.is_scalar and ri.dtype.is_floating_point)
-            if floats[-1]:
+            if floats[-1] and k not in absent:
                 g = Expr("var", (), {"name": f"{COTANGENT}{k}", "dtype": None})
                 self.info[g] = Info.tensor(ri.shape, ri.dtype)
                 self.keep.append(g)
@@ -214,10 +215,14 @@ def _common_factor(p: Expr, q: Expr) -> tuple[Expr, Expr, Expr] | None:
     return None
 
 
-def differentiate(graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple[bool, ...]) -> Gradients:
-    """Gradients of ``graph`` (lowered from ``user``) with respect to the inputs flagged in ``needs``."""
+def differentiate(
+    graph: Graph, user: tuple[tuple[str, Expr], ...], needs: tuple[bool, ...], absent: Set[int] = frozenset()
+) -> Gradients:
+    """Gradients of ``graph`` (lowered from ``user``) with respect to the inputs flagged in ``needs``;
+    ``absent``: the outputs (by position) whose cotangents the loss does not give. A backward for
+    fewer outputs reads a subset of the saved statistics, under the same names."""
     cot = _Cotangents(graph)
-    floats = cot.seed(graph)
+    floats = cot.seed(graph, absent)
     for n in reversed(graph.nodes):
         cot.propagate(graph, n)
     # the forward saves its row statistics and its contractions' products (a GEMM is not
