@@ -594,7 +594,8 @@ def _group_norm_shape(shapes: list[tuple[int, ...]], num_groups: int) -> tuple[i
 
 def _group_norm(x: Expr, w: Expr, b: Expr, eps: Expr, *, num_groups: int, shapes: list, dtypes: list) -> Expr:
     shape = shapes[0]
-    rows = node("reshape", x, shape=(shape[0], num_groups, -1))
+    group = math.prod(shape[1:]) // num_groups  # (not -1: an empty input's group size is no quotient)
+    rows = node("reshape", x, shape=(shape[0], num_groups, group))
     centred, m2 = deviations(rows, (-1,))
     var = node("div", m2, node("rcount", rows, axis=(-1,)))
     y = node("reshape", node("mul", centred, node("rsqrt", node("add", var, eps))), shape=shape)
