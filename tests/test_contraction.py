@@ -599,3 +599,19 @@ def test_a_product_of_an_expanded_operand_in_a_row_kernel_loads_it_as_a_tile(key
     got = rx.compile(rx.sum(rx.attention(rx.var("q"), rx.var("k"), rx.var("v")).mT, axis=0))(q=q, k=k, v=v)
     want = F.scaled_dot_product_attention(q.double(), k.double(), v.double()).mT.sum(0)
     assert_close(got, want, 1e-5, 1e-5, "attention")
+
+
+# a linear over no rows: the bias gradient is a sum over none (the GEMM's domain is empty, the sum
+# merged in its K loop is not); x [1, 0, 0] with w [1, 0] (expression fuzzer seed 20306772: it read
+# memory never written), and x [0, 5] with w [3, 5]
+@pytest.mark.parametrize("xs, ws", [((1, 0, 0), (1, 0)), ((0, 5), (3, 5))], ids=["no features", "no rows"])
+def test_the_bias_gradient_of_a_linear_over_no_rows_is_zero(xs, ws, gen):
+    k = rx.compile(rx.relu(rx.linear(rx.var("x"), rx.var("w"), rx.var("b"))))
+    x, w = torch.randn(xs, generator=gen, requires_grad=True), torch.randn(ws, generator=gen, requires_grad=True)
+    b = torch.full((ws[0],), 7.0, requires_grad=True)
+    torch.empty(4096).fill_(1e30)  # (memory the allocator may hand the gradient next)
+    k(x=x, w=w, b=b).sum().backward()
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    F.relu(F.linear(x2, w2, b2)).sum().backward()
+    for got, want in ((x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)):
+        assert torch.equal(got, want)

@@ -3,6 +3,8 @@ torch in float64 on odd, strided, broadcast, empty and 0-dim inputs, differentia
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import FLOAT_TOLERANCES, assert_close
@@ -240,3 +242,12 @@ def test_positions_against_per_row_values_beyond_int32(negate, gen):
 
     (source,) = [c.source for c in prepare(kernel, {"x": xs, "k": ks}, GPU)[1]]
     assert "<= 2147483647" in source  # the int32 comparison is what ran
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (0, 0)], ids=["values", "empty"])
+def test_a_chain_of_reshapes_of_an_input_is_returned(shape):
+    """The last reshape, an output, was taken as writing into its source's buffer, a view of the
+    input that no kernel writes: no tensor came back (TypeError; expression fuzzer seed 20303018)."""
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    got = rx.compile(rx.reshape(rx.var("a"), (*shape, 1)).view((-1,)))(a=t)
+    assert torch.equal(got, t.reshape(-1))

@@ -97,7 +97,7 @@ def program(
             lay[o] = Layout(info.shape, contiguous_strides(info.shape), dtype)
     stored = _chunk_buffers(plan, lay)
     views = _views(plan, lay, slots, requested)
-    out_views = _output_views(plan, lay, requested, stored)
+    out_views = _output_views(plan, lay, requested, stored, {n for g in views for n in g.nodes})
     groups = list(plan.groups)
     scheduled: list[tuple[KernelSpec, Launch] | None] = [
         None
@@ -443,11 +443,13 @@ def view_strides(have: Layout, shape: tuple[int, ...]) -> tuple[int, ...] | None
 
 
 def _output_views(
-    plan: Plan, lay: dict[Expr, Layout], requested: set[Expr], stored: Mapping
+    plan: Plan, lay: dict[Expr, Layout], requested: set[Expr], stored: Mapping, viewed: set[Expr]
 ) -> dict[Group, list[Expr]]:
     """group -> the intermediates its requested outputs only reshape (grouped attention's
     ``[B, Hkv, G, Tq, Dv]`` as ``[B, Hq, Tq, Dv]``, and its gradients): their kernels write the
-    outputs' memory, in the same order, and the reshapes launch nothing."""
+    outputs' memory, in the same order, and the reshapes launch nothing. Not an intermediate that
+    is itself a view of an input (``viewed``: no kernel writes it; ``a.reshape(2, 3, 1).view(-1)``
+    returned no tensor)."""
     found = {}
     writers = {o for g in plan.groups for o in g.outputs}
     for g in plan.groups:
@@ -458,6 +460,7 @@ def _output_views(
             REGISTRY[n.op].regroups
             and s not in requested
             and s not in stored
+            and s not in viewed
             and s in writers
             and lay[s].dtype == lay[n].dtype
             and lay[s].strides == contiguous_strides(lay[s].shape)
