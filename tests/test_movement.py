@@ -251,3 +251,22 @@ def test_a_chain_of_reshapes_of_an_input_is_returned(shape):
     t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     got = rx.compile(rx.reshape(rx.var("a"), (*shape, 1)).view((-1,)))(a=t)
     assert torch.equal(got, t.reshape(-1))
+
+
+# a computed value read as it is and through a view moving its dims off the trailing ones: a flat
+# kernel held one value per element for it (e[..., None, :] + e gave e[j, k] + e[j, k]; expression
+# fuzzer seed 20307130); leading insertions and a view alone were right, and stay flat
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda e: e[..., None, :] + e,
+        lambda e: e[:, None] + e,
+        lambda e: e[None] + e,
+        lambda e: e[..., None] * e[:, None, :],
+    ],
+    ids=["middle", "middle of exp", "leading", "two views"],
+)
+def test_a_value_read_as_it_is_and_through_a_view_that_moves_its_dims(build, gen):
+    t = torch.randn(3, 4, generator=gen)
+    got = rx.compile(build(rx.exp(rx.var("d"))))(d=t)
+    assert_close(got, build(t.double().exp()), 1e-5, 1e-5, "view")

@@ -654,10 +654,11 @@ def kernel_spec(
     tile, how rows are cut across programs, the launch) is the same for both. A row kernel with
     column reductions (role "column") runs on at most ``COLUMN_PROGRAMS`` programs, each looping
     over blocks of rows."""
-    if group.remaps and _tiles_coordinates(group, graph, target):  # a 2-D tile: a row kernel's code
+    remaps = group.remaps or _read_two_ways(group, graph)
+    if remaps and _tiles_coordinates(group, graph, target):  # a 2-D tile: a row kernel's code
         w = replace(coordinate_walk(_as_rows(group, graph), graph, layouts), tiled=True)
     else:
-        w = coordinate_walk(group, graph, layouts) if group.remaps else flat_walk(group, graph, layouts, target)
+        w = coordinate_walk(group, graph, layouts) if remaps else flat_walk(group, graph, layouts, target)
     n_rows, n_cols = math.prod(w.rows), math.prod(w.cols)
     cfg, tile = _config(group, graph, w, target, tf32)
     kinds, vals = scalar_args(w.slots, graph, float_dtype_of([*group.nodes, *group.inputs], graph.info))
@@ -923,6 +924,23 @@ def split_specs(spec: KernelSpec, launch: Launch) -> tuple[tuple[KernelSpec, Lau
 
 
 # ---- coordinate kernels: movement ops inside ----------------------------------------------------
+def _read_two_ways(group: Group, graph: Graph) -> bool:
+    """Is a full-size value the group computes read both as it is and through a view that moves its
+    dims off the domain's trailing ones (``e[..., None, :] + e``: ``e[i, k] + e[j, k]``)? A flat
+    kernel holds one value per element for it, at its own alignment, so such a group is evaluated
+    by coordinates (it added ``e[j, k]`` to itself; expression fuzzer seed 20307130)."""
+    members = set(group.nodes)
+    direct = {s for n in group.nodes if not REGISTRY[n.op].view for s in n.srcs} | set(group.outputs)
+    for n in group.nodes:
+        s = n.srcs[0] if REGISTRY[n.op].view and n.srcs else None
+        if s is None or s not in members or s not in direct or group.role(s) is not Role.FULL:
+            continue
+        have, view = graph.of(s).shape, graph.of(n).shape
+        if view[len(view) - len(have) :] != have:  # its dims no longer the trailing ones
+            return True
+    return False
+
+
 def _tiles_coordinates(group: Group, graph: Graph, target: Target) -> bool:
     """Does a pointwise coordinate kernel run in 2-D tiles along its last axis? Where that axis
     fills a tile's width, other dims hold more than one row and every output has the group's
