@@ -46,3 +46,8 @@ class BackendError(RtxError):
 class ZeroDivisorError(RtxError, RuntimeError):
     """An integer division (``//``, ``%``) by zero on CPU, where torch raises ZeroDivisionError (a
     RuntimeError: code catching torch's error catches this one too)."""
+
+
+class IndexOutOfRangeError(RtxError, IndexError):
+    """An index a kernel was asked to read is out of range (a gather's, cross-entropy's target),
+    found by the kernel's check after its launch; an IndexError too, as torch raises."""

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dsl
-from .errors import RtxError
+from .errors import IndexOutOfRangeError, RtxError
 from .expr import Expr
 from .nn import modules as _m
 from .nn.amp import autocast_projection
@@ -392,6 +392,19 @@ def _output(out: dict[str, torch.Tensor], extras: tuple[bool, ...]) -> Any:
     return CrossEntropyOutput(loss=out["loss"], **{field: out.get(key) for _, key, field in _EXTRAS})
 
 
+class TargetOutOfBoundsError(IndexOutOfRangeError, AssertionError):
+    """A target outside ``[0, classes)``: Liger's kernels assert it, so its tests (and users)
+    catch an AssertionError; an RtxError and an IndexError too."""
+
+
+def _asserting(kern: Any, ins: dict[str, Any]) -> Any:
+    """``kern(**ins)``, an out-of-range target raised as Liger raises it."""
+    try:
+        return kern(**ins)
+    except IndexOutOfRangeError as e:
+        raise TargetOutOfBoundsError(str(e)) from None
+
+
 class LigerCrossEntropyLoss(torch.nn.Module):
     """Liger's ``LigerCrossEntropyLoss``: ``forward(_input, target)`` over ``[tokens, classes]``
     logits; ``lse_square_scale`` is the z-loss, ``softcap`` caps the logits first; with
@@ -416,7 +429,7 @@ class LigerCrossEntropyLoss(torch.nn.Module):
         promote = _promotes(self.weight, _input)
         kern = _loss_kernel(False, False, self.weight is not None, self._options, self.extras, False, promote)
         ins = {"x": _input, "t": target} | ({"cw": self.weight} if self.weight is not None else {})
-        out = kern(**ins)
+        out = _asserting(kern, ins)
         if promote:  # Liger's loss has the logits' dtype
             out = {k: v.to(_input.dtype) if v.is_floating_point() else v for k, v in out.items()}
         return _output(out, self.extras)
@@ -459,7 +472,7 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
             True, bias is not None, self.ce_weight is not None, self._options, self.extras, self.use_token_scaling,
             _promotes(self.ce_weight, ins["h"], half=True),
         )  # fmt: skip
-        return _output(kern(**ins), self.extras)
+        return _output(_asserting(kern, ins), self.extras)
 
 
 # ---- chunked preference losses: one row kernel per model, no chunks ------------------------------------
@@ -1308,6 +1321,7 @@ __all__ = [
     "LigerSparsemax",
     "LigerSwiGLUMLP",
     "LigerTVDLoss",
+    "TargetOutOfBoundsError",
     *(f"apply_liger_kernel_to_{f}" for f in FAMILIES),
     *FUNCTIONS,
 ]

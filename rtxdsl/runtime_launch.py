@@ -19,7 +19,7 @@ from . import interpret
 from .cache import GLOBAL_CACHE, CompiledKernel
 from .codegen.module import kernel_source
 from .config import FusionConfig
-from .errors import BackendError, RtxError, ZeroDivisorError
+from .errors import BackendError, IndexOutOfRangeError, ZeroDivisorError
 from .handle import KernelHandle
 from .lower import Plan, Program
 from .lower.params import ParamKind, slots
@@ -232,7 +232,7 @@ class _IndexCheck:
     def __call__(self, flags: torch.Tensor, tensors: tuple[Any, ...]) -> None:
         if flags.any():
             check = self.checks[int(flags.nonzero()[0, 0])]
-            raise RtxError(check.message.replace("{index}", first_out_of_range(check, tensors)))
+            raise IndexOutOfRangeError(check.message.replace("{index}", first_out_of_range(check, tensors)))
 
 
 def first_out_of_range(check: IndexCheck, tensors: tuple[Any, ...]) -> str:

@@ -399,3 +399,17 @@ def test_functional_forms(name, gen):
     wants = torch.autograd.grad(want, [ref_leaves[i] for i in floats], cot)
     for i, g, e in zip(floats, grads, wants):
         assert_close(g, e, 2e-5, 2e-5, f"{name}: d/darg{i}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cross_entropy", "fused_linear"])
+def test_an_out_of_range_target_raises_as_liger_asserts(fused, gen):
+    """Liger's own test_correctness_with_out_of_bounds_target_once catches an AssertionError naming
+    the target "out of bounds"; rtxdsl raised its RtxError alone (run of Liger's tests against
+    rtxdsl.liger). Now one error that is an AssertionError, an IndexError (torch's) and an RtxError."""
+    t = torch.tensor([0, 1, 20, 3])
+    with pytest.raises(AssertionError, match="out of bounds") as e:
+        if fused:
+            liger.LigerFusedLinearCrossEntropyLoss()(torch.randn(16, 8), torch.randn(4, 8), t)
+        else:
+            liger.LigerCrossEntropyLoss()(torch.randn(4, 16, generator=gen), t)
+    assert isinstance(e.value, IndexError) and isinstance(e.value, RtxError)

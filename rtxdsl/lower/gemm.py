@@ -179,9 +179,7 @@ def gemm_spec(
     if batches > MAX_BATCH_GRID:
         raise RtxError(f"matmul: {batches} batches exceed the grid's limit of {MAX_BATCH_GRID}; fold the batch dims")
     meta = tuple((name, getattr(tile, attr)) for name, attr in TILE_META)
-    # nothing to launch only when nothing is written: a reduction merged in the K loop (a bias
-    # gradient's sum over no rows) still writes its value over none
-    empty = all(graph.of(o).numel == 0 for o in group.outputs)
+    empty = all(graph.of(o).numel == 0 for o in group.outputs)  # (a bias gradient over no rows is written)
     spans = {"m": (m, tile.block_m), "k": (k, tile.block_k)}
     # a batch dim the guard reads positions along (a split of the keys): each of its positions
     batch_spans = {batch_dim(d, len(batch)): (size, 1) for d, size in enumerate(batch)}
