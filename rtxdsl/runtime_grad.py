@@ -125,16 +125,16 @@ class GradFunction(torch.autograd.Function):
         inputs = [ctx.scalars[i] if i in ctx.scalars else next(saved) for i in range(len(plan.input_names))]
         feed = dict(zip(plan.input_names, inputs))
         feed.update(zip(g.saved_keys, saved))
-        unused = set()
-        for k, (gr, f, (shape, dtype, device)) in enumerate(zip(grads, g.float_outputs, ctx.metas)):
-            if f and gr is None:  # an output the loss does not use
-                unused.add(k)
-                gr = torch.zeros(shape, dtype=dtype, device=device)
-            if f:
-                feed[f"{COTANGENT}{k}"] = gr
-        used = plan.for_used(frozenset(unused))
+        # outputs the loss does not use (their cotangents None): the backward without their paths
+        unused = frozenset(k for k, (gr, f) in enumerate(zip(grads, g.float_outputs)) if f and gr is None)
+        used = plan.for_used(unused)
         if used is None:  # no input's gradient reads a cotangent the loss gives
             return (None, *[None for _ in plan.input_names])
+        read_by_any = frozenset().union(*used.cotangents_read.values())
+        for k, (gr, f, (shape, dtype, device)) in enumerate(zip(grads, g.float_outputs, ctx.metas)):
+            name = f"{COTANGENT}{k}"
+            if f and (gr is not None or name in read_by_any):  # zeros only where still read
+                feed[name] = gr if gr is not None else torch.zeros(shape, dtype=dtype, device=device)
         outs = used.gradients(feed)
         grad_of, read = dict(used.grads.grad_of), used.cotangents_read
         absent = {f"{COTANGENT}{k}" for k in unused}

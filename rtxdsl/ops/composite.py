@@ -613,8 +613,8 @@ def _is_const(v: Expr) -> bool:
 
 def _group_norm_ref(x: torch.Tensor, w: Any, b: Any, eps: float, num_groups: int) -> torch.Tensor:
     channels = x.shape[1] if x.dim() > 1 else 1
+    r = 2 * num_groups // channels if channels else 1
     if channels and math.prod(x.shape[2:]) == 1 and num_groups % channels == 0:
-        r = 2 * num_groups // channels
         # one value per group (eager raises "Expected more than 1 value per channel"), or binding's
         # one-element probe (one channel, read for torch's dtype and errors only): each channel is
         # repeated so a group holds two copies of its value, and the result read back at the
