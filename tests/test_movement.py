@@ -270,3 +270,38 @@ def test_a_value_read_as_it_is_and_through_a_view_that_moves_its_dims(build, gen
     t = torch.randn(3, 4, generator=gen)
     got = rx.compile(build(rx.exp(rx.var("d"))))(d=t)
     assert_close(got, build(t.double().exp()), 1e-5, 1e-5, "view")
+
+
+# a reshape of a computed value beside a flip (a coordinate kernel), per run of dims: (input shape,
+# reshaped shape) — each pair says why it is there
+RESHAPES = [
+    ((4, 15), (4, 3, 5)),  # the last dim split: its index is linear in the output's, no % or //
+    ((4, 3, 5), (4, 15)),  # two dims merged into one: split again by % and //
+    ((6, 5), (5, 6)),  # a regroup of both dims (no run but the whole)
+    ((1, 6, 1, 5), (2, 3, 5, 1)),  # size-1 dims on both sides, in no run
+    ((3, 1, 4), (12,)),  # a size-1 dim inside a merge
+    ((2, 0, 3), (0, 6)),  # empty: one run of every dim
+    ((1,), ()),  # to 0-dim
+]
+
+
+@pytest.mark.parametrize(("have", "want"), RESHAPES, ids=[f"{a}->{b}" for a, b in RESHAPES])
+def test_a_reshape_inside_a_kernel_reindexes_each_run_of_dims(have, want, gen):
+    """A reshape's index is computed per run of dims with equal products (``ops.movement._reshape_runs``):
+    the whole index was linearized and split over every input dim (a ``%`` and a ``//`` per dim, per
+    element) where splitting the last dim needs neither."""
+    t = torch.randn(have, generator=gen, dtype=torch.float64)
+    u = torch.randn(want, generator=gen, dtype=torch.float64)
+    e = rx.reshape(rx.exp(x), want)
+    if want:
+        got, ref = rx.compile(e + rx.flip(y, 0))(x=t, y=u), t.exp().reshape(want) + u.flip(0)
+    else:
+        got, ref = rx.compile(e * y)(x=t, y=u), t.exp().reshape(want) * u
+    assert_close(got, ref, 1e-12, 1e-12, str(want))
+
+
+def test_a_split_of_the_last_dim_costs_no_division():
+    k = rx.compile(rx.reshape(rx.exp(x), (4, 3, 5)) + rx.flip(y, 1))
+    (source,) = k.sources(x=torch.randn(4, 15), y=torch.randn(4, 3, 5))
+    # the kernel's own index over [4, 3, 5] (two) and none for the reshape (it added one % and two //)
+    assert (source.count(" % "), source.count(" // ")) == (2, 2)

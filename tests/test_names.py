@@ -85,3 +85,12 @@ def test_a_kernel_comments_where_each_composite_starts(gen):
     plain = {n: ins[n] for n in ("x", "r")}
     own_ops = rx.compile(rx.gelu(x) + r).sources(**plain)[0].split("@triton.jit")[-1]
     assert not [ln for ln in own_ops.splitlines() if ln.strip().startswith("# ")]
+
+
+def test_a_value_an_output_only_regroups_is_named_after_the_output(gen):
+    """The softmax's kernel writes the flattened output's buffer: it was ``softmax_ptr``."""
+    k = rx.compile({"probs": rx.reshape(rx.softmax(x), (-1,))})
+    t = torch.randn(3, 5, generator=gen)
+    (src,) = k.sources(x=t)
+    assert _params(src)[:2] == ["x_ptr", "probs_ptr"]
+    assert_close(k(x=t)["probs"], torch.softmax(t.double(), -1).reshape(-1), 1e-6, 1e-6)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 from ..expr import Expr
+from ..ops import REGISTRY
 from .analyze import Group
 from .expand import Graph
 from .vjp import COTANGENT, GRADIENT, KEPT, PRE, SAVED
@@ -35,6 +36,10 @@ def readable(raw: str) -> str:
 def io_names(group: Group, graph: Graph) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The names of a group's inputs and outputs: a var's name, an output's key, else its op's."""
     keys = {e: k for k, e in graph.outputs}
+    for k, e in graph.outputs:  # a value an output only regroups is written as that output
+        while REGISTRY[e.op].regroups and e.srcs:
+            e = e.srcs[0]
+            keys.setdefault(e, k)
 
     def name(n: Expr) -> str:
         raw = n.attr("name") if n.is_var else keys.get(n, n.op)

@@ -515,34 +515,66 @@ def _reshape_shape(shapes: list[tuple[int, ...]], shape: tuple[int, ...]) -> tup
     return shape
 
 
+def _reshape_runs(src: tuple[int, ...], out: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """The smallest runs of output and input dims (size-1 dims left out) with equal products, in
+    order: (output dims, input dims) per run. A run of one input dim only splits it (its index is
+    linear in the output's), a run of one output dim only merges input dims; only a run of several
+    of both regroups. An input dim of size 1 is in no run (its index is 0); an empty tensor is
+    one run of every dim."""
+    if 0 in src or 0 in out:
+        return ((tuple(range(len(out))), tuple(range(len(src)))),)
+    o = [k for k, s in enumerate(out) if s != 1]
+    n = [k for k, s in enumerate(src) if s != 1]
+    runs = []
+    a = b = 0
+    while a < len(o):
+        ra, rb, po, pi = [o[a]], [n[b]], out[o[a]], src[n[b]]
+        a, b = a + 1, b + 1
+        while po != pi:  # the side with the smaller product takes its next dim
+            if po < pi:
+                ra.append(o[a])
+                po, a = po * out[o[a]], a + 1
+            else:
+                rb.append(n[b])
+                pi, b = pi * src[n[b]], b + 1
+        runs.append((tuple(ra), tuple(rb)))
+    return tuple(runs)
+
+
 def _reshape_remap(c: RemapCtx) -> str:
-    """Linearize the output index over the output's sizes, then split it over the input's."""
+    """Per run of dims (``_reshape_runs``): linearize the run's output indices over their sizes,
+    then split that over the run's input dims (a run of one input dim: no split)."""
     rank_out = len(c.out.idx)
     outs, ins = c.args[:rank_out], c.args[rank_out:]
     if not ins:
         return c.value(0, Coords((), c.out.pred))
-    flat = c.out.idx[0] if rank_out else c.zero
-    for idx, size in zip(c.out.idx[1:], outs[1:]):
-        flat = f"({flat}) * {size} + ({idx})"
-    rest = c.tmp(flat)
-    src: list[str] = []
-    for size in reversed(ins[1:]):
-        src.append(c.tmp(f"{rest} % {size}"))
-        rest = c.tmp(f"{rest} // {size}")
-    src.append(rest)
-    return c.value(0, Coords(tuple(reversed(src)), c.out.pred))
+    src = [c.zero] * len(ins)
+    for ra, rb in c.attrs.get("runs") or ((tuple(range(rank_out)), tuple(range(len(ins)))),):
+        flat = c.out.idx[ra[0]] if ra else c.zero
+        for k in ra[1:]:
+            flat = f"({flat}) * {outs[k]} + ({c.out.idx[k]})"
+        rest = c.tmp(flat) if len(ra) > 1 else flat
+        for k in reversed(rb[1:]):
+            src[k] = c.tmp(f"{rest} % {ins[k]}")
+            rest = c.tmp(f"{rest} // {ins[k]}")
+        src[rb[0]] = rest
+    return c.value(0, Coords(tuple(src), c.out.pred))
 
 
 _movement(
     "reshape",
     1,
-    lambda x, shape: x.reshape(shape),
-    _reshape_shape,
+    lambda x, shape, runs=None: x.reshape(shape),
+    lambda shapes, shape, runs=None: _reshape_shape(shapes, shape),
     _reshape_remap,
     lambda d: (node("reshape", d.g, shape=d.src_shapes[0]),),
-    canonical=lambda shapes, shape: {"shape": _reshape_shape(shapes, shape)},
+    # the runs of dims are structure (a split is linear where a regroup divides): in the signature
+    canonical=lambda shapes, shape, runs=None: {
+        "shape": (out := _reshape_shape(shapes, shape)),
+        "runs": _reshape_runs(shapes[0], out),
+    },
     launch_attrs=("shape",),
-    launch_args=lambda shapes, out, shape: (*out, *shapes[0]),
+    launch_args=lambda shapes, out, shape, runs=None: (*out, *shapes[0]),
     regroups=True,
     front=Front(
         fn=reshape,
