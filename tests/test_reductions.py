@@ -216,6 +216,18 @@ def test_variance_is_accurate_far_from_zero(gen):
     assert_close(got, t[:, :781].double().var(-1), 0, 1e-4, "variance in registers")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_cols", [3, 5000], ids=["in-registers", "long"])  # a short row, a looped one
+def test_a_variance_past_the_dtype_range_is_inf_not_nan(dtype, n_cols):
+    """Finite values whose squared deviations overflow: the corrected sum of squares was inf - inf
+    (NaN; outside expression fuzzer seeds 20309209, 20321713). The variance is inf, as float32
+    accumulation gives on a GPU (torch on CPU accumulates in float64 and returns a finite std)."""
+    t = torch.ones(2, n_cols, dtype=dtype)
+    t[:, 0], t[:, 1] = 1.5e30, 1e30
+    got = rx.compile({"v": rx.variance(x, -1), "s": rx.std(x, -1)})(x=t)
+    assert torch.isinf(got["v"]).all() and torch.isinf(got["s"]).all(), got
+
+
 REDUCTIONS = {
     "sum": (rx.sum, torch.sum),
     "mean": (rx.mean, torch.mean),

@@ -210,7 +210,10 @@ def _corrected(c: EmitCtx, mu0: str, s1: str, s2: str, n: str, safe: str) -> tup
     fix = c.tmp(f"{s1} / {safe}")
     # a row holding +-inf has the mean +-inf (or NaN) already and deviations inf - inf: no correction
     fix = c.tmp(f"tl.where({fix} == {fix}, {fix}, 0.0)")
-    q = c.tmp(f"{s2} - {n} * {fix} * {fix}")
+    # a sum of squares past the dtype's range is inf, corrected or not (its correction would be inf
+    # too, and inf - inf NaN: var of [1.5e30, 1e30, 1] in float32)
+    s2 = c.tmp(s2)
+    q = c.tmp(f"tl.where({s2} == float('inf'), {s2}, {s2} - {n} * {fix} * {fix})")
     # the corrected sum of squares rounds a hair below 0 on a row of one value; NaN stays NaN
     return f"{mu0} + {fix}", f"tl.where({q} < 0, 0.0, {q})"
 

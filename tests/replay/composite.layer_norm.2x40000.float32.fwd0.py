@@ -43,17 +43,18 @@ def layer_norm_row_SIG(
         t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
         t7 = t6[0][:, None] / t2
         t8 = tl.where(t7 == t7, t7, 0.0)
-        t9 = t6[1][:, None] - t1 * t8 * t8
-        t10 = t4 + t8
-        t11 = tl.where(t9 < 0, 0.0, t9)
-        t12 = n_0 + t1
-        t13 = tl.where(t12 == 0, 1.0, t12)
-        t14 = t10 - mean_0
-        t16 = mean_0 + t14 * (t1 / t13)
-        t17 = m2_0 + t11 + t14 * t14 * (n_0 * t1 / t13)
-        n_0 = t12
-        mean_0 = t16
-        m2_0 = t17
+        t9 = t6[1][:, None]
+        t10 = tl.where(t9 == float('inf'), t9, t9 - t1 * t8 * t8)
+        t11 = t4 + t8
+        t12 = tl.where(t10 < 0, 0.0, t10)
+        t13 = n_0 + t1
+        t14 = tl.where(t13 == 0, 1.0, t13)
+        t15 = t11 - mean_0
+        t17 = mean_0 + t15 * (t1 / t14)
+        t18 = m2_0 + t12 + t15 * t15 * (n_0 * t1 / t14)
+        n_0 = t13
+        mean_0 = t17
+        m2_0 = t18
     # layer_norm
     v3 = m2_0 / rcount
     v4 = v3 + eps

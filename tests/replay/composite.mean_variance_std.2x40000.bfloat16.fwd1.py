@@ -35,15 +35,16 @@ def row_m2_div_SIG_tail(
         t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
         t7 = t6[0][:, None] / t2
         t8 = tl.where(t7 == t7, t7, 0.0)
-        t9 = t6[1][:, None] - t1 * t8 * t8
-        t10 = n_0 + t1
-        t11 = tl.where(t10 == 0, 1.0, t10)
-        t12 = t4 + t8 - mean_0
-        t14 = mean_0 + t12 * (t1 / t11)
-        t15 = m2_0 + tl.where(t9 < 0, 0.0, t9) + t12 * t12 * (n_0 * t1 / t11)
-        n_0 = t10
-        mean_0 = t14
-        m2_0 = t15
+        t9 = t6[1][:, None]
+        t10 = tl.where(t9 == float('inf'), t9, t9 - t1 * t8 * t8)
+        t11 = n_0 + t1
+        t12 = tl.where(t11 == 0, 1.0, t11)
+        t13 = t4 + t8 - mean_0
+        t15 = mean_0 + t13 * (t1 / t12)
+        t16 = m2_0 + tl.where(t10 < 0, 0.0, t10) + t13 * t13 * (n_0 * t1 / t12)
+        n_0 = t11
+        mean_0 = t15
+        m2_0 = t16
     # std
     v1 = m2_0 / maximum_in
     v2 = v1 == s1
@@ -97,15 +98,16 @@ def row_m2_div_SIG(
         t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
         t7 = t6[0][:, None] / t2
         t8 = tl.where(t7 == t7, t7, 0.0)
-        t9 = t6[1][:, None] - t1 * t8 * t8
-        t10 = n_0 + t1
-        t11 = tl.where(t10 == 0, 1.0, t10)
-        t12 = t4 + t8 - mean_0
-        t14 = mean_0 + t12 * (t1 / t11)
-        t15 = m2_0 + tl.where(t9 < 0, 0.0, t9) + t12 * t12 * (n_0 * t1 / t11)
-        n_0 = t10
-        mean_0 = t14
-        m2_0 = t15
+        t9 = t6[1][:, None]
+        t10 = tl.where(t9 == float('inf'), t9, t9 - t1 * t8 * t8)
+        t11 = n_0 + t1
+        t12 = tl.where(t11 == 0, 1.0, t11)
+        t13 = t4 + t8 - mean_0
+        t15 = mean_0 + t13 * (t1 / t12)
+        t16 = m2_0 + tl.where(t10 < 0, 0.0, t10) + t13 * t13 * (n_0 * t1 / t12)
+        n_0 = t11
+        mean_0 = t15
+        m2_0 = t16
     # variance
     v1 = m2_0 / maximum_in
     tl.store(v_ptr + rows, v1.to(tl.bfloat16), mask=row_mask)

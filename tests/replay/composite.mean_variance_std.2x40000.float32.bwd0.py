@@ -50,15 +50,16 @@ def row_div_unsqueeze_mul_m2_mean_SIG_tail(
         t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
         t7 = t6[0][:, None] / t2
         t8 = tl.where(t7 == t7, t7, 0.0)
-        t9 = t6[1][:, None] - t1 * t8 * t8
-        t10 = n_11 + t1
-        t11 = tl.where(t10 == 0, 1.0, t10)
-        t12 = t4 + t8 - mean_11
-        t14 = mean_11 + t12 * (t1 / t11)
-        t15 = m2_11 + tl.where(t9 < 0, 0.0, t9) + t12 * t12 * (n_11 * t1 / t11)
-        n_11 = t10
-        mean_11 = t14
-        m2_11 = t15
+        t9 = t6[1][:, None]
+        t10 = tl.where(t9 == float('inf'), t9, t9 - t1 * t8 * t8)
+        t11 = n_11 + t1
+        t12 = tl.where(t11 == 0, 1.0, t11)
+        t13 = t4 + t8 - mean_11
+        t15 = mean_11 + t13 * (t1 / t12)
+        t16 = m2_11 + tl.where(t10 < 0, 0.0, t10) + t13 * t13 * (n_11 * t1 / t12)
+        n_11 = t11
+        mean_11 = t15
+        m2_11 = t16
     stat2 = tl.load(stat2_ptr)
     v0 = stat2 / maximum_in
     v1 = v0 == s1
@@ -148,18 +149,19 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
         t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
         t7 = t6[0][:, None] / t2
         t8 = tl.where(t7 == t7, t7, 0.0)
-        t9 = t6[1][:, None] - t1 * t8 * t8
-        t10 = n_3 + t1
-        t11 = tl.where(t10 == 0, 1.0, t10)
-        t12 = t4 + t8 - mean_3
-        t14 = mean_3 + t12 * (t1 / t11)
-        t15 = m2_3 + tl.where(t9 < 0, 0.0, t9) + t12 * t12 * (n_3 * t1 / t11)
-        n_3 = t10
-        mean_3 = t14
-        m2_3 = t15
+        t9 = t6[1][:, None]
+        t10 = tl.where(t9 == float('inf'), t9, t9 - t1 * t8 * t8)
+        t11 = n_3 + t1
+        t12 = tl.where(t11 == 0, 1.0, t11)
+        t13 = t4 + t8 - mean_3
+        t15 = mean_3 + t13 * (t1 / t12)
+        t16 = m2_3 + tl.where(t10 < 0, 0.0, t10) + t13 * t13 * (n_3 * t1 / t12)
+        n_3 = t11
+        mean_3 = t15
+        m2_3 = t16
     dout1 = tl.load(dout1_ptr + rows, mask=row_mask, other=0)
-    v0_17 = dout1 / maximum_in
-    v1 = v0_17.to(tl.float32)
+    v0_18 = dout1 / maximum_in
+    v1 = v0_18.to(tl.float32)
     v2 = v1 * s1
     for col_start in range(0, n_cols, BLOCK_SIZE):
         cols = col_start + tl.arange(0, BLOCK_SIZE)[None, :]

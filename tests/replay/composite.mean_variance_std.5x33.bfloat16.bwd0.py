@@ -126,8 +126,8 @@ def row_div_unsqueeze_mul_m2_mean_SIG(
     v3 = t4 + t8
     v4 = x - v3
     dout1 = tl.load(dout1_ptr + rows, mask=row_mask, other=0).to(tl.float32)
-    v0_10 = dout1 / maximum_in
-    v1 = v0_10.to(tl.float32)
+    v0_11 = dout1 / maximum_in
+    v1 = v0_11.to(tl.float32)
     v2 = v1 * s1
     v5 = v2 * v4
     tl.store(mul_ptr + rows * mul_stride0 + cols, v5.to(tl.bfloat16), mask=mask)

@@ -37,8 +37,9 @@ def row_m2_div_eq_where_SIG(
     t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
     t7 = t6[0][:, None] / t2
     t8 = tl.where(t7 == t7, t7, 0.0)
-    t9 = t6[1][:, None] - t1 * t8 * t8
-    v0 = tl.where(t9 < 0, 0.0, t9)
+    t9 = t6[1][:, None]
+    t10 = tl.where(t9 == float('inf'), t9, t9 - t1 * t8 * t8)
+    v0 = tl.where(t10 < 0, 0.0, t10)
     v1 = v0 / maximum_in
     v2 = v1 == s1
     v3 = tl.where(v2, s2, v1)

@@ -40,11 +40,12 @@ def layer_norm_row_SIG(
     t6 = tl.reduce((t5, t5 * t5), 1, add_pairs)
     t7 = t6[0][:, None] / t2
     t8 = tl.where(t7 == t7, t7, 0.0)
-    t9 = t6[1][:, None] - t1 * t8 * t8
-    t10 = t4 + t8
-    t11 = tl.where(t9 < 0, 0.0, t9)
-    v1 = x - t10
-    v3 = t11 / rcount
+    t9 = t6[1][:, None]
+    t10 = tl.where(t9 == float('inf'), t9, t9 - t1 * t8 * t8)
+    t11 = t4 + t8
+    t12 = tl.where(t10 < 0, 0.0, t10)
+    v1 = x - t11
+    v3 = t12 / rcount
     v4 = v3 + eps
     v5 = tl.rsqrt(v4)
     v6 = v1 * v5

@@ -46,11 +46,12 @@ def layer_norm_row_SIG(
     t7 = tl.reduce((t6, t6 * t6), 1, add_pairs)
     t8 = t7[0][:, None] / t3
     t9 = tl.where(t8 == t8, t8, 0.0)
-    t10 = t7[1][:, None] - t2 * t9 * t9
-    t11 = t5 + t9
-    t12 = tl.where(t10 < 0, 0.0, t10)
-    v2 = v0 - t11
-    v4 = t12 / rcount
+    t10 = t7[1][:, None]
+    t11 = tl.where(t10 == float('inf'), t10, t10 - t2 * t9 * t9)
+    t12 = t5 + t9
+    t13 = tl.where(t11 < 0, 0.0, t11)
+    v2 = v0 - t12
+    v4 = t13 / rcount
     v5 = v4 + eps
     v6 = tl.rsqrt(v5)
     v7 = v2 * v6
