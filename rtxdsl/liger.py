@@ -55,7 +55,7 @@ from .nn.moe import moe_experts as rx_moe_experts
 from .nn.swap import replace_modules
 from .ops import REGISTRY
 from .ops.distill import distillation_outputs, hard_loss, linear_jsd
-from .ops.llm import capped_logits, cross_entropy, cross_entropy_outputs, z_loss_term
+from .ops.llm import capped_logits, cross_entropy, cross_entropy_outputs, mrope, rope, z_loss_term
 from .ops.policy import TOKEN_LEVEL_ONLY, grpo_outputs
 from .ops.preference import kto_outputs, preference_outputs
 from .runtime import Kernel, compile
@@ -1114,13 +1114,190 @@ def liger_dyt(x: torch.Tensor, alpha: torch.Tensor, gamma: torch.Tensor, beta: t
     return _call(LigerDyT, params, (x,), x.shape[-1], beta is not None)
 
 
+# ---- rotary embeddings: q and k in one kernel --------------------------------------------------------------
+@made_once
+def _rope_qk(sections: tuple[int, ...], unsqueeze_dim: int) -> Kernel:
+    """q's and k's rotations in one kernel: rotate-half RoPE over cos and sin already unsqueezed, or,
+    with ``sections``, Qwen2-VL's multimodal tables ``[3, B, T, D]``."""
+    q, k, cos, sin = (dsl.var(n) for n in ("q", "k", "cos", "sin"))
+    if sections:
+        return compile({n: mrope(x, cos, sin, sections, unsqueeze_dim) for n, x in (("q", q), ("k", k))})
+    return compile({n: rope(x, cos, sin) for n, x in (("q", q), ("k", k))})
+
+
+def _rotated(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sections: tuple[int, ...],
+             unsqueeze_dim: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if not sections:
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    out = _rope_qk(sections, unsqueeze_dim)(q=q, k=k, cos=cos, sin=sin)
+    return out["q"], out["k"]
+
+
+def liger_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: Any = None,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Liger's ``liger_rope`` / ``liger_rotary_pos_emb``: Hugging Face's ``apply_rotary_pos_emb`` on
+    ``q`` ``[B, Hq, T, D]`` and ``k`` ``[B, Hk, T, D]`` with ``cos`` and ``sin`` ``[1 or B, T, D]``, one
+    kernel. ``position_ids`` is accepted and unused, as in Liger (cos and sin are per position already);
+    a table without a batch dim, ``[T, D]`` (a vision model's), is every batch's, as Liger reads it.
+
+    Example:
+        >>> import torch
+        >>> from rtxdsl.liger import liger_rope
+        >>> q, k = liger_rope(torch.ones(1, 2, 3, 4), torch.ones(1, 1, 3, 4), torch.ones(1, 3, 4), torch.zeros(1, 3, 4))
+        >>> q.shape, k.shape, bool(q.eq(1).all())
+        (torch.Size([1, 2, 3, 4]), torch.Size([1, 1, 3, 4]), True)
+    """
+    if cos.dim() == 2 and sin.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    return _rotated(q, k, cos, sin, (), unsqueeze_dim)
+
+
+liger_rotary_pos_emb = liger_rope
+
+
+def liger_qwen2vl_mrope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mrope_section: Any, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Liger's ``liger_qwen2vl_mrope`` / ``liger_multimodal_rotary_pos_emb``: Qwen2-VL's multimodal
+    RoPE (:func:`rtxdsl.mrope`) on ``q`` and ``k``, ``cos`` and ``sin`` ``[3, B, T, D]``, one kernel."""
+    if isinstance(mrope_section, (str, bytes)) or not hasattr(mrope_section, "__iter__"):
+        raise RtxError(f"liger_qwen2vl_mrope: mrope_section must be a sequence of ints, got {mrope_section!r}")
+    return _rotated(q, k, cos, sin, tuple(mrope_section), unsqueeze_dim)
+
+
+liger_multimodal_rotary_pos_emb = liger_qwen2vl_mrope
+
+
 FUNCTIONS = (
     "liger_cross_entropy", "liger_dyt", "liger_fused_add_rms_norm", "liger_fused_linear_cross_entropy",
     "liger_fused_linear_jsd", "liger_geglu", "liger_group_norm", "liger_jsd", "liger_kl_div", "liger_layer_norm",
     "liger_modulated_rms_norm", "liger_poly_norm", "liger_relu_squared", "liger_rms_norm", "liger_softmax",
-    "liger_sparsemax", "liger_swiglu", "liger_tvd",
+    "liger_sparsemax", "liger_swiglu", "liger_tvd", "liger_rope", "liger_rotary_pos_emb", "liger_qwen2vl_mrope",
+    "liger_multimodal_rotary_pos_emb",
 )  # fmt: skip
 
+
+# ---- Liger's autograd Function classes: ``apply`` in each Function's own argument order --------------------
+def _function(name: str, apply: Any, doc: str = "") -> type:
+    """Liger's ``name`` (a ``torch.autograd.Function``): ``apply`` runs the rtxdsl kernels of the
+    functional form, with Liger's positional order for that Function (the losses' differ from their
+    functionals'); the gradients are the kernels' derived backwards."""
+    what = doc or f"the same as :func:`{apply.__name__}`"
+    return type(
+        name,
+        (),
+        {"apply": staticmethod(apply), "__doc__": f"Liger's ``{name}.apply``: {what}.", "__module__": __name__},
+    )
+
+
+def _four(out: Any) -> tuple[Any, Any, Any, Any]:
+    """A cross-entropy Function's outputs: ``(loss, z_loss, token_accuracy, predicted_tokens)``."""
+    if isinstance(out, CrossEntropyOutput):
+        return out.loss, out.z_loss, out.token_accuracy, out.predicted_tokens
+    return out, None, None, None
+
+
+@made_once
+def _scaled_swiglu() -> Kernel:
+    g, u = dsl.var("g"), dsl.var("u")
+    return compile(REGISTRY.functions["swiglu"](g * dsl.var("gate_multiplier"), u) * dsl.var("down_multiplier"))
+
+
+def _silu_mul(a: torch.Tensor, b: torch.Tensor, gate_multiplier: float = 1.0, down_multiplier: float = 1.0) -> Any:
+    if gate_multiplier == 1.0 and down_multiplier == 1.0:
+        return liger_swiglu(a, b)
+    return _scaled_swiglu()(g=a, u=b, gate_multiplier=float(gate_multiplier), down_multiplier=float(down_multiplier))
+
+
+def _rms_norm_function(X: torch.Tensor, W: torch.Tensor, eps: float, offset: float = 0.0, casting_mode: str = "llama",  # noqa: N803
+                       in_place: bool = True, row_mode: Any = None) -> torch.Tensor:  # fmt: skip
+    return liger_rms_norm(X, W, eps, offset, casting_mode, in_place)
+
+
+def _fused_add_rms_norm_function(X: torch.Tensor, R: torch.Tensor, W: torch.Tensor, eps: float, offset: float = 0.0,  # noqa: N803
+                                 casting_mode: str = "llama", in_place: bool = False) -> Any:  # fmt: skip
+    return liger_fused_add_rms_norm(X, R, W, eps, offset, casting_mode, in_place)
+
+
+def _cross_entropy_function(
+    _input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int = -100,
+    lse_square_scale: float = 0.0, label_smoothing: float = 0.0, reduction: str = "mean", softcap: float | None = None,
+    return_z_loss: bool = False, return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
+) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+    return _four(
+        liger_cross_entropy(
+            _input,
+            target,
+            weight,
+            None,
+            ignore_index,
+            None,
+            reduction,
+            label_smoothing,
+            lse_square_scale,
+            softcap,
+            return_z_loss,
+            return_token_accuracy,
+            return_predicted_tokens,
+        )
+    )
+
+
+def _kl_div_function(y_pred: torch.Tensor, y_true: torch.Tensor, reduction: str = "batchmean", log_target: bool = False,
+                     eps: float = 1e-10) -> torch.Tensor:  # fmt: skip
+    return liger_kl_div(y_pred, y_true, reduction=reduction, log_target=log_target, eps=eps)
+
+
+def _tvd_function(p: torch.Tensor, q: torch.Tensor, shift_labels: torch.Tensor | None = None,
+                  reduction: str = "batchmean", ignore_index: int = -100) -> torch.Tensor:  # fmt: skip
+    return liger_tvd(p, q, shift_labels, reduction, ignore_index)
+
+
+LigerRMSNormFunction = _function(
+    "LigerRMSNormFunction",
+    _rms_norm_function,
+    ":func:`liger_rms_norm` (``row_mode``, a launch choice of Liger's, changes nothing here)",
+)
+LigerFusedAddRMSNormFunction = _function(
+    "LigerFusedAddRMSNormFunction",
+    _fused_add_rms_norm_function,
+    ":func:`liger_fused_add_rms_norm`, ``in_place`` False unless given",
+)
+LigerModulatedRMSNormFunction = _function("LigerModulatedRMSNormFunction", liger_modulated_rms_norm)
+LigerLayerNormFunction = _function("LigerLayerNormFunction", liger_layer_norm)
+LigerGroupNormFunction = _function("LigerGroupNormFunction", liger_group_norm)
+LigerPolyNormFunction = _function("LigerPolyNormFunction", liger_poly_norm)
+LigerDyTFunction = _function("LigerDyTFunction", liger_dyt)
+LigerSiLUMulFunction = _function(
+    "LigerSiLUMulFunction", _silu_mul, "``silu(a * gate_multiplier) * b * down_multiplier``, one kernel"
+)
+LigerGELUMulFunction = _function("LigerGELUMulFunction", liger_geglu)
+LigerReLUSquaredFunction = _function("LigerReLUSquaredFunction", liger_relu_squared)
+LigerSoftmaxFunction = _function("LigerSoftmaxFunction", liger_softmax)
+LigerSparsemaxFunction = _function("LigerSparsemaxFunction", liger_sparsemax)
+LigerCrossEntropyFunction = _function(
+    "LigerCrossEntropyFunction",
+    _cross_entropy_function,
+    ":func:`liger_cross_entropy` in the Function's order, returning "
+    "``(loss, z_loss, token_accuracy, predicted_tokens)`` (None where not asked)",
+)
+LigerFusedLinearCrossEntropyFunction = _function(
+    "LigerFusedLinearCrossEntropyFunction",
+    lambda *args, **kwargs: _four(liger_fused_linear_cross_entropy(*args, **kwargs)),
+    ":func:`liger_fused_linear_cross_entropy`, returning ``(loss, z_loss, token_accuracy, predicted_tokens)``",
+)
+LigerFusedLinearJSDFunction = _function("LigerFusedLinearJSDFunction", liger_fused_linear_jsd)
+LigerJSDFunction = _function("LigerJSDFunction", liger_jsd)
+LigerKLDivLossFunction = _function(
+    "LigerKLDivLossFunction", _kl_div_function, ":func:`liger_kl_div` (``reduction`` batchmean unless given)"
+)
+LigerTVDLossFunction = _function("LigerTVDLossFunction", _tvd_function, ":func:`liger_tvd` (batchmean unless given)")
+LigerRopeFunction = _function("LigerRopeFunction", liger_rope)
+LigerQwen2VLMRopeFunction = _function("LigerQwen2VLMRopeFunction", liger_qwen2vl_mrope)
+#: Liger's Function classes this module has
+FUNCTION_CLASSES = tuple(n for n in dict(globals()) if n.startswith("Liger") and n.endswith("Function"))
 
 # ---- Liger's model patches: replace_modules on an instance, or on each model a family's classes run ------
 #: Liger's flags beside ``model``: which replace_modules option each sets (``geglu``: Gemma's MLP)
@@ -1324,4 +1501,5 @@ __all__ = [
     "TargetOutOfBoundsError",
     *(f"apply_liger_kernel_to_{f}" for f in FAMILIES),
     *FUNCTIONS,
+    *FUNCTION_CLASSES,
 ]

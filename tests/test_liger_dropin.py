@@ -413,3 +413,103 @@ def test_an_out_of_range_target_raises_as_liger_asserts(fused, gen):
         else:
             liger.LigerCrossEntropyLoss()(torch.randn(4, 16, generator=gen), t)
     assert isinstance(e.value, IndexError) and isinstance(e.value, RtxError)
+
+
+def _rotate_half_reference(q, k, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb in float64 (cos and sin unsqueezed at the heads)."""
+
+    def rot(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+# (q heads, k heads, head dim, cos rows): k with fewer heads (GQA), an odd head dim (the middle element
+# in the second half, as Hugging Face splits it), a table per batch row, a vision model's 2-D table
+ROPE_CASES = [(3, 1, 8, "one"), (2, 2, 7, "one"), (3, 1, 8, "batch"), (4, 4, 6, "2d")]
+
+
+@pytest.mark.parametrize(
+    ("hq", "hk", "dim", "table"), ROPE_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in ROPE_CASES]
+)
+@pytest.mark.parametrize("entry", ["liger_rope", "liger_rotary_pos_emb", "LigerRopeFunction"])
+def test_rope_functions(hq, hk, dim, table, entry, gen):
+    """Liger's rope entry points (Liger's own test_rope imports all three): q and k in one kernel,
+    values and gradients against Hugging Face's formula in float64; Liger reads a 2-D table as every
+    batch row's."""
+    b, t = 2, 5
+    q, k = (torch.randn(b, h, t, dim, generator=gen, dtype=torch.float64) for h in (hq, hk))
+    rows = {"one": (1, t, dim), "batch": (b, t, dim), "2d": (t, dim)}[table]
+    cos, sin = (
+        torch.randn(rows, generator=gen, dtype=torch.float64),
+        torch.randn(rows, generator=gen, dtype=torch.float64),
+    )
+    fn = liger.LigerRopeFunction.apply if entry == "LigerRopeFunction" else getattr(liger, entry)
+    q1, k1 = (v.float().requires_grad_() for v in (q, k))
+    got = fn(q1, k1, cos.float(), sin.float())
+    q2, k2 = (v.clone().requires_grad_() for v in (q, k))
+    full = (lambda v: v.expand(1, t, dim)) if table == "2d" else (lambda v: v)
+    want = _rotate_half_reference(q2, k2, full(cos), full(sin))
+    for g, w, name in zip(got, want, "qk"):
+        assert g.dtype == torch.float32 and g.shape == w.shape
+        assert_close(g, w, 1e-5, 1e-5, name)
+    cots = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
+    grads = torch.autograd.grad(got, (q1, k1), [c.float() for c in cots])
+    for g, w, name in zip(grads, torch.autograd.grad(want, (q2, k2), cots), "qk"):
+        assert_close(g, w, 1e-5, 1e-5, f"d{name}")
+
+
+@pytest.mark.parametrize(
+    "entry", ["liger_qwen2vl_mrope", "liger_multimodal_rotary_pos_emb", "LigerQwen2VLMRopeFunction"]
+)
+def test_multimodal_rope_functions(entry, gen):
+    """Qwen2-VL's multimodal RoPE: channel block i of ``sections * 2`` takes table ``i % 3``."""
+    sections, b, t, dim = (1, 1, 2), 2, 5, 8
+    q, k = (torch.randn(b, h, t, dim, generator=gen, dtype=torch.float64) for h in (3, 1))
+    cos, sin = (torch.randn(3, b, t, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    fn = liger.LigerQwen2VLMRopeFunction.apply if entry == "LigerQwen2VLMRopeFunction" else getattr(liger, entry)
+    got = fn(q.float(), k.float(), cos.float(), sin.float(), list(sections))
+
+    def tables(v):
+        return torch.cat([m[i % 3] for i, m in enumerate(v.split(list(sections) * 2, dim=-1))], dim=-1)
+
+    for g, w in zip(got, _rotate_half_reference(q, k, tables(cos), tables(sin))):
+        assert_close(g, w, 1e-5, 1e-5, entry)
+    with pytest.raises(RtxError, match="mrope_section"):
+        fn(q, k, cos, sin, 4)
+
+
+def test_function_classes_take_liger_s_argument_order(gen):
+    """Liger's ``Liger*Function.apply`` (its tests call them beside the functional forms): each
+    Function's positional order, which for the losses differs from the functional's; the
+    cross-entropy Functions return Liger's four outputs, None where not asked."""
+    x, w = torch.randn(ROWS, HIDDEN, generator=gen), torch.randn(HIDDEN, generator=gen)
+    logits, target = torch.randn(ROWS, VOCAB, generator=gen), torch.randint(0, VOCAB, (ROWS,), generator=gen)
+    lq, lp = (torch.log_softmax(torch.randn(ROWS, VOCAB, generator=gen), -1) for _ in range(2))
+    assert_close(liger.LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", True, None),
+                 liger.liger_rms_norm(x, w, 1e-6).double(), 0, 0, "rms_norm with row_mode")  # fmt: skip
+    loss, z, acc, tokens = liger.LigerCrossEntropyFunction.apply(logits, target, None, 0, 1e-4, 0.1, "mean", 30.0, True)
+    want = liger.liger_cross_entropy(logits, target, None, None, 0, None, "mean", 0.1, 1e-4, 30.0, True)
+    assert (acc, tokens) == (None, None)
+    assert_close(loss, want.loss.double(), 0, 0, "loss")
+    assert_close(z, want.z_loss.double(), 0, 0, "z_loss")
+    head = torch.randn(VOCAB, HIDDEN, generator=gen)
+    out = liger.LigerFusedLinearCrossEntropyFunction.apply(x, head, target)
+    assert out[1:] == (None, None, None)
+    assert_close(out[0], F.cross_entropy(x.double() @ head.double().T, target), 1e-5, 1e-5, "fused linear")
+    assert_close(liger.LigerKLDivLossFunction.apply(lq, lp), F.kl_div(lq.double(), lp.double(), reduction="batchmean"),
+                 1e-6, 1e-6, "kl_div batchmean by default")  # fmt: skip
+    p, q = lq.exp(), lp.exp()
+    assert_close(liger.LigerTVDLossFunction.apply(p, q), 0.5 * (p - q).abs().sum() / ROWS, 1e-6, 1e-6, "tvd batchmean")
+    a, b = (torch.randn(ROWS, HIDDEN, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    a1, b1 = (v.detach().float().requires_grad_() for v in (a, b))
+    got = liger.LigerSiLUMulFunction.apply(a1, b1, 0.7, 1.3)
+    want = F.silu(a * 0.7) * b * 1.3
+    assert_close(got, want, 1e-6, 1e-6, "silu mul with multipliers")
+    for g, e in zip(torch.autograd.grad(got.sum(), (a1, b1)), torch.autograd.grad(want.sum(), (a, b))):
+        assert_close(g, e, 1e-6, 1e-6, "silu mul gradients")
+    assert liger.LigerSiLUMulFunction.apply(a1, b1) is not None and liger.LigerGELUMulFunction.apply(a1, b1) is not None
+    for name in liger.FUNCTION_CLASSES:  # every one is Liger's: a Function with apply, exported
+        assert callable(getattr(liger, name).apply) and name in liger.__all__
