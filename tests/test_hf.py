@@ -202,7 +202,7 @@ def test_training_without_logits_never_makes_a_tokens_by_vocabulary_tensor(famil
     """``replace_modules(model, logits=False)``: the loss from the hidden states (Gemma 2's logit
     softcap included), the same loss and gradients as the unmodified model, and no tensor of
     tokens x vocabulary anywhere in the forward and backward."""
-    model = tiny_model(family)
+    model = tiny_model(family).train()  # the logits are skipped in training (tiny_model: eval)
     fused = copy.deepcopy(model)
     assert rx.nn.replace_modules(fused, logits=False).by_kind["loss"] == 1
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -222,6 +222,38 @@ def test_training_without_logits_never_makes_a_tokens_by_vocabulary_tensor(famil
         torch.testing.assert_close(fused(input_ids=ids).logits, model(input_ids=ids).logits, atol=2e-6, rtol=2e-6)
     clone = pickle.loads(pickle.dumps(fused))
     assert clone(input_ids=ids, labels=ids).logits is None
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere"])
+def test_training_without_logits_keeps_what_the_model_does_after_its_head(family):
+    """Granite divides its logits by ``logits_scaling``, Cohere multiplies them by ``logit_scale``:
+    the loss from the hidden states dropped it (loss 4.66 where 4.59; outside HF probe). Also Liger's
+    rule for when the logits are skipped (in training, given labels; ``skip_logits=`` says otherwise)
+    and ``return_dict=False``, which raised AttributeError on the tuple."""
+    config_cls, model_cls, extra = hf_report.MORE_FAMILIES[family]
+    scale = {"logits_scaling": 4.0} if family == "granite" else {}  # Cohere's logit_scale is its default
+    model = hf_report.tiny(config_cls, model_cls, **(sizes() | extra | scale))
+    model.train()
+    fused = copy.deepcopy(model)
+    rx.nn.replace_modules(fused, logits=False)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    want, got = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, atol=2e-6, rtol=2e-6)
+    got.loss.backward()
+    want.loss.backward()
+    for (name, p0), p1 in zip(model.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(p1.grad, p0.grad, atol=2e-6, rtol=2e-5, msg=name)
+    loss, logits, *_ = fused(input_ids=ids, labels=ids, return_dict=False)
+    assert logits is None
+    torch.testing.assert_close(loss, want.loss, atol=2e-6, rtol=2e-6)
+    with torch.no_grad():
+        kept = fused(input_ids=ids, labels=ids, skip_logits=False)
+        torch.testing.assert_close(kept.logits, want.logits, atol=2e-6, rtol=2e-6)
+        assert fused.eval()(input_ids=ids, labels=ids).logits is not None  # evaluation: the logits
+        assert fused(input_ids=ids, labels=ids, skip_logits=True).logits is None
+    with pytest.raises(rx.RtxError, match="skip_logits=True needs labels"):
+        fused(input_ids=ids, skip_logits=True)
 
 
 # ---- torch.compile training of a replaced model (issue 33, item 9) ----------------------------------

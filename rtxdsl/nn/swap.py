@@ -92,10 +92,11 @@ def replace_modules(
     Parameters stay the same objects under the same names. Returns the number swapped, an int
     with ``.by_kind``; warns about norm- or MLP-like modules it left alone.
 
-    ``logits=False`` (training a Hugging Face causal LM): called with ``labels``, the model
-    computes its loss from the last hidden states and the output embedding's weight in
-    :func:`rtxdsl.linear_cross_entropy`'s kernels and returns ``logits=None``: no tokens x
-    vocabulary tensor is made, forward or backward. Without labels it returns its logits as before.
+    ``logits=False`` (training a Hugging Face causal LM): called with ``labels`` in training mode
+    (Liger's rule; ``skip_logits=`` in the call says otherwise), the model computes its loss from
+    the last hidden states and the output embedding's weight in :func:`rtxdsl.linear_cross_entropy`'s
+    kernels and returns ``logits=None``: no tokens x vocabulary tensor is made, forward or backward.
+    Otherwise it returns its logits as before.
     Its ``lm_head`` becomes the same Linear (same parameters) with a flag the forward sets, so the
     model still compiles whole (``torch.compile(model, fullgraph=True)``).
 
@@ -574,19 +575,25 @@ class _LossFromHidden:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
-    def __call__(self, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    def __call__(
+        self, *args: Any, labels: torch.Tensor | None = None, skip_logits: bool | None = None, **kwargs: Any
+    ) -> Any:
         model = self.model
         forward = type(model).forward
-        if labels is None:
-            return forward(model, *args, **kwargs)
+        if skip_logits is None:  # Liger's rule: in training, where the logits are only the loss's
+            skip_logits = model.training and labels is not None
+        if skip_logits and labels is None:
+            raise RtxError("skip_logits=True needs labels: the loss is what the logits are skipped for")
         head = model.lm_head
-        if not isinstance(head, _OutputHead):  # an output embedding set since: its logits, as before
+        if not skip_logits or not isinstance(head, _OutputHead):  # (an output embedding set since: its logits)
             return forward(model, *args, labels=labels, **kwargs)
         head.keep = True
         try:
             out = forward(model, *args, labels=labels, **kwargs)
         finally:
             head.keep, head.kept = False, None
+        if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...), the logits' place kept
+            return (out[0], None, *out[2:])
         out.logits = None
         return out
 
@@ -614,9 +621,12 @@ class _LossOnKept:
         if hidden is None:
             return causal_lm_loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
         head.kept = None
-        return _loss_from_hidden(
-            hidden, head, labels, _softcap(self.model), num_items_in_batch, ignore_index, shift_labels
-        )
+        softcap = _softcap(self.model)
+        if softcap is None and logits.shape == hidden.shape:
+            # what the model did to its "logits" after the head, a scale (Granite's / logits_scaling,
+            # Cohere's * logit_scale), is linear: done to the hidden states, it scales the logits alike
+            hidden = logits.to(hidden.dtype)
+        return _loss_from_hidden(hidden, head, labels, softcap, num_items_in_batch, ignore_index, shift_labels)
 
 
 def _loss_from_hidden(
