@@ -49,6 +49,32 @@ def test_replace_modules_fuses_a_hugging_face_model_and_changes_nothing_it_compu
     assert again.by_kind.keys() <= {"rope", "loss", "attention", "experts"}
 
 
+# (hidden_act, what the MLP becomes): on a freshly initialised model (weights ~0.02, gate values ~0.1,
+# where the GELUs and quick-GELU agree to 1%) the activation was matched by an absolute tolerance:
+# quick-GELU became GeGLU's exact GELU, silently (outside HF probe)
+FRESH_MLPS = [("silu", ("SwiGLU", None)), ("gelu", ("GeGLU", "none")), ("gelu_pytorch_tanh", ("GeGLU", "tanh")),
+              ("quick_gelu", ("LlamaMLP", None)), ("relu", ("LlamaMLP", None))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("act", "becomes"), FRESH_MLPS, ids=[a for a, _ in FRESH_MLPS])
+def test_a_fresh_model_s_mlp_is_recognised_by_its_activation(act, becomes):
+    import transformers
+
+    cfg = transformers.LlamaConfig(**(sizes() | {"num_hidden_layers": 1, "hidden_act": act}))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)  # as from_config: no weight moved
+    fused = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rx.nn.replace_modules(fused)
+    mlp = fused.model.layers[0].mlp
+    assert (type(mlp).__name__, getattr(mlp, "approximate", None)) == becomes
+    assert (becomes[0] == "LlamaMLP") == any("LlamaMLP" in str(w.message) for w in caught)  # left alone, said so
+    x = torch.randn(4, cfg.hidden_size, generator=torch.Generator().manual_seed(1)) * 30  # past the GELUs' agreement
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), model.model.layers[0].mlp(x), atol=1e-5, rtol=1e-4)
+
+
 def test_replaced_llama_in_bf16_and_generate_agree():
     model = tiny_model("llama", torch.bfloat16)
     fused = copy.deepcopy(model)
@@ -514,15 +540,17 @@ def test_a_call_the_rtxdsl_attention_leaves_to_the_models_eager_one_gets_an_addi
     scores (True as 1: nothing masked), and a causal call's mask is None (SDPA's ``is_causal``), so
     eager attended to later tokens (Llama's logits 0.49 off). It is now the additive mask eager
     expects."""
-    model = tiny_model("llama")
-    fused = copy.deepcopy(model)
-    rx.nn.replace_modules(fused)
-    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = model(input_ids=ids, output_attentions=True)
-        got = fused(input_ids=ids, output_attentions=True)
-    torch.testing.assert_close(got.logits, want.logits, atol=2e-6, rtol=2e-6)
-    torch.testing.assert_close(got.attentions[0], want.attentions[0], atol=2e-6, rtol=2e-6)
+    for family in ("llama", "gpt2"):  # GPT-2 takes output_attentions itself: transformers' hooks record them
+        model = tiny_model(family)
+        fused = copy.deepcopy(model)
+        rx.nn.replace_modules(fused)
+        ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = model(input_ids=ids, output_attentions=True)
+            got = fused(input_ids=ids, output_attentions=True)
+        torch.testing.assert_close(got.logits, want.logits, atol=2e-6, rtol=2e-6)
+        assert len(got.attentions) == len(want.attentions) == hf_report.LAYERS, family  # GPT-2's were ()
+        torch.testing.assert_close(got.attentions[0], want.attentions[0], atol=2e-6, rtol=2e-6)
 
 
 def _ops_called(model: torch.nn.Module, ids: torch.Tensor, monkeypatch) -> list[tuple]:

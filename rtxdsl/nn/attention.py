@@ -67,7 +67,7 @@ def rtxdsl_attention_forward(
     plain = all(type(t) is torch.Tensor for t in (query, key, value)) and query.dim() == 4
     sinks = kwargs.get("s_aux")
     kern = None
-    if plain and not kwargs.get("output_attentions") and kwargs.get("position_bias") is None:
+    if plain and not _weights_asked(kwargs) and kwargs.get("position_bias") is None:
         kern, ins = _call(module, query, key, value, attention_mask, dropout, scaling, is_causal, softcap, sinks)
     if kern is None:
         eager = _eager(module)
@@ -81,6 +81,17 @@ def rtxdsl_attention_forward(
     out, lse = kern(**ins)  # the sink's exp joins each row's total: exp(lse) / (exp(lse) + exp(sink))
     kept = torch.sigmoid(lse - sinks.float().view(-1, 1)).unsqueeze(-1)
     return (out * kept).to(out.dtype).transpose(1, 2).contiguous(), None
+
+
+def _weights_asked(kwargs: dict[str, Any]) -> bool:
+    """Are the attention weights asked for: ``output_attentions`` passed on, or transformers
+    recording them with its output hooks (a model whose forward takes ``output_attentions`` for
+    itself, GPT-2's: the hooks read the weights this call returns)?"""
+    if kwargs.get("output_attentions"):
+        return True
+    active = getattr(sys.modules.get("transformers.utils.output_capturing"), "_active_collector", None)
+    collected = active.get() if active is not None else None
+    return bool(collected) and any(k.endswith("attentions") for k in collected)
 
 
 def _additive(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, causal: bool) -> torch.Tensor | None:

@@ -50,6 +50,8 @@ from .moe import route_experts
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 _PROBE_ROWS = 3
 _TOL = 1e-4
+#: a gated MLP's error relative to its output, by whether its weights are half (False, True)
+_MLP_TOL = (1e-4, 2e-2)
 
 
 class Replaced(int):
@@ -220,34 +222,61 @@ def _rms_norm_like(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
     return None
 
 
+def _activation_of(m: torch.nn.Module) -> str | None:
+    """The activation of an MLP that holds it as a module or function (transformers' ``act_fn``),
+    read off it over [-6, 6] in float32: its name in ``ACTIVATIONS``, "" where it is none of them
+    (quick-GELU, ReLU), None where the MLP holds none."""
+    act = getattr(m, "act_fn", None)
+    if not callable(act):
+        return None
+    x = torch.linspace(-6.0, 6.0, 97)
+    try:
+        y = act(x)
+    except Exception:  # noqa: BLE001 - not an elementwise activation after all
+        return None
+    for name, ref in ACTIVATIONS.items():
+        if isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y, ref(x), rtol=1e-5, atol=1e-6):
+            return name
+    return ""
+
+
 def _gated_mlp_like(m: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
-    """``down(act(gate(x)) * up(x))`` with linears named as Llama's, or Phi-3's fused ``gate_up_proj``."""
+    """``down(act(gate(x)) * up(x))`` with linears named as Llama's, or Phi-3's fused ``gate_up_proj``.
+    The activation is read off the module's ``act_fn`` where it has one; the formula is checked on a
+    probe whose gate values are spread over the activation's curve (a freshly initialised model's
+    are ~0.1, where the GELUs and quick-GELU agree to 1%), by the error relative to the output."""
     lin = {n: c for n, c in m.named_children() if type(c) is torch.nn.Linear}
     fused = "gate_up_proj" in lin
     wanted = {"gate_up_proj", "down_proj"} if fused else {"gate_proj", "up_proj", "down_proj"}
     if not wanted <= set(lin) or (set(dict(m.named_parameters(recurse=False)))):
         return None
+    held = _activation_of(m)
     first = lin["gate_up_proj" if fused else "gate_proj"]
     x = _probe_input(first.weight, _PROBE_ROWS, first.in_features)
-    if x is None:
+    if x is None or held == "":
         return None
+
+    def gate_up(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused:
+            return lin["gate_up_proj"](x).chunk(2, -1)  # type: ignore[return-value]
+        return lin["gate_proj"](x), lin["up_proj"](x)
+
     with torch.no_grad():
         try:
             x = x.to(first.weight.dtype)
+            spread = gate_up(x)[0].float().std().item()
+            x = x * (2.0 / spread) if spread > 0 else x  # gate values ~N(0, 2)
             got = m(x)
-            if fused:
-                gate, up = lin["gate_up_proj"](x).chunk(2, -1)
-            else:
-                gate, up = lin["gate_proj"](x), lin["up_proj"](x)
+            gate, up = gate_up(x)
         except Exception:  # noqa: BLE001 - the probe's input may not fit this module
             return None
         errors = {}
-        for name, act in ACTIVATIONS.items():  # the closest formula (tanh-GELU and GELU differ little)
+        for name, act in ACTIVATIONS.items():  # the closest formula
             want = lin["down_proj"](act(gate) * up)
-            if got.shape == want.shape:
-                errors[name] = (got.double() - want.double()).abs().max().item() / (1 + want.abs().max().item())
+            if got.shape == want.shape and held in (name, None):
+                errors[name] = (got.double() - want.double()).abs().max().item() / max(want.abs().max().item(), 1e-30)
     best = min(errors, key=errors.__getitem__, default=None)
-    if best is None or not errors[best] <= _TOL:
+    if best is None or not errors[best] <= _MLP_TOL[first.weight.dtype in (torch.float16, torch.bfloat16)]:
         return None
     return "mlp", _gated_module(m, best, lin, fused)
 
