@@ -282,6 +282,22 @@ def test_training_without_logits_keeps_what_the_model_does_after_its_head(family
         fused(input_ids=ids, skip_logits=True)
 
 
+def test_a_model_replaced_without_logits_keeps_its_forward_signature():
+    """transformers' Trainer keeps the dataset columns the model's forward names: the replaced
+    forward's ``(*args, labels, skip_logits, **kwargs)`` made it drop ``input_ids`` and
+    ``attention_mask`` (ValueError at the first step; outside HF probe)."""
+    import inspect
+
+    model = tiny_model("llama")
+    fused = copy.deepcopy(model)
+    rx.nn.replace_modules(fused, logits=False)
+    want = inspect.signature(model.forward).parameters
+    for m in (fused, pickle.loads(pickle.dumps(fused))):
+        got = inspect.signature(m.forward).parameters
+        assert got.keys() == want.keys() | {"skip_logits"} and {"input_ids", "attention_mask", "labels"} <= got.keys()
+        assert [p.kind for n, p in got.items() if n != "skip_logits"] == [p.kind for p in want.values()]
+
+
 # ---- torch.compile training of a replaced model (issue 33, item 9) ----------------------------------
 def _trained_compiled(model: torch.nn.Module, fused: torch.nn.Module, between=None, **kwargs) -> tuple[list, list]:
     """Two SGD steps of forward with labels (and ``kwargs``), backward and update of ``fused`` through

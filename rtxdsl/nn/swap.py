@@ -604,6 +604,17 @@ class _LossFromHidden:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The model's own forward's, with ``skip_logits``: transformers' Trainer keeps the dataset
+        columns it names (``(*args, labels, **kwargs)`` made it drop ``input_ids``)."""
+        sig = inspect.signature(functools.partial(type(self.model).forward, self.model))
+        params = list(sig.parameters.values())
+        if "skip_logits" not in sig.parameters:
+            at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+            params.insert(at, inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None))
+        return sig.replace(parameters=params)
+
     def __call__(
         self, *args: Any, labels: torch.Tensor | None = None, skip_logits: bool | None = None, **kwargs: Any
     ) -> Any:
