@@ -38,7 +38,9 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,6 +230,35 @@ class LigerSwiGLUMLP(_m.SwiGLU):
         super().__init__(*_mlp_sizes(config, intermediate_size))
         self.config = config
         self.hidden_size, self.intermediate_size = _mlp_sizes(config, intermediate_size)
+
+
+class LigerMLP(LigerSwiGLUMLP):
+    """Liger's ``LigerMLP(config)`` (``liger_kernel.transformers.mlp``): Llama's MLP, no biases,
+    ``hidden_act`` silu or swish."""
+
+
+class LigerFalconH1MLP(torch.nn.Module):
+    """Liger's ``LigerFalconH1MLP(config)``: Falcon-H1's MLP, ``down(silu(gate(x) * g) * up(x)) * d`` with
+    ``(g, d) = config.mlp_multipliers``; the gated product one kernel (:data:`LigerMLPFunction`'s)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise RtxError(f"LigerFalconH1MLP: hidden_act must be silu or swish, got {config.hidden_act!r}")
+        if getattr(config, "mlp_bias", False):
+            raise RtxError("LigerFalconH1MLP: mlp_bias is not supported (as Liger's)")
+        hidden, inner = _mlp_sizes(config)
+        self.config, self.hidden_size, self.intermediate_size = config, hidden, inner
+        self.gate_proj = torch.nn.Linear(hidden, inner, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inner, bias=False)
+        self.down_proj = torch.nn.Linear(inner, hidden, bias=False)
+        self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _mlp_function(
+            x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+            self.gate_multiplier, self.down_multiplier,
+        )  # fmt: skip
 
 
 class LigerGEGLUMLP(_m.GeGLU):
@@ -1255,6 +1286,12 @@ def _tvd_function(p: torch.Tensor, q: torch.Tensor, shift_labels: torch.Tensor |
     return liger_tvd(p, q, shift_labels, reduction, ignore_index)
 
 
+def _mlp_function(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor,
+                  gate_multiplier: float = 1.0, down_multiplier: float = 1.0) -> torch.Tensor:  # fmt: skip
+    gated = _silu_mul(F.linear(x, gate_weight), F.linear(x, up_weight), gate_multiplier, down_multiplier)
+    return F.linear(gated, down_weight)
+
+
 LigerRMSNormFunction = _function(
     "LigerRMSNormFunction",
     _rms_norm_function,
@@ -1272,6 +1309,9 @@ LigerPolyNormFunction = _function("LigerPolyNormFunction", liger_poly_norm)
 LigerDyTFunction = _function("LigerDyTFunction", liger_dyt)
 LigerSiLUMulFunction = _function(
     "LigerSiLUMulFunction", _silu_mul, "``silu(a * gate_multiplier) * b * down_multiplier``, one kernel"
+)
+LigerMLPFunction = _function(
+    "LigerMLPFunction", _mlp_function, "``down(silu(x @ gate.T * g) * (x @ up.T)) * d``, the gated product one kernel"
 )
 LigerGELUMulFunction = _function("LigerGELUMulFunction", liger_geglu)
 LigerReLUSquaredFunction = _function("LigerReLUSquaredFunction", liger_relu_squared)
@@ -1302,38 +1342,62 @@ FUNCTION_CLASSES = tuple(n for n in dict(globals()) if n.startswith("Liger") and
 # ---- Liger's model patches: replace_modules on an instance, or on each model a family's classes run ------
 #: Liger's flags beside ``model``: which replace_modules option each sets (``geglu``: Gemma's MLP)
 _FLAGS = {
-    "rms_norm": "norms", "layer_norm": "norms", "rope": "rope",
+    "rms_norm": "rms_norms", "layer_norm": "layer_norms", "rope": "rope",
     "swiglu": "mlps", "geglu": "mlps", "relu_squared": "mlps",  # Nemotron's MLP: not gated, kept as it is
 }  # fmt: skip
 #: a family whose transformers module is named otherwise
 _MODULE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
 
 
+def _signature(spec: str) -> inspect.Signature:
+    """A row of :data:`SIGNATURES` (``"rope=True, ..., model=None, **kwargs"``) as a Signature."""
+    params = []
+    for item in spec.split(", "):
+        if item.startswith("**"):
+            params.append(inspect.Parameter(item[2:], inspect.Parameter.VAR_KEYWORD))
+            continue
+        name, default = item.split("=")
+        params.append(
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=ast.literal_eval(default))
+        )
+    return inspect.Signature(params)
+
+
 def _apply(family: str) -> Any:
-    def apply(
-        rope: bool = True, cross_entropy: bool = False, fused_linear_cross_entropy: bool = True,
-        model: torch.nn.Module | None = None, **flags: bool,
-    ) -> None:  # fmt: skip
-        name = f"apply_liger_kernel_to_{family}"
+    name = f"apply_liger_kernel_to_{family}"
+    sig = _signature(SIGNATURES[family])
+
+    def apply(*args: Any, **kwargs: Any) -> None:
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise RtxError(f"{name}: {e}; Liger's parameters are {sig}") from None
+        bound.apply_defaults()
+        flags = dict(bound.arguments)
+        flags |= flags.pop("kwargs", {})  # a vision model's: its language model's flags
+        model = flags.pop("model")
+        cross_entropy = bool(flags.pop("cross_entropy", False))
+        fused = bool(flags.pop("fused_linear_cross_entropy", False))
         unknown = sorted(set(flags) - set(_FLAGS))
         if unknown:
-            raise RtxError(f"{name}: unknown flag(s) {unknown}; Liger's are {sorted({'rope', *_FLAGS})}")
-        if cross_entropy and fused_linear_cross_entropy:
+            raise RtxError(f"{name}: unknown flag(s) {unknown}; Liger's are {sig}")
+        if cross_entropy and fused:
             raise RtxError(f"{name}: cross_entropy and fused_linear_cross_entropy cannot both be True")
-        options = {"norms": True, "mlps": True, "rope": rope}
+        options = {"rope": True, "rms_norms": True, "layer_norms": True, "mlps": True}
         for flag, on in flags.items():
             options[_FLAGS[flag]] = options[_FLAGS[flag]] and bool(on)
-        options |= {"loss": cross_entropy or fused_linear_cross_entropy, "logits": not fused_linear_cross_entropy}
+        options |= {"loss": cross_entropy or fused, "logits": not fused}
         if model is not None:
             replace_modules(model, **options)
         else:
             _patch_classes(name, _MODULE.get(family, family), options)
 
-    apply.__name__ = apply.__qualname__ = f"apply_liger_kernel_to_{family}"
+    apply.__name__ = apply.__qualname__ = name
+    apply.__signature__ = sig  # type: ignore[attr-defined]
     apply.__doc__ = (
-        f"Liger's ``apply_liger_kernel_to_{family}(rope, cross_entropy, fused_linear_cross_entropy, rms_norm, "
-        "swiglu, model=None)``: :func:`rtxdsl.nn.replace_modules` on ``model``; without one, on every model of "
-        "the family's transformers classes once its weights are real (constructed, loaded, or first called)."
+        f"Liger's ``{name}{sig}``: :func:`rtxdsl.nn.replace_modules` on ``model``; without one, on every "
+        "model of the family's transformers classes once its weights are real (constructed, loaded, or "
+        "first called). Liger's defaults: the flags a call leaves out are Liger's for this family."
     )
     return apply
 
@@ -1418,56 +1482,165 @@ def _swapping_from_pretrained(original: Any, options: dict[str, bool]) -> Any:
     return from_pretrained
 
 
-#: Liger-Kernel 0.8.5's model families (each ``apply_liger_kernel_to_<family>``): ``replace_modules``
-#: recognises modules by what they compute, so one function serves every family
-FAMILIES = (
-    "granite",
-    "llama",
-    "smollm3",
-    "llava",
-    "llama4",
-    "mllama",
-    "ministral",
-    "mistral",
-    "nemotron",
-    "mixtral",
-    "muse_glimmer",
-    "pixtral",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "gemma3",
-    "gemma4_text",
-    "gemma4",
-    "paligemma",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "gpt_oss",
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "phi3",
-    "olmo2",
-    "olmo3",
-    "glm4",
-    "glm4v",
-    "glm4v_moe",
-    "internvl",
-    "smolvlm",
-    "falcon_h1",
-    "qwen3_next",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "hunyuan_v1_dense",
-    "hunyuan_v1_moe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "deepseek_v4",
-    "exaone4",
-)
+#: Liger-Kernel 0.8.5's model families and each ``apply_liger_kernel_to_<family>``'s parameters, in
+#: its order with its defaults (transformers' Trainer and Liger's ``AutoLigerKernelForCausalLM`` pass
+#: only the keywords a signature names). ``replace_modules`` recognises modules by what they compute,
+#: so one function serves every family.
+SIGNATURES = {  # fmt: skip
+    "granite": "rope=True, cross_entropy=True, fused_linear_cross_entropy=False, rms_norm=True, swiglu=True, "
+               "model=None",
+    "llama": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+             "model=None",
+    "smollm3": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+               "model=None",
+    "llava": "cross_entropy=False, fused_linear_cross_entropy=True, model=None, **kwargs",
+    "llama4": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+              "model=None, layer_norm=True",
+    "mllama": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, layer_norm=True, rms_norm=True, "
+              "swiglu=True, model=None",
+    "ministral": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                 "model=None",
+    "mistral": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+               "model=None",
+    "nemotron": "relu_squared=True, cross_entropy=False, fused_linear_cross_entropy=True, model=None, **kwargs",
+    "mixtral": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+               "model=None",
+    "muse_glimmer": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, layer_norm=True, "
+                    "rms_norm=True, swiglu=True, model=None",
+    "pixtral": "rope=True, rms_norm=True, swiglu=True, model=None",
+    "gemma": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True, model=None",
+    "gemma2": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True, "
+              "model=None",
+    "gemma3_text": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True, "
+                   "model=None",
+    "gemma3": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, layer_norm=True, rms_norm=True, "
+              "geglu=True, model=None",
+    "gemma4_text": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True, "
+                   "model=None",
+    "gemma4": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, layer_norm=False, rms_norm=True, "
+              "geglu=True, model=None",
+    "paligemma": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, layer_norm=True, "
+                 "rms_norm=True, geglu=True, model=None",
+    "qwen2": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+             "model=None",
+    "qwen3": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+             "model=None",
+    "qwen3_moe": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                 "model=None",
+    "gpt_oss": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=False, "
+               "model=None",
+    "qwen2_vl": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, layer_norm=True, "
+                "swiglu=True, model=None",
+    "qwen2_5_vl": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                  "model=None",
+    "qwen3_vl": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=False, "
+                "model=None",
+    "qwen3_vl_moe": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                    "model=None",
+    "phi3": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, model=None",
+    "olmo2": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+             "model=None",
+    "olmo3": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+             "model=None",
+    "glm4": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+            "model=None",
+    "glm4v": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+             "model=None",
+    "glm4v_moe": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                 "model=None",
+    "internvl": "cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, layer_norm=True, "
+                "model=None, **kwargs",
+    "smolvlm": "cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, layer_norm=True, model=None, "
+               "**kwargs",
+    "falcon_h1": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                 "model=None",
+    "qwen3_next": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                  "model=None",
+    "qwen3_5": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+               "model=None",
+    "qwen3_5_moe": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                   "model=None",
+    "hunyuan_v1_dense": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, "
+                        "swiglu=True, model=None",
+    "hunyuan_v1_moe": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, "
+                      "swiglu=True, model=None",
+    "deepseek_v2": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                   "model=None",
+    "deepseek_v3": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+                   "model=None",
+    "deepseek_v4": "rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, "
+                   "swiglu=False, model=None",
+    "exaone4": "rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
+               "model=None",
+}  # fmt: skip
+FAMILIES = tuple(SIGNATURES)
 globals().update({f"apply_liger_kernel_to_{f}": _apply(f) for f in FAMILIES})
+#: a text model's type and the family whose function patches it (Liger's table's other rows)
+_TEXT_MODELS = {
+    "llama4_text": "llama4", "mllama_text_model": "mllama", "qwen2_vl_text": "qwen2_vl",
+    "qwen2_5_vl_text": "qwen2_5_vl", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe",
+}  # fmt: skip
+#: Liger's ``MODEL_TYPE_TO_APPLY_LIGER_FN``: transformers' ``model_type`` -> its ``apply_liger_kernel_to_*``
+MODEL_TYPE_TO_APPLY_LIGER_FN = {t: globals()[f"apply_liger_kernel_to_{f}"] for t, f in {
+    **{f: f for f in FAMILIES}, **_TEXT_MODELS}.items()}  # fmt: skip
+
+
+def _apply_liger_kernel(model_type: str, **kwargs: Any) -> None:
+    """Liger's: the model type's ``apply_liger_kernel_to_*`` with the keywords its signature names
+    (nothing for a type without one)."""
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if fn is not None:
+        names = inspect.signature(fn).parameters
+        fn(**{k: v for k, v in kwargs.items() if k in names})
+
+
+def _auto_model_class() -> type:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    class AutoLigerKernelForCausalLM(AutoModelForCausalLM):  # type: ignore[misc, valid-type]
+        """Liger's ``AutoLigerKernelForCausalLM``: ``AutoModelForCausalLM`` with the model type's
+        ``apply_liger_kernel_to_*`` applied first, given the call's keywords its signature names (the
+        rest go to transformers)."""
+
+        @classmethod
+        def from_pretrained(cls, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any) -> Any:
+            model_type = AutoConfig.from_pretrained(pretrained_model_name_or_path, **kwargs).model_type
+            _apply_liger_kernel(model_type, **kwargs)
+            rest = _not_applied(model_type, kwargs)
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **rest)
+
+        @classmethod
+        def from_config(cls, config: Any, **kwargs: Any) -> Any:
+            model_type = getattr(config, "model_type", None)
+            if model_type:
+                _apply_liger_kernel(model_type, **kwargs)
+                kwargs = _not_applied(model_type, kwargs)
+            return super().from_config(config, **kwargs)
+
+    AutoLigerKernelForCausalLM.__module__ = __name__
+    AutoLigerKernelForCausalLM.__qualname__ = "AutoLigerKernelForCausalLM"
+    return AutoLigerKernelForCausalLM
+
+
+def _not_applied(model_type: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    names = inspect.signature(fn).parameters if fn is not None else {}
+    return {k: v for k, v in kwargs.items() if k not in names}
+
+
+def __getattr__(name: str) -> Any:
+    """``AutoLigerKernelForCausalLM``, made on first use (it subclasses transformers' class: an optional
+    dependency)."""
+    if name == "AutoLigerKernelForCausalLM":
+        cls = globals()[name] = _auto_model_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "AutoLigerKernelForCausalLM"})
+
 
 __all__ = [
     "CrossEntropyOutput",
@@ -1502,4 +1675,8 @@ __all__ = [
     *(f"apply_liger_kernel_to_{f}" for f in FAMILIES),
     *FUNCTIONS,
     *FUNCTION_CLASSES,
+    "LigerMLP",
+    "LigerFalconH1MLP",
+    "MODEL_TYPE_TO_APPLY_LIGER_FN",
+    "SIGNATURES",
 ]

@@ -4,6 +4,7 @@ unsupported flags raising an error that names them."""
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
@@ -219,9 +220,9 @@ def test_apply_liger_kernel_swaps_an_instance():
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     liger.apply_liger_kernel_to_llama(model=m)
     assert type(m[1]).__module__ == "rtxdsl.nn.modules"
-    kept = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    kept = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.RMSNorm(4, eps=1e-6))
     liger.apply_liger_kernel_to_llama(model=kept, rms_norm=False)  # Liger's flags choose what is swapped
-    assert type(kept[1]) is torch.nn.LayerNorm
+    assert type(kept[1]) is torch.nn.RMSNorm
     with pytest.raises(RtxError, match="swigl"):
         liger.apply_liger_kernel_to_llama(model=kept, swigl=False)
     with pytest.raises(RtxError, match="cannot both be True"):
@@ -233,6 +234,26 @@ def test_every_liger_family_has_its_apply_function():
     monkey_patch = pytest.importorskip("liger_kernel.transformers.monkey_patch")
     theirs = {n for n in vars(monkey_patch) if n.startswith("apply_liger_kernel_to_")}
     assert theirs <= set(liger.__all__) and all(callable(getattr(liger, n)) for n in theirs)
+    # each with Liger's parameters, order and defaults: Trainer and AutoLigerKernelForCausalLM pass only
+    # the keywords a signature names (rms_norm and swiglu were **flags: dropped; outside Liger test run)
+    for n in theirs:
+        mine, want = inspect.signature(getattr(liger, n)), inspect.signature(getattr(monkey_patch, n))
+        assert [(p.name, p.kind, p.default) for p in mine.parameters.values()] == [
+            (p.name, p.kind, p.default) for p in want.parameters.values()
+        ], n
+
+
+def test_liger_s_defaults_and_positions_choose_what_is_swapped():
+    """A flag left out is Liger's default for the family (Gemma 4's layer_norm=False keeps its layer
+    norms, its RMSNorms swap); ``model`` binds where Liger's signature has it (last)."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.RMSNorm(4, eps=1e-6))
+    liger.apply_liger_kernel_to_gemma4(model=m)
+    assert type(m[1]) is torch.nn.LayerNorm and type(m[2]).__module__ == "rtxdsl.nn.modules"
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.RMSNorm(4, eps=1e-6))
+    liger.apply_liger_kernel_to_llama(True, False, True, False, True, m)  # rms_norm=False, positionally
+    assert type(m[1]) is torch.nn.RMSNorm
+    with pytest.raises(RtxError, match="multiple values|too many"):
+        liger.apply_liger_kernel_to_llama(True, False, True, True, True, m, m)
 
 
 @pytest.fixture
@@ -514,3 +535,44 @@ def test_function_classes_take_liger_s_argument_order(gen):
     assert liger.LigerSiLUMulFunction.apply(a1, b1) is not None and liger.LigerGELUMulFunction.apply(a1, b1) is not None
     for name in liger.FUNCTION_CLASSES:  # every one is Liger's: a Function with apply, exported
         assert callable(getattr(liger, name).apply) and name in liger.__all__
+
+
+def test_liger_mlps_and_their_function(gen):
+    """Liger's LigerMLP (Llama's MLP; a hidden_act other than silu raises ValueError, as Liger's),
+    LigerFalconH1MLP (gate and down multipliers from the config) and LigerMLPFunction.apply, each
+    against a float64 reference of Liger's formula, gradients too."""
+    from transformers import FalconH1Config, LlamaConfig
+
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=40, **heads)
+    with pytest.raises(ValueError, match="hidden_act"):
+        liger.LigerMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=40, hidden_act="gelu", **heads))
+    falcon = FalconH1Config(hidden_size=HIDDEN, intermediate_size=40, mlp_multipliers=[0.7, 1.3], **heads)
+    x = torch.randn(ROWS, HIDDEN, generator=gen, dtype=torch.float64)
+    for m, (g, d) in ((liger.LigerMLP(cfg), (1.0, 1.0)), (liger.LigerFalconH1MLP(falcon), (0.7, 1.3))):
+        for p in m.parameters():
+            p.data.normal_(generator=gen)
+        w = {n: p.detach().double().requires_grad_() for n, p in m.named_parameters()}
+        gated = F.silu(F.linear(x, w["gate_proj.weight"]) * g) * F.linear(x, w["up_proj.weight"])
+        want = F.linear(gated, w["down_proj.weight"]) * d
+        got = m(x.float())
+        assert_close(got, want, 1e-4, 1e-4, type(m).__name__)
+        got.sum().backward()
+        want.sum().backward()
+        for n, p in m.named_parameters():
+            assert_close(p.grad, w[n].grad, 1e-4, 1e-4, f"{type(m).__name__}: d{n}")
+        weights = [m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+        assert_close(liger.LigerMLPFunction.apply(x.float(), *weights, g, d), want, 1e-4, 1e-4, "LigerMLPFunction")
+
+
+def test_auto_liger_kernel_for_causal_lm_applies_the_family_s_function(patched_llama):
+    """Liger's AutoLigerKernelForCausalLM: the model type's apply function (MODEL_TYPE_TO_APPLY_LIGER_FN)
+    with the keywords its signature names, the rest to transformers."""
+    from transformers import LlamaConfig
+
+    from benches.hf_report import sizes
+
+    assert liger.MODEL_TYPE_TO_APPLY_LIGER_FN["llama4_text"] is liger.apply_liger_kernel_to_llama4
+    model = liger.AutoLigerKernelForCausalLM.from_config(LlamaConfig(**sizes()), swiglu=False)
+    assert type(model.model.norm).__module__ == "rtxdsl.nn.modules"  # patched at construction
+    assert type(model.model.layers[0].mlp).__module__ != "rtxdsl.nn.modules"  # swiglu=False reached it

@@ -83,13 +83,16 @@ def replace_modules(
     experts: bool = True,
     norms: bool = True,
     mlps: bool = True,
+    rms_norms: bool = True,
+    layer_norms: bool = True,
 ) -> Replaced:
     """Swap ``model``'s norms, gated MLPs, rotary embedding and causal-LM loss for fused ones, in place;
     with ``attention`` a transformers model's attention runs :func:`rtxdsl.attention`'s kernels
     (transformers' attention interface, :mod:`rtxdsl.nn.attention`); with ``experts`` its
     mixture-of-experts layers run :func:`rtxdsl.nn.moe_experts`' grouped GEMMs (transformers' experts
     interface, :mod:`rtxdsl.nn.moe`). ``norms=False`` / ``mlps=False`` keep the model's own norms /
-    gated MLPs (Liger's ``rms_norm=False`` / ``swiglu=False``).
+    gated MLPs (Liger's ``swiglu=False``); ``rms_norms=False`` / ``layer_norms=False`` keep one kind of
+    norm only (Liger's ``rms_norm=False`` / ``layer_norm=False``).
 
     Parameters stay the same objects under the same names. Returns the number swapped, an int
     with ``.by_kind``; warns about norm- or MLP-like modules it left alone.
@@ -111,15 +114,19 @@ def replace_modules(
     """
     if not isinstance(model, torch.nn.Module):
         raise RtxError(f"replace_modules: model must be a torch.nn.Module, got {type(model).__name__}")
-    switches = dict(rope=rope, loss=loss, logits=logits, attention=attention, experts=experts, norms=norms, mlps=mlps)
+    switches = dict(
+        rope=rope, loss=loss, logits=logits, attention=attention, experts=experts, norms=norms, mlps=mlps,
+        rms_norms=rms_norms, layer_norms=layer_norms,
+    )  # fmt: skip
     for name, on in switches.items():
         flag_arg(on, "replace_modules", name)
     counts = {"layer_norm": 0, "rms_norm": 0, "mlp": 0, "rope": 0, "loss": 0, "attention": 0, "experts": 0}
     left: set[str] = set()
+    kept = {"layer_norm": norms and layer_norms, "rms_norm": norms and rms_norms, "mlp": mlps}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             found = _replacement(child)
-            if found is not None and not {"layer_norm": norms, "rms_norm": norms, "mlp": mlps}[found[0]]:
+            if found is not None and not kept[found[0]]:
                 continue  # a kind left alone on request
             if found is not None:
                 kind, new = found
