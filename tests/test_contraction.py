@@ -615,3 +615,20 @@ def test_the_bias_gradient_of_a_linear_over_no_rows_is_zero(xs, ws, gen):
     F.relu(F.linear(x2, w2, b2)).sum().backward()
     for got, want in ((x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)):
         assert torch.equal(got, want)
+
+
+# a product over a softmax's axis of no elements (no keys): the empty sum, 0 as torch's; the
+# normalized-after rewrite divided the product's 0 by the softmax's total 0 (NaN; outside expression
+# fuzzer seed 20351574)
+@pytest.mark.parametrize(
+    "build, ref",
+    [
+        (lambda: rx.linear(rx.softmax(rx.var("x"), -1), rx.var("v")), lambda x, v: F.linear(torch.softmax(x, -1), v)),
+        (lambda: rx.softmax(rx.var("x"), -1) @ rx.var("v").mT, lambda x, v: torch.softmax(x, -1) @ v.mT),
+    ],
+    ids=["linear", "matmul"],
+)
+def test_a_product_over_a_softmax_of_no_elements_is_zero(build, ref, gen):
+    x, v = torch.randn(2, 0, generator=gen), torch.randn(3, 0, generator=gen)
+    got = rx.compile(build())(x=x, v=v)
+    assert torch.equal(got, ref(x, v)) and not got.isnan().any()

@@ -188,6 +188,8 @@ def normalized_after(p: Expr, info: Callable[[Expr], Info], typed: Callable[[Exp
     path, u, total = found
     if total.attr("axis") != (len(info(u).shape) - 1,) or not total.attr("keepdim"):
         return p
+    if not info(u).shape[-1]:  # no keys: the product is 0 (torch's), where 0 / a total of 0 is NaN
+        return p
     a = u
     for above, k in reversed(path):  # the chain again, over the unnormalized exp
         a = typed(node(above.op, *(a if j == k else s for j, s in enumerate(above.srcs)), **above.attr_dict))
