@@ -298,6 +298,24 @@ def test_a_model_replaced_without_logits_keeps_its_forward_signature():
         assert [p.kind for n, p in got.items() if n != "skip_logits"] == [p.kind for p in want.values()]
 
 
+
+def test_a_resized_output_embedding_is_kept_alike():
+    """``resize_token_embeddings`` after ``replace_modules(model, logits=False)`` puts a new Linear at
+    ``lm_head``: the forward made the logits again, silently (outside HF probe). The new head is the
+    kept one alike; the loss is the resized model's."""
+    model = tiny_model("llama").train()
+    fused = copy.deepcopy(model)
+    rx.nn.replace_modules(fused, logits=False)
+    for m in (model, fused):
+        m.config.tie_word_embeddings = False
+        m.resize_token_embeddings(101)
+    fused.load_state_dict(model.state_dict())  # the new rows as the unmodified model drew them
+    ids = torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(3))
+    want, got = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, atol=2e-6, rtol=2e-6)
+
+
 # ---- torch.compile training of a replaced model (issue 33, item 9) ----------------------------------
 def _trained_compiled(model: torch.nn.Module, fused: torch.nn.Module, between=None, **kwargs) -> tuple[list, list]:
     """Two SGD steps of forward with labels (and ``kwargs``), backward and update of ``fused`` through

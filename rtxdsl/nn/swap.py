@@ -554,13 +554,19 @@ def _fuse_loss(model: torch.nn.Module, logits: bool = True) -> bool:
         if isinstance(model.__dict__.get("forward"), _LossFromHidden):
             del model.forward  # replaced before with logits=False: the class's forward again
         return True
+    _keeping_head(model, head)
+    model.loss_function = _LossOnKept(model)
+    model.forward = _LossFromHidden(model)
+    return True
+
+
+def _keeping_head(model: torch.nn.Module, head: torch.nn.Linear) -> _OutputHead:
+    """``model``'s output embedding as an :class:`_OutputHead` (the same Linear), its loss kernels made."""
     if not isinstance(head, _OutputHead):
         head = model.lm_head = _OutputHead.wrapping(head)
     for reduction in ("mean", "sum"):
         _hidden_loss_kernel(reduction, head.bias is not None, _softcap(model))
-    model.loss_function = _LossOnKept(model)
-    model.forward = _LossFromHidden(model)
-    return True
+    return head
 
 
 def _softcap(model: torch.nn.Module) -> float | None:
@@ -632,7 +638,9 @@ class _LossFromHidden:
         if skip_logits and labels is None:
             raise RtxError("skip_logits=True needs labels: the loss is what the logits are skipped for")
         head = model.lm_head
-        if not skip_logits or not isinstance(head, _OutputHead):  # (an output embedding set since: its logits)
+        if skip_logits and type(head) is torch.nn.Linear:  # set since (resize_token_embeddings): kept alike
+            head = _keeping_head(model, head)
+        if not skip_logits or not isinstance(head, _OutputHead):  # (another kind of head: its logits)
             return forward(model, *args, labels=labels, **kwargs)
         head.keep = True
         try:
