@@ -298,7 +298,6 @@ def test_a_model_replaced_without_logits_keeps_its_forward_signature():
         assert [p.kind for n, p in got.items() if n != "skip_logits"] == [p.kind for p in want.values()]
 
 
-
 def test_a_resized_output_embedding_is_kept_alike():
     """``resize_token_embeddings`` after ``replace_modules(model, logits=False)`` puts a new Linear at
     ``lm_head``: the forward made the logits again, silently (outside HF probe). The new head is the
