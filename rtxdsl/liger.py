@@ -1029,7 +1029,7 @@ def liger_fused_linear_cross_entropy(
     )(weight, input, target, bias)  # fmt: skip
 
 
-def liger_fused_linear_jsd(
+def _ops_fused_linear_jsd(
     student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
     teacher_weight: torch.Tensor, shift_labels: torch.Tensor | None = None, jsd_beta: float = 0.5,
     ignore_index: int = -100, temperature: float = 1.0, accum_dtype: torch.dtype | None = None,
@@ -1037,6 +1037,17 @@ def liger_fused_linear_jsd(
     """Liger's ``liger_fused_linear_jsd``: :class:`LigerFusedLinearJSD`'s forward."""
     fn = _module(LigerFusedLinearJSD, jsd_beta, ignore_index, temperature, accum_dtype)
     return fn(student_input, student_weight, teacher_input, teacher_weight, shift_labels)
+
+
+def liger_fused_linear_jsd(*args: Any, **kwargs: Any) -> Any:
+    """Liger's ``liger_fused_linear_jsd``, both of them: the ops form ``(student_input, student_weight,
+    teacher_input, teacher_weight, shift_labels=None, jsd_beta=0.5, ignore_index=-100, temperature=1.0,
+    accum_dtype=None)`` (:class:`LigerFusedLinearJSD`'s forward), or the chunked loss's ``(student_input,
+    student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+    weight_hard_loss, ...)`` (:class:`LigerFusedLinearJSDLoss`'s), told apart by the arguments."""
+    if _is_chunked_jsd(args, kwargs):
+        return _CHUNKED_JSD(*args, **kwargs)
+    return _ops_fused_linear_jsd(*args, **kwargs)
 
 
 def liger_swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -1211,6 +1222,23 @@ FUNCTIONS = (
 
 
 # ---- Liger's autograd Function classes: ``apply`` in each Function's own argument order --------------------
+def _signature(spec: str) -> inspect.Signature:
+    """A row of :data:`SIGNATURES` (``"rope=True, ..., model=None, **kwargs"``) as a Signature."""
+    params = []
+    for item in spec.split(", "):
+        if item.startswith("**"):
+            params.append(inspect.Parameter(item[2:], inspect.Parameter.VAR_KEYWORD))
+            continue
+        if "=" not in item:  # required
+            params.append(inspect.Parameter(item, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+            continue
+        name, default = item.split("=")
+        params.append(
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=ast.literal_eval(default))
+        )
+    return inspect.Signature(params)
+
+
 def _function(name: str, apply: Any, doc: str = "") -> type:
     """Liger's ``name`` (a ``torch.autograd.Function``): ``apply`` runs the rtxdsl kernels of the
     functional form, with Liger's positional order for that Function (the losses' differ from their
@@ -1336,6 +1364,88 @@ LigerKLDivLossFunction = _function(
 LigerTVDLossFunction = _function("LigerTVDLossFunction", _tvd_function, ":func:`liger_tvd` (batchmean unless given)")
 LigerRopeFunction = _function("LigerRopeFunction", liger_rope)
 LigerQwen2VLMRopeFunction = _function("LigerQwen2VLMRopeFunction", liger_qwen2vl_mrope)
+#: the distillation losses' Function parameters (cosine similarity, the chunked JSD)
+_DISTILL = (
+    "student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias, "
+    "weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100, temperature=1.0, compiled=True, "
+    "chunk_size=1024, return_soft_hard_loss=False"
+)
+#: Liger's chunked losses' Function classes (``liger_kernel.chunked_loss``): each ``apply``'s parameters, in
+#: its order (the input first, where the module takes the weight first), and the module it runs
+_CHUNKED = {
+    "LigerFusedLinearDPOFunction": ("LigerFusedLinearDPOLoss",
+        "_input, weight, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None, ignore_index=-100, "
+        "beta=0.1, compute_nll_loss=False, compiled=True, use_ref_model=True, average_log_prob=False, chunk_size=1, "
+        "loss_type='sigmoid', label_smoothing=0.0, discopop_tau=0.05, alpha=1.0"),
+    "LigerFusedLinearORPOFunction": ("LigerFusedLinearORPOLoss",
+        "_input, weight, target, bias=None, ignore_index=-100, beta=0.1, compute_nll_loss=True, nll_target=None, "
+        "compiled=True, chunk_size=1"),
+    "LigerFusedLinearCPOFunction": ("LigerFusedLinearCPOLoss",
+        "_input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0, "
+        "compute_nll_loss=True, compiled=True, average_log_prob=False, chunk_size=1"),
+    "LigerFusedLinearSimPOFunction": ("LigerFusedLinearSimPOLoss",
+        "_input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0, label_smoothing=0.0, "
+        "compute_nll_loss=False, compiled=True, gamma=0.5, chunk_size=1"),
+    "LigerFusedLinearKTOFunction": ("LigerFusedLinearKTOLoss",
+        "_input, weight, target, preference_labels, bias=None, ref_input=None, ref_weight=None, ref_bias=None, "
+        "kl=None, ignore_index=-100, beta=0.1, compiled=True, use_ref_model=True, average_log_prob=False, "
+        "chunk_size=1"),
+    "LigerFusedLinearCosineSimilarityFunction": ("LigerFusedLinearCosineSimilarityLoss", _DISTILL),
+    "LigerFusedLinearGRPOFunction": ("LigerFusedLinearGRPOLoss",
+        "_input, weight, selected_token_ids, attention_mask, advantages, bias=None, ref_per_token_logps=None, "
+        "old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None, beta=0.04, epsilon_low=0.2, "
+        "epsilon_high=0.2, loss_type='dapo', max_completion_length=None, importance_sampling_level='token', "
+        "sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, temperature=1.0, compiled=True, use_ref_model=True, "
+        "chunk_size=1, vllm_is_ratio=None, delta=None, use_bias_correction_kl=False, vespo_k_pos=2.0, "
+        "vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, num_items_in_batch=None"),
+}  # fmt: skip
+
+
+def _chunked_apply(module: str, spec: str) -> Any:
+    """A chunked loss Function's ``apply``: its arguments bound in Liger's order, the module's
+    configuration built from those its constructor takes, the rest its forward's (``weight`` is the
+    module's ``lin_weight``)."""
+    sig, cls = _signature(spec), globals()[module]
+    init = inspect.signature(cls.__init__).parameters
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        config, inputs = {}, {}
+        for key, value in bound.arguments.items():
+            key = "lin_weight" if key == "weight" else key
+            (config if key in init else inputs)[key] = value
+        return cls(**config)(**inputs)
+
+    apply.__signature__ = sig  # type: ignore[attr-defined]
+    return apply
+
+
+globals().update({n: _function(n, _chunked_apply(*row), f":class:`{row[0]}` in the Function's order")
+                  for n, row in _CHUNKED.items()})  # fmt: skip
+_CHUNKED_JSD = _chunked_apply("LigerFusedLinearJSDLoss", _DISTILL)
+#: Liger's chunked functional forms (``liger_kernel.chunked_loss.functional``): each a Function's apply
+CHUNKED_FUNCTIONS = {
+    "liger_fused_linear_dpo": "LigerFusedLinearDPOFunction",
+    "liger_fused_linear_orpo": "LigerFusedLinearORPOFunction",
+    "liger_fused_linear_cpo": "LigerFusedLinearCPOFunction",
+    "liger_fused_linear_simpo": "LigerFusedLinearSimPOFunction",
+    "liger_fused_linear_kto": "LigerFusedLinearKTOFunction",
+    "liger_fused_linear_cosine": "LigerFusedLinearCosineSimilarityFunction",
+    "liger_fused_linear_grpo": "LigerFusedLinearGRPOFunction",
+}
+globals().update({f: globals()[n].apply for f, n in CHUNKED_FUNCTIONS.items()})
+
+
+def _is_chunked_jsd(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Liger has two ``LigerFusedLinearJSDFunction`` / ``liger_fused_linear_jsd``: the chunked loss's
+    (true labels and biases fifth to seventh, loss weights after) and the ops' (``shift_labels``,
+    ``jsd_beta``, ...). A call is the chunked one's by its arguments."""
+    chunked_words = {"true_labels", "student_bias", "teacher_bias", "weight_hard_loss", "weight_soft_loss", "beta"}
+    sixth = args[5] if len(args) > 5 else None
+    return len(args) > 9 or bool(chunked_words & set(kwargs)) or isinstance(sixth, torch.Tensor)
+
+
 #: Liger's Function classes this module has
 FUNCTION_CLASSES = tuple(n for n in dict(globals()) if n.startswith("Liger") and n.endswith("Function"))
 
@@ -1347,20 +1457,6 @@ _FLAGS = {
 }  # fmt: skip
 #: a family whose transformers module is named otherwise
 _MODULE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
-
-
-def _signature(spec: str) -> inspect.Signature:
-    """A row of :data:`SIGNATURES` (``"rope=True, ..., model=None, **kwargs"``) as a Signature."""
-    params = []
-    for item in spec.split(", "):
-        if item.startswith("**"):
-            params.append(inspect.Parameter(item[2:], inspect.Parameter.VAR_KEYWORD))
-            continue
-        name, default = item.split("=")
-        params.append(
-            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=ast.literal_eval(default))
-        )
-    return inspect.Signature(params)
 
 
 def _apply(family: str) -> Any:
@@ -1675,6 +1771,7 @@ __all__ = [
     *(f"apply_liger_kernel_to_{f}" for f in FAMILIES),
     *FUNCTIONS,
     *FUNCTION_CLASSES,
+    *CHUNKED_FUNCTIONS,
     "LigerMLP",
     "LigerFalconH1MLP",
     "MODEL_TYPE_TO_APPLY_LIGER_FN",

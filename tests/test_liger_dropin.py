@@ -576,3 +576,45 @@ def test_auto_liger_kernel_for_causal_lm_applies_the_family_s_function(patched_l
     model = liger.AutoLigerKernelForCausalLM.from_config(LlamaConfig(**sizes()), swiglu=False)
     assert type(model.model.norm).__module__ == "rtxdsl.nn.modules"  # patched at construction
     assert type(model.model.layers[0].mlp).__module__ != "rtxdsl.nn.modules"  # swiglu=False reached it
+
+
+def _chunked_args(name, gen):
+    """Keyword arguments for Liger's chunked loss Function ``name`` (small, odd), as its tests build them."""
+    b, t, h, v = 2, 3, HIDDEN, VOCAB
+    x, w = torch.randn(2 * b, t, h, generator=gen), torch.randn(v, h, generator=gen)
+    y = torch.randint(0, v, (2 * b, t), generator=gen)
+    common = {"_input": x, "weight": w, "target": y, "compiled": False}
+    if name == "DPO":
+        return common | {"ref_input": x * 0.5, "ref_weight": w * 0.5}
+    if name == "KTO":
+        return common | {"preference_labels": torch.tensor([True, False, True, False]), "ref_input": x * 0.5,
+                         "ref_weight": w * 0.5}  # fmt: skip
+    if name == "GRPO":
+        return {"_input": x, "weight": w, "selected_token_ids": y, "attention_mask": torch.ones(2 * b, t),
+                "advantages": torch.randn(2 * b, generator=gen), "use_ref_model": False, "compiled": False}  # fmt: skip
+    if name in ("CosineSimilarity", "JSD"):
+        teacher = torch.randn(2 * b * t, h, generator=gen)
+        return {"student_input": x.view(-1, h), "student_weight": w, "teacher_input": teacher,
+                "teacher_weight": w * 0.5, "true_labels": y.view(-1), "student_bias": None, "teacher_bias": None,
+                "compiled": False}  # fmt: skip
+    return common
+
+
+@pytest.mark.parametrize("name", ["DPO", "ORPO", "CPO", "SimPO", "KTO", "CosineSimilarity", "JSD", "GRPO"])
+def test_chunked_loss_functions_take_liger_s_order(name, gen):
+    """Liger's chunked losses' ``LigerFusedLinear*Function.apply`` (the input first, where the modules take
+    the weight first) and their ``liger_fused_linear_*`` aliases, against Liger-Kernel's own Functions on the
+    same positional arguments; the two ``liger_fused_linear_jsd`` are told apart by their arguments."""
+    stem = {"CosineSimilarity": "cosine_similarity"}.get(name, name.lower())
+    theirs = getattr(pytest.importorskip(f"liger_kernel.chunked_loss.{stem}_loss"), f"LigerFusedLinear{name}Function")
+    fn = getattr(liger, f"LigerFusedLinear{name}Function").apply
+    order = getattr(liger, f"LigerFusedLinear{'CosineSimilarity' if name == 'JSD' else name}Function").apply
+    bound = inspect.signature(order).bind(**_chunked_args(name, gen))  # the JSD's order is the cosine loss's
+    bound.apply_defaults()
+    args = bound.args  # positional, in Liger's order
+    want = theirs.apply(*args)
+    first = lambda o: o[0] if isinstance(o, tuple) else o  # noqa: E731
+    assert_close(first(fn(*args)), first(want).double(), 1e-5, 1e-5, name)
+    alias = {"JSD": "liger_fused_linear_jsd"} | {n[len("LigerFusedLinear") : -len("Function")]: f
+                                                  for f, n in liger.CHUNKED_FUNCTIONS.items()}  # fmt: skip
+    assert_close(first(getattr(liger, alias[name])(*args)), first(want).double(), 1e-5, 1e-5, alias[name])
