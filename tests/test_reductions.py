@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -226,6 +227,24 @@ def test_a_variance_past_the_dtype_range_is_inf_not_nan(dtype, n_cols):
     t[:, 0], t[:, 1] = 1.5e30, 1e30
     got = rx.compile({"v": rx.variance(x, -1), "s": rx.std(x, -1)})(x=t)
     assert torch.isinf(got["v"]).all() and torch.isinf(got["s"]).all(), got
+
+
+# (count, correction): the correction past the count, and equal to it (dof 0)
+@pytest.mark.parametrize("n, correction", [(3, 4), (3, 3), (1, 2)])
+def test_a_variance_with_a_correction_past_its_count_differentiates_as_torch(n, correction, gen):
+    """torch's forward clamps ``n - correction`` at 0 (inf or NaN) and its var_backward divides by it
+    unclamped: the derived gradient was NaN and inf where torch's is finite (outside fuzzer, plumbing
+    seed 20312202)."""
+    t = torch.randn(2, n, generator=gen, dtype=torch.float64, requires_grad=True)
+    for op, ref in ((rx.variance, torch.var), (rx.std, torch.std)):
+        got = rx.compile(op(x, -1, correction=correction))(x=t)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns of the degrees of freedom
+            want = ref(t, -1, correction=correction)
+        torch.testing.assert_close(got, want, equal_nan=True)
+        if op is rx.variance:  # (std's gradient over an inf or NaN std is torch's 0 and NaN alike)
+            g, w = (torch.autograd.grad(v.sum(), t)[0] for v in (got, want))
+            torch.testing.assert_close(g, w, equal_nan=True)
 
 
 REDUCTIONS = {

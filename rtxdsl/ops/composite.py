@@ -38,6 +38,7 @@ def _composite(
     accepts=NUMERIC,
     front: Front | None = None,
     result_dtype: Callable[..., torch.dtype] | None = None,
+    typed: bool = False,
 ) -> OpDef:
     return register(
         OpDef(
@@ -46,6 +47,7 @@ def _composite(
             arity=arity,
             ref=ref,
             decompose=decompose,
+            typed_decompose=typed,
             shape=shape,
             result_dtype=result_dtype,
             eager_launches=eager_launches,
@@ -70,17 +72,36 @@ def _same_as_first(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
 
 
 # ---- statistics -----------------------------------------------------------------------------
-def variance_of(x: Expr, correction: Expr, axis: Any, keepdim: bool) -> Expr:
-    dof = node("maximum", node("sub", node("rcount", x, axis=axis), correction), 0)
-    return node("div", node("m2", x, axis=axis, keepdim=keepdim), dof)
+def variance_of(
+    x: Expr, correction: Expr, axis: Any, keepdim: bool, shapes: list | None = None, dtypes: list | None = None
+) -> Expr:
+    """``m2 / max(n - correction, 0)``, torch's forward. Where the correction is past the count (``shapes``:
+    the operands' when known), torch's var_backward divides by ``n - correction`` unclamped: the quotient
+    by it, and the clamped one's difference detached (inf or NaN, as the forward)."""
+    m2 = node("m2", x, axis=axis, keepdim=keepdim)
+    dof = node("sub", node("rcount", x, axis=axis), correction)
+    if not _past_count(correction, axis, shapes):
+        return node("div", m2, node("maximum", dof, 0))
+    plain = node("div", m2, dof)
+    return node("add", plain, node("detach", node("sub", node("div", m2, 0.0), plain)))
 
 
-def _std_of(x: Expr, correction: Expr, axis: Any, keepdim: bool) -> Expr:
+def _past_count(correction: Expr, axis: Any, shapes: list | None) -> bool:
+    """Is a constant correction larger than the count it divides (unknown: maybe)?"""
+    if shapes is None or not correction.is_const:
+        return True
+    shape = shapes[0]
+    axes = () if axis is None else (axis,) if isinstance(axis, int) else tuple(axis)
+    dims = {a % len(shape) for a in axes} if axes and shape else range(len(shape))  # none named: every dim
+    return correction.attr("value") > math.prod(shape[d] for d in dims)
+
+
+def _std_of(x: Expr, correction: Expr, axis: Any, keepdim: bool, **types: Any) -> Expr:
     """sqrt of the variance, with torch's gradient where it is 0 (a constant row): torch's
     std_backward is ``(grad / (2 * std)).masked_fill_(std == 0, 0)``, exactly 0 there, where the
     sqrt's own ``g / (2 * 0)`` times the row's deviations (0) would be NaN; the sqrt reads 1 there,
     so no inf enters the gradient."""
-    v = variance_of(x, correction, axis, keepdim)
+    v = variance_of(x, correction, axis, keepdim, **types)
     zero = node("eq", v, 0.0)
     return node("where", zero, 0.0, node("sqrt", node("where", zero, 1.0, v)))
 
@@ -150,6 +171,7 @@ _composite(
     2,
     lambda x, c, axis, keepdim: torch.var(x, dim=axis, correction=c, keepdim=keepdim),
     variance_of,
+    typed=True,
     shape=_reduced,
     pattern=Pattern.REDUCTION,
     accepts=FLOATING,
@@ -160,6 +182,7 @@ _composite(
     2,
     lambda x, c, axis, keepdim: torch.std(x, dim=axis, correction=c, keepdim=keepdim),
     _std_of,
+    typed=True,
     shape=_reduced,
     pattern=Pattern.REDUCTION,
     accepts=FLOATING,
