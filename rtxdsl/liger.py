@@ -1691,6 +1691,17 @@ def _apply_liger_kernel(model_type: str, **kwargs: Any) -> None:
         fn(**{k: v for k, v in kwargs.items() if k in names})
 
 
+def _apply_liger_kernel_to_instance(model: torch.nn.Module, **kwargs: Any) -> None:
+    """Liger's ``_apply_liger_kernel_to_instance`` (transformers' Trainer calls it for ``use_liger_kernel``):
+    the model's ``config.model_type``'s function on ``model``, given the keywords its signature names."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if fn is None:
+        raise RtxError(f"_apply_liger_kernel_to_instance: no Liger function for model_type {model_type!r}")
+    names = inspect.signature(fn).parameters
+    fn(model=model, **{k: v for k, v in kwargs.items() if k in names and k != "model"})
+
+
 def _auto_model_class() -> type:
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -618,3 +618,16 @@ def test_chunked_loss_functions_take_liger_s_order(name, gen):
     alias = {"JSD": "liger_fused_linear_jsd"} | {n[len("LigerFusedLinear") : -len("Function")]: f
                                                   for f, n in liger.CHUNKED_FUNCTIONS.items()}  # fmt: skip
     assert_close(first(getattr(liger, alias[name])(*args)), first(want).double(), 1e-5, 1e-5, alias[name])
+
+
+def test_apply_liger_kernel_to_an_instance_by_its_model_type():
+    """Liger's ``_apply_liger_kernel_to_instance`` (transformers' Trainer calls it for ``use_liger_kernel``):
+    the model type's function on the model, with the keywords its signature names."""
+    from benches.hf_report import tiny_model
+
+    model = tiny_model("llama")
+    liger._apply_liger_kernel_to_instance(model, rms_norm=False, unrelated=1)
+    assert type(model.model.norm).__module__ != "rtxdsl.nn.modules"
+    assert type(model.model.layers[0].mlp).__module__ == "rtxdsl.nn.modules"
+    with pytest.raises(RtxError, match="model_type"):
+        liger._apply_liger_kernel_to_instance(torch.nn.Linear(2, 2))
