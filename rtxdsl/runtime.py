@@ -326,7 +326,10 @@ class Kernel:
         values = self._collect_given(args, kwargs)
         needs = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in values)
         if torch.is_grad_enabled() and any(needs) and self._saves(values):
-            result = saving_op(self.op_key, "".join("01"[n] for n in needs), list(values))
+            # a gradient for every floating input: Dynamo's fake tensors can miss that one needs it (a
+            # tensor filled in place, DeepSeek-V3's key: its gradient was lost); autograd keeps those it needs
+            floating = "".join("01"[t.is_floating_point()] for t in values)
+            result = saving_op(self.op_key, floating, list(values))
         else:
             result = kernel_op(self.op_key, list(values))
         return result[0] if self._single else dict(zip(self.outputs, result))
