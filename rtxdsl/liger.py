@@ -102,6 +102,16 @@ class LigerRMSNorm(_m.RMSNorm):
         self.variance_epsilon = eps
 
 
+class LigerRMSNormForGlm4(LigerRMSNorm):
+    """Liger's ``LigerRMSNormForGlm4``: :class:`LigerRMSNorm` with ``in_place=False`` unless given."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
+        init_fn: str = "ones", in_place: bool = False, row_mode: Any = None,
+    ) -> None:  # fmt: skip
+        super().__init__(hidden_size, eps, offset, casting_mode, init_fn, in_place, row_mode)
+
+
 class LigerFusedAddRMSNorm(_m.AddRMSNorm):
     """Liger's ``LigerFusedAddRMSNorm``: ``forward(hidden_states, residual)`` -> ``(normed, sum)``."""
 
@@ -235,6 +245,27 @@ class LigerSwiGLUMLP(_m.SwiGLU):
 class LigerMLP(LigerSwiGLUMLP):
     """Liger's ``LigerMLP(config)`` (``liger_kernel.transformers.mlp``): Llama's MLP, no biases,
     ``hidden_act`` silu or swish."""
+
+
+class LigerQwen3MoeSwiGLUMLP(LigerSwiGLUMLP):
+    """Liger's ``LigerQwen3MoeSwiGLUMLP(config, intermediate_size=None)``: a Qwen3-MoE expert's MLP."""
+
+
+class LigerBlockSparseTop2MLP(torch.nn.Module):
+    """Liger's ``LigerBlockSparseTop2MLP(config)``: Mixtral's expert, ``w2(silu(w1(x)) * w3(x))``, the
+    gated product one kernel."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise RtxError(f"LigerBlockSparseTop2MLP: hidden_act must be silu or swish, got {config.hidden_act!r}")
+        self.hidden_dim, self.ffn_dim = config.hidden_size, config.intermediate_size
+        self.w1 = torch.nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
+        self.w2 = torch.nn.Linear(self.ffn_dim, self.hidden_dim, bias=False)
+        self.w3 = torch.nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(liger_swiglu(self.w1(x), self.w3(x)))
 
 
 class LigerFalconH1MLP(torch.nn.Module):
@@ -1199,6 +1230,16 @@ def liger_rope(
 liger_rotary_pos_emb = liger_rope
 
 
+def liger_rotary_pos_emb_vision(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Liger's ``liger_rotary_pos_emb_vision`` (Qwen3-VL's vision tower): ``q`` and ``k`` ``[T, H, D]``,
+    ``cos`` and ``sin`` ``[T, D]``; rotated in float32, returned in their own dtypes and layout."""
+    q32, k32 = (t.to(torch.float32).unsqueeze(0).transpose(1, 2) for t in (q, k))
+    q_out, k_out = liger_rope(q32, k32, cos.to(torch.float32), sin.to(torch.float32))
+    return q_out.transpose(1, 2).squeeze(0).to(q.dtype), k_out.transpose(1, 2).squeeze(0).to(k.dtype)
+
+
 def liger_qwen2vl_mrope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mrope_section: Any, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1217,7 +1258,7 @@ FUNCTIONS = (
     "liger_fused_linear_jsd", "liger_geglu", "liger_group_norm", "liger_jsd", "liger_kl_div", "liger_layer_norm",
     "liger_modulated_rms_norm", "liger_poly_norm", "liger_relu_squared", "liger_rms_norm", "liger_softmax",
     "liger_sparsemax", "liger_swiglu", "liger_tvd", "liger_rope", "liger_rotary_pos_emb", "liger_qwen2vl_mrope",
-    "liger_multimodal_rotary_pos_emb",
+    "liger_multimodal_rotary_pos_emb", "liger_rotary_pos_emb_vision",
 )  # fmt: skip
 
 
@@ -1785,6 +1826,9 @@ __all__ = [
     *CHUNKED_FUNCTIONS,
     "LigerMLP",
     "LigerFalconH1MLP",
+    "LigerQwen3MoeSwiGLUMLP",
+    "LigerBlockSparseTop2MLP",
+    "LigerRMSNormForGlm4",
     "MODEL_TYPE_TO_APPLY_LIGER_FN",
     "SIGNATURES",
 ]

@@ -631,3 +631,26 @@ def test_apply_liger_kernel_to_an_instance_by_its_model_type():
     assert type(model.model.layers[0].mlp).__module__ == "rtxdsl.nn.modules"
     with pytest.raises(RtxError, match="model_type"):
         liger._apply_liger_kernel_to_instance(torch.nn.Linear(2, 2))
+
+
+def test_liger_expert_mlps_glm4_norm_and_vision_rope(gen):
+    """Liger's LigerBlockSparseTop2MLP (Mixtral's expert: w2(silu(w1 x) * w3 x)), LigerQwen3MoeSwiGLUMLP,
+    LigerRMSNormForGlm4 (in_place False by default) and liger_rotary_pos_emb_vision ([T, H, D] in its own
+    dtype), each against a float64 reference of Liger's formula."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(hidden_size=HIDDEN, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2)
+    x = torch.randn(ROWS, HIDDEN, generator=gen, dtype=torch.float64)
+    expert = liger.LigerBlockSparseTop2MLP(cfg)
+    w = {n: p.detach().double() for n, p in expert.named_parameters()}
+    want = F.linear(F.silu(F.linear(x, w["w1.weight"])) * F.linear(x, w["w3.weight"]), w["w2.weight"])
+    assert_close(expert(x.float()), want, 1e-5, 1e-5, "block sparse top-2 expert")
+    assert isinstance(liger.LigerQwen3MoeSwiGLUMLP(cfg, intermediate_size=12), liger.LigerSwiGLUMLP)
+    assert liger.LigerRMSNormForGlm4(HIDDEN).in_place is False
+    q, k = (torch.randn(5, h, 8, generator=gen, dtype=torch.float64) for h in (3, 1))
+    cos, sin = (torch.randn(5, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    got = liger.liger_rotary_pos_emb_vision(q.to(torch.bfloat16), k.to(torch.bfloat16), cos, sin)
+    four = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    for g, w_ in zip(got, _rotate_half_reference(four(q), four(k), cos[None], sin[None])):
+        assert g.dtype == torch.bfloat16 and g.shape == w_.transpose(1, 2).squeeze(0).shape
+        assert_close(g, w_.transpose(1, 2).squeeze(0), 3e-2, 3e-2, "vision rope")
