@@ -1483,8 +1483,9 @@ def _is_chunked_jsd(args: tuple, kwargs: dict[str, Any]) -> bool:
     (true labels and biases fifth to seventh, loss weights after) and the ops' (``shift_labels``,
     ``jsd_beta``, ...). A call is the chunked one's by its arguments."""
     chunked_words = {"true_labels", "student_bias", "teacher_bias", "weight_hard_loss", "weight_soft_loss", "beta"}
-    sixth = args[5] if len(args) > 5 else None
-    return len(args) > 9 or bool(chunked_words & set(kwargs)) or isinstance(sixth, torch.Tensor)
+    # the sixth is the ops' jsd_beta (a number), the chunked loss's student_bias (a tensor or None)
+    sixth_not_a_number = len(args) > 5 and (isinstance(args[5], bool) or not isinstance(args[5], (int, float)))
+    return len(args) > 9 or bool(chunked_words & set(kwargs)) or sixth_not_a_number
 
 
 #: Liger's Function classes this module has
@@ -1723,24 +1724,30 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {t: globals()[f"apply_liger_kernel_to_{f}"] for t
     **{f: f for f in FAMILIES}, **_TEXT_MODELS}.items()}  # fmt: skip
 
 
+def _split_for(model_type: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The model type's ``apply_liger_kernel_to_*`` (None if it has none), the keywords its signature
+    names, and the rest."""
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    names = inspect.signature(fn).parameters if fn is not None else {}
+    return fn, {k: v for k, v in kwargs.items() if k in names}, {k: v for k, v in kwargs.items() if k not in names}
+
+
 def _apply_liger_kernel(model_type: str, **kwargs: Any) -> None:
     """Liger's: the model type's ``apply_liger_kernel_to_*`` with the keywords its signature names
     (nothing for a type without one)."""
-    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    fn, taken, _ = _split_for(model_type, kwargs)
     if fn is not None:
-        names = inspect.signature(fn).parameters
-        fn(**{k: v for k, v in kwargs.items() if k in names})
+        fn(**taken)
 
 
 def _apply_liger_kernel_to_instance(model: torch.nn.Module, **kwargs: Any) -> None:
     """Liger's ``_apply_liger_kernel_to_instance`` (transformers' Trainer calls it for ``use_liger_kernel``):
     the model's ``config.model_type``'s function on ``model``, given the keywords its signature names."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    fn, taken, _ = _split_for(model_type, kwargs)
     if fn is None:
         raise RtxError(f"_apply_liger_kernel_to_instance: no Liger function for model_type {model_type!r}")
-    names = inspect.signature(fn).parameters
-    fn(model=model, **{k: v for k, v in kwargs.items() if k in names and k != "model"})
+    fn(**(taken | {"model": model}))
 
 
 def _auto_model_class() -> type:
@@ -1755,7 +1762,7 @@ def _auto_model_class() -> type:
         def from_pretrained(cls, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any) -> Any:
             model_type = AutoConfig.from_pretrained(pretrained_model_name_or_path, **kwargs).model_type
             _apply_liger_kernel(model_type, **kwargs)
-            rest = _not_applied(model_type, kwargs)
+            rest = _split_for(model_type, kwargs)[2]
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **rest)
 
         @classmethod
@@ -1763,18 +1770,12 @@ def _auto_model_class() -> type:
             model_type = getattr(config, "model_type", None)
             if model_type:
                 _apply_liger_kernel(model_type, **kwargs)
-                kwargs = _not_applied(model_type, kwargs)
+                kwargs = _split_for(model_type, kwargs)[2]
             return super().from_config(config, **kwargs)
 
     AutoLigerKernelForCausalLM.__module__ = __name__
     AutoLigerKernelForCausalLM.__qualname__ = "AutoLigerKernelForCausalLM"
     return AutoLigerKernelForCausalLM
-
-
-def _not_applied(model_type: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    names = inspect.signature(fn).parameters if fn is not None else {}
-    return {k: v for k, v in kwargs.items() if k not in names}
 
 
 def __getattr__(name: str) -> Any:
